@@ -1,0 +1,422 @@
+#include "compactor/model.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <xxhash.h>
+
+#include "formats/safetensors.h"
+
+typedef struct {
+    void *attn_norm;  /* [hidden] */
+    void *wq;         /* [n_heads * head_dim, hidden] */
+    void *wk;         /* [kv_heads * head_dim, hidden] */
+    void *wv;         /* [kv_heads * head_dim, hidden] */
+    void *wo;         /* [hidden, n_heads * head_dim] */
+    void *q_norm;     /* [head_dim] (qwen3) */
+    void *k_norm;     /* [head_dim] (qwen3) */
+    void *mlp_norm;   /* [hidden] */
+    void *w_gate;     /* [intermediate, hidden] */
+    void *w_up;       /* [intermediate, hidden] */
+    void *w_down;     /* [hidden, intermediate] */
+} layer_weights;
+
+struct kf_model {
+    char *dir;
+    kf_hfconfig cfg;
+    kf_backend *b;
+    kf_st_set st;
+    void *embed;       /* [vocab, hidden] */
+    void *final_norm;  /* [hidden] */
+    void *lm_head;     /* [vocab, hidden]; == embed when tied */
+    layer_weights *layers;
+    void **allocs;     /* every weight buffer, for kf_model_free */
+    int n_allocs;
+    int64_t n_params;
+    double *inv_freq;  /* [head_dim / 2] */
+    char fingerprint[33];
+};
+
+static char *path_join(const char *dir, const char *name) {
+    size_t n = strlen(dir) + strlen(name) + 2;
+    char *p = malloc(n);
+    if (p)
+        snprintf(p, n, "%s/%s", dir, name);
+    return p;
+}
+
+static kf_status load_tensor(kf_model *m, const char *name, int64_t d0, int64_t d1, void **out, kf_error *err) {
+    const kf_st_tensor *t = kf_st_find(&m->st, name);
+    if (!t)
+        return kf_fail(err, KF_ERR_FORMAT, "%s: tensor '%s' is missing from the checkpoint", m->dir, name);
+    int ndim = d1 ? 2 : 1;
+    if (t->ndim != ndim || t->shape[0] != d0 || (ndim == 2 && t->shape[1] != d1)) {
+        char got[96] = "";
+        size_t o = 0;
+        for (int i = 0; i < t->ndim && o < sizeof got - 24; i++)
+            o += (size_t)snprintf(got + o, sizeof got - o, "%s%lld", i ? ", " : "", (long long)t->shape[i]);
+        if (ndim == 2)
+            return kf_fail(err, KF_ERR_FORMAT, "%s: tensor '%s' has shape [%s], config.json implies [%lld, %lld]",
+                           m->dir, name, got, (long long)d0, (long long)d1);
+        return kf_fail(err, KF_ERR_FORMAT, "%s: tensor '%s' has shape [%s], config.json implies [%lld]", m->dir, name,
+                       got, (long long)d0);
+    }
+    kf_dtype dt;
+    switch (t->dtype) {
+    case KF_ST_BF16: dt = KF_DTYPE_BF16; break;
+    case KF_ST_F16: dt = KF_DTYPE_F16; break;
+    case KF_ST_F32: dt = KF_DTYPE_F32; break;
+    default:
+        return kf_fail(err, KF_ERR_UNSUPPORTED, "%s: tensor '%s' has dtype %s (supported: BF16, F16, F32)", m->dir,
+                       name, kf_st_dtype_name(t->dtype));
+    }
+    const size_t n = (size_t)t->numel;
+    void *buf = m->b->alloc(m->b, n * kf_dtype_size(m->b->weight_dtype));
+    if (!buf)
+        return kf_fail(err, KF_ERR_NOMEM, "%s: out of memory for tensor '%s' (%zu values)", m->dir, name, n);
+    m->allocs[m->n_allocs++] = buf;
+    m->b->upload_weight(m->b, buf, t->data, dt, n);
+    m->n_params += (int64_t)n;
+    *out = buf;
+    return KF_OK;
+}
+
+static kf_status load_weights(kf_model *m, kf_error *err) {
+    const kf_hfconfig *c = &m->cfg;
+    const int64_t H = c->hidden_size, I = c->intermediate_size, hd = c->head_dim;
+    m->layers = calloc((size_t)c->n_layers, sizeof *m->layers);
+    m->allocs = calloc((size_t)c->n_layers * 11 + 3, sizeof *m->allocs);
+    if (!m->layers || !m->allocs)
+        return kf_fail(err, KF_ERR_NOMEM, "%s: out of memory", m->dir);
+    KF_TRY(load_tensor(m, "model.embed_tokens.weight", c->vocab_size, H, &m->embed, err));
+    KF_TRY(load_tensor(m, "model.norm.weight", H, 0, &m->final_norm, err));
+    if (c->tie_word_embeddings)
+        m->lm_head = m->embed;
+    else
+        KF_TRY(load_tensor(m, "lm_head.weight", c->vocab_size, H, &m->lm_head, err));
+    char name[128];
+    for (int l = 0; l < c->n_layers; l++) {
+        layer_weights *w = &m->layers[l];
+#define LOAD(field, suffix, d0, d1)                                              \
+    do {                                                                         \
+        snprintf(name, sizeof name, "model.layers.%d.%s", l, suffix);            \
+        KF_TRY(load_tensor(m, name, d0, d1, &w->field, err));                    \
+    } while (0)
+        LOAD(attn_norm, "input_layernorm.weight", H, 0);
+        LOAD(wq, "self_attn.q_proj.weight", c->n_heads * hd, H);
+        LOAD(wk, "self_attn.k_proj.weight", c->n_kv_heads * hd, H);
+        LOAD(wv, "self_attn.v_proj.weight", c->n_kv_heads * hd, H);
+        LOAD(wo, "self_attn.o_proj.weight", H, c->n_heads * hd);
+        if (c->has_qk_norm) {
+            LOAD(q_norm, "self_attn.q_norm.weight", hd, 0);
+            LOAD(k_norm, "self_attn.k_norm.weight", hd, 0);
+        }
+        LOAD(mlp_norm, "post_attention_layernorm.weight", H, 0);
+        LOAD(w_gate, "mlp.gate_proj.weight", I, H);
+        LOAD(w_up, "mlp.up_proj.weight", I, H);
+        LOAD(w_down, "mlp.down_proj.weight", H, I);
+#undef LOAD
+    }
+    return KF_OK;
+}
+
+kf_status kf_model_load(kf_model **out, const char *dir, kf_backend *backend, kf_error *err) {
+    *out = NULL;
+    kf_model *m = calloc(1, sizeof *m);
+    if (!m)
+        return kf_fail(err, KF_ERR_NOMEM, "out of memory");
+    m->b = backend;
+    m->dir = strdup(dir);
+    char *cfg_path = path_join(dir, "config.json");
+    kf_status rc = (!m->dir || !cfg_path) ? kf_fail(err, KF_ERR_NOMEM, "out of memory") : KF_OK;
+    if (rc == KF_OK)
+        rc = kf_hfconfig_load(&m->cfg, cfg_path, err);
+    free(cfg_path);
+    if (rc == KF_OK && m->cfg.head_dim > KF_MAX_HEAD_DIM)
+        rc = kf_fail(err, KF_ERR_UNSUPPORTED, "%s: head_dim %d exceeds the supported %d", dir, m->cfg.head_dim,
+                     KF_MAX_HEAD_DIM);
+    if (rc == KF_OK)
+        rc = kf_st_open_dir(&m->st, dir, err);
+    if (rc == KF_OK)
+        rc = load_weights(m, err);
+    if (rc == KF_OK) {
+        m->inv_freq = malloc(sizeof(double) * (size_t)(m->cfg.head_dim / 2));
+        if (!m->inv_freq) {
+            rc = kf_fail(err, KF_ERR_NOMEM, "out of memory");
+        } else {
+            kf_rope_spec spec = {
+                .kind = (kf_rope_kind)m->cfg.rope.type,
+                .theta = m->cfg.rope.theta,
+                .factor = m->cfg.rope.factor,
+                .low_freq_factor = m->cfg.rope.low_freq_factor,
+                .high_freq_factor = m->cfg.rope.high_freq_factor,
+                .original_max_pos = m->cfg.rope.original_max_position,
+            };
+            kf_rope_inv_freq(&spec, m->cfg.head_dim, m->inv_freq);
+        }
+    }
+    if (rc != KF_OK) {
+        kf_model_free(m);
+        return rc;
+    }
+    *out = m;
+    return KF_OK;
+}
+
+void kf_model_free(kf_model *m) {
+    if (!m)
+        return;
+    for (int i = 0; i < m->n_allocs; i++)
+        m->b->free(m->b, m->allocs[i]);
+    free(m->allocs);
+    free(m->layers);
+    free(m->inv_freq);
+    kf_st_close(&m->st);
+    free(m->dir);
+    free(m);
+}
+
+const kf_hfconfig *kf_model_config(const kf_model *m) {
+    return &m->cfg;
+}
+
+const char *kf_model_dir(const kf_model *m) {
+    return m->dir;
+}
+
+int64_t kf_model_n_params(const kf_model *m) {
+    return m->n_params;
+}
+
+const char *kf_model_fingerprint(kf_model *m) {
+    if (m->fingerprint[0])
+        return m->fingerprint;
+    XXH3_state_t *st = XXH3_createState();
+    if (!st)
+        return "";
+    XXH3_128bits_reset(st);
+    /* the parsed config, as the numbers that shape the computation */
+    const kf_hfconfig *c = &m->cfg;
+    char cfgtxt[512];
+    int n = snprintf(cfgtxt, sizeof cfgtxt, "%s v%d h%d i%d l%d qh%d kvh%d hd%d eps%.9g tie%d rope%d/%.9g/%.9g/%.9g/%.9g/%.9g",
+                     c->model_type, c->vocab_size, c->hidden_size, c->intermediate_size, c->n_layers, c->n_heads,
+                     c->n_kv_heads, c->head_dim, c->rms_eps, c->tie_word_embeddings, (int)c->rope.type, c->rope.theta,
+                     c->rope.factor, c->rope.low_freq_factor, c->rope.high_freq_factor, c->rope.original_max_position);
+    XXH3_128bits_update(st, cfgtxt, (size_t)n);
+    /* the tensor index (sorted by name) and every weight byte */
+    for (size_t i = 0; i < m->st.n_tensors; i++) {
+        const kf_st_tensor *t = &m->st.tensors[i];
+        XXH3_128bits_update(st, t->name, strlen(t->name) + 1);
+        XXH3_128bits_update(st, kf_st_dtype_name(t->dtype), strlen(kf_st_dtype_name(t->dtype)) + 1);
+        XXH3_128bits_update(st, t->shape, sizeof(int64_t) * (size_t)t->ndim);
+        XXH3_128bits_update(st, t->data, t->nbytes);
+    }
+    XXH128_hash_t h = XXH3_128bits_digest(st);
+    XXH3_freeState(st);
+    snprintf(m->fingerprint, sizeof m->fingerprint, "%016llx%016llx", (unsigned long long)h.high64,
+             (unsigned long long)h.low64);
+    return m->fingerprint;
+}
+
+kf_status kf_model_arena(const kf_model *m, kf_arena *a, int64_t n_tokens, kf_error *err) {
+    return kf_arena_init(a, m->b, m->cfg.n_layers, m->cfg.n_kv_heads, m->cfg.head_dim, kf_pages_for(n_tokens) + 1,
+                         err);
+}
+
+/* ---- forward ------------------------------------------------------------- */
+
+typedef struct {
+    float *x;      /* [chunk, hidden] residual stream */
+    float *xn;     /* [chunk, hidden] normed */
+    float *q;      /* [chunk, n_heads * head_dim] */
+    float *k;      /* [chunk, kv_heads * head_dim] */
+    float *v;      /* [chunk, kv_heads * head_dim] */
+    float *att;    /* [chunk, n_heads * head_dim] */
+    float *gate;   /* [chunk, intermediate] */
+    float *up;     /* [chunk, intermediate] */
+    float *rows;   /* [LOGIT_ROWS, hidden] gathered final-norm rows */
+    float *lbuf;   /* [LOGIT_ROWS, vocab] */
+} scratch;
+
+#define LOGIT_ROWS 32
+
+static void scratch_free(kf_backend *b, scratch *s) {
+    float **all[] = {&s->x, &s->xn, &s->q, &s->k, &s->v, &s->att, &s->gate, &s->up, &s->rows, &s->lbuf};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        if (*all[i]) {
+            b->free(b, *all[i]);
+            *all[i] = NULL;
+        }
+}
+
+static kf_status scratch_alloc(kf_backend *b, const kf_hfconfig *c, int chunk, scratch *s, kf_error *err) {
+    memset(s, 0, sizeof *s);
+    const size_t C = (size_t)chunk;
+    s->x = b->alloc(b, C * c->hidden_size * sizeof(float));
+    s->xn = b->alloc(b, C * c->hidden_size * sizeof(float));
+    s->q = b->alloc(b, C * c->n_heads * c->head_dim * sizeof(float));
+    s->k = b->alloc(b, C * c->n_kv_heads * c->head_dim * sizeof(float));
+    s->v = b->alloc(b, C * c->n_kv_heads * c->head_dim * sizeof(float));
+    s->att = b->alloc(b, C * c->n_heads * c->head_dim * sizeof(float));
+    s->gate = b->alloc(b, C * c->intermediate_size * sizeof(float));
+    s->up = b->alloc(b, C * c->intermediate_size * sizeof(float));
+    s->rows = b->alloc(b, (size_t)LOGIT_ROWS * c->hidden_size * sizeof(float));
+    s->lbuf = b->alloc(b, (size_t)LOGIT_ROWS * c->vocab_size * sizeof(float));
+    if (!s->x || !s->xn || !s->q || !s->k || !s->v || !s->att || !s->gate || !s->up || !s->rows || !s->lbuf) {
+        scratch_free(b, s);
+        return kf_fail(err, KF_ERR_NOMEM, "out of memory for forward scratch (chunk %d)", chunk);
+    }
+    return KF_OK;
+}
+
+/* Download rows of src ([chunk, width]) that fall in [c0, c0 + n) into dst[capture index]. */
+static void capture(kf_backend *b, float *dst, const float *src, int width, const int32_t *rows, int n_rows, int c0,
+                    int n) {
+    if (!dst)
+        return;
+    for (int r = 0; r < n_rows; r++)
+        if (rows[r] >= c0 && rows[r] < c0 + n)
+            b->download(b, dst + (size_t)r * width, src + (size_t)(rows[r] - c0) * width, sizeof(float) * width);
+}
+
+static kf_status check_args(const kf_model *m, const kf_arena *a, const kf_seq *seq, const kf_forward_args *args,
+                            kf_error *err) {
+    const kf_hfconfig *c = &m->cfg;
+    if (a->n_layers != c->n_layers || a->kv_heads != c->n_kv_heads || a->head_dim != c->head_dim)
+        return kf_fail(err, KF_ERR_INVALID, "forward: the KV arena is shaped for another model");
+    if (args->n_tokens < 0 || (args->n_tokens > 0 && !args->ids))
+        return kf_fail(err, KF_ERR_INVALID, "forward: no tokens given");
+    for (int i = 0; i < args->n_tokens; i++)
+        if (args->ids[i] < 0 || args->ids[i] >= c->vocab_size)
+            return kf_fail(err, KF_ERR_INVALID, "forward: token %d has id %d, outside the vocabulary [0, %d)", i,
+                           args->ids[i], c->vocab_size);
+    if (seq->len + args->pos_offset < 0)
+        return kf_fail(err, KF_ERR_INVALID, "forward: negative RoPE position");
+    for (int i = 0; i < args->n_logit_rows; i++)
+        if (args->logit_rows[i] < 0 || args->logit_rows[i] >= args->n_tokens)
+            return kf_fail(err, KF_ERR_INVALID, "forward: logit row %d outside the %d input tokens",
+                           args->logit_rows[i], args->n_tokens);
+    for (int i = 0; i < args->n_capture_rows; i++)
+        if (args->capture_rows[i] < 0 || args->capture_rows[i] >= args->n_tokens)
+            return kf_fail(err, KF_ERR_INVALID, "forward: capture row %d outside the %d input tokens",
+                           args->capture_rows[i], args->n_tokens);
+    if (args->n_logit_rows > 0 && !args->logits)
+        return kf_fail(err, KF_ERR_INVALID, "forward: logit rows requested without an output buffer");
+    if (args->chunk < 0)
+        return kf_fail(err, KF_ERR_INVALID, "forward: negative chunk size");
+    return KF_OK;
+}
+
+/* Final norm + lm_head for the requested rows that fall in this chunk, LOGIT_ROWS at a time. */
+static void chunk_logits(kf_model *m, scratch *s, const kf_forward_args *args, int c0, int n) {
+    kf_backend *b = m->b;
+    const kf_hfconfig *c = &m->cfg;
+    const int H = c->hidden_size, V = c->vocab_size;
+    int idx[LOGIT_ROWS];
+    int k = 0;
+    for (int r = 0; r <= args->n_logit_rows; r++) {
+        const int last = r == args->n_logit_rows;
+        if (!last && args->logit_rows[r] >= c0 && args->logit_rows[r] < c0 + n) {
+            b->rmsnorm(b, s->rows + (size_t)k * H, H, s->x + (size_t)(args->logit_rows[r] - c0) * H, H, m->final_norm,
+                       1, H, (float)c->rms_eps);
+            idx[k++] = r;
+        }
+        if (k == LOGIT_ROWS || (last && k > 0)) {
+            b->matmul(b, s->lbuf, V, s->rows, H, m->lm_head, k, V, H, 0);
+            for (int i = 0; i < k; i++)
+                b->download(b, args->logits + (size_t)idx[i] * V, s->lbuf + (size_t)i * V, sizeof(float) * V);
+            k = 0;
+        }
+    }
+}
+
+kf_status kf_model_forward(kf_model *m, kf_arena *a, kf_seq *seq, const kf_forward_args *args, kf_error *err) {
+    KF_TRY(check_args(m, a, seq, args, err));
+    if (args->n_tokens == 0)
+        return KF_OK;
+    kf_backend *b = m->b;
+    const kf_hfconfig *c = &m->cfg;
+    const int H = c->hidden_size, I = c->intermediate_size, hd = c->head_dim;
+    const int nh = c->n_heads, kvh = c->n_kv_heads, L = c->n_layers;
+    const int QD = nh * hd, KD = kvh * hd;
+    const int chunk = args->chunk > 0 ? (args->chunk < args->n_tokens ? args->chunk : args->n_tokens)
+                                      : (KF_DEFAULT_CHUNK < args->n_tokens ? KF_DEFAULT_CHUNK : args->n_tokens);
+    const float eps = (float)c->rms_eps;
+
+    KF_TRY(kf_seq_reserve(a, seq, args->n_tokens, err));
+    scratch s;
+    KF_TRY(scratch_alloc(b, c, chunk, &s, err));
+    int64_t *pos = malloc(sizeof(int64_t) * (size_t)chunk);
+    if (!pos) {
+        scratch_free(b, &s);
+        return kf_fail(err, KF_ERR_NOMEM, "out of memory");
+    }
+    kf_status rc = KF_OK;
+    const int nc = args->n_capture_rows;
+    const int32_t *cr = args->capture_rows;
+
+    for (int c0 = 0; c0 < args->n_tokens; c0 += chunk) {
+        const int n = args->n_tokens - c0 < chunk ? args->n_tokens - c0 : chunk;
+        const int64_t start = seq->len; /* keys before this chunk */
+        for (int i = 0; i < n; i++)
+            pos[i] = start + i + args->pos_offset;
+
+        b->embed(b, s.x, m->embed, args->ids + c0, n, H);
+        if (args->hidden)
+            capture(b, args->hidden[0], s.x, H, cr, nc, c0, n);
+
+        for (int l = 0; l < L; l++) {
+            const layer_weights *w = &m->layers[l];
+            b->rmsnorm(b, s.xn, H, s.x, H, w->attn_norm, n, H, eps);
+            b->matmul(b, s.q, QD, s.xn, H, w->wq, n, QD, H, 0);
+            b->matmul(b, s.k, KD, s.xn, H, w->wk, n, KD, H, 0);
+            b->matmul(b, s.v, KD, s.xn, H, w->wv, n, KD, H, 0);
+            if (c->has_qk_norm) {
+                b->rmsnorm(b, s.q, hd, s.q, hd, w->q_norm, n * nh, hd, eps);
+                b->rmsnorm(b, s.k, hd, s.k, hd, w->k_norm, n * kvh, hd, eps);
+            }
+            b->rope(b, s.q, QD, n, nh, hd, pos, m->inv_freq);
+            b->rope(b, s.k, KD, n, kvh, hd, pos, m->inv_freq);
+            if (args->queries)
+                capture(b, args->queries[l], s.q, QD, cr, nc, c0, n);
+
+            const kf_paged_kv kv = kf_arena_layer(a, l);
+            b->kv_store(b, &kv, seq->pages, start, n, s.k, s.v);
+            kf_attn_args at = {
+                .q = s.q, .q_stride = QD, .out = s.att, .out_stride = QD,
+                .n_q = n, .n_heads = nh, .n_keys = (int)(start + n),
+                .pages = seq->pages, .kv = kv, .scale = 1.0f / sqrtf((float)hd),
+                .bias = args->key_bias ? args->key_bias[l] : NULL,
+                .bias_stride = (size_t)args->key_bias_len, .bias_len = args->key_bias_len,
+            };
+            b->attention(b, &at);
+            b->matmul(b, s.x, H, s.att, QD, w->wo, n, H, QD, 1); /* x += att Wo^T */
+
+            b->rmsnorm(b, s.xn, H, s.x, H, w->mlp_norm, n, H, eps);
+            b->matmul(b, s.gate, I, s.xn, H, w->w_gate, n, I, H, 0);
+            b->matmul(b, s.up, I, s.xn, H, w->w_up, n, I, H, 0);
+            b->silu_mul(b, s.gate, s.up, n, I);
+            b->matmul(b, s.x, H, s.gate, I, w->w_down, n, H, I, 1); /* x += mlp */
+            if (args->hidden && l + 1 < L)
+                capture(b, args->hidden[l + 1], s.x, H, cr, nc, c0, n);
+        }
+        if (args->hidden && args->hidden[L]) {
+            b->rmsnorm(b, s.xn, H, s.x, H, m->final_norm, n, H, eps);
+            capture(b, args->hidden[L], s.xn, H, cr, nc, c0, n);
+        }
+        if (args->n_logit_rows > 0)
+            chunk_logits(m, &s, args, c0, n);
+        if (b->take_error(b)) {
+            rc = kf_fail(err, KF_ERR_NOMEM, "forward: the %s backend ran out of memory at tokens [%lld, %lld)", b->name,
+                         (long long)start, (long long)(start + n));
+            break;
+        }
+        seq->len = start + n;
+        if (args->progress)
+            args->progress(args->progress_ctx, c0 + n, args->n_tokens);
+    }
+    free(pos);
+    scratch_free(b, &s);
+    return rc;
+}

@@ -1,0 +1,69 @@
+/* model.h — a Qwen3 / Llama 3 decoder: weights from a Hugging Face directory and a chunked
+ * forward pass that writes K/V into the paged arena.
+ *
+ * Loading: config.json (formats/hfconfig) and model.safetensors or its sharded index
+ * (formats/safetensors). Every expected tensor must be present with the shape the config
+ * implies and a dtype of BF16, F16 or F32; weights are converted once into the backend's
+ * weight dtype (fp32 on the CPU: 4 bytes per parameter).
+ *
+ * The forward pass appends tokens to a document (kf_seq) in chunks (default 512 tokens).
+ * Token i of the call has RoPE position seq->len + i + pos_offset (pos_offset != 0 places
+ * tokens in the AM frame on top of a compacted cache). It returns, on request:
+ *   - logits of chosen rows,
+ *   - each layer's queries at chosen rows: after q_norm (Qwen3) and RoPE, unscaled,
+ *   - hidden states at chosen rows, as transformers reports them: hidden[0] the embeddings,
+ *     hidden[i] the output of layer i (1 <= i < n_layers), hidden[n_layers] after the final norm.
+ * An optional additive per-key attention bias (AM's beta) can be given per layer for the first
+ * key_bias_len keys of the document.
+ */
+#ifndef KF_MODEL_H
+#define KF_MODEL_H
+
+#include <stdint.h>
+
+#include "compactor/arena.h"
+#include "formats/error.h"
+#include "formats/hfconfig.h"
+#include "kernels/backend.h"
+
+#define KF_DEFAULT_CHUNK 512
+
+typedef struct kf_model kf_model;
+
+typedef struct {
+    const int32_t *ids;            /* [n_tokens] tokens to append */
+    int n_tokens;
+    int64_t pos_offset;            /* RoPE position = seq->len + i + pos_offset */
+    int chunk;                     /* tokens per chunk; 0 = KF_DEFAULT_CHUNK */
+
+    const int32_t *logit_rows;     /* [n_logit_rows] indices into ids */
+    int n_logit_rows;
+    float *logits;                 /* [n_logit_rows, vocab] */
+
+    const int32_t *capture_rows;   /* [n_capture_rows] indices into ids */
+    int n_capture_rows;
+    float **queries;               /* NULL or [n_layers] (entries may be NULL): [n_capture_rows, n_heads, head_dim] */
+    float **hidden;                /* NULL or [n_layers + 1] (entries may be NULL): [n_capture_rows, hidden] */
+
+    const float *const *key_bias;  /* NULL or [n_layers] (entries may be NULL): [kv_heads, key_bias_len] */
+    int key_bias_len;
+
+    void (*progress)(void *ctx, int64_t done, int64_t total); /* called after each chunk */
+    void *progress_ctx;
+} kf_forward_args;
+
+kf_status kf_model_load(kf_model **out, const char *dir, kf_backend *backend, kf_error *err);
+void kf_model_free(kf_model *m);
+
+const kf_hfconfig *kf_model_config(const kf_model *m);
+const char *kf_model_dir(const kf_model *m);
+int64_t kf_model_n_params(const kf_model *m);
+/* Digest of config.json, the tensor index and every weight byte (XXH3-128, 32 hex digits). */
+const char *kf_model_fingerprint(kf_model *m);
+
+/* An arena shaped for this model with room for n_tokens tokens. */
+kf_status kf_model_arena(const kf_model *m, kf_arena *a, int64_t n_tokens, kf_error *err);
+
+kf_status kf_model_forward(kf_model *m, kf_arena *a, kf_seq *seq, const kf_forward_args *args, kf_error *err);
+
+#endif

@@ -1,0 +1,128 @@
+/* backend.h — the compute backend interface: math on raw pointers with explicit strides.
+ *
+ * A backend owns memory (host for the CPU backend, device for CUDA) and implements the
+ * operations the forward pass needs. It knows nothing of models, files or configs: every
+ * operation takes pointers, sizes and strides (in elements, not bytes).
+ *
+ * Conventions
+ *   - Index arrays (ids, positions, page tables) and inv_freq are host memory; the backend
+ *     copies them where it needs them. Everything else is backend memory.
+ *   - Activations are fp32 on the CPU backend. Weights are stored in the backend's
+ *     weight dtype (kf_backend.weight_dtype): the CPU backend converts bf16/f16 to fp32
+ *     once at load (4 bytes per parameter; a 4B-parameter model needs 16 GB of RAM), so
+ *     every GEMM is a plain cblas_sgemm with no per-call conversion.
+ *   - Linear layers follow Hugging Face: W is [out, in] row-major and y = x W^T.
+ *   - Paged KV: keys/values live in pages of KF_PAGE_TOKENS tokens. Within a page a
+ *     layer's K (and V) block is token-major [KF_PAGE_TOKENS, kv_heads, head_dim];
+ *     kf_paged_kv gives the base of page 0's block for one layer and the page stride.
+ */
+#ifndef KF_BACKEND_H
+#define KF_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define KF_PAGE_TOKENS 16
+#define KF_MAX_HEAD_DIM 1024 /* kernels keep per-token scratch of this size on the stack */
+
+typedef enum { KF_DTYPE_F32 = 0, KF_DTYPE_BF16 = 1, KF_DTYPE_F16 = 2 } kf_dtype;
+
+size_t kf_dtype_size(kf_dtype dt);
+
+/* RoPE frequencies: the three rope types of Llama/Qwen checkpoints. */
+typedef enum { KF_ROPE_DEFAULT = 0, KF_ROPE_LINEAR = 1, KF_ROPE_LLAMA3 = 2 } kf_rope_kind;
+
+typedef struct {
+    kf_rope_kind kind;
+    double theta;
+    double factor;            /* linear, llama3 */
+    double low_freq_factor;   /* llama3 */
+    double high_freq_factor;  /* llama3 */
+    double original_max_pos;  /* llama3 */
+} kf_rope_spec;
+
+/* inv_freq[i] for i < head_dim/2, as transformers computes it (in double here). */
+void kf_rope_inv_freq(const kf_rope_spec *spec, int head_dim, double *inv_freq /* [head_dim/2] */);
+
+/* One layer's view of the paged KV pool. Element (page p, slot s, head h, dim d) of K is
+ * k[p * page_stride + s * kv_heads * head_dim + h * head_dim + d]; the same for V. */
+typedef struct {
+    float *k;
+    float *v;
+    size_t page_stride;
+    int kv_heads;
+    int head_dim;
+} kf_paged_kv;
+
+/* Causal GQA attention of one chunk of queries over paged keys.
+ *
+ * Keys 0 .. n_keys-1 are those of the page table in order (key j in page pages[j / 16],
+ * slot j % 16). Query i (0 <= i < n_q) sees keys 0 .. n_past + i, where n_past = n_keys - n_q
+ * (the chunk's own keys are the last n_q). Query head h reads KV head h / (n_heads / kv_heads).
+ * scores = scale * q.k + bias[kv_head, j] (bias optional; NULL means 0, keys j >= bias_len get 0).
+ */
+typedef struct {
+    const float *q;          /* [n_q, n_heads, head_dim], token stride q_stride */
+    size_t q_stride;
+    float *out;              /* [n_q, n_heads, head_dim], token stride out_stride */
+    size_t out_stride;
+    int n_q;
+    int n_heads;
+    int n_keys;
+    const int32_t *pages;    /* [ceil(n_keys / 16)] */
+    kf_paged_kv kv;
+    float scale;
+    const float *bias;       /* [kv_heads, bias_stride] or NULL */
+    size_t bias_stride;
+    int bias_len;
+} kf_attn_args;
+
+typedef struct kf_backend kf_backend;
+
+struct kf_backend {
+    const char *name;
+    kf_dtype weight_dtype;
+    void *impl;
+
+    /* memory */
+    void *(*alloc)(kf_backend *b, size_t bytes);               /* NULL on failure */
+    void (*free)(kf_backend *b, void *p);
+    void (*upload)(kf_backend *b, void *dst, const void *host_src, size_t bytes);
+    void (*download)(kf_backend *b, void *host_dst, const void *src, size_t bytes);
+    void (*copy)(kf_backend *b, void *dst, const void *src, size_t bytes);
+    /* Convert n host values of dtype src_dtype into backend weight storage at dst. */
+    void (*upload_weight)(kf_backend *b, void *dst, const void *host_src, kf_dtype src_dtype, size_t n);
+
+    /* y[M, N] = x[M, K] (row stride ldx) . w[N, K]^T  (+ y if accumulate) */
+    void (*matmul)(kf_backend *b, float *y, size_t ldy, const float *x, size_t ldx, const void *w, int M, int N,
+                   int K, int accumulate);
+    /* out[r, :] = table[ids[r], :]   table [rows, width] in weight storage */
+    void (*embed)(kf_backend *b, float *out, const void *table, const int32_t *ids, int n, int width);
+    /* y[r, :] = x[r, :] / rms(x[r, :]) * w     rows of width n, strides in elements; y may be x */
+    void (*rmsnorm)(kf_backend *b, float *y, size_t ldy, const float *x, size_t ldx, const void *w, int rows, int n,
+                    float eps);
+    /* NeoX rotate-half RoPE in place on x[t, head, :] for t < n_tok, head < n_heads;
+     * positions[t] is the absolute position of token t. */
+    void (*rope)(kf_backend *b, float *x, size_t tok_stride, int n_tok, int n_heads, int head_dim,
+                 const int64_t *positions, const double *inv_freq);
+    /* g[r, i] = silu(g[r, i]) * u[r, i] */
+    void (*silu_mul)(kf_backend *b, float *g, const float *u, int rows, int n);
+    /* y[r, i] += x[r, i] */
+    void (*add)(kf_backend *b, float *y, const float *x, int rows, int n);
+    /* write n tokens of k/v ([n, kv_heads, head_dim], contiguous) into the pool at slots
+     * first_slot .. first_slot+n-1 of the page table */
+    void (*kv_store)(kf_backend *b, const kf_paged_kv *kv, const int32_t *pages, int64_t first_slot, int n,
+                     const float *k, const float *v);
+    void (*attention)(kf_backend *b, const kf_attn_args *args);
+
+    /* Nonzero when an operation failed since the last call (e.g. scratch memory could not be
+     * had); clears the flag. Operations themselves return nothing so that a device backend
+     * can queue them. */
+    int (*take_error)(kf_backend *b);
+    void (*destroy)(kf_backend *b);
+};
+
+/* The CPU backend (OpenBLAS + OpenMP). Returns NULL when out of memory. */
+kf_backend *kf_backend_cpu_create(void);
+
+#endif

@@ -1,0 +1,44 @@
+/* cpu_kernels.h — the CPU reference kernels behind the CPU backend.
+ *
+ * Plain functions on fp32 host buffers, usable directly as the reference that every other
+ * backend is tested against. Strides are in elements. Loops over rows are spread over the
+ * cores with OpenMP; GEMMs go to OpenBLAS (which has its own threads).
+ */
+#ifndef KF_CPU_KERNELS_H
+#define KF_CPU_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/backend.h"
+
+/* dtype conversion (n values; src may be unaligned) */
+float kf_bf16_to_f32(uint16_t h);
+uint16_t kf_f32_to_bf16(float f); /* round to nearest even; NaN stays NaN */
+float kf_f16_to_f32(uint16_t h);
+uint16_t kf_f32_to_f16(float f);  /* round to nearest even */
+void kf_convert_to_f32(float *dst, const void *src, kf_dtype src_dtype, size_t n);
+
+void kf_cpu_matmul(float *y, size_t ldy, const float *x, size_t ldx, const float *w, int M, int N, int K,
+                   int accumulate);
+void kf_cpu_rmsnorm(float *y, size_t ldy, const float *x, size_t ldx, const float *w, int rows, int n, float eps);
+void kf_cpu_rope(float *x, size_t tok_stride, int n_tok, int n_heads, int head_dim, const int64_t *positions,
+                 const double *inv_freq);
+void kf_cpu_silu_mul(float *g, const float *u, int rows, int n);
+void kf_cpu_add(float *y, const float *x, int rows, int n);
+void kf_cpu_kv_store(const kf_paged_kv *kv, const int32_t *pages, int64_t first_slot, int n, const float *k,
+                     const float *v);
+
+/* Scratch memory the attention kernel reuses between calls (one per thread of control). */
+typedef struct {
+    float *kbuf, *vbuf;  /* [n_keys, kv_heads, head_dim] gathered from pages */
+    size_t kv_cap;       /* floats */
+    float *scores;       /* [tile, n_keys] */
+    size_t scores_cap;   /* floats */
+} kf_cpu_attn_scratch;
+
+/* Returns 0, or -1 when scratch memory could not be allocated. */
+int kf_cpu_attention(kf_cpu_attn_scratch *scratch, const kf_attn_args *a);
+void kf_cpu_attn_scratch_free(kf_cpu_attn_scratch *scratch);
+
+#endif

@@ -1,0 +1,94 @@
+#include "test_util.h"
+
+#include <CUnit/Basic.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+int kf_test_main(CU_SuiteInfo *suites) {
+    if (CU_initialize_registry() != CUE_SUCCESS)
+        return 2;
+    if (CU_register_suites(suites) != CUE_SUCCESS) {
+        fprintf(stderr, "cannot register suites: %s\n", CU_get_error_msg());
+        CU_cleanup_registry();
+        return 2;
+    }
+    CU_basic_set_mode(CU_BRM_VERBOSE);
+    CU_basic_run_tests();
+    unsigned failed = CU_get_number_of_failures() + CU_get_number_of_suites_failed();
+    unsigned ran = CU_get_number_of_tests_run();
+    CU_cleanup_registry();
+    if (ran == 0) {
+        fprintf(stderr, "no test ran\n");
+        return 1;
+    }
+    return failed ? 1 : 0;
+}
+
+const char *kf_test_data(const char *rel) {
+    static char path[4096];
+    snprintf(path, sizeof path, "%s/%s", KF_TEST_DATA, rel);
+    return path;
+}
+
+static const char *temp_root(void) {
+    static char root[256];
+    if (!root[0]) {
+        const char *base = getenv("TMPDIR");
+        snprintf(root, sizeof root, "%s/kvfold-test-XXXXXX", base && *base ? base : "/tmp");
+        if (!mkdtemp(root)) {
+            perror("mkdtemp");
+            abort();
+        }
+    }
+    return root;
+}
+
+const char *kf_test_write_file(const char *name, const void *bytes, size_t n) {
+    static char path[512];
+    snprintf(path, sizeof path, "%s/%s", temp_root(), name);
+    FILE *f = fopen(path, "wb");
+    if (!f || fwrite(bytes, 1, n, f) != n) {
+        perror(path);
+        abort();
+    }
+    fclose(f);
+    return path;
+}
+
+const char *kf_test_make_dir(const char *name) {
+    static char path[512];
+    snprintf(path, sizeof path, "%s/%s", temp_root(), name);
+    mkdir(path, 0755);
+    return path;
+}
+
+double kf_max_abs_diff(const float *a, const float *b, size_t n) {
+    double m = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - b[i]);
+        if (d > m || isnan(d))
+            m = isnan(d) ? INFINITY : d;
+    }
+    return m;
+}
+
+double kf_max_abs(const float *a, size_t n) {
+    double m = 0;
+    for (size_t i = 0; i < n; i++)
+        m = fabs(a[i]) > m ? fabs(a[i]) : m;
+    return m;
+}
+
+void kf_test_fill_uniform(float *x, size_t n, uint64_t seed, float lo, float hi) {
+    uint64_t s = seed * 0x9E3779B97F4A7C15ULL + 1;
+    for (size_t i = 0; i < n; i++) {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        x[i] = lo + (hi - lo) * (float)((s >> 40) / 16777216.0);
+    }
+}

@@ -1,0 +1,11 @@
+/* commands.h — every subcommand of the kvfold CLI: int cmd_x(int argc, char **argv),
+ * where argv[0] is the subcommand's name. Returns the process exit status. */
+#ifndef KF_COMMANDS_H
+#define KF_COMMANDS_H
+
+int cmd_model_info(int argc, char **argv);
+int cmd_logits(int argc, char **argv);
+int cmd_bench(int argc, char **argv);
+int cmd_bench_prefill(int argc, char **argv);
+
+#endif
