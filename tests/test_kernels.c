@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cpu/fast_exp.h"
 #include "test_util.h"
 
 static float *poisoned(size_t n) {
@@ -50,6 +51,20 @@ static void test_bf16_f16_conversions(void) {
     CU_ASSERT_EQUAL(out[0], 1.0f);
     CU_ASSERT_EQUAL(out[1], -2.0f);
     CU_ASSERT_EQUAL(out[4], -1.0f);
+}
+
+static void test_fast_exp(void) {
+    double worst = 0;
+    for (int i = 0; i <= 2000000; i++) {
+        const float x = -87.0f + 175.0f * (float)i / 2000000.0f;
+        const double want = exp((double)x);
+        worst = fmax(worst, fabs(kf_expf(x) - want) / want);
+    }
+    printf("\n    kf_expf max relative error %.2e\n", worst);
+    CU_ASSERT(worst < 4e-7);
+    CU_ASSERT_EQUAL(kf_expf(0.0f), 1.0f);
+    CU_ASSERT(kf_expf(-1000.0f) < 1e-37f);
+    CU_ASSERT(kf_expf(-1000.0f) >= 0.0f);
 }
 
 static void test_matmul(void) {
@@ -253,6 +268,7 @@ static void test_attention(void) {
 
 static CU_TestInfo tests[] = {
     {"bf16/f16 conversions", test_bf16_f16_conversions},
+    {"fast exp against exp()", test_fast_exp},
     {"matmul (strided, accumulate)", test_matmul},
     {"rmsnorm", test_rmsnorm},
     {"rope = explicit rotation; -p undoes p", test_rope_matches_explicit_rotation},

@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cpu/fast_exp.h"
 
 void kf_cpu_rmsnorm(float *y, size_t ldy, const float *x, size_t ldx, const float *w, int rows, int n, float eps) {
 #pragma omp parallel for schedule(static) if (rows * (long)n > 32768)
@@ -44,10 +45,10 @@ void kf_cpu_rope(float *x, size_t tok_stride, int n_tok, int n_heads, int head_d
 
 void kf_cpu_silu_mul(float *g, const float *u, int rows, int n) {
     const size_t total = (size_t)rows * n;
-#pragma omp parallel for schedule(static) if (total > 65536)
+#pragma omp parallel for simd schedule(static) if (total > 65536)
     for (size_t i = 0; i < total; i++) {
         const float a = g[i];
-        g[i] = a / (1.0f + expf(-a)) * u[i];
+        g[i] = a / (1.0f + kf_expf(-a)) * u[i];
     }
 }
 
