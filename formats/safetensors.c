@@ -238,13 +238,18 @@ static kf_status parse_header(kf_st_set *set, int fi, kf_error *err) {
         set->tensors[set->n_tensors++] = t;
     }
     qsort(spans, n_spans, sizeof *spans, cmp_span);
-    for (size_t i = 1; i < n_spans; i++) {
-        if (spans[i].begin < spans[i - 1].end && spans[i].begin != spans[i].end &&
-            spans[i - 1].begin != spans[i - 1].end) {
+    /* Compare each non-empty span with the previous non-empty one: an empty span sorted
+     * between two overlapping tensors must not hide the overlap. */
+    const span *prev = NULL;
+    for (size_t i = 0; i < n_spans; i++) {
+        if (spans[i].begin == spans[i].end)
+            continue;
+        if (prev && spans[i].begin < prev->end) {
             rc = kf_fail(err, KF_ERR_FORMAT, "%s: tensors '%s' and '%s' overlap in the data section", f->path,
-                         spans[i - 1].name, spans[i].name);
+                         prev->name, spans[i].name);
             goto done;
         }
+        prev = &spans[i];
     }
 done:
     free(spans);
@@ -253,6 +258,8 @@ done:
 }
 
 static kf_status finish_set(kf_st_set *set, kf_error *err) {
+    if (set->n_tensors == 0) /* tensors may be NULL (an empty weight_map): qsort(NULL, 0) is UB */
+        return KF_OK;
     qsort(set->tensors, set->n_tensors, sizeof *set->tensors, cmp_tensor_name);
     for (size_t i = 1; i < set->n_tensors; i++)
         if (strcmp(set->tensors[i].name, set->tensors[i - 1].name) == 0)
@@ -382,6 +389,8 @@ void kf_st_close(kf_st_set *set) {
 }
 
 const kf_st_tensor *kf_st_find(const kf_st_set *set, const char *name) {
+    if (set->n_tensors == 0) /* tensors may be NULL: bsearch(NULL, 0) is UB */
+        return NULL;
     kf_st_tensor key = {.name = (char *)name};
     return bsearch(&key, set->tensors, set->n_tensors, sizeof key, cmp_tensor_name);
 }
