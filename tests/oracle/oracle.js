@@ -49,7 +49,7 @@ const PUNCT = [".", ",", "!", "?", ";", ":", "...", "—", "–", "-", "(", ")",
   "<", ">", "|", "~", "`", "_", "¿", "¡", "§", "¶", "†", "‰", "€", "£", "¥", "©", "®", "™", "°", "±"];
 // White space that JavaScript and the tokenizers library (Oniguruma) agree on. U+0085 and U+FEFF
 // are left out on purpose: JavaScript's \s excludes U+0085 and includes U+FEFF, the tokenizers
-// library (and kvfold) do the opposite; tests/test_tokenizer.c documents the difference.
+// library (and kvfold) do the opposite, as formats/tokenizer.h notes.
 const SPACES = [" ", " ", " ", "  ", "   ", "\t", "\n", "\n\n", "\r\n", "\r", "\u00a0", "\u3000",
   "\u2002", "\u2003", "\u2009", "\u202f", "\u205f", "\u2028", "\u2029", "\u000b", "\u000c", "\u1680"];
 const SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
