@@ -305,6 +305,8 @@ static kf_status check_args(const kf_model *m, const kf_arena *a, const kf_seq *
         return kf_fail(err, KF_ERR_INVALID, "forward: logit rows requested without an output buffer");
     if (args->chunk < 0)
         return kf_fail(err, KF_ERR_INVALID, "forward: negative chunk size");
+    if (args->quoka)
+        KF_TRY(kf_quoka_params_check(args->quoka, err));
     return KF_OK;
 }
 
@@ -352,7 +354,13 @@ kf_status kf_model_forward(kf_model *m, kf_arena *a, kf_seq *seq, const kf_forwa
         scratch_free(b, &s);
         return kf_fail(err, KF_ERR_NOMEM, "out of memory");
     }
-    kf_status rc = KF_OK;
+    kf_quoka_ws qws;
+    kf_status rc = kf_quoka_ws_init(&qws, b, args->quoka, kvh, seq->len + args->n_tokens, err);
+    if (rc != KF_OK) {
+        free(pos);
+        scratch_free(b, &s);
+        return rc;
+    }
     const int nc = args->n_capture_rows;
     const int32_t *cr = args->capture_rows;
 
@@ -390,7 +398,10 @@ kf_status kf_model_forward(kf_model *m, kf_arena *a, kf_seq *seq, const kf_forwa
                 .bias = args->key_bias ? args->key_bias[l] : NULL,
                 .bias_stride = (size_t)args->key_bias_len, .bias_len = args->key_bias_len,
             };
-            b->attention(b, &at);
+            if (qws.idx)
+                kf_quoka_attention(&qws, &at);
+            else
+                b->attention(b, &at);
             b->matmul(b, s.x, H, s.att, QD, w->wo, n, H, QD, 1); /* x += att Wo^T */
 
             b->rmsnorm(b, s.xn, H, s.x, H, w->mlp_norm, n, H, eps);
@@ -416,6 +427,7 @@ kf_status kf_model_forward(kf_model *m, kf_arena *a, kf_seq *seq, const kf_forwa
         if (args->progress)
             args->progress(args->progress_ctx, c0 + n, args->n_tokens);
     }
+    kf_quoka_ws_free(&qws);
     free(pos);
     scratch_free(b, &s);
     return rc;

@@ -22,6 +22,7 @@
 #include <stdint.h>
 
 #include "compactor/arena.h"
+#include "compactor/quoka.h"
 #include "formats/error.h"
 #include "formats/hfconfig.h"
 #include "kernels/backend.h"
@@ -47,6 +48,8 @@ typedef struct {
 
     const float *const *key_bias;  /* NULL or [n_layers] (entries may be NULL): [kv_heads, key_bias_len] */
     int key_bias_len;
+
+    const kf_quoka_params *quoka;  /* NULL (or mode dense): dense attention; else QUOKA sparse attention */
 
     void (*progress)(void *ctx, int64_t done, int64_t total); /* called after each chunk */
     void *progress_ctx;

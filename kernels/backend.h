@@ -77,6 +77,57 @@ typedef struct {
     int bias_len;
 } kf_attn_args;
 
+/* QUOKA key selection (arXiv 2602.08722, Algorithm 1) for one chunk of queries over a paged
+ * history: keys 0 .. n_hist-1 of the page table.
+ *   1. per query head: mean m of the chunk's raw queries; keep the n_keep queries least
+ *      cosine-similar to m, ordered by rank (most dissimilar first, ties: lower position first);
+ *      when n_q <= n_keep every query is kept, in position order;
+ *   2. normalize them and average rank by rank over the query heads of a KV head
+ *      (pre-aggregation): qbar[g, j] = mean over h in group g of q[h, kept[h, j]] / |.|;
+ *   3. score[g, t] = max_j qbar[g, j] . k[g, t] / |k[g, t]|   (cosine, max over kept queries);
+ *   4. keep, per KV head, the history keys [win_lo, win_hi) (a forced window, on top of the
+ *      budget) and the `budget` best-scoring other keys, keys t < n_sink first (they score +inf).
+ *      Ties break towards the lower key index, so the set is deterministic.
+ * out_idx receives, per KV head, kf_quoka_n_selected(...) key indices in ascending order.
+ * out_idx and scores are backend memory. */
+typedef struct {
+    const float *q;          /* [n_q, n_heads, head_dim], token stride q_stride */
+    size_t q_stride;
+    int n_q;
+    int n_heads;
+    int n_hist;              /* candidate keys: 0 .. n_hist-1 */
+    const int32_t *pages;    /* [ceil(n_hist / 16)] */
+    kf_paged_kv kv;
+    int n_keep;              /* N_Q: queries kept per query head */
+    int budget;              /* keys chosen by score per KV head, 1 <= budget */
+    int n_sink;              /* keys 0 .. n_sink-1 win the score ranking (attention sinks); 0 = off */
+    int win_lo, win_hi;      /* history keys always kept besides the budget; win_lo >= win_hi: none */
+    int32_t *out_idx;        /* [kv_heads, idx_stride] */
+    size_t idx_stride;
+    float *scores;           /* NULL or [kv_heads, n_hist]: the cosine scores of step 3 (diagnostics) */
+} kf_quoka_select_args;
+
+/* Keys per KV head that kf_quoka_select_args selects: the window plus min(budget, the rest). */
+static inline int kf_quoka_n_selected(int n_hist, int budget, int win_lo, int win_hi) {
+    const int lo = win_lo < 0 ? 0 : win_lo, hi = win_hi > n_hist ? n_hist : win_hi;
+    const int w = hi > lo ? hi - lo : 0, rest = n_hist - w;
+    return w + (budget < rest ? budget : rest);
+}
+
+/* Attention of one chunk over a per-KV-head subset of the history plus the chunk's own keys.
+ * attn is read as for `attention` (n_keys = n_hist + n_q, the chunk's keys are the last n_q),
+ * except that query head h (KV head g = h / (n_heads / kv_heads)) sees only history keys
+ * hist_idx[g, 0 .. n_sel-1] (each < n_hist) and, causally, chunk keys n_hist .. n_hist + i.
+ * A bias, when given, applies to each key by its original index. With every history key
+ * selected in ascending order the result equals `attention` bit for bit. hist_idx is backend
+ * memory. */
+typedef struct {
+    kf_attn_args attn;
+    const int32_t *hist_idx; /* [kv_heads, idx_stride] */
+    size_t idx_stride;
+    int n_sel;
+} kf_sparse_attn_args;
+
 typedef struct kf_backend kf_backend;
 
 struct kf_backend {
@@ -114,6 +165,8 @@ struct kf_backend {
     void (*kv_store)(kf_backend *b, const kf_paged_kv *kv, const int32_t *pages, int64_t first_slot, int n,
                      const float *k, const float *v);
     void (*attention)(kf_backend *b, const kf_attn_args *args);
+    void (*quoka_select)(kf_backend *b, const kf_quoka_select_args *args);
+    void (*sparse_attention)(kf_backend *b, const kf_sparse_attn_args *args);
 
     /* Nonzero when an operation failed since the last call (e.g. scratch memory could not be
      * had); clears the flag. Operations themselves return nothing so that a device backend

@@ -7,6 +7,8 @@
 
 typedef struct {
     kf_cpu_attn_scratch attn;
+    kf_cpu_quoka_scratch quoka;
+    kf_cpu_sparse_scratch sparse;
     int attn_failed; /* sticky: set when attention could not get scratch memory */
 } cpu_impl;
 
@@ -86,6 +88,18 @@ static void cpu_attention(kf_backend *b, const kf_attn_args *args) {
         impl->attn_failed = 1;
 }
 
+static void cpu_quoka_select(kf_backend *b, const kf_quoka_select_args *args) {
+    cpu_impl *impl = b->impl;
+    if (kf_cpu_quoka_select(&impl->quoka, args) != 0)
+        impl->attn_failed = 1;
+}
+
+static void cpu_sparse_attention(kf_backend *b, const kf_sparse_attn_args *args) {
+    cpu_impl *impl = b->impl;
+    if (kf_cpu_sparse_attention(&impl->sparse, args) != 0)
+        impl->attn_failed = 1;
+}
+
 static int cpu_take_error(kf_backend *b) {
     cpu_impl *impl = b->impl;
     int e = impl->attn_failed;
@@ -96,6 +110,8 @@ static int cpu_take_error(kf_backend *b) {
 static void cpu_destroy(kf_backend *b) {
     cpu_impl *impl = b->impl;
     kf_cpu_attn_scratch_free(&impl->attn);
+    kf_cpu_quoka_scratch_free(&impl->quoka);
+    kf_cpu_sparse_scratch_free(&impl->sparse);
     free(impl);
     free(b);
 }
@@ -125,6 +141,8 @@ kf_backend *kf_backend_cpu_create(void) {
     b->add = cpu_add;
     b->kv_store = cpu_kv_store;
     b->attention = cpu_attention;
+    b->quoka_select = cpu_quoka_select;
+    b->sparse_attention = cpu_sparse_attention;
     b->take_error = cpu_take_error;
     b->destroy = cpu_destroy;
     return b;

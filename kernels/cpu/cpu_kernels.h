@@ -41,4 +41,44 @@ typedef struct {
 int kf_cpu_attention(kf_cpu_attn_scratch *scratch, const kf_attn_args *a);
 void kf_cpu_attn_scratch_free(kf_cpu_attn_scratch *scratch);
 
+
+/* QUOKA selection scratch, reused between calls. */
+typedef struct {
+    double *mean;      /* [head_dim] */
+    size_t mean_cap;
+    uint32_t *keys;    /* [max(n_q, n_hist)] order keys of one row */
+    size_t keys_cap;
+    int32_t *kept;     /* [n_heads, n_keep] kept query positions */
+    size_t kept_cap;
+    float *qbar;       /* [kv_heads, n_keep, head_dim] pre-aggregated unit queries */
+    size_t qbar_cap;
+    float *score;      /* [kv_heads, n_hist] */
+    size_t score_cap;
+} kf_cpu_quoka_scratch;
+
+/* Returns 0, or -1 when scratch memory could not be allocated or the arguments are invalid. */
+int kf_cpu_quoka_select(kf_cpu_quoka_scratch *scratch, const kf_quoka_select_args *a);
+void kf_cpu_quoka_scratch_free(kf_cpu_quoka_scratch *scratch);
+
+/* Top-k by radix selection over order-preserving keys (no sort): the k-th largest of
+ * keys[0 .. n-1] (1 <= k <= n); *take_eq = how many keys equal to it are in the top k. */
+uint32_t kf_cpu_radix_select(const uint32_t *keys, int n, int k, int *take_eq);
+/* Order-preserving map float -> uint32 (NaN sorts below -inf). */
+uint32_t kf_cpu_order_key(float f);
+
+/* Sparse attention scratch: the selected keys and values gathered into 16-token "pages". */
+typedef struct {
+    float *k, *v;      /* [n_sel + n_q, kv_heads, head_dim] */
+    size_t kv_cap;
+    float *bias;       /* [kv_heads, n_sel + n_q] */
+    size_t bias_cap;
+    int32_t *pages;    /* [ceil((n_sel + n_q) / 16)] identity page table */
+    size_t pages_cap;
+    kf_cpu_attn_scratch attn;
+} kf_cpu_sparse_scratch;
+
+/* Gathers the selected keys and runs kf_cpu_attention on them. Returns 0, or -1 when out of memory. */
+int kf_cpu_sparse_attention(kf_cpu_sparse_scratch *scratch, const kf_sparse_attn_args *a);
+void kf_cpu_sparse_scratch_free(kf_cpu_sparse_scratch *scratch);
+
 #endif
