@@ -185,6 +185,10 @@ const char *kf_model_dir(const kf_model *m) {
     return m->dir;
 }
 
+const double *kf_model_inv_freq(const kf_model *m) {
+    return m->inv_freq;
+}
+
 int64_t kf_model_n_params(const kf_model *m) {
     return m->n_params;
 }

@@ -64,6 +64,9 @@ int64_t kf_model_n_params(const kf_model *m);
 /* Digest of config.json, the tensor index and every weight byte (XXH3-128, 32 hex digits). */
 const char *kf_model_fingerprint(kf_model *m);
 
+/* RoPE inverse frequencies [head_dim / 2] of this model. */
+const double *kf_model_inv_freq(const kf_model *m);
+
 /* An arena shaped for this model with room for n_tokens tokens. */
 kf_status kf_model_arena(const kf_model *m, kf_arena *a, int64_t n_tokens, kf_error *err);
 

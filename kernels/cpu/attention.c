@@ -62,7 +62,6 @@ int kf_cpu_attention(kf_cpu_attn_scratch *s, const kf_attn_args *a) {
         return -1;
 
     const int n_pages = (nk + KF_PAGE_TOKENS - 1) / KF_PAGE_TOKENS;
-#pragma omp parallel for schedule(static) if (nk > 4096)
     for (int p = 0; p < n_pages; p++) {
         const int ntok = (p + 1) * KF_PAGE_TOKENS <= nk ? KF_PAGE_TOKENS : nk - p * KF_PAGE_TOKENS;
         const size_t src = (size_t)a->pages[p] * a->kv.page_stride;
@@ -82,7 +81,6 @@ int kf_cpu_attention(kf_cpu_attn_scratch *s, const kf_attn_args *a) {
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, tq, kmax, hd, a->scale,
                         a->q + (size_t)q0 * a->q_stride + (size_t)h * hd, (int)a->q_stride, kg, (int)row, 0.0f, S,
                         kmax);
-#pragma omp parallel for schedule(static) if ((long)tq * kmax > 32768)
             for (int i = 0; i < tq; i++) {
                 float *sr = S + (size_t)i * kmax;
                 const int valid = n_past + q0 + i + 1;

@@ -78,7 +78,6 @@ void kf_convert_to_f32(float *dst, const void *src, kf_dtype src_dtype, size_t n
         memcpy(dst, src, n * sizeof(float));
         break;
     case KF_DTYPE_BF16:
-#pragma omp parallel for schedule(static) if (n > 65536)
         for (size_t i = 0; i < n; i++) {
             uint16_t h;
             memcpy(&h, s + 2 * i, 2);
@@ -86,7 +85,6 @@ void kf_convert_to_f32(float *dst, const void *src, kf_dtype src_dtype, size_t n
         }
         break;
     case KF_DTYPE_F16:
-#pragma omp parallel for schedule(static) if (n > 65536)
         for (size_t i = 0; i < n; i++) {
             uint16_t h;
             memcpy(&h, s + 2 * i, 2);

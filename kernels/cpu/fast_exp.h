@@ -4,9 +4,9 @@
  * branch-free arithmetic, so `#pragma omp simd` loops vectorize it: exp(x) = 2^n * e^r with
  * n = round(x / ln 2), r = x - n ln 2 (ln 2 split in two for accuracy), e^r by a degree-7
  * Taylor/Horner polynomial on |r| <= ln2/2. Relative error below 4e-7 over the whole range
- * (checked against exp() in tests/test_kernels.c); inputs are clamped to [-87.3, 88.7], so very
- * negative inputs give ~1e-38 rather than 0 (harmless in softmax sums), and NaN is not handled
- * (callers pass finite scores).
+ * (checked against exp() in tests/test_kernels.c); inputs below -87.3 give 0 (so a -inf bias
+ * gets exactly no weight), above 88.4 they are clamped, and NaN is not handled (callers pass
+ * scores that are finite or -inf).
  */
 #ifndef KF_FAST_EXP_H
 #define KF_FAST_EXP_H
@@ -34,7 +34,8 @@ static inline float kf_expf(float x) {
         uint32_t u;
         float f;
     } s1 = {.u = (uint32_t)(n1 + 127) << 23}, s2 = {.u = (uint32_t)(n2 + 127) << 23};
-    return p * s1.f * s2.f;
+    const float y = p * s1.f * s2.f;
+    return x < -87.3365478515625f ? 0.0f : y; /* exp(-inf) = 0: a -inf bias gets no weight */
 }
 
 #endif

@@ -7,7 +7,6 @@
 #include "kernels/cpu/fast_exp.h"
 
 void kf_cpu_rmsnorm(float *y, size_t ldy, const float *x, size_t ldx, const float *w, int rows, int n, float eps) {
-#pragma omp parallel for schedule(static) if (rows * (long)n > 32768)
     for (int r = 0; r < rows; r++) {
         const float *xr = x + (size_t)r * ldx;
         float *yr = y + (size_t)r * ldy;
@@ -23,7 +22,6 @@ void kf_cpu_rmsnorm(float *y, size_t ldy, const float *x, size_t ldx, const floa
 void kf_cpu_rope(float *x, size_t tok_stride, int n_tok, int n_heads, int head_dim, const int64_t *positions,
                  const double *inv_freq) {
     const int half = head_dim / 2;
-#pragma omp parallel for schedule(static) if (n_tok * (long)n_heads * head_dim > 16384)
         for (int t = 0; t < n_tok; t++) {
             float cs[KF_MAX_HEAD_DIM]; /* [cos | sin] of this token's angles */
             const double pos = (double)positions[t];
@@ -45,7 +43,7 @@ void kf_cpu_rope(float *x, size_t tok_stride, int n_tok, int n_heads, int head_d
 
 void kf_cpu_silu_mul(float *g, const float *u, int rows, int n) {
     const size_t total = (size_t)rows * n;
-#pragma omp parallel for simd schedule(static) if (total > 65536)
+#pragma omp simd
     for (size_t i = 0; i < total; i++) {
         const float a = g[i];
         g[i] = a / (1.0f + kf_expf(-a)) * u[i];
@@ -54,7 +52,6 @@ void kf_cpu_silu_mul(float *g, const float *u, int rows, int n) {
 
 void kf_cpu_add(float *y, const float *x, int rows, int n) {
     const size_t total = (size_t)rows * n;
-#pragma omp parallel for schedule(static) if (total > 65536)
     for (size_t i = 0; i < total; i++)
         y[i] += x[i];
 }

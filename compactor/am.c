@@ -1,0 +1,203 @@
+#include "compactor/am.h"
+
+#include <cblas.h>
+#include <float.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cpu/linalg.h"
+
+#define Q_TILE 256
+
+void kf_am_targets_free(kf_am_targets *t) {
+    free(t->m);
+    free(t->y);
+    free(t->Y);
+    free(t->score);
+    memset(t, 0, sizeof *t);
+}
+
+kf_status kf_am_targets_compute(const kf_am_head *h, kf_score_method method, kf_am_targets *out, kf_error *err) {
+    memset(out, 0, sizeof *out);
+    const int T = h->T, R = h->R, d = h->d;
+    out->m = malloc(sizeof(float) * (size_t)R);
+    out->y = malloc(sizeof(float) * (size_t)R);
+    out->Y = malloc(sizeof(float) * (size_t)R * d);
+    double *score = calloc((size_t)T, sizeof(double));
+    float *Z = malloc(sizeof(float) * (size_t)Q_TILE * T); /* [tile, T] */
+    out->score = malloc(sizeof(float) * (size_t)T);
+    if (!out->m || !out->y || !out->Y || !score || !Z || !out->score) {
+        free(score);
+        free(Z);
+        kf_am_targets_free(out);
+        return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for targets (R %d, T %d)", R, T);
+    }
+    for (int i0 = 0; i0 < R; i0 += Q_TILE) {
+        const int n = R - i0 < Q_TILE ? R - i0 : Q_TILE;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, T, d, h->scale, h->q + (size_t)i0 * d, d, h->k,
+                    (int)h->k_stride, 0.0f, Z, T);
+        for (int i = 0; i < n; i++) {
+            float *z = Z + (size_t)i * T;
+            float mx = -FLT_MAX;
+            for (int j = 0; j < T; j++)
+                mx = z[j] > mx ? z[j] : mx;
+            double sum = 0;
+            for (int j = 0; j < T; j++) {
+                z[j] = expf(z[j] - mx);
+                sum += z[j];
+            }
+            out->m[i0 + i] = mx;
+            out->y[i0 + i] = (float)sum;
+            const float inv = (float)(1.0 / sum);
+            for (int j = 0; j < T; j++) {
+                const float a = z[j] * inv;
+                z[j] = a;
+                score[j] += method == KF_SCORE_RMS ? (double)a * a : a;
+            }
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, T, 1.0f, Z, T, h->v, (int)h->v_stride, 0.0f,
+                    out->Y + (size_t)i0 * d, d);
+    }
+    for (int j = 0; j < T; j++)
+        out->score[j] = (float)(method == KF_SCORE_RMS ? sqrt(score[j] / R) : score[j] / R);
+    free(score);
+    free(Z);
+    return KF_OK;
+}
+
+typedef struct {
+    float score;
+    int32_t index;
+} scored;
+
+static int by_score_desc(const void *a, const void *b) {
+    const scored *x = a, *y = b;
+    if (x->score != y->score)
+        return x->score > y->score ? -1 : 1;
+    return (x->index > y->index) - (x->index < y->index);
+}
+
+static int by_index(const void *a, const void *b) {
+    const int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+kf_status kf_am_select(const float *score, int T, int t, int32_t *sel, kf_error *err) {
+    if (t < 0 || t > T)
+        return kf_fail(err, KF_ERR_INVALID, "AM: cannot keep %d of %d keys", t, T);
+    scored *s = malloc(sizeof *s * (size_t)(T ? T : 1));
+    if (!s)
+        return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for selection");
+    for (int j = 0; j < T; j++)
+        s[j] = (scored){isnan(score[j]) ? -INFINITY : score[j], j};
+    qsort(s, (size_t)T, sizeof *s, by_score_desc);
+    for (int j = 0; j < t; j++)
+        sel[j] = s[j].index;
+    qsort(sel, (size_t)t, sizeof *sel, by_index);
+    free(s);
+    return KF_OK;
+}
+
+/* Gather the kept keys into a contiguous [t, d] buffer. */
+static float *gather_rows(const float *x, size_t stride, const int32_t *sel, int t, int d) {
+    float *out = malloc(sizeof(float) * (size_t)(t ? t : 1) * d);
+    if (out)
+        for (int j = 0; j < t; j++)
+            memcpy(out + (size_t)j * d, x + (size_t)sel[j] * stride, sizeof(float) * d);
+    return out;
+}
+
+static void count_path(int path, int *fallbacks, kf_am_stats *stats) {
+    if (!stats)
+        return;
+    if (path == KF_LSTSQ_RIDGE)
+        (*fallbacks)++;
+    else if (path == KF_LSTSQ_FAILED)
+        stats->failures++;
+}
+
+kf_status kf_am_fit_beta(const kf_am_head *h, const kf_am_targets *tg, const int32_t *sel, int t, uint64_t seed,
+                         float *beta, kf_am_stats *stats, kf_error *err) {
+    const int R = h->R, d = h->d;
+    if (t == 0)
+        return KF_OK;
+    const float lo = expf(-3.0f), hi = expf(3.0f);
+    float *kc = gather_rows(h->k, h->k_stride, sel, t, d);
+    float *M = malloc(sizeof(float) * (size_t)R * t); /* [R, t] */
+    float *w = malloc(sizeof(float) * (size_t)t);
+    float *r = malloc(sizeof(float) * (size_t)R);
+    float *g = malloc(sizeof(float) * (size_t)t);
+    kf_status rc = KF_OK;
+    if (!kc || !M || !w || !r || !g) {
+        rc = kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the beta fit (R %d, t %d)", R, t);
+        goto out;
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, R, t, d, h->scale, h->q, d, kc, d, 0.0f, M, t);
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < t; j++)
+            M[(size_t)i * t + j] = expf(M[(size_t)i * t + j] - tg->m[i]);
+    int path = kf_lstsq(M, R, t, tg->y, 1, w);
+    if (path < 0) {
+        rc = kf_fail(err, KF_ERR_NOMEM, "AM: out of memory in least squares");
+        goto out;
+    }
+    count_path(path, stats ? &stats->beta_fallbacks : NULL, stats);
+    for (int j = 0; j < t; j++)
+        w[j] = isnan(w[j]) ? 1.0f : (w[j] < lo ? lo : (w[j] > hi ? hi : w[j]));
+    /* two projected-gradient steps on ||M w - y||^2 with step 1/L */
+    double L = kf_spectral_norm_sq(M, R, t, 3, seed);
+    if (!(L > 1e-6))
+        L = 1e-6;
+    for (int it = 0; it < 2; it++) {
+        for (int i = 0; i < R; i++)
+            r[i] = -tg->y[i];
+        cblas_sgemv(CblasRowMajor, CblasNoTrans, R, t, 1.0f, M, t, w, 1, 1.0f, r, 1);   /* r = M w - y */
+        cblas_sgemv(CblasRowMajor, CblasTrans, R, t, 1.0f, M, t, r, 1, 0.0f, g, 1);     /* g = M^T r */
+        for (int j = 0; j < t; j++) {
+            float x = w[j] - (float)(g[j] / L);
+            w[j] = x < lo ? lo : (x > hi ? hi : x);
+        }
+    }
+    for (int j = 0; j < t; j++)
+        beta[j] = logf(w[j]);
+out:
+    free(kc);
+    free(M);
+    free(w);
+    free(r);
+    free(g);
+    return rc;
+}
+
+kf_status kf_am_fit_values(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
+                           const float *beta, int t, const float *Y, float *values, kf_am_stats *stats,
+                           kf_error *err) {
+    if (t == 0)
+        return KF_OK;
+    float *X = malloc(sizeof(float) * (size_t)R * t); /* [R, t] */
+    if (!X)
+        return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the value fit (R %d, t %d)", R, t);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, R, t, d, scale, q, d, keys, (int)key_stride, 0.0f, X, t);
+    for (int i = 0; i < R; i++) {
+        float *x = X + (size_t)i * t;
+        float mx = -FLT_MAX;
+        for (int j = 0; j < t; j++) {
+            if (beta)
+                x[j] += beta[j];
+            mx = x[j] > mx ? x[j] : mx;
+        }
+        double sum = 0;
+        for (int j = 0; j < t; j++)
+            sum += (x[j] = expf(x[j] - mx));
+        const float inv = (float)(1.0 / sum);
+        for (int j = 0; j < t; j++)
+            x[j] *= inv;
+    }
+    int path = kf_lstsq(X, R, t, Y, d, values);
+    free(X);
+    if (path < 0)
+        return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory in least squares");
+    count_path(path, stats ? &stats->value_fallbacks : NULL, stats);
+    return KF_OK;
+}

@@ -1,0 +1,470 @@
+#include "compactor/compact.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "compactor/fold.h"
+#include "compactor/refq.h"
+#include "kernels/cpu/cpu_kernels.h"
+
+static const char *const kMethodNames[] = {"keep", "drop", "am", "fold"};
+
+const char *kf_method_name(kf_method m) {
+    return (unsigned)m < 4 ? kMethodNames[m] : "?";
+}
+
+int kf_method_parse(const char *name, kf_method *out) {
+    for (int i = 0; i < 4; i++)
+        if (strcmp(name, kMethodNames[i]) == 0) {
+            *out = (kf_method)i;
+            return 0;
+        }
+    return -1;
+}
+
+kf_compact_params kf_compact_params_default(void) {
+    kf_compact_params p = {0};
+    p.method = KF_METHOD_FOLD;
+    p.budget = 0.1;
+    p.score = KF_SCORE_RMS;
+    p.lambda_rel = 1e-2;
+    p.fold_queries = KF_FOLD_ON_ALL;
+    p.max_queries = 50000;
+    p.max_head_ratio = 0.75;
+    return p;
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+void kf_compacted_free(kf_compacted *c) {
+    free(c->keys);
+    free(c->values);
+    free(c->beta);
+    free(c->u);
+    free(c->positions);
+    memset(c, 0, sizeof *c);
+}
+
+/* Per-head kept counts from a budget of t keys per head (uniform) or shares (AM's JSON form:
+ * head h gets int(share_h * t * n_heads), capped at max_ratio * T, the excess spread over the
+ * uncapped heads in proportion to their shares). */
+static void head_budgets(const kf_compact_params *p, int n_heads, int T, int t, int *out) {
+    if (!p->head_budgets) {
+        for (int i = 0; i < n_heads; i++)
+            out[i] = t;
+        return;
+    }
+    double *share = malloc(sizeof(double) * n_heads);
+    char *capped = calloc((size_t)n_heads, 1);
+    const double cap = p->max_head_ratio * T, total = (double)t * n_heads;
+    for (int i = 0; i < n_heads; i++)
+        share[i] = p->head_budgets[i] > 0 ? p->head_budgets[i] : 0;
+    for (int round = 0; round < n_heads; round++) { /* water-filling */
+        double free_share = 0, fixed = 0;
+        for (int i = 0; i < n_heads; i++) {
+            if (capped[i])
+                fixed += cap;
+            else
+                free_share += share[i];
+        }
+        int changed = 0;
+        for (int i = 0; i < n_heads; i++)
+            if (!capped[i] && free_share > 0 && share[i] / free_share * (total - fixed) > cap) {
+                capped[i] = 1;
+                changed = 1;
+            }
+        if (!changed) {
+            for (int i = 0; i < n_heads; i++) {
+                double want = capped[i] ? cap : (free_share > 0 ? share[i] / free_share * (total - fixed) : 0);
+                int k = (int)want;
+                out[i] = k < 1 ? 1 : (k > T ? T : k);
+            }
+            break;
+        }
+    }
+    free(share);
+    free(capped);
+}
+
+/* The sources of reference queries, in the order their candidate rows are numbered. */
+typedef struct {
+    const int32_t *ids;
+    int n;
+    uint8_t kind;
+    int32_t *ids_owned; /* repeat prompt = instruction + document */
+} source;
+
+kf_status kf_compact(kf_model *m, const kf_prompt *prefix, const kf_prompt *doc, const kf_prompt *suffix,
+                     const kf_compact_params *p, kf_compacted *out, kf_error *err) {
+    memset(out, 0, sizeof *out);
+    const kf_hfconfig *c = kf_model_config(m);
+    const int L = c->n_layers, kvh = c->n_kv_heads, d = c->head_dim, nh = c->n_heads, G = nh / kvh;
+    const int n_pre = prefix ? prefix->n : 0, n_doc = doc->n, n_suf = suffix ? suffix->n : 0;
+    const int64_t D = (int64_t)n_pre + n_doc + n_suf;
+    if (n_doc < 1)
+        return kf_fail(err, KF_ERR_INVALID, "compact: the document is empty");
+    if (!(p->budget > 0 && p->budget <= 1))
+        return kf_fail(err, KF_ERR_INVALID, "compact: budget %g must be in (0, 1]", p->budget);
+    if (p->max_queries < G)
+        return kf_fail(err, KF_ERR_INVALID, "compact: max_queries %lld is below the group size %d",
+                       (long long)p->max_queries, G);
+    if ((unsigned)p->method > KF_METHOD_FOLD)
+        return kf_fail(err, KF_ERR_INVALID, "compact: unknown method %d", (int)p->method);
+    if (c->max_position_embeddings > 0 && D > c->max_position_embeddings)
+        return kf_fail(err, KF_ERR_INVALID, "compact: %lld context tokens exceed the model's %d positions",
+                       (long long)D, c->max_position_embeddings);
+
+    int t = (int)floor(p->budget * n_doc);
+    t = t < 1 ? 1 : (t > n_doc ? n_doc : t);
+    const int64_t C = n_pre + (int64_t)t + n_suf;
+    const float scale = 1.0f / sqrtf((float)d);
+
+    /* ---- plan the reference-query sources and the subsample ---- */
+    const int n_sources = 2 + p->n_probes;
+    source *src = calloc((size_t)n_sources, sizeof *src);
+    int32_t *ctx_ids = malloc(sizeof(int32_t) * (size_t)D);
+    kf_status rc = KF_OK;
+    kf_arena arena = {0};
+    kf_seq seq;
+    kf_seq_init(&seq);
+    kf_refq rq = {0};
+    int64_t *sample = NULL;
+    int32_t *rows = NULL;
+    float **qbuf = NULL;
+    float *K = NULL, *V = NULL;
+    int *budgets = NULL;
+    int32_t *sel = NULL;
+    float *beta = NULL, *kfold = NULL, *vals = NULL, *qsub = NULL;
+    if (!src || !ctx_ids) {
+        rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
+        goto out;
+    }
+    if (n_pre)
+        memcpy(ctx_ids, prefix->ids, sizeof(int32_t) * n_pre);
+    memcpy(ctx_ids + n_pre, doc->ids, sizeof(int32_t) * n_doc);
+    if (n_suf)
+        memcpy(ctx_ids + n_pre + n_doc, suffix->ids, sizeof(int32_t) * n_suf);
+    if (p->use_context_queries)
+        src[0] = (source){doc->ids, n_doc, KF_REFQ_CONTEXT, NULL};
+    if (p->repeat_instruction.n > 0) {
+        const int n = p->repeat_instruction.n + n_doc;
+        src[1].ids_owned = malloc(sizeof(int32_t) * (size_t)n);
+        if (!src[1].ids_owned) {
+            rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
+            goto out;
+        }
+        memcpy(src[1].ids_owned, p->repeat_instruction.ids, sizeof(int32_t) * p->repeat_instruction.n);
+        memcpy(src[1].ids_owned + p->repeat_instruction.n, doc->ids, sizeof(int32_t) * n_doc);
+        src[1] = (source){src[1].ids_owned, n, KF_REFQ_REPEAT, src[1].ids_owned};
+    }
+    int64_t n_cand = 0, longest = 0;
+    for (int i = 0; i < p->n_probes; i++)
+        src[2 + i] = (source){p->probes[i].ids, p->probes[i].n, KF_REFQ_PROBE, NULL};
+    for (int i = 0; i < n_sources; i++) {
+        n_cand += src[i].n;
+        if (i > 0 && src[i].n > longest)
+            longest = src[i].n;
+    }
+    if (n_cand == 0) {
+        rc = kf_fail(err, KF_ERR_INVALID,
+                     "compact: no reference queries: give a repeat instruction, probes or context queries");
+        goto out;
+    }
+    const int64_t cap_pos = p->max_queries / G;
+    const int64_t n_pos = n_cand < cap_pos ? n_cand : cap_pos;
+    sample = malloc(sizeof(int64_t) * (size_t)n_pos);
+    rows = malloc(sizeof(int32_t) * (size_t)(n_pos ? n_pos : 1));
+    qbuf = calloc((size_t)L, sizeof *qbuf);
+    if (!sample || !rows || !qbuf || kf_sample_indices(n_cand, n_pos, p->seed, sample) != 0) {
+        rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
+        goto out;
+    }
+    if ((rc = kf_refq_init(&rq, L, kvh, d, G, n_pos, err)) != KF_OK)
+        goto out;
+    /* capture buffers sized for the largest per-source count */
+    int64_t max_rows = 0;
+    {
+        int64_t base = 0, k = 0;
+        for (int i = 0; i < n_sources; i++) {
+            int64_t cnt = 0;
+            while (k + cnt < n_pos && sample[k + cnt] < base + src[i].n)
+                cnt++;
+            max_rows = cnt > max_rows ? cnt : max_rows;
+            k += cnt;
+            base += src[i].n;
+        }
+    }
+    for (int l = 0; l < L; l++) {
+        qbuf[l] = malloc(sizeof(float) * (size_t)(max_rows ? max_rows : 1) * nh * d);
+        if (!qbuf[l]) {
+            rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for query capture");
+            goto out;
+        }
+    }
+
+    /* ---- prefill the context, then each source on top of it ---- */
+    double t0 = now_s();
+    if ((rc = kf_model_arena(m, &arena, D + longest + KF_PAGE_TOKENS, err)) != KF_OK)
+        goto out;
+    int64_t base = 0, k = 0;
+    for (int i = 0; i < n_sources; i++) {
+        int n_rows = 0;
+        const int64_t first = k;
+        while (k < n_pos && sample[k] < base + src[i].n)
+            rows[n_rows++] = (int32_t)(sample[k++] - base);
+        if (i == 0) { /* the context prefill; its document rows are source 0 */
+            for (int r = 0; r < n_rows; r++)
+                rows[r] += n_pre;
+            kf_forward_args fa = {.ids = ctx_ids, .n_tokens = (int)D, .chunk = p->chunk, .capture_rows = rows,
+                                  .n_capture_rows = n_rows, .queries = n_rows ? qbuf : NULL};
+            if (p->progress)
+                p->progress(p->progress_ctx, "prefill", 0, D);
+            if ((rc = kf_model_forward(m, &arena, &seq, &fa, err)) != KF_OK)
+                goto out;
+            out->stats.prefill_s = now_s() - t0;
+            t0 = now_s();
+        } else if (src[i].n > 0) {
+            kf_forward_args fa = {.ids = src[i].ids, .n_tokens = src[i].n, .chunk = p->chunk, .capture_rows = rows,
+                                  .n_capture_rows = n_rows, .queries = n_rows ? qbuf : NULL};
+            if (p->progress)
+                p->progress(p->progress_ctx, i == 1 ? "repeat" : "probes", i, n_sources);
+            if ((rc = kf_model_forward(m, &arena, &seq, &fa, err)) != KF_OK)
+                goto out;
+            if ((rc = kf_seq_truncate(&arena, &seq, D, err)) != KF_OK) /* KV rewind */
+                goto out;
+        }
+        if (n_rows)
+            kf_refq_store(&rq, qbuf, n_rows, first, src[i].kind);
+        base += src[i].n;
+    }
+    out->stats.refq_s = now_s() - t0;
+    out->stats.n_queries = rq.R;
+
+    /* ---- per layer, per KV head ---- */
+    out->n_layers = L;
+    out->kv_heads = kvh;
+    out->head_dim = d;
+    out->D = D;
+    out->C = C;
+    out->n_prefix = n_pre;
+    out->n_suffix = n_suf;
+    out->t = t;
+    out->method = p->method;
+    out->budget = p->budget;
+    out->lambda_rel = p->lambda_rel;
+    const size_t row = (size_t)kvh * d;
+    out->keys = malloc(sizeof(float) * (size_t)L * C * row);
+    out->values = malloc(sizeof(float) * (size_t)L * C * row);
+    out->beta = calloc((size_t)L * kvh * C, sizeof(float));
+    out->u = calloc((size_t)L * kvh * d, sizeof(float));
+    out->positions = malloc(sizeof(int32_t) * (size_t)L * kvh * C);
+    K = malloc(sizeof(float) * (size_t)D * row);
+    V = malloc(sizeof(float) * (size_t)D * row);
+    budgets = malloc(sizeof(int) * (size_t)L * kvh);
+    sel = malloc(sizeof(int32_t) * (size_t)t);
+    beta = malloc(sizeof(float) * (size_t)t);
+    kfold = malloc(sizeof(float) * (size_t)t * d);
+    vals = malloc(sizeof(float) * (size_t)t * d);
+    qsub = p->fold_queries == KF_FOLD_ON_PROBES ? malloc(sizeof(float) * (size_t)rq.R * d) : NULL;
+    if (!out->keys || !out->values || !out->beta || !out->u || !out->positions || !K || !V || !budgets || !sel ||
+        !beta || !kfold || !vals || (p->fold_queries == KF_FOLD_ON_PROBES && !qsub)) {
+        rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the compacted cache");
+        goto out;
+    }
+    head_budgets(p, L * kvh, n_doc, t, budgets);
+    for (int l = 0; l < L; l++)
+        for (int g = 0; g < kvh; g++)
+            if (budgets[l * kvh + g] > t)
+                budgets[l * kvh + g] = t; /* C is fixed by the uniform budget */
+    int folded = 0;
+    double var_sum = 0;
+    for (int l = 0; l < L; l++) {
+        if ((rc = kf_seq_read_kv(&arena, &seq, l, 0, D, K, V, err)) != KF_OK)
+            goto out;
+        if (p->progress)
+            p->progress(p->progress_ctx, "compact", l, L);
+        float *ok = out->keys + (size_t)l * C * row, *ov = out->values + (size_t)l * C * row;
+        /* prefix and suffix verbatim */
+        memcpy(ok, K, sizeof(float) * n_pre * row);
+        memcpy(ov, V, sizeof(float) * n_pre * row);
+        memcpy(ok + (size_t)(n_pre + t) * row, K + (size_t)(n_pre + n_doc) * row, sizeof(float) * n_suf * row);
+        memcpy(ov + (size_t)(n_pre + t) * row, V + (size_t)(n_pre + n_doc) * row, sizeof(float) * n_suf * row);
+        for (int g = 0; g < kvh; g++) {
+            float *hb = out->beta + ((size_t)l * kvh + g) * C;
+            int32_t *hp = out->positions + ((size_t)l * kvh + g) * C;
+            for (int i = 0; i < n_pre; i++)
+                hp[i] = i;
+            for (int i = 0; i < n_suf; i++)
+                hp[n_pre + t + i] = (int32_t)(n_pre + n_doc + i);
+            const float *q = kf_refq_rows(&rq, l, g);
+            kf_am_head h = {.k = K + (size_t)n_pre * row + (size_t)g * d, .k_stride = row,
+                            .v = V + (size_t)n_pre * row + (size_t)g * d, .v_stride = row,
+                            .T = n_doc, .q = q, .R = (int)rq.R, .d = d, .scale = scale};
+            kf_am_targets tg;
+            double ts = now_s();
+            if ((rc = kf_am_targets_compute(&h, p->score, &tg, err)) != KF_OK)
+                goto out;
+            /* am pads a smaller head with no-weight slots; the bias-free methods keep t keys */
+            const int th = p->method == KF_METHOD_AM ? budgets[l * kvh + g] : t;
+            rc = kf_am_select(tg.score, n_doc, th, sel, err);
+            out->stats.select_s += now_s() - ts;
+            kf_method method = p->method;
+            if (rc == KF_OK && method != KF_METHOD_KEEP && method != KF_METHOD_DROP) {
+                ts = now_s();
+                rc = kf_am_fit_beta(&h, &tg, sel, th, p->seed + (uint64_t)(l * kvh + g), beta, &out->stats.solver,
+                                    err);
+                out->stats.beta_s += now_s() - ts;
+            }
+            float *kk = NULL; /* [th, d] keys the values are fitted for */
+            const float *bias = NULL;
+            size_t kstride = row;
+            if (rc == KF_OK && method == KF_METHOD_FOLD) {
+                ts = now_s();
+                const float *fq = q;
+                int fR = (int)rq.R;
+                if (p->fold_queries == KF_FOLD_ON_PROBES) { /* rows of probe positions only */
+                    fR = 0;
+                    for (int j = 0; j < G; j++)
+                        for (int64_t pp = 0; pp < rq.n_pos; pp++)
+                            if (rq.source[pp] == KF_REFQ_PROBE)
+                                memcpy(qsub + (size_t)fR++ * d, q + ((size_t)j * rq.n_pos + pp) * d, sizeof(float) * d);
+                    fq = qsub;
+                }
+                kf_fold_info fi;
+                float *u = out->u + ((size_t)l * kvh + g) * d;
+                rc = kf_fold_direction(fq, fR, d, p->lambda_rel, u, &fi, err);
+                if (rc == KF_OK && fi.ok) {
+                    for (int j = 0; j < th; j++)
+                        memcpy(kfold + (size_t)j * d, h.k + (size_t)sel[j] * row, sizeof(float) * d);
+                    kf_fold_keys(kfold, d, beta, th, d, scale, u, kfold, d);
+                    kk = kfold;
+                    kstride = d;
+                    folded++;
+                    var_sum += fi.var_gain;
+                } else if (rc == KF_OK) {
+                    method = KF_METHOD_DROP; /* no fold direction: compact this head as drop */
+                    out->stats.fold_fallback_heads++;
+                }
+                out->stats.fold_s += now_s() - ts;
+            }
+            if (rc == KF_OK && !kk) { /* original keys of the selection */
+                for (int j = 0; j < th; j++)
+                    memcpy(kfold + (size_t)j * d, h.k + (size_t)sel[j] * row, sizeof(float) * d);
+                kk = kfold;
+                kstride = d;
+            }
+            if (rc == KF_OK && method == KF_METHOD_AM)
+                bias = beta;
+            if (rc == KF_OK && method != KF_METHOD_KEEP) {
+                ts = now_s();
+                rc = kf_am_fit_values(q, (int)rq.R, d, scale, kk, kstride, bias, th, tg.Y, vals, &out->stats.solver,
+                                      err);
+                out->stats.values_s += now_s() - ts;
+            }
+            if (rc == KF_OK) {
+                for (int j = 0; j < t; j++) {
+                    float *dk = ok + (size_t)(n_pre + j) * row + (size_t)g * d;
+                    float *dv = ov + (size_t)(n_pre + j) * row + (size_t)g * d;
+                    if (j >= th) { /* am padding: a slot that receives exactly no weight */
+                        memset(dk, 0, sizeof(float) * d);
+                        memset(dv, 0, sizeof(float) * d);
+                        hb[n_pre + j] = -INFINITY;
+                        hp[n_pre + j] = -1;
+                        continue;
+                    }
+                    memcpy(dk, kk + (size_t)j * kstride, sizeof(float) * d);
+                    if (method == KF_METHOD_KEEP)
+                        memcpy(dv, h.v + (size_t)sel[j] * row, sizeof(float) * d);
+                    else
+                        memcpy(dv, vals + (size_t)j * d, sizeof(float) * d);
+                    hb[n_pre + j] = method == KF_METHOD_AM ? beta[j] : 0.0f;
+                    hp[n_pre + j] = (int32_t)(n_pre + sel[j]);
+                }
+            }
+            kf_am_targets_free(&tg);
+            if (rc != KF_OK)
+                goto out;
+        }
+    }
+    out->stats.mean_var_gain = folded ? var_sum / folded : 0;
+    /* the compacted frame: questions at C, C+1, ... see what they would see at D, D+1, ... */
+    kf_compacted_set_frame(out, m, 1);
+
+out:
+    if (rc != KF_OK)
+        kf_compacted_free(out);
+    if (src) {
+        free(src[1].ids_owned);
+        free(src);
+    }
+    free(ctx_ids);
+    kf_seq_release(&arena, &seq);
+    if (arena.storage)
+        kf_arena_free(&arena);
+    kf_refq_free(&rq);
+    free(sample);
+    free(rows);
+    if (qbuf)
+        for (int l = 0; l < L; l++)
+            free(qbuf[l]);
+    free(qbuf);
+    free(K);
+    free(V);
+    free(budgets);
+    free(sel);
+    free(beta);
+    free(kfold);
+    free(vals);
+    free(qsub);
+    return rc;
+}
+
+void kf_compacted_set_frame(kf_compacted *c, const kf_model *m, int compacted) {
+    if (compacted == c->rotated || c->C == c->D)
+        return;
+    const int64_t delta = compacted ? -(c->D - c->C) : c->D - c->C;
+    int64_t *pos = malloc(sizeof(int64_t) * (size_t)c->C);
+    if (!pos)
+        return;
+    for (int64_t i = 0; i < c->C; i++)
+        pos[i] = delta;
+    const size_t row = (size_t)c->kv_heads * c->head_dim;
+    for (int l = 0; l < c->n_layers; l++)
+        kf_cpu_rope(c->keys + (size_t)l * c->C * row, row, (int)c->C, c->kv_heads, c->head_dim, pos,
+                    kf_model_inv_freq(m));
+    free(pos);
+    c->rotated = compacted;
+}
+
+kf_status kf_compacted_attach(const kf_compacted *c, kf_arena *a, kf_seq *seq, kf_error *err) {
+    kf_seq_init(seq);
+    KF_TRY(kf_seq_reserve(a, seq, c->C, err));
+    for (int l = 0; l < c->n_layers; l++) {
+        const size_t off = (size_t)l * c->C * c->kv_heads * c->head_dim;
+        kf_status rc = kf_seq_write_kv(a, seq, l, 0, c->C, c->keys + off, c->values + off, err);
+        if (rc != KF_OK) {
+            kf_seq_release(a, seq);
+            return rc;
+        }
+    }
+    seq->len = c->C;
+    return KF_OK;
+}
+
+const float *const *kf_compacted_bias(const kf_compacted *c, const float **per_layer) {
+    if (c->method != KF_METHOD_AM)
+        return NULL;
+    for (int l = 0; l < c->n_layers; l++)
+        per_layer[l] = c->beta + (size_t)l * c->kv_heads * c->C;
+    return per_layer;
+}
+
+int64_t kf_compacted_pos_offset(const kf_compacted *c) {
+    return c->rotated ? 0 : c->D - c->C;
+}

@@ -1,0 +1,110 @@
+/* compact.h — from a model and a document's token ids to a compacted KV cache in memory.
+ *
+ * Pipeline (DESIGN.md "Data flow"):
+ *   1. prefill [prefix | document | suffix] into the paged arena (the context);
+ *   2. reference queries (compactor/refq): the repeat prompt (instruction + document again),
+ *      optionally the document's own queries and probe prompts, each run on top of the context's
+ *      pages and rewound afterwards (the document is prefilled once);
+ *   3. per layer and KV head: AM targets and key selection over the document block, then by method
+ *        keep  top-t keys, original values, no bias
+ *        drop  top-t keys, values refit without bias
+ *        am    top-t keys, beta, values refit with beta (needs a bias-capable kernel)
+ *        fold  keys shifted by beta * sqrt(d) * u, values refit without bias (plain K/V)
+ *      prefix and suffix tokens are kept verbatim with beta = 0;
+ *   4. every key is rotated by -(D - C) positions (rope_frame "compacted"), so that a question at
+ *      positions C, C+1, ... sees exactly what it would see at D, D+1, ... in AM's frame.
+ *
+ * Cache layout per layer: [prefix (n_prefix) | compacted block (t) | suffix (n_suffix)],
+ * C = n_prefix + t + n_suffix, the same C for every layer and head (vLLM has one block table).
+ * With per-head budgets a head keeps t_h <= t keys; the rest of its slots are padding: for am a
+ * zero key and value with beta = -inf (exp(-inf) = 0, so the slot gets exactly no weight); for
+ * the bias-free methods there is no such key, so the head keeps its next-best real keys instead
+ * (t keys in all) and the value refit covers them.
+ */
+#ifndef KF_COMPACT_H
+#define KF_COMPACT_H
+
+#include <stdint.h>
+
+#include "compactor/am.h"
+#include "compactor/model.h"
+#include "formats/error.h"
+
+typedef enum { KF_METHOD_KEEP = 0, KF_METHOD_DROP = 1, KF_METHOD_AM = 2, KF_METHOD_FOLD = 3 } kf_method;
+typedef enum { KF_FOLD_ON_ALL = 0, KF_FOLD_ON_PROBES = 1 } kf_fold_queries;
+
+const char *kf_method_name(kf_method m);
+/* 0 on success, -1 for an unknown name. */
+int kf_method_parse(const char *name, kf_method *out);
+
+typedef struct {
+    const int32_t *ids;
+    int n;
+} kf_prompt;
+
+typedef struct {
+    kf_method method;
+    double budget;                  /* kept fraction of the document block (default 0.1) */
+    kf_score_method score;          /* default RMS */
+    double lambda_rel;              /* fold ridge, relative to tr(Sigma)/d (default 1e-2) */
+    kf_fold_queries fold_queries;   /* which pooled queries fit u (default all) */
+    int64_t max_queries;            /* cap of pooled queries per KV head (default 50,000) */
+    uint64_t seed;                  /* subsampling and power iteration (default 0) */
+    kf_prompt repeat_instruction;   /* ids between the context and the repeated document; n = 0
+                                       disables the repeat source */
+    int use_context_queries;        /* pool the document's own queries (default 0) */
+    const kf_prompt *probes;        /* question-like prompts run on top of the document */
+    int n_probes;
+    const float *head_budgets;      /* NULL (uniform) or [n_layers, kv_heads] shares summing to 1 */
+    double max_head_ratio;          /* cap of a head's budget as a fraction of the block (0.75) */
+    int chunk;                      /* prefill chunk size (0: default) */
+    void (*progress)(void *ctx, const char *stage, int64_t done, int64_t total);
+    void *progress_ctx;
+} kf_compact_params;
+
+kf_compact_params kf_compact_params_default(void);
+
+typedef struct {
+    double prefill_s, refq_s, select_s, beta_s, values_s, fold_s; /* wall time per stage */
+    int64_t n_queries;          /* pooled queries per KV head */
+    int fold_fallback_heads;    /* heads where mu^T a <= 0: compacted as `drop` */
+    double mean_var_gain;       /* var(q.u) averaged over folded heads */
+    kf_am_stats solver;
+} kf_compact_stats;
+
+typedef struct {
+    int n_layers, kv_heads, head_dim;
+    int64_t D;            /* original context length (prefix + document + suffix) */
+    int64_t C;            /* compacted length */
+    int64_t n_prefix, n_suffix, t;
+    kf_method method;
+    double budget, lambda_rel;
+    int rotated;          /* 1: keys in the compacted frame (rotated by -(D - C)) */
+    float *keys;          /* [n_layers, C, kv_heads, head_dim] */
+    float *values;        /* [n_layers, C, kv_heads, head_dim] */
+    float *beta;          /* [n_layers, kv_heads, C]; zeros except for am */
+    float *u;             /* [n_layers, kv_heads, head_dim]; zeros except for fold */
+    int32_t *positions;   /* [n_layers, kv_heads, C] original positions, -1 for padding */
+    kf_compact_stats stats;
+} kf_compacted;
+
+/* The full context is prefix + doc + suffix (prefix/suffix may be empty: n = 0). */
+kf_status kf_compact(kf_model *m, const kf_prompt *prefix, const kf_prompt *doc, const kf_prompt *suffix,
+                     const kf_compact_params *p, kf_compacted *out, kf_error *err);
+void kf_compacted_free(kf_compacted *c);
+
+/* Rotate the keys into the compacted frame (compacted = 1: by -(D - C), questions at C, C+1, ...)
+ * or back into AM's frame (0: the kept keys at their original positions, questions at D, ...).
+ * kf_compact returns the compacted frame. */
+void kf_compacted_set_frame(kf_compacted *c, const kf_model *m, int compacted);
+
+/* Attach a compacted cache to the arena as a fresh document seq of C tokens. For am, the caller
+ * passes kf_compacted_bias() to the forward pass; questions then run at pos_offset
+ * kf_compacted_pos_offset() (D - C in AM's frame, 0 in the compacted frame). */
+kf_status kf_compacted_attach(const kf_compacted *c, kf_arena *a, kf_seq *seq, kf_error *err);
+/* Per-layer bias pointers ([kv_heads, C] each) for am, or NULL for the bias-free methods; the
+ * array must hold n_layers entries. */
+const float *const *kf_compacted_bias(const kf_compacted *c, const float **per_layer);
+int64_t kf_compacted_pos_offset(const kf_compacted *c);
+
+#endif

@@ -1,0 +1,335 @@
+#include "compactor/evaluate.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "compactor/diag.h"
+
+typedef struct {
+    float *logp;     /* [answer.n, vocab] full-context log-probabilities */
+    float **q;       /* [n_layers] -> [n_tok, n_heads, head_dim] queries of question+answer tokens */
+    float **k, **v;  /* [n_layers] -> [n_tok, kv_heads, head_dim] their keys and values */
+    int n_tok;
+} qa_ref;
+
+struct kf_reference {
+    int L, nh, kvh, d, V;
+    kf_prompt doc;        /* borrowed */
+    kf_prompt instruction;
+    const kf_qa *qa;      /* borrowed */
+    int n_qa;
+    float *repeat_logp;   /* [doc.n, vocab] */
+    float *K, *Vv;        /* [n_layers, doc.n, kv_heads, head_dim] the document's keys and values */
+    qa_ref *refs;         /* [n_qa] */
+};
+
+static void log_softmax_rows(float *x, int rows, int n) {
+    for (int r = 0; r < rows; r++) {
+        float *row = x + (size_t)r * n;
+        double mx = -INFINITY, sum = 0;
+        for (int i = 0; i < n; i++)
+            mx = row[i] > mx ? row[i] : mx;
+        for (int i = 0; i < n; i++)
+            sum += exp(row[i] - mx);
+        const float lse = (float)(mx + log(sum));
+        for (int i = 0; i < n; i++)
+            row[i] -= lse;
+    }
+}
+
+/* Runs prompt (=[a | b]) on top of seq, returns log-probs of the rows predicting b's tokens, then
+ * rewinds seq to its length before. capture (optional) gets queries of all prompt tokens. */
+static kf_status teacher_force(kf_model *m, kf_arena *a, kf_seq *seq, const kf_prompt *first, const kf_prompt *second,
+                               const float *const *bias, int bias_len, int64_t pos_offset, float *logp, float **queries,
+                               kf_error *err) {
+    const int n = first->n + second->n, V = kf_model_config(m)->vocab_size;
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)n);
+    int32_t *rows = malloc(sizeof(int32_t) * (size_t)(second->n + n));
+    int32_t *all = rows + second->n;
+    if (!ids || !rows) {
+        free(ids);
+        free(rows);
+        return kf_fail(err, KF_ERR_NOMEM, "evaluate: out of memory");
+    }
+    memcpy(ids, first->ids, sizeof(int32_t) * first->n);
+    memcpy(ids + first->n, second->ids, sizeof(int32_t) * second->n);
+    for (int i = 0; i < second->n; i++)
+        rows[i] = first->n - 1 + i;
+    for (int i = 0; i < n; i++)
+        all[i] = i;
+    const int64_t len0 = seq->len;
+    kf_forward_args fa = {.ids = ids, .n_tokens = n, .pos_offset = pos_offset, .logit_rows = rows,
+                          .n_logit_rows = second->n, .logits = logp, .capture_rows = all,
+                          .n_capture_rows = queries ? n : 0, .queries = queries, .key_bias = bias,
+                          .key_bias_len = bias_len};
+    kf_status rc = kf_model_forward(m, a, seq, &fa, err);
+    free(ids);
+    free(rows);
+    if (rc == KF_OK)
+        log_softmax_rows(logp, second->n, V);
+    if (rc == KF_OK && !queries) /* queries: the caller still reads this prompt's K/V */
+        rc = kf_seq_truncate(a, seq, len0, err);
+    return rc;
+}
+
+void kf_reference_free(kf_reference *r) {
+    if (!r)
+        return;
+    free(r->repeat_logp);
+    free(r->K);
+    free(r->Vv);
+    for (int i = 0; r->refs && i < r->n_qa; i++) {
+        free(r->refs[i].logp);
+        for (int l = 0; l < r->L; l++) {
+            if (r->refs[i].q)
+                free(r->refs[i].q[l]);
+            if (r->refs[i].k)
+                free(r->refs[i].k[l]);
+            if (r->refs[i].v)
+                free(r->refs[i].v[l]);
+        }
+        free(r->refs[i].q);
+        free(r->refs[i].k);
+        free(r->refs[i].v);
+    }
+    free(r->refs);
+    free(r);
+}
+
+kf_status kf_reference_build(kf_model *m, const kf_prompt *doc, const kf_prompt *instruction, const kf_qa *qa,
+                             int n_qa, kf_reference **out, kf_error *err) {
+    *out = NULL;
+    const kf_hfconfig *c = kf_model_config(m);
+    kf_reference *r = calloc(1, sizeof *r);
+    if (!r)
+        return kf_fail(err, KF_ERR_NOMEM, "evaluate: out of memory");
+    r->L = c->n_layers, r->nh = c->n_heads, r->kvh = c->n_kv_heads, r->d = c->head_dim, r->V = c->vocab_size;
+    r->doc = *doc, r->instruction = *instruction, r->qa = qa, r->n_qa = n_qa;
+    const size_t row = (size_t)r->kvh * r->d;
+    int longest = instruction->n + doc->n;
+    for (int i = 0; i < n_qa; i++)
+        longest = qa[i].question.n + qa[i].answer.n > longest ? qa[i].question.n + qa[i].answer.n : longest;
+    kf_arena a = {0};
+    kf_seq seq;
+    kf_seq_init(&seq);
+    kf_status rc = kf_model_arena(m, &a, (int64_t)doc->n + longest + KF_PAGE_TOKENS, err);
+    if (rc != KF_OK)
+        goto fail;
+    r->repeat_logp = malloc(sizeof(float) * (size_t)doc->n * r->V);
+    r->K = malloc(sizeof(float) * (size_t)r->L * doc->n * row);
+    r->Vv = malloc(sizeof(float) * (size_t)r->L * doc->n * row);
+    r->refs = calloc((size_t)(n_qa ? n_qa : 1), sizeof *r->refs);
+    if (!r->repeat_logp || !r->K || !r->Vv || !r->refs) {
+        rc = kf_fail(err, KF_ERR_NOMEM, "evaluate: out of memory");
+        goto fail;
+    }
+    kf_forward_args fa = {.ids = doc->ids, .n_tokens = doc->n};
+    if ((rc = kf_model_forward(m, &a, &seq, &fa, err)) != KF_OK)
+        goto fail;
+    for (int l = 0; l < r->L && rc == KF_OK; l++)
+        rc = kf_seq_read_kv(&a, &seq, l, 0, doc->n, r->K + (size_t)l * doc->n * row, r->Vv + (size_t)l * doc->n * row,
+                            err);
+    if (rc == KF_OK)
+        rc = teacher_force(m, &a, &seq, instruction, doc, NULL, 0, 0, r->repeat_logp, NULL, err);
+    for (int i = 0; i < n_qa && rc == KF_OK; i++) {
+        qa_ref *x = &r->refs[i];
+        x->n_tok = qa[i].question.n + qa[i].answer.n;
+        x->logp = malloc(sizeof(float) * (size_t)qa[i].answer.n * r->V);
+        x->q = calloc((size_t)r->L, sizeof(float *));
+        x->k = calloc((size_t)r->L, sizeof(float *));
+        x->v = calloc((size_t)r->L, sizeof(float *));
+        if (!x->logp || !x->q || !x->k || !x->v) {
+            rc = kf_fail(err, KF_ERR_NOMEM, "evaluate: out of memory");
+            break;
+        }
+        for (int l = 0; l < r->L; l++) {
+            x->q[l] = malloc(sizeof(float) * (size_t)x->n_tok * r->nh * r->d);
+            x->k[l] = malloc(sizeof(float) * (size_t)x->n_tok * row);
+            x->v[l] = malloc(sizeof(float) * (size_t)x->n_tok * row);
+            if (!x->q[l] || !x->k[l] || !x->v[l])
+                rc = kf_fail(err, KF_ERR_NOMEM, "evaluate: out of memory");
+        }
+        if (rc != KF_OK)
+            break;
+        rc = teacher_force(m, &a, &seq, &qa[i].question, &qa[i].answer, NULL, 0, 0, x->logp, x->q, err);
+        for (int l = 0; l < r->L && rc == KF_OK; l++)
+            rc = kf_seq_read_kv(&a, &seq, l, doc->n, x->n_tok, x->k[l], x->v[l], err);
+        if (rc == KF_OK)
+            rc = kf_seq_truncate(&a, &seq, doc->n, err);
+    }
+    if (rc != KF_OK)
+        goto fail;
+    kf_seq_release(&a, &seq);
+    kf_arena_free(&a);
+    *out = r;
+    return KF_OK;
+fail:
+    kf_seq_release(&a, &seq);
+    if (a.storage)
+        kf_arena_free(&a);
+    kf_reference_free(r);
+    return rc;
+}
+
+/* mean over rows of KL(p || q) for log-probabilities; argmax hits of q against targets */
+static double kl_rows(const float *lp, const float *lq, int rows, int V, const int32_t *targets, int *hits) {
+    double total = 0;
+    for (int r = 0; r < rows; r++) {
+        const float *a = lp + (size_t)r * V, *b = lq + (size_t)r * V;
+        double kl = 0;
+        int arg = 0;
+        for (int i = 0; i < V; i++) {
+            kl += exp(a[i]) * ((double)a[i] - b[i]);
+            arg = b[i] > b[arg] ? i : arg;
+        }
+        total += kl;
+        if (targets && hits)
+            *hits += arg == targets[r];
+    }
+    return total;
+}
+
+kf_status kf_quality_measure(kf_model *m, const kf_reference *r, kf_compacted *c, kf_quality *out, kf_error *err) {
+    memset(out, 0, sizeof *out);
+    const int V = r->V, L = r->L, kvh = r->kvh, d = r->d, G = r->nh / r->kvh;
+    const size_t row = (size_t)kvh * d;
+    if (c->n_prefix || c->n_suffix || c->D != r->doc.n)
+        return kf_fail(err, KF_ERR_INVALID, "evaluate: the cache is not of this document");
+    int longest = r->instruction.n + r->doc.n;
+    for (int i = 0; i < r->n_qa; i++)
+        longest = r->qa[i].question.n + r->qa[i].answer.n > longest ? r->qa[i].question.n + r->qa[i].answer.n : longest;
+    kf_arena a = {0};
+    kf_seq seq;
+    kf_seq_init(&seq);
+    const float **bias_l = calloc((size_t)L, sizeof *bias_l);
+    float *lq = malloc(sizeof(float) * (size_t)(r->doc.n > 64 ? r->doc.n : 64) * V);
+    kf_status rc = bias_l && lq ? kf_model_arena(m, &a, c->C + longest + KF_PAGE_TOKENS, err)
+                                : kf_fail(err, KF_ERR_NOMEM, "evaluate: out of memory");
+    if (rc == KF_OK)
+        rc = kf_compacted_attach(c, &a, &seq, err);
+    const float *const *bias = kf_compacted_bias(c, bias_l);
+    const int64_t off = kf_compacted_pos_offset(c);
+    if (rc == KF_OK)
+        rc = teacher_force(m, &a, &seq, &r->instruction, &r->doc, bias, (int)c->C, off, lq, NULL, err);
+    if (rc == KF_OK) {
+        int hits = 0;
+        out->kl_repeat = kl_rows(r->repeat_logp, lq, r->doc.n, V, r->doc.ids, &hits);
+        out->copy_acc = hits;
+        out->n_repeat = r->doc.n;
+    }
+    for (int i = 0; i < r->n_qa && rc == KF_OK; i++) {
+        const kf_qa *qa = &r->qa[i];
+        rc = teacher_force(m, &a, &seq, &qa->question, &qa->answer, bias, (int)c->C, off, lq, NULL, err);
+        if (rc != KF_OK)
+            break;
+        out->kl_answer += kl_rows(r->refs[i].logp, lq, qa->answer.n, V, NULL, NULL);
+        out->n_answer += qa->answer.n;
+        /* greedy answer of the gold answer's length */
+        int32_t last = qa->question.n - 1;
+        kf_forward_args fa = {.ids = qa->question.ids, .n_tokens = qa->question.n, .pos_offset = off,
+                              .logit_rows = &last, .n_logit_rows = 1, .logits = lq, .key_bias = bias,
+                              .key_bias_len = (int)c->C};
+        int match = 1;
+        int32_t tok = 0;
+        for (int j = 0; j < qa->answer.n && rc == KF_OK; j++) {
+            rc = kf_model_forward(m, &a, &seq, &fa, err);
+            int32_t arg = 0;
+            for (int v = 1; v < V; v++)
+                arg = lq[v] > lq[arg] ? v : arg;
+            match &= arg == qa->answer.ids[j];
+            tok = arg;
+            last = 0;
+            fa.ids = &tok;
+            fa.n_tokens = 1;
+        }
+        out->qa_em += match;
+        out->n_questions++;
+        if (rc == KF_OK)
+            rc = kf_seq_truncate(&a, &seq, c->C, err);
+    }
+    /* per-head diagnostics in AM's frame, on the held-out question/answer queries */
+    const int was_rotated = c->rotated;
+    if (rc == KF_OK)
+        kf_compacted_set_frame(c, m, 0);
+    int total_tok = 0;
+    for (int i = 0; i < r->n_qa; i++)
+        total_tok += r->refs[i].n_tok;
+    float *hq = malloc(sizeof(float) * (size_t)(total_tok ? total_tok : 1) * G * d);
+    float *ak = malloc(sizeof(float) * (size_t)(total_tok ? total_tok : 1) * d);
+    float *av = malloc(sizeof(float) * (size_t)(total_tok ? total_tok : 1) * d);
+    if (rc == KF_OK && (!hq || !ak || !av))
+        rc = kf_fail(err, KF_ERR_NOMEM, "evaluate: out of memory");
+    const float scale = 1.0f / sqrtf((float)d);
+    for (int l = 0; l < L && rc == KF_OK; l++)
+        for (int g = 0; g < kvh && rc == KF_OK; g++) {
+            kf_kv_block orig = {r->K + (size_t)l * r->doc.n * row + (size_t)g * d,
+                                r->Vv + (size_t)l * r->doc.n * row + (size_t)g * d, row, NULL, r->doc.n};
+            kf_kv_block comp = {c->keys + (size_t)l * c->C * row + (size_t)g * d,
+                                c->values + (size_t)l * c->C * row + (size_t)g * d, row,
+                                c->method == KF_METHOD_AM ? c->beta + ((size_t)l * kvh + g) * c->C : NULL, (int)c->C};
+            double lse = 0, oe = 0;
+            for (int i = 0; i < r->n_qa && rc == KF_OK; i++) {
+                const qa_ref *x = &r->refs[i];
+                int *vis = malloc(sizeof(int) * (size_t)x->n_tok * G);
+                if (!vis) {
+                    rc = kf_fail(err, KF_ERR_NOMEM, "evaluate: out of memory");
+                    break;
+                }
+                for (int t = 0; t < x->n_tok; t++) {
+                    memcpy(ak + (size_t)t * d, x->k[l] + (size_t)t * row + (size_t)g * d, sizeof(float) * d);
+                    memcpy(av + (size_t)t * d, x->v[l] + (size_t)t * row + (size_t)g * d, sizeof(float) * d);
+                    for (int j = 0; j < G; j++) {
+                        memcpy(hq + ((size_t)t * G + j) * d, x->q[l] + ((size_t)t * r->nh + g * G + j) * d,
+                               sizeof(float) * d);
+                        vis[t * G + j] = t + 1; /* causal within the question */
+                    }
+                }
+                kf_kv_block app = {ak, av, (size_t)d, NULL, x->n_tok};
+                kf_head_diag hd;
+                rc = kf_diag_head(hq, x->n_tok * G, d, scale, &orig, &comp, &app, vis, &hd, err);
+                free(vis);
+                lse += hd.lse_err;
+                oe += hd.out_err;
+            }
+            if (r->n_qa) {
+                out->lse_err += lse / r->n_qa;
+                out->out_err += oe / r->n_qa;
+            }
+            out->n_heads++;
+        }
+    if (out->n_heads) {
+        out->lse_err /= (double)out->n_heads;
+        out->out_err /= (double)out->n_heads;
+    }
+    kf_compacted_set_frame(c, m, was_rotated);
+    free(hq);
+    free(ak);
+    free(av);
+    /* turn sums into means */
+    if (out->n_repeat)
+        out->kl_repeat /= (double)out->n_repeat, out->copy_acc /= (double)out->n_repeat;
+    if (out->n_answer)
+        out->kl_answer /= (double)out->n_answer;
+    if (out->n_questions)
+        out->qa_em /= (double)out->n_questions;
+    kf_seq_release(&a, &seq);
+    if (a.storage)
+        kf_arena_free(&a);
+    free(bias_l);
+    free(lq);
+    return rc;
+}
+
+void kf_quality_add(kf_quality *s, const kf_quality *x) {
+    s->kl_repeat += x->kl_repeat, s->kl_answer += x->kl_answer, s->copy_acc += x->copy_acc;
+    s->qa_em += x->qa_em, s->lse_err += x->lse_err, s->out_err += x->out_err;
+    s->n_repeat += x->n_repeat, s->n_answer += x->n_answer, s->n_questions += x->n_questions;
+    s->n_heads += x->n_heads;
+}
+
+void kf_quality_mean(kf_quality *s, int n) {
+    if (n <= 0)
+        return;
+    s->kl_repeat /= n, s->kl_answer /= n, s->copy_acc /= n, s->qa_em /= n, s->lse_err /= n, s->out_err /= n;
+}

@@ -1,0 +1,45 @@
+/* evaluate.h — how well a compacted cache preserves what the model reads (issue: quality eval).
+ *
+ * A reference is built once per document from the full context:
+ *   - the repeat continuation: [instruction | document] teacher-forced on top of the document;
+ *     next-token log-probabilities at every position that predicts a document token;
+ *   - each question: [question | answer] teacher-forced; log-probabilities at the positions that
+ *     predict the answer tokens; the queries and keys/values of these tokens (held-out queries,
+ *     never used for fitting, and the uncompacted block appended in the diagnostics);
+ *   - the document's own keys and values (the original block).
+ * A compacted cache is then measured against it:
+ *   kl_repeat  mean KL(full || compacted) over the repeat continuation
+ *   kl_answer  mean KL over the answer tokens
+ *   copy_acc   teacher-forced argmax accuracy of the repeat continuation
+ *   qa_em      exact match of greedy answers (as many tokens as the gold answer)
+ *   lse_err, out_err  per-head diagnostics (compactor/diag.h), averaged over layers and heads
+ */
+#ifndef KF_EVALUATE_H
+#define KF_EVALUATE_H
+
+#include "compactor/compact.h"
+
+typedef struct {
+    kf_prompt question;
+    kf_prompt answer;
+} kf_qa;
+
+typedef struct {
+    double kl_repeat, kl_answer, copy_acc, qa_em, lse_err, out_err;
+    int64_t n_repeat, n_answer, n_questions, n_heads;
+} kf_quality;
+
+typedef struct kf_reference kf_reference;
+
+kf_status kf_reference_build(kf_model *m, const kf_prompt *doc, const kf_prompt *instruction, const kf_qa *qa,
+                             int n_qa, kf_reference **out, kf_error *err);
+void kf_reference_free(kf_reference *r);
+
+/* c must come from kf_compact on the same document (no prefix/suffix); its frame is restored. */
+kf_status kf_quality_measure(kf_model *m, const kf_reference *r, kf_compacted *c, kf_quality *out, kf_error *err);
+
+/* Accumulate (sum) and average helpers for tables over documents. */
+void kf_quality_add(kf_quality *sum, const kf_quality *x);
+void kf_quality_mean(kf_quality *sum, int n_docs);
+
+#endif

@@ -1,0 +1,31 @@
+/* fold.h — folding AM's per-key biases into the keys (seed 003, research note am-fold.md §7).
+ *
+ * With the pooled reference queries' mean mu and covariance Sigma (fp64):
+ *   a = (Sigma + lambda I)^-1 mu,  lambda = lambda_rel * tr(Sigma) / d,   u = a / (mu^T a)
+ * so mu^T u = 1 and u is the minimum-variance direction with that property. The folded key is
+ *   k'_j = k_j + beta_j * u / s        (s the softmax scale, 1/s = sqrt(d))
+ * and the folded logit s q.k'_j = s q.k_j + beta_j (q.u): AM's bias times the gain g(q) = q.u,
+ * exact for the mean query (g(mu) = 1), with var(g) = u^T Sigma u over the reference queries.
+ * When mu^T a <= 0 there is no such direction; the caller falls back to `drop` for that head.
+ */
+#ifndef KF_FOLD_H
+#define KF_FOLD_H
+
+#include "formats/error.h"
+
+typedef struct {
+    double mu_dot_a;  /* mu^T a before normalisation (<= 0: no fold) */
+    double var_gain;  /* u^T Sigma u = var(q.u) over the queries */
+    double u_norm;
+    int ok;           /* 1 when u was fitted */
+} kf_fold_info;
+
+/* u[d] from the rows of q [R, d]. */
+kf_status kf_fold_direction(const float *q, int R, int d, double lambda_rel, float *u, kf_fold_info *info,
+                            kf_error *err);
+
+/* out[j] = keys[j] + beta[j] * u / scale for t keys of width d (row strides in elements). */
+void kf_fold_keys(const float *keys, size_t key_stride, const float *beta, int t, int d, float scale, const float *u,
+                  float *out, size_t out_stride);
+
+#endif

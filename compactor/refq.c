@@ -1,0 +1,75 @@
+#include "compactor/refq.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+kf_status kf_refq_init(kf_refq *r, int n_layers, int kv_heads, int head_dim, int group, int64_t n_pos,
+                       kf_error *err) {
+    memset(r, 0, sizeof *r);
+    r->n_layers = n_layers;
+    r->kv_heads = kv_heads;
+    r->head_dim = head_dim;
+    r->group = group;
+    r->n_pos = n_pos;
+    r->R = (int64_t)group * n_pos;
+    const size_t n = (size_t)n_layers * kv_heads * (size_t)r->R * head_dim;
+    r->q = malloc(sizeof(float) * (n ? n : 1));
+    r->source = calloc((size_t)(n_pos ? n_pos : 1), 1);
+    if (!r->q || !r->source) {
+        kf_refq_free(r);
+        return kf_fail(err, KF_ERR_NOMEM, "reference queries: out of memory (%.1f MiB)", n * 4.0 / (1 << 20));
+    }
+    return KF_OK;
+}
+
+void kf_refq_free(kf_refq *r) {
+    free(r->q);
+    free(r->source);
+    memset(r, 0, sizeof *r);
+}
+
+void kf_refq_store(kf_refq *r, float *const *queries, int n, int64_t first_pos, uint8_t source) {
+    const int G = r->group, d = r->head_dim, nh = r->kv_heads * G;
+    for (int l = 0; l < r->n_layers; l++)
+        for (int i = 0; i < n; i++) {
+            const int64_t p = first_pos + i;
+            for (int g = 0; g < r->kv_heads; g++)
+                for (int j = 0; j < G; j++)
+                    memcpy(kf_refq_rows(r, l, g) + ((size_t)j * r->n_pos + p) * d,
+                           queries[l] + ((size_t)i * nh + g * G + j) * d, sizeof(float) * d);
+        }
+    for (int i = 0; i < n; i++)
+        r->source[first_pos + i] = source;
+}
+
+static int cmp_i64(const void *a, const void *b) {
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+int kf_sample_indices(int64_t n_total, int64_t n_keep, uint64_t seed, int64_t *out) {
+    if (n_keep >= n_total) {
+        for (int64_t i = 0; i < n_total; i++)
+            out[i] = i;
+        return 0;
+    }
+    /* partial Fisher-Yates over a permutation of [0, n_total) */
+    int64_t *perm = malloc(sizeof(int64_t) * (size_t)n_total);
+    if (!perm)
+        return -1;
+    for (int64_t i = 0; i < n_total; i++)
+        perm[i] = i;
+    uint64_t s = seed * 0x9E3779B97F4A7C15ULL + 0xD1B54A32D192ED03ULL;
+    for (int64_t i = 0; i < n_keep; i++) {
+        s ^= s >> 12, s ^= s << 25, s ^= s >> 27;
+        const uint64_t rnd = s * 0x2545F4914F6CDD1DULL;
+        const int64_t j = i + (int64_t)(rnd % (uint64_t)(n_total - i));
+        const int64_t tmp = perm[i];
+        perm[i] = perm[j];
+        perm[j] = tmp;
+    }
+    memcpy(out, perm, sizeof(int64_t) * (size_t)n_keep);
+    free(perm);
+    qsort(out, (size_t)n_keep, sizeof *out, cmp_i64);
+    return 0;
+}

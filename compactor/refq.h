@@ -1,0 +1,45 @@
+/* refq.h — pooled reference queries for Attention Matching.
+ *
+ * Queries are post-q_norm, post-RoPE, unscaled (as the forward pass captures them). For KV head
+ * g the G = n_heads / kv_heads query heads g*G .. g*G+G-1 are pooled head-major:
+ *
+ *   q[layer][g][j * n_pos + p][:] = query head g*G + j at sampled position p
+ *
+ * so every KV head has R = G * n_pos rows, and the sampled positions are the same for every layer
+ * and head (one subsample, fixed seed). source[p] says where position p came from.
+ */
+#ifndef KF_REFQ_H
+#define KF_REFQ_H
+
+#include <stdint.h>
+
+#include "formats/error.h"
+
+enum { KF_REFQ_CONTEXT = 0, KF_REFQ_REPEAT = 1, KF_REFQ_PROBE = 2 };
+
+typedef struct {
+    int n_layers, kv_heads, head_dim, group;
+    int64_t n_pos;    /* sampled positions */
+    int64_t R;        /* rows per KV head: group * n_pos */
+    float *q;         /* [n_layers, kv_heads, R, head_dim] */
+    uint8_t *source;  /* [n_pos] */
+} kf_refq;
+
+kf_status kf_refq_init(kf_refq *r, int n_layers, int kv_heads, int head_dim, int group, int64_t n_pos,
+                       kf_error *err);
+void kf_refq_free(kf_refq *r);
+
+/* Rows of KV head g of a layer: [R, head_dim]. */
+static inline float *kf_refq_rows(const kf_refq *r, int layer, int g) {
+    return r->q + ((size_t)layer * r->kv_heads + g) * (size_t)r->R * r->head_dim;
+}
+
+/* Scatter captured queries (per layer: [n, n_heads, head_dim]) of sampled positions
+ * first_pos .. first_pos + n - 1 into the pool. */
+void kf_refq_store(kf_refq *r, float *const *queries, int n, int64_t first_pos, uint8_t source);
+
+/* n_keep sorted distinct indices drawn uniformly from [0, n_total) (all of them when
+ * n_keep >= n_total). Deterministic for a seed. Returns 0 or -1 (out of memory). */
+int kf_sample_indices(int64_t n_total, int64_t n_keep, uint64_t seed, int64_t *out);
+
+#endif

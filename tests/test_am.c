@@ -1,0 +1,588 @@
+/* Attention Matching and the fold: each step on synthetic data with a known answer, then the
+ * whole compaction on the trained records model. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "compactor/compact.h"
+#include "compactor/diag.h"
+#include "compactor/evaluate.h"
+#include "compactor/fold.h"
+#include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cpu/linalg.h"
+#include "test_util.h"
+
+/* ---- least squares ---- */
+
+static void test_lstsq_known_optimum(void) {
+    const int m = 60, n = 12, r = 3;
+    float *A = malloc(sizeof(float) * m * n), *X0 = malloc(sizeof(float) * n * r), *B = malloc(sizeof(float) * m * r);
+    float *X = malloc(sizeof(float) * n * r);
+    kf_test_fill_uniform(A, (size_t)m * n, 21, -1, 1);
+    kf_test_fill_uniform(X0, (size_t)n * r, 22, -2, 2);
+    for (int i = 0; i < m; i++)
+        for (int c = 0; c < r; c++) {
+            double s = 0;
+            for (int k = 0; k < n; k++)
+                s += (double)A[i * n + k] * X0[k * r + c];
+            B[i * r + c] = (float)s;
+        }
+    CU_ASSERT_EQUAL(kf_lstsq(A, m, n, B, r, X), KF_LSTSQ_QR);
+    CU_ASSERT(kf_max_abs_diff(X, X0, (size_t)n * r) < 1e-4);
+    /* a duplicated column makes A rank-deficient: QR refuses, the ridge path still fits B */
+    for (int i = 0; i < m; i++)
+        A[i * n + 1] = A[i * n + 0];
+    for (int i = 0; i < m; i++)
+        for (int c = 0; c < r; c++) {
+            double s = 0;
+            for (int k = 0; k < n; k++)
+                s += (double)A[i * n + k] * X0[k * r + c];
+            B[i * r + c] = (float)s;
+        }
+    int path = kf_lstsq(A, m, n, B, r, X);
+    CU_ASSERT(path == KF_LSTSQ_RIDGE || path == KF_LSTSQ_QR);
+    double worst = 0;
+    for (int i = 0; i < m; i++)
+        for (int c = 0; c < r; c++) {
+            double s = 0;
+            for (int k = 0; k < n; k++)
+                s += (double)A[i * n + k] * X[k * r + c];
+            worst = fmax(worst, fabs(s - B[i * r + c]));
+        }
+    CU_ASSERT(worst < 1e-2);
+    CU_ASSERT(fabs(X[0 * r] - X[1 * r]) < 1e-2); /* the minimum-norm split of the duplicated weight */
+    free(A);
+    free(X0);
+    free(B);
+    free(X);
+}
+
+static void test_lstsq_underdetermined_min_norm(void) {
+    const int m = 4, n = 9;
+    float A[36], B[4], X[9];
+    kf_test_fill_uniform(A, 36, 23, -1, 1);
+    kf_test_fill_uniform(B, 4, 24, -1, 1);
+    CU_ASSERT(kf_lstsq(A, m, n, B, 1, X) >= 0);
+    for (int i = 0; i < m; i++) {
+        double s = 0;
+        for (int k = 0; k < n; k++)
+            s += (double)A[i * n + k] * X[k];
+        CU_ASSERT(fabs(s - B[i]) < 1e-4);
+    }
+    /* minimum norm: X lies in the row space of A, so X is orthogonal to A's null space: any z
+     * with A z = 0 has z.X = 0. Build z from the ridge-free projection. */
+    float z[9];
+    kf_test_fill_uniform(z, 9, 25, -1, 1);
+    float Az[4], w[9];
+    for (int i = 0; i < m; i++) {
+        double s = 0;
+        for (int k = 0; k < n; k++)
+            s += (double)A[i * n + k] * z[k];
+        Az[i] = (float)s;
+    }
+    CU_ASSERT(kf_lstsq(A, m, n, Az, 1, w) >= 0); /* w = row-space part of z */
+    double dot = 0;
+    for (int k = 0; k < n; k++)
+        dot += (z[k] - w[k]) * X[k];
+    CU_ASSERT(fabs(dot) < 1e-4);
+}
+
+/* ---- AM steps ---- */
+
+typedef struct {
+    int T, R, d;
+    float *K, *V, *Q;
+} synth;
+
+static synth make_synth(int T, int R, int d, uint64_t seed) {
+    synth s = {T, R, d, malloc(sizeof(float) * T * d), malloc(sizeof(float) * T * d), malloc(sizeof(float) * R * d)};
+    kf_test_fill_uniform(s.K, (size_t)T * d, seed, -1.5f, 1.5f);
+    kf_test_fill_uniform(s.V, (size_t)T * d, seed + 1, -1, 1);
+    kf_test_fill_uniform(s.Q, (size_t)R * d, seed + 2, -1.5f, 1.5f);
+    for (int i = 0; i < R; i++) /* queries share a mean direction, as real ones do */
+        for (int c = 0; c < d; c++)
+            s.Q[i * d + c] += c % 3 == 0 ? 1.0f : 0.0f;
+    return s;
+}
+
+static void free_synth(synth *s) {
+    free(s->K);
+    free(s->V);
+    free(s->Q);
+}
+
+static kf_am_head head_of(const synth *s) {
+    return (kf_am_head){s->K, (size_t)s->d, s->V, (size_t)s->d, s->T, s->Q, s->R, s->d, 1.0f / sqrtf((float)s->d)};
+}
+
+static void test_targets_partition_function(void) {
+    synth s = make_synth(50, 40, 16, 31);
+    kf_am_head h = head_of(&s);
+    kf_am_targets tg;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
+    double worst_z = 0, worst_y = 0, score_sum_sq = 0;
+    double *colsq = calloc(s.T, sizeof(double));
+    for (int i = 0; i < s.R; i++) {
+        double z[50], Z = 0, out[16] = {0};
+        for (int j = 0; j < s.T; j++) {
+            double dot = 0;
+            for (int c = 0; c < s.d; c++)
+                dot += (double)s.Q[i * s.d + c] * s.K[j * s.d + c];
+            z[j] = exp(dot * h.scale);
+            Z += z[j];
+        }
+        for (int j = 0; j < s.T; j++) {
+            colsq[j] += (z[j] / Z) * (z[j] / Z);
+            for (int c = 0; c < s.d; c++)
+                out[c] += z[j] / Z * s.V[j * s.d + c];
+        }
+        worst_z = fmax(worst_z, fabs(tg.y[i] * exp(tg.m[i]) - Z) / Z);
+        for (int c = 0; c < s.d; c++)
+            worst_y = fmax(worst_y, fabs(out[c] - tg.Y[i * s.d + c]));
+    }
+    for (int j = 0; j < s.T; j++)
+        score_sum_sq = fmax(score_sum_sq, fabs(sqrt(colsq[j] / s.R) - tg.score[j]));
+    CU_ASSERT(worst_z < 1e-5);
+    CU_ASSERT(worst_y < 1e-5);
+    CU_ASSERT(score_sum_sq < 1e-6);
+    free(colsq);
+    kf_am_targets_free(&tg);
+    free_synth(&s);
+}
+
+static void test_selection_recovers_planted_keys(void) {
+    synth s = make_synth(200, 64, 16, 41);
+    /* plant 5 keys aligned with the queries' mean: they take most of the attention */
+    const int planted[5] = {3, 77, 78, 150, 199};
+    for (int p = 0; p < 5; p++)
+        for (int c = 0; c < s.d; c++)
+            s.K[planted[p] * s.d + c] = c % 3 == 0 ? 4.0f : 0.0f;
+    kf_am_head h = head_of(&s);
+    kf_am_targets tg;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
+    int32_t sel[5];
+    CU_ASSERT_EQUAL(kf_am_select(tg.score, s.T, 5, sel, &err), KF_OK);
+    for (int p = 0; p < 5; p++)
+        CU_ASSERT_EQUAL(sel[p], planted[p]); /* and in position order */
+    CU_ASSERT_EQUAL(kf_am_select(tg.score, s.T, 201, sel, &err), KF_ERR_INVALID);
+    kf_am_targets_free(&tg);
+    free_synth(&s);
+}
+
+static void test_beta_all_keys_and_duplicates(void) {
+    synth s = make_synth(30, 120, 8, 51);
+    kf_am_head h = head_of(&s);
+    kf_am_targets tg;
+    kf_error err = {0};
+    kf_am_stats st = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
+    int32_t all[30];
+    float beta[30];
+    for (int j = 0; j < 30; j++)
+        all[j] = j;
+    CU_ASSERT_EQUAL(kf_am_fit_beta(&h, &tg, all, 30, 7, beta, &st, &err), KF_OK);
+    for (int j = 0; j < 30; j++)
+        CU_ASSERT(fabsf(beta[j]) < 1e-3); /* keeping everything needs no correction */
+    kf_am_targets_free(&tg);
+    /* keys 0 and 1 identical; keep only key 0: it must carry both masses, w = 2 */
+    memcpy(s.K + s.d, s.K, sizeof(float) * s.d);
+    CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
+    int32_t sel[29];
+    sel[0] = 0;
+    for (int j = 2; j < 30; j++)
+        sel[j - 1] = j;
+    CU_ASSERT_EQUAL(kf_am_fit_beta(&h, &tg, sel, 29, 7, beta, &st, &err), KF_OK);
+    CU_ASSERT(fabsf(beta[0] - logf(2.0f)) < 1e-3);
+    for (int j = 1; j < 29; j++)
+        CU_ASSERT(fabsf(beta[j]) < 1e-3);
+    /* bounds: beta stays in [-3, 3] even when the fit wants more (25 copies of one key: ln 25 > 3) */
+    for (int j = 1; j < 25; j++)
+        memcpy(s.K + j * s.d, s.K, sizeof(float) * s.d);
+    kf_am_targets_free(&tg);
+    CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
+    int32_t sel2[6] = {0, 25, 26, 27, 28, 29};
+    CU_ASSERT_EQUAL(kf_am_fit_beta(&h, &tg, sel2, 6, 7, beta, &st, &err), KF_OK);
+    for (int j = 0; j < 6; j++)
+        CU_ASSERT(beta[j] >= -3.0f - 1e-6f && beta[j] <= 3.0f + 1e-6f);
+    CU_ASSERT(fabsf(beta[0] - 3.0f) < 1e-5); /* clamped at the bound */
+    kf_am_targets_free(&tg);
+    free_synth(&s);
+}
+
+static void test_values_recover_v(void) {
+    synth s = make_synth(20, 200, 8, 61);
+    kf_am_head h = head_of(&s);
+    kf_am_targets tg;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
+    float *vals = malloc(sizeof(float) * 20 * 8);
+    CU_ASSERT_EQUAL(kf_am_fit_values(s.Q, s.R, s.d, h.scale, s.K, s.d, NULL, 20, tg.Y, vals, NULL, &err), KF_OK);
+    CU_ASSERT(kf_max_abs_diff(vals, s.V, 20 * 8) < 1e-3);
+    free(vals);
+    kf_am_targets_free(&tg);
+    free_synth(&s);
+}
+
+static void test_fold_identities(void) {
+    synth s = make_synth(40, 300, 16, 71);
+    float u[16];
+    kf_fold_info fi;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_fold_direction(s.Q, s.R, s.d, 1e-2, u, &fi, &err), KF_OK);
+    CU_ASSERT_FATAL(fi.ok);
+    double mu[16] = {0}, mtu = 0, mean_gain = 0;
+    for (int i = 0; i < s.R; i++)
+        for (int c = 0; c < s.d; c++)
+            mu[c] += s.Q[i * s.d + c] / (double)s.R;
+    for (int c = 0; c < s.d; c++)
+        mtu += mu[c] * u[c];
+    for (int i = 0; i < s.R; i++) {
+        double g = 0;
+        for (int c = 0; c < s.d; c++)
+            g += (double)s.Q[i * s.d + c] * u[c];
+        mean_gain += g / s.R;
+    }
+    CU_ASSERT(fabs(mtu - 1.0) < 1e-5);
+    CU_ASSERT(fabs(mean_gain - 1.0) < 1e-5);
+    /* the fold is exact for the mean query: s mu.k'_j = s mu.k_j + beta_j */
+    float beta[40], kf[40 * 16];
+    kf_test_fill_uniform(beta, 40, 72, -3, 3);
+    const float scale = 1.0f / 4.0f;
+    kf_fold_keys(s.K, s.d, beta, 40, s.d, scale, u, kf, s.d);
+    double worst = 0;
+    for (int j = 0; j < 40; j++) {
+        double a = 0, b = 0;
+        for (int c = 0; c < s.d; c++) {
+            a += mu[c] * kf[j * s.d + c];
+            b += mu[c] * s.K[j * s.d + c];
+        }
+        worst = fmax(worst, fabs(scale * a - (scale * b + beta[j])));
+    }
+    CU_ASSERT(worst < 1e-4);
+    /* a zero mean has no fold direction */
+    float zq[4 * 16];
+    for (int i = 0; i < 4; i++)
+        for (int c = 0; c < 16; c++)
+            zq[i * 16 + c] = (i % 2 ? -1.0f : 1.0f) * (c + 1);
+    CU_ASSERT_EQUAL(kf_fold_direction(zq, 4, 16, 1e-2, u, &fi, &err), KF_OK);
+    CU_ASSERT_FALSE(fi.ok);
+    free_synth(&s);
+}
+
+/* Synthetic version of the research note's check: with an appended uncompacted block,
+ * am < fold < drop on the LSE error. */
+static void test_synthetic_ordering(void) {
+    synth s = make_synth(300, 600, 16, 81);
+    synth held = make_synth(300, 200, 16, 82); /* same distribution, other draws */
+    memcpy(held.K, s.K, sizeof(float) * 300 * 16);
+    memcpy(held.V, s.V, sizeof(float) * 300 * 16);
+    kf_am_head h = head_of(&s);
+    kf_am_targets tg;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
+    const int t = 30, d = 16;
+    int32_t sel[30];
+    float beta[30], ks[30 * 16], kfold[30 * 16], v_am[30 * 16], v_drop[30 * 16], v_fold[30 * 16], u[16];
+    CU_ASSERT_EQUAL(kf_am_select(tg.score, 300, t, sel, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_am_fit_beta(&h, &tg, sel, t, 3, beta, NULL, &err), KF_OK);
+    for (int j = 0; j < t; j++)
+        memcpy(ks + j * d, s.K + sel[j] * d, sizeof(float) * d);
+    kf_fold_info fi;
+    CU_ASSERT_EQUAL(kf_fold_direction(s.Q, s.R, d, 1e-2, u, &fi, &err), KF_OK);
+    kf_fold_keys(ks, d, beta, t, d, h.scale, u, kfold, d);
+    CU_ASSERT_EQUAL(kf_am_fit_values(s.Q, s.R, d, h.scale, ks, d, beta, t, tg.Y, v_am, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_am_fit_values(s.Q, s.R, d, h.scale, ks, d, NULL, t, tg.Y, v_drop, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_am_fit_values(s.Q, s.R, d, h.scale, kfold, d, NULL, t, tg.Y, v_fold, NULL, &err), KF_OK);
+    float app_k[60 * 16], app_v[60 * 16];
+    kf_test_fill_uniform(app_k, 60 * 16, 83, -1.5f, 1.5f);
+    kf_test_fill_uniform(app_v, 60 * 16, 84, -1, 1);
+    kf_kv_block orig = {s.K, s.V, 16, NULL, 300}, app = {app_k, app_v, 16, NULL, 60};
+    kf_kv_block am = {ks, v_am, 16, beta, t}, drop = {ks, v_drop, 16, NULL, t}, fold = {kfold, v_fold, 16, NULL, t};
+    kf_head_diag d_am, d_drop, d_fold;
+    CU_ASSERT_EQUAL(kf_diag_head(held.Q, held.R, d, h.scale, &orig, &am, &app, NULL, &d_am, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_diag_head(held.Q, held.R, d, h.scale, &orig, &drop, &app, NULL, &d_drop, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_diag_head(held.Q, held.R, d, h.scale, &orig, &fold, &app, NULL, &d_fold, &err), KF_OK);
+    printf("\n    lse_err am %.3f fold %.3f drop %.3f; out_err am %.3f fold %.3f drop %.3f\n", d_am.lse_err,
+           d_fold.lse_err, d_drop.lse_err, d_am.out_err, d_fold.out_err, d_drop.out_err);
+    CU_ASSERT(d_am.lse_err < d_fold.lse_err);
+    CU_ASSERT(d_fold.lse_err < d_drop.lse_err);
+    CU_ASSERT(d_am.out_err < d_drop.out_err);
+    kf_am_targets_free(&tg);
+    free_synth(&s);
+    free_synth(&held);
+}
+
+static void test_frame_rotation_keeps_dot_products(void) {
+    const int d = 16, n = 5;
+    kf_rope_spec spec = {.kind = KF_ROPE_DEFAULT, .theta = 10000};
+    double inv[8];
+    kf_rope_inv_freq(&spec, d, inv);
+    float q[16], k[5 * 16], q2[16], k2[5 * 16];
+    kf_test_fill_uniform(q, 16, 91, -1, 1);
+    kf_test_fill_uniform(k, 80, 92, -1, 1);
+    memcpy(q2, q, sizeof q);
+    memcpy(k2, k, sizeof k);
+    const int64_t D = 1000, C = 130;
+    int64_t kp[5] = {3, 50, 400, 777, 999}, qp = D + 7, qp2 = C + 7, shift[5];
+    kf_cpu_rope(k, d, n, 1, d, kp, inv); /* cached keys at their positions */
+    kf_cpu_rope(k2, d, n, 1, d, kp, inv);
+    for (int j = 0; j < n; j++)
+        shift[j] = -(D - C);
+    kf_cpu_rope(k2, d, n, 1, d, shift, inv); /* compacted frame */
+    kf_cpu_rope(q, d, 1, 1, d, &qp, inv);    /* question token in AM's frame */
+    kf_cpu_rope(q2, d, 1, 1, d, &qp2, inv);  /* ... and where vLLM puts it */
+    for (int j = 0; j < n; j++) {
+        double a = 0, b = 0;
+        for (int c = 0; c < d; c++) {
+            a += (double)q[c] * k[j * d + c];
+            b += (double)q2[c] * k2[j * d + c];
+        }
+        CU_ASSERT(fabs(a - b) < 1e-4);
+    }
+}
+
+/* ---- the whole compaction on the records model ---- */
+
+static kf_backend *g_b;
+static kf_model *g_m;
+static int32_t g_doc[4096];
+static int g_doc_n;
+static const int32_t kInstr[] = {260, 263, 270, 275, 46, 10}; /* "Repeat the records above.\n" */
+
+static int init_model(void) {
+    kf_error err = {0};
+    g_b = kf_backend_cpu_create();
+    if (kf_model_load(&g_m, kf_test_data("records-qwen3"), g_b, &err) != KF_OK) {
+        fprintf(stderr, "%s\n", err.msg);
+        return -1;
+    }
+    /* doc1-1 of records-dev.jsonl: read the ids field of line 2 */
+    FILE *f = fopen(kf_test_data("records-dev.jsonl"), "r");
+    if (!f)
+        return -1;
+    static char line[1 << 20];
+    for (int i = 0; i < 2; i++)
+        if (!fgets(line, sizeof line, f))
+            return -1;
+    fclose(f);
+    char *p = strstr(line, "\"ids\": [");
+    if (!p)
+        return -1;
+    p += 8;
+    g_doc_n = 0;
+    while (*p && *p != ']') {
+        g_doc[g_doc_n++] = (int32_t)strtol(p, &p, 10);
+        while (*p == ',' || *p == ' ')
+            p++;
+    }
+    return g_doc_n > 100 ? 0 : -1;
+}
+
+static int clean_model(void) {
+    kf_model_free(g_m);
+    g_b->destroy(g_b);
+    return 0;
+}
+
+static kf_compact_params params(kf_method method, double budget) {
+    kf_compact_params p = kf_compact_params_default();
+    p.method = method;
+    p.budget = budget;
+    p.repeat_instruction = (kf_prompt){kInstr, 6};
+    p.max_queries = 2000;
+    return p;
+}
+
+/* Logits of a question run on top of a compacted cache. */
+static void question_logits(kf_compacted *c, const int32_t *q, int nq, float *logits) {
+    kf_arena a;
+    kf_seq seq;
+    kf_error err = {0};
+    const float *bl[16];
+    CU_ASSERT_EQUAL_FATAL(kf_model_arena(g_m, &a, c->C + nq, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_compacted_attach(c, &a, &seq, &err), KF_OK);
+    int32_t rows[16];
+    for (int i = 0; i < nq; i++)
+        rows[i] = i;
+    kf_forward_args fa = {.ids = q, .n_tokens = nq, .pos_offset = kf_compacted_pos_offset(c), .logit_rows = rows,
+                          .n_logit_rows = nq, .logits = logits, .key_bias = kf_compacted_bias(c, bl),
+                          .key_bias_len = (int)c->C};
+    CU_ASSERT_EQUAL(kf_model_forward(g_m, &a, &seq, &fa, &err), KF_OK);
+    kf_seq_release(&a, &seq);
+    kf_arena_free(&a);
+}
+
+static void test_compacted_frame_equals_am_frame(void) {
+    kf_compacted c;
+    kf_error err = {0};
+    kf_prompt doc = {g_doc, g_doc_n};
+    const int32_t q[7] = {81, 58, 1317, 63, 10, 65, 58};
+    const int V = kf_model_config(g_m)->vocab_size;
+    float *a = malloc(sizeof(float) * 7 * V), *b = malloc(sizeof(float) * 7 * V);
+    for (int method = KF_METHOD_AM; method <= KF_METHOD_FOLD; method++) {
+        kf_compact_params p = params((kf_method)method, 0.25);
+        CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &c, &err), KF_OK);
+        CU_ASSERT(c.rotated);
+        CU_ASSERT_EQUAL(c.C, (int64_t)(0.25 * g_doc_n));
+        question_logits(&c, q, 7, a); /* at C, C+1, ... */
+        kf_compacted_set_frame(&c, g_m, 0);
+        CU_ASSERT_EQUAL(kf_compacted_pos_offset(&c), c.D - c.C);
+        question_logits(&c, q, 7, b); /* at D, D+1, ... */
+        double diff = kf_max_abs_diff(a, b, (size_t)7 * V);
+        printf("\n    %s: compacted vs AM frame max |dlogit| %.2e", kf_method_name((kf_method)method), diff);
+        CU_ASSERT(diff < 1e-3);
+        kf_compacted_free(&c);
+    }
+    printf("\n");
+    free(a);
+    free(b);
+}
+
+static void test_keep_everything_equals_full_cache(void) {
+    kf_compacted c;
+    kf_error err = {0};
+    kf_prompt doc = {g_doc, g_doc_n};
+    kf_compact_params p = params(KF_METHOD_KEEP, 1.0);
+    CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &c, &err), KF_OK);
+    CU_ASSERT_EQUAL(c.C, g_doc_n);
+    for (int j = 0; j < g_doc_n; j++)
+        CU_ASSERT_EQUAL(c.positions[j], j);
+    const int32_t q[7] = {81, 58, 1317, 63, 10, 65, 58};
+    const int V = kf_model_config(g_m)->vocab_size;
+    float *a = malloc(sizeof(float) * 7 * V), *full = malloc(sizeof(float) * 7 * V);
+    question_logits(&c, q, 7, a);
+    /* the same question on a plain prefill of the document */
+    kf_arena ar;
+    kf_seq seq;
+    kf_seq_init(&seq);
+    CU_ASSERT_EQUAL_FATAL(kf_model_arena(g_m, &ar, g_doc_n + 7, &err), KF_OK);
+    kf_forward_args fd = {.ids = g_doc, .n_tokens = g_doc_n};
+    CU_ASSERT_EQUAL_FATAL(kf_model_forward(g_m, &ar, &seq, &fd, &err), KF_OK);
+    int32_t rows[7] = {0, 1, 2, 3, 4, 5, 6};
+    kf_forward_args fq = {.ids = q, .n_tokens = 7, .logit_rows = rows, .n_logit_rows = 7, .logits = full};
+    CU_ASSERT_EQUAL_FATAL(kf_model_forward(g_m, &ar, &seq, &fq, &err), KF_OK);
+    CU_ASSERT(kf_max_abs_diff(a, full, (size_t)7 * V) < 1e-3);
+    kf_seq_release(&ar, &seq);
+    kf_arena_free(&ar);
+    free(a);
+    free(full);
+    kf_compacted_free(&c);
+}
+
+static void test_deterministic_for_a_seed(void) {
+    kf_compacted a, b;
+    kf_error err = {0};
+    kf_prompt doc = {g_doc, g_doc_n};
+    kf_compact_params p = params(KF_METHOD_FOLD, 0.1);
+    p.max_queries = 300; /* forces the subsample */
+    CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &a, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &b, &err), KF_OK);
+    const size_t n = (size_t)a.n_layers * a.C * a.kv_heads * a.head_dim;
+    CU_ASSERT_EQUAL(memcmp(a.keys, b.keys, n * sizeof(float)), 0);
+    CU_ASSERT_EQUAL(memcmp(a.values, b.values, n * sizeof(float)), 0);
+    CU_ASSERT_EQUAL(a.stats.n_queries, 2 * 150);
+    kf_compacted_free(&b);
+    p.seed = 99;
+    CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &b, &err), KF_OK);
+    CU_ASSERT_NOT_EQUAL(memcmp(a.values, b.values, n * sizeof(float)), 0);
+    kf_compacted_free(&a);
+    kf_compacted_free(&b);
+}
+
+static void test_bad_parameters(void) {
+    kf_compacted c;
+    kf_error err = {0};
+    kf_prompt doc = {g_doc, g_doc_n}, empty = {g_doc, 0};
+    kf_compact_params p = params(KF_METHOD_FOLD, 0.0);
+    CU_ASSERT_EQUAL(kf_compact(g_m, NULL, &doc, NULL, &p, &c, &err), KF_ERR_INVALID);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "budget"));
+    p = params(KF_METHOD_FOLD, 0.1);
+    CU_ASSERT_EQUAL(kf_compact(g_m, NULL, &empty, NULL, &p, &c, &err), KF_ERR_INVALID);
+    p.repeat_instruction.n = 0;
+    CU_ASSERT_EQUAL(kf_compact(g_m, NULL, &doc, NULL, &p, &c, &err), KF_ERR_INVALID);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "reference queries"));
+}
+
+/* On a document of the trained model, the mass error orders am < fold < drop (keep loses the
+ * mass as drop does). Probes: questions about records that are not evaluated. */
+static void test_records_lse_ordering(void) {
+    kf_prompt doc = {g_doc, g_doc_n};
+    kf_prompt instr = {kInstr, 6};
+    /* held-out questions about the first 4 records, probes about 12 others */
+    static int32_t qs[4][7], as[4][3], probes[12][10];
+    kf_qa qa[4];
+    kf_prompt pr[12];
+    int nq = 0, np = 0;
+    for (int i = 0; i + 3 < g_doc_n && (nq < 4 || np < 12); i++) {
+        if (!(g_doc[i] == 45 && g_doc[i + 3] == 10 && (i == 0 || g_doc[i - 1] == 10)))
+            continue;
+        const int32_t name = g_doc[i + 1], value = g_doc[i + 2];
+        const int32_t q[7] = {81, 58, name, 63, 10, 65, 58};
+        if (nq < 4) {
+            memcpy(qs[nq], q, sizeof q);
+            as[nq][0] = name, as[nq][1] = value, as[nq][2] = 10;
+            qa[nq] = (kf_qa){{qs[nq], 7}, {as[nq], 3}};
+            nq++;
+        } else if (np < 12) {
+            memcpy(probes[np], q, sizeof q);
+            probes[np][7] = name, probes[np][8] = value, probes[np][9] = 10;
+            pr[np] = (kf_prompt){probes[np], 10};
+            np++;
+        }
+    }
+    CU_ASSERT_EQUAL_FATAL(nq, 4);
+    kf_reference *ref;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_reference_build(g_m, &doc, &instr, qa, nq, &ref, &err), KF_OK);
+    double lse[4];
+    for (int method = 0; method < 4; method++) {
+        kf_compact_params p = params((kf_method)method, 0.25);
+        p.probes = pr;
+        p.n_probes = np;
+        kf_compacted c;
+        CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &c, &err), KF_OK);
+        kf_quality qm;
+        CU_ASSERT_EQUAL_FATAL(kf_quality_measure(g_m, ref, &c, &qm, &err), KF_OK);
+        lse[method] = qm.lse_err;
+        printf("\n    %-4s lse_err %.3f out_err %.3f kl_answer %.3f kl_repeat %.3f copy %.2f em %.2f",
+               kf_method_name((kf_method)method), qm.lse_err, qm.out_err, qm.kl_answer, qm.kl_repeat, qm.copy_acc,
+               qm.qa_em);
+        CU_ASSERT(c.rotated); /* measuring restores the frame */
+        kf_compacted_free(&c);
+    }
+    printf("\n");
+    CU_ASSERT(lse[KF_METHOD_AM] < lse[KF_METHOD_FOLD]);
+    CU_ASSERT(lse[KF_METHOD_FOLD] < lse[KF_METHOD_DROP]);
+    kf_reference_free(ref);
+}
+
+static CU_TestInfo synthetic_tests[] = {
+    {"least squares: known optimum, rank-deficient fallback", test_lstsq_known_optimum},
+    {"least squares: underdetermined gives the minimum norm", test_lstsq_underdetermined_min_norm},
+    {"targets: partition function, output, RMS score", test_targets_partition_function},
+    {"selection recovers planted keys", test_selection_recovers_planted_keys},
+    {"beta: all keys -> 0, duplicate -> ln 2, clamp at 3", test_beta_all_keys_and_duplicates},
+    {"values: all keys recover V", test_values_recover_v},
+    {"fold: mu.u = 1, mean gain 1, exact for the mean query", test_fold_identities},
+    {"synthetic: am < fold < drop with an appended block", test_synthetic_ordering},
+    {"frame rotation keeps question-key dot products", test_frame_rotation_keeps_dot_products},
+    CU_TEST_INFO_NULL,
+};
+static CU_TestInfo model_tests[] = {
+    {"compacted frame at C == AM frame at D", test_compacted_frame_equals_am_frame},
+    {"keep at budget 1 == the full cache", test_keep_everything_equals_full_cache},
+    {"deterministic for a seed", test_deterministic_for_a_seed},
+    {"bad parameters", test_bad_parameters},
+    {"records model: lse_err am < fold < drop", test_records_lse_ordering},
+    CU_TEST_INFO_NULL,
+};
+static CU_SuiteInfo suites[] = {
+    {"am and fold steps", NULL, NULL, NULL, NULL, synthetic_tests},
+    {"compaction on records-qwen3", init_model, clean_model, NULL, NULL, model_tests},
+    CU_SUITE_INFO_NULL,
+};
+
+int main(void) { return kf_test_main(suites); }
