@@ -1,0 +1,476 @@
+/* kvf.c — names, digests, paths, dtype conversions and the HDF5 glue shared by the kvf reader
+ * and writer. */
+#include <errno.h>
+#include <ftw.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
+#include <xxhash.h>
+
+#include "formats/kvf_internal.h"
+
+/* ---- names ---- */
+
+static const char *const kMethods[] = {"keep", "drop", "am", "fold"};
+static const char *const kDtypes[] = {"bfloat16", "float16", "float32"};
+static const char *const kFrames[] = {"compacted", "original"};
+
+void kvf_header_init(kvf_header *h) {
+    memset(h, 0, sizeof *h);
+    h->version = KVF_VERSION;
+    snprintf(h->creator, sizeof h->creator, "kvfold %s", KVFOLD_VERSION);
+    h->method = KVF_METHOD_FOLD;
+    h->budget = 1.0;
+    h->rope_frame = KVF_FRAME_COMPACTED;
+    snprintf(h->placeholder, sizeof h->placeholder, "digest");
+    h->dtype = KVF_BF16;
+    h->block_size = KVF_BLOCK;
+}
+
+const char *kvf_method_name(kvf_method m) {
+    return (unsigned)m < 4 ? kMethods[m] : "?";
+}
+const char *kvf_dtype_name(kvf_dtype d) {
+    return (unsigned)d < 3 ? kDtypes[d] : "?";
+}
+const char *kvf_rope_frame_name(kvf_rope_frame f) {
+    return (unsigned)f < 2 ? kFrames[f] : "?";
+}
+
+int kvf_method_parse(const char *s, kvf_method *out) {
+    for (int i = 0; i < 4; i++)
+        if (strcmp(s, kMethods[i]) == 0) {
+            *out = (kvf_method)i;
+            return 0;
+        }
+    return -1;
+}
+
+int kvf_dtype_parse(const char *s, kvf_dtype *out) {
+    static const struct {
+        const char *name;
+        kvf_dtype d;
+    } names[] = {{"bfloat16", KVF_BF16}, {"bf16", KVF_BF16}, {"float16", KVF_F16}, {"f16", KVF_F16},
+                 {"fp16", KVF_F16},      {"float32", KVF_F32}, {"f32", KVF_F32},   {"fp32", KVF_F32}};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (strcmp(s, names[i].name) == 0) {
+            *out = names[i].d;
+            return 0;
+        }
+    return -1;
+}
+
+size_t kvf_dtype_size(kvf_dtype d) {
+    return d == KVF_F32 ? 4 : 2;
+}
+
+int64_t kvf_kv_bytes(const kvf_header *h) {
+    return 2 * (int64_t)h->n_layers * h->n_tokens * h->kv_heads * h->head_dim * (int64_t)kvf_dtype_size(h->dtype);
+}
+
+/* ---- digests and paths ---- */
+
+void kvf_document_digest(const int32_t *ids, int64_t n, char out[KVF_DIGEST_LEN + 1]) {
+    XXH3_state_t st;
+    XXH3_128bits_reset(&st);
+    uint8_t buf[4096];
+    size_t used = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t v = (uint32_t)ids[i];
+        for (int b = 0; b < 4; b++)
+            buf[used++] = (uint8_t)(v >> (8 * b));
+        if (used == sizeof buf) {
+            XXH3_128bits_update(&st, buf, used);
+            used = 0;
+        }
+    }
+    for (int b = 0; b < 8; b++)
+        buf[used++] = (uint8_t)((uint64_t)n >> (8 * b));
+    XXH3_128bits_update(&st, buf, used);
+    XXH128_hash_t h = XXH3_128bits_digest(&st);
+    snprintf(out, KVF_DIGEST_LEN + 1, "%016llx%016llx", (unsigned long long)h.high64, (unsigned long long)h.low64);
+}
+
+void kvf_format_budget(double budget, char *out, size_t out_len) {
+    for (int prec = 1; prec <= 17; prec++) {
+        snprintf(out, out_len, "%.*g", prec, budget);
+        if (strtod(out, NULL) == budget)
+            return;
+    }
+}
+
+static bool is_hex(const char *s, size_t len) {
+    if (strlen(s) != len)
+        return false;
+    for (size_t i = 0; i < len; i++)
+        if (!((s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f')))
+            return false;
+    return true;
+}
+
+/* mkdir -p; 0 or -1 with errno */
+static int make_dirs(char *path) {
+    for (char *p = path + 1;; p++) {
+        if (*p == '/' || *p == 0) {
+            char c = *p;
+            *p = 0;
+            int rc = mkdir(path, 0777);
+            int e = errno;
+            *p = c;
+            if (rc != 0 && e != EEXIST) {
+                errno = e;
+                return -1;
+            }
+            if (!c)
+                break;
+        }
+    }
+    struct stat sb;
+    if (stat(path, &sb) != 0)
+        return -1;
+    if (!S_ISDIR(sb.st_mode)) {
+        errno = ENOTDIR;
+        return -1;
+    }
+    return 0;
+}
+
+kf_status kvf_cache_path(const char *root, const char *model_fp, const char *doc_digest, kvf_method method,
+                         double budget, bool create_dirs, char *out, size_t out_len, kf_error *err) {
+    if (!root || !*root)
+        return kf_fail(err, KF_ERR_INVALID, "kvf: empty cache root");
+    if (!model_fp || !is_hex(model_fp, KVF_DIGEST_LEN))
+        return kf_fail(err, KF_ERR_INVALID, "kvf: model fingerprint '%s' is not %d hex digits",
+                       model_fp ? model_fp : "(null)", KVF_DIGEST_LEN);
+    if (!doc_digest || !is_hex(doc_digest, KVF_DIGEST_LEN))
+        return kf_fail(err, KF_ERR_INVALID, "kvf: document digest '%s' is not %d hex digits",
+                       doc_digest ? doc_digest : "(null)", KVF_DIGEST_LEN);
+    if ((unsigned)method > KVF_METHOD_FOLD)
+        return kf_fail(err, KF_ERR_INVALID, "kvf: unknown method %d", (int)method);
+    if (!isfinite(budget) || budget <= 0)
+        return kf_fail(err, KF_ERR_INVALID, "kvf: budget %g must be positive", budget);
+    char b[32];
+    kvf_format_budget(budget, b, sizeof b);
+    size_t rl = strlen(root);
+    while (rl > 1 && root[rl - 1] == '/')
+        rl--;
+    int n = snprintf(out, out_len, "%.*s/%s", (int)rl, root, model_fp);
+    if (n < 0 || (size_t)n >= out_len)
+        return kf_fail(err, KF_ERR_INVALID, "kvf: cache path under '%s' is too long", root);
+    if (create_dirs && make_dirs(out) != 0)
+        return kf_fail(err, KF_ERR_IO, "kvf: cannot create directory %s: %s", out, strerror(errno));
+    int m = snprintf(out + n, out_len - (size_t)n, "/%s.%s-%s.kvf", doc_digest, kvf_method_name(method), b);
+    if (m < 0 || (size_t)m >= out_len - (size_t)n)
+        return kf_fail(err, KF_ERR_INVALID, "kvf: cache path under '%s' is too long", root);
+    return KF_OK;
+}
+
+bool kvf_is_temp_name(const char *name) {
+    const char *base = strrchr(name, '/');
+    base = base ? base + 1 : name;
+    const char *t = NULL;
+    for (const char *p = strstr(base, ".tmp-"); p; p = strstr(p + 1, ".tmp-"))
+        t = p;
+    if (!t || t == base)
+        return false;
+    const char *p = t + 5;
+    const char *digits = p;
+    while (*p >= '0' && *p <= '9')
+        p++;
+    if (p == digits || *p != '-')
+        return false;
+    p++;
+    for (int i = 0; i < 16; i++, p++)
+        if (!((*p >= '0' && *p <= '9') || (*p >= 'a' && *p <= 'f')))
+            return false;
+    return *p == 0;
+}
+
+/* ---- temporary files of killed writers ---- */
+
+static struct {
+    double older_than, now;
+    bool dry_run;
+    void (*found)(void *, const char *, double);
+    void *ctx;
+    int n, failed_errno;
+    char failed[512];
+} g_clean; /* nftw has no context argument */
+static pthread_mutex_t g_clean_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int clean_visit(const char *path, const struct stat *sb, int type, struct FTW *ftw) {
+    (void)ftw;
+    if (type != FTW_F || !S_ISREG(sb->st_mode) || !kvf_is_temp_name(path))
+        return 0;
+    double age = g_clean.now - ((double)sb->st_mtim.tv_sec + 1e-9 * (double)sb->st_mtim.tv_nsec);
+    if (age < g_clean.older_than)
+        return 0;
+    g_clean.n++;
+    if (g_clean.found)
+        g_clean.found(g_clean.ctx, path, age);
+    if (!g_clean.dry_run && unlink(path) != 0 && errno != ENOENT && !g_clean.failed[0]) {
+        g_clean.failed_errno = errno;
+        snprintf(g_clean.failed, sizeof g_clean.failed, "%s", path);
+    }
+    return 0;
+}
+
+kf_status kvf_clean_temps(const char *root, double older_than_s, bool dry_run,
+                          void (*found)(void *ctx, const char *path, double age_s), void *ctx, int *n_found,
+                          kf_error *err) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    pthread_mutex_lock(&g_clean_lock);
+    memset(&g_clean, 0, sizeof g_clean);
+    g_clean.older_than = older_than_s;
+    g_clean.now = (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+    g_clean.dry_run = dry_run;
+    g_clean.found = found;
+    g_clean.ctx = ctx;
+    int rc = nftw(root, clean_visit, 16, FTW_PHYS);
+    int e = errno;
+    int n = g_clean.n, fe = g_clean.failed_errno;
+    char failed[512];
+    memcpy(failed, g_clean.failed, sizeof failed);
+    pthread_mutex_unlock(&g_clean_lock);
+    if (n_found)
+        *n_found = n;
+    if (rc != 0)
+        return kf_fail(err, e == ENOENT ? KF_ERR_NOTFOUND : KF_ERR_IO, "kvf: cannot walk %s: %s", root, strerror(e));
+    if (failed[0])
+        return kf_fail(err, KF_ERR_IO, "kvf: cannot remove temporary file %s: %s", failed, strerror(fe));
+    return KF_OK;
+}
+
+/* ---- dtype conversions ---- */
+
+uint16_t kvf_f32_to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40); /* quiet NaN, sign kept */
+    u += 0x7fffu + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+float kvf_bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+uint16_t kvf_f32_to_f16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u)
+        return sign | 0x7e00 | (uint16_t)((a >> 13) & 0x3ff);
+    if (a >= 0x477ff000u) /* >= 65520 rounds to infinity */
+        return sign | 0x7c00;
+    if (a < 0x38800000u) { /* below 2^-14: a subnormal half (or zero) */
+        if (a < 0x33000000u) /* below 2^-25 */
+            return sign;
+        uint32_t e = a >> 23, m = (a & 0x7fffffu) | 0x800000u;
+        uint32_t shift = 126 - e; /* 14..24 */
+        uint32_t r = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (r & 1)))
+            r++;
+        return sign | (uint16_t)r;
+    }
+    uint32_t v = a - 0x38000000u; /* rebias the exponent from 127 to 15 */
+    uint32_t r = v >> 13, rem = v & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (r & 1)))
+        r++;
+    return sign | (uint16_t)r;
+}
+
+float kvf_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
+    if (e == 0) {
+        float f = (float)m * 0x1p-24f;
+        memcpy(&u, &f, 4);
+        u |= sign;
+    } else if (e == 31) {
+        u = sign | 0x7f800000u | (m << 13);
+    } else {
+        u = sign | ((e + 112) << 23) | (m << 13);
+    }
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+void kvf_convert_to(kvf_dtype d, const float *src, void *dst, size_t n) {
+    uint16_t *o = dst;
+    if (d == KVF_F32)
+        memcpy(dst, src, n * 4);
+    else if (d == KVF_BF16)
+        for (size_t i = 0; i < n; i++)
+            o[i] = kvf_f32_to_bf16(src[i]);
+    else
+        for (size_t i = 0; i < n; i++)
+            o[i] = kvf_f32_to_f16(src[i]);
+}
+
+void kvf_convert_from(kvf_dtype d, const void *src, float *dst, size_t n) {
+    const uint16_t *s = src;
+    if (d == KVF_F32)
+        memcpy(dst, src, n * 4);
+    else if (d == KVF_BF16)
+        for (size_t i = 0; i < n; i++)
+            dst[i] = kvf_bf16_to_f32(s[i]);
+    else
+        for (size_t i = 0; i < n; i++)
+            dst[i] = kvf_f16_to_f32(s[i]);
+}
+
+/* ---- HDF5 glue ---- */
+
+static pthread_once_t g_quiet_once = PTHREAD_ONCE_INIT;
+static void quiet_once(void) {
+    H5open();
+    H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
+}
+
+void kvf_h5_quiet(void) {
+    pthread_once(&g_quiet_once, quiet_once);
+    /* the setting is per thread in a thread-safe HDF5: cheap to repeat for the caller's thread */
+    H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
+}
+
+typedef struct {
+    char *buf;
+    size_t n;
+    bool got, checksum, truncated;
+} err_walk;
+
+static herr_t walk_cb(unsigned n, const H5E_error2_t *e, void *data) {
+    (void)n;
+    err_walk *w = data;
+    const char *d = e->desc ? e->desc : "";
+    if (strstr(d, "checksum") || strstr(d, "Fletcher"))
+        w->checksum = true;
+    if (strstr(d, "truncated") || e->min_num == H5E_TRUNCATED)
+        w->truncated = true;
+    if (!w->got && *d) { /* walking upward: the first entry is the most specific */
+        snprintf(w->buf, w->n, "%s (in %s)", d, e->func_name ? e->func_name : "?");
+        w->got = true;
+    }
+    return 0;
+}
+
+/* HDF5 clears its error stack at the start of every API call, so helpers that clean up after a
+ * failure save it first (kvf_h5_capture) and the caller's kvf_h5_take_error finds it here. */
+static _Thread_local struct {
+    bool set, checksum, truncated;
+    char msg[300];
+} t_saved;
+
+static void walk_stack(char *buf, size_t n, bool *checksum, bool *truncated) {
+    err_walk w = {.buf = buf, .n = n};
+    if (n)
+        buf[0] = 0;
+    H5Ewalk2(H5E_DEFAULT, H5E_WALK_UPWARD, walk_cb, &w);
+    H5Eclear2(H5E_DEFAULT);
+    *checksum = w.checksum;
+    *truncated = w.truncated;
+}
+
+void kvf_h5_capture(void) {
+    if (H5Eget_num(H5E_DEFAULT) <= 0)
+        return;
+    walk_stack(t_saved.msg, sizeof t_saved.msg, &t_saved.checksum, &t_saved.truncated);
+    t_saved.set = true;
+}
+
+void kvf_h5_take_error(char *buf, size_t n, bool *checksum, bool *truncated) {
+    bool c = false, t = false;
+    if (H5Eget_num(H5E_DEFAULT) > 0) {
+        walk_stack(buf, n, &c, &t);
+    } else if (t_saved.set) {
+        snprintf(buf, n, "%s", t_saved.msg);
+        c = t_saved.checksum;
+        t = t_saved.truncated;
+    } else if (n) {
+        snprintf(buf, n, "HDF5 gave no detail");
+    }
+    t_saved.set = false;
+    if (checksum)
+        *checksum = c;
+    if (truncated)
+        *truncated = t;
+}
+
+hid_t kvf_h5_type(kvf_dtype d) {
+    if (d == KVF_F32)
+        return H5Tcopy(H5T_IEEE_F32LE);
+    if (d == KVF_BF16)
+        return H5Tcopy(H5T_STD_U16LE);
+    /* IEEE binary16: sign bit 15, exponent bits 10..14 (bias 15), mantissa bits 0..9 */
+    hid_t t = H5Tcopy(H5T_IEEE_F32LE);
+    if (t < 0)
+        return t;
+    if (H5Tset_fields(t, 15, 10, 5, 0, 10) < 0 || H5Tset_size(t, 2) < 0 || H5Tset_ebias(t, 15) < 0) {
+        H5Tclose(t);
+        return -1;
+    }
+    return t;
+}
+
+hid_t kvf_h5_fapl(void) {
+    hid_t fapl = H5Pcreate(H5P_FILE_ACCESS);
+    if (fapl >= 0)
+        H5Pset_file_locking(fapl, 0, 1);
+    return fapl;
+}
+
+/* ---- header checks ---- */
+
+bool kvf_is_hex(const char *s, size_t len) {
+    return is_hex(s, len);
+}
+
+kf_status kvf_header_check(const kvf_header *h, const char *path, kf_error *err) {
+    if (!is_hex(h->model_fingerprint, KVF_DIGEST_LEN))
+        return kf_fail(err, KF_ERR_FORMAT, "%s: model_fingerprint '%.40s' is not %d lowercase hex digits", path,
+                       h->model_fingerprint, KVF_DIGEST_LEN);
+    if (!is_hex(h->document_digest, KVF_DIGEST_LEN))
+        return kf_fail(err, KF_ERR_FORMAT, "%s: document_digest '%.40s' is not %d lowercase hex digits", path,
+                       h->document_digest, KVF_DIGEST_LEN);
+    size_t tl = strnlen(h->tokenizer_digest, sizeof h->tokenizer_digest);
+    if (tl == sizeof h->tokenizer_digest || !is_hex(h->tokenizer_digest, tl))
+        return kf_fail(err, KF_ERR_FORMAT, "%s: tokenizer_digest '%.70s' is not empty or up to 64 lowercase hex digits",
+                       path, h->tokenizer_digest);
+    if (strnlen(h->creator, sizeof h->creator) == sizeof h->creator ||
+        strnlen(h->placeholder, sizeof h->placeholder) == sizeof h->placeholder)
+        return kf_fail(err, KF_ERR_FORMAT, "%s: creator or placeholder is not a terminated string", path);
+    if ((unsigned)h->method > KVF_METHOD_FOLD || (unsigned)h->dtype > KVF_F32 ||
+        (unsigned)h->rope_frame > KVF_FRAME_ORIGINAL)
+        return kf_fail(err, KF_ERR_FORMAT, "%s: method, dtype or rope_frame out of range", path);
+    if (h->n_layers < 1 || h->n_layers > 4096 || h->kv_heads < 1 || h->kv_heads > 4096 || h->head_dim < 1 ||
+        h->head_dim > 65536)
+        return kf_fail(err, KF_ERR_FORMAT, "%s: shape n_layers %d, kv_heads %d, head_dim %d is out of range", path,
+                       h->n_layers, h->kv_heads, h->head_dim);
+    if (h->n_doc_tokens < 1 || h->n_tokens < 1 || h->n_tokens > ((int64_t)1 << 31))
+        return kf_fail(err, KF_ERR_FORMAT, "%s: lengths D = %lld, C = %lld are out of range", path,
+                       (long long)h->n_doc_tokens, (long long)h->n_tokens);
+    if ((double)h->n_tokens * h->kv_heads * h->head_dim > (double)((int64_t)1 << 40))
+        return kf_fail(err, KF_ERR_FORMAT, "%s: a layer of C = %lld tokens is too large", path,
+                       (long long)h->n_tokens);
+    if (h->block_size != KVF_BLOCK)
+        return kf_fail(err, KF_ERR_FORMAT, "%s: block_size %d (version %d uses %d)", path, h->block_size,
+                       KVF_VERSION, KVF_BLOCK);
+    if (!isfinite(h->budget) || h->budget <= 0)
+        return kf_fail(err, KF_ERR_FORMAT, "%s: budget %g must be positive", path, h->budget);
+    if (!isfinite(h->lambda) || h->lambda < 0)
+        return kf_fail(err, KF_ERR_FORMAT, "%s: lambda %g must be non-negative", path, h->lambda);
+    return KF_OK;
+}

@@ -1,0 +1,36 @@
+/* kvf_internal.h — helpers shared by kvf.c, kvf_write.c and kvf_read.c (not a public header). */
+#ifndef KF_KVF_INTERNAL_H
+#define KF_KVF_INTERNAL_H
+
+#include <hdf5.h>
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "formats/kvf.h"
+
+/* Switches HDF5's automatic error printing off (once per process; library code never prints). */
+void kvf_h5_quiet(void);
+
+/* The most specific message on HDF5's error stack (empty when none), then clears the stack.
+ * *checksum is set when a Fletcher32 (or other EDC) check failed; *truncated when HDF5 found the
+ * file shorter than its superblock says. Either may be NULL. */
+void kvf_h5_take_error(char *buf, size_t n, bool *checksum, bool *truncated);
+/* Saves the current error stack (if any) for a later kvf_h5_take_error, before cleanup calls
+ * that would clear it. */
+void kvf_h5_capture(void);
+
+/* The HDF5 type of a keys/values element for dtype (LE): H5Tclose it. */
+hid_t kvf_h5_type(kvf_dtype d);
+
+/* Element-wise conversion between fp32 and the stored dtype. */
+void kvf_convert_to(kvf_dtype d, const float *src, void *dst, size_t n);
+void kvf_convert_from(kvf_dtype d, const void *src, float *dst, size_t n);
+
+/* Checks every header field the format constrains (not the version); msg names path. */
+kf_status kvf_header_check(const kvf_header *h, const char *path, kf_error *err);
+bool kvf_is_hex(const char *s, size_t len);
+
+/* File access properties: file locking off (the files never change once renamed). */
+hid_t kvf_h5_fapl(void);
+
+#endif

@@ -1,0 +1,695 @@
+/* The kvf cache file: round trips of every method and dtype, the conversions, paths and digests,
+ * and refusals with the cause named (another model, truncation, a flipped byte inside a chunk, an
+ * unknown version, a missing dataset, a killed writer's temporary file); concurrent writers of one
+ * name never expose a partial file. */
+#include <errno.h>
+#include <hdf5.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "formats/kvf.h"
+#include "test_util.h"
+
+static const char kFp[] = "0123456789abcdef0123456789abcdef";
+static const char kOtherFp[] = "fedcba9876543210fedcba9876543210";
+
+/* A synthetic cache with owned buffers. */
+typedef struct {
+    kvf_cache c;
+    float *keys, *values, *beta, *u; /* [L, C, H, D] x2, [L, H, C], [L, H, D] */
+    int32_t *pos;                    /* [L, H, C] */
+} synth;
+
+static void synth_make(synth *s, int L, int H, int D, int64_t C, kvf_dtype dt, kvf_method m, uint64_t seed) {
+    memset(s, 0, sizeof *s);
+    kvf_header *h = &s->c.hdr;
+    kvf_header_init(h);
+    memcpy(h->model_fingerprint, kFp, sizeof kFp);
+    int32_t ids[3] = {(int32_t)seed, 2, 3};
+    kvf_document_digest(ids, 3, h->document_digest);
+    h->n_doc_tokens = m == KVF_METHOD_KEEP ? C : 4 * C;
+    h->n_tokens = C;
+    h->method = m;
+    h->budget = m == KVF_METHOD_KEEP ? 1.0 : 0.25;
+    h->lambda = m == KVF_METHOD_FOLD ? 0.5 : 0;
+    h->dtype = dt;
+    h->n_layers = L;
+    h->kv_heads = H;
+    h->head_dim = D;
+    snprintf(h->placeholder, sizeof h->placeholder, "seed-%llu", (unsigned long long)seed);
+    size_t nkv = (size_t)L * (size_t)C * (size_t)H * (size_t)D, nb = (size_t)L * (size_t)H * (size_t)C,
+           nu = (size_t)L * (size_t)H * (size_t)D;
+    s->keys = malloc(nkv * 4);
+    s->values = malloc(nkv * 4);
+    s->beta = malloc(nb * 4);
+    s->u = malloc(nu * 4);
+    s->pos = malloc(nb * 4);
+    kf_test_fill_uniform(s->keys, nkv, seed, -3, 3);
+    kf_test_fill_uniform(s->values, nkv, seed + 1, -1, 1);
+    kf_test_fill_uniform(s->beta, nb, seed + 2, -2, 2);
+    kf_test_fill_uniform(s->u, nu, seed + 3, -1, 1);
+    for (size_t i = 0; i < nb; i++)
+        s->pos[i] = (i % 7 == 6) ? -1 : (int32_t)((i * 13) % (size_t)h->n_doc_tokens);
+    s->c.keys = s->keys;
+    s->c.values = s->values;
+    s->c.beta = s->beta;
+    s->c.u = s->u;
+    s->c.positions = s->pos;
+}
+
+static void synth_free(synth *s) {
+    free(s->keys);
+    free(s->values);
+    free(s->beta);
+    free(s->u);
+    free(s->pos);
+}
+
+/* |got - want| within the dtype's rounding (f32: exact). */
+static int close_enough(kvf_dtype dt, const float *got, const float *want, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        double tol = dt == KVF_F32 ? 0 : dt == KVF_BF16 ? fabs(want[i]) * 0x1p-8 : fmax(fabs(want[i]) * 0x1p-11, 0x1p-25);
+        if (fabs((double)got[i] - want[i]) > tol)
+            return 0;
+    }
+    return 1;
+}
+
+/* KVF_TEST_VERBOSE=1 prints each refusal's message, to read them. */
+static void show(const kf_error *err) {
+    if (getenv("KVF_TEST_VERBOSE"))
+        fprintf(stderr, "\n    refusal: %s", err->msg);
+}
+
+static char g_path[4096];
+
+static const char *cache_file(const char *dirname, const synth *s) {
+    const kvf_header *h = &s->c.hdr;
+    kf_error err = {0};
+    const char *root = kf_test_make_dir(dirname);
+    char rootcopy[1024];
+    snprintf(rootcopy, sizeof rootcopy, "%s", root);
+    kf_status st = kvf_cache_path(rootcopy, h->model_fingerprint, h->document_digest, h->method, h->budget, true, g_path,
+                                  sizeof g_path, &err);
+    CU_ASSERT_EQUAL_FATAL(st, KF_OK);
+    return g_path;
+}
+
+static void write_ok(const char *path, const synth *s) {
+    kf_error err = {0};
+    kf_status st = kvf_write(path, &s->c, &err);
+    if (st != KF_OK)
+        fprintf(stderr, "%s\n", err.msg);
+    CU_ASSERT_EQUAL_FATAL(st, KF_OK);
+}
+
+static kvf_file *open_ok(const char *path) {
+    kf_error err = {0};
+    kvf_file *f = NULL;
+    kf_status st = kvf_open(path, &f, &err);
+    if (st != KF_OK)
+        fprintf(stderr, "%s\n", err.msg);
+    CU_ASSERT_EQUAL_FATAL(st, KF_OK);
+    return f;
+}
+
+/* Every layer, block, and side dataset equals what was written. Returns 1 when all match. */
+static int check_contents(kvf_file *f, const synth *s) {
+    const kvf_header *h = &s->c.hdr;
+    const int L = h->n_layers, H = h->kv_heads, D = h->head_dim;
+    const int64_t C = h->n_tokens;
+    const size_t ln = (size_t)C * (size_t)H * (size_t)D, row = (size_t)H * (size_t)D;
+    float *buf = malloc(ln * 4), *blk = malloc(KVF_BLOCK * row * 4), *side = malloc((size_t)L * H * (C + D) * 4);
+    uint16_t *raw = malloc(ln * 2);
+    kf_error err = {0};
+    int ok = 1;
+    for (int l = 0; l < L && ok; l++)
+        for (int w = 0; w < 2 && ok; w++) {
+            const float *want = (w ? s->values : s->keys) + (size_t)l * ln;
+            kvf_which which = w ? KVF_VALUES : KVF_KEYS;
+            ok &= kvf_read_layer(f, l, which, buf, &err) == KF_OK && close_enough(h->dtype, buf, want, ln);
+            if (h->dtype != KVF_F32) {
+                ok &= kvf_read_layer_raw(f, l, which, raw, &err) == KF_OK;
+                for (size_t i = 0; i < ln && ok; i++)
+                    ok &= raw[i] == (h->dtype == KVF_BF16 ? kvf_f32_to_bf16(want[i]) : kvf_f32_to_f16(want[i]));
+            }
+            for (int64_t b = 0; b < kvf_n_blocks(f) && ok; b++) {
+                int nt = -1;
+                ok &= kvf_read_block(f, l, b, which, blk, &nt, &err) == KF_OK;
+                ok &= nt == (C - b * 16 < 16 ? (int)(C - b * 16) : 16);
+                ok &= memcmp(blk, buf + (size_t)b * 16 * row, (size_t)nt * row * 4) == 0;
+            }
+        }
+    const size_t nb = (size_t)L * H * (size_t)C, nu = (size_t)L * H * (size_t)D;
+    ok &= kvf_read_beta(f, KVF_ALL_LAYERS, side, &err) == KF_OK && memcmp(side, s->beta, nb * 4) == 0;
+    ok &= kvf_read_u(f, KVF_ALL_LAYERS, side, &err) == KF_OK && memcmp(side, s->u, nu * 4) == 0;
+    ok &= kvf_read_positions(f, KVF_ALL_LAYERS, (int32_t *)side, &err) == KF_OK && memcmp(side, s->pos, nb * 4) == 0;
+    ok &= kvf_read_beta(f, L - 1, side, &err) == KF_OK &&
+          memcmp(side, s->beta + (size_t)(L - 1) * H * (size_t)C, (size_t)H * (size_t)C * 4) == 0;
+    if (!ok && err.msg[0])
+        fprintf(stderr, "check_contents: %s\n", err.msg);
+    free(buf);
+    free(blk);
+    free(side);
+    free(raw);
+    return ok;
+}
+
+/* ---- conversions, names, paths ---- */
+
+static void test_conversions(void) {
+    CU_ASSERT_EQUAL(kvf_f32_to_f16(1.0f), 0x3c00);
+    CU_ASSERT_EQUAL(kvf_f32_to_f16(-2.0f), 0xc000);
+    CU_ASSERT_EQUAL(kvf_f32_to_f16(65504.0f), 0x7bff);
+    CU_ASSERT_EQUAL(kvf_f32_to_f16(65519.0f), 0x7bff);
+    CU_ASSERT_EQUAL(kvf_f32_to_f16(65520.0f), 0x7c00);
+    CU_ASSERT_EQUAL(kvf_f32_to_f16(0x1p-24f), 0x0001);
+    CU_ASSERT_EQUAL(kvf_f32_to_f16(0x1p-25f), 0x0000);       /* tie to even */
+    CU_ASSERT_EQUAL(kvf_f32_to_f16(0x1.8p-25f), 0x0001);
+    CU_ASSERT_EQUAL(kvf_f32_to_f16(0x1.ffcp-15f), 0x0400);   /* rounds up into the normals */
+    CU_ASSERT_EQUAL(kvf_f32_to_f16(1.0f + 0x1p-11f), 0x3c00); /* tie to even */
+    CU_ASSERT_EQUAL(kvf_f32_to_f16(1.0f + 0x1.8p-10f), 0x3c02);
+    CU_ASSERT_EQUAL(kvf_f32_to_f16(-0.0f), 0x8000);
+    CU_ASSERT_EQUAL(kvf_f32_to_f16(INFINITY), 0x7c00);
+    CU_ASSERT((kvf_f32_to_f16(NAN) & 0x7c00) == 0x7c00 && (kvf_f32_to_f16(NAN) & 0x3ff) != 0);
+    CU_ASSERT_EQUAL(kvf_f32_to_bf16(1.0f), 0x3f80);
+    CU_ASSERT_EQUAL(kvf_f32_to_bf16(1.0f + 0x1p-8f), 0x3f80); /* tie to even */
+    CU_ASSERT_EQUAL(kvf_f32_to_bf16(1.0f + 0x1.8p-7f), 0x3f82);
+    CU_ASSERT(isnan(kvf_bf16_to_f32(kvf_f32_to_bf16(NAN))));
+    int bad16 = 0, badbf = 0;
+    for (uint32_t b = 0; b < 65536; b++) {
+        float x = kvf_f16_to_f32((uint16_t)b);
+        if (!isnan(x) && kvf_f32_to_f16(x) != b)
+            bad16++;
+        float y = kvf_bf16_to_f32((uint16_t)b);
+        if (!isnan(y) && kvf_f32_to_bf16(y) != b)
+            badbf++;
+    }
+    CU_ASSERT_EQUAL(bad16, 0);
+    CU_ASSERT_EQUAL(badbf, 0);
+    CU_ASSERT_EQUAL(kvf_f16_to_f32(0x0001), 0x1p-24f);
+    CU_ASSERT_EQUAL(kvf_f16_to_f32(0x7bff), 65504.0f);
+}
+
+static void test_names_paths_digests(void) {
+    char b[32], p[4096], d1[33], d2[33], d3[33];
+    kvf_format_budget(0.1, b, sizeof b);
+    CU_ASSERT_STRING_EQUAL(b, "0.1");
+    kvf_format_budget(0.25, b, sizeof b);
+    CU_ASSERT_STRING_EQUAL(b, "0.25");
+    kvf_format_budget(1.0, b, sizeof b);
+    CU_ASSERT_STRING_EQUAL(b, "1");
+    kvf_format_budget(1.0 / 3, b, sizeof b);
+    CU_ASSERT_EQUAL(strtod(b, NULL), 1.0 / 3);
+    int32_t ids[4] = {1, 2, 3, 0};
+    kvf_document_digest(ids, 3, d1);
+    kvf_document_digest(ids, 4, d2); /* an extra token 0 changes the digest */
+    kvf_document_digest(ids, 3, d3);
+    CU_ASSERT_EQUAL(strlen(d1), 32);
+    CU_ASSERT_STRING_NOT_EQUAL(d1, d2);
+    CU_ASSERT_STRING_EQUAL(d1, d3);
+    const char *root = kf_test_make_dir("paths");
+    char rootcopy[1024];
+    snprintf(rootcopy, sizeof rootcopy, "%s/deep/root/", root);
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kvf_cache_path(rootcopy, kFp, d1, KVF_METHOD_FOLD, 0.1, true, p, sizeof p, &err), KF_OK);
+    char want[4096];
+    snprintf(want, sizeof want, "%s/deep/root/%s/%s.fold-0.1.kvf", root, kFp, d1);
+    CU_ASSERT_STRING_EQUAL(p, want);
+    struct stat sb;
+    snprintf(want, sizeof want, "%s/deep/root/%s", root, kFp);
+    CU_ASSERT(stat(want, &sb) == 0 && S_ISDIR(sb.st_mode));
+    CU_ASSERT_EQUAL(kvf_cache_path(root, "nothex", d1, KVF_METHOD_AM, 0.1, false, p, sizeof p, &err), KF_ERR_INVALID);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "nothex"));
+    CU_ASSERT(kvf_is_temp_name("/a/b/x.fold-0.1.kvf.tmp-123-0123456789abcdef"));
+    CU_ASSERT(!kvf_is_temp_name("/a/b/x.fold-0.1.kvf"));
+    CU_ASSERT(!kvf_is_temp_name("x.tmp-12-0123456789abcde"));
+    CU_ASSERT(!kvf_is_temp_name("x.tmp-12-0123456789abcdef.kvf"));
+    kvf_method m;
+    kvf_dtype dt;
+    CU_ASSERT(kvf_method_parse("am", &m) == 0 && m == KVF_METHOD_AM);
+    CU_ASSERT(kvf_method_parse("xx", &m) != 0);
+    CU_ASSERT(kvf_dtype_parse("bf16", &dt) == 0 && dt == KVF_BF16);
+    CU_ASSERT(kvf_dtype_parse("float16", &dt) == 0 && dt == KVF_F16);
+}
+
+/* ---- round trips ---- */
+
+static void test_round_trip_every_method_and_dtype(void) {
+    int cases = 0;
+    for (int m = KVF_METHOD_KEEP; m <= KVF_METHOD_FOLD; m++)
+        for (int dt = KVF_BF16; dt <= KVF_F32; dt++) {
+            int64_t C = (m + dt) % 2 ? 37 : 5; /* partial last block; a single short block */
+            synth s;
+            synth_make(&s, 3, 2, 8, C, (kvf_dtype)dt, (kvf_method)m, 100 + (uint64_t)(m * 3 + dt));
+            const char *path = cache_file("rt", &s);
+            write_ok(path, &s);
+            CU_ASSERT(kvf_exists_valid(path, kFp));
+            kvf_file *f = open_ok(path);
+            const kvf_header *h = kvf_file_header(f), *w = &s.c.hdr;
+            CU_ASSERT_EQUAL(h->version, KVF_VERSION);
+            CU_ASSERT_STRING_EQUAL(h->model_fingerprint, w->model_fingerprint);
+            CU_ASSERT_STRING_EQUAL(h->document_digest, w->document_digest);
+            CU_ASSERT_STRING_EQUAL(h->tokenizer_digest, "");
+            CU_ASSERT_STRING_EQUAL(h->creator, w->creator);
+            CU_ASSERT_STRING_EQUAL(h->placeholder, w->placeholder);
+            CU_ASSERT(h->method == w->method && h->dtype == w->dtype && h->rope_frame == w->rope_frame);
+            CU_ASSERT(h->n_doc_tokens == w->n_doc_tokens && h->n_tokens == C && h->block_size == 16);
+            CU_ASSERT(h->budget == w->budget && h->lambda == w->lambda);
+            CU_ASSERT(h->n_layers == 3 && h->kv_heads == 2 && h->head_dim == 8);
+            CU_ASSERT(check_contents(f, &s));
+            kf_error err = {0};
+            CU_ASSERT_EQUAL(kvf_verify(f, &err), KF_OK);
+            CU_ASSERT_EQUAL(kvf_check_model(f, kFp, 3, 2, 8, &err), KF_OK);
+            kvf_close(f);
+            synth_free(&s);
+            cases++;
+        }
+    CU_ASSERT_EQUAL(cases, 12);
+}
+
+static void test_raw_input_and_defaults(void) {
+    synth s;
+    synth_make(&s, 2, 1, 4, 20, KVF_BF16, KVF_METHOD_KEEP, 7);
+    size_t n = 2 * 20 * 4;
+    uint16_t *rk = malloc(n * 2), *rv = malloc(n * 2);
+    for (size_t i = 0; i < n; i++) {
+        rk[i] = kvf_f32_to_bf16(s.keys[i]);
+        rv[i] = kvf_f32_to_bf16(s.values[i]);
+    }
+    s.c.keys = s.c.values = NULL;
+    s.c.keys_raw = rk;
+    s.c.values_raw = rv;
+    s.c.beta = s.c.u = NULL;
+    s.c.positions = NULL;
+    snprintf(s.c.hdr.tokenizer_digest, sizeof s.c.hdr.tokenizer_digest, "%s", kOtherFp);
+    const char *path = cache_file("raw", &s);
+    write_ok(path, &s);
+    kvf_file *f = open_ok(path);
+    uint16_t *back = malloc(20 * 4 * 2);
+    float beta[20], pos_f[20];
+    int32_t pos[20];
+    kf_error err = {0};
+    CU_ASSERT_EQUAL(kvf_read_layer_raw(f, 1, KVF_VALUES, back, &err), KF_OK);
+    CU_ASSERT(memcmp(back, rv + 80, 160) == 0);
+    CU_ASSERT_EQUAL(kvf_read_beta(f, 1, beta, &err), KF_OK);
+    CU_ASSERT_EQUAL(kvf_read_u(f, 0, pos_f, &err), KF_OK);
+    CU_ASSERT_EQUAL(kvf_read_positions(f, 1, pos, &err), KF_OK);
+    int zeros = 1, ident = 1;
+    for (int j = 0; j < 20; j++) {
+        zeros &= beta[j] == 0;
+        ident &= pos[j] == j;
+    }
+    for (int j = 0; j < 4; j++)
+        zeros &= pos_f[j] == 0;
+    CU_ASSERT(zeros && ident);
+    CU_ASSERT_STRING_EQUAL(kvf_file_header(f)->tokenizer_digest, kOtherFp);
+    /* bad arguments are statuses */
+    CU_ASSERT_EQUAL(kvf_read_layer_raw(f, 2, KVF_KEYS, back, &err), KF_ERR_INVALID);
+    CU_ASSERT_EQUAL(kvf_read_block_raw(f, 0, 2, KVF_KEYS, back, NULL, &err), KF_ERR_INVALID);
+    kvf_close(f);
+    /* writer refusals */
+    synth bad;
+    synth_make(&bad, 1, 1, 4, 4, KVF_F32, KVF_METHOD_AM, 8);
+    bad.c.hdr.model_fingerprint[3] = 'X';
+    CU_ASSERT_EQUAL(kvf_write(path, &bad.c, &err), KF_ERR_INVALID);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "model_fingerprint"));
+    CU_ASSERT(kvf_exists_valid(path, NULL)); /* the earlier file is untouched */
+    synth_free(&bad);
+    free(rk);
+    free(rv);
+    free(back);
+    synth_free(&s);
+}
+
+/* ---- refusals ---- */
+
+static char *slurp(const char *path, size_t *n) {
+    FILE *fp = fopen(path, "rb");
+    CU_ASSERT_PTR_NOT_NULL_FATAL(fp);
+    fseek(fp, 0, SEEK_END);
+    *n = (size_t)ftell(fp);
+    rewind(fp);
+    char *b = malloc(*n + 1);
+    CU_ASSERT_EQUAL_FATAL(fread(b, 1, *n, fp), *n);
+    fclose(fp);
+    return b;
+}
+
+static kf_status open_status(const char *path, kf_error *err) {
+    kvf_file *f = NULL;
+    kf_status st = kvf_open(path, &f, err);
+    kvf_close(f);
+    return st;
+}
+
+static void test_refuses_another_model(void) {
+    synth s;
+    synth_make(&s, 2, 2, 8, 16, KVF_BF16, KVF_METHOD_FOLD, 11);
+    const char *path = cache_file("model", &s);
+    write_ok(path, &s);
+    kvf_file *f = open_ok(path);
+    kf_error err = {0};
+    CU_ASSERT_EQUAL(kvf_check_model(f, kOtherFp, 2, 2, 8, &err), KF_ERR_MISMATCH);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, kFp));
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, kOtherFp));
+    show(&err);
+    CU_ASSERT_EQUAL(kvf_check_model(f, kFp, 2, 4, 8, &err), KF_ERR_MISMATCH);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "kv heads"));
+    CU_ASSERT_EQUAL(kvf_check_model(f, kFp, -1, -1, -1, &err), KF_OK);
+    kvf_close(f);
+    CU_ASSERT(!kvf_exists_valid(path, kOtherFp));
+    synth_free(&s);
+}
+
+static void test_refuses_truncated_file(void) {
+    synth s;
+    synth_make(&s, 2, 2, 8, 40, KVF_F16, KVF_METHOD_AM, 12);
+    const char *path = cache_file("trunc", &s);
+    write_ok(path, &s);
+    size_t n;
+    char *bytes = slurp(path, &n);
+    const size_t cuts[] = {n - 1, n - 100, n / 2, 600, 8, 0};
+    for (size_t i = 0; i < sizeof cuts / sizeof cuts[0]; i++) {
+        char name[64];
+        snprintf(name, sizeof name, "cut-%zu.kvf", i);
+        const char *t = kf_test_write_file(name, bytes, cuts[i]);
+        kf_error err = {0};
+        kf_status st = open_status(t, &err);
+        show(&err);
+        CU_ASSERT_EQUAL(st, KF_ERR_FORMAT);
+        if (cuts[i] > 600)
+            CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, ": truncated file"));
+        if (st != KF_ERR_FORMAT || (cuts[i] > 600 && !strstr(err.msg, ": truncated file")))
+            fprintf(stderr, "cut %zu of %zu: %s\n", cuts[i], n, err.msg);
+        CU_ASSERT(!kvf_exists_valid(t, NULL));
+    }
+    free(bytes);
+    synth_free(&s);
+}
+
+static void test_refuses_flipped_byte_in_a_chunk(void) {
+    synth s;
+    synth_make(&s, 4, 2, 8, 50, KVF_BF16, KVF_METHOD_FOLD, 13);
+    const char *path = cache_file("flip", &s);
+    write_ok(path, &s);
+    /* where HDF5 put the chunk of keys for layer 3, block 2 (slots 32..47) */
+    hid_t fid = H5Fopen(path, H5F_ACC_RDONLY, H5P_DEFAULT);
+    hid_t d = H5Dopen2(fid, "keys", H5P_DEFAULT);
+    hsize_t coord[4] = {3, 32, 0, 0};
+    unsigned mask = 0;
+    haddr_t addr = 0;
+    hsize_t size = 0;
+    CU_ASSERT_FATAL(H5Dget_chunk_info_by_coord(d, coord, &mask, &addr, &size) >= 0);
+    H5Dclose(d);
+    H5Fclose(fid);
+    CU_ASSERT_EQUAL_FATAL(size, 16 * 2 * 8 * 2 + 4); /* data + the Fletcher32 sum */
+    FILE *fp = fopen(path, "r+b");
+    CU_ASSERT_PTR_NOT_NULL_FATAL(fp);
+    fseek(fp, (long)addr + 37, SEEK_SET);
+    int c = fgetc(fp);
+    fseek(fp, (long)addr + 37, SEEK_SET);
+    fputc(c ^ 0x10, fp);
+    fclose(fp);
+
+    kvf_file *f = open_ok(path); /* metadata is intact */
+    float *buf = malloc(50 * 2 * 8 * 4);
+    kf_error err = {0};
+    CU_ASSERT_EQUAL(kvf_read_layer(f, 3, KVF_KEYS, buf, &err), KF_ERR_FORMAT);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "checksum mismatch in keys, layer 3 block 2"));
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, path));
+    show(&err);
+    memset(&err, 0, sizeof err);
+    CU_ASSERT_EQUAL(kvf_read_block(f, 3, 2, KVF_KEYS, buf, NULL, &err), KF_ERR_FORMAT);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "checksum mismatch in keys, layer 3 block 2"));
+    int nt = 0;
+    CU_ASSERT_EQUAL(kvf_read_block(f, 3, 1, KVF_KEYS, buf, &nt, &err), KF_OK); /* the neighbours are fine */
+    CU_ASSERT_EQUAL(kvf_read_block(f, 3, 3, KVF_KEYS, buf, &nt, &err), KF_OK);
+    CU_ASSERT_EQUAL(nt, 2);
+    CU_ASSERT_EQUAL(kvf_read_layer(f, 3, KVF_VALUES, buf, &err), KF_OK);
+    CU_ASSERT_EQUAL(kvf_verify(f, &err), KF_ERR_FORMAT);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "checksum mismatch"));
+    kvf_close(f);
+    free(buf);
+    synth_free(&s);
+}
+
+/* Edits a valid file with HDF5 directly. */
+static const char *edited_copy(const char *dirname, int what) {
+    synth s;
+    synth_make(&s, 2, 2, 8, 16, KVF_F32, KVF_METHOD_AM, 14);
+    const char *path = cache_file(dirname, &s);
+    write_ok(path, &s);
+    synth_free(&s);
+    hid_t fid = H5Fopen(path, H5F_ACC_RDWR, H5P_DEFAULT);
+    CU_ASSERT_FATAL(fid >= 0);
+    if (what == 0) {
+        hid_t a = H5Aopen(fid, "version", H5P_DEFAULT);
+        int64_t v = 2;
+        CU_ASSERT(H5Awrite(a, H5T_NATIVE_INT64, &v) >= 0);
+        H5Aclose(a);
+    } else if (what == 1) {
+        CU_ASSERT(H5Ldelete(fid, "u", H5P_DEFAULT) >= 0);
+    } else if (what == 2) {
+        CU_ASSERT(H5Adelete(fid, "document_digest") >= 0);
+    } else {
+        hid_t a = H5Aopen(fid, "n_tokens", H5P_DEFAULT);
+        int64_t v = 17;
+        CU_ASSERT(H5Awrite(a, H5T_NATIVE_INT64, &v) >= 0);
+        H5Aclose(a);
+    }
+    H5Fclose(fid);
+    return path;
+}
+
+static void test_refuses_unknown_version_and_missing_parts(void) {
+    kf_error err = {0};
+    CU_ASSERT_EQUAL(open_status(edited_copy("version", 0), &err), KF_ERR_UNSUPPORTED);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "kvf version 2 is not supported"));
+    show(&err);
+    CU_ASSERT_EQUAL(open_status(edited_copy("missing", 1), &err), KF_ERR_FORMAT);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "missing dataset 'u'"));
+    show(&err);
+    CU_ASSERT_EQUAL(open_status(edited_copy("noattr", 2), &err), KF_ERR_FORMAT);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "missing attribute 'document_digest'"));
+    show(&err);
+    CU_ASSERT_EQUAL(open_status(edited_copy("shape", 3), &err), KF_ERR_FORMAT);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "dataset 'keys' has shape [2, 16, 2, 8], the header implies [2, 17, 2, 8]"));
+    show(&err);
+    const char *junk = kf_test_write_file("junk.kvf", "not hdf5 at all, just text\n", 28);
+    CU_ASSERT_EQUAL(open_status(junk, &err), KF_ERR_FORMAT);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "junk.kvf"));
+    show(&err);
+    CU_ASSERT_EQUAL(open_status("/nonexistent/x.kvf", &err), KF_ERR_NOTFOUND);
+    /* an HDF5 file that is not a cache */
+    char other[1024];
+    snprintf(other, sizeof other, "%s/plain.h5", kf_test_make_dir("plain"));
+    hid_t fid = H5Fcreate(other, H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+    H5Fclose(fid);
+    CU_ASSERT_EQUAL(open_status(other, &err), KF_ERR_FORMAT);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "not a kvfold cache file"));
+    show(&err);
+}
+
+/* ---- killed writers and concurrent writers ---- */
+
+static void count_temp(void *ctx, const char *path, double age) {
+    (void)path;
+    (void)age;
+    ++*(int *)ctx;
+}
+
+static void test_killed_writer_leaves_only_a_temp_file(void) {
+    /* a complete file under a temporary name is still never a cache */
+    synth s;
+    synth_make(&s, 2, 2, 8, 16, KVF_BF16, KVF_METHOD_FOLD, 15);
+    const char *p = cache_file("killed", &s);
+    char final[4096], tmp[4200];
+    snprintf(final, sizeof final, "%s", p);
+    snprintf(tmp, sizeof tmp, "%s.tmp-4242-0123456789abcdef", final);
+    kf_error err = {0};
+    CU_ASSERT_EQUAL(kvf_write(tmp, &s.c, &err), KF_ERR_INVALID); /* never written under a temp name */
+    CU_ASSERT(access(tmp, F_OK) != 0);
+    write_ok(final, &s);
+    CU_ASSERT_EQUAL(rename(final, tmp), 0);
+    CU_ASSERT(!kvf_exists_valid(final, NULL));
+    CU_ASSERT(!kvf_exists_valid(tmp, NULL));
+    CU_ASSERT_EQUAL(open_status(tmp, &err), KF_ERR_INVALID);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "temporary"));
+    show(&err);
+    char root[1024];
+    snprintf(root, sizeof root, "%s", kf_test_make_dir("killed"));
+    int n = 0, seen = 0;
+    CU_ASSERT_EQUAL(kvf_clean_temps(root, 3600, false, NULL, NULL, &n, &err), KF_OK);
+    CU_ASSERT_EQUAL(n, 0); /* too young */
+    CU_ASSERT_EQUAL(kvf_clean_temps(root, 0, true, count_temp, &seen, &n, &err), KF_OK);
+    CU_ASSERT(n == 1 && seen == 1 && access(tmp, F_OK) == 0); /* dry run */
+    CU_ASSERT_EQUAL(kvf_clean_temps(root, 0, false, NULL, NULL, &n, &err), KF_OK);
+    CU_ASSERT(n == 1 && access(tmp, F_OK) != 0);
+    synth_free(&s);
+
+    /* a real writer killed while its temporary file exists */
+    synth big;
+    synth_make(&big, 8, 8, 64, 1024, KVF_F32, KVF_METHOD_FOLD, 16); /* 33 MB of keys and values */
+    int killed_midway = 0;
+    for (int attempt = 0; attempt < 5 && !killed_midway; attempt++) {
+        char fin[4096];
+        snprintf(fin, sizeof fin, "%s/killed-%d.kvf", root, attempt);
+        pid_t pid = fork();
+        CU_ASSERT_FATAL(pid >= 0);
+        if (pid == 0) {
+            kf_error e = {0};
+            _exit(kvf_write(fin, &big.c, &e) == KF_OK ? 0 : 1);
+        }
+        int found = 0;
+        for (int spin = 0; spin < 20000 && !found; spin++) {
+            int c2 = 0;
+            kvf_clean_temps(root, -1e9, true, count_temp, &c2, NULL, NULL);
+            found = c2 > 0;
+            if (!found)
+                usleep(100);
+        }
+        kill(pid, SIGKILL);
+        int status;
+        waitpid(pid, &status, 0);
+        if (found && WIFSIGNALED(status)) {
+            killed_midway = 1;
+            CU_ASSERT(access(fin, F_OK) != 0); /* the final name never appeared */
+            CU_ASSERT(!kvf_exists_valid(fin, NULL));
+            CU_ASSERT_EQUAL(kvf_clean_temps(root, 0, false, NULL, NULL, &n, &err), KF_OK);
+            CU_ASSERT_EQUAL(n, 1);
+        }
+        unlink(fin);
+    }
+    CU_ASSERT(killed_midway);
+    synth_free(&big);
+}
+
+static void test_concurrent_writers_never_expose_a_partial_file(void) {
+    enum { N_WRITES = 12 };
+    synth s[2];
+    synth_make(&s[0], 4, 2, 32, 200, KVF_BF16, KVF_METHOD_FOLD, 21);
+    synth_make(&s[1], 4, 2, 32, 200, KVF_BF16, KVF_METHOD_FOLD, 22);
+    /* same name for both: same fingerprint, digest, method and budget */
+    memcpy(s[1].c.hdr.document_digest, s[0].c.hdr.document_digest, sizeof s[0].c.hdr.document_digest);
+    char path[4096];
+    snprintf(path, sizeof path, "%s", cache_file("concurrent", &s[0]));
+    pid_t pids[2];
+    for (int i = 0; i < 2; i++) {
+        pids[i] = fork();
+        CU_ASSERT_FATAL(pids[i] >= 0);
+        if (pids[i] == 0) {
+            int bad = 0;
+            for (int r = 0; r < N_WRITES; r++) {
+                kf_error e = {0};
+                bad |= kvf_write(path, &s[i].c, &e) != KF_OK;
+            }
+            _exit(bad);
+        }
+    }
+    int observed = 0, bad = 0, done = 0, status[2] = {0, 0}, exited[2] = {0, 0};
+    while (done < 2) {
+        kvf_file *f = NULL;
+        kf_error err = {0};
+        if (access(path, F_OK) == 0) {
+            if (kvf_open(path, &f, &err) != KF_OK) {
+                fprintf(stderr, "observation %d: %s\n", observed, err.msg);
+                bad++;
+            } else {
+                const char *ph = kvf_file_header(f)->placeholder;
+                int who = strcmp(ph, "seed-21") == 0 ? 0 : strcmp(ph, "seed-22") == 0 ? 1 : -1;
+                if (who < 0 || !check_contents(f, &s[who]))
+                    bad++;
+                kvf_close(f);
+                observed++;
+            }
+        }
+        for (int i = 0; i < 2; i++)
+            if (!exited[i] && waitpid(pids[i], &status[i], WNOHANG) == pids[i]) {
+                exited[i] = 1;
+                done++;
+            }
+    }
+    for (int i = 0; i < 2; i++)
+        CU_ASSERT(WIFEXITED(status[i]) && WEXITSTATUS(status[i]) == 0);
+    CU_ASSERT_EQUAL(bad, 0);
+    CU_ASSERT(observed > 0);
+    CU_ASSERT(kvf_exists_valid(path, kFp));
+    int n = -1;
+    char root[1024];
+    snprintf(root, sizeof root, "%s", kf_test_make_dir("concurrent"));
+    CU_ASSERT_EQUAL(kvf_clean_temps(root, -1e9, true, NULL, NULL, &n, NULL), KF_OK);
+    CU_ASSERT_EQUAL(n, 0); /* no writer left a temporary file */
+    fprintf(stderr, "  (%d observations of the final name, all complete)\n", observed);
+    synth_free(&s[0]);
+    synth_free(&s[1]);
+}
+
+/* Optional: h5py (python3-h5py) reads the file: attributes, bf16 as uint16, f16 as float16. */
+static void test_h5py_reads_the_file(void) {
+    if (system("/usr/bin/python3 -c 'import h5py' >/dev/null 2>&1") != 0) {
+        fprintf(stderr, "  (skipped: python3-h5py is not installed)\n");
+        return;
+    }
+    for (int dt = KVF_BF16; dt <= KVF_F16; dt++) {
+        synth s;
+        synth_make(&s, 2, 2, 8, 20, (kvf_dtype)dt, KVF_METHOD_FOLD, 30 + (uint64_t)dt);
+        char path[4096];
+        snprintf(path, sizeof path, "%s", cache_file(dt == KVF_BF16 ? "h5py-bf16" : "h5py-f16", &s));
+        write_ok(path, &s);
+        float want = dt == KVF_BF16 ? kvf_bf16_to_f32(kvf_f32_to_bf16(s.keys[1 * 20 * 16 + 5 * 16 + 3]))
+                                    : kvf_f16_to_f32(kvf_f32_to_f16(s.keys[1 * 20 * 16 + 5 * 16 + 3]));
+        char cmd[8192];
+        snprintf(cmd, sizeof cmd,
+                 "/usr/bin/python3 - <<'EOF'\n"
+                 "import h5py, numpy as np, sys\n"
+                 "f = h5py.File('%s', 'r')\n"
+                 "a = f.attrs\n"
+                 "assert a['format'] == 'kvfold-kvf' and a['version'] == 1 and a['method'] == 'fold', dict(a)\n"
+                 "k = f['keys']\n"
+                 "assert k.shape == (2, 20, 2, 8) and k.chunks == (1, 16, 2, 8), (k.shape, k.chunks)\n"
+                 "assert k.attrs['dtype'] == a['dtype'] == '%s'\n"
+                 "x = k[1, 5, 0, 3]\n"
+                 "if a['dtype'] == 'bfloat16':\n"
+                 "    assert k.dtype == np.uint16, k.dtype\n"
+                 "    x = np.array([int(x) << 16], dtype=np.uint32).view(np.float32)[0]\n"
+                 "else:\n"
+                 "    assert k.dtype == np.float16, k.dtype\n"
+                 "assert float(x) == float.fromhex('%a'), (float(x), '%a')\n"
+                 "assert f['positions'].dtype == np.int32 and f['beta'].shape == (2, 2, 20)\n"
+                 "EOF\n",
+                 path, kvf_dtype_name((kvf_dtype)dt), (double)want, (double)want);
+        CU_ASSERT_EQUAL(system(cmd), 0);
+        synth_free(&s);
+    }
+}
+
+static int clean(void) {
+    H5close();
+    return 0;
+}
+
+static CU_TestInfo tests[] = {
+    {"f16/bf16 conversions round to nearest even", test_conversions},
+    {"names, budgets, paths, digests", test_names_paths_digests},
+    {"round trip of every method and dtype", test_round_trip_every_method_and_dtype},
+    {"raw input, default side data, bad arguments", test_raw_input_and_defaults},
+    {"refuses another model's file", test_refuses_another_model},
+    {"refuses a truncated file", test_refuses_truncated_file},
+    {"refuses a flipped byte inside a chunk", test_refuses_flipped_byte_in_a_chunk},
+    {"refuses unknown version, missing dataset/attribute, bad shape", test_refuses_unknown_version_and_missing_parts},
+    {"a killed writer leaves only a temporary file", test_killed_writer_leaves_only_a_temp_file},
+    {"concurrent writers never expose a partial file", test_concurrent_writers_never_expose_a_partial_file},
+    {"h5py reads the file (optional)", test_h5py_reads_the_file},
+    CU_TEST_INFO_NULL,
+};
+static CU_SuiteInfo suites[] = {{"kvf", NULL, clean, NULL, NULL, tests}, CU_SUITE_INFO_NULL};
+
+int main(void) { return kf_test_main(suites); }
