@@ -5,6 +5,7 @@
 #include <stdint.h>
 
 #include "compactor/model.h"
+#include "compactor/quoka.h"
 #include "formats/error.h"
 
 enum { KF_EXIT_OK = 0, KF_EXIT_FAIL = 1, KF_EXIT_USAGE = 2 };
@@ -23,5 +24,30 @@ int cli_parse_int(const char *text, long long lo, long long hi, long long *out);
 kf_model *cli_load_model(const char *cmd, const char *dir, kf_backend **backend);
 
 double cli_now(void); /* monotonic seconds */
+
+/* Prefill options shared by every command that prefills (logits, bench prefill, compact):
+ *   --prefill dense|quoka  --quoka-nq N  --quoka-budget N|0.x  --quoka-sinks N
+ * Append CLI_PREFILL_OPTIONS to the command's getopt_long table, start from
+ * cli_prefill_defaults(), pass unknown option ids to cli_prefill_option, print
+ * CLI_PREFILL_HELP in --help, and hand cli_prefill_params(&p) to kf_forward_args.quoka. */
+enum { CLI_OPT_PREFILL = 0x1000, CLI_OPT_QUOKA_NQ, CLI_OPT_QUOKA_BUDGET, CLI_OPT_QUOKA_SINKS };
+#define CLI_PREFILL_OPTIONS                                                                            \
+    {"prefill", required_argument, 0, CLI_OPT_PREFILL}, {"quoka-nq", required_argument, 0, CLI_OPT_QUOKA_NQ}, \
+        {"quoka-budget", required_argument, 0, CLI_OPT_QUOKA_BUDGET},                                  \
+        {"quoka-sinks", required_argument, 0, CLI_OPT_QUOKA_SINKS}
+#define CLI_PREFILL_HELP                                                                               \
+    "  --prefill MODE       dense (default) or quoka: sparse attention over a query-chosen subset of\n" \
+    "                       the history once it is longer than the budget (chunks still see all of\n"  \
+    "                       their own keys; nothing is evicted)\n"                                     \
+    "  --quoka-nq N         queries kept per head to choose keys (default 16)\n"                       \
+    "  --quoka-budget B     history keys kept per KV head: a count (default 1024) or a fraction of\n"  \
+    "                       the history such as 0.25\n"                                                \
+    "  --quoka-sinks N      always keep the first N tokens (default 0)\n"
+
+kf_quoka_params cli_prefill_defaults(void); /* dense, with QUOKA's defaults for when it is chosen */
+/* 1: handled; 0: not a prefill option; -1: bad value (usage error printed). */
+int cli_prefill_option(const char *cmd, int opt, const char *arg, kf_quoka_params *p);
+/* NULL for dense, else p (for kf_forward_args.quoka). */
+const kf_quoka_params *cli_prefill_params(const kf_quoka_params *p);
 
 #endif

@@ -12,6 +12,8 @@ static const char kBenchHelp[] =
     "Usage: kvfold bench <what> [options]\n"
     "\n"
     "  prefill    tokens/s of a chunked prefill of random token ids\n"
+    "  attention  one chunk's attention over long histories: dense against QUOKA, as a ratio\n"
+    "  quoka      QUOKA's accuracy against dense prefill on repeat prompts (KL, copy accuracy)\n"
     "\n"
     "Run 'kvfold bench <what> --help' for options. tools/bench-prefill.sh compares the prefill\n"
     "with a PyTorch implementation of the same model in the same run.\n";
@@ -23,11 +25,16 @@ int cmd_bench(int argc, char **argv) {
     }
     if (strcmp(argv[1], "prefill") == 0)
         return cmd_bench_prefill(argc - 1, argv + 1);
+    if (strcmp(argv[1], "attention") == 0)
+        return cmd_bench_attention(argc - 1, argv + 1);
+    if (strcmp(argv[1], "quoka") == 0)
+        return cmd_bench_quoka(argc - 1, argv + 1);
     return cli_usage_error("bench", "unknown benchmark '%s'", argv[1]);
 }
 
 static const char kPrefillHelp[] =
     "Usage: kvfold bench prefill --model DIR --tokens N [--chunk C] [--repeat R] [--seed S]\n"
+    "                            [--prefill dense|quoka] [--quoka-budget B] ...\n"
     "\n"
     "Prefill N random token ids (fixed seed) into a fresh paged arena, R times after one warm-up,\n"
     "and print the median time and tokens/s. Only the last position's logits are computed, as in\n"
@@ -41,7 +48,10 @@ static const char kPrefillHelp[] =
     "  --seed S      seed of the token ids (default 1)\n"
     "  -h, --help    show this help\n"
     "\n"
-    "Last line: 'tokens_per_s <value>' for scripts.\n";
+    "Prefill attention:\n" CLI_PREFILL_HELP
+    "\n"
+    "Last line: 'tokens_per_s <value>' for scripts. tools/bench-quoka.sh compares dense and QUOKA\n"
+    "prefill in the same run.\n";
 
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
@@ -52,9 +62,10 @@ int cmd_bench_prefill(int argc, char **argv) {
     static const struct option opts[] = {{"help", no_argument, 0, 'h'},        {"model", required_argument, 0, 'm'},
                                          {"tokens", required_argument, 0, 'n'}, {"chunk", required_argument, 0, 'c'},
                                          {"repeat", required_argument, 0, 'r'}, {"seed", required_argument, 0, 's'},
-                                         {0, 0, 0, 0}};
+                                         CLI_PREFILL_OPTIONS,                   {0, 0, 0, 0}};
     const char *dir = NULL;
     long long n = 512, chunk = 0, repeat = 3, seed = 1;
+    kf_quoka_params prefill = cli_prefill_defaults();
     optind = 1;
     for (int c; (c = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
         long long *dst = NULL;
@@ -65,7 +76,14 @@ int cmd_bench_prefill(int argc, char **argv) {
         case 'c': dst = &chunk; break;
         case 'r': dst = &repeat; break;
         case 's': dst = &seed; break;
-        default: return cli_usage_error("bench prefill", "bad option");
+        default: {
+            const int r = cli_prefill_option("bench prefill", c, optarg, &prefill);
+            if (r < 0)
+                return KF_EXIT_USAGE;
+            if (r == 0)
+                return cli_usage_error("bench prefill", "bad option");
+            continue;
+        }
         }
         if (cli_parse_int(optarg, 1, 1 << 24, dst))
             return cli_usage_error("bench prefill", "option value '%s' must be a positive integer", optarg);
@@ -101,7 +119,7 @@ int cmd_bench_prefill(int argc, char **argv) {
         kf_seq seq;
         kf_seq_init(&seq);
         kf_forward_args fa = {.ids = ids, .n_tokens = (int)n, .chunk = (int)chunk, .logit_rows = &last,
-                              .n_logit_rows = 1, .logits = logits};
+                              .n_logit_rows = 1, .logits = logits, .quoka = cli_prefill_params(&prefill)};
         double t0 = cli_now();
         kf_status st = kf_model_forward(m, &arena, &seq, &fa, &err);
         times[r] = cli_now() - t0;
@@ -117,8 +135,10 @@ int cmd_bench_prefill(int argc, char **argv) {
     kf_arena_free(&arena);
     qsort(times + 1, (size_t)repeat, sizeof(double), cmp_double);
     const double med = times[1 + repeat / 2];
-    printf("prefill %lld tokens (chunk %lld): median %.4f s over %lld runs\n", n, chunk ? chunk : KF_DEFAULT_CHUNK,
-           med, repeat);
+    char desc[160];
+    printf("prefill %lld tokens (chunk %lld, %s): median %.4f s over %lld runs\n", n,
+           chunk ? chunk : KF_DEFAULT_CHUNK, kf_quoka_describe(cli_prefill_params(&prefill), desc, sizeof desc), med,
+           repeat);
     printf("tokens_per_s %.1f\n", (double)n / med);
     rc = KF_EXIT_OK;
 out:

@@ -9,7 +9,7 @@
 #include "tools/commands.h"
 
 static const char kHelp[] =
-    "Usage: kvfold logits --model DIR --ids 1,2,3 [--top K] [--chunk N] [--json]\n"
+    "Usage: kvfold logits --model DIR --ids 1,2,3 [--top K] [--chunk N] [--json] [--prefill dense|quoka]\n"
     "\n"
     "Prefill the token ids (chunked, through the paged KV arena) and print the K most likely\n"
     "next tokens after the last one, with logits and probabilities.\n"
@@ -20,7 +20,9 @@ static const char kHelp[] =
     "  --top K       how many tokens to show (default 5)\n"
     "  --chunk N     prefill chunk size in tokens (default 512)\n"
     "  --json        print one JSON object instead of a table\n"
-    "  -h, --help    show this help\n";
+    "  -h, --help    show this help\n"
+    "\n"
+    "Prefill attention:\n" CLI_PREFILL_HELP;
 
 static char *read_stdin(void) {
     size_t len = 0, cap = 4096;
@@ -47,10 +49,11 @@ int cmd_logits(int argc, char **argv) {
     static const struct option opts[] = {{"help", no_argument, 0, 'h'},      {"model", required_argument, 0, 'm'},
                                          {"ids", required_argument, 0, 'i'}, {"top", required_argument, 0, 't'},
                                          {"chunk", required_argument, 0, 'c'}, {"json", no_argument, 0, 'j'},
-                                         {0, 0, 0, 0}};
+                                         CLI_PREFILL_OPTIONS,                   {0, 0, 0, 0}};
     const char *model_dir = NULL, *ids_text = NULL;
     long long top = 5, chunk = 0;
     int json = 0;
+    kf_quoka_params prefill = cli_prefill_defaults();
     optind = 1;
     for (int c; (c = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
         switch (c) {
@@ -66,7 +69,13 @@ int cmd_logits(int argc, char **argv) {
             if (cli_parse_int(optarg, 1, 1 << 20, &chunk))
                 return cli_usage_error("logits", "--chunk must be a positive integer, not '%s'", optarg);
             break;
-        default: return cli_usage_error("logits", "bad option");
+        default: {
+            const int r = cli_prefill_option("logits", c, optarg, &prefill);
+            if (r < 0)
+                return KF_EXIT_USAGE;
+            if (r == 0)
+                return cli_usage_error("logits", "bad option");
+        }
         }
     }
     if (optind != argc)
@@ -116,7 +125,7 @@ int cmd_logits(int argc, char **argv) {
         goto out_model;
     }
     kf_forward_args fa = {.ids = ids, .n_tokens = n, .chunk = (int)chunk, .logit_rows = &last, .n_logit_rows = 1,
-                          .logits = logits};
+                          .logits = logits, .quoka = cli_prefill_params(&prefill)};
     if (kf_model_forward(m, &arena, &seq, &fa, &err) != KF_OK) {
         cli_error("logits", "%s", err.msg);
         goto out_arena;
