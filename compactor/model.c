@@ -6,6 +6,7 @@
 #include <string.h>
 #include <xxhash.h>
 
+#include "compactor/fingerprint.h"
 #include "formats/safetensors.h"
 
 typedef struct {
@@ -193,12 +194,11 @@ int64_t kf_model_n_params(const kf_model *m) {
     return m->n_params;
 }
 
-const char *kf_model_fingerprint(kf_model *m) {
-    if (m->fingerprint[0])
-        return m->fingerprint;
+static void fingerprint_compute(void *ctx, char out[33]) {
+    kf_model *m = ctx;
     XXH3_state_t *st = XXH3_createState();
     if (!st)
-        return "";
+        return;
     XXH3_128bits_reset(st);
     /* the parsed config, as the numbers that shape the computation */
     const kf_hfconfig *c = &m->cfg;
@@ -218,8 +218,22 @@ const char *kf_model_fingerprint(kf_model *m) {
     }
     XXH128_hash_t h = XXH3_128bits_digest(st);
     XXH3_freeState(st);
-    snprintf(m->fingerprint, sizeof m->fingerprint, "%016llx%016llx", (unsigned long long)h.high64,
-             (unsigned long long)h.low64);
+    snprintf(out, 33, "%016llx%016llx", (unsigned long long)h.high64, (unsigned long long)h.low64);
+}
+
+/* Hashing every weight is slow: compactor/fingerprint caches the result per directory. */
+const char *kf_model_fingerprint(kf_model *m) {
+    if (m->fingerprint[0])
+        return m->fingerprint;
+    const char **files = malloc(sizeof(char *) * (size_t)(m->st.n_files + 1)); /* [n_files] */
+    if (!files) {
+        fingerprint_compute(m, m->fingerprint);
+        return m->fingerprint;
+    }
+    for (int i = 0; i < m->st.n_files; i++)
+        files[i] = m->st.files[i].path;
+    kf_fingerprint_cached(m->dir, files, m->st.n_files, fingerprint_compute, m, m->fingerprint, NULL, NULL);
+    free(files);
     return m->fingerprint;
 }
 

@@ -3,6 +3,7 @@
  * unknown version, a missing dataset, a killed writer's temporary file); concurrent writers of one
  * name never expose a partial file. */
 #include <errno.h>
+#include <fcntl.h>
 #include <hdf5.h>
 #include <math.h>
 #include <signal.h>
@@ -14,6 +15,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "compactor/fingerprint.h"
+#include "compactor/model.h"
 #include "formats/kvf.h"
 #include "test_util.h"
 
@@ -671,6 +674,107 @@ static void test_h5py_reads_the_file(void) {
     }
 }
 
+/* ---- the model fingerprint cache ---- */
+
+static int g_computed;
+static void fake_compute(void *ctx, char out[33]) {
+    g_computed++;
+    snprintf(out, 33, "%s", (const char *)ctx);
+}
+
+static void copy_file(const char *from, const char *to_rel) {
+    size_t n;
+    char *b = slurp(from, &n);
+    kf_test_write_file(to_rel, b, n);
+    free(b);
+}
+
+static void test_fingerprint_cache(void) {
+    char dir[1024], weights[1100], cached[1100], xdg[1024], path[1100];
+    snprintf(dir, sizeof dir, "%s", kf_test_make_dir("fpmodel"));
+    snprintf(path, sizeof path, "%s/config.json", kf_test_data("hf-qwen3-tiny"));
+    copy_file(path, "fpmodel/config.json");
+    snprintf(path, sizeof path, "%s/model.safetensors", kf_test_data("hf-qwen3-tiny"));
+    copy_file(path, "fpmodel/model.safetensors");
+    snprintf(weights, sizeof weights, "%s/model.safetensors", dir);
+    snprintf(cached, sizeof cached, "%s/" KF_FINGERPRINT_FILE, dir);
+
+    /* the model computes once and leaves the cache in its (writable) directory */
+    kf_backend *b = kf_backend_cpu_create();
+    kf_model *m = NULL;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_model_load(&m, dir, b, &err), KF_OK);
+    char fp[33];
+    snprintf(fp, sizeof fp, "%s", kf_model_fingerprint(m));
+    kf_model_free(m);
+    CU_ASSERT_EQUAL(strlen(fp), 32);
+    size_t n;
+    char *text = slurp(cached, &n);
+    CU_ASSERT_PTR_NOT_NULL(strstr(text, fp));
+    CU_ASSERT_PTR_NOT_NULL(strstr(text, "file model.safetensors "));
+    free(text);
+
+    /* a hit gives the same fingerprint without computing */
+    const char *files[1] = {weights};
+    char out[33];
+    bool hit = false;
+    g_computed = 0;
+    CU_ASSERT_EQUAL(kf_fingerprint_cached(dir, files, 1, fake_compute, "ffffffffffffffffffffffffffffffff", out, &hit, &err),
+                    KF_OK);
+    CU_ASSERT(hit && g_computed == 0);
+    CU_ASSERT_STRING_EQUAL(out, fp);
+
+    /* touching a weight file invalidates it */
+    struct timespec ts[2] = {{.tv_sec = 1700000000, .tv_nsec = 5}, {.tv_sec = 1700000000, .tv_nsec = 5}};
+    CU_ASSERT_EQUAL(utimensat(AT_FDCWD, weights, ts, 0), 0);
+    CU_ASSERT_EQUAL(kf_fingerprint_cached(dir, files, 1, fake_compute, "eeeeeeeeeeeeeeeeeeeeeeeeeeeeeeee", out, &hit, &err),
+                    KF_OK);
+    CU_ASSERT(!hit && g_computed == 1);
+    CU_ASSERT_STRING_EQUAL(out, "eeeeeeeeeeeeeeeeeeeeeeeeeeeeeeee");
+    CU_ASSERT_EQUAL(kf_fingerprint_cached(dir, files, 1, fake_compute, "dddddddddddddddddddddddddddddddd", out, &hit, &err),
+                    KF_OK);
+    CU_ASSERT(hit && g_computed == 1);
+    CU_ASSERT_STRING_EQUAL(out, "eeeeeeeeeeeeeeeeeeeeeeeeeeeeeeee");
+    /* so does touching config.json; a fresh model recomputes the real value */
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    CU_ASSERT_EQUAL(utimensat(AT_FDCWD, path, ts, 0), 0);
+    CU_ASSERT_EQUAL_FATAL(kf_model_load(&m, dir, b, &err), KF_OK);
+    CU_ASSERT_STRING_EQUAL(kf_model_fingerprint(m), fp);
+    kf_model_free(m);
+    b->destroy(b);
+
+    /* a directory that cannot take the file (here: the name is taken by a directory, which stops
+     * root too) falls back to $XDG_CACHE_HOME/kvfold/fingerprints */
+    char dir2[1024];
+    snprintf(dir2, sizeof dir2, "%s", kf_test_make_dir("fpmodel-ro"));
+    copy_file(weights, "fpmodel-ro/model.safetensors");
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    copy_file(path, "fpmodel-ro/config.json");
+    snprintf(path, sizeof path, "%s/" KF_FINGERPRINT_FILE, dir2);
+    CU_ASSERT_EQUAL(mkdir(path, 0755), 0);
+    snprintf(xdg, sizeof xdg, "%s", kf_test_make_dir("xdg"));
+    char *old_xdg = getenv("XDG_CACHE_HOME") ? strdup(getenv("XDG_CACHE_HOME")) : NULL;
+    setenv("XDG_CACHE_HOME", xdg, 1);
+    snprintf(weights, sizeof weights, "%s/model.safetensors", dir2);
+    g_computed = 0;
+    CU_ASSERT_EQUAL(kf_fingerprint_cached(dir2, files, 1, fake_compute, "cccccccccccccccccccccccccccccccc", out, &hit, &err),
+                    KF_OK);
+    CU_ASSERT(!hit && g_computed == 1);
+    CU_ASSERT_EQUAL(kf_fingerprint_cached(dir2, files, 1, fake_compute, "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb", out, &hit, &err),
+                    KF_OK);
+    CU_ASSERT(hit && g_computed == 1);
+    CU_ASSERT_STRING_EQUAL(out, "cccccccccccccccccccccccccccccccc");
+    snprintf(path, sizeof path, "%s/kvfold/fingerprints", xdg);
+    struct stat sb;
+    CU_ASSERT(stat(path, &sb) == 0 && S_ISDIR(sb.st_mode));
+    if (old_xdg) {
+        setenv("XDG_CACHE_HOME", old_xdg, 1);
+        free(old_xdg);
+    } else {
+        unsetenv("XDG_CACHE_HOME");
+    }
+}
+
 static int clean(void) {
     H5close();
     return 0;
@@ -690,6 +794,12 @@ static CU_TestInfo tests[] = {
     {"h5py reads the file (optional)", test_h5py_reads_the_file},
     CU_TEST_INFO_NULL,
 };
-static CU_SuiteInfo suites[] = {{"kvf", NULL, clean, NULL, NULL, tests}, CU_SUITE_INFO_NULL};
+static CU_TestInfo fp_tests[] = {
+    {"cache hit, invalidation by mtime, fallback to XDG_CACHE_HOME", test_fingerprint_cache},
+    CU_TEST_INFO_NULL,
+};
+static CU_SuiteInfo suites[] = {{"kvf", NULL, NULL, NULL, NULL, tests},
+                                {"model fingerprint cache", NULL, clean, NULL, NULL, fp_tests},
+                                CU_SUITE_INFO_NULL};
 
 int main(void) { return kf_test_main(suites); }
