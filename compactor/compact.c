@@ -33,6 +33,7 @@ kf_compact_params kf_compact_params_default(void) {
     p.fold_queries = KF_FOLD_ON_ALL;
     p.max_queries = 50000;
     p.max_head_ratio = 0.75;
+    p.quoka_margin = 16;
     return p;
 }
 
@@ -222,7 +223,7 @@ kf_status kf_compact(kf_model *m, const kf_prompt *prefix, const kf_prompt *doc,
             for (int r = 0; r < n_rows; r++)
                 rows[r] += n_pre;
             kf_forward_args fa = {.ids = ctx_ids, .n_tokens = (int)D, .chunk = p->chunk, .capture_rows = rows,
-                                  .n_capture_rows = n_rows, .queries = n_rows ? qbuf : NULL};
+                                  .n_capture_rows = n_rows, .queries = n_rows ? qbuf : NULL, .quoka = p->quoka};
             if (p->progress)
                 p->progress(p->progress_ctx, "prefill", 0, D);
             if ((rc = kf_model_forward(m, &arena, &seq, &fa, err)) != KF_OK)
@@ -232,6 +233,17 @@ kf_status kf_compact(kf_model *m, const kf_prompt *prefix, const kf_prompt *doc,
         } else if (src[i].n > 0) {
             kf_forward_args fa = {.ids = src[i].ids, .n_tokens = src[i].n, .chunk = p->chunk, .capture_rows = rows,
                                   .n_capture_rows = n_rows, .queries = n_rows ? qbuf : NULL};
+            kf_quoka_params rq_quoka;
+            if (i == 1 && p->quoka && p->quoka_repeat) {
+                /* the copy token at sequence index D + I + j reads document token j at n_pre + j */
+                rq_quoka = *p->quoka;
+                if (p->quoka_margin >= 0) {
+                    rq_quoka.align_start = D + p->repeat_instruction.n;
+                    rq_quoka.align_shift = D + p->repeat_instruction.n - n_pre;
+                    rq_quoka.align_margin = p->quoka_margin;
+                }
+                fa.quoka = &rq_quoka;
+            }
             if (p->progress)
                 p->progress(p->progress_ctx, i == 1 ? "repeat" : "probes", i, n_sources);
             if ((rc = kf_model_forward(m, &arena, &seq, &fa, err)) != KF_OK)

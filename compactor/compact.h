@@ -58,6 +58,10 @@ typedef struct {
     const float *head_budgets;      /* NULL (uniform) or [n_layers, kv_heads] shares summing to 1 */
     double max_head_ratio;          /* cap of a head's budget as a fraction of the block (0.75) */
     int chunk;                      /* prefill chunk size (0: default) */
+    const kf_quoka_params *quoka;   /* NULL: dense prefill; else QUOKA for the context prefill */
+    int quoka_repeat;               /* also QUOKA for the repeat prefill, with the aligned window: the
+                                       copy's source span +- quoka_margin tokens (-1: no window) */
+    int quoka_margin;
     void (*progress)(void *ctx, const char *stage, int64_t done, int64_t total);
     void *progress_ctx;
 } kf_compact_params;
