@@ -7,6 +7,8 @@ int cmd_model_info(int argc, char **argv);
 int cmd_logits(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
 int cmd_bench_prefill(int argc, char **argv);
+int cmd_inspect(int argc, char **argv);
+int cmd_bench_kvf(int argc, char **argv);
 int cmd_bench_attention(int argc, char **argv);
 int cmd_bench_quoka(int argc, char **argv);
 

@@ -1,0 +1,247 @@
+/* kvfold inspect FILE — what a kvf cache file holds: header, sizes, per-layer and per-head stats. */
+#include <getopt.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "formats/kvf.h"
+#include "tools/cli.h"
+#include "tools/commands.h"
+
+static const char kHelp[] =
+    "Usage: kvfold inspect [--json] [--layers-only] FILE\n"
+    "\n"
+    "Show a kvf cache file (written by kvfold compact): its header (model fingerprint, document\n"
+    "digest, D and C, method, budget, lambda, RoPE frame, dtype, shape), its sizes (bytes on disk,\n"
+    "the K/V payload, and the compression against a full cache of the D document tokens in the same\n"
+    "dtype), and statistics per layer and per KV head: L2 norms of the keys and values (mean, max),\n"
+    "AM's bias beta (min, mean, max), the norm of the fold direction |u|, and padding slots.\n"
+    "Padding slots (original position -1) are left out of the statistics.\n"
+    "\n"
+    "Every chunk of the file is read and checked against its checksum: a damaged file is refused.\n"
+    "\n"
+    "Options:\n"
+    "  --json          one JSON object on stdout instead of text\n"
+    "  --layers-only   per-layer statistics only (no per-head rows)\n"
+    "  -h, --help      show this help\n"
+    "\n"
+    "Exit status: 0 when the file is valid, 1 when it is refused (the message names the cause).\n";
+
+typedef struct {
+    double k_mean, k_max, v_mean, v_max; /* L2 norms over the head's slots */
+    double b_min, b_mean, b_max;         /* beta */
+    double u_norm;
+    int64_t padding;
+} head_stats;
+
+static void norms(const float *x /* [C, H, D] */, int64_t C, int H, int D, int h, const int32_t *pos /* [C] */,
+                  double *mean, double *max) {
+    double sum = 0, mx = 0;
+    int64_t n = 0;
+    for (int64_t t = 0; t < C; t++) {
+        if (pos[t] < 0)
+            continue;
+        const float *r = x + ((size_t)t * (size_t)H + (size_t)h) * (size_t)D;
+        double s = 0;
+        for (int d = 0; d < D; d++)
+            s += (double)r[d] * r[d];
+        s = sqrt(s);
+        sum += s;
+        mx = s > mx ? s : mx;
+        n++;
+    }
+    *mean = n ? sum / (double)n : 0;
+    *max = mx;
+}
+
+static json_t *stats_json(const head_stats *s) {
+    return json_pack("{s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:I}", "key_norm_mean", s->k_mean, "key_norm_max",
+                     s->k_max, "value_norm_mean", s->v_mean, "value_norm_max", s->v_max, "beta_min", s->b_min,
+                     "beta_mean", s->b_mean, "beta_max", s->b_max, "u_norm", s->u_norm, "padding",
+                     (json_int_t)s->padding);
+}
+
+static void stats_row(const char *label, const head_stats *s) {
+    printf("  %-8s %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %9.3f %8.4f %7lld\n", label, s->k_mean, s->k_max, s->v_mean,
+           s->v_max, s->b_min, s->b_mean, s->b_max, s->u_norm, (long long)s->padding);
+}
+
+/* Per-layer summary: means of the heads' means, max of maxima, min of minima. */
+static head_stats layer_summary(const head_stats *hs, int H) {
+    head_stats s = {.b_min = INFINITY, .b_max = -INFINITY};
+    for (int h = 0; h < H; h++) {
+        s.k_mean += hs[h].k_mean / H;
+        s.v_mean += hs[h].v_mean / H;
+        s.b_mean += hs[h].b_mean / H;
+        s.u_norm += hs[h].u_norm / H;
+        s.k_max = fmax(s.k_max, hs[h].k_max);
+        s.v_max = fmax(s.v_max, hs[h].v_max);
+        s.b_min = fmin(s.b_min, hs[h].b_min);
+        s.b_max = fmax(s.b_max, hs[h].b_max);
+        s.padding += hs[h].padding;
+    }
+    return s;
+}
+
+int cmd_inspect(int argc, char **argv) {
+    static const struct option opts[] = {{"help", no_argument, 0, 'h'},
+                                         {"json", no_argument, 0, 'j'},
+                                         {"layers-only", no_argument, 0, 'l'},
+                                         {0, 0, 0, 0}};
+    int as_json = 0, layers_only = 0;
+    optind = 1;
+    for (int c; (c = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
+        switch (c) {
+        case 'h': fputs(kHelp, stdout); return KF_EXIT_OK;
+        case 'j': as_json = 1; break;
+        case 'l': layers_only = 1; break;
+        default: return cli_usage_error("inspect", "unknown option '%s'", argv[optind - 1]);
+        }
+    }
+    if (optind != argc - 1)
+        return cli_usage_error("inspect", "expected one cache file");
+    const char *path = argv[optind];
+    kf_error err = {0};
+    kvf_file *f;
+    if (kvf_open(path, &f, &err) != KF_OK) {
+        cli_error("inspect", "%s", err.msg);
+        return KF_EXIT_FAIL;
+    }
+    const kvf_header *h = kvf_file_header(f);
+    const int L = h->n_layers, H = h->kv_heads, D = h->head_dim;
+    const int64_t C = h->n_tokens;
+    struct stat sb;
+    stat(path, &sb);
+    const int64_t payload = kvf_kv_bytes(h);
+    const int64_t full = 2 * (int64_t)L * h->n_doc_tokens * H * D * (int64_t)kvf_dtype_size(h->dtype);
+    const double on_disk = (double)sb.st_size;
+
+    size_t ln = (size_t)C * (size_t)H * (size_t)D;
+    float *k = malloc(ln * 4), *v = malloc(ln * 4), *beta = malloc((size_t)H * (size_t)C * 4),
+          *u = malloc((size_t)H * (size_t)D * 4);
+    int32_t *pos = malloc((size_t)H * (size_t)C * 4);
+    head_stats *st = calloc((size_t)L * (size_t)H, sizeof *st); /* [L, H] */
+    int rc = KF_EXIT_FAIL;
+    if (!k || !v || !beta || !u || !pos || !st) {
+        cli_error("inspect", "out of memory");
+        goto out;
+    }
+    for (int l = 0; l < L; l++) {
+        if (kvf_read_layer(f, l, KVF_KEYS, k, &err) != KF_OK || kvf_read_layer(f, l, KVF_VALUES, v, &err) != KF_OK ||
+            kvf_read_beta(f, l, beta, &err) != KF_OK || kvf_read_u(f, l, u, &err) != KF_OK ||
+            kvf_read_positions(f, l, pos, &err) != KF_OK) {
+            cli_error("inspect", "%s", err.msg);
+            goto out;
+        }
+        for (int hh = 0; hh < H; hh++) {
+            head_stats *s = &st[(size_t)l * H + hh];
+            const int32_t *p = pos + (size_t)hh * (size_t)C;
+            norms(k, C, H, D, hh, p, &s->k_mean, &s->k_max);
+            norms(v, C, H, D, hh, p, &s->v_mean, &s->v_max);
+            s->b_min = INFINITY;
+            s->b_max = -INFINITY;
+            int64_t n = 0;
+            for (int64_t t = 0; t < C; t++) {
+                if (p[t] < 0) {
+                    s->padding++;
+                    continue;
+                }
+                double b = beta[(size_t)hh * (size_t)C + (size_t)t];
+                s->b_min = fmin(s->b_min, b);
+                s->b_max = fmax(s->b_max, b);
+                s->b_mean += b;
+                n++;
+            }
+            s->b_mean = n ? s->b_mean / (double)n : 0;
+            if (!n)
+                s->b_min = s->b_max = 0;
+            double un = 0;
+            for (int d = 0; d < D; d++)
+                un += (double)u[(size_t)hh * D + d] * u[(size_t)hh * D + d];
+            s->u_norm = sqrt(un);
+        }
+    }
+
+    char budget[32];
+    kvf_format_budget(h->budget, budget, sizeof budget);
+    if (as_json) {
+        json_t *layers = json_array();
+        for (int l = 0; l < L; l++) {
+            head_stats sum = layer_summary(st + (size_t)l * H, H);
+            json_t *lj = json_pack("{s:i}", "layer", l), *sj = stats_json(&sum);
+            json_object_update(lj, sj);
+            json_decref(sj);
+            if (!layers_only) {
+                json_t *heads = json_array();
+                for (int hh = 0; hh < H; hh++)
+                    json_array_append_new(heads, stats_json(&st[(size_t)l * H + hh]));
+                json_object_set_new(lj, "heads", heads);
+            }
+            json_array_append_new(layers, lj);
+        }
+        json_t *root = json_pack(
+            "{s:s, s:s, s:i, s:s, s:s, s:s, s:s, s:I, s:I, s:s, s:f, s:f, s:s, s:s, s:s, s:i, s:i, s:i, s:i}", "file",
+            path, "format", KVF_FORMAT_NAME, "version", h->version, "creator", h->creator, "model_fingerprint",
+            h->model_fingerprint, "tokenizer_digest", h->tokenizer_digest, "document_digest", h->document_digest,
+            "n_doc_tokens", (json_int_t)h->n_doc_tokens, "n_tokens", (json_int_t)C, "method",
+            kvf_method_name(h->method), "budget", h->budget, "lambda", h->lambda, "rope_frame",
+            kvf_rope_frame_name(h->rope_frame), "placeholder", h->placeholder, "dtype", kvf_dtype_name(h->dtype),
+            "n_layers", L, "kv_heads", H, "head_dim", D, "block_size", h->block_size);
+        json_object_set_new(root, "sizes",
+                            json_pack("{s:I, s:I, s:I, s:f, s:f}", "file_bytes", (json_int_t)sb.st_size,
+                                      "kv_bytes", (json_int_t)payload, "full_cache_bytes", (json_int_t)full,
+                                      "token_ratio", (double)h->n_doc_tokens / (double)C, "bytes_ratio",
+                                      (double)full / on_disk));
+        json_object_set_new(root, "checksums", json_string("ok"));
+        json_object_set_new(root, "layers", layers);
+        char *s = json_dumps(root, JSON_INDENT(1) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(7));
+        if (s)
+            puts(s);
+        free(s);
+        json_decref(root);
+    } else {
+        printf("file         %s\n", path);
+        printf("format       %s version %d, written by %s\n", KVF_FORMAT_NAME, h->version, h->creator);
+        printf("model        %s\n", h->model_fingerprint);
+        printf("tokenizer    %s\n", h->tokenizer_digest[0] ? h->tokenizer_digest : "(unknown)");
+        printf("document     %s, D = %lld tokens\n", h->document_digest, (long long)h->n_doc_tokens);
+        printf("compacted    C = %lld slots (%lld blocks of %d)\n", (long long)C, (long long)kvf_n_blocks(f),
+               h->block_size);
+        printf("method       %s, budget %s, lambda %g\n", kvf_method_name(h->method), budget, h->lambda);
+        printf("rope frame   %s%s\n", kvf_rope_frame_name(h->rope_frame),
+               h->rope_frame == KVF_FRAME_COMPACTED ? " (question starts at position C)"
+                                                    : " (question starts at position D)");
+        printf("placeholder  %s\n", h->placeholder);
+        printf("shape        %d layers x %d kv heads x head_dim %d, %s\n", L, H, D, kvf_dtype_name(h->dtype));
+        printf("sizes        %.0f bytes on disk, %lld of K/V; a full cache of D tokens: %lld\n", on_disk,
+               (long long)payload, (long long)full);
+        printf("compression  %.2fx in tokens (D/C), %.2fx in bytes (full cache / file)\n",
+               (double)h->n_doc_tokens / (double)C, (double)full / on_disk);
+        printf("checksums    ok (every chunk)\n");
+        printf("\n  %-8s %9s %9s %9s %9s %9s %9s %9s %8s %7s\n", "layer", "|k|mean", "|k|max", "|v|mean", "|v|max",
+               "beta min", "beta mean", "beta max", "|u|", "padding");
+        for (int l = 0; l < L; l++) {
+            char label[32];
+            snprintf(label, sizeof label, "%d", l);
+            head_stats sum = layer_summary(st + (size_t)l * H, H);
+            stats_row(label, &sum);
+            for (int hh = 0; hh < H && !layers_only; hh++) {
+                snprintf(label, sizeof label, "  h%d", hh);
+                stats_row(label, &st[(size_t)l * H + hh]);
+            }
+        }
+    }
+    rc = KF_EXIT_OK;
+out:
+    free(k);
+    free(v);
+    free(beta);
+    free(u);
+    free(pos);
+    free(st);
+    kvf_close(f);
+    return rc;
+}
