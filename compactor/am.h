@@ -8,9 +8,10 @@
  *             partition function up to e^{m_i}); A = softmax rows; Y = A V; score_j = RMS or mean
  *             of A[:, j]. Computed in tiles of queries: the R x T matrix is never held.
  *   select    the top-t keys by score (ties: lower position first), returned in position order.
- *   beta      w = argmin ||M w - y|| with M_ij = exp(z_ij - m_i) over the kept keys (QR), clamped
- *             to [e^-3, e^3], then two projected-gradient steps with step 1/L, L = ||M||_2^2 from
- *             power iteration (fixed seed); beta = ln w.
+ *   beta      w = argmin ||M w - y|| with M_ij = exp(z_ij - m_i) over the kept keys (fp64 normal
+ *             equations, tiny ridge towards w = 1; see am.c for why not fp32 QR), clamped to
+ *             [e^-3, e^3] (w = 1 instead if that fits better), then two projected-gradient steps
+ *             with step 1/L, L = ||M||_2^2 from power iteration (fixed seed); beta = ln w.
  *   values    C_v = argmin ||X C_v - Y||_F with X = softmax_j(s q_i.c_j + beta_j) over the kept keys.
  *
  * Softmax domains (a classic source of silent errors): targets and selection use the document

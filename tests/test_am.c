@@ -195,9 +195,13 @@ static void test_beta_all_keys_and_duplicates(void) {
     for (int j = 2; j < 30; j++)
         sel[j - 1] = j;
     CU_ASSERT_EQUAL(kf_am_fit_beta(&h, &tg, sel, 29, 7, beta, &st, &err), KF_OK);
-    CU_ASSERT(fabsf(beta[0] - logf(2.0f)) < 1e-3);
+    float others = 0;
     for (int j = 1; j < 29; j++)
-        CU_ASSERT(fabsf(beta[j]) < 1e-3);
+        others = fmaxf(others, fabsf(beta[j]));
+    printf("\n    duplicate kept once: beta %.5f (ln 2 = %.5f), the others' max |beta| %.5f\n", beta[0], logf(2.0f),
+           others);
+    CU_ASSERT(fabsf(beta[0] - logf(2.0f)) < 1e-3);
+    CU_ASSERT(others < 1e-3);
     /* bounds: beta stays in [-3, 3] even when the fit wants more (25 copies of one key: ln 25 > 3) */
     for (int j = 1; j < 25; j++)
         memcpy(s.K + j * s.d, s.K, sizeof(float) * s.d);

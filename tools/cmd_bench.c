@@ -26,6 +26,8 @@ int cmd_bench(int argc, char **argv) {
     }
     if (strcmp(argv[1], "prefill") == 0)
         return cmd_bench_prefill(argc - 1, argv + 1);
+    if (strcmp(argv[1], "tokenize") == 0)
+        return cmd_bench_tokenize(argc - 1, argv + 1);
     if (strcmp(argv[1], "kvf") == 0)
         return cmd_bench_kvf(argc - 1, argv + 1);
     if (strcmp(argv[1], "attention") == 0)

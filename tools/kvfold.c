@@ -15,7 +15,9 @@ static const command kCommands[] = {
     {"model-info", "show a model directory's configuration, size and fingerprint", cmd_model_info},
     {"logits", "run the model over token ids and show the top next tokens", cmd_logits},
     {"inspect", "show a kvf cache file: header, sizes, per-layer and per-head statistics", cmd_inspect},
-    {"bench", "benchmarks (prefill)", cmd_bench},
+    {"tokenize", "encode text to token ids (or decode ids) with the model's tokenizer", cmd_tokenize},
+    {"eval", "measure compaction quality against the full context (eval quality)", cmd_eval},
+    {"bench", "benchmarks (prefill, attention, quoka, tokenize)", cmd_bench},
 };
 #define N_COMMANDS (sizeof kCommands / sizeof kCommands[0])
 
