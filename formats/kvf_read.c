@@ -233,7 +233,15 @@ static kf_status open_dataset(kvf_file *f, int which, kf_error *err) {
         st = kf_fail(err, KF_ERR_FORMAT, "%s: missing dataset '%s'", f->path, name);
         goto out;
     }
-    if ((d = H5Dopen2(f->f, name, H5P_DEFAULT)) < 0 || (t = H5Dget_type(d)) < 0 || (s = H5Dget_space(d)) < 0 ||
+    hid_t dapl = H5Pcreate(H5P_DATASET_ACCESS);
+    if (dapl >= 0 && which <= DS_VALUES)
+        H5Pset_chunk_cache(dapl, 0, 0, 1.0); /* each chunk is read once: no cache copies */
+    d = dapl >= 0 ? H5Dopen2(f->f, name, dapl) : -1;
+    if (d < 0)
+        kvf_h5_capture();
+    if (dapl >= 0)
+        H5Pclose(dapl);
+    if (d < 0 || (t = H5Dget_type(d)) < 0 || (s = H5Dget_space(d)) < 0 ||
         (p = H5Dget_create_plist(d)) < 0) {
         kvf_h5_take_error(m, sizeof m, NULL, NULL);
         st = kf_fail(err, KF_ERR_FORMAT, "%s: cannot open dataset '%s': %s", f->path, name, m);
