@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/cpu/fast_exp.h"
 #include "kernels/cpu/linalg.h"
 
 #define Q_TILE 256
@@ -33,29 +34,43 @@ kf_status kf_am_targets_compute(const kf_am_head *h, kf_score_method method, kf_
         kf_am_targets_free(out);
         return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for targets (R %d, T %d)", R, T);
     }
+    float *acc = out->score; /* per-tile column sums in fp32, flushed into fp64 score[] */
     for (int i0 = 0; i0 < R; i0 += Q_TILE) {
         const int n = R - i0 < Q_TILE ? R - i0 : Q_TILE;
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, T, d, h->scale, h->q + (size_t)i0 * d, d, h->k,
                     (int)h->k_stride, 0.0f, Z, T);
+        memset(acc, 0, sizeof(float) * (size_t)T);
         for (int i = 0; i < n; i++) {
             float *z = Z + (size_t)i * T;
             float mx = -FLT_MAX;
+#pragma omp simd reduction(max : mx)
             for (int j = 0; j < T; j++)
                 mx = z[j] > mx ? z[j] : mx;
             double sum = 0;
+#pragma omp simd reduction(+ : sum)
             for (int j = 0; j < T; j++) {
-                z[j] = expf(z[j] - mx);
+                z[j] = kf_expf(z[j] - mx);
                 sum += z[j];
             }
             out->m[i0 + i] = mx;
             out->y[i0 + i] = (float)sum;
             const float inv = (float)(1.0 / sum);
-            for (int j = 0; j < T; j++) {
-                const float a = z[j] * inv;
-                z[j] = a;
-                score[j] += method == KF_SCORE_RMS ? (double)a * a : a;
+            if (method == KF_SCORE_RMS) {
+#pragma omp simd
+                for (int j = 0; j < T; j++) {
+                    z[j] *= inv;
+                    acc[j] += z[j] * z[j];
+                }
+            } else {
+#pragma omp simd
+                for (int j = 0; j < T; j++) {
+                    z[j] *= inv;
+                    acc[j] += z[j];
+                }
             }
         }
+        for (int j = 0; j < T; j++)
+            score[j] += acc[j];
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, T, 1.0f, Z, T, h->v, (int)h->v_stride, 0.0f,
                     out->Y + (size_t)i0 * d, d);
     }
@@ -185,9 +200,13 @@ kf_status kf_am_fit_beta(const kf_am_head *h, const kf_am_targets *tg, const int
         goto out;
     }
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, R, t, d, h->scale, h->q, d, kc, d, 0.0f, M, t);
-    for (int i = 0; i < R; i++)
+    for (int i = 0; i < R; i++) {
+        float *row = M + (size_t)i * t;
+        const float mi = tg->m[i];
+#pragma omp simd
         for (int j = 0; j < t; j++)
-            M[(size_t)i * t + j] = expf(M[(size_t)i * t + j] - tg->m[i]);
+            row[j] = kf_expf(row[j] - mi);
+    }
     /* Least squares on the partition function in fp64 normal equations, with a tiny ridge that
      * pulls towards w = 1 (beta = 0):
      *   min ||M w - y||^2 + rho ||w - 1||^2,   rho = 1e-6 * tr(M^T M) / t.
@@ -243,16 +262,22 @@ kf_status kf_am_fit_values(const float *q, int R, int d, float scale, const floa
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, R, t, d, scale, q, d, keys, (int)key_stride, 0.0f, X, t);
     for (int i = 0; i < R; i++) {
         float *x = X + (size_t)i * t;
-        float mx = -FLT_MAX;
-        for (int j = 0; j < t; j++) {
-            if (beta)
+        if (beta)
+#pragma omp simd
+            for (int j = 0; j < t; j++)
                 x[j] += beta[j];
-            mx = x[j] > mx ? x[j] : mx;
-        }
-        double sum = 0;
+        float mx = -FLT_MAX;
+#pragma omp simd reduction(max : mx)
         for (int j = 0; j < t; j++)
-            sum += (x[j] = expf(x[j] - mx));
+            mx = x[j] > mx ? x[j] : mx;
+        double sum = 0;
+#pragma omp simd reduction(+ : sum)
+        for (int j = 0; j < t; j++) {
+            x[j] = kf_expf(x[j] - mx);
+            sum += x[j];
+        }
         const float inv = (float)(1.0 / sum);
+#pragma omp simd
         for (int j = 0; j < t; j++)
             x[j] *= inv;
     }

@@ -13,6 +13,8 @@ static const char kBenchHelp[] =
     "\n"
     "  prefill    tokens/s of a chunked prefill of random token ids\n"
     "  kvf        cache file write/read GB/s against plain fwrite/fread of the same bytes\n"
+    "  tokenize   encoding MB/s (tools/bench-tokenize.sh compares with the JavaScript tokenizer)\n"
+    "  compact    the time of each compaction stage on a records document\n"
     "  attention  one chunk's attention over long histories: dense against QUOKA, as a ratio\n"
     "  quoka      QUOKA's accuracy against dense prefill on repeat prompts (KL, copy accuracy)\n"
     "\n"
@@ -26,10 +28,12 @@ int cmd_bench(int argc, char **argv) {
     }
     if (strcmp(argv[1], "prefill") == 0)
         return cmd_bench_prefill(argc - 1, argv + 1);
-    if (strcmp(argv[1], "tokenize") == 0)
-        return cmd_bench_tokenize(argc - 1, argv + 1);
     if (strcmp(argv[1], "kvf") == 0)
         return cmd_bench_kvf(argc - 1, argv + 1);
+    if (strcmp(argv[1], "tokenize") == 0)
+        return cmd_bench_tokenize(argc - 1, argv + 1);
+    if (strcmp(argv[1], "compact") == 0)
+        return cmd_bench_compact(argc - 1, argv + 1);
     if (strcmp(argv[1], "attention") == 0)
         return cmd_bench_attention(argc - 1, argv + 1);
     if (strcmp(argv[1], "quoka") == 0)

@@ -10,6 +10,7 @@ int cmd_bench_prefill(int argc, char **argv);
 int cmd_tokenize(int argc, char **argv);
 int cmd_bench_tokenize(int argc, char **argv);
 int cmd_eval(int argc, char **argv);
+int cmd_bench_compact(int argc, char **argv);
 int cmd_inspect(int argc, char **argv);
 int cmd_bench_kvf(int argc, char **argv);
 int cmd_bench_attention(int argc, char **argv);

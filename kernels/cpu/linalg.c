@@ -79,14 +79,19 @@ int kf_lstsq(const float *A, int m, int n, const float *B, int nrhs, float *X) {
     }
     memcpy(a, A, sizeof(float) * (size_t)m * n);
     memcpy(b, B, sizeof(float) * (size_t)m * nrhs);
-    /* QR with column pivoting (gelsy): rank-revealing, so near-duplicate columns (keys with
-     * almost the same scores, exp(-20)-sized columns) give the minimum-norm solution instead of
-     * huge cancelling coefficients that plain QR (gels) returns without complaint. */
-    lapack_int *jpvt = calloc((size_t)n, sizeof *jpvt);
-    lapack_int rank = 0, info = -1;
-    if (jpvt)
-        info = LAPACKE_sgelsy(LAPACK_ROW_MAJOR, m, n, nrhs, a, n, b, nrhs, jpvt, 1e-6f, &rank);
-    free(jpvt);
+    /* Householder QR (gels, blocked: level-3 BLAS). It does not reveal rank: a (nearly) singular
+     * A gives huge cancelling coefficients without an error, so such solutions are sent to the
+     * fp64 ridge path below, as are failures and non-finite values. */
+    lapack_int info = LAPACKE_sgels(LAPACK_ROW_MAJOR, 'N', m, n, nrhs, a, n, b, nrhs);
+    if (info == 0) {
+        float bmax = 0, xmax = 0;
+        for (size_t i = 0; i < (size_t)m * nrhs; i++)
+            bmax = fabsf(B[i]) > bmax ? fabsf(B[i]) : bmax;
+        for (size_t i = 0; i < (size_t)n * nrhs; i++)
+            xmax = fabsf(b[i]) > xmax ? fabsf(b[i]) : xmax;
+        if (!(xmax <= 1e4f * (bmax > 0 ? bmax : 1.0f)))
+            info = -1;
+    }
     int rc;
     if (info == 0 && all_finite(b, (size_t)n * nrhs)) {
         memcpy(X, b, sizeof(float) * (size_t)n * nrhs);

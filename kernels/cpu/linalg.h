@@ -10,13 +10,15 @@
 #include <stdint.h>
 
 typedef enum {
-    KF_LSTSQ_QR = 0,     /* QR with column pivoting (LAPACK gelsy, rcond 1e-6): the normal path */
-    KF_LSTSQ_RIDGE = 1,  /* QR failed or gave non-finite values: fp64 normal equations + tiny ridge */
+    KF_LSTSQ_QR = 0,     /* Householder QR (LAPACK gels): the normal path */
+    KF_LSTSQ_RIDGE = 1,  /* QR failed, or gave non-finite or absurd (|x| > 1e4 max|b|) values:
+                            fp64 normal equations + tiny ridge */
     KF_LSTSQ_FAILED = 2, /* even the ridge solve failed (X is left zero) */
 } kf_lstsq_path;
 
 /* X[n, nrhs] = argmin ||A X - B||_F for A [m, n], B [m, nrhs] (row-major, not modified).
- * Rank-deficient or underdetermined problems (m < n) give the minimum-norm solution. The fallback solves (A^T A + delta I) X = A^T B in fp64
+ * Underdetermined problems (m < n) give the minimum-norm solution; rank-deficient ones get the
+ * ridge path, close to the minimum-norm solution. The fallback solves (A^T A + delta I) X = A^T B in fp64
  * (or its dual when m < n) with delta = 1e-6 * trace / size. Returns the path, or -1 when out of
  * memory. */
 int kf_lstsq(const float *A, int m, int n, const float *B, int nrhs, float *X);

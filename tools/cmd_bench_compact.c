@@ -1,0 +1,142 @@
+/* kvfold bench compact — where the time of one compaction goes. */
+#include <getopt.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "compactor/compact.h"
+#include "tools/cli.h"
+#include "tools/commands.h"
+
+static const char kHelp[] =
+    "Usage: kvfold bench compact --model DIR --docs FILE.jsonl [--tokens N] [--budget B] [--method M]\n"
+    "\n"
+    "Builds one document of about N tokens (default 4000) by concatenating the documents of a\n"
+    "records-style JSONL file (fields ids and repeat_instruction_ids), compacts it once, and prints\n"
+    "the time of each stage: prefill, repeat prefill (reference queries), selection, beta fit, value\n"
+    "fit and fold, with the ratio of selection + beta + values + fold to the prefill.\n"
+    "\n"
+    "Options:\n"
+    "  --model DIR      model directory\n"
+    "  --docs FILE      JSONL documents (tests/data/records-dev.jsonl)\n"
+    "  --tokens N       document length (default 4000)\n"
+    "  --budget B       kept fraction (default 0.1)\n"
+    "  --method M       keep, drop, am or fold (default fold)\n"
+    "  --max-queries N  reference queries per KV head (default 50000)\n"
+    "  -h, --help       show this help\n";
+
+int cmd_bench_compact(int argc, char **argv) {
+    static const struct option opts[] = {{"help", no_argument, 0, 'h'},          {"model", required_argument, 0, 'm'},
+                                         {"docs", required_argument, 0, 'd'},    {"tokens", required_argument, 0, 'n'},
+                                         {"budget", required_argument, 0, 'b'},  {"method", required_argument, 0, 'M'},
+                                         {"max-queries", required_argument, 0, 'Q'}, {0, 0, 0, 0}};
+    const char *dir = NULL, *docs = NULL;
+    long long want = 4000, maxq = 50000;
+    kf_compact_params p = kf_compact_params_default();
+    optind = 1;
+    for (int c; (c = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
+        switch (c) {
+        case 'h': fputs(kHelp, stdout); return KF_EXIT_OK;
+        case 'm': dir = optarg; break;
+        case 'd': docs = optarg; break;
+        case 'n':
+            if (cli_parse_int(optarg, 16, 1 << 24, &want))
+                return cli_usage_error("bench compact", "--tokens must be at least 16, not '%s'", optarg);
+            break;
+        case 'Q':
+            if (cli_parse_int(optarg, 1, 1LL << 40, &maxq))
+                return cli_usage_error("bench compact", "--max-queries must be positive, not '%s'", optarg);
+            break;
+        case 'b': {
+            char *end;
+            p.budget = strtod(optarg, &end);
+            if (*end || !(p.budget > 0 && p.budget <= 1))
+                return cli_usage_error("bench compact", "--budget must be in (0, 1], not '%s'", optarg);
+            break;
+        }
+        case 'M':
+            if (kf_method_parse(optarg, &p.method))
+                return cli_usage_error("bench compact", "--method is keep, drop, am or fold, not '%s'", optarg);
+            break;
+        default: return cli_usage_error("bench compact", "bad option");
+        }
+    }
+    if (!dir || !docs || optind != argc)
+        return cli_usage_error("bench compact", "--model and --docs are required");
+    p.max_queries = maxq;
+    FILE *f = fopen(docs, "r");
+    if (!f) {
+        cli_error("bench compact", "%s: cannot open", docs);
+        return KF_EXIT_FAIL;
+    }
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)want);
+    int32_t instr[64];
+    int n = 0, n_instr = 0, lineno = 0;
+    char *line = NULL;
+    size_t cap = 0;
+    while (n < want && ids && getline(&line, &cap, f) > 0) {
+        lineno++;
+        json_t *o = json_loads(line, 0, NULL);
+        json_t *arr = json_object_get(o, "ids"), *ri = json_object_get(o, "repeat_instruction_ids");
+        if (!json_is_array(arr)) {
+            cli_error("bench compact", "%s:%d: no ids array", docs, lineno);
+            json_decref(o);
+            continue;
+        }
+        size_t i;
+        json_t *v;
+        json_array_foreach(arr, i, v) {
+            if (n < want && json_is_integer(v))
+                ids[n++] = (int32_t)json_integer_value(v);
+        }
+        if (!n_instr && json_is_array(ri))
+            json_array_foreach(ri, i, v) {
+                if (n_instr < 64 && json_is_integer(v))
+                    instr[n_instr++] = (int32_t)json_integer_value(v);
+            }
+        json_decref(o);
+    }
+    free(line);
+    fclose(f);
+    if (!ids || n < want || !n_instr) {
+        cli_error("bench compact", "%s: only %d tokens (need %lld) or no repeat_instruction_ids", docs, n, want);
+        free(ids);
+        return KF_EXIT_FAIL;
+    }
+    kf_backend *b;
+    kf_model *m = cli_load_model("bench compact", dir, &b);
+    if (!m) {
+        free(ids);
+        return KF_EXIT_FAIL;
+    }
+    p.repeat_instruction = (kf_prompt){instr, n_instr};
+    kf_prompt doc = {ids, n};
+    kf_compacted c;
+    kf_error err = {0};
+    const double t0 = cli_now();
+    int rc = KF_EXIT_OK;
+    if (kf_compact(m, NULL, &doc, NULL, &p, &c, &err) != KF_OK) {
+        cli_error("bench compact", "%s", err.msg);
+        rc = KF_EXIT_FAIL;
+    } else {
+        const double total = cli_now() - t0;
+        const kf_compact_stats *s = &c.stats;
+        const double work = s->select_s + s->beta_s + s->values_s + s->fold_s;
+        printf("compact %d tokens, %s, budget %g -> C = %lld, %lld queries per KV head\n", n,
+               kf_method_name(p.method), p.budget, (long long)c.C, (long long)s->n_queries);
+        printf("  %-34s %8.3f s\n", "prefill (document)", s->prefill_s);
+        printf("  %-34s %8.3f s\n", "repeat prefill (reference queries)", s->refq_s);
+        printf("  %-34s %8.3f s\n", "selection (scores + top-t)", s->select_s);
+        printf("  %-34s %8.3f s\n", "beta fit", s->beta_s);
+        printf("  %-34s %8.3f s\n", "value fit", s->values_s);
+        printf("  %-34s %8.3f s\n", "fold (direction, key shift)", s->fold_s);
+        printf("  %-34s %8.3f s\n", "total", total);
+        printf("ratio (selection + beta + values + fold) / prefill = %.2f (target <= 0.5)\n", work / s->prefill_s);
+        kf_compacted_free(&c);
+    }
+    free(ids);
+    kf_model_free(m);
+    b->destroy(b);
+    return rc;
+}
