@@ -201,6 +201,7 @@ static void test_out_of_pages_is_a_status(void) {
     kf_seq_release(&a, &s);
     kf_seq_release(&a, &t);
     CU_ASSERT_EQUAL(a.n_free, 4);
+    kf_arena_free(&a);
     CU_ASSERT_EQUAL(kf_arena_init(&a, g_b, LAYERS, KVH, HD, 0, &err), KF_ERR_INVALID);
 }
 

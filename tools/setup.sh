@@ -30,7 +30,7 @@ done
 packages=(build-essential cmake pkg-config libopenblas-pthread-dev liblapacke-dev libhdf5-dev
           libcunit1-dev libjansson-dev libxxhash-dev libpcre2-dev libutf8proc-dev)
 if [ "$tests" = 1 ]; then
-  packages+=(python3-torch python3-numpy python3-pytest python3-dev python3-setuptools clang libclang-rt-14-dev)
+  packages+=(python3-torch python3-numpy python3-pytest python3-h5py python3-dev python3-setuptools clang libclang-rt-14-dev)
   command -v npm >/dev/null 2>&1 || packages+=(nodejs npm)
 fi
 
