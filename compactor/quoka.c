@@ -88,6 +88,9 @@ kf_status kf_quoka_ws_init(kf_quoka_ws *ws, kf_backend *b, const kf_quoka_params
     if (!p || p->mode != KF_PREFILL_QUOKA)
         return KF_OK;
     KF_TRY(kf_quoka_params_check(p, err));
+    if (!b->quoka_select || !b->sparse_attention)
+        return kf_fail(err, KF_ERR_UNSUPPORTED, "quoka: the %s backend has no QUOKA kernels (use dense prefill)",
+                       b->name);
     ws->cap = (size_t)(max_keys > 0 ? max_keys : 1);
     ws->idx = b->alloc(b, sizeof(int32_t) * ws->cap * (size_t)kv_heads);
     if (!ws->idx)
