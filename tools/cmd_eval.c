@@ -37,6 +37,10 @@ static const char kHelp[] =
     "  --lambda X           fold ridge, relative to tr(Sigma)/d (default 0.01)\n"
     "  --max-queries N      pooled reference queries per KV head (default 50000)\n"
     "  --limit N            only the first N documents\n"
+    "  --chunk N            prefill chunk size (default 512)\n"
+    CLI_PREFILL_HELP
+    "                       (QUOKA applies to the compaction's document prefill; the full-context\n"
+    "                       reference is always dense)\n"
     "  --format tsv|table   output format (default table)\n"
     "  -h, --help           show this help\n";
 
@@ -191,11 +195,14 @@ int cmd_eval(int argc, char **argv) {
         {"methods", required_argument, 0, 'M'}, {"probes", required_argument, 0, 'p'},
         {"format", required_argument, 0, 'f'},  {"limit", required_argument, 0, 'l'},
         {"fold-queries", required_argument, 0, 'F'}, {"lambda", required_argument, 0, 'L'},
-        {"max-queries", required_argument, 0, 'Q'}, {0, 0, 0, 0}};
+        {"max-queries", required_argument, 0, 'Q'}, {"chunk", required_argument, 0, 'c'},
+        CLI_PREFILL_OPTIONS, {0, 0, 0, 0}};
     const char *model_dir = NULL, *docs = NULL, *methods_s = "keep,drop,am,fold", *budgets_s = "0.25,0.1";
     long long probes = 0, limit = 1 << 30, maxq = 50000;
     int tsv = 0;
     kf_compact_params base = kf_compact_params_default();
+    kf_quoka_params prefill = cli_prefill_defaults();
+    long long chunk = 0;
     optind = 1;
     for (int c; (c = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
         switch (c) {
@@ -233,9 +240,21 @@ int cmd_eval(int argc, char **argv) {
                 return cli_usage_error("eval quality", "--lambda must be a non-negative number, not '%s'", optarg);
             break;
         }
-        default: return cli_usage_error("eval quality", "bad option");
+        case 'c':
+            if (cli_parse_int(optarg, 1, 1 << 24, &chunk))
+                return cli_usage_error("eval quality", "--chunk must be a positive count, not '%s'", optarg);
+            break;
+        default: {
+            const int r = cli_prefill_option("eval quality", c, optarg, &prefill);
+            if (r < 0)
+                return KF_EXIT_USAGE;
+            if (r == 0)
+                return cli_usage_error("eval quality", "bad option");
+        }
         }
     }
+    base.quoka = cli_prefill_params(&prefill); /* the compaction's document prefill */
+    base.chunk = (int)chunk;
     if (!model_dir || !docs || optind != argc)
         return cli_usage_error("eval quality", "--model and --docs are required");
     base.max_queries = maxq;
