@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/fast_exp.h"
 #include "kernels/cpu/linalg.h"
 
@@ -42,31 +43,19 @@ kf_status kf_am_targets_compute(const kf_am_head *h, kf_score_method method, kf_
         memset(acc, 0, sizeof(float) * (size_t)T);
         for (int i = 0; i < n; i++) {
             float *z = Z + (size_t)i * T;
-            float mx = -FLT_MAX;
-#pragma omp simd reduction(max : mx)
-            for (int j = 0; j < T; j++)
-                mx = z[j] > mx ? z[j] : mx;
-            double sum = 0;
-#pragma omp simd reduction(+ : sum)
-            for (int j = 0; j < T; j++) {
-                z[j] = kf_expf(z[j] - mx);
-                sum += z[j];
-            }
+            float mx;
+            double sum;
+            kf_cpu_softmax_row(z, T, &mx, &sum);
             out->m[i0 + i] = mx;
             out->y[i0 + i] = (float)sum;
-            const float inv = (float)(1.0 / sum);
             if (method == KF_SCORE_RMS) {
 #pragma omp simd
-                for (int j = 0; j < T; j++) {
-                    z[j] *= inv;
+                for (int j = 0; j < T; j++)
                     acc[j] += z[j] * z[j];
-                }
             } else {
 #pragma omp simd
-                for (int j = 0; j < T; j++) {
-                    z[j] *= inv;
+                for (int j = 0; j < T; j++)
                     acc[j] += z[j];
-                }
             }
         }
         for (int j = 0; j < T; j++)
@@ -266,20 +255,7 @@ kf_status kf_am_fit_values(const float *q, int R, int d, float scale, const floa
 #pragma omp simd
             for (int j = 0; j < t; j++)
                 x[j] += beta[j];
-        float mx = -FLT_MAX;
-#pragma omp simd reduction(max : mx)
-        for (int j = 0; j < t; j++)
-            mx = x[j] > mx ? x[j] : mx;
-        double sum = 0;
-#pragma omp simd reduction(+ : sum)
-        for (int j = 0; j < t; j++) {
-            x[j] = kf_expf(x[j] - mx);
-            sum += x[j];
-        }
-        const float inv = (float)(1.0 / sum);
-#pragma omp simd
-        for (int j = 0; j < t; j++)
-            x[j] *= inv;
+        kf_cpu_softmax_row(x, t, NULL, NULL);
     }
     int path = kf_lstsq(X, R, t, Y, d, values);
     free(X);

@@ -17,7 +17,6 @@
 #include <string.h>
 
 #include "kernels/cpu/cpu_kernels.h"
-#include "kernels/cpu/fast_exp.h"
 
 #define TILE_Q 128
 
@@ -89,20 +88,7 @@ int kf_cpu_attention(kf_cpu_attn_scratch *s, const kf_attn_args *a) {
                     for (int j = 0; j < nb; j++)
                         sr[j] += bias[j];
                 }
-                float mx = -FLT_MAX;
-#pragma omp simd reduction(max : mx)
-                for (int j = 0; j < valid; j++)
-                    mx = sr[j] > mx ? sr[j] : mx;
-                float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                for (int j = 0; j < valid; j++) {
-                    sr[j] = kf_expf(sr[j] - mx);
-                    sum += sr[j];
-                }
-                const float inv = 1.0f / sum;
-#pragma omp simd
-                for (int j = 0; j < valid; j++)
-                    sr[j] *= inv;
+                kf_cpu_softmax_row(sr, valid, NULL, NULL);
                 for (int j = valid; j < kmax; j++)
                     sr[j] = 0.0f;
             }

@@ -24,6 +24,9 @@ void kf_cpu_matmul(float *y, size_t ldy, const float *x, size_t ldx, const float
 void kf_cpu_rmsnorm(float *y, size_t ldy, const float *x, size_t ldx, const float *w, int rows, int n, float eps);
 void kf_cpu_rope(float *x, size_t tok_stride, int n_tok, int n_heads, int head_dim, const int64_t *positions,
                  const double *inv_freq);
+/* x[0..n) <- softmax(x) in place. Optionally returns the row max and sum_j exp(x_j - max)
+ * (accumulated in fp64): the row's log-sum-exp is max + log(sum). -inf entries get weight 0. */
+void kf_cpu_softmax_row(float *x, int n, float *max_out, double *sum_out);
 void kf_cpu_silu_mul(float *g, const float *u, int rows, int n);
 void kf_cpu_add(float *y, const float *x, int rows, int n);
 void kf_cpu_kv_store(const kf_paged_kv *kv, const int32_t *pages, int64_t first_slot, int n, const float *k,
