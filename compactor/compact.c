@@ -103,6 +103,11 @@ typedef struct {
 
 kf_status kf_compact(kf_model *m, const kf_prompt *prefix, const kf_prompt *doc, const kf_prompt *suffix,
                      const kf_compact_params *p, kf_compacted *out, kf_error *err) {
+    return kf_compact_ex(m, NULL, prefix, doc, suffix, p, out, err);
+}
+
+kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_prompt *prefix, const kf_prompt *doc,
+                        const kf_prompt *suffix, const kf_compact_params *p, kf_compacted *out, kf_error *err) {
     memset(out, 0, sizeof *out);
     const kf_hfconfig *c = kf_model_config(m);
     const int L = c->n_layers, kvh = c->n_kv_heads, d = c->head_dim, nh = c->n_heads, G = nh / kvh;
@@ -120,6 +125,15 @@ kf_status kf_compact(kf_model *m, const kf_prompt *prefix, const kf_prompt *doc,
     if (c->max_position_embeddings > 0 && D > c->max_position_embeddings)
         return kf_fail(err, KF_ERR_INVALID, "compact: %lld context tokens exceed the model's %d positions",
                        (long long)D, c->max_position_embeddings);
+    const int64_t shared = reuse && reuse->parent ? reuse->shared : 0;
+    if (shared < 0 || shared >= D || (shared > 0 && (!reuse->arena || shared > reuse->parent->len)))
+        return kf_fail(err, KF_ERR_INVALID, "compact: cannot share %lld of %lld context tokens (parent holds %lld)",
+                       (long long)shared, (long long)D, reuse && reuse->parent ? (long long)reuse->parent->len : 0LL);
+    if (reuse && reuse->keep && !reuse->arena)
+        return kf_fail(err, KF_ERR_INVALID, "compact: keeping the context's pages needs the caller's arena");
+    if (shared > 0 && p->use_context_queries)
+        return kf_fail(err, KF_ERR_INVALID, "compact: context queries need the whole context computed (shared %lld)",
+                       (long long)shared);
 
     int t = (int)floor(p->budget * n_doc);
     t = t < 1 ? 1 : (t > n_doc ? n_doc : t);
@@ -131,7 +145,8 @@ kf_status kf_compact(kf_model *m, const kf_prompt *prefix, const kf_prompt *doc,
     source *src = calloc((size_t)n_sources, sizeof *src);
     int32_t *ctx_ids = malloc(sizeof(int32_t) * (size_t)D);
     kf_status rc = KF_OK;
-    kf_arena arena = {0};
+    kf_arena own_arena = {0};
+    kf_arena *const ar = reuse && reuse->arena ? reuse->arena : &own_arena;
     kf_seq seq;
     kf_seq_init(&seq);
     kf_refq rq = {0};
@@ -211,7 +226,7 @@ kf_status kf_compact(kf_model *m, const kf_prompt *prefix, const kf_prompt *doc,
 
     /* ---- prefill the context, then each source on top of it ---- */
     double t0 = now_s();
-    if ((rc = kf_model_arena(m, &arena, D + longest + KF_PAGE_TOKENS, err)) != KF_OK)
+    if (ar == &own_arena && (rc = kf_model_arena(m, ar, D + longest + KF_PAGE_TOKENS, err)) != KF_OK)
         goto out;
     int64_t base = 0, k = 0;
     for (int i = 0; i < n_sources; i++) {
@@ -222,11 +237,14 @@ kf_status kf_compact(kf_model *m, const kf_prompt *prefix, const kf_prompt *doc,
         if (i == 0) { /* the context prefill; its document rows are source 0 */
             for (int r = 0; r < n_rows; r++)
                 rows[r] += n_pre;
-            kf_forward_args fa = {.ids = ctx_ids, .n_tokens = (int)D, .chunk = p->chunk, .capture_rows = rows,
-                                  .n_capture_rows = n_rows, .queries = n_rows ? qbuf : NULL, .quoka = p->quoka};
+            kf_forward_args fa = {.ids = ctx_ids + shared, .n_tokens = (int)(D - shared), .chunk = p->chunk,
+                                  .capture_rows = rows, .n_capture_rows = n_rows, .queries = n_rows ? qbuf : NULL,
+                                  .quoka = p->quoka};
             if (p->progress)
                 p->progress(p->progress_ctx, "prefill", 0, D);
-            if ((rc = kf_model_forward(m, &arena, &seq, &fa, err)) != KF_OK)
+            if (shared > 0 && (rc = kf_seq_fork(ar, reuse->parent, shared, &seq, err)) != KF_OK)
+                goto out;
+            if ((rc = kf_model_forward(m, ar, &seq, &fa, err)) != KF_OK)
                 goto out;
             out->stats.prefill_s = now_s() - t0;
             t0 = now_s();
@@ -246,9 +264,9 @@ kf_status kf_compact(kf_model *m, const kf_prompt *prefix, const kf_prompt *doc,
             }
             if (p->progress)
                 p->progress(p->progress_ctx, i == 1 ? "repeat" : "probes", i, n_sources);
-            if ((rc = kf_model_forward(m, &arena, &seq, &fa, err)) != KF_OK)
+            if ((rc = kf_model_forward(m, ar, &seq, &fa, err)) != KF_OK)
                 goto out;
-            if ((rc = kf_seq_truncate(&arena, &seq, D, err)) != KF_OK) /* KV rewind */
+            if ((rc = kf_seq_truncate(ar, &seq, D, err)) != KF_OK) /* KV rewind */
                 goto out;
         }
         if (n_rows)
@@ -297,7 +315,7 @@ kf_status kf_compact(kf_model *m, const kf_prompt *prefix, const kf_prompt *doc,
     int folded = 0;
     double var_sum = 0;
     for (int l = 0; l < L; l++) {
-        if ((rc = kf_seq_read_kv(&arena, &seq, l, 0, D, K, V, err)) != KF_OK)
+        if ((rc = kf_seq_read_kv(ar, &seq, l, 0, D, K, V, err)) != KF_OK)
             goto out;
         if (p->progress)
             p->progress(p->progress_ctx, "compact", l, L);
@@ -416,9 +434,12 @@ out:
         free(src);
     }
     free(ctx_ids);
-    kf_seq_release(&arena, &seq);
-    if (arena.storage)
-        kf_arena_free(&arena);
+    if (rc == KF_OK && reuse && reuse->keep)
+        *reuse->keep = seq; /* the caller now owns these pages */
+    else
+        kf_seq_release(ar, &seq);
+    if (own_arena.storage)
+        kf_arena_free(&own_arena);
     kf_refq_free(&rq);
     free(sample);
     free(rows);

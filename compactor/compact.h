@@ -97,6 +97,22 @@ kf_status kf_compact(kf_model *m, const kf_prompt *prefix, const kf_prompt *doc,
                      const kf_compact_params *p, kf_compacted *out, kf_error *err);
 void kf_compacted_free(kf_compacted *c);
 
+/* Prefix sharing in batch jobs (compactor/prefix_plan.h): kf_compact on a caller's arena, taking
+ * the first `shared` context tokens from a document already there instead of prefilling them. */
+typedef struct {
+    kf_arena *arena;       /* NULL: an arena of kf_compact's own, sized for this document */
+    const kf_seq *parent;  /* NULL, or a document in arena whose first `shared` tokens are this
+                              context's first `shared` tokens (the caller guarantees it) */
+    int64_t shared;        /* 0 <= shared < D, <= parent->len; the prefill runs on the rest */
+    kf_seq *keep;          /* NULL, or receives the context's pages (D tokens) to be a later
+                              document's parent; the caller releases it */
+} kf_compact_reuse;
+
+/* kf_compact with reuse (NULL: exactly kf_compact). Context queries (use_context_queries) need
+ * the whole context computed and are refused with shared > 0. */
+kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_prompt *prefix, const kf_prompt *doc,
+                        const kf_prompt *suffix, const kf_compact_params *p, kf_compacted *out, kf_error *err);
+
 /* Rotate the keys into the compacted frame (compacted = 1: by -(D - C), questions at C, C+1, ...)
  * or back into AM's frame (0: the kept keys at their original positions, questions at D, ...).
  * kf_compact returns the compacted frame. */

@@ -1,0 +1,81 @@
+#include "compactor/cache_io.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+kvf_method kf_method_to_kvf(kf_method m) {
+    switch (m) {
+    case KF_METHOD_KEEP: return KVF_METHOD_KEEP;
+    case KF_METHOD_DROP: return KVF_METHOD_DROP;
+    case KF_METHOD_AM: return KVF_METHOD_AM;
+    default: return KVF_METHOD_FOLD;
+    }
+}
+
+kf_method kf_method_from_kvf(kvf_method m) {
+    switch (m) {
+    case KVF_METHOD_KEEP: return KF_METHOD_KEEP;
+    case KVF_METHOD_DROP: return KF_METHOD_DROP;
+    case KVF_METHOD_AM: return KF_METHOD_AM;
+    default: return KF_METHOD_FOLD;
+    }
+}
+
+void kf_compacted_to_kvf(const kf_compacted *c, kvf_cache *out) {
+    memset(out, 0, sizeof *out);
+    kvf_header_init(&out->hdr);
+    out->hdr.n_doc_tokens = c->D;
+    out->hdr.n_tokens = c->C;
+    out->hdr.method = kf_method_to_kvf(c->method);
+    out->hdr.budget = c->budget;
+    out->hdr.lambda = c->method == KF_METHOD_FOLD ? c->lambda_rel : 0;
+    out->hdr.rope_frame = c->rotated ? KVF_FRAME_COMPACTED : KVF_FRAME_ORIGINAL;
+    out->hdr.n_layers = c->n_layers;
+    out->hdr.kv_heads = c->kv_heads;
+    out->hdr.head_dim = c->head_dim;
+    out->keys = c->keys;
+    out->values = c->values;
+    out->beta = c->beta;
+    out->u = c->u;
+    out->positions = c->positions;
+}
+
+kf_status kf_compacted_load(kvf_file *f, kf_compacted *out, kf_error *err) {
+    memset(out, 0, sizeof *out);
+    const kvf_header *h = kvf_file_header(f);
+    const int L = h->n_layers, H = h->kv_heads, d = h->head_dim;
+    const int64_t C = h->n_tokens;
+    const size_t per_layer = (size_t)C * H * d;
+    out->n_layers = L;
+    out->kv_heads = H;
+    out->head_dim = d;
+    out->D = h->n_doc_tokens;
+    out->C = C;
+    out->t = C;
+    out->method = kf_method_from_kvf(h->method);
+    out->budget = h->budget;
+    out->lambda_rel = h->lambda;
+    out->rotated = h->rope_frame == KVF_FRAME_COMPACTED;
+    out->keys = malloc(sizeof(float) * per_layer * L);
+    out->values = malloc(sizeof(float) * per_layer * L);
+    out->beta = malloc(sizeof(float) * (size_t)L * H * C);
+    out->u = malloc(sizeof(float) * (size_t)L * H * d);
+    out->positions = malloc(sizeof(int32_t) * (size_t)L * H * C);
+    kf_status rc = KF_OK;
+    if (!out->keys || !out->values || !out->beta || !out->u || !out->positions)
+        rc = kf_fail(err, KF_ERR_NOMEM, "%s: out of memory for a cache of %lld tokens", kvf_file_path(f), (long long)C);
+    for (int l = 0; l < L && rc == KF_OK; l++) {
+        rc = kvf_read_layer(f, l, KVF_KEYS, out->keys + (size_t)l * per_layer, err);
+        if (rc == KF_OK)
+            rc = kvf_read_layer(f, l, KVF_VALUES, out->values + (size_t)l * per_layer, err);
+    }
+    if (rc == KF_OK)
+        rc = kvf_read_beta(f, KVF_ALL_LAYERS, out->beta, err);
+    if (rc == KF_OK)
+        rc = kvf_read_u(f, KVF_ALL_LAYERS, out->u, err);
+    if (rc == KF_OK)
+        rc = kvf_read_positions(f, KVF_ALL_LAYERS, out->positions, err);
+    if (rc != KF_OK)
+        kf_compacted_free(out);
+    return rc;
+}

@@ -1,0 +1,21 @@
+/* cache_io.h — a compacted cache (kf_compacted) to and from the kvf file (formats/kvf.h). */
+#ifndef KF_CACHE_IO_H
+#define KF_CACHE_IO_H
+
+#include "compactor/compact.h"
+#include "formats/kvf.h"
+
+/* The file's method for a compaction method and back (same names: keep, drop, am, fold). */
+kvf_method kf_method_to_kvf(kf_method m);
+kf_method kf_method_from_kvf(kvf_method m);
+
+/* A kvf_cache pointing into c's buffers (fp32; kvf_write converts to out->hdr.dtype): shape, D, C,
+ * method, budget, lambda (fold only), rope frame. The caller fills the identity (model
+ * fingerprint, tokenizer digest, document digest) and may change the dtype (default bf16). */
+void kf_compacted_to_kvf(const kf_compacted *c, kvf_cache *out);
+
+/* Reads a whole file into out (keys and values converted to fp32), so kf_compacted_attach can
+ * put it in an arena. Files keep no prefix/suffix split: n_prefix = n_suffix = 0, t = C. */
+kf_status kf_compacted_load(kvf_file *f, kf_compacted *out, kf_error *err);
+
+#endif

@@ -1,0 +1,359 @@
+/* The batch job's library pieces: the prefix-sharing plan (Quail's example), prefix sharing
+ * through the arena (same logits, same compacted cache), and the round trip of a compacted cache
+ * through a kvf file into the paged engine. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "compactor/cache_io.h"
+#include "compactor/compact.h"
+#include "compactor/engine.h"
+#include "compactor/prefix_plan.h"
+#include "test_util.h"
+
+/* ---- the plan ---- */
+
+static int32_t g_trace[1900]; /* one agent trace; rows hold its first 1,000, 1,400 and 1,900 tokens */
+
+static void make_trace(void) {
+    uint64_t s = 12345;
+    for (int i = 0; i < 1900; i++) {
+        s = s * 6364136223846793005ULL + 1442695040888963407ULL;
+        g_trace[i] = (int32_t)((s >> 33) % 3000) + 100;
+    }
+}
+
+static void test_plan_quail_example(void) {
+    make_trace();
+    const int32_t *docs[3] = {g_trace, g_trace, g_trace};
+    const int64_t lens[3] = {1000, 1400, 1900};
+    kf_prefix_plan p;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_prefix_plan_build(docs, lens, 3, 16, NULL, &p, &err), KF_OK);
+    CU_ASSERT(p.enabled);
+    for (int i = 0; i < 3; i++)
+        CU_ASSERT_EQUAL(p.order[i], i);
+    CU_ASSERT_EQUAL(p.parent[0], -1);
+    CU_ASSERT_EQUAL(p.parent[1], 0);
+    CU_ASSERT_EQUAL(p.parent[2], 1);
+    CU_ASSERT_EQUAL(p.shared[0], 0);
+    CU_ASSERT_EQUAL(p.shared[1], 992);
+    CU_ASSERT_EQUAL(p.shared[2], 1392);
+    CU_ASSERT_EQUAL(p.tokens_computed, 1916);
+    CU_ASSERT_EQUAL(p.tokens_total, 4300);
+    kf_prefix_plan_free(&p);
+
+    /* given in another order, the same plan up to the indices */
+    const int64_t lens2[3] = {1900, 1000, 1400};
+    CU_ASSERT_EQUAL_FATAL(kf_prefix_plan_build(docs, lens2, 3, 16, NULL, &p, &err), KF_OK);
+    CU_ASSERT(p.order[0] == 1 && p.order[1] == 2 && p.order[2] == 0);
+    CU_ASSERT(p.parent[1] == -1 && p.parent[2] == 1 && p.parent[0] == 2);
+    CU_ASSERT(p.shared[1] == 0 && p.shared[2] == 992 && p.shared[0] == 1392);
+    CU_ASSERT(p.pred[0] == 2 && p.pred[2] == 1 && p.pred[1] == -1);
+    kf_prefix_plan_free(&p);
+}
+
+static void test_plan_siblings_cap_and_cost(void) {
+    make_trace();
+    int32_t other[40], sib[600];
+    memcpy(other, g_trace, sizeof other);
+    other[20] = 1; /* sorts before the trace; shares one 16-token page */
+    memcpy(sib, g_trace, sizeof sib);
+    sib[550] = 4000; /* shares 544 tokens with the 1,000-token row, then sorts after it */
+    const int32_t *docs[5] = {g_trace, other, sib, g_trace, g_trace};
+    const int64_t lens[5] = {1000, 40, 600, 1000, 32};
+    kf_prefix_plan p;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_prefix_plan_build(docs, lens, 5, 16, NULL, &p, &err), KF_OK);
+    /* sorted: other(1), trace[:32](4), trace[:1000](0), trace[:1000](3), sib(2) */
+    CU_ASSERT(p.order[0] == 1 && p.order[1] == 4 && p.order[2] == 0 && p.order[3] == 3 && p.order[4] == 2);
+    CU_ASSERT_EQUAL(p.shared[4], 16);  /* lcp 20 with other, rounded down */
+    CU_ASSERT_EQUAL(p.parent[4], 1);
+    CU_ASSERT_EQUAL(p.shared[0], 32);  /* all of the 32-token row */
+    CU_ASSERT_EQUAL(p.parent[0], 4);
+    CU_ASSERT_EQUAL(p.shared[3], 992); /* an exact duplicate still computes its last token */
+    CU_ASSERT_EQUAL(p.parent[3], 0);
+    CU_ASSERT_EQUAL(p.shared[2], 544);
+    CU_ASSERT_EQUAL(p.parent[2], 0);   /* siblings name the document that computed the pages */
+    CU_ASSERT_EQUAL(p.pred[2], 3);
+    kf_prefix_plan_free(&p);
+
+    /* granule 512 (QUOKA chunks): only whole chunks */
+    CU_ASSERT_EQUAL_FATAL(kf_prefix_plan_build(docs, lens, 5, 512, NULL, &p, &err), KF_OK);
+    CU_ASSERT(p.shared[0] == 0 && p.shared[3] == 512 && p.shared[2] == 512 && p.shared[4] == 0);
+    kf_prefix_plan_free(&p);
+
+    /* a cost model where keeping KV costs more than the compute it saves: no sharing */
+    kf_prefix_cost dear = {.flops_per_token = 1e6, .flops_per_s = 1e12, .kv_bytes_per_token = 1e6, .bytes_per_s = 1e9,
+                           .writes_kv = 1};
+    CU_ASSERT_EQUAL_FATAL(kf_prefix_plan_build(docs, lens, 5, 16, &dear, &p, &err), KF_OK);
+    CU_ASSERT(!p.enabled);
+    CU_ASSERT(p.added_s > p.saved_s);
+    CU_ASSERT_EQUAL(p.tokens_computed, p.tokens_total);
+    for (int i = 0; i < 5; i++)
+        CU_ASSERT(p.shared[i] == 0 && p.parent[i] == -1);
+    kf_prefix_plan_free(&p);
+    kf_prefix_cost cheap = {.flops_per_token = 1e9, .flops_per_s = 1e12, .kv_bytes_per_token = 1e5, .bytes_per_s = 1e11,
+                            .writes_kv = 1};
+    CU_ASSERT_EQUAL_FATAL(kf_prefix_plan_build(docs, lens, 5, 16, &cheap, &p, &err), KF_OK);
+    CU_ASSERT(p.enabled && p.saved_s > p.added_s && p.tokens_computed < p.tokens_total);
+    kf_prefix_plan_free(&p);
+    CU_ASSERT_NOT_EQUAL(kf_prefix_plan_build(docs, lens, 5, 24, NULL, &p, &err), KF_OK);
+}
+
+/* ---- with a model ---- */
+
+static kf_backend *g_b;
+static kf_model *g_m;
+static int32_t g_doc[4096]; /* doc1-1 of records-dev.jsonl */
+static int g_doc_n;
+static const int32_t kInstr[] = {260, 263, 270, 275, 46, 10}; /* "Repeat the records above.\n" */
+static const int32_t kQuestion[] = {81, 58, 1541, 63, 10, 65, 58}; /* "Q: rake?\nA:" */
+
+static int init_model(void) {
+    kf_error err = {0};
+    g_b = kf_backend_cpu_create();
+    if (kf_model_load(&g_m, kf_test_data("records-qwen3"), g_b, &err) != KF_OK) {
+        fprintf(stderr, "%s\n", err.msg);
+        return -1;
+    }
+    FILE *f = fopen(kf_test_data("records-dev.jsonl"), "r");
+    if (!f)
+        return -1;
+    static char line[1 << 20];
+    for (int i = 0; i < 2; i++)
+        if (!fgets(line, sizeof line, f))
+            return -1;
+    fclose(f);
+    char *p = strstr(line, "\"ids\": [");
+    if (!p)
+        return -1;
+    p += 8;
+    while (*p && *p != ']') {
+        g_doc[g_doc_n++] = (int32_t)strtol(p, &p, 10);
+        while (*p == ',' || *p == ' ')
+            p++;
+    }
+    make_trace();
+    return g_doc_n > 300 ? 0 : -1;
+}
+
+static int clean_model(void) {
+    kf_model_free(g_m);
+    g_b->destroy(g_b);
+    return 0;
+}
+
+/* Quail's three rows prefilled with sharing (fork from the predecessor, prefill the rest) give the
+ * same last-token logits as each row prefilled whole. */
+static void test_sharing_logits_equal(void) {
+    const int64_t lens[3] = {1000, 1400, 1900};
+    const int32_t *docs[3] = {g_trace, g_trace, g_trace};
+    kf_prefix_plan plan;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_prefix_plan_build(docs, lens, 3, 16, NULL, &plan, &err), KF_OK);
+    const int V = kf_model_config(g_m)->vocab_size;
+    float *shared_logits = malloc(sizeof(float) * V), *whole_logits = malloc(sizeof(float) * V);
+    kf_arena a;
+    CU_ASSERT_EQUAL_FATAL(kf_model_arena(g_m, &a, 1900 + 1400 + 32, &err), KF_OK);
+    kf_seq prev, cur;
+    kf_seq_init(&prev);
+    int64_t computed = 0;
+    double worst = 0;
+    for (int k = 0; k < 3; k++) {
+        const int i = plan.order[k];
+        const int64_t s = plan.shared[i];
+        kf_seq_init(&cur);
+        if (s > 0)
+            CU_ASSERT_EQUAL_FATAL(kf_seq_fork(&a, &prev, s, &cur, &err), KF_OK);
+        int32_t row = (int32_t)(lens[i] - s - 1);
+        kf_forward_args fa = {.ids = g_trace + s, .n_tokens = (int)(lens[i] - s), .logit_rows = &row, .n_logit_rows = 1,
+                              .logits = shared_logits};
+        CU_ASSERT_EQUAL_FATAL(kf_model_forward(g_m, &a, &cur, &fa, &err), KF_OK);
+        computed += lens[i] - s;
+        kf_seq_release(&a, &prev);
+        prev = cur;
+        /* the same row, whole, in a separate arena */
+        kf_arena b;
+        kf_seq w;
+        kf_seq_init(&w);
+        CU_ASSERT_EQUAL_FATAL(kf_model_arena(g_m, &b, lens[i] + 16, &err), KF_OK);
+        row = (int32_t)(lens[i] - 1);
+        kf_forward_args fw = {.ids = g_trace, .n_tokens = (int)lens[i], .logit_rows = &row, .n_logit_rows = 1,
+                              .logits = whole_logits};
+        CU_ASSERT_EQUAL_FATAL(kf_model_forward(g_m, &b, &w, &fw, &err), KF_OK);
+        const double diff = kf_max_abs_diff(shared_logits, whole_logits, (size_t)V) / fmax(1, kf_max_abs(whole_logits, V));
+        worst = fmax(worst, diff);
+        kf_seq_release(&b, &w);
+        kf_arena_free(&b);
+    }
+    CU_ASSERT_EQUAL(computed, 1916);
+    /* equal up to fp32 summation order (the chunks start at different tokens) */
+    CU_ASSERT(worst < 1e-5);
+    if (worst >= 1e-5)
+        fprintf(stderr, "sharing changed the logits by %g (relative)\n", worst);
+    kf_seq_release(&a, &prev);
+    CU_ASSERT_EQUAL(a.n_free, a.n_pages);
+    kf_arena_free(&a);
+    kf_prefix_plan_free(&plan);
+    free(shared_logits);
+    free(whole_logits);
+}
+
+static kf_compact_params params(kf_method method, double budget) {
+    kf_compact_params p = kf_compact_params_default();
+    p.method = method;
+    p.budget = budget;
+    p.repeat_instruction = (kf_prompt){kInstr, 6};
+    p.max_queries = 2000;
+    return p;
+}
+
+/* kf_compact_ex on a document whose first 288 tokens come from a parent gives the cache
+ * kf_compact computes from scratch. */
+static void test_compact_ex_shared_equals_whole(void) {
+    kf_error err = {0};
+    kf_arena a;
+    CU_ASSERT_EQUAL_FATAL(kf_model_arena(g_m, &a, 4 * 400, &err), KF_OK);
+    kf_compact_params p = params(KF_METHOD_FOLD, 0.25);
+    kf_prompt parent_doc = {g_doc, 300}, doc = {g_doc, 400};
+    kf_compacted pc, shared, whole;
+    kf_seq parent;
+    kf_compact_reuse r0 = {.arena = &a, .keep = &parent};
+    CU_ASSERT_EQUAL_FATAL(kf_compact_ex(g_m, &r0, NULL, &parent_doc, NULL, &p, &pc, &err), KF_OK);
+    CU_ASSERT_EQUAL(parent.len, 300);
+    kf_compact_reuse r1 = {.arena = &a, .parent = &parent, .shared = 288};
+    CU_ASSERT_EQUAL_FATAL(kf_compact_ex(g_m, &r1, NULL, &doc, NULL, &p, &shared, &err), KF_OK);
+    kf_seq_release(&a, &parent);
+    CU_ASSERT_EQUAL(a.n_free, a.n_pages); /* nothing left behind in the caller's arena */
+    CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &whole, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(shared.C, whole.C);
+    const size_t n = (size_t)whole.n_layers * whole.C * whole.kv_heads * whole.head_dim;
+    const double dk = kf_max_abs_diff(shared.keys, whole.keys, n) / kf_max_abs(whole.keys, n);
+    const double dv = kf_max_abs_diff(shared.values, whole.values, n) / kf_max_abs(whole.values, n);
+    CU_ASSERT(dk < 1e-3 && dv < 1e-3);
+    if (!(dk < 1e-3 && dv < 1e-3))
+        fprintf(stderr, "shared vs whole: keys %g values %g (relative)\n", dk, dv);
+    CU_ASSERT_EQUAL(memcmp(shared.positions, whole.positions, sizeof(int32_t) * whole.n_layers * whole.kv_heads * whole.C),
+                    0);
+    /* refusals: more shared than the parent holds, context queries with sharing */
+    kf_compacted_free(&pc);
+    kf_seq_init(&parent);
+    kf_compact_reuse bad = {.arena = &a, .parent = &parent, .shared = 16};
+    CU_ASSERT_EQUAL(kf_compact_ex(g_m, &bad, NULL, &doc, NULL, &p, &pc, &err), KF_ERR_INVALID);
+    kf_compact_reuse keep_no_arena = {.keep = &parent};
+    CU_ASSERT_EQUAL(kf_compact_ex(g_m, &keep_no_arena, NULL, &doc, NULL, &p, &pc, &err), KF_ERR_INVALID);
+    kf_compacted_free(&shared);
+    kf_compacted_free(&whole);
+    kf_arena_free(&a);
+}
+
+/* compact -> kvf -> load -> attach: the question's log-probabilities from the file equal those of
+ * the in-memory cache (f32 files exactly; bf16 files equal the in-memory cache rounded to bf16). */
+static void test_round_trip_through_kvf(void) {
+    kf_error err = {0};
+    const kf_method methods[] = {KF_METHOD_FOLD, KF_METHOD_AM, KF_METHOD_KEEP, KF_METHOD_DROP};
+    const kvf_dtype dtypes[] = {KVF_F32, KVF_BF16, KVF_F16};
+    const int V = kf_model_config(g_m)->vocab_size;
+    const int32_t answer[] = {1541, 2644, 10};
+    kf_prompt q = {kQuestion, 7}, ans = {answer, 3};
+    float *lp_mem = malloc(sizeof(float) * 3 * V), *lp_file = malloc(sizeof(float) * 3 * V);
+    kf_prompt doc = {g_doc, 200};
+    const char *dir = kf_test_make_dir("roundtrip");
+    for (int mi = 0; mi < 4; mi++) {
+        kf_compact_params p = params(methods[mi], 0.25);
+        kf_compacted c;
+        CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &c, &err), KF_OK);
+        for (int di = 0; di < 3; di++) {
+            kvf_cache kc;
+            kf_compacted_to_kvf(&c, &kc);
+            kc.hdr.dtype = dtypes[di];
+            snprintf(kc.hdr.model_fingerprint, sizeof kc.hdr.model_fingerprint, "%s", kf_model_fingerprint(g_m));
+            kvf_document_digest(doc.ids, doc.n, kc.hdr.document_digest);
+            char path[4096];
+            snprintf(path, sizeof path, "%s/%s-%s.kvf", dir, kf_method_name(methods[mi]), kvf_dtype_name(dtypes[di]));
+            CU_ASSERT_EQUAL_FATAL(kvf_write(path, &kc, &err), KF_OK);
+            /* the in-memory cache as the file stores it */
+            kf_compacted r = c;
+            const size_t n = (size_t)c.n_layers * c.C * c.kv_heads * c.head_dim;
+            r.keys = malloc(sizeof(float) * n);
+            r.values = malloc(sizeof(float) * n);
+            for (size_t i = 0; i < n; i++) {
+                r.keys[i] = dtypes[di] == KVF_BF16 ? kvf_bf16_to_f32(kvf_f32_to_bf16(c.keys[i]))
+                            : dtypes[di] == KVF_F16 ? kvf_f16_to_f32(kvf_f32_to_f16(c.keys[i]))
+                                                    : c.keys[i];
+                r.values[i] = dtypes[di] == KVF_BF16 ? kvf_bf16_to_f32(kvf_f32_to_bf16(c.values[i]))
+                              : dtypes[di] == KVF_F16 ? kvf_f16_to_f32(kvf_f32_to_f16(c.values[i]))
+                                                      : c.values[i];
+            }
+            kf_engine e;
+            CU_ASSERT_EQUAL_FATAL(kf_engine_from_compacted(&e, g_m, &r, 16, &err), KF_OK);
+            CU_ASSERT_EQUAL_FATAL(kf_engine_logprobs(&e, g_m, &q, &ans, lp_mem, &err), KF_OK);
+            kf_engine_free(&e);
+            free(r.keys);
+            free(r.values);
+
+            kvf_file *f;
+            kf_compacted l;
+            CU_ASSERT_EQUAL_FATAL(kvf_open(path, &f, &err), KF_OK);
+            CU_ASSERT_EQUAL(kvf_check_model(f, kf_model_fingerprint(g_m), c.n_layers, c.kv_heads, c.head_dim, &err), KF_OK);
+            CU_ASSERT_EQUAL_FATAL(kf_compacted_load(f, &l, &err), KF_OK);
+            kvf_close(f);
+            CU_ASSERT(l.C == c.C && l.D == c.D && l.method == c.method && l.rotated == 1);
+            CU_ASSERT_EQUAL_FATAL(kf_engine_from_compacted(&e, g_m, &l, 16, &err), KF_OK);
+            CU_ASSERT_EQUAL_FATAL(kf_engine_logprobs(&e, g_m, &q, &ans, lp_file, &err), KF_OK);
+            /* a second prompt on the same engine: the first was rewound */
+            CU_ASSERT_EQUAL_FATAL(kf_engine_logprobs(&e, g_m, &q, &ans, lp_mem + 0, &err), KF_OK);
+            kf_engine_free(&e);
+            CU_ASSERT_EQUAL(memcmp(lp_mem, lp_file, sizeof(float) * 3 * V), 0);
+            if (memcmp(lp_mem, lp_file, sizeof(float) * 3 * V) != 0)
+                fprintf(stderr, "%s %s: file vs memory %g\n", kf_method_name(methods[mi]), kvf_dtype_name(dtypes[di]),
+                        kf_max_abs_diff(lp_mem, lp_file, (size_t)3 * V));
+            kf_compacted_free(&l);
+        }
+        kf_compacted_free(&c);
+    }
+    free(lp_mem);
+    free(lp_file);
+}
+
+/* Greedy decoding through the engine: the first token is the argmax of the question's logits, and
+ * a full-context engine answers the records question right. */
+static void test_engine_greedy_full_context(void) {
+    kf_error err = {0};
+    kf_engine e;
+    kf_prompt doc = {g_doc, g_doc_n}, q = {kQuestion, 7};
+    CU_ASSERT_EQUAL_FATAL(kf_engine_from_document(&e, g_m, &doc, 64, &err), KF_OK);
+    int32_t out[8];
+    int n = 0;
+    const int32_t eos = 3199;
+    CU_ASSERT_EQUAL_FATAL(kf_engine_greedy(&e, g_m, &q, 8, &eos, 1, NULL, NULL, out, &n, &err), KF_OK);
+    CU_ASSERT_EQUAL(n, 8);
+    CU_ASSERT_EQUAL(e.seq.len, g_doc_n); /* rewound */
+    int32_t n2_out[8];
+    int n2 = 0;
+    CU_ASSERT_EQUAL_FATAL(kf_engine_greedy(&e, g_m, &q, 3, &eos, 1, NULL, NULL, n2_out, &n2, &err), KF_OK);
+    CU_ASSERT(n2 == 3 && memcmp(out, n2_out, sizeof(int32_t) * 3) == 0);
+    kf_engine_free(&e);
+}
+
+static CU_TestInfo plan_tests[] = {
+    {"Quail's example: order, parents, shared, 1,916 of 4,300", test_plan_quail_example},
+    {"siblings, duplicates, granules and the cost rule", test_plan_siblings_cap_and_cost},
+    CU_TEST_INFO_NULL,
+};
+static CU_TestInfo model_tests[] = {
+    {"logits with sharing equal logits without", test_sharing_logits_equal},
+    {"kf_compact_ex with a shared prefix == kf_compact", test_compact_ex_shared_equals_whole},
+    {"round trip compact -> kvf -> engine", test_round_trip_through_kvf},
+    {"engine: greedy decoding and rewind", test_engine_greedy_full_context},
+    CU_TEST_INFO_NULL,
+};
+static CU_SuiteInfo suites[] = {
+    {"prefix plan", NULL, NULL, NULL, NULL, plan_tests},
+    {"compaction job on records-qwen3", init_model, clean_model, NULL, NULL, model_tests},
+    CU_SUITE_INFO_NULL,
+};
+
+int main(void) { return kf_test_main(suites); }
