@@ -15,5 +15,8 @@ int cmd_inspect(int argc, char **argv);
 int cmd_bench_kvf(int argc, char **argv);
 int cmd_bench_attention(int argc, char **argv);
 int cmd_bench_quoka(int argc, char **argv);
+int cmd_compact(int argc, char **argv);
+int cmd_verify(int argc, char **argv);
+int cmd_ask(int argc, char **argv);
 
 #endif

@@ -14,7 +14,10 @@ typedef struct {
 static const command kCommands[] = {
     {"model-info", "show a model directory's configuration, size and fingerprint", cmd_model_info},
     {"logits", "run the model over token ids and show the top next tokens", cmd_logits},
+    {"compact", "compact documents into kvf cache files (the offline job; --manifest, --shard)", cmd_compact},
     {"inspect", "show a kvf cache file: header, sizes, per-layer and per-head statistics", cmd_inspect},
+    {"verify", "check a kvf cache file: checksums, model fingerprint, KL against the full context", cmd_verify},
+    {"ask", "answer a question from a kvf cache file (greedy, through the paged engine)", cmd_ask},
     {"tokenize", "encode text to token ids (or decode ids) with the model's tokenizer", cmd_tokenize},
     {"eval", "measure compaction quality against the full context (eval quality)", cmd_eval},
     {"bench", "benchmarks (prefill, attention, quoka, tokenize)", cmd_bench},

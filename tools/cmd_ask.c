@@ -1,0 +1,220 @@
+/* kvfold ask — answer questions from a kvf cache file through the paged engine. */
+#include <getopt.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "compactor/engine.h"
+#include "tools/cli.h"
+#include "tools/commands.h"
+#include "tools/doc_input.h"
+
+#define CMD "ask"
+
+static const char kHelp[] =
+    "Usage: kvfold ask FILE.kvf --model DIR [options] QUESTION...\n"
+    "\n"
+    "Loads the compacted cache of FILE into the paged engine (after checking that it was written\n"
+    "for this model) and answers each QUESTION greedily on top of it: the question's tokens sit at\n"
+    "positions C, C+1, ... as in a serving engine after a prefix of C tokens. Each question starts\n"
+    "from the cache alone (the previous question's KV is rewound). Prints each answer's text.\n"
+    "\n"
+    "Options:\n"
+    "  --model DIR          the model the cache was written for\n"
+    "  --question-ids LIST  a question as token ids (comma separated), in addition to QUESTIONs\n"
+    "  --max-tokens N       most tokens per answer (default 32); decoding stops earlier at EOS\n"
+    "  --stop TEXT          also stop once the answer contains TEXT (e.g. $'\\n')\n"
+    "  --doc FILE           the document the cache was built from (text, a JSON list of ids, or a\n"
+    "                       manifest line); checked against the cache's document digest\n"
+    "  --compare            with --doc: also answer from the full document and report agreement\n"
+    "                       (exit status 0 either way)\n"
+    "  --json               one JSON object per question: question, answer, answer_ids, and with\n"
+    "                       --compare full_answer, full_answer_ids, agree\n"
+    "  -q, --quiet          no cache summary on stderr\n"
+    "  -h, --help           show this help\n"
+    "\n"
+    "Records model example (tests/data/records-qwen3): questions are \"Q: <name>?\\nA:\".\n";
+
+static void print_str(const char *label, const char *s) {
+    json_t *j = json_string(s ? s : "");
+    char *q = j ? json_dumps(j, JSON_ENCODE_ANY) : NULL;
+    printf("%-9s %s\n", label, q ? q : "?");
+    free(q);
+    json_decref(j);
+}
+
+static json_t *ids_json(const int32_t *ids, int n) {
+    json_t *a = json_array();
+    for (int i = 0; i < n; i++)
+        json_array_append_new(a, json_integer(ids[i]));
+    return a;
+}
+
+int cmd_ask(int argc, char **argv) {
+    static const struct option opts[] = {
+        {"help", no_argument, 0, 'h'},       {"model", required_argument, 0, 'm'},
+        {"max-tokens", required_argument, 0, 'n'}, {"stop", required_argument, 0, 's'},
+        {"doc", required_argument, 0, 'd'},  {"compare", no_argument, 0, 'c'},
+        {"json", no_argument, 0, 'j'},       {"quiet", no_argument, 0, 'q'},
+        {"question-ids", required_argument, 0, 'i'}, {0, 0, 0, 0}};
+    const char *model_dir = NULL, *stop = NULL, *doc_path = NULL, *qids_s = NULL;
+    long long max_tokens = 32;
+    int compare = 0, as_json = 0, quiet = 0;
+    optind = 1;
+    for (int c; (c = getopt_long(argc, argv, "hq", opts, NULL)) != -1;) {
+        switch (c) {
+        case 'h': fputs(kHelp, stdout); return KF_EXIT_OK;
+        case 'm': model_dir = optarg; break;
+        case 'n':
+            if (cli_parse_int(optarg, 1, 1 << 20, &max_tokens))
+                return cli_usage_error(CMD, "--max-tokens must be a positive count, not '%s'", optarg);
+            break;
+        case 's': stop = optarg; break;
+        case 'd': doc_path = optarg; break;
+        case 'c': compare = 1; break;
+        case 'j': as_json = 1; break;
+        case 'q': quiet = 1; break;
+        case 'i': qids_s = optarg; break;
+        default: return cli_usage_error(CMD, "unknown option");
+        }
+    }
+    if (!model_dir)
+        return cli_usage_error(CMD, "--model DIR is required");
+    if (optind >= argc)
+        return cli_usage_error(CMD, "give the cache FILE.kvf");
+    const char *path = argv[optind++];
+    const int n_text_q = argc - optind, n_q = n_text_q + (qids_s != NULL);
+    if (n_q == 0)
+        return cli_usage_error(CMD, "give a QUESTION (or --question-ids)");
+    if (compare && !doc_path)
+        return cli_usage_error(CMD, "--compare needs the document (--doc FILE)");
+
+    kf_backend *b;
+    kf_model *m = cli_load_model(CMD, model_dir, &b);
+    if (!m)
+        return KF_EXIT_FAIL;
+    const kf_hfconfig *cfg = kf_model_config(m);
+    doc_text text;
+    doc_text_init(&text, model_dir, cfg->vocab_size);
+    int rc = KF_EXIT_FAIL;
+    kf_compacted c = {0};
+    kvf_header hdr;
+    kf_engine ec = {0}, ef = {0};
+    int32_t *doc = NULL, *out = malloc(sizeof(int32_t) * (size_t)max_tokens * 2);
+    int n_doc = 0, agree = 0;
+    int32_t **qs = calloc((size_t)n_q, sizeof *qs);
+    int *qn = calloc((size_t)n_q, sizeof *qn);
+    char err[1024];
+    kf_error e = {0};
+    if (!out || !qs || !qn) {
+        cli_error(CMD, "out of memory");
+        goto done;
+    }
+    if (cache_load(CMD, path, m, 0, &c, &hdr))
+        goto done;
+    int longest = 0;
+    for (int i = 0; i < n_q; i++) {
+        const int is_ids = i == n_text_q;
+        if (is_ids ? cli_parse_ids(qids_s, &qs[i], &qn[i], err, sizeof err)
+                   : doc_tokenize(&text, argv[optind + i], strlen(argv[optind + i]), 0, &qs[i], &qn[i], err, sizeof err)) {
+            cli_error(CMD, "question %d: %s", i + 1, err);
+            goto done;
+        }
+        for (int j = 0; j < qn[i]; j++)
+            if (qs[i][j] >= cfg->vocab_size) {
+                cli_error(CMD, "question %d: token id %d is outside the vocabulary", i + 1, qs[i][j]);
+                goto done;
+            }
+        longest = qn[i] > longest ? qn[i] : longest;
+    }
+    if (doc_path) {
+        if (doc_read_file(&text, doc_path, &doc, &n_doc, err, sizeof err)) {
+            cli_error(CMD, "%s", err);
+            goto done;
+        }
+        char digest[KVF_DIGEST_LEN + 1];
+        kvf_document_digest(doc, n_doc, digest);
+        if (strcmp(digest, hdr.document_digest) != 0) {
+            cli_error(CMD, "%s is not the document of %s (digest %s, %d tokens; the cache's: %s, %lld tokens)",
+                      doc_path, path, digest, n_doc, hdr.document_digest, (long long)hdr.n_doc_tokens);
+            goto done;
+        }
+    }
+    if (!quiet)
+        fprintf(stderr, "cache: %lld of %lld document tokens (%.2fx smaller), %s, budget %g, %s\n", (long long)c.C,
+                (long long)c.D, (double)c.D / (double)c.C, kvf_method_name(hdr.method), hdr.budget,
+                kvf_dtype_name(hdr.dtype));
+    if (kf_engine_from_compacted(&ec, m, &c, longest + max_tokens, &e) != KF_OK) {
+        cli_error(CMD, "%s", e.msg);
+        goto done;
+    }
+    if (compare) {
+        kf_prompt d = {doc, n_doc};
+        if (kf_engine_from_document(&ef, m, &d, longest + max_tokens, &e) != KF_OK) {
+            cli_error(CMD, "%s: %s", doc_path, e.msg);
+            goto done;
+        }
+    }
+    int32_t eos[8];
+    const int n_eos = model_eos_ids(m, &text, eos);
+    stop_text st = {&text, stop};
+    rc = KF_EXIT_OK;
+    for (int i = 0; i < n_q && rc == KF_OK; i++) {
+        kf_prompt q = {qs[i], qn[i]};
+        int n_out = 0, n_full = 0;
+        int32_t *full = out + max_tokens;
+        if (kf_engine_greedy(&ec, m, &q, (int)max_tokens, eos, n_eos, stop_on_text, &st, out, &n_out, &e) != KF_OK ||
+            (compare &&
+             kf_engine_greedy(&ef, m, &q, (int)max_tokens, eos, n_eos, stop_on_text, &st, full, &n_full, &e) != KF_OK)) {
+            cli_error(CMD, "%s", e.msg);
+            rc = KF_EXIT_FAIL;
+            break;
+        }
+        const int same = n_out == n_full && memcmp(out, full, sizeof(int32_t) * n_out) == 0;
+        agree += same;
+        char *qtext = doc_decode(&text, qs[i], qn[i]), *ans = doc_decode(&text, out, n_out);
+        char *fans = compare ? doc_decode(&text, full, n_full) : NULL;
+        if (as_json) {
+            json_t *o = json_pack("{s:s, s:s, s:o}", "question", qtext ? qtext : "", "answer", ans ? ans : "",
+                                  "answer_ids", ids_json(out, n_out));
+            if (compare) {
+                json_object_set_new(o, "full_answer", json_string(fans ? fans : ""));
+                json_object_set_new(o, "full_answer_ids", ids_json(full, n_full));
+                json_object_set_new(o, "agree", json_boolean(same));
+            }
+            char *s = json_dumps(o, JSON_COMPACT);
+            puts(s ? s : "{}");
+            free(s);
+            json_decref(o);
+        } else if (compare) {
+            print_str("question:", qtext);
+            print_str("cache:", ans);
+            print_str("full:", fans);
+            printf("agree:    %s\n", same ? "yes" : "no");
+        } else {
+            fputs(ans ? ans : "", stdout);
+            if (!ans || !*ans || ans[strlen(ans) - 1] != '\n')
+                putchar('\n');
+        }
+        free(qtext);
+        free(ans);
+        free(fans);
+    }
+    if (compare && !as_json && rc == KF_EXIT_OK)
+        printf("agreement: %d/%d greedy answers equal the full context's\n", agree, n_q);
+done:
+    kf_engine_free(&ec);
+    kf_engine_free(&ef);
+    kf_compacted_free(&c);
+    for (int i = 0; qs && i < n_q; i++)
+        free(qs[i]);
+    free(qs);
+    free(qn);
+    free(doc);
+    free(out);
+    doc_text_free(&text);
+    kf_model_free(m);
+    b->destroy(b);
+    return rc;
+}

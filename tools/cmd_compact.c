@@ -1,0 +1,780 @@
+/* kvfold compact — the offline job: documents in, one kvf cache file per document out. */
+#include <errno.h>
+#include <fcntl.h>
+#include <getopt.h>
+#include <jansson.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "compactor/cache_io.h"
+#include "compactor/compact.h"
+#include "compactor/prefix_plan.h"
+#include "tools/cli.h"
+#include "tools/commands.h"
+#include "tools/doc_input.h"
+
+#define CMD "compact"
+#define DEFAULT_INSTRUCTION "Repeat the previous context verbatim.\n"
+#define DEFAULT_ROOT "kvf-cache"
+
+static const char kHelp[] =
+    "Usage: kvfold compact --model DIR [options] FILE...\n"
+    "       kvfold compact --model DIR [options] --manifest DOCS.jsonl [--shard i/N]\n"
+    "\n"
+    "Compacts each document's KV cache and writes one kvf file per document to\n"
+    "  ROOT/<model fingerprint>/<document digest>.<method>-<budget>.kvf\n"
+    "(content-addressed: the same document, model, method and budget always get the same name).\n"
+    "A document whose valid file already exists is skipped, so the job can be rerun or resumed.\n"
+    "Files appear atomically (temporary name, fsync, rename); several workers may run on the same\n"
+    "manifest and root at once (also on different machines sharing the root): a document being\n"
+    "compacted holds an flock on '<file>.lock' and the others pass it by ('busy').\n"
+    "\n"
+    "Documents:\n"
+    "  FILE...              text files, one document each (UTF-8, tokenized with the model's\n"
+    "                       tokenizer.json, with its special tokens such as a BOS)\n"
+    "  --manifest FILE      JSONL, one document per line: \"ids\" (token ids) or \"text\"; optional\n"
+    "                       \"id\" (a name for messages), \"probes\" (a list of question-like prompts,\n"
+    "                       each a text or a list of ids), \"repeat_instruction_ids\" or\n"
+    "                       \"repeat_instruction\" (overrides --repeat-instruction). Blank lines are\n"
+    "                       ignored. A bad line (not JSON, empty, ids outside the vocabulary, too\n"
+    "                       long for the model) is reported as FILE:LINE and the job goes on.\n"
+    "  --shard i/N          only the documents whose 0-based line number in the manifest (or\n"
+    "                       position among the FILE arguments) modulo N equals i: the N shards\n"
+    "                       i = 0..N-1 cover the input exactly once, whatever runs where\n"
+    "                       (Slurm: --shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT)\n"
+    "\n"
+    "Compaction:\n"
+    "  --model DIR          model directory (config.json, safetensors, tokenizer.json)\n"
+    "  --method M           keep, drop, am or fold (default fold)\n"
+    "  --budget B           kept fraction of each document, in (0, 1] (default 0.1)\n"
+    "  --out ROOT           root directory of the cache files (default " DEFAULT_ROOT ")\n"
+    "  --repeat-instruction TEXT\n"
+    "                       the instruction between the document and its repeat, whose queries\n"
+    "                       drive the compaction (default \"Repeat the previous context verbatim.\\n\";\n"
+    "                       for a chat model pass its chat-template form of that request)\n"
+    "  --probes-from FILE   extra probe prompts for every document: one JSON value per line, a\n"
+    "                       string (text) or a list of token ids\n"
+    "  --lambda X           fold ridge, relative to tr(Sigma)/d (default 0.01)\n"
+    "  --max-queries N      pooled reference queries per KV head (default 50000)\n"
+    "  --chunk N            prefill chunk size (default 512)\n"
+    "  --dtype T            bf16, f16 or f32 in the file (default: the model's torch_dtype, else bf16)\n"
+    CLI_PREFILL_HELP
+    "\n"
+    "Prefix sharing (Quail): the documents are compacted in sorted token order; a document that\n"
+    "begins like its predecessor takes the whole 16-token pages of the common prefix from it\n"
+    "instead of prefilling them again (QUOKA prefill: whole chunks, so chunk boundaries stay put).\n"
+    "The last token is always computed; sharing is used only when the estimated compute saved\n"
+    "exceeds the extra KV kept. The summary reports tokens computed against tokens without sharing.\n"
+    "  --no-share           prefill every document whole\n"
+    "\n"
+    "Output: a progress bar on a terminal (documents, tokens/s, ETA), one log line per document\n"
+    "otherwise, and a summary (done, skipped, busy, failed, tokens, compression, time). The exit\n"
+    "status is 1 when any document failed, 2 for usage errors.\n"
+    "  -q, --quiet          only errors and the summary\n"
+    "  -h, --help           show this help\n";
+
+enum { ST_TODO, ST_SKIPPED, ST_BUSY, ST_DONE, ST_FAILED };
+
+typedef struct {
+    char source[PATH_MAX + 32]; /* "docs.jsonl:12" or the text file's path */
+    char name[128];             /* "id" or the file name */
+    int32_t *ids;               /* [n] */
+    int n;
+    int32_t *instr;             /* [n_instr] this document's repeat instruction, or NULL: the default */
+    int n_instr;
+    kf_prompt *probes;          /* [n_probes] (ids owned) */
+    int n_probes;
+    char path[PATH_MAX];
+    int state;
+    int64_t C;
+} job_doc;
+
+static void job_doc_free(job_doc *d) {
+    free(d->ids);
+    free(d->instr);
+    for (int i = 0; i < d->n_probes; i++)
+        free((void *)d->probes[i].ids);
+    free(d->probes);
+}
+
+typedef struct {
+    job_doc *docs;
+    int n, cap;
+    int n_failed_input; /* lines or files that never became documents */
+} doc_list;
+
+static job_doc *doc_list_add(doc_list *l) {
+    if (l->n == l->cap) {
+        const int cap = l->cap ? l->cap * 2 : 64;
+        job_doc *g = realloc(l->docs, sizeof *g * (size_t)cap);
+        if (!g)
+            return NULL;
+        l->docs = g;
+        l->cap = cap;
+    }
+    job_doc *d = &l->docs[l->n++];
+    memset(d, 0, sizeof *d);
+    return d;
+}
+
+/* The progress line on a terminal is redrawn in place; messages first clear it. */
+static int g_tty;
+static void clear_line(void) {
+    if (g_tty)
+        fputs("\r\033[K", stderr);
+}
+
+static void doc_fail(const char *source, const char *name, const char *msg) {
+    clear_line();
+    if (name && *name)
+        fprintf(stderr, "kvfold " CMD ": %s (%s): %s\n", source, name, msg);
+    else
+        fprintf(stderr, "kvfold " CMD ": %s: %s\n", source, msg);
+}
+
+/* One manifest line into d; 0, or -1 with the reason in err. */
+static int parse_line(doc_text *t, const char *line, job_doc *d, char *err, size_t err_len) {
+    json_error_t jerr;
+    json_t *o = json_loads(line, 0, &jerr);
+    if (!o) {
+        snprintf(err, err_len, "not JSON: %s (column %d)", jerr.text, jerr.column);
+        return -1;
+    }
+    int rc = -1;
+    char sub[400];
+    json_t *id = json_object_get(o, "id"), *ids = json_object_get(o, "ids"), *text = json_object_get(o, "text");
+    if (!json_is_object(o)) {
+        snprintf(err, err_len, "not a JSON object");
+        goto out;
+    }
+    if (json_is_string(id))
+        snprintf(d->name, sizeof d->name, "%s", json_string_value(id));
+    else if (json_is_integer(id))
+        snprintf(d->name, sizeof d->name, "%lld", (long long)json_integer_value(id));
+    if (ids) {
+        if (!json_is_array(ids)) {
+            snprintf(err, err_len, "\"ids\" must be a list of token ids");
+            goto out;
+        }
+        if (json_array_size(ids) == 0) {
+            snprintf(err, err_len, "empty document (\"ids\" is [])");
+            goto out;
+        }
+        if (doc_json_prompt(t, ids, &d->ids, &d->n, sub, sizeof sub)) {
+            snprintf(err, err_len, "\"ids\": %s", sub);
+            goto out;
+        }
+    } else if (json_is_string(text)) {
+        if (json_string_length(text) == 0) {
+            snprintf(err, err_len, "empty document (\"text\" is \"\")");
+            goto out;
+        }
+        if (doc_tokenize(t, json_string_value(text), json_string_length(text), 1, &d->ids, &d->n, sub, sizeof sub)) {
+            snprintf(err, err_len, "\"text\": %s", sub);
+            goto out;
+        }
+    } else {
+        snprintf(err, err_len, "needs \"ids\" (token ids) or \"text\"");
+        goto out;
+    }
+    json_t *ri = json_object_get(o, "repeat_instruction_ids");
+    if (!ri)
+        ri = json_object_get(o, "repeat_instruction");
+    if (ri && doc_json_prompt(t, ri, &d->instr, &d->n_instr, sub, sizeof sub)) {
+        snprintf(err, err_len, "repeat instruction: %s", sub);
+        goto out;
+    }
+    json_t *pr = json_object_get(o, "probes");
+    if (pr) {
+        if (!json_is_array(pr)) {
+            snprintf(err, err_len, "\"probes\" must be a list");
+            goto out;
+        }
+        d->probes = calloc(json_array_size(pr) + 1, sizeof *d->probes);
+        size_t i;
+        json_t *v;
+        json_array_foreach(pr, i, v) {
+            int32_t *p;
+            int n;
+            if (!d->probes || doc_json_prompt(t, v, &p, &n, sub, sizeof sub)) {
+                snprintf(err, err_len, "probe %zu: %s", i, d->probes ? sub : "out of memory");
+                goto out;
+            }
+            d->probes[d->n_probes++] = (kf_prompt){p, n};
+        }
+    }
+    rc = 0;
+out:
+    json_decref(o);
+    return rc;
+}
+
+/* Checks that apply to ids from anywhere: length against the model. */
+static int check_doc(const kf_hfconfig *cfg, const job_doc *d, char *err, size_t err_len) {
+    if (d->n < 1) {
+        snprintf(err, err_len, "empty document");
+        return -1;
+    }
+    if (cfg->max_position_embeddings > 0 && d->n > cfg->max_position_embeddings) {
+        snprintf(err, err_len, "%d tokens: too long for the model (max_position_embeddings %d)", d->n,
+                 cfg->max_position_embeddings);
+        return -1;
+    }
+    return 0;
+}
+
+/* mkdir -p */
+static int make_dirs(const char *path) {
+    char buf[PATH_MAX];
+    if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    for (char *p = buf + 1; *p; p++)
+        if (*p == '/') {
+            *p = 0;
+            if (mkdir(buf, 0777) && errno != EEXIST)
+                return -1;
+            *p = '/';
+        }
+    return mkdir(buf, 0777) && errno != EEXIST ? -1 : 0;
+}
+
+/* The root must take files before any work starts. */
+static int check_root(const char *root) {
+    if (make_dirs(root)) {
+        cli_error(CMD, "cannot create the output root %s: %s", root, strerror(errno));
+        return -1;
+    }
+    struct stat st;
+    if (stat(root, &st) || !S_ISDIR(st.st_mode)) {
+        cli_error(CMD, "the output root %s is not a directory", root);
+        return -1;
+    }
+    char probe[PATH_MAX];
+    snprintf(probe, sizeof probe, "%s/.kvfold-write-test-XXXXXX", root);
+    const int fd = mkstemp(probe);
+    if (fd < 0) {
+        cli_error(CMD, "cannot write to the output root %s: %s", root, strerror(errno));
+        return -1;
+    }
+    close(fd);
+    unlink(probe);
+    return 0;
+}
+
+static void fmt_duration(double s, char *out, size_t n) {
+    if (!(s >= 0) || s > 1e7)
+        snprintf(out, n, "?");
+    else if (s < 60)
+        snprintf(out, n, "%.0fs", s);
+    else if (s < 3600)
+        snprintf(out, n, "%dm%02ds", (int)s / 60, (int)s % 60);
+    else
+        snprintf(out, n, "%dh%02dm", (int)s / 3600, (int)s % 3600 / 60);
+}
+
+typedef struct {
+    int total, finished;        /* documents of this run (after skipping existing files) */
+    int64_t tokens_total, tokens_done;
+    double t0;
+    int quiet;
+} progress;
+
+static void progress_draw(const progress *p, const char *name) {
+    if (!g_tty || p->quiet)
+        return;
+    const double el = cli_now() - p->t0, rate = el > 0 ? p->tokens_done / el : 0;
+    char eta[32];
+    fmt_duration(rate > 0 ? (p->tokens_total - p->tokens_done) / rate : -1, eta, sizeof eta);
+    const int width = 24, fill = p->total ? p->finished * width / p->total : width;
+    char bar[32];
+    for (int i = 0; i < width; i++)
+        bar[i] = i < fill ? '#' : '.';
+    bar[width] = 0;
+    fprintf(stderr, "\r\033[K[%s] %d/%d docs  %.0f tok/s  ETA %s  %.40s", bar, p->finished, p->total, rate, eta,
+            name ? name : "");
+    fflush(stderr);
+}
+
+static int parse_shard(const char *s, long long *i, long long *n) {
+    char *end;
+    errno = 0;
+    *i = strtoll(s, &end, 10);
+    if (end == s || *end != '/' || errno)
+        return -1;
+    const char *q = end + 1;
+    *n = strtoll(q, &end, 10);
+    if (end == q || *end || errno || *n < 1 || *i < 0 || *i >= *n)
+        return -1;
+    return 0;
+}
+
+/* Claims a document for this worker: an flock on <path>.lock. 1: claimed (*fd holds it), 0: another
+ * worker holds it, -1: error (errno). */
+static int claim(const char *path, int *fd) {
+    char lock[PATH_MAX + 8];
+    snprintf(lock, sizeof lock, "%s.lock", path);
+    *fd = open(lock, O_CREAT | O_RDWR | O_CLOEXEC, 0644);
+    if (*fd < 0)
+        return -1;
+    if (flock(*fd, LOCK_EX | LOCK_NB) == 0)
+        return 1;
+    const int e = errno;
+    close(*fd);
+    *fd = -1;
+    errno = e;
+    return e == EWOULDBLOCK ? 0 : -1;
+}
+
+/* The file is in place (or the work failed): drop the lock file while still holding it, so a
+ * worker that opened it meanwhile finds the finished file when it gets the lock. */
+static void unclaim(const char *path, int fd) {
+    char lock[PATH_MAX + 8];
+    snprintf(lock, sizeof lock, "%s.lock", path);
+    unlink(lock);
+    close(fd);
+}
+
+static kvf_dtype model_dtype(const kf_hfconfig *cfg) {
+    kvf_dtype d;
+    return kvf_dtype_parse(cfg->dtype, &d) == 0 ? d : KVF_BF16;
+}
+
+int cmd_compact(int argc, char **argv) {
+    static const struct option opts[] = {
+        {"help", no_argument, 0, 'h'},
+        {"model", required_argument, 0, 'm'},
+        {"method", required_argument, 0, 'M'},
+        {"budget", required_argument, 0, 'b'},
+        {"out", required_argument, 0, 'o'},
+        {"manifest", required_argument, 0, 'f'},
+        {"shard", required_argument, 0, 's'},
+        {"repeat-instruction", required_argument, 0, 'r'},
+        {"probes-from", required_argument, 0, 'p'},
+        {"lambda", required_argument, 0, 'L'},
+        {"max-queries", required_argument, 0, 'Q'},
+        {"chunk", required_argument, 0, 'c'},
+        {"dtype", required_argument, 0, 't'},
+        {"no-share", no_argument, 0, 'S'},
+        {"quiet", no_argument, 0, 'q'},
+        CLI_PREFILL_OPTIONS,
+        {0, 0, 0, 0}};
+    const char *model_dir = NULL, *root = DEFAULT_ROOT, *manifest = NULL, *probes_from = NULL;
+    const char *instruction = DEFAULT_INSTRUCTION;
+    long long shard_i = 0, shard_n = 1, maxq = 50000, chunk = 0;
+    int share = 1, quiet = 0, dtype_given = 0;
+    kvf_dtype dtype = KVF_BF16;
+    kf_compact_params base = kf_compact_params_default();
+    kf_quoka_params prefill = cli_prefill_defaults();
+    optind = 1;
+    for (int c; (c = getopt_long(argc, argv, "hq", opts, NULL)) != -1;) {
+        switch (c) {
+        case 'h': fputs(kHelp, stdout); return KF_EXIT_OK;
+        case 'm': model_dir = optarg; break;
+        case 'M':
+            if (kf_method_parse(optarg, &base.method))
+                return cli_usage_error(CMD, "--method is keep, drop, am or fold, not '%s'", optarg);
+            break;
+        case 'b': {
+            char *end;
+            errno = 0;
+            base.budget = strtod(optarg, &end);
+            if (end == optarg || *end || errno || !(base.budget > 0 && base.budget <= 1))
+                return cli_usage_error(CMD, "--budget must be a fraction in (0, 1], not '%s'", optarg);
+            break;
+        }
+        case 'o': root = optarg; break;
+        case 'f': manifest = optarg; break;
+        case 's':
+            if (parse_shard(optarg, &shard_i, &shard_n))
+                return cli_usage_error(CMD, "--shard is i/N with 0 <= i < N, not '%s'", optarg);
+            break;
+        case 'r': instruction = optarg; break;
+        case 'p': probes_from = optarg; break;
+        case 'L': {
+            char *end;
+            base.lambda_rel = strtod(optarg, &end);
+            if (end == optarg || *end || !(base.lambda_rel >= 0))
+                return cli_usage_error(CMD, "--lambda must be a non-negative number, not '%s'", optarg);
+            break;
+        }
+        case 'Q':
+            if (cli_parse_int(optarg, 1, 1LL << 40, &maxq))
+                return cli_usage_error(CMD, "--max-queries must be a positive count, not '%s'", optarg);
+            break;
+        case 'c':
+            if (cli_parse_int(optarg, 1, 1 << 24, &chunk))
+                return cli_usage_error(CMD, "--chunk must be a positive count, not '%s'", optarg);
+            break;
+        case 't':
+            if (kvf_dtype_parse(optarg, &dtype))
+                return cli_usage_error(CMD, "--dtype is bf16, f16 or f32, not '%s'", optarg);
+            dtype_given = 1;
+            break;
+        case 'S': share = 0; break;
+        case 'q': quiet = 1; break;
+        default: {
+            const int r = cli_prefill_option(CMD, c, optarg, &prefill);
+            if (r < 0)
+                return KF_EXIT_USAGE;
+            if (r == 0)
+                return cli_usage_error(CMD, "unknown option");
+        }
+        }
+    }
+    if (!model_dir)
+        return cli_usage_error(CMD, "--model DIR is required");
+    if (!manifest && optind == argc)
+        return cli_usage_error(CMD, "no documents: give text FILEs or --manifest DOCS.jsonl");
+    if (manifest && optind != argc)
+        return cli_usage_error(CMD, "give text FILEs or --manifest, not both");
+    base.quoka = cli_prefill_params(&prefill);
+    base.chunk = (int)chunk;
+    base.max_queries = maxq;
+    g_tty = isatty(2) && !quiet;
+
+    /* the root first: a root that cannot take files stops the job before any work */
+    if (check_root(root))
+        return KF_EXIT_FAIL;
+    FILE *mf = NULL;
+    if (manifest && !(mf = fopen(manifest, "r"))) {
+        cli_error(CMD, "%s: cannot open the manifest: %s", manifest, strerror(errno));
+        return KF_EXIT_FAIL;
+    }
+    kf_backend *backend;
+    kf_model *m = cli_load_model(CMD, model_dir, &backend);
+    if (!m) {
+        if (mf)
+            fclose(mf);
+        return KF_EXIT_FAIL;
+    }
+    const kf_hfconfig *cfg = kf_model_config(m);
+    if (!dtype_given)
+        dtype = model_dtype(cfg);
+    doc_text text;
+    doc_text_init(&text, model_dir, cfg->vocab_size);
+    const double t_start = cli_now();
+    int rc = KF_EXIT_OK;
+    char err[1024];
+
+    /* ---- read this shard's documents ---- */
+    doc_list docs = {0};
+    kf_prompt *extra_probes = NULL;
+    int n_extra = 0;
+    if (probes_from) {
+        FILE *pf = fopen(probes_from, "r");
+        if (!pf) {
+            cli_error(CMD, "%s: cannot open: %s", probes_from, strerror(errno));
+            rc = KF_EXIT_FAIL;
+            goto done;
+        }
+        char *line = NULL;
+        size_t cap = 0;
+        int lineno = 0, ok = 1;
+        while (ok && getline(&line, &cap, pf) > 0) {
+            lineno++;
+            if (line[strspn(line, " \t\r\n")] == 0)
+                continue;
+            json_error_t jerr;
+            json_t *v = json_loads(line, JSON_DECODE_ANY, &jerr);
+            int32_t *ids = NULL;
+            int n = 0;
+            kf_prompt *g = realloc(extra_probes, sizeof *g * (size_t)(n_extra + 1));
+            if (g)
+                extra_probes = g;
+            if (!v || !g || doc_json_prompt(&text, v, &ids, &n, err, sizeof err)) {
+                cli_error(CMD, "%s:%d: %s", probes_from, lineno, v ? err : "not JSON (a string or a list of ids)");
+                ok = 0;
+            } else {
+                extra_probes[n_extra++] = (kf_prompt){ids, n};
+            }
+            json_decref(v);
+        }
+        free(line);
+        fclose(pf);
+        if (!ok) {
+            rc = KF_EXIT_FAIL;
+            goto done;
+        }
+    }
+    int32_t *def_instr = NULL;
+    int n_def_instr = 0;
+    if (manifest) {
+        char *line = NULL;
+        size_t cap = 0;
+        ssize_t got;
+        for (long long lineno = 1; (got = getline(&line, &cap, mf)) > 0; lineno++) {
+            if ((lineno - 1) % shard_n != shard_i || line[strspn(line, " \t\r\n")] == 0)
+                continue;
+            job_doc *d = doc_list_add(&docs);
+            if (!d) {
+                cli_error(CMD, "out of memory");
+                rc = KF_EXIT_FAIL;
+                break;
+            }
+            snprintf(d->source, sizeof d->source, "%s:%lld", manifest, lineno);
+            if (parse_line(&text, line, d, err, sizeof err) || check_doc(cfg, d, err, sizeof err)) {
+                doc_fail(d->source, d->name, err);
+                d->state = ST_FAILED;
+            }
+        }
+        free(line);
+        fclose(mf);
+        mf = NULL;
+    } else {
+        for (int a = optind; a < argc; a++) {
+            if ((a - optind) % shard_n != shard_i)
+                continue;
+            job_doc *d = doc_list_add(&docs);
+            if (!d) {
+                cli_error(CMD, "out of memory");
+                rc = KF_EXIT_FAIL;
+                break;
+            }
+            snprintf(d->source, sizeof d->source, "%s", argv[a]);
+            const char *base_name = strrchr(argv[a], '/');
+            snprintf(d->name, sizeof d->name, "%s", base_name ? base_name + 1 : argv[a]);
+            if (doc_read_file(&text, argv[a], &d->ids, &d->n, err, sizeof err) ||
+                check_doc(cfg, d, err, sizeof err)) {
+                clear_line();
+                cli_error(CMD, "%s", err);
+                d->state = ST_FAILED;
+            }
+        }
+    }
+
+    /* ---- identity and existing files ---- */
+    const char *fp = kf_model_fingerprint(m);
+    int n_todo = 0;
+    int64_t todo_tokens = 0;
+    for (int i = 0; i < docs.n; i++) {
+        job_doc *d = &docs.docs[i];
+        if (d->state != ST_TODO)
+            continue;
+        if (!d->instr && !def_instr) {
+            if (doc_tokenize(&text, instruction, strlen(instruction), 0, &def_instr, &n_def_instr, err, sizeof err)) {
+                cli_error(CMD, "--repeat-instruction: %s", err);
+                rc = KF_EXIT_FAIL;
+                goto done;
+            }
+        }
+        char digest[KVF_DIGEST_LEN + 1];
+        kvf_document_digest(d->ids, d->n, digest);
+        kf_error e = {0};
+        if (kvf_cache_path(root, fp, digest, kf_method_to_kvf(base.method), base.budget, true, d->path, sizeof d->path,
+                           &e) != KF_OK) {
+            doc_fail(d->source, d->name, e.msg);
+            d->state = ST_FAILED;
+            continue;
+        }
+        if (kvf_exists_valid(d->path, fp)) {
+            d->state = ST_SKIPPED;
+            continue;
+        }
+        n_todo++;
+        todo_tokens += d->n;
+    }
+
+    /* ---- the sharing plan over the documents to compute ---- */
+    int32_t *todo = malloc(sizeof(int32_t) * (size_t)(n_todo + 1));   /* [n_todo] -> docs index */
+    const int32_t **seqs = malloc(sizeof *seqs * (size_t)(n_todo + 1)); /* [n_todo] */
+    int64_t *lens = malloc(sizeof(int64_t) * (size_t)(n_todo + 1));   /* [n_todo] */
+    kf_prefix_plan plan = {0};
+    if (!todo || !seqs || !lens) {
+        cli_error(CMD, "out of memory");
+        rc = KF_EXIT_FAIL;
+        goto done_plan;
+    }
+    n_todo = 0;
+    for (int i = 0; i < docs.n; i++)
+        if (docs.docs[i].state == ST_TODO) {
+            seqs[n_todo] = docs.docs[i].ids;
+            lens[n_todo] = docs.docs[i].n;
+            todo[n_todo++] = i;
+        }
+    const int chunk_eff = base.chunk > 0 ? base.chunk : KF_DEFAULT_CHUNK;
+    /* QUOKA chooses keys per chunk: share whole chunks so every chunk starts where it would */
+    const int granule = base.quoka ? chunk_eff : KF_PAGE_TOKENS;
+    const double kv_bytes = 2.0 * cfg->n_layers * cfg->n_kv_heads * cfg->head_dim * sizeof(float);
+    /* CPU estimates; the decision is not sensitive to them (compute saved per token is ~1,000x the
+     * bandwidth cost of keeping its KV for any transformer) */
+    const kf_prefix_cost cost = {.flops_per_token = 2.0 * (double)kf_model_n_params(m), .flops_per_s = 5e10,
+                                 .kv_bytes_per_token = kv_bytes, .bytes_per_s = 1e10, .writes_kv = 1};
+    kf_error e = {0};
+    if (kf_prefix_plan_build(seqs, lens, n_todo, share && granule % KF_PAGE_TOKENS == 0 ? granule : KF_PAGE_TOKENS,
+                             &cost, &plan, &e) != KF_OK) {
+        cli_error(CMD, "%s", e.msg);
+        rc = KF_EXIT_FAIL;
+        goto done_plan;
+    }
+    const int sharing = share && plan.enabled;
+
+    /* ---- one arena for the run: the kept predecessor plus the current document and its repeat ---- */
+    kf_arena arena = {0};
+    int64_t need = 0, prev_len = 0;
+    for (int k = 0; k < n_todo; k++) {
+        const job_doc *d = &docs.docs[todo[plan.order[k]]];
+        int64_t longest = (int64_t)(d->instr ? d->n_instr : n_def_instr) + d->n;
+        for (int j = 0; j < d->n_probes; j++)
+            longest = d->probes[j].n > longest ? d->probes[j].n : longest;
+        for (int j = 0; j < n_extra; j++)
+            longest = extra_probes[j].n > longest ? extra_probes[j].n : longest;
+        const int64_t pages = kf_pages_for(sharing ? prev_len : 0) + kf_pages_for(d->n + longest) + 2;
+        need = pages > need ? pages : need;
+        prev_len = d->n;
+    }
+    if (n_todo > 0 && kf_model_arena(m, &arena, need * KF_PAGE_TOKENS, &e) != KF_OK) {
+        cli_error(CMD, "%s", e.msg);
+        rc = KF_EXIT_FAIL;
+        goto done_plan;
+    }
+
+    /* ---- compact ---- */
+    progress pg = {.total = n_todo, .tokens_total = todo_tokens, .t0 = cli_now(), .quiet = quiet};
+    kf_seq prev;
+    kf_seq_init(&prev);
+    int prev_k = -1; /* plan index whose pages prev holds */
+    int64_t computed = 0, c_total = 0, d_total = 0;
+    int n_done = 0, n_busy = 0, n_failed = 0;
+    kf_prompt *probes = NULL;
+    for (int k = 0; k < n_todo; k++) {
+        const int pi = plan.order[k];
+        job_doc *d = &docs.docs[todo[pi]];
+        progress_draw(&pg, d->name[0] ? d->name : d->source);
+        const double t_doc = cli_now();
+        int fd = -1;
+        const int claimed = claim(d->path, &fd);
+        int64_t shared = 0;
+        kf_seq cur;
+        kf_seq_init(&cur);
+        if (claimed <= 0 || kvf_exists_valid(d->path, fp)) {
+            if (claimed < 0) {
+                snprintf(err, sizeof err, "cannot create the lock file %.900s.lock: %s", d->path, strerror(errno));
+                doc_fail(d->source, d->name, err);
+                d->state = ST_FAILED;
+                n_failed++;
+            } else {
+                d->state = claimed ? ST_SKIPPED : ST_BUSY; /* done or being done by another worker */
+                n_busy += !claimed;
+            }
+            if (claimed > 0)
+                unclaim(d->path, fd);
+            kf_seq_release(&arena, &prev);
+            prev_k = -1;
+            pg.finished++;
+            pg.tokens_total -= d->n;
+            continue;
+        }
+        /* take the shared prefix from the predecessor when it is still held */
+        const int pred = plan.pred[pi];
+        const int parent_ok = sharing && plan.shared[pi] > 0 && pred >= 0 && pred == prev_k;
+        shared = parent_ok ? plan.shared[pi] : 0;
+        const int next_shares = sharing && k + 1 < n_todo && plan.shared[plan.order[k + 1]] > 0;
+        kf_compact_params p = base;
+        p.repeat_instruction = d->instr ? (kf_prompt){d->instr, d->n_instr} : (kf_prompt){def_instr, n_def_instr};
+        kf_prompt *g = realloc(probes, sizeof *g * (size_t)(d->n_probes + n_extra + 1));
+        if (g)
+            probes = g;
+        for (int j = 0; g && j < d->n_probes; j++)
+            probes[j] = d->probes[j];
+        for (int j = 0; g && j < n_extra; j++)
+            probes[d->n_probes + j] = extra_probes[j];
+        p.probes = probes;
+        p.n_probes = g ? d->n_probes + n_extra : 0;
+        kf_compact_reuse reuse = {.arena = &arena, .parent = parent_ok ? &prev : NULL, .shared = shared,
+                                  .keep = next_shares ? &cur : NULL};
+        kf_prompt doc = {d->ids, d->n};
+        kf_compacted c;
+        kf_status st = kf_compact_ex(m, &reuse, NULL, &doc, NULL, &p, &c, &e);
+        kf_seq_release(&arena, &prev); /* the child holds what it took */
+        prev_k = -1;
+        if (st == KF_OK && next_shares) {
+            prev = cur;
+            prev_k = pi;
+        }
+        if (st == KF_OK) {
+            kvf_cache kc;
+            kf_compacted_to_kvf(&c, &kc);
+            kc.hdr.dtype = dtype;
+            snprintf(kc.hdr.model_fingerprint, sizeof kc.hdr.model_fingerprint, "%s", fp);
+            snprintf(kc.hdr.tokenizer_digest, sizeof kc.hdr.tokenizer_digest, "%s", text.digest);
+            kvf_document_digest(d->ids, d->n, kc.hdr.document_digest);
+            st = kvf_write(d->path, &kc, &e);
+            d->C = c.C;
+            kf_compacted_free(&c);
+        }
+        unclaim(d->path, fd);
+        pg.finished++;
+        if (st != KF_OK) {
+            doc_fail(d->source, d->name, e.msg);
+            d->state = ST_FAILED;
+            n_failed++;
+            pg.tokens_total -= d->n;
+            continue;
+        }
+        d->state = ST_DONE;
+        n_done++;
+        computed += d->n - shared;
+        d_total += d->n;
+        c_total += d->C;
+        pg.tokens_done += d->n;
+        if (!g_tty && !quiet)
+            fprintf(stderr, "[compact] %d/%d %s%s%s%s: %d -> %lld tokens, shared %lld, %.2f s -> %s\n", pg.finished,
+                    pg.total, d->source, d->name[0] ? " (" : "", d->name, d->name[0] ? ")" : "", d->n,
+                    (long long)d->C, (long long)shared, cli_now() - t_doc, d->path);
+    }
+    free(probes);
+    kf_seq_release(&arena, &prev);
+    if (arena.storage)
+        kf_arena_free(&arena);
+    clear_line();
+
+    /* ---- summary ---- */
+    {
+        int n_skipped = 0, n_bad = 0;
+        for (int i = 0; i < docs.n; i++) {
+            n_skipped += docs.docs[i].state == ST_SKIPPED;
+            n_bad += docs.docs[i].state == ST_FAILED;
+        }
+        const double el = cli_now() - t_start;
+        printf("compact: %d documents (shard %lld/%lld): %d done, %d skipped (valid file exists), %d busy (another "
+               "worker), %d failed\n",
+               docs.n, shard_i, shard_n, n_done, n_skipped, n_busy, n_bad);
+        if (n_done > 0) {
+            printf("tokens: %lld document tokens -> %lld cached (C/D %.3f, %.2fx smaller), %s %s, budget %g\n",
+                   (long long)d_total, (long long)c_total, (double)c_total / (double)d_total,
+                   (double)d_total / (double)c_total, kf_method_name(base.method), kvf_dtype_name(dtype), base.budget);
+            printf("prefix sharing: %lld tokens computed, %lld without sharing (%s)\n", (long long)computed,
+                   (long long)d_total,
+                   !share ? "off: --no-share" : sharing ? "on" : plan.saved_s > 0 ? "off: does not pay" : "nothing shared");
+        }
+        printf("time: %.2f s (%.0f document tokens/s), files under %s\n", el, el > 0 ? d_total / el : 0, root);
+        if (n_bad > 0)
+            rc = KF_EXIT_FAIL;
+    }
+done_plan:
+    kf_prefix_plan_free(&plan);
+    free(todo);
+    free(seqs);
+    free(lens);
+    free(def_instr);
+done:
+    for (int i = 0; i < docs.n; i++)
+        job_doc_free(&docs.docs[i]);
+    free(docs.docs);
+    for (int j = 0; j < n_extra; j++)
+        free((void *)extra_probes[j].ids);
+    free(extra_probes);
+    doc_text_free(&text);
+    if (mf)
+        fclose(mf);
+    kf_model_free(m);
+    backend->destroy(backend);
+    return rc;
+}

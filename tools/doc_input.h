@@ -1,0 +1,53 @@
+/* doc_input.h — documents, prompts and probes as the job and ask/verify read them: text (through
+ * the model's tokenizer.json, opened on first use) or token ids (JSON arrays or manifest lines). */
+#ifndef KF_DOC_INPUT_H
+#define KF_DOC_INPUT_H
+
+#include <jansson.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "compactor/compact.h"
+#include "formats/kvf.h"
+#include "formats/tokenizer.h"
+
+typedef struct {
+    const char *model_dir;
+    kf_tokenizer *tok;               /* opened on first use */
+    int vocab;                       /* ids must be below this (the model's vocabulary) */
+    char digest[KVF_DIGEST_LEN + 1]; /* XXH3-128 of tokenizer.json, once it has been used */
+} doc_text;
+
+void doc_text_init(doc_text *t, const char *model_dir, int vocab);
+void doc_text_free(doc_text *t);
+
+/* Text to ids (special: the tokenizer's template, e.g. a BOS, as for a document). 0 or -1 with a
+ * message in err. */
+int doc_tokenize(doc_text *t, const char *text, size_t len, int special, int32_t **ids, int *n, char *err,
+                 size_t err_len);
+/* A JSON array of ids (each checked against the vocabulary) or a string (tokenized without special
+ * tokens). Empty is an error. */
+int doc_json_prompt(doc_text *t, json_t *v, int32_t **ids, int *n, char *err, size_t err_len);
+
+/* A document from a file: a JSON array of ids, a JSON object with "ids" or "text" (a manifest
+ * line), or else plain UTF-8 text (tokenized with special tokens). */
+int doc_read_file(doc_text *t, const char *path, int32_t **ids, int *n, char *err, size_t err_len);
+
+/* Decoded text of ids (malloc'ed), or NULL when the tokenizer is missing. */
+char *doc_decode(doc_text *t, const int32_t *ids, int n);
+
+/* Opens a kvf file for model m: structure, every checksum when verify, the model's fingerprint and
+ * shape; then reads it whole into c. Prints the cause and returns -1 on failure. */
+int cache_load(const char *cmd, const char *path, kf_model *m, int verify, kf_compacted *c, kvf_header *hdr);
+
+/* Decoding stops once the decoded text contains stop (when not NULL). */
+typedef struct {
+    doc_text *text;
+    const char *stop;
+} stop_text;
+int stop_on_text(void *ctx, const int32_t *ids, int n);
+
+/* EOS ids of the model (config.json and tokenizer_config.json); returns the count (<= 8). */
+int model_eos_ids(kf_model *m, doc_text *t, int32_t *out);
+
+#endif
