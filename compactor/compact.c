@@ -137,6 +137,17 @@ kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_pro
 
     int t = (int)floor(p->budget * n_doc);
     t = t < 1 ? 1 : (t > n_doc ? n_doc : t);
+    /* Per-head budgets: C holds the largest head (vLLM has one length for every layer and head);
+     * am pads the smaller heads with no-weight slots, the bias-free methods keep t keys in all. */
+    int *budgets = malloc(sizeof(int) * (size_t)L * kvh);
+    if (!budgets)
+        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
+    head_budgets(p, L * kvh, n_doc, t, budgets);
+    if (p->head_budgets) {
+        t = 1;
+        for (int i = 0; i < L * kvh; i++)
+            t = budgets[i] > t ? budgets[i] : t;
+    }
     const int64_t C = n_pre + (int64_t)t + n_suf;
     const float scale = 1.0f / sqrtf((float)d);
 
@@ -154,7 +165,6 @@ kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_pro
     int32_t *rows = NULL;
     float **qbuf = NULL;
     float *K = NULL, *V = NULL;
-    int *budgets = NULL;
     int32_t *sel = NULL;
     float *beta = NULL, *kfold = NULL, *vals = NULL, *qsub = NULL;
     if (!src || !ctx_ids) {
@@ -296,22 +306,16 @@ kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_pro
     out->positions = malloc(sizeof(int32_t) * (size_t)L * kvh * C);
     K = malloc(sizeof(float) * (size_t)D * row);
     V = malloc(sizeof(float) * (size_t)D * row);
-    budgets = malloc(sizeof(int) * (size_t)L * kvh);
     sel = malloc(sizeof(int32_t) * (size_t)t);
     beta = malloc(sizeof(float) * (size_t)t);
     kfold = malloc(sizeof(float) * (size_t)t * d);
     vals = malloc(sizeof(float) * (size_t)t * d);
     qsub = p->fold_queries == KF_FOLD_ON_PROBES ? malloc(sizeof(float) * (size_t)rq.R * d) : NULL;
-    if (!out->keys || !out->values || !out->beta || !out->u || !out->positions || !K || !V || !budgets || !sel ||
+    if (!out->keys || !out->values || !out->beta || !out->u || !out->positions || !K || !V || !sel ||
         !beta || !kfold || !vals || (p->fold_queries == KF_FOLD_ON_PROBES && !qsub)) {
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the compacted cache");
         goto out;
     }
-    head_budgets(p, L * kvh, n_doc, t, budgets);
-    for (int l = 0; l < L; l++)
-        for (int g = 0; g < kvh; g++)
-            if (budgets[l * kvh + g] > t)
-                budgets[l * kvh + g] = t; /* C is fixed by the uniform budget */
     int folded = 0;
     double var_sum = 0;
     for (int l = 0; l < L; l++) {

@@ -16,10 +16,11 @@
  *
  * Cache layout per layer: [prefix (n_prefix) | compacted block (t) | suffix (n_suffix)],
  * C = n_prefix + t + n_suffix, the same C for every layer and head (vLLM has one block table).
- * With per-head budgets a head keeps t_h <= t keys; the rest of its slots are padding: for am a
- * zero key and value with beta = -inf (exp(-inf) = 0, so the slot gets exactly no weight); for
- * the bias-free methods there is no such key, so the head keeps its next-best real keys instead
- * (t keys in all) and the value refit covers them.
+ * With per-head budgets (AM's JSON shares, formats/budgets.h) t is the largest head's count; a
+ * head with t_h < t keys is padded: for am with a zero key and value and beta = -inf
+ * (exp(-inf) = 0, so the slot gets exactly no weight); the bias-free methods have no such key,
+ * so their heads keep their next-best real keys instead (t keys in all) and the value refit
+ * covers them.
  */
 #ifndef KF_COMPACT_H
 #define KF_COMPACT_H

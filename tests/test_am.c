@@ -9,6 +9,7 @@
 #include "compactor/diag.h"
 #include "compactor/evaluate.h"
 #include "compactor/fold.h"
+#include "formats/budgets.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/linalg.h"
 #include "test_util.h"
@@ -501,6 +502,74 @@ static void test_deterministic_for_a_seed(void) {
     kf_compacted_free(&b);
 }
 
+/* Per-head budgets from AM's JSON: C is set by the largest head; am pads smaller heads with
+ * slots whose bias is -inf, so whatever keys those slots hold, the question's logits do not move. */
+static void test_head_budgets(void) {
+    const kf_hfconfig *cfg = kf_model_config(g_m);
+    const int L = cfg->n_layers, kvh = cfg->n_kv_heads, d = cfg->head_dim;
+    const char *json = "{\"L0H0\": 3, \"L0H1\": 1, \"L1H0\": 1, \"L2H1\": 0.5}";
+    char path[512];
+    snprintf(path, sizeof path, "%s", kf_test_write_file("budgets.json", json, strlen(json)));
+    float shares[64];
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_head_budgets_load(path, L, kvh, shares, &err), KF_OK);
+    double total = 0;
+    for (int i = 0; i < L * kvh; i++)
+        total += shares[i];
+    CU_ASSERT(fabs(total - 1.0) < 1e-5);
+    CU_ASSERT(shares[0] > shares[1]);
+    CU_ASSERT(fabs(shares[3] - 1.0 / (L * kvh) / (5.5 + (L * kvh - 4) * 1.0 / (L * kvh))) < 1e-5); /* missing */
+    const char *bad[] = {"{\"L0X1\": 1}", "{\"L99H0\": 1}", "{\"L0H0\": -1}", "{\"L0H0\": \"a\"}", "[1]"};
+    for (int i = 0; i < 5; i++) {
+        const char *bp = kf_test_write_file("bad-budgets.json", bad[i], strlen(bad[i]));
+        CU_ASSERT_NOT_EQUAL(kf_head_budgets_load(bp, L, kvh, shares, &err), KF_OK);
+        CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "bad-budgets.json"));
+    }
+    CU_ASSERT_EQUAL_FATAL(kf_head_budgets_load(path, L, kvh, shares, &err), KF_OK);
+    kf_prompt doc = {g_doc, g_doc_n};
+    kf_compact_params p = params(KF_METHOD_AM, 0.1);
+    p.head_budgets = shares;
+    kf_compacted c;
+    CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &c, &err), KF_OK);
+    CU_ASSERT(c.C > (int64_t)(0.1 * g_doc_n)); /* the largest head sets C */
+    int padded = 0;
+    for (int l = 0; l < L; l++)
+        for (int g = 0; g < kvh; g++)
+            for (int64_t j = 0; j < c.C; j++) {
+                const size_t hj = ((size_t)l * kvh + g) * c.C + j;
+                if (c.positions[hj] >= 0)
+                    continue;
+                padded++;
+                CU_ASSERT(isinf(c.beta[hj]) && c.beta[hj] < 0);
+            }
+    CU_ASSERT(padded > 0);
+    const int32_t q[7] = {81, 58, 1317, 63, 10, 65, 58};
+    const int V = kf_model_config(g_m)->vocab_size;
+    float *a = malloc(sizeof(float) * 7 * V), *b = malloc(sizeof(float) * 7 * V);
+    question_logits(&c, q, 7, a);
+    for (int l = 0; l < L; l++) /* fill the padded slots with loud keys and values */
+        for (int g = 0; g < kvh; g++)
+            for (int64_t j = 0; j < c.C; j++)
+                if (c.positions[((size_t)l * kvh + g) * c.C + j] < 0)
+                    for (int e = 0; e < d; e++) {
+                        c.keys[(((size_t)l * c.C + j) * kvh + g) * d + e] = 50.0f;
+                        c.values[(((size_t)l * c.C + j) * kvh + g) * d + e] = 1e3f;
+                    }
+    question_logits(&c, q, 7, b);
+    CU_ASSERT_EQUAL(kf_max_abs_diff(a, b, (size_t)7 * V), 0.0);
+    free(a);
+    free(b);
+    kf_compacted_free(&c);
+    /* fold with the same budgets: real keys everywhere, no padding */
+    p.method = KF_METHOD_FOLD;
+    CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &c, &err), KF_OK);
+    int pads = 0;
+    for (size_t i = 0; i < (size_t)L * kvh * c.C; i++)
+        pads += c.positions[i] < 0;
+    CU_ASSERT_EQUAL(pads, 0);
+    kf_compacted_free(&c);
+}
+
 static void test_bad_parameters(void) {
     kf_compacted c;
     kf_error err = {0};
@@ -584,6 +653,7 @@ static CU_TestInfo model_tests[] = {
     {"compacted frame at C == AM frame at D", test_compacted_frame_equals_am_frame},
     {"keep at budget 1 == the full cache", test_keep_everything_equals_full_cache},
     {"deterministic for a seed", test_deterministic_for_a_seed},
+    {"per-head budgets: padding gets no weight", test_head_budgets},
     {"bad parameters", test_bad_parameters},
     {"records model: lse_err am < fold < drop", test_records_lse_ordering},
     CU_TEST_INFO_NULL,

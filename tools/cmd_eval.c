@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "compactor/evaluate.h"
+#include "formats/budgets.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
 
@@ -35,6 +36,8 @@ static const char kHelp[] =
     "                       evaluated (question + answer, built from the document's record lines)\n"
     "  --fold-queries W     all | probes: the queries the fold direction u is fitted on (default all)\n"
     "  --lambda X           fold ridge, relative to tr(Sigma)/d (default 0.01)\n"
+    "  --head-budgets FILE  per-head shares in AM's JSON form {\"L<layer>H<head>\": share}; C is set\n"
+    "                       by the largest head, am pads the others with slots of bias -inf\n"
     "  --max-queries N      pooled reference queries per KV head (default 50000)\n"
     "  --limit N            only the first N documents\n"
     "  --chunk N            prefill chunk size (default 512)\n"
@@ -196,7 +199,9 @@ int cmd_eval(int argc, char **argv) {
         {"format", required_argument, 0, 'f'},  {"limit", required_argument, 0, 'l'},
         {"fold-queries", required_argument, 0, 'F'}, {"lambda", required_argument, 0, 'L'},
         {"max-queries", required_argument, 0, 'Q'}, {"chunk", required_argument, 0, 'c'},
+        {"head-budgets", required_argument, 0, 'H'},
         CLI_PREFILL_OPTIONS, {0, 0, 0, 0}};
+    const char *head_budgets = NULL;
     const char *model_dir = NULL, *docs = NULL, *methods_s = "keep,drop,am,fold", *budgets_s = "0.25,0.1";
     long long probes = 0, limit = 1 << 30, maxq = 50000;
     int tsv = 0;
@@ -240,6 +245,7 @@ int cmd_eval(int argc, char **argv) {
                 return cli_usage_error("eval quality", "--lambda must be a non-negative number, not '%s'", optarg);
             break;
         }
+        case 'H': head_budgets = optarg; break;
         case 'c':
             if (cli_parse_int(optarg, 1, 1 << 24, &chunk))
                 return cli_usage_error("eval quality", "--chunk must be a positive count, not '%s'", optarg);
@@ -285,6 +291,21 @@ int cmd_eval(int argc, char **argv) {
     if (!m) {
         fclose(f);
         return KF_EXIT_FAIL;
+    }
+    float *shares = NULL;
+    if (head_budgets) {
+        const kf_hfconfig *cfg = kf_model_config(m);
+        kf_error berr = {0};
+        shares = malloc(sizeof(float) * (size_t)cfg->n_layers * cfg->n_kv_heads);
+        if (!shares || kf_head_budgets_load(head_budgets, cfg->n_layers, cfg->n_kv_heads, shares, &berr) != KF_OK) {
+            cli_error("eval quality", "%s", shares ? berr.msg : "out of memory");
+            free(shares);
+            fclose(f);
+            kf_model_free(m);
+            b->destroy(b);
+            return KF_EXIT_FAIL;
+        }
+        base.head_budgets = shares;
     }
     const int n_cfg = n_methods * n_budgets;
     kf_quality *sum = calloc((size_t)n_cfg, sizeof *sum);
@@ -374,6 +395,7 @@ int cmd_eval(int argc, char **argv) {
         if (!tsv)
             printf("%d documents, %lld probes each (at most), %.1f s\n", n_docs, probes, cli_now() - t0);
     }
+    free(shares);
     free(sum);
     free(var_gain);
     free(fallbacks);
