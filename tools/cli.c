@@ -8,6 +8,10 @@
 #include <string.h>
 #include <time.h>
 
+#ifdef KVFOLD_HAVE_CUDA
+#include "kernels/cuda/backend_cuda.h"
+#endif
+
 void cli_error(const char *cmd, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
@@ -83,11 +87,41 @@ int cli_parse_int(const char *text, long long lo, long long hi, long long *out) 
 }
 
 kf_model *cli_load_model(const char *cmd, const char *dir, kf_backend **backend) {
-    *backend = kf_backend_cpu_create();
-    if (!*backend) {
-        cli_error(cmd, "out of memory");
+    return cli_load_model_on(cmd, dir, NULL, backend);
+}
+
+static kf_backend *cli_backend(const char *cmd, const char *device) {
+    if (!device || strcmp(device, "cpu") == 0) {
+        kf_backend *b = kf_backend_cpu_create();
+        if (!b)
+            cli_error(cmd, "out of memory");
+        return b;
+    }
+    if (strncmp(device, "cuda", 4) != 0 || (device[4] && device[4] != ':')) {
+        cli_error(cmd, "--device must be cpu, cuda or cuda:N, not '%s'", device);
         return NULL;
     }
+#ifdef KVFOLD_HAVE_CUDA
+    long long n = 0;
+    if (device[4] && cli_parse_int(device + 5, 0, 1024, &n)) {
+        cli_error(cmd, "--device: bad CUDA device number in '%s'", device);
+        return NULL;
+    }
+    kf_error err = {0};
+    kf_backend *b = kf_backend_cuda_create((int)n, &err);
+    if (!b)
+        cli_error(cmd, "%s", err.msg);
+    return b;
+#else
+    cli_error(cmd, "--device %s: this kvfold was built without the CUDA backend (cmake -DKVFOLD_CUDA=ON)", device);
+    return NULL;
+#endif
+}
+
+kf_model *cli_load_model_on(const char *cmd, const char *dir, const char *device, kf_backend **backend) {
+    *backend = cli_backend(cmd, device);
+    if (!*backend)
+        return NULL;
     kf_model *m = NULL;
     kf_error err = {0};
     if (kf_model_load(&m, dir, *backend, &err) != KF_OK) {

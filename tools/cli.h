@@ -22,6 +22,10 @@ int cli_parse_int(const char *text, long long lo, long long hi, long long *out);
 
 /* Creates the CPU backend and loads the model; prints the error and returns NULL on failure. */
 kf_model *cli_load_model(const char *cmd, const char *dir, kf_backend **backend);
+/* The same on a named device: NULL or "cpu", or "cuda" / "cuda:N" (builds with the CUDA backend;
+ * elsewhere an error saying so). */
+kf_model *cli_load_model_on(const char *cmd, const char *dir, const char *device, kf_backend **backend);
+#define CLI_DEVICE_HELP "  --device DEV  cpu (default), cuda or cuda:N (builds with the CUDA backend)\n"
 
 double cli_now(void); /* monotonic seconds */
 

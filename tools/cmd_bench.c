@@ -55,6 +55,7 @@ static const char kPrefillHelp[] =
     "  --chunk C     chunk size (default 512)\n"
     "  --repeat R    timed runs (default 3)\n"
     "  --seed S      seed of the token ids (default 1)\n"
+    CLI_DEVICE_HELP
     "  -h, --help    show this help\n"
     "\n"
     "Prefill attention:\n" CLI_PREFILL_HELP
@@ -71,8 +72,9 @@ int cmd_bench_prefill(int argc, char **argv) {
     static const struct option opts[] = {{"help", no_argument, 0, 'h'},        {"model", required_argument, 0, 'm'},
                                          {"tokens", required_argument, 0, 'n'}, {"chunk", required_argument, 0, 'c'},
                                          {"repeat", required_argument, 0, 'r'}, {"seed", required_argument, 0, 's'},
-                                         CLI_PREFILL_OPTIONS,                   {0, 0, 0, 0}};
-    const char *dir = NULL;
+                                         {"device", required_argument, 0, 'd'}, CLI_PREFILL_OPTIONS,
+                                         {0, 0, 0, 0}};
+    const char *dir = NULL, *device = NULL;
     long long n = 512, chunk = 0, repeat = 3, seed = 1;
     kf_quoka_params prefill = cli_prefill_defaults();
     optind = 1;
@@ -81,6 +83,7 @@ int cmd_bench_prefill(int argc, char **argv) {
         switch (c) {
         case 'h': fputs(kPrefillHelp, stdout); return KF_EXIT_OK;
         case 'm': dir = optarg; continue;
+        case 'd': device = optarg; continue;
         case 'n': dst = &n; break;
         case 'c': dst = &chunk; break;
         case 'r': dst = &repeat; break;
@@ -100,7 +103,7 @@ int cmd_bench_prefill(int argc, char **argv) {
     if (!dir || optind != argc)
         return cli_usage_error("bench prefill", "--model is required");
     kf_backend *b;
-    kf_model *m = cli_load_model("bench prefill", dir, &b);
+    kf_model *m = cli_load_model_on("bench prefill", dir, device, &b);
     if (!m)
         return KF_EXIT_FAIL;
     const int V = kf_model_config(m)->vocab_size;

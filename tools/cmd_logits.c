@@ -20,6 +20,7 @@ static const char kHelp[] =
     "  --top K       how many tokens to show (default 5)\n"
     "  --chunk N     prefill chunk size in tokens (default 512)\n"
     "  --json        print one JSON object instead of a table\n"
+    CLI_DEVICE_HELP
     "  -h, --help    show this help\n"
     "\n"
     "Prefill attention:\n" CLI_PREFILL_HELP;
@@ -49,8 +50,9 @@ int cmd_logits(int argc, char **argv) {
     static const struct option opts[] = {{"help", no_argument, 0, 'h'},      {"model", required_argument, 0, 'm'},
                                          {"ids", required_argument, 0, 'i'}, {"top", required_argument, 0, 't'},
                                          {"chunk", required_argument, 0, 'c'}, {"json", no_argument, 0, 'j'},
-                                         CLI_PREFILL_OPTIONS,                   {0, 0, 0, 0}};
-    const char *model_dir = NULL, *ids_text = NULL;
+                                         {"device", required_argument, 0, 'd'}, CLI_PREFILL_OPTIONS,
+                                         {0, 0, 0, 0}};
+    const char *model_dir = NULL, *ids_text = NULL, *device = NULL;
     long long top = 5, chunk = 0;
     int json = 0;
     kf_quoka_params prefill = cli_prefill_defaults();
@@ -58,6 +60,7 @@ int cmd_logits(int argc, char **argv) {
     for (int c; (c = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
         switch (c) {
         case 'h': fputs(kHelp, stdout); return KF_EXIT_OK;
+        case 'd': device = optarg; break;
         case 'm': model_dir = optarg; break;
         case 'i': ids_text = optarg; break;
         case 'j': json = 1; break;
@@ -101,7 +104,7 @@ int cmd_logits(int argc, char **argv) {
         return cli_usage_error("logits", "--ids: %s", msg);
 
     kf_backend *b;
-    kf_model *m = cli_load_model("logits", model_dir, &b);
+    kf_model *m = cli_load_model_on("logits", model_dir, device, &b);
     if (!m) {
         free(ids);
         return KF_EXIT_FAIL;
