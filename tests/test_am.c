@@ -570,6 +570,57 @@ static void test_head_budgets(void) {
     kf_compacted_free(&c);
 }
 
+/* A chat-template prefix and suffix stay verbatim (beta 0, original positions) around the block. */
+static void test_prefix_suffix_verbatim(void) {
+    const kf_hfconfig *cfg = kf_model_config(g_m);
+    const int kvh = cfg->n_kv_heads, d = cfg->head_dim;
+    const size_t row = (size_t)kvh * d;
+    const int32_t pre_ids[3] = {3199, 45, 10}, suf_ids[2] = {10, 3199};
+    kf_prompt pre = {pre_ids, 3}, doc = {g_doc, g_doc_n}, suf = {suf_ids, 2};
+    kf_compact_params p = params(KF_METHOD_AM, 0.25);
+    kf_compacted c;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, &pre, &doc, &suf, &p, &c, &err), KF_OK);
+    const int t = (int)(0.25 * g_doc_n);
+    CU_ASSERT_EQUAL(c.D, 3 + g_doc_n + 2);
+    CU_ASSERT_EQUAL(c.C, 3 + t + 2);
+    kf_compacted_set_frame(&c, g_m, 0); /* compare keys at their original positions */
+    /* the context's own K/V from a plain prefill */
+    int32_t *ctx = malloc(sizeof(int32_t) * (size_t)c.D);
+    memcpy(ctx, pre_ids, sizeof pre_ids);
+    memcpy(ctx + 3, g_doc, sizeof(int32_t) * g_doc_n);
+    memcpy(ctx + 3 + g_doc_n, suf_ids, sizeof suf_ids);
+    kf_arena a;
+    kf_seq seq;
+    kf_seq_init(&seq);
+    CU_ASSERT_EQUAL_FATAL(kf_model_arena(g_m, &a, c.D, &err), KF_OK);
+    kf_forward_args fa = {.ids = ctx, .n_tokens = (int)c.D};
+    CU_ASSERT_EQUAL_FATAL(kf_model_forward(g_m, &a, &seq, &fa, &err), KF_OK);
+    float *K = malloc(sizeof(float) * (size_t)c.D * row), *V = malloc(sizeof(float) * (size_t)c.D * row);
+    for (int l = 0; l < c.n_layers; l++) {
+        CU_ASSERT_EQUAL_FATAL(kf_seq_read_kv(&a, &seq, l, 0, c.D, K, V, &err), KF_OK);
+        const float *ck = c.keys + (size_t)l * c.C * row, *cv = c.values + (size_t)l * c.C * row;
+        CU_ASSERT(kf_max_abs_diff(ck, K, 3 * row) < 1e-4);                                   /* prefix */
+        CU_ASSERT(kf_max_abs_diff(cv, V, 3 * row) == 0);
+        CU_ASSERT(kf_max_abs_diff(ck + (3 + t) * row, K + (3 + g_doc_n) * row, 2 * row) < 1e-4); /* suffix */
+        CU_ASSERT(kf_max_abs_diff(cv + (3 + t) * row, V + (3 + g_doc_n) * row, 2 * row) == 0);
+        for (int g = 0; g < kvh; g++) {
+            const float *hb = c.beta + ((size_t)l * kvh + g) * c.C;
+            const int32_t *hp = c.positions + ((size_t)l * kvh + g) * c.C;
+            CU_ASSERT(hb[0] == 0 && hb[2] == 0 && hb[3 + t] == 0 && hb[4 + t] == 0);
+            CU_ASSERT(hp[0] == 0 && hp[2] == 2 && hp[3 + t] == 3 + g_doc_n && hp[4 + t] == 4 + g_doc_n);
+            for (int j = 3; j < 3 + t; j++)
+                CU_ASSERT(hp[j] >= 3 && hp[j] < 3 + g_doc_n && (j == 3 || hp[j] > hp[j - 1]));
+        }
+    }
+    free(K);
+    free(V);
+    free(ctx);
+    kf_seq_release(&a, &seq);
+    kf_arena_free(&a);
+    kf_compacted_free(&c);
+}
+
 static void test_bad_parameters(void) {
     kf_compacted c;
     kf_error err = {0};
@@ -654,6 +705,7 @@ static CU_TestInfo model_tests[] = {
     {"keep at budget 1 == the full cache", test_keep_everything_equals_full_cache},
     {"deterministic for a seed", test_deterministic_for_a_seed},
     {"per-head budgets: padding gets no weight", test_head_budgets},
+    {"prefix and suffix kept verbatim", test_prefix_suffix_verbatim},
     {"bad parameters", test_bad_parameters},
     {"records model: lse_err am < fold < drop", test_records_lse_ordering},
     CU_TEST_INFO_NULL,
