@@ -1,0 +1,111 @@
+"""Prompts for a compacted cache: C placeholder token ids, then the question.
+
+vLLM numbers the question's tokens C, C+1, ... after a loaded prefix of C slots, so the prompt
+reserves exactly C positions. The placeholder ids are never embedded (the connector fills their KV
+slots), but vLLM hashes them for its prefix cache: two documents must never share them, or a
+second document would silently reuse the first one's KV. They are therefore a pseudo-random
+sequence drawn from the cache's identity (cache_key: model fingerprint, document digest, method,
+budget, lambda, C, dtype), and the request also carries a per-cache `cache_salt`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+from . import _kvfold
+
+PLACEHOLDER_SCHEME = "digest-v1"
+PARAMS_KEY = "kvfold"  # the entry of kv_transfer_params this connector reads
+
+
+def cache_key(header: Mapping[str, Any]) -> str:
+    """The identity of a cache: what the placeholder ids and the salt are derived from."""
+    return "{}/{}.{}-{!r}:lambda={!r}:C={}:{}".format(
+        header["model_fingerprint"], header["document_digest"], header["method"], float(header["budget"]),
+        float(header["lambda"]), int(header["n_tokens"]), header["dtype"])
+
+
+def placeholder_ids(key: str, n_tokens: int, id_range: int) -> List[int]:
+    """n_tokens ids in [0, id_range), drawn from SHAKE-256 of the cache key (deterministic across
+    processes and machines). Any 16 consecutive ids of two different caches coincide with
+    probability id_range**-16, so their prefix-cache blocks never collide."""
+    if n_tokens < 0 or id_range < 2:
+        raise ValueError(f"placeholder_ids: bad n_tokens {n_tokens} or id_range {id_range}")
+    raw = hashlib.shake_256(f"{PLACEHOLDER_SCHEME}:{key}".encode()).digest(8 * n_tokens)
+    return [int.from_bytes(raw[8 * i:8 * i + 8], "little") % id_range for i in range(n_tokens)]
+
+
+def cache_salt(key: str) -> str:
+    return "kvfold-" + hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+
+
+def model_id_range(model_dir: str) -> int:
+    """Ids every part of vLLM accepts for this model: below both the model's vocab_size and the
+    tokenizer's size (vLLM refuses prompt ids the tokenizer does not know; Qwen3's tokenizer is
+    smaller than its embedding)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    n = int(cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size") or 0)
+    tok = os.path.join(model_dir, "tokenizer.json")
+    if os.path.exists(tok):
+        with open(tok) as f:
+            t = json.load(f)
+        ids = list(t.get("model", {}).get("vocab", {}).values()) + [a["id"] for a in t.get("added_tokens", [])]
+        if ids:
+            n = min(n, max(ids) + 1) if n else max(ids) + 1
+    if n < 2:
+        raise ValueError(f"{model_dir}: no vocab_size in config.json")
+    return n
+
+
+@dataclass
+class Prompt:
+    prompt_token_ids: List[int]
+    kv_transfer_params: Dict[str, Any]
+    cache_salt: str
+    n_placeholders: int
+    header: Dict[str, Any] = field(repr=False, default_factory=dict)
+
+    def tokens_prompt(self) -> Dict[str, Any]:
+        """A vllm TokensPrompt (a plain dict) for LLM.generate."""
+        return {"prompt_token_ids": self.prompt_token_ids, "cache_salt": self.cache_salt}
+
+    def completions_body(self, **extra: Any) -> Dict[str, Any]:
+        """The JSON body of a /v1/completions request (add "model", "max_tokens", ...)."""
+        return {"prompt": self.prompt_token_ids, "cache_salt": self.cache_salt,
+                "kv_transfer_params": self.kv_transfer_params, **extra}
+
+
+def prompt(cache_path: str, question_ids: Sequence[int], *, model: Optional[str] = None,
+           id_range: Optional[int] = None, cache_root: Optional[str] = None) -> Prompt:
+    """Prompt token ids, kv_transfer_params and cache_salt for a question on a compacted cache.
+
+    cache_path: the kvf file; it is named in kv_transfer_params relative to cache_root (the
+    connector's kv_connector_extra_config["cache_root"]) when it lies inside it.
+    question_ids: what follows the document (template tail, question, assistant header), >= 1 id.
+    model (the Hugging Face directory vLLM serves) or id_range: bounds the placeholder ids.
+    """
+    question_ids = [int(i) for i in question_ids]
+    if not question_ids:
+        raise ValueError("prompt: the question must hold at least one token (vLLM computes the last one)")
+    if id_range is None:
+        if model is None:
+            raise ValueError("prompt: give model= (the served model's directory) or id_range=")
+        id_range = model_id_range(model)
+    header = _kvfold.read_header(cache_path)
+    if header["method"] == "am" or header["rope_frame"] != "compacted":
+        raise ValueError(f"{cache_path}: method {header['method']} / rope_frame {header['rope_frame']} cannot be "
+                         "served by a paged engine (compact with method fold, drop or keep)")
+    key = cache_key(header)
+    n = int(header["n_tokens"])
+    name = os.path.abspath(cache_path)
+    if cache_root:
+        rel = os.path.relpath(name, os.path.abspath(cache_root))
+        if not rel.startswith(".." + os.sep) and rel != "..":
+            name = rel
+    params = {PARAMS_KEY: {"cache": name, "n_tokens": n, "key": key, "id_range": int(id_range),
+                           "scheme": PLACEHOLDER_SCHEME}}
+    return Prompt(placeholder_ids(key, n, int(id_range)) + question_ids, params, cache_salt(key), n, header)

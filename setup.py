@@ -1,0 +1,53 @@
+"""Builds kvfold._kvfold (see pyproject.toml): the C extension from the project's own sources.
+
+Compiler and linker flags of hdf5-serial and libxxhash come from pkg-config; nothing is downloaded.
+"""
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+from setuptools import Extension, setup
+
+HERE = Path(__file__).resolve().parent
+
+
+def pkg_config(*args: str) -> list:
+    try:
+        out = subprocess.run(["pkg-config", *args], check=True, capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise SystemExit(f"kvfold: pkg-config {' '.join(args)} failed ({e}); "
+                         "install pkg-config, libhdf5-dev and libxxhash-dev") from e
+    return shlex.split(out)
+
+
+def version() -> str:
+    m = re.search(r"project\(kvfold VERSION ([0-9.]+)", (HERE / "CMakeLists.txt").read_text())
+    return m.group(1) if m else "0.0.0"
+
+
+PKGS = ["hdf5-serial", "libxxhash"]
+cflags = pkg_config("--cflags", *PKGS)
+libs = pkg_config("--libs", *PKGS)
+
+ext = Extension(
+    "kvfold._kvfold",
+    sources=[
+        "connector/ext/kvfold_ext.c",
+        "connector/ext/blockcopy.c",
+        "formats/error.c",
+        "formats/kvf.c",
+        "formats/kvf_read.c",
+        "formats/kvf_write.c",
+    ],
+    include_dirs=["."] + [f[2:] for f in cflags if f.startswith("-I")],
+    library_dirs=[f[2:] for f in libs if f.startswith("-L")],
+    libraries=[f[2:] for f in libs if f.startswith("-l")] + ["m"],
+    define_macros=[("_GNU_SOURCE", None), ("KVFOLD_VERSION", f'"{version()}"')],
+    extra_compile_args=["-std=c11", "-Wall", "-Wextra", "-fvisibility=hidden"]
+    + [f for f in cflags if not f.startswith("-I")],
+    extra_link_args=["-pthread"],
+)
+
+# build-py/, not build/: build/ is the CMake build directory by the project's convention.
+setup(ext_modules=[ext], options={"build": {"build_base": "build-py"}})

@@ -1,0 +1,473 @@
+"""Drives a KV connector the way vLLM's scheduler and workers call it (research/vllm-connector.md,
+section 10): config resolution, one scheduler and one worker instance, per step schedule ->
+build_connector_meta -> (pickled) -> worker hooks -> update_from_output, with a block pool that
+hands out non-contiguous ids (never block 0), optional prefix caching that registers full blocks
+at allocation time, a token budget (chunked prefill), allocation failures, preemption and the
+"fail" load-failure policy. The "model" writes a marker into the slots of the tokens it computes.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import pickle
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
+
+COMPUTED = 0.5  # what the "model" writes into the slots it computes
+
+
+# ---- configs (the fields and methods the connector reads) ----------------------------------------
+
+@dataclass
+class ModelConfig:
+    model: str
+    n_layers: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    def get_total_num_hidden_layers(self) -> int:
+        return self.n_layers
+
+    def get_total_num_kv_heads(self) -> int:
+        return self.kv_heads
+
+    def get_head_size(self) -> int:
+        return self.head_dim
+
+    def get_vocab_size(self) -> int:
+        return self.vocab
+
+
+@dataclass
+class KVTransferConfig:
+    kv_connector: str
+    kv_connector_module_path: str
+    kv_role: str = "kv_consumer"
+    kv_connector_extra_config: Dict[str, Any] = field(default_factory=dict)
+    kv_load_failure_policy: str = "fail"
+
+    def get_from_extra_config(self, key: str, default: Any) -> Any:
+        return self.kv_connector_extra_config.get(key, default)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int
+
+
+@dataclass
+class VllmConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    kv_transfer_config: KVTransferConfig
+
+
+@dataclass
+class FullAttentionSpec:
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: Any
+
+
+@dataclass
+class KVCacheGroupSpec:
+    layer_names: List[str]
+    kv_cache_spec: FullAttentionSpec
+
+
+@dataclass
+class KVCacheConfig:
+    num_blocks: int
+    kv_cache_groups: List[KVCacheGroupSpec]
+
+
+# ---- scheduler-side objects -----------------------------------------------------------------------
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: List[int]
+    kv_transfer_params: Optional[Dict[str, Any]] = None
+    cache_salt: Optional[str] = None
+    max_tokens: int = 2
+    output_token_ids: List[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    status: str = "WAITING"
+    blocks: List[int] = field(default_factory=list)
+    mm_features: List[Any] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> List[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+
+class KVCacheBlocks:
+    def __init__(self, blocks: tuple):
+        self.blocks = blocks
+
+    def get_block_ids(self) -> tuple:
+        return tuple(list(b) for b in self.blocks)
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: List[int]
+    block_ids: tuple
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    req_ids: List[str] = field(default_factory=list)
+    resumed_req_ids: set = field(default_factory=set)
+    new_block_ids: List[Optional[tuple]] = field(default_factory=list)
+    num_computed_tokens: List[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: List[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    num_scheduled_tokens: Dict[str, int] = field(default_factory=dict)
+    finished_req_ids: set = field(default_factory=set)
+    kv_connector_metadata: Any = None
+
+
+@dataclass
+class Layer:
+    kv_cache: Any
+
+
+@dataclass
+class ForwardContext:
+    no_compile_layers: Dict[str, Layer]
+    attn_metadata: Optional[Dict[str, Any]]
+
+
+@dataclass
+class WorkerOutput:
+    invalid_block_ids: set
+    finished: tuple
+
+
+# ---- slots of a paged tensor ----------------------------------------------------------------------
+
+def slot_view(t: torch.Tensor, layout: str, slot: int) -> torch.Tensor:
+    """The (2, kv_heads, head_dim) view of one slot, whatever the layout and strides."""
+    kbs = t.shape[3] if layout == "cpu" else t.shape[2]
+    kb, off = divmod(slot, kbs)
+    if layout == "flash_attn":
+        return t[:, kb, off]
+    if layout == "flashinfer":
+        return t[kb, :, off]
+    return t[:, kb, :, off]
+
+
+def slots_of(block_ids: List[int], block_size: int, t0: int, t1: int) -> List[int]:
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(t0, t1)]
+
+
+def gather(t: torch.Tensor, layout: str, slots: List[int]) -> torch.Tensor:
+    """[2, len(slots), kv_heads, head_dim] copied out of the blocks."""
+    return torch.stack([slot_view(t, layout, s) for s in slots], dim=1)
+
+
+def make_cache(layout: str, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: Any,
+               hnd: bool = False, fill: float = float("nan")) -> torch.Tensor:
+    """A cache tensor in the logical shape of a layout; hnd allocates heads before tokens and
+    permutes back (non-contiguous, as vLLM's HND stride order does)."""
+    if layout == "flash_attn":
+        shape, perm = (2, num_blocks, block_size, kv_heads, head_dim), (0, 1, 3, 2, 4)
+    elif layout == "flashinfer":
+        shape, perm = (num_blocks, 2, block_size, kv_heads, head_dim), (0, 1, 3, 2, 4)
+    else:
+        shape, perm = (2, num_blocks, kv_heads, block_size, head_dim), None
+    if not dtype.is_floating_point:
+        fill = 0
+    if hnd and perm:
+        phys = torch.full([shape[i] for i in perm], fill, dtype=dtype)
+        return phys.permute(*perm)  # perm is its own inverse
+    return torch.full(shape, fill, dtype=dtype)
+
+
+# ---- the engine -----------------------------------------------------------------------------------
+
+class Engine:
+    def __init__(self, model: ModelConfig, extra: Dict[str, Any], *, layout: str = "flash_attn",
+                 block_size: int = 16, kernel_block_size: Optional[int] = None, num_blocks: int = 64,
+                 dtype: Any = torch.bfloat16, hnd: bool = False, token_budget: int = 4096,
+                 prefix_caching: bool = False, attn_metadata: bool = True, layer_hooks: bool = True,
+                 check_untouched: bool = True, seed: int = 0, local_kv_heads: Optional[int] = None,
+                 module: str = "kvfold.connector", class_name: str = "KVFoldConnector"):
+        self.model, self.layout, self.bs = model, layout, block_size
+        self.kbs = kernel_block_size or block_size
+        self.token_budget, self.prefix_caching = token_budget, prefix_caching
+        self.attn_metadata, self.layer_hooks, self.check_untouched = attn_metadata, layer_hooks, check_untouched
+        self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(model.n_layers)]
+        self.vllm_config = VllmConfig(model, CacheConfig(block_size),
+                                      KVTransferConfig("KVFoldConnector", module, "kv_consumer", dict(extra)))
+        self.kv_cache_config = KVCacheConfig(num_blocks, [KVCacheGroupSpec(
+            list(self.layer_names), FullAttentionSpec(block_size, model.kv_heads, model.head_dim, dtype))])
+        # 1. config resolution: import by module path, check the 3-argument constructor
+        cls = getattr(importlib.import_module(module), class_name)
+        assert "kv_cache_config" in inspect.signature(cls.__init__).parameters
+        assert cls.requires_piecewise_for_cudagraph({}) is False
+        # 2. scheduler
+        self.scheduler = cls(self.vllm_config, KVConnectorRole.SCHEDULER, self.kv_cache_config)
+        self.scheduler.bind_gpu_block_pool(object())
+        # 3. worker: layout query, then the tensors
+        self.worker = cls(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+        cls.get_required_kvcache_layout(self.vllm_config)
+        per = block_size // self.kbs
+        heads = local_kv_heads or model.kv_heads  # a tensor-parallel rank holds its slice of the heads
+        self.caches = {n: make_cache(layout, num_blocks * per, self.kbs, heads, model.head_dim, dtype, hnd)
+                       for n in self.layer_names}
+        self.worker.register_kv_caches(dict(self.caches))
+        self.worker.set_host_xfer_buffer_ops(lambda *a: None)
+        hs = self.worker.get_handshake_metadata()
+        self.scheduler.set_xfer_handshake_metadata({0: hs} if hs is not None else {})
+        # block pool
+        ids = list(range(1, num_blocks))
+        random.Random(seed).shuffle(ids)
+        self.free: List[int] = ids
+        self.refs: Dict[int, int] = {}
+        self.cached: Dict[Any, int] = {}      # block hash -> block id (prefix cache)
+        self.block_hash: Dict[int, Any] = {}
+        self.waiting: List[Request] = []
+        self.running: List[Request] = []
+        self.finished: Dict[str, Request] = {}
+        self._finished_ids: set = set()
+        self.fail_alloc: Dict[str, int] = {}  # request id -> allocations to refuse
+        self.preempt_next: set = set()
+        self.steps: List[Dict[str, Any]] = []
+        self.metas: List[Any] = []
+
+    # -- requests
+    def add_request(self, req: Request) -> None:
+        self.scheduler.on_new_request(req)
+        self.waiting.append(req)
+
+    def _hashes(self, req: Request, n_blocks: int) -> List[Any]:
+        h, out = ("salt", req.cache_salt), []
+        for i in range(n_blocks):
+            h = (h, tuple(req.all_token_ids[i * self.bs:(i + 1) * self.bs]))
+            out.append(hash(h))
+        return out
+
+    def _take(self, n: int) -> List[int]:
+        got = [self.free.pop(0) for _ in range(n)]
+        for b in got:
+            if b in self.block_hash:  # evicted from the prefix cache on reuse
+                self.cached.pop(self.block_hash.pop(b), None)
+            self.refs[b] = 1
+        return got
+
+    def _release(self, blocks: List[int]) -> None:
+        for b in reversed(blocks):
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free.append(b)
+
+    def _local_hit(self, req: Request) -> List[int]:
+        if not self.prefix_caching:
+            return []
+        hit = []
+        for h in self._hashes(req, (req.num_tokens - 1) // self.bs):
+            b = self.cached.get(h)
+            if b is None:
+                break
+            hit.append(b)
+        for b in hit:
+            if self.refs.get(b, 0) == 0:
+                self.free.remove(b)
+            self.refs[b] = self.refs.get(b, 0) + 1
+        return hit
+
+    def _cache_blocks(self, req: Request, n_tokens: int) -> None:
+        if not self.prefix_caching:
+            return
+        for i, h in enumerate(self._hashes(req, n_tokens // self.bs)):
+            if h not in self.cached and req.blocks[i] not in self.block_hash:
+                self.cached[h] = req.blocks[i]
+                self.block_hash[req.blocks[i]] = h
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req.blocks)
+        req.blocks, req.num_computed_tokens = [], 0
+        req.num_preemptions += 1
+        req.status = "PREEMPTED"
+        self.waiting.insert(0, req)
+
+    def _finish(self, req: Request, status: str) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self.scheduler.request_finished(req, list(req.blocks))
+        self._release(req.blocks)
+        self.finished[req.request_id] = req
+        self._finished_ids.add(req.request_id)
+
+    # -- one engine step
+    def step(self) -> Dict[str, Any]:
+        for req in [r for r in self.running if r.request_id in self.preempt_next]:
+            self._preempt(req)
+        self.preempt_next = set()
+        so = SchedulerOutput()
+        budget = self.token_budget
+        scheduled: List[Request] = []
+        for req in list(self.running):
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            need = -(-(req.num_computed_tokens + n) // self.bs) - len(req.blocks)
+            if need > len(self.free):
+                continue
+            new = self._take(max(0, need))
+            req.blocks += new
+            cr = so.scheduled_cached_reqs
+            cr.req_ids.append(req.request_id)
+            cr.new_block_ids.append((new,) if new else None)
+            cr.num_computed_tokens.append(req.num_computed_tokens)
+            so.num_scheduled_tokens[req.request_id] = n
+            budget -= n
+            scheduled.append(req)
+        for req in list(self.waiting):
+            if budget <= 0:
+                break
+            hit = self._local_hit(req)
+            L = len(hit) * self.bs
+            E, load_async = self.scheduler.get_num_new_matched_tokens(req, L)
+            if E is None:
+                self._release(hit)
+                continue
+            assert load_async is False
+            num_new = min(req.num_tokens - L - E, budget)
+            assert num_new > 0, "the connector claimed every token"
+            need = -(-(L + E + num_new) // self.bs) - len(hit)
+            if self.fail_alloc.get(req.request_id, 0) > 0 or need > len(self.free):
+                self.fail_alloc[req.request_id] = self.fail_alloc.get(req.request_id, 0) - 1
+                self._release(hit)
+                continue
+            req.blocks = hit + self._take(need)
+            self.scheduler.update_state_after_alloc(req, KVCacheBlocks((list(req.blocks),)), E)
+            req.num_computed_tokens = L + E
+            self._cache_blocks(req, L + E + num_new)
+            self.waiting.remove(req)
+            self.running.append(req)
+            if req.num_preemptions:  # V1 runner: resumed requests come as cached requests, full block list
+                cr = so.scheduled_cached_reqs
+                cr.req_ids.append(req.request_id)
+                cr.resumed_req_ids.add(req.request_id)
+                cr.new_block_ids.append((list(req.blocks),))
+                cr.num_computed_tokens.append(req.num_computed_tokens)
+            else:
+                so.scheduled_new_reqs.append(NewRequestData(req.request_id, list(req.prompt_token_ids),
+                                                            (list(req.blocks),), req.num_computed_tokens))
+            req.status = "RUNNING"
+            so.num_scheduled_tokens[req.request_id] = num_new
+            budget -= num_new
+            scheduled.append(req)
+        so.finished_req_ids, self._finished_ids = self._finished_ids, set()
+        meta = self.scheduler.build_connector_meta(so)
+        assert meta is not None and isinstance(meta, KVConnectorMetadata)
+        so.kv_connector_metadata = meta
+        self.metas.append(meta)
+        starts = {r.request_id: r.num_computed_tokens for r in scheduled}
+        blocks = {r.request_id: list(r.blocks) for r in scheduled}
+        for r in scheduled:
+            r.num_computed_tokens += so.num_scheduled_tokens[r.request_id]
+        out = self._execute(pickle.loads(pickle.dumps(so)), starts, blocks)  # TP > 1 pickles it
+        info = {"scheduled": dict(so.num_scheduled_tokens), "errors": set(out.invalid_block_ids)}
+        self._update_from_output(scheduled, out)
+        self.steps.append(info)
+        return info
+
+    def _execute(self, so: SchedulerOutput, starts: Dict[str, int], blocks: Dict[str, List[int]]) -> WorkerOutput:
+        w, meta = self.worker, so.kv_connector_metadata
+        w.handle_preemptions(meta)
+        w.bind_connector_metadata(meta)
+        md = {n: object() for n in self.layer_names} if self.attn_metadata else None
+        fc = ForwardContext({n: Layer(t) for n, t in self.caches.items()}, md)
+        before = {n: t.clone() for n, t in self.caches.items()} if self.check_untouched else None
+        w.start_load_kv(fc)
+        if before is not None:
+            self._check_untouched(before, meta)
+        for rid, n in so.num_scheduled_tokens.items():  # the model computes the scheduled tokens
+            for s in slots_of(blocks[rid], self.bs, starts[rid], starts[rid] + n):
+                for t in self.caches.values():
+                    slot_view(t, self.layout, s).fill_(COMPUTED)
+        if md is not None and self.layer_hooks:
+            for n in self.layer_names:
+                w.wait_for_layer_load(n)
+                w.save_kv_layer(n, self.caches[n], md[n])
+        w.wait_for_save()
+        finished = w.get_finished(so.finished_req_ids)
+        errors = w.get_block_ids_with_load_errors()
+        w.get_kv_connector_stats()
+        w.get_kv_connector_kv_cache_events()
+        w.build_connector_worker_meta()
+        w.clear_connector_metadata()
+        return WorkerOutput(set(errors), finished)
+
+    def _check_untouched(self, before: Dict[str, torch.Tensor], meta: Any) -> None:
+        """Every slot outside the loads' [t0, t1) ranges is byte-identical after start_load_kv."""
+        allowed = set()
+        for spec in getattr(meta, "loads", []):
+            allowed.update(slots_of(spec.block_ids, self.bs, spec.t0, spec.t1))
+        for n, t in self.caches.items():
+            changed = (t.view(torch.int16) != before[n].view(torch.int16)) if t.dtype != torch.float32 else \
+                (t.view(torch.int32) != before[n].view(torch.int32))
+            if not changed.any():
+                continue
+            total = t.shape[1] * (t.shape[3] if self.layout == "cpu" else t.shape[2]) if self.layout != "flashinfer" \
+                else t.shape[0] * t.shape[2]
+            for s in range(total):
+                if s not in allowed:
+                    a, b = slot_view(t, self.layout, s), slot_view(before[n], self.layout, s)
+                    assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{n}: slot {s} was written"
+
+    def _update_from_output(self, scheduled: List[Request], out: WorkerOutput) -> None:
+        if out.invalid_block_ids:  # kv_load_failure_policy "fail"
+            for req in list(self.running):
+                if set(req.blocks) & out.invalid_block_ids:
+                    self._finish(req, "FINISHED_ERROR")
+            for b in out.invalid_block_ids:
+                if b in self.block_hash:
+                    self.cached.pop(self.block_hash.pop(b), None)
+        self.scheduler.update_connector_output(out)
+        list(self.scheduler.take_events())
+        for req in scheduled:
+            if req.status == "RUNNING" and req.num_computed_tokens >= req.num_tokens:
+                req.output_token_ids.append(1)
+                if len(req.output_token_ids) >= req.max_tokens:
+                    self._finish(req, "FINISHED_LENGTH")
+
+    def run(self, max_steps: int = 50) -> None:
+        for _ in range(max_steps):
+            if not self.waiting and not self.running:
+                return
+            self.step()
+        raise AssertionError("requests did not finish")
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+        self.worker.shutdown()

@@ -1,0 +1,299 @@
+"""KVFoldConnector driven in vLLM's call order (harness.Engine) over synthetic kvf files."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import kvfold
+from harness import COMPUTED, Engine, ModelConfig, Request, gather, slots_of
+from kvfold import _kvfold
+from util import FP, OTHER_FP, file_kv, write_cache
+
+L_, H_, D_, V_ = 2, 2, 16, 1000
+MODEL = ModelConfig("stub-model", L_, H_, D_, V_)
+
+
+@pytest.fixture
+def root(tmp_path):
+    return str(tmp_path / "caches")
+
+
+def cache(root, name, C, seed, **kw):
+    path = os.path.join(root, FP, name)
+    write_cache(path, kw.pop("n_layers", L_), kw.pop("kv_heads", H_), D_, C, seed, **kw)
+    return path
+
+
+def damage_chunk(path, dataset, index):
+    """Flips bytes inside one stored chunk: only the Fletcher32 checksum can find it."""
+    import h5py
+    with h5py.File(path, "r") as f:
+        info = f[dataset].id.get_chunk_info(index)
+    with open(path, "r+b") as f:
+        f.seek(info.byte_offset + 8)
+        b = f.read(16)
+        f.seek(info.byte_offset + 8)
+        f.write(bytes(x ^ 0x5A for x in b))
+
+
+def request(rid, path, question, root, **kw):
+    p = kvfold.prompt(path, question, id_range=V_, cache_root=root)
+    return Request(rid, p.prompt_token_ids, p.kv_transfer_params, p.cache_salt, **kw), p
+
+
+def loaded(engine, req, C, t0=0):
+    """K/V of slots [t0, C) of every layer, as float32 [2, L, n, H, D]."""
+    slots = slots_of(req.blocks, engine.bs, t0, C)
+    return torch.stack([gather(engine.caches[n], engine.layout, slots) for n in engine.layer_names], 1).float()
+
+
+def expect(path, dtype="bfloat16"):
+    return torch.from_numpy(file_kv(path, dtype).copy())
+
+
+def test_import_is_cheap():
+    code = ("import sys; sys.path.insert(0, %r); import conftest; import kvfold; "
+            "assert 'torch' not in sys.modules and 'vllm' not in sys.modules, sorted(sys.modules)" % os.path.dirname(__file__))
+    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))
+
+
+def test_prompt_placeholders(root):
+    a, b = cache(root, "a.kvf", 40, 1), cache(root, "b.kvf", 40, 2)
+    pa = kvfold.prompt(a, [5, 6, 7], id_range=V_, cache_root=root)
+    pb = kvfold.prompt(b, [5, 6, 7], id_range=V_)
+    assert pa.n_placeholders == 40 and pa.prompt_token_ids[40:] == [5, 6, 7]
+    assert all(0 <= i < V_ for i in pa.prompt_token_ids)
+    assert pa.prompt_token_ids[:40] != pb.prompt_token_ids[:40] and pa.cache_salt != pb.cache_salt
+    assert kvfold.prompt(a, [9], id_range=V_).prompt_token_ids[:40] == pa.prompt_token_ids[:40]  # deterministic
+    assert pa.kv_transfer_params["kvfold"]["cache"] == os.path.join(FP, "a.kvf")
+    assert os.path.isabs(pb.kv_transfer_params["kvfold"]["cache"])
+    assert pa.tokens_prompt()["cache_salt"] == pa.cache_salt
+    with pytest.raises(ValueError, match="at least one token"):
+        kvfold.prompt(a, [], id_range=V_)
+    am = cache(root, "am.kvf", 16, 3, method="am")
+    with pytest.raises(ValueError, match="method am"):
+        kvfold.prompt(am, [1], id_range=V_)
+    with pytest.raises(_kvfold.KvfError, match="missing.kvf"):
+        kvfold.prompt(os.path.join(root, "missing.kvf"), [1], id_range=V_)
+
+
+def test_prompt_id_range_from_model_dir():
+    from conftest import DATA
+    assert kvfold.prompt.__module__ == "kvfold.prompt"
+    from kvfold.prompt import model_id_range
+    assert 2 < model_id_range(os.path.join(DATA, "records-qwen3")) <= 3200
+
+
+@pytest.mark.parametrize("attn_metadata,hooks", [(True, True), (None, False), (True, False)])
+def test_several_requests_documented_outcomes(root, attn_metadata, hooks):
+    """Valid, no-kvfold, missing, corrupt, truncated, other-model, wrong-count and retried requests
+    in one engine; each ends as documented."""
+    good1, good2 = cache(root, "g1.kvf", 40, 11), cache(root, "g2.kvf", 23, 12)
+    corrupt = cache(root, "corrupt.kvf", 64, 13)
+    damage_chunk(corrupt, "values", 1)
+    truncated = cache(root, "trunc.kvf", 64, 14)
+    with open(truncated, "r+b") as f:
+        f.truncate(f.seek(0, 2) // 2)
+    other = os.path.join(root, FP, "other.kvf")
+    write_cache(other, L_, H_, D_, 32, 15, fp=OTHER_FP)
+    missing_src = cache(root, "gone.kvf", 32, 16)
+
+    eng = Engine(MODEL, {"cache_root": root, "model_fingerprint": FP}, num_blocks=128, token_budget=256,
+                 attn_metadata=attn_metadata, layer_hooks=hooks)
+    reqs = {}
+    reqs["good1"], _ = request("good1", good1, [1, 2, 3], root)
+    reqs["good2"], _ = request("good2", good2, [4], root, max_tokens=3)
+    reqs["plain"] = Request("plain", [7] * 20)
+    reqs["missing"], _ = request("missing", missing_src, [1, 2], root)
+    os.remove(missing_src)
+    reqs["corrupt"], _ = request("corrupt", corrupt, [1, 2], root)
+    reqs["other"], _ = request("other", other, [1, 2], root)
+    reqs["retried"], _ = request("retried", good1, [8, 9], root)
+    r, p = request("short", good2, [1, 2], root)
+    r.prompt_token_ids = p.prompt_token_ids[:20] + [1, 2]  # 20 of the 23 placeholders
+    reqs["short"] = r
+    r, p = request("only", good2, [1], root)
+    r.prompt_token_ids = p.prompt_token_ids[:23]  # nothing after the placeholders
+    reqs["only"] = r
+    # truncated: the scheduler cannot even read the header
+    r, _ = request("trunc", cache(root, "trunc-src.kvf", 64, 14), [3], root)
+    r.kv_transfer_params["kvfold"]["cache"] = os.path.relpath(truncated, root)
+    reqs["trunc"] = r
+    eng.fail_alloc["retried"] = 2
+    for r in reqs.values():
+        eng.add_request(r)
+
+    asked = []
+    orig = eng.scheduler.get_num_new_matched_tokens
+
+    def spy(req, n):
+        out = orig(req, n)
+        asked.append((req.request_id, n, out))
+        return out
+    eng.scheduler.get_num_new_matched_tokens = spy
+    eng.step()
+    # loads happened in step 1 for the good requests: K/V in the blocks equal the file's
+    assert torch.equal(loaded(eng, reqs["good1"], 40), expect(good1))
+    assert torch.equal(loaded(eng, reqs["good2"], 23), expect(good2))
+    # the question's slots were computed by the "model" (not overwritten by the load)
+    q = loaded(eng, reqs["good1"], 43, t0=40)
+    assert bool((q == COMPUTED).all())
+    eng.run()
+    st = {rid: r.status for rid, r in eng.finished.items()}
+    assert st["good1"] == st["good2"] == st["plain"] == st["retried"] == "FINISHED_LENGTH"
+    for rid in ("missing", "corrupt", "other", "short", "only", "trunc"):
+        assert st[rid] == "FINISHED_ERROR", rid
+    answers = {}
+    for rid, n, out in asked:
+        answers.setdefault(rid, set()).add(out)
+    assert answers["plain"] == {(0, False)}
+    assert answers["good1"] == {(40, False)} and answers["good2"] == {(23, False)}
+    assert answers["retried"] == {(40, False)} and sum(a[0] == "retried" for a in asked) == 3
+    assert answers["short"] == {(20, False)}  # the placeholder run is claimed, then fails
+    assert answers["only"] == {(22, False)}
+    assert answers["missing"] == answers["other"] == {(32, False)}
+    assert torch.equal(loaded(eng, reqs["retried"], 40), expect(good1))
+    eng.shutdown()
+
+
+def test_on_invalid_ignore_claims_nothing(root):
+    path = cache(root, "x.kvf", 32, 21)
+    eng = Engine(MODEL, {"cache_root": root, "on_invalid": "ignore"})
+    r, _ = request("r", path, [1], root)
+    os.remove(path)
+    assert eng.scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
+
+
+def test_idempotent_and_metadata_once(root):
+    path = cache(root, "x.kvf", 40, 22)
+    eng = Engine(MODEL, {"cache_root": root})
+    r, _ = request("r", path, [1, 2], root)
+    s = eng.scheduler
+    assert [s.get_num_new_matched_tokens(r, 0) for _ in range(3)] == [(40, False)] * 3
+    assert s.get_num_new_matched_tokens(r, 32) == (8, False)
+    assert s.build_connector_meta(None).loads == []  # nothing before allocation
+    s.update_state_after_alloc(r, type("B", (), {"get_block_ids": lambda self: ([5, 9, 2, 7],)})(), 8)
+    m1, m2 = s.build_connector_meta(None), s.build_connector_meta(None)  # async scheduling: next step first
+    assert [(x.t0, x.t1, x.block_ids) for x in m1.loads] == [(32, 40, [5, 9, 2, 7])] and m2.loads == []
+    assert s.request_finished(r, [5, 9, 2, 7]) == (False, None)
+
+
+def test_preemption_and_resume_reload(root):
+    path = cache(root, "p.kvf", 48, 31)
+    eng = Engine(MODEL, {"cache_root": root}, num_blocks=64)
+    r, _ = request("r", path, [1, 2, 3], root, max_tokens=4)
+    eng.add_request(r)
+    eng.step()
+    first = list(r.blocks)
+    assert eng.worker.last_loads == [("r", False)]
+    eng.preempt_next = {"r"}
+    eng.step()  # preempted, then resumed in the same step with new blocks: reloaded from the pool
+    assert r.num_preemptions == 1 and r.blocks != first
+    assert eng.worker.last_loads == [("r", True)]
+    assert torch.equal(loaded(eng, r, 48), expect(path))
+    eng.run()
+    assert eng.finished["r"].status == "FINISHED_LENGTH"
+
+
+def test_prefix_cache_hit_loads_the_rest(root):
+    path = cache(root, "pc.kvf", 40, 41)
+    eng = Engine(MODEL, {"cache_root": root}, prefix_caching=True, num_blocks=64)
+    a, _ = request("a", path, [1, 2], root)
+    eng.add_request(a)
+    eng.run()
+    b, _ = request("b", path, [3, 4, 5], root)
+    eng.add_request(b)
+    eng.step()
+    spec = eng.metas[-1].loads[0]
+    assert (spec.t0, spec.t1) == (32, 40)  # blocks 0-1 came from the local prefix cache
+    assert b.blocks[:2] == a.blocks[:2]
+    assert torch.equal(loaded(eng, b, 40), expect(path))
+
+
+def test_chunked_prefill_and_unaligned_c(root):
+    path = cache(root, "ch.kvf", 37, 51)
+    eng = Engine(MODEL, {"cache_root": root}, token_budget=8, num_blocks=64)
+    r, _ = request("r", path, list(range(1, 21)), root)
+    eng.add_request(r)
+    eng.run()
+    assert eng.finished["r"].status == "FINISHED_LENGTH" and len(eng.metas[0].loads) == 1
+    assert torch.equal(loaded(eng, r, 37), expect(path))
+    assert bool((loaded(eng, r, 57, t0=37) == COMPUTED).all())
+
+
+LAYOUT_CASES = [(lay, hnd) for lay in ("flash_attn", "flashinfer") for hnd in (False, True)] + [("cpu", False)]
+
+
+@pytest.mark.parametrize("layout,hnd", LAYOUT_CASES)
+@pytest.mark.parametrize("bs,kbs", [(16, 16), (32, 32), (32, 16), (128, 128)])
+@pytest.mark.parametrize("cache_dtype,file_dtype", [(torch.bfloat16, "bfloat16"), (torch.float16, "float32"),
+                                                    (torch.bfloat16, "float16")])
+def test_layouts_block_sizes_dtypes(root, layout, hnd, bs, kbs, cache_dtype, file_dtype):
+    path = cache(root, "l.kvf", 45, 61, dtype=file_dtype)
+    eng = Engine(MODEL, {"cache_root": root, "kv_layout": layout}, layout=layout, hnd=hnd, block_size=bs,
+                 kernel_block_size=kbs, dtype=cache_dtype, num_blocks=24)
+    r, _ = request("r", path, [1, 2], root)
+    eng.add_request(r)
+    eng.step()
+    want = expect(path, "bfloat16" if cache_dtype == torch.bfloat16 else "float16")
+    assert torch.equal(loaded(eng, r, 45), want)
+
+
+@pytest.mark.parametrize("layout,hnd", LAYOUT_CASES)
+def test_torch_copy_path(root, layout, hnd):
+    """The path used for device (CUDA) tensors, exercised on host tensors."""
+    path = cache(root, "t.kvf", 45, 62)
+    eng = Engine(MODEL, {"cache_root": root, "kv_layout": layout, "copy_backend": "torch"}, layout=layout,
+                 hnd=hnd, block_size=32, kernel_block_size=16, num_blocks=24)
+    r, _ = request("r", path, [1, 2], root)
+    eng.add_request(r)
+    eng.step()
+    assert torch.equal(loaded(eng, r, 45), expect(path))
+
+
+def test_tensor_parallel_rank_writes_its_heads(root, monkeypatch):
+    import vllm.distributed.parallel_state as ps
+    monkeypatch.setattr(ps, "_TP_RANK", 1)
+    monkeypatch.setattr(ps, "_TP_SIZE", 2)
+    model = ModelConfig("stub-model", L_, 4, D_, V_)
+    path = os.path.join(root, FP, "tp.kvf")
+    write_cache(path, L_, 4, D_, 33, 71)
+    eng = Engine(model, {"cache_root": root}, num_blocks=16, local_kv_heads=2)
+    r, _ = request("r", path, [1], root)
+    eng.add_request(r)
+    eng.step()
+    assert torch.equal(loaded(eng, r, 33), expect(path)[:, :, :, 2:4])
+
+
+def test_refusals(root):
+    with pytest.raises(ValueError, match="fp8"):
+        Engine(MODEL, {"cache_root": root}, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="block size 48"):
+        Engine(MODEL, {"cache_root": root}, block_size=48)
+    with pytest.raises(ValueError, match="ambiguous"):  # 2 blocks: flash_attn and flashinfer look alike
+        Engine(MODEL, {"cache_root": root}, num_blocks=2)
+    path = cache(root, "r.kvf", 16, 81)
+    eng = Engine(MODEL, {"cache_root": root})
+    r, _ = request("r", path, [1], root)
+    r.kv_transfer_params["kvfold"]["cache"] = "../../etc/passwd"
+    assert eng.scheduler.get_num_new_matched_tokens(r, 0) == (16, False)  # claimed to fail it
+    assert "outside cache_root" in eng.scheduler._decisions["r"].reason
+
+
+def test_c_copy_refusals(root):
+    src = bytearray(2 * 1 * 16 * 2 * 16 * 2)
+    t = torch.zeros(2, 4, 16, 2, 16, dtype=torch.bfloat16)
+    dst = [(t.data_ptr(), tuple(t.shape), tuple(t.stride()))]
+    with pytest.raises(_kvfold.KvfError, match="block size 48"):
+        _kvfold.copy_blocks(src, "bfloat16", 1, 16, 2, 16, dst, "bfloat16", "flash_attn", [1], 48, 0, 16)
+    with pytest.raises(ValueError, match="fp8"):
+        _kvfold.copy_blocks(src, "bfloat16", 1, 16, 2, 16, dst, "float8_e4m3fn", "flash_attn", [1], 16, 0, 16)
+    with pytest.raises(_kvfold.KvfError, match="block id 4 outside"):
+        _kvfold.copy_blocks(src, "bfloat16", 1, 16, 2, 16, dst, "bfloat16", "flash_attn", [4], 16, 0, 16)
+    with pytest.raises(ValueError, match="layout 'paged'"):
+        _kvfold.copy_blocks(src, "bfloat16", 1, 16, 2, 16, dst, "bfloat16", "paged", [1], 16, 0, 16)
+    with pytest.raises(_kvfold.KvfError, match="not a cpu cache"):
+        _kvfold.copy_blocks(src, "bfloat16", 1, 16, 2, 16, dst, "bfloat16", "cpu", [1], 16, 0, 16, 0, 2)
