@@ -1,0 +1,129 @@
+#!/usr/bin/python3
+"""Load throughput of the kvfold connector into CPU KV block tensors, against plain torch copies of
+the same bytes measured in the same run.
+
+  cold  a retention-pool miss: open the kvf file, read every chunk (Fletcher32 verified), decode,
+        copy into the blocks (the file is in the OS page cache: it was just written)
+  warm  a retention-pool hit: the copy into the blocks only
+  torch copy_      dst.copy_(src) of one contiguous tensor of the same bytes (memcpy speed)
+  torch scatter    the same K/V written into the same blocks with index_put_ (what a pure-torch
+                   connector would do)
+
+Run with Debian's python after building the extension (cmake target kvfold_pyext):
+  /usr/bin/python3 tools/bench-connector.py [--ext-dir build/python/kvfold] [--tokens 2048]
+      [--layers 36 --kv-heads 8 --head-dim 128] [--layout flash_attn|flashinfer|cpu] [--repeat 5]
+"""
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def import_kvfold(ext_dir):
+    src = os.path.join(REPO, "connector", "kvfold")
+    spec = importlib.util.spec_from_file_location("kvfold", os.path.join(src, "__init__.py"),
+                                                  submodule_search_locations=[src, ext_dir])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["kvfold"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def median_time(fn, repeat):
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ext-dir", default=os.path.join(REPO, "build", "python", "kvfold"))
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--layout", default="flash_attn", choices=["flash_attn", "flashinfer", "cpu"])
+    ap.add_argument("--repeat", type=int, default=5)
+    a = ap.parse_args()
+
+    kvfold = import_kvfold(a.ext_dir)
+    import numpy as np
+    import torch
+    from kvfold import _kvfold
+    from kvfold.blocks import copy_to_blocks
+    from kvfold.pool import RetentionPool
+
+    L, C, H, D, bs = a.layers, a.tokens, a.kv_heads, a.head_dim, a.block_size
+    nbytes = 2 * L * C * H * D * 2
+    n_blocks = -(-C // bs)
+    total_blocks = 2 * n_blocks + 1
+    rng = np.random.default_rng(0)
+    ids = [int(x) for x in rng.permutation(np.arange(1, total_blocks))[:n_blocks]]
+    tmp = tempfile.mkdtemp(prefix="kvfold-bench-")
+    path = os.path.join(tmp, "bench.kvf")
+    k = rng.standard_normal((L, C, H, D), dtype=np.float32)
+    v = rng.standard_normal((L, C, H, D), dtype=np.float32)
+    _kvfold.write(path, {"model_fingerprint": "ab" * 16, "document_digest": "cd" * 16, "n_doc_tokens": 4 * C,
+                         "n_tokens": C, "method": "fold", "budget": 0.25, "lambda": 0.01, "dtype": "bfloat16",
+                         "n_layers": L, "kv_heads": H, "head_dim": D}, k.tobytes(), v.tobytes())
+    del k, v
+    shape = {"flash_attn": (2, total_blocks, bs, H, D), "flashinfer": (total_blocks, 2, bs, H, D),
+             "cpu": (2, total_blocks, H, bs, D)}[a.layout]
+    caches = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(L)]
+
+    pool = RetentionPool(limit_bytes=4 * nbytes)
+
+    def load(evict):
+        if evict:
+            pool.evict()
+        e, _ = pool.get(path, "bfloat16", lambda: _kvfold.load(path, "bfloat16"))
+        copy_to_blocks(e.data, "bfloat16", L, C, H, D, caches, a.layout, ids, bs, 0, C)
+
+    t_cold = median_time(lambda: load(True), a.repeat)
+    load(False)
+    t_warm = median_time(lambda: load(False), a.repeat)
+
+    src = torch.frombuffer(bytearray(nbytes), dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t_copy = median_time(lambda: dst.copy_(src), a.repeat)
+
+    e, _ = pool.get(path, "bfloat16", lambda: _kvfold.load(path, "bfloat16"))
+    whole = torch.frombuffer(e.data, dtype=torch.bfloat16).view(2, L, C, H, D)
+    pos = torch.arange(C)
+    slots = torch.as_tensor(ids)[pos // bs] * bs + pos % bs
+    kb, off = slots // bs, slots % bs
+
+    def scatter():
+        for layer, t in enumerate(caches):
+            x = whole[:, layer]
+            if a.layout == "flash_attn":
+                t[:, kb, off] = x
+            elif a.layout == "flashinfer":
+                t[kb, :, off] = x.transpose(0, 1)
+            else:
+                t[:, kb, :, off] = x.transpose(0, 1)
+    t_scatter = median_time(scatter, a.repeat)
+
+    gb = nbytes / 1e9
+    print(f"kvfold connector load: {L} layers x {C} tokens x {H} kv heads x {D}, bf16, {gb * 1e3:.0f} MB, "
+          f"layout {a.layout}, blocks of {bs}, median of {a.repeat}, torch threads {torch.get_num_threads()}")
+    print(f"{'path':<34}{'time ms':>10}{'GB/s':>9}{'vs copy_':>10}{'vs scatter':>12}")
+    for name, t in (("cold: kvf file -> blocks", t_cold), ("warm: retention pool -> blocks", t_warm),
+                    ("torch copy_ (contiguous)", t_copy), ("torch scatter (index_put_)", t_scatter)):
+        print(f"{name:<34}{t * 1e3:>10.1f}{gb / t:>9.2f}{t_copy / t:>9.2f}x{t_scatter / t:>11.2f}x")
+    os.remove(path)
+    os.rmdir(tmp)
+
+
+if __name__ == "__main__":
+    main()
