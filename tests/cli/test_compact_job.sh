@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# kvfold compact / ask / verify from the command line: bad input, --shard, two concurrent workers,
+# text files and a round trip to an answer. Usage: test_compact_job.sh KVFOLD_BIN TEST_DATA_DIR
+set -uo pipefail
+kvfold=$1
+data=$2
+model=$data/records-qwen3
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+fails=0
+check() { # check NAME CONDITION...
+    local name=$1
+    shift
+    if "$@"; then echo "ok   $name"; else echo "FAIL $name"; fails=$((fails + 1)); fi
+}
+has() { grep -qF -- "$2" "$1"; }
+
+# Six small records documents (ids), named by id.
+python3 - "$data/records-dev.jsonl" "$tmp/docs.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+small = [r for r in rows if len(r["ids"]) < 500][:6]
+with open(sys.argv[2], "w") as f:
+    for r in small:
+        f.write(json.dumps({"id": r["id"], "ids": r["ids"][:160],
+                            "repeat_instruction_ids": r["repeat_instruction_ids"]}) + "\n")
+PY
+common=(--model "$model" --budget 0.25 --max-queries 500)
+
+# ---- bad input: each reported with its file and line, the good documents still done ----
+{
+    sed -n 1p "$tmp/docs.jsonl"
+    echo 'this is not json'
+    echo '{"id": "empty", "ids": []}'
+    echo '{"id": "badid", "ids": [1, 2, 999999]}'
+    python3 -c 'import json; print(json.dumps({"id": "long", "ids": [45] * 5000}))'
+    echo '{"id": "noids"}'
+    sed -n 2p "$tmp/docs.jsonl"
+} >"$tmp/bad.jsonl"
+"$kvfold" compact "${common[@]}" --out "$tmp/bad-root" --manifest "$tmp/bad.jsonl" >"$tmp/bad.out" 2>"$tmp/bad.err"
+rc=$?
+check "bad manifest: exit status 1" test $rc -eq 1
+check "bad manifest: not JSON at line 2" has "$tmp/bad.err" "bad.jsonl:2: not JSON"
+check "bad manifest: empty document at line 3" has "$tmp/bad.err" "bad.jsonl:3 (empty): empty document"
+check "bad manifest: invalid id at line 4" has "$tmp/bad.err" "bad.jsonl:4 (badid): \"ids\": token id 999999 at position 2 is outside the vocabulary"
+check "bad manifest: too long at line 5" has "$tmp/bad.err" "bad.jsonl:5 (long): 5000 tokens: too long for the model"
+check "bad manifest: no ids at line 6" has "$tmp/bad.err" "bad.jsonl:6 (noids): needs \"ids\""
+check "bad manifest: the two good documents done" has "$tmp/bad.out" "7 documents (shard 0/1): 2 done, 0 skipped (valid file exists), 0 busy (another worker), 5 failed"
+check "bad manifest: two files" test "$(find "$tmp/bad-root" -name '*.kvf' | wc -l)" -eq 2
+
+"$kvfold" compact "${common[@]}" --out "$tmp/r" "$tmp/missing.txt" >/dev/null 2>"$tmp/miss.err"
+check "missing text file: exit 1 and named" test $? -eq 1
+check "missing text file: message" has "$tmp/miss.err" "missing.txt: cannot open: No such file or directory"
+"$kvfold" compact "${common[@]}" --out "$tmp/r" --manifest "$tmp/nothere.jsonl" >/dev/null 2>"$tmp/miss2.err"
+check "missing manifest: message" has "$tmp/miss2.err" "nothere.jsonl: cannot open the manifest"
+"$kvfold" compact --model "$tmp/no-model" --out "$tmp/r" --manifest "$tmp/docs.jsonl" >/dev/null 2>"$tmp/model.err"
+check "unreadable model directory: exit 1" test $? -eq 1
+check "unreadable model directory: message names it" has "$tmp/model.err" "$tmp/no-model"
+touch "$tmp/plainfile"
+"$kvfold" compact "${common[@]}" --out "$tmp/plainfile/root" --manifest "$tmp/docs.jsonl" >"$tmp/root.out" 2>"$tmp/root.err"
+check "root not writable: exit 1" test $? -eq 1
+check "root not writable: message before any work" has "$tmp/root.err" "cannot create the output root $tmp/plainfile/root: Not a directory"
+check "root not writable: no summary" test ! -s "$tmp/root.out"
+"$kvfold" compact --model "$model" --manifest "$tmp/docs.jsonl" --shard 3/3 >/dev/null 2>&1
+check "--shard 3/3 is a usage error" test $? -eq 2
+
+# ---- --shard i/N: deterministic, the shards cover the manifest exactly once ----
+for i in 0 1 2; do
+    "$kvfold" compact "${common[@]}" -q --out "$tmp/shards" --manifest "$tmp/docs.jsonl" --shard $i/3 >"$tmp/shard$i.out" 2>&1
+done
+for r in again again2; do
+    "$kvfold" compact "${common[@]}" -q --out "$tmp/$r" --manifest "$tmp/docs.jsonl" --shard 1/3 >/dev/null 2>&1
+done
+"$kvfold" compact "${common[@]}" -q --out "$tmp/whole" --manifest "$tmp/docs.jsonl" >"$tmp/whole.out" 2>&1
+names() { (cd "$1" && find . -name '*.kvf' | sort); }
+check "shards: 2 documents each" test "$(cat "$tmp"/shard?.out | grep -c ': 2 done, 0 skipped')" -eq 3
+check "shards: union == the whole manifest" test "$(names "$tmp/shards")" = "$(names "$tmp/whole")"
+check "shards: six distinct files" test "$(names "$tmp/shards" | wc -l)" -eq 6
+check "shards: shard 1/3 twice gives the same documents" test "$(names "$tmp/again")" = "$(names "$tmp/again2")"
+check "shards: shard 1/3's files are in the union" test -z "$(comm -23 <(names "$tmp/again") <(names "$tmp/shards"))"
+"$kvfold" compact "${common[@]}" -q --out "$tmp/whole" --manifest "$tmp/docs.jsonl" >"$tmp/rerun.out" 2>&1
+check "rerun: everything skipped" has "$tmp/rerun.out" "6 documents (shard 0/1): 0 done, 6 skipped"
+
+# ---- two workers on the same manifest and root at once ----
+root=$tmp/shared
+mkdir -p "$root"
+"$kvfold" compact "${common[@]}" -q --out "$root" --manifest "$tmp/docs.jsonl" >"$tmp/w1.out" 2>&1 &
+p1=$!
+"$kvfold" compact "${common[@]}" -q --out "$root" --manifest "$tmp/docs.jsonl" >"$tmp/w2.out" 2>&1 &
+p2=$!
+: >"$tmp/seen"
+bad=0
+while kill -0 $p1 2>/dev/null || kill -0 $p2 2>/dev/null; do
+    for f in $(find "$root" -name '*.kvf' 2>/dev/null); do
+        ino=$(stat -c %i "$f" 2>/dev/null) || continue
+        if ! grep -q " $f\$" "$tmp/seen"; then
+            # first sight: it must open (a partial file would not) and keep its inode from now on
+            "$kvfold" inspect "$f" >/dev/null 2>&1 || { echo "partial or broken: $f"; bad=$((bad + 1)); }
+            echo "$ino $f" >>"$tmp/seen"
+        elif ! grep -q "^$ino $f\$" "$tmp/seen"; then
+            echo "rewritten: $f"
+            bad=$((bad + 1))
+        fi
+    done
+    sleep 0.05
+done
+wait $p1
+r1=$?
+wait $p2
+r2=$?
+done1=$(sed -n 's/.*: \([0-9]*\) done.*/\1/p' "$tmp/w1.out")
+done2=$(sed -n 's/.*: \([0-9]*\) done.*/\1/p' "$tmp/w2.out")
+check "concurrent: both workers exit 0" test $r1 -eq 0 -a $r2 -eq 0
+check "concurrent: every observed file opened, none rewritten" test $bad -eq 0
+check "concurrent: each document written once ($done1 + $done2 = 6)" test $((done1 + done2)) -eq 6
+check "concurrent: six files, no temporary or lock files left" test "$(find "$root" -type f ! -name '.kvfold-fingerprint' | grep -c .)" -eq 6
+for f in $(find "$root" -name '*.kvf'); do
+    "$kvfold" verify "$f" --model "$model" >/dev/null 2>&1 || { echo "verify failed: $f"; fails=$((fails + 1)); }
+done
+
+# ---- text documents, ask and verify ----
+printf -- '- feruli bracra\n- sila flotre\n- deku flicreflo\n- koma crastu\n- duvidu bresnu\n' >"$tmp/doc.txt"
+"$kvfold" compact "${common[@]}" --repeat-instruction $'Repeat the records above.\n' --out "$tmp/text" "$tmp/doc.txt" >"$tmp/text.out" 2>&1
+check "text file compacted" has "$tmp/text.out" "1 done"
+kvf=$(find "$tmp/text" -name '*.kvf')
+"$kvfold" ask "$kvf" --model "$model" --doc "$tmp/doc.txt" --compare --stop $'\n' $'Q: sila?\nA:' >"$tmp/ask.out" 2>"$tmp/ask.err"
+check "ask: answers and compares" has "$tmp/ask.out" "agreement:"
+check "ask: cache summary" has "$tmp/ask.err" "cache: "
+"$kvfold" verify "$kvf" --model "$model" --doc "$tmp/doc.txt" --stop $'\n' --question $'Q: sila?\nA:' >"$tmp/verify.out" 2>&1
+check "verify: checksums, document and KL" bash -c "grep -q 'checksums ok' '$tmp/verify.out' && grep -q 'matches' '$tmp/verify.out' && grep -q 'KL(full || cache)' '$tmp/verify.out'"
+"$kvfold" verify "$kvf" --model "$data/hf-qwen3-tiny" >/dev/null 2>"$tmp/other.err"
+check "verify: another model's file refused (exit 1)" test $? -eq 1
+check "verify: another model's file refused (message)" has "$tmp/other.err" "not for this model"
+"$kvfold" ask "$kvf" --model "$model" --doc "$tmp/docs.jsonl" --compare 'Q: x?' >/dev/null 2>"$tmp/wrongdoc.err"
+check "ask: a different document is refused" has "$tmp/wrongdoc.err" "is not the document of"
+
+echo "$fails failed"
+exit $((fails > 0))
