@@ -98,6 +98,8 @@ void kvf_document_digest(const int32_t *ids, int64_t n, char out[KVF_DIGEST_LEN 
 }
 
 void kvf_format_budget(double budget, char *out, size_t out_len) {
+    if (!out || out_len == 0)
+        return;
     for (int prec = 1; prec <= 17; prec++) {
         snprintf(out, out_len, "%.*g", prec, budget);
         if (strtod(out, NULL) == budget)
