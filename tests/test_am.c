@@ -369,25 +369,7 @@ static int init_model(void) {
         fprintf(stderr, "%s\n", err.msg);
         return -1;
     }
-    /* doc1-1 of records-dev.jsonl: read the ids field of line 2 */
-    FILE *f = fopen(kf_test_data("records-dev.jsonl"), "r");
-    if (!f)
-        return -1;
-    static char line[1 << 20];
-    for (int i = 0; i < 2; i++)
-        if (!fgets(line, sizeof line, f))
-            return -1;
-    fclose(f);
-    char *p = strstr(line, "\"ids\": [");
-    if (!p)
-        return -1;
-    p += 8;
-    g_doc_n = 0;
-    while (*p && *p != ']') {
-        g_doc[g_doc_n++] = (int32_t)strtol(p, &p, 10);
-        while (*p == ',' || *p == ' ')
-            p++;
-    }
+    g_doc_n = kf_test_records_ids(2, g_doc, 4096); /* doc1-1 */
     return g_doc_n > 100 ? 0 : -1;
 }
 

@@ -66,6 +66,28 @@ const char *kf_test_make_dir(const char *name) {
     return path;
 }
 
+int kf_test_records_ids(int line, int32_t *ids, int cap) {
+    FILE *f = fopen(kf_test_data("records-dev.jsonl"), "r");
+    if (!f)
+        return -1;
+    static char text[1 << 20];
+    int ok = 1;
+    for (int i = 0; i < line && ok; i++)
+        ok = fgets(text, sizeof text, f) != NULL;
+    fclose(f);
+    char *p = ok ? strstr(text, "\"ids\": [") : NULL;
+    if (!p)
+        return -1;
+    p += 8;
+    int n = 0;
+    while (*p && *p != ']' && n < cap) {
+        ids[n++] = (int32_t)strtol(p, &p, 10);
+        while (*p == ',' || *p == ' ')
+            p++;
+    }
+    return n;
+}
+
 double kf_max_abs_diff(const float *a, const float *b, size_t n) {
     double m = 0;
     for (size_t i = 0; i < n; i++) {

@@ -19,6 +19,10 @@ const char *kf_test_write_file(const char *name, const void *bytes, size_t n);
 /* A fresh empty directory under the temp directory. */
 const char *kf_test_make_dir(const char *name);
 
+/* The "ids" of line `line` (1-based) of tests/data/records-dev.jsonl into ids[cap]; returns the
+ * count, or -1 when the file or the field is missing. */
+int kf_test_records_ids(int line, int32_t *ids, int cap);
+
 /* max |a - b| and max |b| over n values */
 double kf_max_abs_diff(const float *a, const float *b, size_t n);
 double kf_max_abs(const float *a, size_t n);
