@@ -427,6 +427,46 @@ hid_t kvf_h5_type(kvf_dtype d) {
     return t;
 }
 
+/* x mod 65535 kept in 1..65535 for nonzero x, as one's-complement folding leaves it */
+static inline uint64_t fold16(uint64_t x) {
+    return x ? (x - 1) % 65535 + 1 : 0;
+}
+
+uint32_t kvf_fletcher32(const void *data, size_t n) {
+    const unsigned char *p = data;
+    uint64_t s1 = 0, s2 = 0;
+    size_t words = n / 2;
+    while (words > 0) {
+        /* 64-bit sums: a fold every 2^16 words keeps s2 below 2^50 */
+        size_t k = words < ((size_t)1 << 16) ? words : (size_t)1 << 16;
+        words -= k;
+        size_t i = 0;
+        /* 64 words a step as a plain sum and a weighted sum (32-bit, below 2^28), which the
+         * compiler vectorizes; word by word, s2 += s1 is one long chain of adds */
+        for (; i + 64 <= k; i += 64, p += 128) {
+            uint32_t a = 0, b = 0;
+            for (uint32_t j = 0; j < 64; j++) {
+                uint32_t w = (uint32_t)p[2 * j] << 8 | p[2 * j + 1];
+                a += w;
+                b += (64 - j) * w;
+            }
+            s2 += 64 * s1 + b;
+            s1 += a;
+        }
+        for (; i < k; i++, p += 2) {
+            s1 += (uint64_t)p[0] << 8 | p[1];
+            s2 += s1;
+        }
+        s1 = fold16(s1);
+        s2 = fold16(s2);
+    }
+    if (n & 1) {
+        s1 = fold16(s1 + ((uint64_t)p[0] << 8));
+        s2 = fold16(s2 + s1);
+    }
+    return (uint32_t)(s2 << 16 | s1);
+}
+
 hid_t kvf_h5_fapl(void) {
     hid_t fapl = H5Pcreate(H5P_FILE_ACCESS);
     if (fapl >= 0)

@@ -5,6 +5,7 @@
 #include <hdf5.h>
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "formats/kvf.h"
 
@@ -29,6 +30,11 @@ void kvf_convert_from(kvf_dtype d, const void *src, float *dst, size_t n);
 /* Checks every header field the format constrains (not the version); msg names path. */
 kf_status kvf_header_check(const kvf_header *h, const char *path, kf_error *err);
 bool kvf_is_hex(const char *s, size_t len);
+
+/* The Fletcher32 sum HDF5's filter appends to each chunk (stored little-endian after the data):
+ * bytes taken in big-endian pairs, a lone last byte as the high half, both sums folded into
+ * 1..65535 (0 only for all-zero input). Matched against the library in test_kvf. */
+uint32_t kvf_fletcher32(const void *data, size_t n);
 
 /* File access properties: file locking off (the files never change once renamed). */
 hid_t kvf_h5_fapl(void);

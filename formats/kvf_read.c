@@ -17,6 +17,10 @@ struct kvf_file {
     hid_t etype;     /* keys/values element type in memory (== the file's) */
     kvf_header hdr;
     void *scratch;   /* [C, kv_heads, head_dim] in dtype, for conversions and diagnosis */
+    /* for read_direct: which of keys/values have exactly the [fletcher32] pipeline; one stored
+     * chunk (data + sum) for the last chunk of a read */
+    bool direct[2];
+    unsigned char *chunkbuf;
 };
 
 void kvf_close(kvf_file *f) {
@@ -30,6 +34,7 @@ void kvf_close(kvf_file *f) {
     if (f->f >= 0)
         H5Fclose(f->f);
     free(f->scratch);
+    free(f->chunkbuf);
     free(f->path);
     free(f);
 }
@@ -303,6 +308,14 @@ static kf_status open_dataset(kvf_file *f, int which, kf_error *err) {
             goto out;
         }
     }
+    if (which <= DS_VALUES) {
+        /* read_direct skips HDF5's pipeline, so only where it is exactly [fletcher32] */
+        unsigned fl2 = 0;
+        size_t n0 = 0;
+        f->direct[which] =
+            H5Pget_nfilters(p) == 1 && H5Pget_filter2(p, 0, &fl2, &n0, NULL, 0, NULL, NULL) == H5Z_FILTER_FLETCHER32;
+        H5Eclear2(H5E_DEFAULT);
+    }
     f->ds[which] = d;
     d = -1;
 out:
@@ -316,6 +329,10 @@ out:
         H5Dclose(d);
     H5Tclose(want_t);
     return st;
+}
+
+static size_t chunk_bytes(const kvf_file *f) {
+    return (size_t)KVF_BLOCK * (size_t)f->hdr.kv_heads * (size_t)f->hdr.head_dim * kvf_dtype_size(f->hdr.dtype);
 }
 
 kf_status kvf_open(const char *path, kvf_file **out, kf_error *err) {
@@ -368,7 +385,7 @@ kf_status kvf_open(const char *path, kvf_file **out, kf_error *err) {
             goto fail;
     const size_t layer_bytes = (size_t)f->hdr.n_tokens * (size_t)f->hdr.kv_heads * (size_t)f->hdr.head_dim *
                                kvf_dtype_size(f->hdr.dtype);
-    if (!(f->scratch = malloc(layer_bytes))) {
+    if (!(f->scratch = malloc(layer_bytes)) || !(f->chunkbuf = malloc(chunk_bytes(f) + 4))) {
         st = kf_fail(err, KF_ERR_NOMEM, "%s: out of memory for a layer (%zu bytes)", path, layer_bytes);
         goto fail;
     }
@@ -423,6 +440,42 @@ static herr_t read_slab(kvf_file *f, int which, int layer, int64_t t0, int64_t n
     return rc;
 }
 
+/* Reads blocks [b0, b1) of one layer into out (raw dtype, slot b0 * 16 first) past HDF5's filter
+ * pipeline, whose per-chunk cost is several times the read itself: H5Dread_chunk gives the stored
+ * bytes (data, then the 4-byte sum) and the Fletcher32 check is done here. A chunk lands straight
+ * in out, its sum spilling into the next chunk's place (checked before that chunk is read); the
+ * last one, whose sum would fall past out, goes through chunkbuf. Returns false whenever anything
+ * is not as expected (a filter skipped, an odd size, a bad sum): the caller then reads through
+ * H5Dread, which reports what is wrong in its usual words. Only out and chunkbuf are touched. */
+static bool read_direct(kvf_file *f, int which, int layer, int64_t b0, int64_t b1, void *out) {
+    if (!f->direct[which])
+        return false;
+    const size_t cb = chunk_bytes(f), row = cb / KVF_BLOCK;
+    const hid_t d = f->ds[which];
+    for (int64_t b = b0; b < b1; b++) {
+        hsize_t coord[4] = {(hsize_t)layer, (hsize_t)(b * KVF_BLOCK), 0, 0}, size = 0;
+        uint32_t mask = 1;
+        int64_t nt = f->hdr.n_tokens - b * KVF_BLOCK, next_nt = nt - KVF_BLOCK;
+        nt = nt < KVF_BLOCK ? nt : KVF_BLOCK;
+        /* aside when the sum has no room in out: the last chunk, or one before a tiny last block */
+        const bool aside = b == b1 - 1 || (size_t)(next_nt < KVF_BLOCK ? next_nt : KVF_BLOCK) * row < 4;
+        unsigned char *dst = aside ? f->chunkbuf : (unsigned char *)out + (size_t)(b - b0) * cb;
+        /* the size first: H5Dread_chunk writes the whole stored chunk */
+        if (H5Dget_chunk_storage_size(d, coord, &size) < 0 || size != cb + 4 ||
+            H5Dread_chunk(d, H5P_DEFAULT, coord, &mask, dst) < 0 || mask != 0) {
+            H5Eclear2(H5E_DEFAULT);
+            return false;
+        }
+        const unsigned char *t = dst + cb;
+        if (kvf_fletcher32(dst, cb) !=
+            ((uint32_t)t[0] | (uint32_t)t[1] << 8 | (uint32_t)t[2] << 16 | (uint32_t)t[3] << 24))
+            return false;
+        if (aside)
+            memcpy((unsigned char *)out + (size_t)(b - b0) * cb, f->chunkbuf, (size_t)nt * row);
+    }
+    return true;
+}
+
 static kf_status block_error(kvf_file *f, int which, int layer, int64_t b, const char *m, bool checksum,
                              kf_error *err) {
     int64_t t0 = b * KVF_BLOCK, t1 = t0 + KVF_BLOCK;
@@ -446,7 +499,7 @@ static kf_status check_args(kvf_file *f, int layer, kvf_which which, const void 
 kf_status kvf_read_layer_raw(kvf_file *f, int layer, kvf_which which, void *out, kf_error *err) {
     KF_TRY(check_args(f, layer, which, out, err));
     const int ds = which == KVF_KEYS ? DS_KEYS : DS_VALUES;
-    if (read_slab(f, ds, layer, 0, f->hdr.n_tokens, out) >= 0)
+    if (read_direct(f, ds, layer, 0, kvf_n_blocks(f), out) || read_slab(f, ds, layer, 0, f->hdr.n_tokens, out) >= 0)
         return KF_OK;
     char m[300];
     bool checksum;
@@ -482,7 +535,7 @@ kf_status kvf_read_block_raw(kvf_file *f, int layer, int64_t block, kvf_which wh
     int64_t nt = f->hdr.n_tokens - block * KVF_BLOCK;
     if (nt > KVF_BLOCK)
         nt = KVF_BLOCK;
-    if (read_slab(f, ds, layer, block * KVF_BLOCK, nt, out) < 0) {
+    if (!read_direct(f, ds, layer, block, block + 1, out) && read_slab(f, ds, layer, block * KVF_BLOCK, nt, out) < 0) {
         char m[300];
         bool checksum;
         kvf_h5_take_error(m, sizeof m, &checksum, NULL);

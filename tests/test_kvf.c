@@ -18,6 +18,7 @@
 #include "compactor/fingerprint.h"
 #include "compactor/model.h"
 #include "formats/kvf.h"
+#include "formats/kvf_internal.h"
 #include "test_util.h"
 
 static const char kFp[] = "0123456789abcdef0123456789abcdef";
@@ -444,6 +445,120 @@ static void test_refuses_flipped_byte_in_a_chunk(void) {
     synth_free(&s);
 }
 
+/* kvf_fletcher32 against what HDF5's filter stores: each case is one chunk of a uint8 dataset,
+ * read back raw with H5Dread_chunk (data then the 4-byte sum). */
+static void test_fletcher32_matches_hdf5(void) {
+    enum { BIG = 300001 }; /* odd, and past the folding points of both implementations */
+    unsigned char *big = malloc(BIG + 4);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(big);
+    uint64_t x = 88172645463325252ull;
+    for (size_t i = 0; i < BIG; i++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        big[i] = (unsigned char)x;
+    }
+    static unsigned char ones[BIG];
+    memset(ones, 0xff, sizeof ones);
+    static const unsigned char ffff[2] = {0xff, 0xff}, zeros[64] = {0}, one[3] = {1, 2, 3};
+    const struct {
+        const unsigned char *p;
+        size_t n;
+    } cases[] = {{big, 4096}, {big, 4097}, {big, BIG}, {ones, BIG}, {ones, 1000},
+                 {ffff, 2},   {zeros, 64}, {one, 3},   {one, 1},    {big + 1, 32768}};
+    const char *path = kf_test_write_file("fletcher.h5", "", 0);
+    hid_t fid = H5Fcreate(path, H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+    CU_ASSERT_FATAL(fid >= 0);
+    unsigned char *raw = malloc(BIG + 8);
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        hsize_t n = cases[c].n, zero = 0;
+        hid_t sp = H5Screate_simple(1, &n, NULL), dcpl = H5Pcreate(H5P_DATASET_CREATE);
+        H5Pset_chunk(dcpl, 1, &n);
+        H5Pset_fletcher32(dcpl);
+        char name[16];
+        snprintf(name, sizeof name, "d%zu", c);
+        hid_t d = H5Dcreate2(fid, name, H5T_NATIVE_UCHAR, sp, H5P_DEFAULT, dcpl, H5P_DEFAULT);
+        CU_ASSERT_FATAL(d >= 0);
+        CU_ASSERT(H5Dwrite(d, H5T_NATIVE_UCHAR, H5S_ALL, H5S_ALL, H5P_DEFAULT, cases[c].p) >= 0);
+        H5Dflush(d);
+        hsize_t stored = 0;
+        uint32_t mask = 1;
+        CU_ASSERT(H5Dget_chunk_storage_size(d, &zero, &stored) >= 0);
+        CU_ASSERT_EQUAL_FATAL(stored, n + 4);
+        CU_ASSERT_FATAL(H5Dread_chunk(d, H5P_DEFAULT, &zero, &mask, raw) >= 0);
+        CU_ASSERT_EQUAL(mask, 0);
+        CU_ASSERT(memcmp(raw, cases[c].p, n) == 0);
+        const unsigned char *t = raw + n;
+        uint32_t stored_sum = (uint32_t)t[0] | (uint32_t)t[1] << 8 | (uint32_t)t[2] << 16 | (uint32_t)t[3] << 24;
+        uint32_t mine = kvf_fletcher32(cases[c].p, n);
+        CU_ASSERT_EQUAL(mine, stored_sum);
+        if (mine != stored_sum)
+            fprintf(stderr, "case %zu (%llu bytes): HDF5 stored %08x, kvf_fletcher32 %08x\n", c, (unsigned long long)n,
+                    stored_sum, mine);
+        H5Dclose(d);
+        H5Pclose(dcpl);
+        H5Sclose(sp);
+    }
+    H5Fclose(fid);
+    free(raw);
+    free(big);
+}
+
+/* The direct chunk reads against HDF5's H5Dread of the same slots, into buffers of the exact size
+ * (the sanitizer build sees any write past them): a tiny row (one bf16) with a one-slot last block,
+ * whose chunk sum must not spill into out, and an ordinary shape. */
+static void test_direct_reads_match_h5dread(void) {
+    const struct {
+        int H, D;
+        int64_t C;
+        kvf_dtype dt;
+    } shapes[] = {{1, 1, 17, KVF_BF16}, {1, 1, 33, KVF_F16}, {2, 8, 37, KVF_F32}, {1, 2, 16, KVF_BF16}};
+    for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
+        synth s;
+        synth_make(&s, 2, shapes[k].H, shapes[k].D, shapes[k].C, shapes[k].dt, KVF_METHOD_AM, 300 + k);
+        const char *path = cache_file("direct", &s);
+        write_ok(path, &s);
+        const size_t row = (size_t)shapes[k].H * (size_t)shapes[k].D * kvf_dtype_size(shapes[k].dt),
+                     lb = (size_t)shapes[k].C * row;
+        unsigned char *want = malloc(lb), *got = malloc(lb), *blk = malloc(16 * row);
+        hid_t fapl = H5Pcreate(H5P_FILE_ACCESS);
+        H5Pset_file_locking(fapl, 0, 1); /* as kvf_open, which the same process does too */
+        hid_t fid = H5Fopen(path, H5F_ACC_RDONLY, fapl);
+        H5Pclose(fapl);
+        kvf_file *f = open_ok(path);
+        for (int w = 0; w < 2; w++)
+            for (int l = 0; l < 2; l++) {
+                hid_t d = H5Dopen2(fid, w ? "values" : "keys", H5P_DEFAULT), t = H5Dget_type(d);
+                hid_t fs = H5Dget_space(d);
+                hsize_t start[4] = {(hsize_t)l, 0, 0, 0},
+                        count[4] = {1, (hsize_t)shapes[k].C, (hsize_t)shapes[k].H, (hsize_t)shapes[k].D};
+                hid_t ms = H5Screate_simple(4, count, NULL);
+                H5Sselect_hyperslab(fs, H5S_SELECT_SET, start, NULL, count, NULL);
+                CU_ASSERT(H5Dread(d, t, ms, fs, H5P_DEFAULT, want) >= 0);
+                H5Sclose(ms);
+                H5Sclose(fs);
+                H5Tclose(t);
+                H5Dclose(d);
+                kf_error err = {0};
+                kvf_which which = w ? KVF_VALUES : KVF_KEYS;
+                CU_ASSERT_EQUAL(kvf_read_layer_raw(f, l, which, got, &err), KF_OK);
+                CU_ASSERT(memcmp(got, want, lb) == 0);
+                for (int64_t b = 0; b < kvf_n_blocks(f); b++) {
+                    int nt = 0;
+                    CU_ASSERT_EQUAL(kvf_read_block_raw(f, l, b, which, blk, &nt, &err), KF_OK);
+                    CU_ASSERT(nt == (shapes[k].C - 16 * b < 16 ? shapes[k].C - 16 * b : 16));
+                    CU_ASSERT(memcmp(blk, want + (size_t)b * 16 * row, (size_t)nt * row) == 0);
+                }
+            }
+        kf_error err = {0};
+        CU_ASSERT_EQUAL(kvf_verify(f, &err), KF_OK);
+        kvf_close(f);
+        H5Fclose(fid);
+        free(want);
+        free(got);
+        free(blk);
+        synth_free(&s);
+    }
+}
+
 /* Edits a valid file with HDF5 directly. */
 static const char *edited_copy(const char *dirname, int what) {
     synth s;
@@ -788,6 +903,8 @@ static CU_TestInfo tests[] = {
     {"refuses another model's file", test_refuses_another_model},
     {"refuses a truncated file", test_refuses_truncated_file},
     {"refuses a flipped byte inside a chunk", test_refuses_flipped_byte_in_a_chunk},
+    {"Fletcher32 sums match HDF5's filter", test_fletcher32_matches_hdf5},
+    {"direct chunk reads match H5Dread", test_direct_reads_match_h5dread},
     {"refuses unknown version, missing dataset/attribute, bad shape", test_refuses_unknown_version_and_missing_parts},
     {"a killed writer leaves only a temporary file", test_killed_writer_leaves_only_a_temp_file},
     {"concurrent writers never expose a partial file", test_concurrent_writers_never_expose_a_partial_file},
