@@ -48,6 +48,7 @@ void kf_compacted_free(kf_compacted *c) {
     free(c->values);
     free(c->beta);
     free(c->u);
+    free(c->var_gain);
     free(c->positions);
     memset(c, 0, sizeof *c);
 }
@@ -303,6 +304,7 @@ kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_pro
     out->values = malloc(sizeof(float) * (size_t)L * C * row);
     out->beta = calloc((size_t)L * kvh * C, sizeof(float));
     out->u = calloc((size_t)L * kvh * d, sizeof(float));
+    out->var_gain = calloc((size_t)L * kvh, sizeof(float));
     out->positions = malloc(sizeof(int32_t) * (size_t)L * kvh * C);
     K = malloc(sizeof(float) * (size_t)D * row);
     V = malloc(sizeof(float) * (size_t)D * row);
@@ -381,6 +383,7 @@ kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_pro
                     kstride = d;
                     folded++;
                     var_sum += fi.var_gain;
+                    out->var_gain[l * kvh + g] = (float)fi.var_gain;
                 } else if (rc == KF_OK) {
                     method = KF_METHOD_DROP; /* no fold direction: compact this head as drop */
                     out->stats.fold_fallback_heads++;

@@ -90,6 +90,7 @@ typedef struct {
     float *beta;          /* [n_layers, kv_heads, C]; zeros except for am */
     float *u;             /* [n_layers, kv_heads, head_dim]; zeros except for fold */
     int32_t *positions;   /* [n_layers, kv_heads, C] original positions, -1 for padding */
+    float *var_gain;      /* [n_layers, kv_heads] var(q.u) over the fold's queries; 0 unless folded */
     kf_compact_stats stats;
 } kf_compacted;
 

@@ -191,7 +191,9 @@ static double kl_rows(const float *lp, const float *lq, int rows, int V, const i
 }
 
 kf_status kf_quality_measure(kf_model *m, const kf_reference *r, kf_compacted *c, kf_quality *out, kf_error *err) {
+    double *head_lse = out->head_lse_err, *head_out = out->head_out_err;
     memset(out, 0, sizeof *out);
+    out->head_lse_err = head_lse, out->head_out_err = head_out;
     const int V = r->V, L = r->L, kvh = r->kvh, d = r->d, G = r->nh / r->kvh;
     const size_t row = (size_t)kvh * d;
     if (c->n_prefix || c->n_suffix || c->D != r->doc.n)
@@ -296,6 +298,10 @@ kf_status kf_quality_measure(kf_model *m, const kf_reference *r, kf_compacted *c
                 out->lse_err += lse / r->n_qa;
                 out->out_err += oe / r->n_qa;
             }
+            if (head_lse)
+                head_lse[l * kvh + g] = r->n_qa ? lse / r->n_qa : 0;
+            if (head_out)
+                head_out[l * kvh + g] = r->n_qa ? oe / r->n_qa : 0;
             out->n_heads++;
         }
     if (out->n_heads) {

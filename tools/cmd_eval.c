@@ -36,6 +36,7 @@ static const char kHelp[] =
     "                       evaluated (question + answer, built from the document's record lines)\n"
     "  --fold-queries W     all | probes: the queries the fold direction u is fitted on (default all)\n"
     "  --lambda X           fold ridge, relative to tr(Sigma)/d (default 0.01)\n"
+    "  --per-head FILE      also write every head's lse_err, out_err and var(q.u) as TSV rows\n"
     "  --head-budgets FILE  per-head shares in AM's JSON form {\"L<layer>H<head>\": share}; C is set\n"
     "                       by the largest head, am pads the others with slots of bias -inf\n"
     "  --max-queries N      pooled reference queries per KV head (default 50000)\n"
@@ -199,9 +200,9 @@ int cmd_eval(int argc, char **argv) {
         {"format", required_argument, 0, 'f'},  {"limit", required_argument, 0, 'l'},
         {"fold-queries", required_argument, 0, 'F'}, {"lambda", required_argument, 0, 'L'},
         {"max-queries", required_argument, 0, 'Q'}, {"chunk", required_argument, 0, 'c'},
-        {"head-budgets", required_argument, 0, 'H'},
+        {"head-budgets", required_argument, 0, 'H'}, {"per-head", required_argument, 0, 'P'},
         CLI_PREFILL_OPTIONS, {0, 0, 0, 0}};
-    const char *head_budgets = NULL;
+    const char *head_budgets = NULL, *per_head_path = NULL;
     const char *model_dir = NULL, *docs = NULL, *methods_s = "keep,drop,am,fold", *budgets_s = "0.25,0.1";
     long long probes = 0, limit = 1 << 30, maxq = 50000;
     int tsv = 0;
@@ -246,6 +247,7 @@ int cmd_eval(int argc, char **argv) {
             break;
         }
         case 'H': head_budgets = optarg; break;
+        case 'P': per_head_path = optarg; break;
         case 'c':
             if (cli_parse_int(optarg, 1, 1 << 24, &chunk))
                 return cli_usage_error("eval quality", "--chunk must be a positive count, not '%s'", optarg);
@@ -307,6 +309,22 @@ int cmd_eval(int argc, char **argv) {
         }
         base.head_budgets = shares;
     }
+    /* per-head diagnostics, one TSV row per (document, method, budget, layer, KV head) */
+    const int n_heads = kf_model_config(m)->n_layers * kf_model_config(m)->n_kv_heads;
+    double *head_lse = calloc((size_t)n_heads, sizeof(double)), *head_out = calloc((size_t)n_heads, sizeof(double));
+    FILE *per_head = per_head_path ? fopen(per_head_path, "w") : NULL;
+    if (per_head_path && !per_head) {
+        cli_error("eval quality", "%s: cannot write", per_head_path);
+        free(head_lse);
+        free(head_out);
+        free(shares);
+        fclose(f);
+        kf_model_free(m);
+        b->destroy(b);
+        return KF_EXIT_FAIL;
+    }
+    if (per_head)
+        fprintf(per_head, "line\tmethod\tbudget\tlayer\tkv_head\tlse_err\tout_err\tvar_gain\n");
     const int n_cfg = n_methods * n_budgets;
     kf_quality *sum = calloc((size_t)n_cfg, sizeof *sum);
     double *var_gain = calloc((size_t)n_cfg, sizeof *var_gain);
@@ -347,7 +365,7 @@ int cmd_eval(int argc, char **argv) {
                 p.probes = pr;
                 p.n_probes = d.n_probes;
                 kf_compacted c;
-                kf_quality q;
+                kf_quality q = {.head_lse_err = head_lse, .head_out_err = head_out};
                 if (kf_compact(m, NULL, &doc, NULL, &p, &c, &err) != KF_OK ||
                     kf_quality_measure(m, ref, &c, &q, &err) != KF_OK) {
                     cli_error("eval quality", "%s:%d: %s", docs, lineno, err.msg);
@@ -355,6 +373,9 @@ int cmd_eval(int argc, char **argv) {
                     continue;
                 }
                 kf_quality_add(&sum[mi * n_budgets + bi], &q);
+                for (int h = 0; per_head && h < n_heads; h++)
+                    fprintf(per_head, "%d\t%s\t%g\t%d\t%d\t%.5f\t%.5f\t%.5f\n", lineno, kf_method_name(methods[mi]),
+                            budgets[bi], h / c.kv_heads, h % c.kv_heads, head_lse[h], head_out[h], c.var_gain[h]);
                 var_gain[mi * n_budgets + bi] += c.stats.mean_var_gain;
                 fallbacks[mi * n_budgets + bi] += c.stats.fold_fallback_heads;
                 kf_compacted_free(&c);
@@ -395,6 +416,10 @@ int cmd_eval(int argc, char **argv) {
         if (!tsv)
             printf("%d documents, %lld probes each (at most), %.1f s\n", n_docs, probes, cli_now() - t0);
     }
+    if (per_head)
+        fclose(per_head);
+    free(head_lse);
+    free(head_out);
     free(shares);
     free(sum);
     free(var_gain);
