@@ -190,10 +190,9 @@ static double kl_rows(const float *lp, const float *lq, int rows, int V, const i
     return total;
 }
 
-kf_status kf_quality_measure(kf_model *m, const kf_reference *r, kf_compacted *c, kf_quality *out, kf_error *err) {
-    double *head_lse = out->head_lse_err, *head_out = out->head_out_err;
+kf_status kf_quality_measure(kf_model *m, const kf_reference *r, kf_compacted *c, kf_quality *out,
+                             double *head_lse, double *head_out, kf_error *err) {
     memset(out, 0, sizeof *out);
-    out->head_lse_err = head_lse, out->head_out_err = head_out;
     const int V = r->V, L = r->L, kvh = r->kvh, d = r->d, G = r->nh / r->kvh;
     const size_t row = (size_t)kvh * d;
     if (c->n_prefix || c->n_suffix || c->D != r->doc.n)

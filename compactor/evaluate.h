@@ -27,8 +27,6 @@ typedef struct {
 typedef struct {
     double kl_repeat, kl_answer, copy_acc, qa_em, lse_err, out_err;
     int64_t n_repeat, n_answer, n_questions, n_heads;
-    double *head_lse_err; /* optional, caller-owned [n_layers * kv_heads]: filled when not NULL */
-    double *head_out_err;
 } kf_quality;
 
 typedef struct kf_reference kf_reference;
@@ -38,8 +36,10 @@ kf_status kf_reference_build(kf_model *m, const kf_prompt *doc, const kf_prompt 
 void kf_reference_free(kf_reference *r);
 
 /* c must come from kf_compact on the same document (no prefix/suffix); its frame is restored.
- * out->head_lse_err / head_out_err, when set by the caller, receive the per-head diagnostics. */
-kf_status kf_quality_measure(kf_model *m, const kf_reference *r, kf_compacted *c, kf_quality *out, kf_error *err);
+ * head_lse_err and head_out_err ([n_layers * kv_heads], may be NULL) receive the per-head
+ * diagnostics that out averages. */
+kf_status kf_quality_measure(kf_model *m, const kf_reference *r, kf_compacted *c, kf_quality *out,
+                             double *head_lse_err, double *head_out_err, kf_error *err);
 
 /* Accumulate (sum) and average helpers for tables over documents. */
 void kf_quality_add(kf_quality *sum, const kf_quality *x);

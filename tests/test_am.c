@@ -656,7 +656,7 @@ static void test_records_lse_ordering(void) {
         kf_compacted c;
         CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &c, &err), KF_OK);
         kf_quality qm;
-        CU_ASSERT_EQUAL_FATAL(kf_quality_measure(g_m, ref, &c, &qm, &err), KF_OK);
+        CU_ASSERT_EQUAL_FATAL(kf_quality_measure(g_m, ref, &c, &qm, NULL, NULL, &err), KF_OK);
         lse[method] = qm.lse_err;
         printf("\n    %-4s lse_err %.3f out_err %.3f kl_answer %.3f kl_repeat %.3f copy %.2f em %.2f",
                kf_method_name((kf_method)method), qm.lse_err, qm.out_err, qm.kl_answer, qm.kl_repeat, qm.copy_acc,

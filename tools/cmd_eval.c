@@ -365,9 +365,9 @@ int cmd_eval(int argc, char **argv) {
                 p.probes = pr;
                 p.n_probes = d.n_probes;
                 kf_compacted c;
-                kf_quality q = {.head_lse_err = head_lse, .head_out_err = head_out};
+                kf_quality q;
                 if (kf_compact(m, NULL, &doc, NULL, &p, &c, &err) != KF_OK ||
-                    kf_quality_measure(m, ref, &c, &q, &err) != KF_OK) {
+                    kf_quality_measure(m, ref, &c, &q, head_lse, head_out, &err) != KF_OK) {
                     cli_error("eval quality", "%s:%d: %s", docs, lineno, err.msg);
                     rc = KF_EXIT_FAIL;
                     continue;
