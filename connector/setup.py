@@ -1,5 +1,8 @@
 """Builds kvfold._kvfold (see pyproject.toml): the C extension from the project's own sources.
 
+pip runs this from the repository root through connector/build_backend.py (the top level of the
+repository holds no setup.py), so the paths below are relative to the root.
+
 Compiler and linker flags of hdf5-serial and libxxhash come from pkg-config; nothing is downloaded.
 """
 import re
@@ -9,7 +12,7 @@ from pathlib import Path
 
 from setuptools import Extension, setup
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent  # the repository root
 
 
 def pkg_config(*args: str) -> list:
