@@ -20,14 +20,16 @@
 
 #define TILE_Q 128
 
-static int grow(float **buf, size_t *cap, size_t need) {
-    if (need <= *cap)
+/* Grows a scratch buffer to hold n elements of elem bytes; 0, or -1 when out of memory (the
+ * buffer is then unchanged). Shared by the kernels that keep scratch between calls. */
+int kf_cpu_grow(void **buf, size_t *cap, size_t n, size_t elem) {
+    if (n <= *cap)
         return 0;
-    float *nb = realloc(*buf, need * sizeof(float));
+    void *nb = realloc(*buf, n * elem);
     if (!nb)
         return -1;
     *buf = nb;
-    *cap = need;
+    *cap = n;
     return 0;
 }
 
@@ -57,7 +59,7 @@ int kf_cpu_attention(kf_cpu_attn_scratch *s, const kf_attn_args *a) {
         if (!s->kv_cap)
             return -1;
     }
-    if (grow(&s->scores, &s->scores_cap, (size_t)TILE_Q * nk) != 0)
+    if (kf_cpu_grow((void **)&s->scores, &s->scores_cap, (size_t)TILE_Q * nk, sizeof(float)) != 0)
         return -1;
 
     const int n_pages = (nk + KF_PAGE_TOKENS - 1) / KF_PAGE_TOKENS;

@@ -32,6 +32,9 @@ void kf_cpu_add(float *y, const float *x, int rows, int n);
 void kf_cpu_kv_store(const kf_paged_kv *kv, const int32_t *pages, int64_t first_slot, int n, const float *k,
                      const float *v);
 
+/* *buf grows to n elements of elem bytes (capacity *cap in elements); 0, or -1 when out of memory. */
+int kf_cpu_grow(void **buf, size_t *cap, size_t n, size_t elem);
+
 /* Scratch memory the attention kernel reuses between calls (one per thread of control). */
 typedef struct {
     float *kbuf, *vbuf;  /* [n_keys, kv_heads, head_dim] gathered from pages */

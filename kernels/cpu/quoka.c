@@ -16,17 +16,6 @@
 
 #define QK_EPS 1e-6f /* floor on norms: a zero vector gets cosine 0, never NaN */
 
-static int grow(void **buf, size_t *cap, size_t n, size_t elem) {
-    if (n <= *cap)
-        return 0;
-    void *nb = realloc(*buf, n * elem);
-    if (!nb)
-        return -1;
-    *buf = nb;
-    *cap = n;
-    return 0;
-}
-
 void kf_cpu_quoka_scratch_free(kf_cpu_quoka_scratch *s) {
     free(s->mean);
     free(s->keys);
@@ -123,11 +112,11 @@ int kf_cpu_quoka_select(kf_cpu_quoka_scratch *s, const kf_quoka_select_args *a) 
     /* a chunk no longer than N_Q keeps every query, in position order (Algorithm 1, step 1) */
     const int n_keep = nq > a->n_keep ? a->n_keep : nq;
     const size_t row = (size_t)kvh * hd;
-    if (grow((void **)&s->mean, &s->mean_cap, (size_t)hd, sizeof(double)) ||
-        grow((void **)&s->keys, &s->keys_cap, (size_t)(nq > nt ? nq : nt), sizeof(uint32_t)) ||
-        grow((void **)&s->kept, &s->kept_cap, (size_t)nh * n_keep, sizeof(int32_t)) ||
-        grow((void **)&s->qbar, &s->qbar_cap, (size_t)kvh * n_keep * hd, sizeof(float)) ||
-        grow((void **)&s->score, &s->score_cap, (size_t)kvh * nt, sizeof(float)))
+    if (kf_cpu_grow((void **)&s->mean, &s->mean_cap, (size_t)hd, sizeof(double)) ||
+        kf_cpu_grow((void **)&s->keys, &s->keys_cap, (size_t)(nq > nt ? nq : nt), sizeof(uint32_t)) ||
+        kf_cpu_grow((void **)&s->kept, &s->kept_cap, (size_t)nh * n_keep, sizeof(int32_t)) ||
+        kf_cpu_grow((void **)&s->qbar, &s->qbar_cap, (size_t)kvh * n_keep * hd, sizeof(float)) ||
+        kf_cpu_grow((void **)&s->score, &s->score_cap, (size_t)kvh * nt, sizeof(float)))
         return -1;
 
     /* steps 1-2: kept queries per head, normalized, averaged rank by rank over each group */

@@ -14,17 +14,6 @@
 
 #include "kernels/cpu/cpu_kernels.h"
 
-static int grow(void **buf, size_t *cap, size_t n, size_t elem) {
-    if (n <= *cap)
-        return 0;
-    void *nb = realloc(*buf, n * elem);
-    if (!nb)
-        return -1;
-    *buf = nb;
-    *cap = n;
-    return 0;
-}
-
 void kf_cpu_sparse_scratch_free(kf_cpu_sparse_scratch *s) {
     free(s->k);
     free(s->v);
@@ -45,10 +34,10 @@ int kf_cpu_sparse_attention(kf_cpu_sparse_scratch *s, const kf_sparse_attn_args 
         return -1;
     const int n_pages = (nk + KF_PAGE_TOKENS - 1) / KF_PAGE_TOKENS;
     size_t kv_cap = s->kv_cap;
-    if (grow((void **)&s->k, &kv_cap, (size_t)n_pages * KF_PAGE_TOKENS * row, sizeof(float)) ||
-        grow((void **)&s->v, &s->kv_cap, (size_t)n_pages * KF_PAGE_TOKENS * row, sizeof(float)) ||
-        grow((void **)&s->pages, &s->pages_cap, (size_t)n_pages, sizeof(int32_t)) ||
-        (a->bias && grow((void **)&s->bias, &s->bias_cap, (size_t)kvh * nk, sizeof(float))))
+    if (kf_cpu_grow((void **)&s->k, &kv_cap, (size_t)n_pages * KF_PAGE_TOKENS * row, sizeof(float)) ||
+        kf_cpu_grow((void **)&s->v, &s->kv_cap, (size_t)n_pages * KF_PAGE_TOKENS * row, sizeof(float)) ||
+        kf_cpu_grow((void **)&s->pages, &s->pages_cap, (size_t)n_pages, sizeof(int32_t)) ||
+        (a->bias && kf_cpu_grow((void **)&s->bias, &s->bias_cap, (size_t)kvh * nk, sizeof(float))))
         return -1;
     for (int p = 0; p < n_pages; p++)
         s->pages[p] = p;
