@@ -50,6 +50,7 @@ typedef struct {
     int beta_fallbacks;  /* least-squares solves that needed the ridge path */
     int value_fallbacks;
     int failures;        /* solves that failed outright (result zero) */
+    int beta_restarts;   /* beta fits whose clamped least-squares start fitted worse than w = 1 */
 } kf_am_stats;
 
 kf_status kf_am_targets_compute(const kf_am_head *h, kf_score_method method, kf_am_targets *out, kf_error *err);

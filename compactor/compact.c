@@ -50,6 +50,7 @@ void kf_compacted_free(kf_compacted *c) {
     free(c->u);
     free(c->var_gain);
     free(c->positions);
+    free(c->head_method);
     memset(c, 0, sizeof *c);
 }
 

@@ -74,6 +74,7 @@ typedef struct {
     int64_t n_queries;          /* pooled queries per KV head */
     int fold_fallback_heads;    /* heads where mu^T a <= 0: compacted as `drop` */
     double mean_var_gain;       /* var(q.u) averaged over folded heads */
+    int heads_by_method[4];     /* (layer, KV head) pairs compacted with each kf_method */
     kf_am_stats solver;
 } kf_compact_stats;
 
@@ -91,6 +92,8 @@ typedef struct {
     float *u;             /* [n_layers, kv_heads, head_dim]; zeros except for fold */
     int32_t *positions;   /* [n_layers, kv_heads, C] original positions, -1 for padding */
     float *var_gain;      /* [n_layers, kv_heads] var(q.u) over the fold's queries; 0 unless folded */
+    uint8_t *head_method; /* [n_layers, kv_heads] the kf_method each head was compacted with, or NULL:
+                             every head used `method` (per-head choice fills it) */
     kf_compact_stats stats;
 } kf_compacted;
 
