@@ -9,8 +9,12 @@
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/fast_exp.h"
 #include "kernels/cpu/linalg.h"
+#include <lapacke.h>
 
 #define Q_TILE 256
+
+static float *design(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
+                     const float *beta, int t);
 
 void kf_am_targets_free(kf_am_targets *t) {
     free(t->m);
@@ -172,8 +176,82 @@ out:
     return rc;
 }
 
+int kf_box_lsq(const double *G, const double *b, int t, double lo, double hi, double tol, int max_sweeps, double *w) {
+    double scale = 0;
+    for (int j = 0; j < t; j++) {
+        w[j] = w[j] < lo ? lo : (w[j] > hi ? hi : w[j]);
+        scale = fabs(b[j]) > scale ? fabs(b[j]) : scale;
+    }
+    for (int sweep = 0; sweep < max_sweeps; sweep++) {
+        double worst = 0, gw_max = 0;
+        for (int j = 0; j < t; j++) {
+            const double *row = G + (size_t)j * t;
+            double gw = 0;
+            for (int c = 0; c < t; c++)
+                gw += row[c] * w[c];
+            gw_max = fabs(gw) > gw_max ? fabs(gw) : gw_max;
+            const double grad = gw - b[j];
+            /* projected gradient: zero at a bound the gradient pushes against */
+            const double pg = (w[j] <= lo && grad > 0) || (w[j] >= hi && grad < 0) ? 0 : fabs(grad);
+            worst = pg > worst ? pg : worst;
+            if (row[j] > 0) { /* exact minimisation along coordinate j, then projection */
+                double x = w[j] - grad / row[j];
+                w[j] = x < lo ? lo : (x > hi ? hi : x);
+            }
+        }
+        if (worst <= tol * (scale > gw_max ? scale : gw_max) || worst == 0)
+            return sweep + 1;
+    }
+    return max_sweeps + 1;
+}
+
+/* G = M^T M [t, t] (full) and b = M^T y in fp64. */
+static int normal_equations(const float *M, int R, int t, const float *y, double *G, double *b) {
+    double *Md = malloc(sizeof(double) * (size_t)R * t), *yd = malloc(sizeof(double) * (size_t)R);
+    if (!Md || !yd) {
+        free(Md);
+        free(yd);
+        return -1;
+    }
+    for (size_t i = 0; i < (size_t)R * t; i++)
+        Md[i] = M[i];
+    for (int i = 0; i < R; i++)
+        yd[i] = y[i];
+    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, t, R, 1.0, Md, t, 0.0, G, t);
+    for (int r = 0; r < t; r++)
+        for (int c = 0; c < r; c++)
+            G[(size_t)r * t + c] = G[(size_t)c * t + r];
+    cblas_dgemv(CblasRowMajor, CblasTrans, R, t, 1.0, Md, t, yd, 1, 0.0, b, 1);
+    free(Md);
+    free(yd);
+    return 0;
+}
+
 kf_status kf_am_fit_beta(const kf_am_head *h, const kf_am_targets *tg, const int32_t *sel, int t, uint64_t seed,
                          float *beta, kf_am_stats *stats, kf_error *err) {
+    return kf_am_fit_beta_ex(h, tg, sel, t, seed, KF_BETA_AM, beta, stats, err);
+}
+
+/* The converged box fit from the start w (in and out). */
+static kf_status box_refine(const float *M, int R, int t, const float *y, float lo, float hi, float *w,
+                            kf_error *err) {
+    double *G = malloc(sizeof(double) * (size_t)t * t), *b = malloc(sizeof(double) * (size_t)t);
+    double *wd = malloc(sizeof(double) * (size_t)t);
+    if (!G || !b || !wd || normal_equations(M, R, t, y, G, b) != 0) {
+        free(G), free(b), free(wd);
+        return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the box fit (t %d)", t);
+    }
+    for (int j = 0; j < t; j++)
+        wd[j] = w[j];
+    kf_box_lsq(G, b, t, lo, hi, 1e-9, KF_BOX_MAX_SWEEPS, wd);
+    for (int j = 0; j < t; j++)
+        w[j] = (float)wd[j];
+    free(G), free(b), free(wd);
+    return KF_OK;
+}
+
+kf_status kf_am_fit_beta_ex(const kf_am_head *h, const kf_am_targets *tg, const int32_t *sel, int t, uint64_t seed,
+                            kf_beta_fit fit, float *beta, kf_am_stats *stats, kf_error *err) {
     const int R = h->R, d = h->d;
     if (t == 0)
         return KF_OK;
@@ -211,22 +289,29 @@ kf_status kf_am_fit_beta(const kf_am_head *h, const kf_am_targets *tg, const int
     count_path(path, stats ? &stats->beta_fallbacks : NULL, stats);
     for (int j = 0; j < t; j++)
         w[j] = isnan(w[j]) ? 1.0f : (w[j] < lo ? lo : (w[j] > hi ? hi : w[j]));
-    /* keep the clamped start only if it beats w = 1 */
-    if (residual_sq(M, R, t, tg->y, w, r) > residual_sq(M, R, t, tg->y, NULL, r))
+    /* keep the clamped start only if it beats w = 1 (counted: issue 12 found it firing often) */
+    if (residual_sq(M, R, t, tg->y, w, r) > residual_sq(M, R, t, tg->y, NULL, r)) {
         for (int j = 0; j < t; j++)
             w[j] = 1.0f;
-    /* two projected-gradient steps on ||M w - y||^2 with step 1/L */
-    double L = kf_spectral_norm_sq(M, R, t, 3, seed);
-    if (!(L > 1e-6))
-        L = 1e-6;
-    for (int it = 0; it < 2; it++) {
-        for (int i = 0; i < R; i++)
-            r[i] = -tg->y[i];
-        cblas_sgemv(CblasRowMajor, CblasNoTrans, R, t, 1.0f, M, t, w, 1, 1.0f, r, 1);   /* r = M w - y */
-        cblas_sgemv(CblasRowMajor, CblasTrans, R, t, 1.0f, M, t, r, 1, 0.0f, g, 1);     /* g = M^T r */
-        for (int j = 0; j < t; j++) {
-            float x = w[j] - (float)(g[j] / L);
-            w[j] = x < lo ? lo : (x > hi ? hi : x);
+        if (stats)
+            stats->beta_restarts++;
+    }
+    if (fit == KF_BETA_BOX) {
+        rc = box_refine(M, R, t, tg->y, lo, hi, w, err);
+    } else {
+        /* two projected-gradient steps on ||M w - y||^2 with step 1/L */
+        double L = kf_spectral_norm_sq(M, R, t, 3, seed);
+        if (!(L > 1e-6))
+            L = 1e-6;
+        for (int it = 0; it < 2; it++) {
+            for (int i = 0; i < R; i++)
+                r[i] = -tg->y[i];
+            cblas_sgemv(CblasRowMajor, CblasNoTrans, R, t, 1.0f, M, t, w, 1, 1.0f, r, 1);   /* r = M w - y */
+            cblas_sgemv(CblasRowMajor, CblasTrans, R, t, 1.0f, M, t, r, 1, 0.0f, g, 1);     /* g = M^T r */
+            for (int j = 0; j < t; j++) {
+                float x = w[j] - (float)(g[j] / L);
+                w[j] = x < lo ? lo : (x > hi ? hi : x);
+            }
         }
     }
     for (int j = 0; j < t; j++)
@@ -245,9 +330,23 @@ kf_status kf_am_fit_values(const float *q, int R, int d, float scale, const floa
                            kf_error *err) {
     if (t == 0)
         return KF_OK;
-    float *X = malloc(sizeof(float) * (size_t)R * t); /* [R, t] */
+    float *X = design(q, R, d, scale, keys, key_stride, beta, t); /* [R, t] */
     if (!X)
         return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the value fit (R %d, t %d)", R, t);
+    int path = kf_lstsq(X, R, t, Y, d, values);
+    free(X);
+    if (path < 0)
+        return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory in least squares");
+    count_path(path, stats ? &stats->value_fallbacks : NULL, stats);
+    return KF_OK;
+}
+
+/* X = softmax_j(s q_i.k_j + beta_j) [R, t]; NULL when out of memory. */
+static float *design(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
+                     const float *beta, int t) {
+    float *X = malloc(sizeof(float) * (size_t)R * t);
+    if (!X)
+        return NULL;
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, R, t, d, scale, q, d, keys, (int)key_stride, 0.0f, X, t);
     for (int i = 0; i < R; i++) {
         float *x = X + (size_t)i * t;
@@ -257,10 +356,83 @@ kf_status kf_am_fit_values(const float *q, int R, int d, float scale, const floa
                 x[j] += beta[j];
         kf_cpu_softmax_row(x, t, NULL, NULL);
     }
-    int path = kf_lstsq(X, R, t, Y, d, values);
-    free(X);
-    if (path < 0)
-        return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory in least squares");
-    count_path(path, stats ? &stats->value_fallbacks : NULL, stats);
+    return X;
+}
+
+void kf_value_gram_free(kf_value_gram *g) {
+    free(g->G);
+    free(g->B);
+    memset(g, 0, sizeof *g);
+}
+
+kf_status kf_value_gram_build(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
+                              const float *beta, int t, const float *Y, kf_value_gram *out, kf_error *err) {
+    memset(out, 0, sizeof *out);
+    out->t = t, out->d = d;
+    float *X = design(q, R, d, scale, keys, key_stride, beta, t);
+    double *Xd = malloc(sizeof(double) * (size_t)R * t), *Yd = malloc(sizeof(double) * (size_t)R * d);
+    out->G = malloc(sizeof(double) * (size_t)t * t);
+    out->B = malloc(sizeof(double) * (size_t)t * d);
+    if (!X || !Xd || !Yd || !out->G || !out->B) {
+        free(X), free(Xd), free(Yd);
+        kf_value_gram_free(out);
+        return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the value refit's normal equations (R %d, t %d)", R, t);
+    }
+    for (size_t i = 0; i < (size_t)R * t; i++)
+        Xd[i] = X[i];
+    for (size_t i = 0; i < (size_t)R * d; i++)
+        Yd[i] = Y[i];
+    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, t, R, 1.0, Xd, t, 0.0, out->G, t);
+    for (int r = 0; r < t; r++)
+        for (int c = 0; c < r; c++)
+            out->G[(size_t)r * t + c] = out->G[(size_t)c * t + r];
+    cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, t, d, R, 1.0, Xd, t, Yd, d, 0.0, out->B, d);
+    out->tr = 0;
+    for (int j = 0; j < t; j++)
+        out->tr += out->G[(size_t)j * t + j];
+    free(X), free(Xd), free(Yd);
     return KF_OK;
+}
+
+kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float *v0, size_t v0_stride, float *values,
+                              kf_am_stats *stats, kf_error *err) {
+    const int t = g->t, d = g->d;
+    if (t == 0)
+        return KF_OK;
+    double *A = malloc(sizeof(double) * (size_t)t * t), *B = malloc(sizeof(double) * (size_t)t * d);
+    if (!A || !B) {
+        free(A), free(B);
+        return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the value refit (t %d)", t);
+    }
+    const double mu = (alpha > 1e-6 ? alpha : 1e-6) * (g->tr > 0 ? g->tr / t : 1.0);
+    memcpy(A, g->G, sizeof(double) * (size_t)t * t);
+    memcpy(B, g->B, sizeof(double) * (size_t)t * d);
+    for (int j = 0; j < t; j++) {
+        A[(size_t)j * t + j] += mu;
+        if (v0)
+            for (int c = 0; c < d; c++)
+                B[(size_t)j * d + c] += mu * v0[(size_t)j * v0_stride + c];
+    }
+    if (LAPACKE_dpotrf(LAPACK_ROW_MAJOR, 'U', t, A, t) != 0 || LAPACKE_dpotrs(LAPACK_ROW_MAJOR, 'U', t, d, A, t, B, d) != 0) {
+        memset(values, 0, sizeof(float) * (size_t)t * d);
+        if (stats)
+            stats->failures++;
+    } else {
+        for (size_t i = 0; i < (size_t)t * d; i++)
+            values[i] = (float)B[i];
+    }
+    free(A), free(B);
+    return KF_OK;
+}
+
+kf_status kf_am_fit_values_ridge(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
+                                 const float *beta, int t, const float *Y, double alpha, const float *v0,
+                                 size_t v0_stride, float *values, kf_am_stats *stats, kf_error *err) {
+    if (!(alpha > 0))
+        return kf_am_fit_values(q, R, d, scale, keys, key_stride, beta, t, Y, values, stats, err);
+    kf_value_gram g;
+    KF_TRY(kf_value_gram_build(q, R, d, scale, keys, key_stride, beta, t, Y, &g, err));
+    kf_status rc = kf_value_gram_solve(&g, alpha, v0, v0_stride, values, stats, err);
+    kf_value_gram_free(&g);
+    return rc;
 }

@@ -27,6 +27,12 @@
 
 typedef enum { KF_SCORE_RMS = 0, KF_SCORE_MEAN = 1 } kf_score_method;
 
+/* How beta is fitted: AM's reference (clamped least-squares start, then two projected-gradient
+ * steps), or the same start driven to convergence inside the box [e^-3, e^3] (fp64 coordinate
+ * descent until the KKT conditions hold to a relative 1e-9, at most KF_BOX_MAX_SWEEPS sweeps). */
+typedef enum { KF_BETA_AM = 0, KF_BETA_BOX = 1 } kf_beta_fit;
+#define KF_BOX_MAX_SWEEPS 2000
+
 typedef struct {
     const float *k;   /* [T, d], row stride k_stride */
     size_t k_stride;
@@ -59,14 +65,46 @@ void kf_am_targets_free(kf_am_targets *t);
 /* sel[t]: indices of the t highest scores, ascending. */
 kf_status kf_am_select(const float *score, int T, int t, int32_t *sel, kf_error *err);
 
-/* beta[t] for the kept keys sel (AM's mass matching). */
+/* beta[t] for the kept keys sel (AM's mass matching), fitted on the first h->R rows of the
+ * targets; kf_am_fit_beta is the reference fit (KF_BETA_AM). */
 kf_status kf_am_fit_beta(const kf_am_head *h, const kf_am_targets *tg, const int32_t *sel, int t, uint64_t seed,
                          float *beta, kf_am_stats *stats, kf_error *err);
+kf_status kf_am_fit_beta_ex(const kf_am_head *h, const kf_am_targets *tg, const int32_t *sel, int t, uint64_t seed,
+                            kf_beta_fit fit, float *beta, kf_am_stats *stats, kf_error *err);
+
+/* Box-constrained least squares from its normal equations: w = argmin w^T G w / 2 - b^T w with
+ * lo <= w <= hi, G [t, t] symmetric PSD (fp64, full), by cyclic coordinate descent from w (in and
+ * out, clamped first). Stops when every projected gradient is below tol * max(|b|, |G w|) or after
+ * max_sweeps. Returns the sweeps done (max_sweeps + 1 when not converged). */
+int kf_box_lsq(const double *G, const double *b, int t, double lo, double hi, double tol, int max_sweeps, double *w);
 
 /* values[t, d] = argmin ||X values - Y|| for keys[t, d] (row stride key_stride) and an optional
  * bias beta[t] (NULL: no bias). */
 kf_status kf_am_fit_values(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
                            const float *beta, int t, const float *Y, float *values, kf_am_stats *stats,
                            kf_error *err);
+
+/* Tikhonov-regularised value refit (issue 12):
+ *   values = argmin ||X values - Y||_F^2 + mu ||values - V0||_F^2,   mu = alpha * tr(X^T X) / t
+ * towards V0 [t, d] (row stride v0_stride; NULL: towards zero), i.e. (X^T X + mu I) values =
+ * X^T Y + mu V0 in fp64. alpha = 0 is kf_am_fit_values (least squares, QR). */
+kf_status kf_am_fit_values_ridge(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
+                                 const float *beta, int t, const float *Y, double alpha, const float *v0,
+                                 size_t v0_stride, float *values, kf_am_stats *stats, kf_error *err);
+
+/* The normal equations of one value refit, built once and solved for several alphas (the per-head
+ * choice). G = X^T X [t, t] (full), B = X^T Y [t, d], fp64. */
+typedef struct {
+    double *G, *B;
+    double tr; /* tr(G) */
+    int t, d;
+} kf_value_gram;
+
+kf_status kf_value_gram_build(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
+                              const float *beta, int t, const float *Y, kf_value_gram *out, kf_error *err);
+/* mu = max(alpha, 1e-6) * tr / t (the floor is the least-squares fallback's safety ridge). */
+kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float *v0, size_t v0_stride, float *values,
+                              kf_am_stats *stats, kf_error *err);
+void kf_value_gram_free(kf_value_gram *g);
 
 #endif
