@@ -5,6 +5,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "compactor/diag.h"
 #include "compactor/fold.h"
 #include "compactor/refq.h"
 #include "kernels/cpu/cpu_kernels.h"
@@ -32,6 +33,11 @@ kf_compact_params kf_compact_params_default(void) {
     p.lambda_rel = 1e-2;
     p.fold_queries = KF_FOLD_ON_ALL;
     p.max_queries = 50000;
+    p.beta_fit = KF_BETA_AM;
+    p.value_ridge = 0;
+    p.ridge_to = KF_RIDGE_TO_ORIG;
+    p.head_choice = KF_CHOICE_DEFAULT;
+    p.val_frac = 0.2;
     p.max_head_ratio = 0.75;
     p.quoka_margin = 16;
     return p;
@@ -95,6 +101,203 @@ static void head_budgets(const kf_compact_params *p, int n_heads, int T, int t, 
     free(capped);
 }
 
+
+/* ---- per-head choice (issue 12) ---- */
+
+static const double kAlphaGrid[] = {0, 1e-3, 1e-2, 1e-1};
+static const double kLambdaGrid[] = {0.1, 1, 10}; /* times lambda_rel */
+
+typedef struct {
+    kf_method method;
+    double lambda, alpha, err;
+} head_pick;
+
+/* The validation split of the sampled positions: n_val of them, probe positions first (drawn
+ * evenly when there are more than needed), then repeat positions; context rows never (they have
+ * no prompt of their own to append). is_val [n_pos] is filled; returns the count. */
+static int64_t pick_validation(int64_t n_pos, const uint8_t *kind, double frac, uint64_t seed, uint8_t *is_val) {
+    int64_t n_elig = 0;
+    memset(is_val, 0, (size_t)n_pos);
+    for (int64_t k = 0; k < n_pos; k++)
+        n_elig += kind[k] != KF_REFQ_CONTEXT;
+    int64_t want = (int64_t)llround(frac * (double)n_elig);
+    if (n_elig < 10 || want < 1 || want >= n_elig)
+        return 0; /* too few queries to split */
+    for (int pass = 0; pass < 2 && want > 0; pass++) { /* probes, then the rest */
+        int64_t n_cand = 0;
+        for (int64_t k = 0; k < n_pos; k++)
+            n_cand += kind[k] != KF_REFQ_CONTEXT && !is_val[k] && (pass == 1 || kind[k] == KF_REFQ_PROBE);
+        const int64_t take = want < n_cand ? want : n_cand;
+        int64_t *idx = malloc(sizeof(int64_t) * (size_t)(take ? take : 1));
+        if (!idx || kf_sample_indices(n_cand, take, seed + 77 + (uint64_t)pass, idx) != 0) {
+            free(idx);
+            memset(is_val, 0, (size_t)n_pos);
+            return -1;
+        }
+        int64_t c = 0, t = 0;
+        for (int64_t k = 0; k < n_pos && t < take; k++)
+            if (kind[k] != KF_REFQ_CONTEXT && !is_val[k] && (pass == 1 || kind[k] == KF_REFQ_PROBE)) {
+                if (idx[t] == c) {
+                    is_val[k] = 2; /* not a candidate again in this pass */
+                    t++;
+                }
+                c++;
+            }
+        want -= take;
+        free(idx);
+    }
+    int64_t n = 0;
+    for (int64_t k = 0; k < n_pos; k++)
+        n += (is_val[k] = is_val[k] ? 1 : 0);
+    return n;
+}
+
+/* out [t, d] = the kept keys folded along u (fitted on q [R, d] with lambda); fi->ok = 0: none. */
+static kf_status fold_selection(const float *q, int R, int d, float scale, double lambda, const float *kc,
+                                const float *beta, int t, float *u, float *out, kf_fold_info *fi, kf_error *err) {
+    KF_TRY(kf_fold_direction(q, R, d, lambda, u, fi, err));
+    if (fi->ok)
+        kf_fold_keys(kc, d, beta, t, d, scale, u, out, d);
+    return KF_OK;
+}
+
+/* Score every value refit alpha of one (keys, bias) candidate; updates best. */
+static kf_status try_alphas(const kf_am_head *htr, const float *Ytr, const float *keys, const float *bias, int t,
+                            const float *v0, kf_method method, double lambda, kf_val_head *val, float *vals,
+                            head_pick *best, kf_error *err) {
+    kf_value_gram gm;
+    KF_TRY(kf_value_gram_build(htr->q, htr->R, htr->d, htr->scale, keys, htr->d, bias, t, Ytr, &gm, err));
+    kf_status rc = KF_OK;
+    for (size_t a = 0; a < sizeof kAlphaGrid / sizeof *kAlphaGrid && rc == KF_OK; a++) {
+        rc = kf_value_gram_solve(&gm, kAlphaGrid[a], v0, htr->d, vals, NULL, err);
+        const kf_kv_block cb = {keys, vals, (size_t)htr->d, bias, t};
+        const double e = rc == KF_OK ? kf_val_err(val, &cb) : NAN;
+        if (rc == KF_OK && isnan(e))
+            rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory in the per-head validation");
+        if (rc == KF_OK && e < best->err)
+            *best = (head_pick){method, lambda, kAlphaGrid[a], e};
+    }
+    kf_value_gram_free(&gm);
+    return rc;
+}
+
+/* The per-head choice on the training rows htr / ttr (kc, vo [t, d]: the kept keys and their
+ * original values, contiguous). Scratch: beta [t], keys and vals [t, d], u [d]. */
+static kf_status choose_head(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr,
+                             const int32_t *sel, int t, const float *kc, const float *vo, kf_val_head *val,
+                             uint64_t seed, float *beta, float *keys, float *vals, float *u, head_pick *best,
+                             kf_error *err) {
+    const int d = htr->d;
+    const float *v0 = p->ridge_to == KF_RIDGE_TO_ORIG ? vo : NULL;
+    *best = (head_pick){KF_METHOD_KEEP, p->lambda_rel, 0, INFINITY};
+    if (p->method == KF_METHOD_AM || p->method == KF_METHOD_FOLD) {
+        KF_TRY(kf_am_fit_beta_ex(htr, ttr, sel, t, seed, p->beta_fit, beta, NULL, err));
+        if (p->method == KF_METHOD_AM)
+            KF_TRY(try_alphas(htr, ttr->Y, kc, beta, t, v0, KF_METHOD_AM, 0, val, vals, best, err));
+        for (size_t li = 0; p->method == KF_METHOD_FOLD && li < sizeof kLambdaGrid / sizeof *kLambdaGrid; li++) {
+            const double lambda = kLambdaGrid[li] * p->lambda_rel;
+            kf_fold_info fi;
+            KF_TRY(fold_selection(htr->q, htr->R, d, htr->scale, lambda, kc, beta, t, u, keys, &fi, err));
+            if (fi.ok)
+                KF_TRY(try_alphas(htr, ttr->Y, keys, NULL, t, v0, KF_METHOD_FOLD, lambda, val, vals, best, err));
+        }
+    }
+    if (p->method != KF_METHOD_KEEP)
+        KF_TRY(try_alphas(htr, ttr->Y, kc, NULL, t, v0, KF_METHOD_DROP, p->lambda_rel, val, vals, best, err));
+    const kf_kv_block kb = {kc, vo, (size_t)d, NULL, t};
+    const double e = kf_val_err(val, &kb);
+    if (isnan(e))
+        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory in the per-head validation");
+    if (e < best->err)
+        *best = (head_pick){KF_METHOD_KEEP, p->lambda_rel, 0, e};
+    return KF_OK;
+}
+
+/* The appended prompts of the validation rows: per source i >= 1 its keys and values
+ * [n_layers, app_n[i], kv_heads * d] from the forward pass that produced its queries. */
+typedef struct {
+    float **k, **v;
+    int64_t *n;
+    int n_src;
+} appended_kv;
+
+static void appended_free(appended_kv *a) {
+    for (int i = 0; a->k && i < a->n_src; i++) {
+        free(a->k[i]);
+        free(a->v[i]);
+    }
+    free(a->k), free(a->v), free(a->n);
+    memset(a, 0, sizeof *a);
+}
+
+/* Split one head's rows into training and validation: training q/targets gathered into tr_q,
+ * tr (m, y, Y), validation queries into val_q with weights, appended blocks and visible counts. */
+typedef struct {
+    float *tr_q, *tr_m, *tr_y, *tr_Y, *val_q;
+    double *val_w;
+    const kf_kv_block **val_app;
+    int *val_vis;
+    kf_kv_block *blocks; /* [n_src] for the current head */
+    int64_t n_tr, n_val;
+} head_split;
+
+static void split_free(head_split *s) {
+    free(s->tr_q), free(s->tr_m), free(s->tr_y), free(s->tr_Y), free(s->val_q), free(s->val_w);
+    free((void *)s->val_app), free(s->val_vis), free(s->blocks);
+    memset(s, 0, sizeof *s);
+}
+
+static int split_alloc(head_split *s, int64_t R, int64_t n_val, int d, int n_src) {
+    memset(s, 0, sizeof *s);
+    const int64_t n_tr = R - n_val;
+    s->tr_q = malloc(sizeof(float) * (size_t)n_tr * d);
+    s->tr_m = malloc(sizeof(float) * (size_t)n_tr);
+    s->tr_y = malloc(sizeof(float) * (size_t)n_tr);
+    s->tr_Y = malloc(sizeof(float) * (size_t)n_tr * d);
+    s->val_q = malloc(sizeof(float) * (size_t)n_val * d);
+    s->val_w = malloc(sizeof(double) * (size_t)n_val);
+    s->val_app = malloc(sizeof(*s->val_app) * (size_t)n_val);
+    s->val_vis = malloc(sizeof(int) * (size_t)n_val);
+    s->blocks = calloc((size_t)n_src, sizeof *s->blocks);
+    return s->tr_q && s->tr_m && s->tr_y && s->tr_Y && s->val_q && s->val_w && s->val_app && s->val_vis && s->blocks
+               ? 0
+               : -1;
+}
+
+/* pos_src/pos_local [n_pos]: source and index inside it of every sampled position. */
+static void split_head(head_split *s, const kf_refq *rq, const float *q, const kf_am_targets *tg, const uint8_t *is_val,
+                       const int *pos_src, const int64_t *pos_local, const appended_kv *ap, int layer, int g) {
+    const int d = rq->head_dim;
+    const size_t row = (size_t)rq->kv_heads * d;
+    for (int i = 1; i < ap->n_src; i++)
+        if (ap->k[i])
+            s->blocks[i] = (kf_kv_block){ap->k[i] + (size_t)layer * ap->n[i] * row + (size_t)g * d,
+                                         ap->v[i] + (size_t)layer * ap->n[i] * row + (size_t)g * d, row, NULL,
+                                         (int)ap->n[i]};
+    int64_t n_probe = 0, nt = 0, nv = 0;
+    for (int64_t k = 0; k < rq->n_pos; k++)
+        n_probe += is_val[k] && rq->source[k] == KF_REFQ_PROBE;
+    const int64_t n_val_pos = s->n_val / rq->group, n_other = n_val_pos - n_probe;
+    for (int j = 0; j < rq->group; j++)
+        for (int64_t k = 0; k < rq->n_pos; k++) {
+            const int64_t r = (int64_t)j * rq->n_pos + k;
+            if (!is_val[k]) {
+                memcpy(s->tr_q + (size_t)nt * d, q + (size_t)r * d, sizeof(float) * d);
+                memcpy(s->tr_Y + (size_t)nt * d, tg->Y + (size_t)r * d, sizeof(float) * d);
+                s->tr_m[nt] = tg->m[r], s->tr_y[nt] = tg->y[r];
+                nt++;
+                continue;
+            }
+            memcpy(s->val_q + (size_t)nv * d, q + (size_t)r * d, sizeof(float) * d);
+            const int probe = rq->source[k] == KF_REFQ_PROBE;
+            /* probe rows weigh half of the total when there are both kinds */
+            s->val_w[nv] = n_probe && n_other ? 0.5 / (double)(probe ? n_probe : n_other) : 1.0;
+            s->val_app[nv] = &s->blocks[pos_src[k]];
+            s->val_vis[nv] = (int)pos_local[k] + 1;
+            nv++;
+        }
+}
+
 /* The sources of reference queries, in the order their candidate rows are numbered. */
 typedef struct {
     const int32_t *ids;
@@ -102,6 +305,48 @@ typedef struct {
     uint8_t kind;
     int32_t *ids_owned; /* repeat prompt = instruction + document */
 } source;
+
+/* The per-head choice's validation plan: every sampled position's source, index inside it and
+ * kind; the held-out positions (is_val); and buffers for the appended prompts of the sources
+ * that hold validation rows (filled by the forward passes). */
+static kf_status plan_validation(const source *src, int n_sources, const int64_t *sample, int64_t n_pos,
+                                 const kf_compact_params *p, int L, size_t row, uint8_t **kind, int **pos_src,
+                                 int64_t **pos_local, uint8_t **is_val, int64_t *n_val, appended_kv *ap,
+                                 kf_error *err) {
+    *kind = malloc((size_t)(n_pos ? n_pos : 1));
+    *is_val = malloc((size_t)(n_pos ? n_pos : 1));
+    *pos_src = malloc(sizeof(int) * (size_t)(n_pos ? n_pos : 1));
+    *pos_local = malloc(sizeof(int64_t) * (size_t)(n_pos ? n_pos : 1));
+    ap->n_src = n_sources;
+    ap->k = calloc((size_t)n_sources, sizeof *ap->k);
+    ap->v = calloc((size_t)n_sources, sizeof *ap->v);
+    ap->n = calloc((size_t)n_sources, sizeof *ap->n);
+    if (!*kind || !*is_val || !*pos_src || !*pos_local || !ap->k || !ap->v || !ap->n)
+        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the validation split");
+    int64_t base = 0, k = 0;
+    for (int i = 0; i < n_sources; i++) {
+        for (; k < n_pos && sample[k] < base + src[i].n; k++) {
+            (*pos_src)[k] = i;
+            (*pos_local)[k] = sample[k] - base;
+            (*kind)[k] = src[i].kind;
+        }
+        base += src[i].n;
+    }
+    *n_val = pick_validation(n_pos, *kind, p->val_frac, p->seed, *is_val);
+    if (*n_val < 0)
+        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the validation split");
+    for (k = 0; k < n_pos; k++)
+        if ((*is_val)[k] && (*pos_local)[k] + 1 > ap->n[(*pos_src)[k]])
+            ap->n[(*pos_src)[k]] = (*pos_local)[k] + 1;
+    for (int i = 1; i < n_sources; i++)
+        if (ap->n[i] > 0) {
+            ap->k[i] = malloc(sizeof(float) * (size_t)L * ap->n[i] * row);
+            ap->v[i] = malloc(sizeof(float) * (size_t)L * ap->n[i] * row);
+            if (!ap->k[i] || !ap->v[i])
+                return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the validation prompts' keys");
+        }
+    return KF_OK;
+}
 
 kf_status kf_compact(kf_model *m, const kf_prompt *prefix, const kf_prompt *doc, const kf_prompt *suffix,
                      const kf_compact_params *p, kf_compacted *out, kf_error *err) {
@@ -168,7 +413,14 @@ kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_pro
     float **qbuf = NULL;
     float *K = NULL, *V = NULL;
     int32_t *sel = NULL;
-    float *beta = NULL, *kfold = NULL, *vals = NULL, *qsub = NULL;
+    float *beta = NULL, *kfold = NULL, *vals = NULL, *qsub = NULL, *kc = NULL, *vo = NULL;
+    uint8_t *pos_kind = NULL, *is_val = NULL;
+    int *pos_src = NULL;
+    int64_t *pos_local = NULL, n_val_pos = 0;
+    appended_kv ap = {0};
+    head_split sp = {0};
+    const int choice = p->method != KF_METHOD_KEEP &&
+                       (p->head_choice == KF_CHOICE_ON || (p->head_choice == KF_CHOICE_DEFAULT && p->method == KF_METHOD_FOLD));
     if (!src || !ctx_ids) {
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
         goto out;
@@ -214,6 +466,9 @@ kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_pro
         goto out;
     }
     if ((rc = kf_refq_init(&rq, L, kvh, d, G, n_pos, err)) != KF_OK)
+        goto out;
+    if (choice && (rc = plan_validation(src, n_sources, sample, n_pos, p, L, (size_t)kvh * d, &pos_kind, &pos_src, &pos_local, &is_val,
+                                        &n_val_pos, &ap, err)) != KF_OK)
         goto out;
     /* capture buffers sized for the largest per-source count */
     int64_t max_rows = 0;
@@ -278,6 +533,11 @@ kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_pro
                 p->progress(p->progress_ctx, i == 1 ? "repeat" : "probes", i, n_sources);
             if ((rc = kf_model_forward(m, ar, &seq, &fa, err)) != KF_OK)
                 goto out;
+            for (int l = 0; ap.k && ap.k[i] && l < L && rc == KF_OK; l++) /* validation rows' prompts */
+                rc = kf_seq_read_kv(ar, &seq, l, D, ap.n[i], ap.k[i] + (size_t)l * ap.n[i] * kvh * d,
+                                    ap.v[i] + (size_t)l * ap.n[i] * kvh * d, err);
+            if (rc != KF_OK)
+                goto out;
             if ((rc = kf_seq_truncate(ar, &seq, D, err)) != KF_OK) /* KV rewind */
                 goto out;
         }
@@ -314,11 +574,22 @@ kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_pro
     kfold = malloc(sizeof(float) * (size_t)t * d);
     vals = malloc(sizeof(float) * (size_t)t * d);
     qsub = p->fold_queries == KF_FOLD_ON_PROBES ? malloc(sizeof(float) * (size_t)rq.R * d) : NULL;
+    kc = malloc(sizeof(float) * (size_t)t * d);
+    vo = malloc(sizeof(float) * (size_t)t * d);
+    out->head_method = malloc((size_t)L * kvh);
     if (!out->keys || !out->values || !out->beta || !out->u || !out->positions || !K || !V || !sel ||
-        !beta || !kfold || !vals || (p->fold_queries == KF_FOLD_ON_PROBES && !qsub)) {
+        !beta || !kfold || !vals || !kc || !vo || !out->head_method ||
+        (p->fold_queries == KF_FOLD_ON_PROBES && !qsub)) {
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the compacted cache");
         goto out;
     }
+    if (n_val_pos > 0 && split_alloc(&sp, rq.R, n_val_pos * G, d, n_sources) != 0) {
+        rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the validation split");
+        goto out;
+    }
+    sp.n_val = n_val_pos * G;
+    sp.n_tr = rq.R - sp.n_val;
+    out->stats.n_val_queries = sp.n_val;
     int folded = 0;
     double var_sum = 0;
     for (int l = 0; l < L; l++) {
@@ -351,16 +622,39 @@ kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_pro
             const int th = p->method == KF_METHOD_AM ? budgets[l * kvh + g] : t;
             rc = kf_am_select(tg.score, n_doc, th, sel, err);
             out->stats.select_s += now_s() - ts;
-            kf_method method = p->method;
+            for (int j = 0; rc == KF_OK && j < th; j++) { /* the kept keys and their original values */
+                memcpy(kc + (size_t)j * d, h.k + (size_t)sel[j] * row, sizeof(float) * d);
+                memcpy(vo + (size_t)j * d, h.v + (size_t)sel[j] * row, sizeof(float) * d);
+            }
+            head_pick pick = {p->method, p->lambda_rel, p->value_ridge, 0};
+            if (rc == KF_OK && sp.n_val > 0) {
+                ts = now_s();
+                split_head(&sp, &rq, q, &tg, is_val, pos_src, pos_local, &ap, l, g);
+                kf_am_head htr = h;
+                htr.q = sp.tr_q, htr.R = (int)sp.n_tr;
+                kf_am_targets ttr = {sp.tr_m, sp.tr_y, sp.tr_Y, NULL};
+                const kf_kv_block orig = {h.k, h.v, row, NULL, n_doc};
+                kf_val_head vh;
+                rc = kf_val_head_init(&vh, sp.val_q, (int)sp.n_val, d, scale, sp.val_w, &orig, sp.val_app, sp.val_vis,
+                                      err);
+                if (rc == KF_OK) {
+                    rc = choose_head(p, &htr, &ttr, sel, th, kc, vo, &vh, p->seed + (uint64_t)(l * kvh + g), beta,
+                                     kfold, vals, out->u + ((size_t)l * kvh + g) * d, &pick, err);
+                    kf_val_head_free(&vh);
+                }
+                out->stats.choice_s += now_s() - ts;
+            }
+            kf_method method = pick.method;
             if (rc == KF_OK && method != KF_METHOD_KEEP && method != KF_METHOD_DROP) {
                 ts = now_s();
-                rc = kf_am_fit_beta(&h, &tg, sel, th, p->seed + (uint64_t)(l * kvh + g), beta, &out->stats.solver,
-                                    err);
+                rc = kf_am_fit_beta_ex(&h, &tg, sel, th, p->seed + (uint64_t)(l * kvh + g), p->beta_fit, beta,
+                                       &out->stats.solver, err);
                 out->stats.beta_s += now_s() - ts;
             }
-            float *kk = NULL; /* [th, d] keys the values are fitted for */
+            const float *kk = kc; /* [th, d] keys the values are fitted for */
             const float *bias = NULL;
-            size_t kstride = row;
+            float *u = out->u + ((size_t)l * kvh + g) * d;
+            memset(u, 0, sizeof(float) * d); /* u = 0 unless folded */
             if (rc == KF_OK && method == KF_METHOD_FOLD) {
                 ts = now_s();
                 const float *fq = q;
@@ -374,38 +668,32 @@ kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_pro
                     fq = qsub;
                 }
                 kf_fold_info fi;
-                float *u = out->u + ((size_t)l * kvh + g) * d;
-                rc = kf_fold_direction(fq, fR, d, p->lambda_rel, u, &fi, err);
+                rc = fold_selection(fq, fR, d, scale, pick.lambda, kc, beta, th, u, kfold, &fi, err);
                 if (rc == KF_OK && fi.ok) {
-                    for (int j = 0; j < th; j++)
-                        memcpy(kfold + (size_t)j * d, h.k + (size_t)sel[j] * row, sizeof(float) * d);
-                    kf_fold_keys(kfold, d, beta, th, d, scale, u, kfold, d);
                     kk = kfold;
-                    kstride = d;
                     folded++;
                     var_sum += fi.var_gain;
                     out->var_gain[l * kvh + g] = (float)fi.var_gain;
                 } else if (rc == KF_OK) {
                     method = KF_METHOD_DROP; /* no fold direction: compact this head as drop */
+                    memset(u, 0, sizeof(float) * d);
                     out->stats.fold_fallback_heads++;
                 }
                 out->stats.fold_s += now_s() - ts;
-            }
-            if (rc == KF_OK && !kk) { /* original keys of the selection */
-                for (int j = 0; j < th; j++)
-                    memcpy(kfold + (size_t)j * d, h.k + (size_t)sel[j] * row, sizeof(float) * d);
-                kk = kfold;
-                kstride = d;
             }
             if (rc == KF_OK && method == KF_METHOD_AM)
                 bias = beta;
             if (rc == KF_OK && method != KF_METHOD_KEEP) {
                 ts = now_s();
-                rc = kf_am_fit_values(q, (int)rq.R, d, scale, kk, kstride, bias, th, tg.Y, vals, &out->stats.solver,
-                                      err);
+                rc = kf_am_fit_values_ridge(q, (int)rq.R, d, scale, kk, d, bias, th, tg.Y, pick.alpha,
+                                            p->ridge_to == KF_RIDGE_TO_ORIG ? vo : NULL, d, vals, &out->stats.solver,
+                                            err);
                 out->stats.values_s += now_s() - ts;
+                out->stats.heads_ridged += pick.alpha > 0;
             }
             if (rc == KF_OK) {
+                out->head_method[l * kvh + g] = (uint8_t)method;
+                out->stats.heads_by_method[method]++;
                 for (int j = 0; j < t; j++) {
                     float *dk = ok + (size_t)(n_pre + j) * row + (size_t)g * d;
                     float *dv = ov + (size_t)(n_pre + j) * row + (size_t)g * d;
@@ -416,11 +704,8 @@ kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_pro
                         hp[n_pre + j] = -1;
                         continue;
                     }
-                    memcpy(dk, kk + (size_t)j * kstride, sizeof(float) * d);
-                    if (method == KF_METHOD_KEEP)
-                        memcpy(dv, h.v + (size_t)sel[j] * row, sizeof(float) * d);
-                    else
-                        memcpy(dv, vals + (size_t)j * d, sizeof(float) * d);
+                    memcpy(dk, kk + (size_t)j * d, sizeof(float) * d);
+                    memcpy(dv, (method == KF_METHOD_KEEP ? vo : vals) + (size_t)j * d, sizeof(float) * d);
                     hb[n_pre + j] = method == KF_METHOD_AM ? beta[j] : 0.0f;
                     hp[n_pre + j] = (int32_t)(n_pre + sel[j]);
                 }
@@ -463,6 +748,14 @@ out:
     free(kfold);
     free(vals);
     free(qsub);
+    free(kc);
+    free(vo);
+    free(pos_kind);
+    free(is_val);
+    free(pos_src);
+    free(pos_local);
+    appended_free(&ap);
+    split_free(&sp);
     return rc;
 }
 

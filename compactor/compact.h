@@ -33,6 +33,15 @@
 
 typedef enum { KF_METHOD_KEEP = 0, KF_METHOD_DROP = 1, KF_METHOD_AM = 2, KF_METHOD_FOLD = 3 } kf_method;
 typedef enum { KF_FOLD_ON_ALL = 0, KF_FOLD_ON_PROBES = 1 } kf_fold_queries;
+/* What the Tikhonov term of a value refit pulls towards: zero, or the kept keys' original values. */
+typedef enum { KF_RIDGE_TO_ZERO = 0, KF_RIDGE_TO_ORIG = 1 } kf_ridge_target;
+/* Per-head choice (issue 12): hold out a validation split of the reference positions (probe
+ * positions first), then for every (layer, KV head) fit each candidate on the rest — the method
+ * itself (am or fold; fold for lambda in {0.1, 1, 10} x lambda_rel), drop and keep, each value
+ * refit for alpha in {0, 1e-3, 1e-2, 1e-1} — and keep the one with the lowest output error on the
+ * validation queries (appended block: the tokens before each query in its own prompt; probe rows
+ * weigh half when there are any). The winner is refitted on all the queries. */
+typedef enum { KF_CHOICE_DEFAULT = -1, KF_CHOICE_OFF = 0, KF_CHOICE_ON = 1 } kf_head_choice;
 
 const char *kf_method_name(kf_method m);
 /* 0 on success, -1 for an unknown name. */
@@ -50,6 +59,12 @@ typedef struct {
     double lambda_rel;              /* fold ridge, relative to tr(Sigma)/d (default 1e-2) */
     kf_fold_queries fold_queries;   /* which pooled queries fit u (default all) */
     int64_t max_queries;            /* cap of pooled queries per KV head (default 50,000) */
+    kf_beta_fit beta_fit;           /* AM's reference fit or the converged box fit (default AM's) */
+    double value_ridge;             /* Tikhonov alpha of every value refit without per-head choice:
+                                       mu = alpha * tr(X^T X) / t (default 0) */
+    kf_ridge_target ridge_to;       /* default towards the original values */
+    kf_head_choice head_choice;     /* default: on for fold, off for the other methods */
+    double val_frac;                /* validation share of the reference positions (default 0.2) */
     uint64_t seed;                  /* subsampling and power iteration (default 0) */
     kf_prompt repeat_instruction;   /* ids between the context and the repeated document; n = 0
                                        disables the repeat source */
@@ -70,11 +85,13 @@ typedef struct {
 kf_compact_params kf_compact_params_default(void);
 
 typedef struct {
-    double prefill_s, refq_s, select_s, beta_s, values_s, fold_s; /* wall time per stage */
+    double prefill_s, refq_s, select_s, beta_s, values_s, fold_s, choice_s; /* wall time per stage */
     int64_t n_queries;          /* pooled queries per KV head */
     int fold_fallback_heads;    /* heads where mu^T a <= 0: compacted as `drop` */
     double mean_var_gain;       /* var(q.u) averaged over folded heads */
     int heads_by_method[4];     /* (layer, KV head) pairs compacted with each kf_method */
+    int heads_ridged;           /* heads whose value refit has a Tikhonov term (alpha > 0) */
+    int64_t n_val_queries;      /* validation rows per KV head held out for the per-head choice */
     kf_am_stats solver;
 } kf_compact_stats;
 

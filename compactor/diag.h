@@ -33,4 +33,31 @@ typedef struct {
 kf_status kf_diag_head(const float *q, int R, int d, float scale, const kf_kv_block *orig, const kf_kv_block *comp,
                        const kf_kv_block *appended, const int *visible, kf_head_diag *out, kf_error *err);
 
+/* Validation of one head's compaction candidates (the per-head choice, issue 12).
+ * Built once per head from validation queries that were not used for fitting: the original
+ * block's output and mass, and each query's appended block (the tokens before it in its own
+ * prompt: the repeat or probe prompt it came from, `visible` of them, itself included).
+ * kf_val_err then scores a candidate (keys, bias, values) by the weighted mean relative error of
+ * the attention output over [block | appended]: the out_err of the evaluation, on validation rows. */
+typedef struct {
+    int n, d;
+    float scale;
+    const float *q;  /* [n, d] (not owned) */
+    double *w;       /* [n] weights, summing to 1 */
+    double *lse_a;   /* [n] appended block's log-sum-exp (-inf: none) */
+    float *o_a;      /* [n, d] appended block's output */
+    float *o_full;   /* [n, d] original output over [block | appended] */
+    float *Z;        /* scratch [n, z_cap] */
+    size_t z_cap;
+} kf_val_head;
+
+/* q [n, d]; w [n] (NULL: uniform; normalised here); app[i] the appended block of row i (NULL:
+ * none) of which visible[i] keys are seen. */
+kf_status kf_val_head_init(kf_val_head *v, const float *q, int n, int d, float scale, const double *w,
+                           const kf_kv_block *orig, const kf_kv_block *const *app, const int *visible, kf_error *err);
+/* Weighted mean relative output error of a compacted block (n keys; beta may be NULL); NAN when
+ * out of memory. */
+double kf_val_err(kf_val_head *v, const kf_kv_block *comp);
+void kf_val_head_free(kf_val_head *v);
+
 #endif
