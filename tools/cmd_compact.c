@@ -15,6 +15,7 @@
 #include "compactor/compact.h"
 #include "compactor/prefix_plan.h"
 #include "tools/cli.h"
+#include "tools/cli_quality.h"
 #include "tools/commands.h"
 #include "tools/doc_input.h"
 
@@ -63,6 +64,7 @@ static const char kHelp[] =
     "  --max-queries N      pooled reference queries per KV head (default 50000)\n"
     "  --chunk N            prefill chunk size (default 512)\n"
     "  --dtype T            bf16, f16 or f32 in the file (default: the model's torch_dtype, else bf16)\n"
+    CLI_QUALITY_HELP
     CLI_PREFILL_HELP
     "\n"
     "Prefix sharing (Quail): the documents are compacted in sorted token order; a document that\n"
@@ -363,7 +365,7 @@ int cmd_compact(int argc, char **argv) {
         {"dtype", required_argument, 0, 't'},
         {"no-share", no_argument, 0, 'S'},
         {"quiet", no_argument, 0, 'q'},
-        CLI_PREFILL_OPTIONS,
+        CLI_PREFILL_OPTIONS, CLI_QUALITY_OPTIONS,
         {0, 0, 0, 0}};
     const char *model_dir = NULL, *root = DEFAULT_ROOT, *manifest = NULL, *probes_from = NULL;
     const char *instruction = DEFAULT_INSTRUCTION;
@@ -420,6 +422,11 @@ int cmd_compact(int argc, char **argv) {
         case 'S': share = 0; break;
         case 'q': quiet = 1; break;
         default: {
+            const int qr = cli_quality_option(CMD, c, optarg, &base);
+            if (qr < 0)
+                return KF_EXIT_USAGE;
+            if (qr > 0)
+                break;
             const int r = cli_prefill_option(CMD, c, optarg, &prefill);
             if (r < 0)
                 return KF_EXIT_USAGE;

@@ -1,0 +1,41 @@
+#include "tools/cli_quality.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "tools/cli.h"
+
+static int number(const char *arg, double lo, double hi, double *out) {
+    char *end;
+    *out = strtod(arg, &end);
+    return end != arg && !*end && *out >= lo && *out <= hi ? 0 : -1;
+}
+
+int cli_quality_option(const char *cmd, int opt, const char *arg, kf_compact_params *p) {
+    switch (opt) {
+    case CLI_OPT_HEAD_CHOICE:
+        if (strcmp(arg, "on") && strcmp(arg, "off"))
+            return cli_usage_error(cmd, "--head-choice is on or off, not '%s'", arg), -1;
+        p->head_choice = strcmp(arg, "on") == 0 ? KF_CHOICE_ON : KF_CHOICE_OFF;
+        return 1;
+    case CLI_OPT_VALUE_RIDGE:
+        if (number(arg, 0, 1e6, &p->value_ridge))
+            return cli_usage_error(cmd, "--value-ridge must be a non-negative number, not '%s'", arg), -1;
+        return 1;
+    case CLI_OPT_RIDGE_TO:
+        if (strcmp(arg, "zero") && strcmp(arg, "orig"))
+            return cli_usage_error(cmd, "--ridge-to is zero or orig, not '%s'", arg), -1;
+        p->ridge_to = strcmp(arg, "zero") == 0 ? KF_RIDGE_TO_ZERO : KF_RIDGE_TO_ORIG;
+        return 1;
+    case CLI_OPT_BETA_FIT:
+        if (strcmp(arg, "am") && strcmp(arg, "box"))
+            return cli_usage_error(cmd, "--beta-fit is am or box, not '%s'", arg), -1;
+        p->beta_fit = strcmp(arg, "box") == 0 ? KF_BETA_BOX : KF_BETA_AM;
+        return 1;
+    case CLI_OPT_VAL_FRAC:
+        if (number(arg, 0, 0.9, &p->val_frac))
+            return cli_usage_error(cmd, "--val-frac must be a fraction in [0, 0.9], not '%s'", arg), -1;
+        return 1;
+    default: return 0;
+    }
+}

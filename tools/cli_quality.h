@@ -1,0 +1,31 @@
+/* cli_quality.h — the compaction-quality options shared by `compact` and `eval quality`.
+ *
+ * Append CLI_QUALITY_OPTIONS to the command's getopt_long table, print CLI_QUALITY_HELP in
+ * --help, and pass unknown option ids to cli_quality_option before anything else.
+ */
+#ifndef KF_CLI_QUALITY_H
+#define KF_CLI_QUALITY_H
+
+#include "compactor/compact.h"
+
+enum { CLI_OPT_HEAD_CHOICE = 0x1100, CLI_OPT_VALUE_RIDGE, CLI_OPT_RIDGE_TO, CLI_OPT_BETA_FIT, CLI_OPT_VAL_FRAC };
+#define CLI_QUALITY_OPTIONS                                                                                   \
+    {"head-choice", required_argument, 0, CLI_OPT_HEAD_CHOICE},                                              \
+        {"value-ridge", required_argument, 0, CLI_OPT_VALUE_RIDGE},                                          \
+        {"ridge-to", required_argument, 0, CLI_OPT_RIDGE_TO}, {"beta-fit", required_argument, 0, CLI_OPT_BETA_FIT}, \
+        {"val-frac", required_argument, 0, CLI_OPT_VAL_FRAC}
+#define CLI_QUALITY_HELP                                                                                      \
+    "  --head-choice on|off per (layer, KV head) choose the method, drop or keep (and the fold's\n"           \
+    "                       lambda and the refit's Tikhonov alpha from small grids) by output error\n"      \
+    "                       on a held-out split of the reference queries (default: on for fold)\n"         \
+    "  --value-ridge A      Tikhonov alpha of the value refits without per-head choice:\n"                 \
+    "                       mu = A * tr(X^T X) / t (default 0: plain least squares)\n"                     \
+    "  --ridge-to T         orig (the kept keys' original values, default) or zero\n"                      \
+    "  --beta-fit F         am (least squares, clamp, two projected-gradient steps; default) or box\n"    \
+    "                       (the same start driven to convergence inside [e^-3, e^3])\n"                   \
+    "  --val-frac F         share of the reference positions held out for the choice (default 0.2)\n"
+
+/* 1: handled (p updated), 0: not a quality option, -1: bad value (a usage error was printed). */
+int cli_quality_option(const char *cmd, int opt, const char *arg, kf_compact_params *p);
+
+#endif
