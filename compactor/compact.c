@@ -107,10 +107,6 @@ static void head_budgets(const kf_compact_params *p, int n_heads, int T, int t, 
 static const double kAlphaGrid[] = {0, 1e-3, 1e-2, 1e-1};
 static const double kLambdaGrid[] = {0.1, 1, 10}; /* times lambda_rel */
 
-typedef struct {
-    kf_method method;
-    double lambda, alpha, err;
-} head_pick;
 
 /* The validation split of the sampled positions: n_val of them, probe positions first (drawn
  * evenly when there are more than needed), then repeat positions; context rows never (they have
@@ -164,7 +160,7 @@ static kf_status fold_selection(const float *q, int R, int d, float scale, doubl
 /* Score every value refit alpha of one (keys, bias) candidate; updates best. */
 static kf_status try_alphas(const kf_am_head *htr, const float *Ytr, const float *keys, const float *bias, int t,
                             const float *v0, kf_method method, double lambda, kf_val_head *val, float *vals,
-                            head_pick *best, kf_error *err) {
+                            kf_head_pick *best, kf_error *err) {
     kf_value_gram gm;
     KF_TRY(kf_value_gram_build(htr->q, htr->R, htr->d, htr->scale, keys, htr->d, bias, t, Ytr, &gm, err));
     kf_status rc = KF_OK;
@@ -175,42 +171,52 @@ static kf_status try_alphas(const kf_am_head *htr, const float *Ytr, const float
         if (rc == KF_OK && isnan(e))
             rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory in the per-head validation");
         if (rc == KF_OK && e < best->err)
-            *best = (head_pick){method, lambda, kAlphaGrid[a], e};
+            *best = (kf_head_pick){method, lambda, kAlphaGrid[a], e};
     }
     kf_value_gram_free(&gm);
     return rc;
 }
 
-/* The per-head choice on the training rows htr / ttr (kc, vo [t, d]: the kept keys and their
- * original values, contiguous). Scratch: beta [t], keys and vals [t, d], u [d]. */
-static kf_status choose_head(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr,
-                             const int32_t *sel, int t, const float *kc, const float *vo, kf_val_head *val,
-                             uint64_t seed, float *beta, float *keys, float *vals, float *u, head_pick *best,
-                             kf_error *err) {
+kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr,
+                         const int32_t *sel, int t, const float *kc, const float *vo, kf_val_head *val, uint64_t seed,
+                         kf_head_pick *best, kf_error *err) {
     const int d = htr->d;
+    float *beta = malloc(sizeof(float) * (size_t)(t ? t : 1)), *u = malloc(sizeof(float) * (size_t)d);
+    float *keys = malloc(sizeof(float) * (size_t)(t ? t : 1) * d), *vals = malloc(sizeof(float) * (size_t)(t ? t : 1) * d);
     const float *v0 = p->ridge_to == KF_RIDGE_TO_ORIG ? vo : NULL;
-    *best = (head_pick){KF_METHOD_KEEP, p->lambda_rel, 0, INFINITY};
+    *best = (kf_head_pick){KF_METHOD_KEEP, p->lambda_rel, 0, INFINITY};
+    kf_status rc = KF_OK;
+    if (!beta || !u || !keys || !vals) {
+        rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the per-head choice (t %d)", t);
+        goto out;
+    }
     if (p->method == KF_METHOD_AM || p->method == KF_METHOD_FOLD) {
-        KF_TRY(kf_am_fit_beta_ex(htr, ttr, sel, t, seed, p->beta_fit, beta, NULL, err));
-        if (p->method == KF_METHOD_AM)
-            KF_TRY(try_alphas(htr, ttr->Y, kc, beta, t, v0, KF_METHOD_AM, 0, val, vals, best, err));
+        if ((rc = kf_am_fit_beta_ex(htr, ttr, sel, t, seed, p->beta_fit, beta, NULL, err)) != KF_OK)
+            goto out;
+        if (p->method == KF_METHOD_AM &&
+            (rc = try_alphas(htr, ttr->Y, kc, beta, t, v0, KF_METHOD_AM, 0, val, vals, best, err)) != KF_OK)
+            goto out;
         for (size_t li = 0; p->method == KF_METHOD_FOLD && li < sizeof kLambdaGrid / sizeof *kLambdaGrid; li++) {
             const double lambda = kLambdaGrid[li] * p->lambda_rel;
             kf_fold_info fi;
-            KF_TRY(fold_selection(htr->q, htr->R, d, htr->scale, lambda, kc, beta, t, u, keys, &fi, err));
-            if (fi.ok)
-                KF_TRY(try_alphas(htr, ttr->Y, keys, NULL, t, v0, KF_METHOD_FOLD, lambda, val, vals, best, err));
+            if ((rc = fold_selection(htr->q, htr->R, d, htr->scale, lambda, kc, beta, t, u, keys, &fi, err)) != KF_OK ||
+                (fi.ok && (rc = try_alphas(htr, ttr->Y, keys, NULL, t, v0, KF_METHOD_FOLD, lambda, val, vals, best,
+                                           err)) != KF_OK))
+                goto out;
         }
     }
-    if (p->method != KF_METHOD_KEEP)
-        KF_TRY(try_alphas(htr, ttr->Y, kc, NULL, t, v0, KF_METHOD_DROP, p->lambda_rel, val, vals, best, err));
+    if (p->method != KF_METHOD_KEEP &&
+        (rc = try_alphas(htr, ttr->Y, kc, NULL, t, v0, KF_METHOD_DROP, p->lambda_rel, val, vals, best, err)) != KF_OK)
+        goto out;
     const kf_kv_block kb = {kc, vo, (size_t)d, NULL, t};
     const double e = kf_val_err(val, &kb);
     if (isnan(e))
-        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory in the per-head validation");
-    if (e < best->err)
-        *best = (head_pick){KF_METHOD_KEEP, p->lambda_rel, 0, e};
-    return KF_OK;
+        rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory in the per-head validation");
+    else if (e < best->err)
+        *best = (kf_head_pick){KF_METHOD_KEEP, p->lambda_rel, 0, e};
+out:
+    free(beta), free(u), free(keys), free(vals);
+    return rc;
 }
 
 /* The appended prompts of the validation rows: per source i >= 1 its keys and values
@@ -626,7 +632,7 @@ kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_pro
                 memcpy(kc + (size_t)j * d, h.k + (size_t)sel[j] * row, sizeof(float) * d);
                 memcpy(vo + (size_t)j * d, h.v + (size_t)sel[j] * row, sizeof(float) * d);
             }
-            head_pick pick = {p->method, p->lambda_rel, p->value_ridge, 0};
+            kf_head_pick pick = {p->method, p->lambda_rel, p->value_ridge, 0};
             if (rc == KF_OK && sp.n_val > 0) {
                 ts = now_s();
                 split_head(&sp, &rq, q, &tg, is_val, pos_src, pos_local, &ap, l, g);
@@ -638,8 +644,8 @@ kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_pro
                 rc = kf_val_head_init(&vh, sp.val_q, (int)sp.n_val, d, scale, sp.val_w, &orig, sp.val_app, sp.val_vis,
                                       err);
                 if (rc == KF_OK) {
-                    rc = choose_head(p, &htr, &ttr, sel, th, kc, vo, &vh, p->seed + (uint64_t)(l * kvh + g), beta,
-                                     kfold, vals, out->u + ((size_t)l * kvh + g) * d, &pick, err);
+                    rc = kf_choose_head(p, &htr, &ttr, sel, th, kc, vo, &vh, p->seed + (uint64_t)(l * kvh + g), &pick,
+                                        err);
                     kf_val_head_free(&vh);
                 }
                 out->stats.choice_s += now_s() - ts;

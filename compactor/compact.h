@@ -28,6 +28,7 @@
 #include <stdint.h>
 
 #include "compactor/am.h"
+#include "compactor/diag.h"
 #include "compactor/model.h"
 #include "formats/error.h"
 
@@ -113,6 +114,19 @@ typedef struct {
                              every head used `method` (per-head choice fills it) */
     kf_compact_stats stats;
 } kf_compacted;
+
+/* One head's choice (what kf_compact does per head when the choice is on): candidates fitted on
+ * the training rows train / train_tg (targets m, y, Y of those rows), scored by kf_val_err on val;
+ * kc, vo [t, d]: the kept keys and their original values (contiguous). Ties keep the earlier
+ * candidate: the method itself, then drop, then keep; grids in ascending order. */
+typedef struct {
+    kf_method method;
+    double lambda, alpha, err; /* the fold's lambda_rel, the refit's alpha, the validation error */
+} kf_head_pick;
+
+kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *train, const kf_am_targets *train_tg,
+                         const int32_t *sel, int t, const float *kc, const float *vo, kf_val_head *val, uint64_t seed,
+                         kf_head_pick *best, kf_error *err);
 
 /* The full context is prefix + doc + suffix (prefix/suffix may be empty: n = 0). */
 kf_status kf_compact(kf_model *m, const kf_prompt *prefix, const kf_prompt *doc, const kf_prompt *suffix,

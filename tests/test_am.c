@@ -325,6 +325,306 @@ static void test_synthetic_ordering(void) {
     free_synth(&held);
 }
 
+/* ---- issue 12: Tikhonov refit, converged box fit, restart count, per-head choice ---- */
+
+/* x = A^-1 b for a small dense A [n, n] (fp64 Gauss-Jordan with partial pivoting; b [n, m]). */
+static void gauss_solve(double *A, int n, double *b, int m) {
+    for (int c = 0; c < n; c++) {
+        int piv = c;
+        for (int r = c + 1; r < n; r++)
+            if (fabs(A[r * n + c]) > fabs(A[piv * n + c]))
+                piv = r;
+        for (int k = 0; k < n; k++) {
+            double t = A[c * n + k];
+            A[c * n + k] = A[piv * n + k], A[piv * n + k] = t;
+        }
+        for (int k = 0; k < m; k++) {
+            double t = b[c * m + k];
+            b[c * m + k] = b[piv * m + k], b[piv * m + k] = t;
+        }
+        for (int r = 0; r < n; r++) {
+            if (r == c)
+                continue;
+            const double f = A[r * n + c] / A[c * n + c];
+            for (int k = 0; k < n; k++)
+                A[r * n + k] -= f * A[c * n + k];
+            for (int k = 0; k < m; k++)
+                b[r * m + k] -= f * b[c * m + k];
+        }
+    }
+    for (int r = 0; r < n; r++)
+        for (int k = 0; k < m; k++)
+            b[r * m + k] /= A[r * n + r];
+}
+
+/* The Tikhonov refit against its closed form (X^T X + mu I) C = X^T Y + mu V0, mu = alpha tr(X^T X)/t,
+ * with X built here in fp64, towards V0 and towards zero, over- and underdetermined. */
+static void check_tikhonov(int R, double alpha, int towards_orig) {
+    const int t = 12, d = 5;
+    float K[12 * 5], Q[40 * 5], beta[12], Y[40 * 5], V0[12 * 5], C[12 * 5];
+    kf_test_fill_uniform(K, t * d, 401, -1, 1);
+    kf_test_fill_uniform(Q, (size_t)R * d, 402, -2, 2);
+    kf_test_fill_uniform(beta, t, 403, -1, 1);
+    kf_test_fill_uniform(Y, (size_t)R * d, 404, -1, 1);
+    kf_test_fill_uniform(V0, t * d, 405, -1, 1);
+    const float scale = 0.5f;
+    double X[40 * 12], G[12 * 12] = {0}, B[12 * 5] = {0}, tr = 0;
+    for (int i = 0; i < R; i++) {
+        double z[12], mx = -1e300, sum = 0;
+        for (int j = 0; j < t; j++) {
+            double dot = 0;
+            for (int c = 0; c < d; c++)
+                dot += (double)Q[i * d + c] * K[j * d + c];
+            z[j] = scale * dot + beta[j];
+            mx = fmax(mx, z[j]);
+        }
+        for (int j = 0; j < t; j++)
+            sum += exp(z[j] - mx);
+        for (int j = 0; j < t; j++)
+            X[i * t + j] = exp(z[j] - mx) / sum;
+    }
+    for (int a = 0; a < t; a++) {
+        for (int b = 0; b < t; b++)
+            for (int i = 0; i < R; i++)
+                G[a * t + b] += X[i * t + a] * X[i * t + b];
+        for (int c = 0; c < d; c++)
+            for (int i = 0; i < R; i++)
+                B[a * d + c] += X[i * t + a] * Y[i * d + c];
+        tr += G[a * t + a];
+    }
+    const double mu = alpha * tr / t;
+    for (int a = 0; a < t; a++) {
+        G[a * t + a] += mu;
+        for (int c = 0; c < d && towards_orig; c++)
+            B[a * d + c] += mu * V0[a * d + c];
+    }
+    gauss_solve(G, t, B, d);
+    kf_error err = {0};
+    CU_ASSERT_EQUAL(kf_am_fit_values_ridge(Q, R, d, scale, K, d, beta, t, Y, alpha, towards_orig ? V0 : NULL, d, C,
+                                           NULL, &err),
+                    KF_OK);
+    double worst = 0, moved = 0;
+    for (int k = 0; k < t * d; k++) {
+        worst = fmax(worst, fabs(C[k] - B[k]));
+        moved = fmax(moved, fabs(B[k]));
+    }
+    printf("\n    R %d alpha %g towards %s: max |C - closed form| %.2e (max |C| %.2f)", R, alpha,
+           towards_orig ? "V0" : "zero", worst, moved);
+    CU_ASSERT(worst < 1e-4 * fmax(1, moved));
+}
+
+static void test_tikhonov_closed_form(void) {
+    check_tikhonov(40, 0.05, 1);
+    check_tikhonov(40, 0.05, 0);
+    check_tikhonov(7, 0.01, 1); /* fewer queries than keys: only the ridge makes it well posed */
+    check_tikhonov(7, 0.3, 0);
+    printf("\n");
+}
+
+/* Projected-gradient KKT violation of w for min w^T G w / 2 - b^T w on [lo, hi], relative to max |b|. */
+static double kkt_violation(const double *G, const double *b, int t, double lo, double hi, const double *w) {
+    double worst = 0, bmax = 0;
+    for (int j = 0; j < t; j++) {
+        double g = -b[j];
+        for (int c = 0; c < t; c++)
+            g += G[j * t + c] * w[c];
+        const double slack = 1e-7 * (hi - lo);
+        const double v = w[j] <= lo + slack ? fmax(0, -g) : (w[j] >= hi - slack ? fmax(0, g) : fabs(g));
+        worst = fmax(worst, v);
+        bmax = fmax(bmax, fabs(b[j]));
+    }
+    return worst / bmax;
+}
+
+static void test_box_fit_reaches_kkt(void) {
+    /* a random box least-squares problem whose free optimum leaves the box on both sides */
+    const int R = 60, t = 20;
+    const double lo = exp(-3.0), hi = exp(3.0);
+    float Mf[60 * 20], wt[20];
+    kf_test_fill_uniform(Mf, R * t, 411, -6, 1);
+    kf_test_fill_uniform(wt, t, 412, -10, 40);
+    double G[20 * 20] = {0}, b[20] = {0}, w[20], y[60];
+    for (int i = 0; i < R; i++) {
+        y[i] = 0;
+        for (int j = 0; j < t; j++)
+            y[i] += exp(Mf[i * t + j]) * wt[j];
+    }
+    for (int a = 0; a < t; a++) {
+        for (int i = 0; i < R; i++) {
+            b[a] += exp(Mf[i * t + a]) * y[i];
+            for (int c = 0; c < t; c++)
+                G[a * t + c] += exp(Mf[i * t + a]) * exp(Mf[i * t + c]);
+        }
+        w[a] = 1;
+    }
+    const int sweeps = kf_box_lsq(G, b, t, lo, hi, 1e-10, 100000, w);
+    int at_lo = 0, at_hi = 0, inside = 0;
+    for (int j = 0; j < t; j++) {
+        at_lo += w[j] == lo, at_hi += w[j] == hi;
+        inside += w[j] > lo && w[j] < hi;
+        CU_ASSERT(w[j] >= lo && w[j] <= hi);
+    }
+    const double v = kkt_violation(G, b, t, lo, hi, w);
+    printf("\n    box fit: %d sweeps, %d at e^-3, %d at e^3, %d inside, KKT violation %.1e\n", sweeps, at_lo, at_hi,
+           inside, v);
+    CU_ASSERT(sweeps <= 100000);
+    CU_ASSERT(at_lo > 0 && at_hi > 0 && inside > 0);
+    CU_ASSERT(v < 1e-8);
+
+    /* the beta fit with KF_BETA_BOX satisfies KKT for its own problem; AM's two steps do not */
+    synth s = make_synth(120, 300, 8, 413);
+    for (int j = 60; j < 120; j++) /* half the keys duplicate kept ones: masses up to 2x and beyond */
+        memcpy(s.K + j * s.d, s.K + (j % 7) * s.d, sizeof(float) * s.d);
+    kf_am_head h = head_of(&s);
+    kf_am_targets tg;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
+    const int tk = 24;
+    int32_t sel[24];
+    float beta_box[24], beta_am[24];
+    for (int j = 0; j < tk; j++)
+        sel[j] = 2 * j + 1;
+    CU_ASSERT_EQUAL(kf_am_fit_beta_ex(&h, &tg, sel, tk, 5, KF_BETA_BOX, beta_box, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_am_fit_beta_ex(&h, &tg, sel, tk, 5, KF_BETA_AM, beta_am, NULL, &err), KF_OK);
+    double *Gb = calloc((size_t)tk * tk, sizeof(double)), *bb = calloc(tk, sizeof(double));
+    double w_box[24], w_am[24];
+    for (int i = 0; i < s.R; i++) {
+        double mrow[24];
+        for (int j = 0; j < tk; j++) {
+            double dot = 0;
+            for (int c = 0; c < s.d; c++)
+                dot += (double)s.Q[i * s.d + c] * s.K[sel[j] * s.d + c];
+            mrow[j] = exp(dot * h.scale - tg.m[i]);
+        }
+        for (int a = 0; a < tk; a++) {
+            bb[a] += mrow[a] * tg.y[i];
+            for (int c = 0; c < tk; c++)
+                Gb[a * tk + c] += mrow[a] * mrow[c];
+        }
+    }
+    for (int j = 0; j < tk; j++)
+        w_box[j] = exp(beta_box[j]), w_am[j] = exp(beta_am[j]);
+    const double v_box = kkt_violation(Gb, bb, tk, lo, hi, w_box), v_am = kkt_violation(Gb, bb, tk, lo, hi, w_am);
+    printf("    beta fit KKT violation: box %.1e, AM's two steps %.1e\n", v_box, v_am);
+    CU_ASSERT(v_box < 1e-4); /* w from float beta: about 1e-7 relative per weight */
+    CU_ASSERT(v_box < v_am);
+    free(Gb);
+    free(bb);
+    kf_am_targets_free(&tg);
+    free_synth(&s);
+}
+
+/* The restart from w = 1 is counted exactly when the clamped least-squares start fits worse. */
+static void test_beta_restart_counted(void) {
+    const int R = 40, d = 4;
+    float K[3 * 4] = {1.0f, 0.2f, 0.0f, 0.1f, 0.9f, 0.35f, 0.05f, 0.0f, -1, 0, 1, 0}, Q[40 * 4];
+    kf_test_fill_uniform(Q, R * d, 421, -1, 1);
+    kf_am_head h = {K, 4, K, 4, 3, Q, R, d, 1.0f};
+    kf_am_targets tg;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
+    const int32_t sel[2] = {0, 1};
+    const double lo = exp(-3.0), hi = exp(3.0);
+    const double cases[2][2] = {{30, -25}, {2, 0.5}}; /* free optimum far outside the box; inside it */
+    kf_am_stats st = {0};
+    for (int k = 0; k < 2; k++) {
+        double m0[40], m1[40], r_clamp = 0, r_one = 0;
+        const double w0 = fmin(hi, fmax(lo, cases[k][0])), w1 = fmin(hi, fmax(lo, cases[k][1]));
+        for (int i = 0; i < R; i++) { /* plant y = M w_true */
+            double z0 = 0, z1 = 0;
+            for (int c = 0; c < d; c++)
+                z0 += Q[i * d + c] * K[c], z1 += Q[i * d + c] * K[d + c];
+            m0[i] = exp(z0 - tg.m[i]), m1[i] = exp(z1 - tg.m[i]);
+            tg.y[i] = (float)(m0[i] * cases[k][0] + m1[i] * cases[k][1]);
+        }
+        for (int i = 0; i < R; i++) {
+            r_clamp += pow(m0[i] * w0 + m1[i] * w1 - tg.y[i], 2);
+            r_one += pow(m0[i] + m1[i] - tg.y[i], 2);
+        }
+        const int before = st.beta_restarts;
+        float beta[2];
+        CU_ASSERT_EQUAL(kf_am_fit_beta(&h, &tg, sel, 2, 1, beta, &st, &err), KF_OK);
+        printf("\n    w* (%g, %g): clamped start residual %.3g, w = 1 residual %.3g, restarts +%d", cases[k][0],
+               cases[k][1], r_clamp, r_one, st.beta_restarts - before);
+        CU_ASSERT_EQUAL(st.beta_restarts - before, r_clamp > r_one ? 1 : 0);
+        CU_ASSERT_EQUAL(r_clamp > r_one, k == 0); /* the planted cases cover both branches */
+    }
+    printf("\n");
+    kf_am_targets_free(&tg);
+}
+
+/* A planted head for the per-head choice: T keys of which the first t are kept; `dup`: the
+ * others copy the kept keys (mass the kept keys must carry) with different values, else they
+ * point away from the queries (no mass). Training queries mu + noise; validation queries
+ * sign * mu + noise; an appended block of comparable mass. Returns the pick. */
+static kf_head_pick planted_choice(int dup, float val_sign, kf_ridge_target to, double *err_out) {
+    enum { T = 48, t = 16, d = 8, Rtr = 200, Rv = 100, NA = 16 };
+    float K[T * d], V[T * d], Qtr[Rtr * d], Qv[Rv * d], KA[NA * d], VA[NA * d], mu[d] = {0};
+    kf_test_fill_uniform(K, t * d, 431, -1, 1);
+    kf_test_fill_uniform(V, T * d, 432, -1, 1);
+    kf_test_fill_uniform(Qtr, Rtr * d, 433, -0.3f, 0.3f);
+    kf_test_fill_uniform(Qv, Rv * d, 434, -0.3f, 0.3f);
+    kf_test_fill_uniform(KA, NA * d, 435, -1, 1);
+    kf_test_fill_uniform(VA, NA * d, 436, -1, 1);
+    mu[0] = 2.0f, mu[1] = 1.0f;
+    for (int j = t; j < T; j++)
+        for (int c = 0; c < d; c++)
+            K[j * d + c] = dup ? K[(j % t) * d + c] : -6.0f * mu[c];
+    for (int i = 0; i < Rtr; i++)
+        for (int c = 0; c < d; c++)
+            Qtr[i * d + c] += mu[c];
+    for (int i = 0; i < Rv; i++)
+        for (int c = 0; c < d; c++)
+            Qv[i * d + c] += val_sign * mu[c];
+    kf_am_head h = {K, d, V, d, T, Qtr, Rtr, d, 1.0f};
+    kf_am_targets tg;
+    kf_error err = {0};
+    kf_head_pick pick = {KF_METHOD_KEEP, 0, 0, NAN};
+    CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
+    int32_t sel[t];
+    for (int j = 0; j < t; j++)
+        sel[j] = j;
+    const kf_kv_block orig = {K, V, d, NULL, T}, app = {KA, VA, d, NULL, NA};
+    const kf_kv_block *apps[Rv];
+    for (int i = 0; i < Rv; i++)
+        apps[i] = &app;
+    kf_val_head vh;
+    CU_ASSERT_EQUAL_FATAL(kf_val_head_init(&vh, Qv, Rv, d, 1.0f, NULL, &orig, apps, NULL, &err), KF_OK);
+    kf_compact_params p = kf_compact_params_default();
+    p.method = KF_METHOD_FOLD;
+    p.ridge_to = to;
+    CU_ASSERT_EQUAL(kf_choose_head(&p, &h, &tg, sel, t, K, V, &vh, 1, &pick, &err), KF_OK);
+    /* the errors of keep and of the winner, for the message */
+    const kf_kv_block kb = {K, V, d, NULL, t};
+    *err_out = kf_val_err(&vh, &kb);
+    kf_val_head_free(&vh);
+    kf_am_targets_free(&tg);
+    return pick;
+}
+
+static void test_head_choice_planted(void) {
+    struct {
+        int dup;
+        float sign;
+        kf_ridge_target to;
+        kf_method want;
+        const char *why;
+    } cases[] = {
+        {1, 1, KF_RIDGE_TO_ORIG, KF_METHOD_FOLD, "mass to restore, questions like the training queries"},
+        {1, -1, KF_RIDGE_TO_ORIG, KF_METHOD_DROP, "mass to restore, questions whose gain q.u is -1"},
+        {0, 1, KF_RIDGE_TO_ZERO, KF_METHOD_KEEP, "no mass lost: the original values are exact"},
+    };
+    for (int k = 0; k < 3; k++) {
+        double keep_err;
+        const kf_head_pick pk = planted_choice(cases[k].dup, cases[k].sign, cases[k].to, &keep_err);
+        printf("\n    %s: picked %s (lambda %g, alpha %g, err %.2e; keep %.2e)", cases[k].why, kf_method_name(pk.method),
+               pk.lambda, pk.alpha, pk.err, keep_err);
+        CU_ASSERT_EQUAL(pk.method, cases[k].want);
+        CU_ASSERT(pk.err <= keep_err);
+    }
+    printf("\n");
+}
+
 static void test_frame_rotation_keeps_dot_products(void) {
     const int d = 16, n = 5;
     kf_rope_spec spec = {.kind = KF_ROPE_DEFAULT, .theta = 10000};
@@ -680,6 +980,10 @@ static CU_TestInfo synthetic_tests[] = {
     {"fold: mu.u = 1, mean gain 1, exact for the mean query", test_fold_identities},
     {"synthetic: am < fold < drop with an appended block", test_synthetic_ordering},
     {"frame rotation keeps question-key dot products", test_frame_rotation_keeps_dot_products},
+    {"values: Tikhonov refit equals its closed form", test_tikhonov_closed_form},
+    {"beta: the box fit reaches the KKT conditions", test_box_fit_reaches_kkt},
+    {"beta: restarts from w = 1 are counted", test_beta_restart_counted},
+    {"per-head choice picks fold, drop and keep on planted heads", test_head_choice_planted},
     CU_TEST_INFO_NULL,
 };
 static CU_TestInfo model_tests[] = {
