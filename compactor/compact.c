@@ -57,6 +57,7 @@ void kf_compacted_free(kf_compacted *c) {
     free(c->var_gain);
     free(c->positions);
     free(c->head_method);
+    free(c->head_alpha);
     memset(c, 0, sizeof *c);
 }
 
@@ -583,8 +584,9 @@ kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_pro
     kc = malloc(sizeof(float) * (size_t)t * d);
     vo = malloc(sizeof(float) * (size_t)t * d);
     out->head_method = malloc((size_t)L * kvh);
+    out->head_alpha = calloc((size_t)L * kvh, sizeof(float));
     if (!out->keys || !out->values || !out->beta || !out->u || !out->positions || !K || !V || !sel ||
-        !beta || !kfold || !vals || !kc || !vo || !out->head_method ||
+        !beta || !kfold || !vals || !kc || !vo || !out->head_method || !out->head_alpha ||
         (p->fold_queries == KF_FOLD_ON_PROBES && !qsub)) {
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the compacted cache");
         goto out;
@@ -696,6 +698,7 @@ kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_pro
                                             err);
                 out->stats.values_s += now_s() - ts;
                 out->stats.heads_ridged += pick.alpha > 0;
+                out->head_alpha[l * kvh + g] = (float)pick.alpha;
             }
             if (rc == KF_OK) {
                 out->head_method[l * kvh + g] = (uint8_t)method;

@@ -110,6 +110,7 @@ typedef struct {
     float *u;             /* [n_layers, kv_heads, head_dim]; zeros except for fold */
     int32_t *positions;   /* [n_layers, kv_heads, C] original positions, -1 for padding */
     float *var_gain;      /* [n_layers, kv_heads] var(q.u) over the fold's queries; 0 unless folded */
+    float *head_alpha;    /* [n_layers, kv_heads] the Tikhonov alpha of each head's value refit */
     uint8_t *head_method; /* [n_layers, kv_heads] the kf_method each head was compacted with, or NULL:
                              every head used `method` (per-head choice fills it) */
     kf_compact_stats stats;

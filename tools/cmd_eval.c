@@ -10,6 +10,7 @@
 #include "compactor/evaluate.h"
 #include "formats/budgets.h"
 #include "tools/cli.h"
+#include "tools/cli_quality.h"
 #include "tools/commands.h"
 
 static const char kHelp[] =
@@ -50,6 +51,7 @@ static const char kHelp[] =
     "  --max-queries N      pooled reference queries per KV head (default 50000)\n"
     "  --limit N            only the first N documents\n"
     "  --chunk N            prefill chunk size (default 512)\n"
+    CLI_QUALITY_HELP
     CLI_PREFILL_HELP
     "                       (QUOKA applies to the compaction's document prefill; the full-context\n"
     "                       reference is always dense)\n"
@@ -537,7 +539,7 @@ int cmd_eval(int argc, char **argv) {
         {"max-queries", required_argument, 0, 'Q'}, {"chunk", required_argument, 0, 'c'},
         {"head-budgets", required_argument, 0, 'H'}, {"per-head", required_argument, 0, 'P'},
         {"probe-form", required_argument, 0, 'A'}, {"probes-out", required_argument, 0, 'O'},
-        CLI_PREFILL_OPTIONS, {0, 0, 0, 0}};
+        CLI_PREFILL_OPTIONS, CLI_QUALITY_OPTIONS, {0, 0, 0, 0}};
     const char *head_budgets = NULL, *per_head_path = NULL, *probes_out = NULL;
     const char *model_dir = NULL, *docs = NULL, *methods_s = "full,keep,drop,am,fold", *budgets_s = "0.25,0.1";
     long long probes = 0, limit = 1 << 30, maxq = 50000;
@@ -596,6 +598,11 @@ int cmd_eval(int argc, char **argv) {
                 return cli_usage_error("eval quality", "--chunk must be a positive count, not '%s'", optarg);
             break;
         default: {
+            const int qr = cli_quality_option("eval quality", c, optarg, &base);
+            if (qr < 0)
+                return KF_EXIT_USAGE;
+            if (qr > 0)
+                break;
             const int r = cli_prefill_option("eval quality", c, optarg, &prefill);
             if (r < 0)
                 return KF_EXIT_USAGE;
