@@ -38,6 +38,7 @@ kf_compact_params kf_compact_params_default(void) {
     p.ridge_to = KF_RIDGE_TO_ORIG;
     p.head_choice = KF_CHOICE_DEFAULT;
     p.val_frac = 0.2;
+    p.refit_all = 1;
     p.max_head_ratio = 0.75;
     p.quoka_margin = 16;
     return p;
@@ -160,15 +161,15 @@ static kf_status fold_selection(const float *q, int R, int d, float scale, doubl
 
 /* Score every value refit alpha of one (keys, bias) candidate; updates best. */
 static kf_status try_alphas(const kf_am_head *htr, const float *Ytr, const float *keys, const float *bias, int t,
-                            const float *v0, kf_method method, double lambda, kf_val_head *val, float *vals,
-                            kf_head_pick *best, kf_error *err) {
+                            const float *v0, kf_method method, double lambda, double penalty, kf_val_head *val,
+                            float *vals, kf_head_pick *best, kf_error *err) {
     kf_value_gram gm;
     KF_TRY(kf_value_gram_build(htr->q, htr->R, htr->d, htr->scale, keys, htr->d, bias, t, Ytr, &gm, err));
     kf_status rc = KF_OK;
     for (size_t a = 0; a < sizeof kAlphaGrid / sizeof *kAlphaGrid && rc == KF_OK; a++) {
         rc = kf_value_gram_solve(&gm, kAlphaGrid[a], v0, htr->d, vals, NULL, err);
         const kf_kv_block cb = {keys, vals, (size_t)htr->d, bias, t};
-        const double e = rc == KF_OK ? kf_val_err(val, &cb) : NAN;
+        const double e = rc == KF_OK ? kf_val_err(val, &cb) * penalty : NAN;
         if (rc == KF_OK && isnan(e))
             rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory in the per-head validation");
         if (rc == KF_OK && e < best->err)
@@ -195,19 +196,19 @@ kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, cons
         if ((rc = kf_am_fit_beta_ex(htr, ttr, sel, t, seed, p->beta_fit, beta, NULL, err)) != KF_OK)
             goto out;
         if (p->method == KF_METHOD_AM &&
-            (rc = try_alphas(htr, ttr->Y, kc, beta, t, v0, KF_METHOD_AM, 0, val, vals, best, err)) != KF_OK)
+            (rc = try_alphas(htr, ttr->Y, kc, beta, t, v0, KF_METHOD_AM, 0, 1 + p->choice_margin, val, vals, best, err)) != KF_OK)
             goto out;
         for (size_t li = 0; p->method == KF_METHOD_FOLD && li < sizeof kLambdaGrid / sizeof *kLambdaGrid; li++) {
             const double lambda = kLambdaGrid[li] * p->lambda_rel;
             kf_fold_info fi;
             if ((rc = fold_selection(htr->q, htr->R, d, htr->scale, lambda, kc, beta, t, u, keys, &fi, err)) != KF_OK ||
-                (fi.ok && (rc = try_alphas(htr, ttr->Y, keys, NULL, t, v0, KF_METHOD_FOLD, lambda, val, vals, best,
+                (fi.ok && (rc = try_alphas(htr, ttr->Y, keys, NULL, t, v0, KF_METHOD_FOLD, lambda, 1 + p->choice_margin, val, vals, best,
                                            err)) != KF_OK))
                 goto out;
         }
     }
     if (p->method != KF_METHOD_KEEP &&
-        (rc = try_alphas(htr, ttr->Y, kc, NULL, t, v0, KF_METHOD_DROP, p->lambda_rel, val, vals, best, err)) != KF_OK)
+        (rc = try_alphas(htr, ttr->Y, kc, NULL, t, v0, KF_METHOD_DROP, p->lambda_rel, 1, val, vals, best, err)) != KF_OK)
         goto out;
     const kf_kv_block kb = {kc, vo, (size_t)d, NULL, t};
     const double e = kf_val_err(val, &kb);
@@ -635,6 +636,8 @@ kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_pro
                 memcpy(vo + (size_t)j * d, h.v + (size_t)sel[j] * row, sizeof(float) * d);
             }
             kf_head_pick pick = {p->method, p->lambda_rel, p->value_ridge, 0};
+            kf_am_head hf = h; /* the rows the final beta, u and values are fitted on */
+            kf_am_targets tf = tg;
             if (rc == KF_OK && sp.n_val > 0) {
                 ts = now_s();
                 split_head(&sp, &rq, q, &tg, is_val, pos_src, pos_local, &ap, l, g);
@@ -650,12 +653,14 @@ kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_pro
                                         err);
                     kf_val_head_free(&vh);
                 }
+                if (!p->refit_all) /* ship the fit that was validated */
+                    hf = htr, tf = ttr;
                 out->stats.choice_s += now_s() - ts;
             }
             kf_method method = pick.method;
             if (rc == KF_OK && method != KF_METHOD_KEEP && method != KF_METHOD_DROP) {
                 ts = now_s();
-                rc = kf_am_fit_beta_ex(&h, &tg, sel, th, p->seed + (uint64_t)(l * kvh + g), p->beta_fit, beta,
+                rc = kf_am_fit_beta_ex(&hf, &tf, sel, th, p->seed + (uint64_t)(l * kvh + g), p->beta_fit, beta,
                                        &out->stats.solver, err);
                 out->stats.beta_s += now_s() - ts;
             }
@@ -665,8 +670,8 @@ kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_pro
             memset(u, 0, sizeof(float) * d); /* u = 0 unless folded */
             if (rc == KF_OK && method == KF_METHOD_FOLD) {
                 ts = now_s();
-                const float *fq = q;
-                int fR = (int)rq.R;
+                const float *fq = hf.q;
+                int fR = hf.R;
                 if (p->fold_queries == KF_FOLD_ON_PROBES) { /* rows of probe positions only */
                     fR = 0;
                     for (int j = 0; j < G; j++)
@@ -693,7 +698,7 @@ kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_pro
                 bias = beta;
             if (rc == KF_OK && method != KF_METHOD_KEEP) {
                 ts = now_s();
-                rc = kf_am_fit_values_ridge(q, (int)rq.R, d, scale, kk, d, bias, th, tg.Y, pick.alpha,
+                rc = kf_am_fit_values_ridge(hf.q, hf.R, d, scale, kk, d, bias, th, tf.Y, pick.alpha,
                                             p->ridge_to == KF_RIDGE_TO_ORIG ? vo : NULL, d, vals, &out->stats.solver,
                                             err);
                 out->stats.values_s += now_s() - ts;

@@ -66,6 +66,10 @@ typedef struct {
     kf_ridge_target ridge_to;       /* default towards the original values */
     kf_head_choice head_choice;     /* default: on for fold, off for the other methods */
     double val_frac;                /* validation share of the reference positions (default 0.2) */
+    double choice_margin;           /* am/fold must beat drop and keep by this relative margin on
+                                       the validation error to be chosen (default 0) */
+    int refit_all;                  /* 1: refit the chosen candidate on all the queries (default);
+                                       0: keep the fit on the training rows that was validated */
     uint64_t seed;                  /* subsampling and power iteration (default 0) */
     kf_prompt repeat_instruction;   /* ids between the context and the repeated document; n = 0
                                        disables the repeat source */

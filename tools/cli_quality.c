@@ -36,6 +36,15 @@ int cli_quality_option(const char *cmd, int opt, const char *arg, kf_compact_par
         if (number(arg, 0, 0.9, &p->val_frac))
             return cli_usage_error(cmd, "--val-frac must be a fraction in [0, 0.9], not '%s'", arg), -1;
         return 1;
+    case CLI_OPT_REFIT:
+        if (strcmp(arg, "all") && strcmp(arg, "train"))
+            return cli_usage_error(cmd, "--refit is all or train, not '%s'", arg), -1;
+        p->refit_all = strcmp(arg, "all") == 0;
+        return 1;
+    case CLI_OPT_MARGIN:
+        if (number(arg, 0, 10, &p->choice_margin))
+            return cli_usage_error(cmd, "--choice-margin must be a number in [0, 10], not '%s'", arg), -1;
+        return 1;
     default: return 0;
     }
 }

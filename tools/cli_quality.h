@@ -8,12 +8,13 @@
 
 #include "compactor/compact.h"
 
-enum { CLI_OPT_HEAD_CHOICE = 0x1100, CLI_OPT_VALUE_RIDGE, CLI_OPT_RIDGE_TO, CLI_OPT_BETA_FIT, CLI_OPT_VAL_FRAC };
+enum { CLI_OPT_HEAD_CHOICE = 0x1100, CLI_OPT_VALUE_RIDGE, CLI_OPT_RIDGE_TO, CLI_OPT_BETA_FIT, CLI_OPT_VAL_FRAC, CLI_OPT_REFIT, CLI_OPT_MARGIN };
 #define CLI_QUALITY_OPTIONS                                                                                   \
     {"head-choice", required_argument, 0, CLI_OPT_HEAD_CHOICE},                                              \
         {"value-ridge", required_argument, 0, CLI_OPT_VALUE_RIDGE},                                          \
         {"ridge-to", required_argument, 0, CLI_OPT_RIDGE_TO}, {"beta-fit", required_argument, 0, CLI_OPT_BETA_FIT}, \
-        {"val-frac", required_argument, 0, CLI_OPT_VAL_FRAC}
+        {"val-frac", required_argument, 0, CLI_OPT_VAL_FRAC}, {"refit", required_argument, 0, CLI_OPT_REFIT},         \
+        {"choice-margin", required_argument, 0, CLI_OPT_MARGIN}
 #define CLI_QUALITY_HELP                                                                                      \
     "  --head-choice on|off per (layer, KV head) choose the method, drop or keep (and the fold's\n"           \
     "                       lambda and the refit's Tikhonov alpha from small grids) by output error\n"      \
@@ -23,7 +24,11 @@ enum { CLI_OPT_HEAD_CHOICE = 0x1100, CLI_OPT_VALUE_RIDGE, CLI_OPT_RIDGE_TO, CLI_
     "  --ridge-to T         orig (the kept keys' original values, default) or zero\n"                      \
     "  --beta-fit F         am (least squares, clamp, two projected-gradient steps; default) or box\n"    \
     "                       (the same start driven to convergence inside [e^-3, e^3])\n"                   \
-    "  --val-frac F         share of the reference positions held out for the choice (default 0.2)\n"
+    "  --val-frac F         share of the reference positions held out for the choice (default 0.2)\n"   \
+    "  --refit all|train    after the choice, refit the winner on all the queries (default) or keep\n"   \
+    "                       the fit on the training rows that was validated\n"                         \
+    "  --choice-margin M    am or fold is chosen for a head only when its validation error is\n"       \
+    "                       below drop's and keep's by the factor 1 + M (default 0)\n"
 
 /* 1: handled (p updated), 0: not a quality option, -1: bad value (a usage error was printed). */
 int cli_quality_option(const char *cmd, int opt, const char *arg, kf_compact_params *p);
