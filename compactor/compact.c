@@ -39,6 +39,7 @@ kf_compact_params kf_compact_params_default(void) {
     p.head_choice = KF_CHOICE_DEFAULT;
     p.val_frac = 0.2;
     p.refit_all = 1;
+    p.choice_margin = 0.5;
     p.max_head_ratio = 0.75;
     p.quoka_margin = 16;
     return p;
@@ -428,7 +429,8 @@ kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_pro
     appended_kv ap = {0};
     head_split sp = {0};
     const int choice = p->method != KF_METHOD_KEEP &&
-                       (p->head_choice == KF_CHOICE_ON || (p->head_choice == KF_CHOICE_DEFAULT && p->method == KF_METHOD_FOLD));
+                       (p->head_choice == KF_CHOICE_ON ||
+                        (p->head_choice == KF_CHOICE_DEFAULT && (p->method == KF_METHOD_FOLD || p->method == KF_METHOD_AM)));
     if (!src || !ctx_ids) {
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
         goto out;

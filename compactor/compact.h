@@ -41,7 +41,8 @@ typedef enum { KF_RIDGE_TO_ZERO = 0, KF_RIDGE_TO_ORIG = 1 } kf_ridge_target;
  * itself (am or fold; fold for lambda in {0.1, 1, 10} x lambda_rel), drop and keep, each value
  * refit for alpha in {0, 1e-3, 1e-2, 1e-1} — and keep the one with the lowest output error on the
  * validation queries (appended block: the tokens before each query in its own prompt; probe rows
- * weigh half when there are any). The winner is refitted on all the queries. */
+ * weigh half when there are any), am/fold only when they beat drop and keep by the factor
+ * 1 + choice_margin. The winner is refitted on all the queries (refit_all). */
 typedef enum { KF_CHOICE_DEFAULT = -1, KF_CHOICE_OFF = 0, KF_CHOICE_ON = 1 } kf_head_choice;
 
 const char *kf_method_name(kf_method m);
@@ -64,10 +65,10 @@ typedef struct {
     double value_ridge;             /* Tikhonov alpha of every value refit without per-head choice:
                                        mu = alpha * tr(X^T X) / t (default 0) */
     kf_ridge_target ridge_to;       /* default towards the original values */
-    kf_head_choice head_choice;     /* default: on for fold, off for the other methods */
+    kf_head_choice head_choice;     /* default: on for am and fold, off for keep and drop */
     double val_frac;                /* validation share of the reference positions (default 0.2) */
     double choice_margin;           /* am/fold must beat drop and keep by this relative margin on
-                                       the validation error to be chosen (default 0) */
+                                       the validation error to be chosen (default 0.5) */
     int refit_all;                  /* 1: refit the chosen candidate on all the queries (default);
                                        0: keep the fit on the training rows that was validated */
     uint64_t seed;                  /* subsampling and power iteration (default 0) */

@@ -784,6 +784,44 @@ static void test_deterministic_for_a_seed(void) {
     kf_compacted_free(&b);
 }
 
+/* The per-head choice records every head's method; heads not folded carry u = 0 and beta = 0. */
+static void test_head_choice_recorded(void) {
+    kf_prompt doc = {g_doc, g_doc_n};
+    kf_error err = {0};
+    for (int method = KF_METHOD_AM; method <= KF_METHOD_FOLD; method++) {
+        kf_compact_params p = params((kf_method)method, 0.25);
+        p.head_choice = KF_CHOICE_ON;
+        p.choice_margin = 0;
+        kf_compacted c;
+        CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &c, &err), KF_OK);
+        const int n = c.n_layers * c.kv_heads;
+        int counts[4] = {0}, total = 0;
+        CU_ASSERT_PTR_NOT_NULL_FATAL(c.head_method);
+        CU_ASSERT(c.stats.n_val_queries > 0);
+        for (int h = 0; h < n; h++) {
+            const int hm = c.head_method[h];
+            CU_ASSERT(hm == method || hm == KF_METHOD_DROP || hm == KF_METHOD_KEEP);
+            counts[hm]++;
+            double un = 0, bn = 0;
+            for (int k = 0; k < c.head_dim; k++)
+                un += fabs(c.u[(size_t)h * c.head_dim + k]);
+            for (int64_t j = 0; j < c.C; j++)
+                bn += fabs(c.beta[(size_t)h * c.C + j]);
+            CU_ASSERT(hm == KF_METHOD_FOLD ? un > 0 : un == 0);
+            CU_ASSERT(hm == KF_METHOD_AM ? bn > 0 : bn == 0);
+        }
+        for (int k = 0; k < 4; k++) {
+            CU_ASSERT_EQUAL(counts[k], c.stats.heads_by_method[k]);
+            total += c.stats.heads_by_method[k];
+        }
+        CU_ASSERT_EQUAL(total, n);
+        printf("\n    %s with choice: keep %d drop %d am %d fold %d of %d heads, %d with alpha > 0",
+               kf_method_name((kf_method)method), counts[0], counts[1], counts[2], counts[3], n, c.stats.heads_ridged);
+        kf_compacted_free(&c);
+    }
+    printf("\n");
+}
+
 /* Per-head budgets from AM's JSON: C is set by the largest head; am pads smaller heads with
  * slots whose bias is -inf, so whatever keys those slots hold, the question's logits do not move. */
 static void test_head_budgets(void) {
@@ -953,6 +991,7 @@ static void test_records_lse_ordering(void) {
         kf_compact_params p = params((kf_method)method, 0.25);
         p.probes = pr;
         p.n_probes = np;
+        p.head_choice = KF_CHOICE_OFF; /* the methods themselves (the choice may pick drop everywhere) */
         kf_compacted c;
         CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &c, &err), KF_OK);
         kf_quality qm;
@@ -994,6 +1033,7 @@ static CU_TestInfo model_tests[] = {
     {"prefix and suffix kept verbatim", test_prefix_suffix_verbatim},
     {"bad parameters", test_bad_parameters},
     {"records model: lse_err am < fold < drop", test_records_lse_ordering},
+    {"per-head choice recorded; u, beta zero where not folded", test_head_choice_recorded},
     CU_TEST_INFO_NULL,
 };
 static CU_SuiteInfo suites[] = {

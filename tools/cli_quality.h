@@ -18,7 +18,7 @@ enum { CLI_OPT_HEAD_CHOICE = 0x1100, CLI_OPT_VALUE_RIDGE, CLI_OPT_RIDGE_TO, CLI_
 #define CLI_QUALITY_HELP                                                                                      \
     "  --head-choice on|off per (layer, KV head) choose the method, drop or keep (and the fold's\n"           \
     "                       lambda and the refit's Tikhonov alpha from small grids) by output error\n"      \
-    "                       on a held-out split of the reference queries (default: on for fold)\n"         \
+    "                       on a held-out split of the reference queries (default: on for am, fold)\n"         \
     "  --value-ridge A      Tikhonov alpha of the value refits without per-head choice:\n"                 \
     "                       mu = A * tr(X^T X) / t (default 0: plain least squares)\n"                     \
     "  --ridge-to T         orig (the kept keys' original values, default) or zero\n"                      \
@@ -28,7 +28,7 @@ enum { CLI_OPT_HEAD_CHOICE = 0x1100, CLI_OPT_VALUE_RIDGE, CLI_OPT_RIDGE_TO, CLI_
     "  --refit all|train    after the choice, refit the winner on all the queries (default) or keep\n"   \
     "                       the fit on the training rows that was validated\n"                         \
     "  --choice-margin M    am or fold is chosen for a head only when its validation error is\n"       \
-    "                       below drop's and keep's by the factor 1 + M (default 0)\n"
+    "                       below drop's and keep's by the factor 1 + M (default 0.5)\n"
 
 /* 1: handled (p updated), 0: not a quality option, -1: bad value (a usage error was printed). */
 int cli_quality_option(const char *cmd, int opt, const char *arg, kf_compact_params *p);
