@@ -28,6 +28,7 @@ static const char kHelp[] =
     "failed: reported, left out of the averages), fold heads compacted as drop, beta fits restarted\n"
     "from w = 1, heads per method, documents without probes. The row `full` is the uncompacted\n"
     "cache measured the same way (KL 0: a sanity check).\n"
+    "Every question (and every probe) runs alone on top of the document: one question per context.\n"
     "Held-out queries are those of the evaluated questions; they are never used for fitting.\n"
     "\n"
     "The JSONL lines carry ids, repeat_instruction_ids and questions[] with question_ids and\n"
