@@ -108,7 +108,9 @@ static void head_budgets(const kf_compact_params *p, int n_heads, int T, int t, 
 /* ---- per-head choice (issue 12) ---- */
 
 static const double kAlphaGrid[] = {0, 1e-3, 1e-2, 1e-1};
-static const double kLambdaGrid[] = {0.1, 1, 10}; /* times lambda_rel */
+/* times lambda_rel; 0.1x was dropped: its long u (keys moved by beta sqrt(d) u) made the folded keys
+ * so large that rounding the cache to bf16 moved the records model's logits by 7 (test_e2e) */
+static const double kLambdaGrid[] = {1, 10};
 
 
 /* The validation split of the sampled positions: n_val of them, probe positions first (drawn
