@@ -25,6 +25,14 @@
 #include "test_util.h"
 
 static const char kFp[] = "0123456789abcdef0123456789abcdef";
+
+/* LeakSanitizer: HDF5 1.10.8 itself leaks a few bytes on some damaged object headers (in
+ * H5Aexists -> H5O_protect, seen under valgrind too); kvfold's own allocations stay checked. */
+const char *__lsan_default_suppressions(void);
+const char *__lsan_default_suppressions(void) {
+    return "leak:libhdf5_serial.so\n";
+}
+
 static const char kRecipe[] = "aaaabbbbccccddddeeeeffff00001111";
 
 typedef struct {
