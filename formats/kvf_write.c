@@ -16,6 +16,8 @@
 #include <unistd.h>
 
 #include "formats/kvf_internal.h"
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
+#include <xxhash.h>
 
 /* ---- attributes ---- */
 
@@ -126,47 +128,39 @@ enum { W_KEYS, W_VALUES, W_BETA, W_U, W_POS, W_HM, W_N };
 
 /* Per-layer buffers of the writer. */
 typedef struct {
-    void *conv[2];          /* [C, H, D] in dtype: fp32 input converted */
     unsigned char *chunk;   /* one stored chunk: the largest of a K/V block and a side layer, + 4 */
     float *zeros;           /* [H, max(C, D)] */
     int32_t *ident;         /* [H, C] slot j -> j */
     uint8_t *hm;            /* [H] */
 } wbufs;
 
-/* This layer's keys/values in dtype (converted when given in fp32), refused when not finite. */
-static kf_status layer_kv(const kvf_cache *c, int l, wbufs *b, const void *out[2], wctx *w) {
+/* Block [t0, t0 + nt) of layer l's keys (i = 0) or values (1) into chunk in dtype (converted
+ * from fp32, round to nearest even, or copied as given), refused when not finite. */
+static kf_status block_kv(const kvf_cache *c, int i, int l, size_t t0, size_t nt, unsigned char *chunk, wctx *w) {
     const kvf_header *h = &c->hdr;
-    const size_t n = (size_t)h->n_tokens * (size_t)h->kv_heads * (size_t)h->head_dim, esz = kvf_dtype_size(h->dtype);
-    const float *src[2] = {c->keys, c->values};
-    const void *raw[2] = {c->keys_raw, c->values_raw};
-    for (int i = 0; i < 2; i++) {
-        if (!src[i])
-            out[i] = (const char *)raw[i] + (size_t)l * n * esz;
-        else if (h->dtype == KVF_F32)
-            out[i] = src[i] + (size_t)l * n;
-        else {
-            kvf_convert_to(h->dtype, src[i] + (size_t)l * n, b->conv[i], n);
-            out[i] = b->conv[i];
-        }
-        const int64_t bad = kvf_first_nonfinite(h->dtype, out[i], n);
-        if (bad >= 0) {
-            const size_t row = (size_t)h->kv_heads * (size_t)h->head_dim;
-            return kf_fail(w->err, KF_ERR_INVALID, "%s: %s of layer %d, slot %lld, head %lld %s in %s", w->path,
-                           i ? "values" : "keys", l, (long long)((size_t)bad / row),
-                           (long long)((size_t)bad % row / (size_t)h->head_dim),
-                           src[i] ? "is not finite or overflows" : "is not finite", kvf_dtype_name(h->dtype));
-        }
-    }
-    return KF_OK;
+    const size_t hd = (size_t)h->kv_heads * (size_t)h->head_dim, esz = kvf_dtype_size(h->dtype);
+    const size_t at = ((size_t)l * (size_t)h->n_tokens + t0) * hd; /* element offset */
+    const float *src = i ? c->values : c->keys;
+    const void *raw = i ? c->values_raw : c->keys_raw;
+    if (src)
+        kvf_convert_to(h->dtype, src + at, chunk, nt * hd);
+    else
+        memcpy(chunk, (const char *)raw + at * esz, nt * hd * esz);
+    const int64_t bad = kvf_first_nonfinite(h->dtype, chunk, nt * hd);
+    if (bad < 0)
+        return KF_OK;
+    return kf_fail(w->err, KF_ERR_INVALID, "%s: %s of layer %d, slot %lld, head %lld %s in %s", w->path,
+                   i ? "values" : "keys", l, (long long)(t0 + (size_t)bad / hd),
+                   (long long)((size_t)bad % hd / (size_t)h->head_dim),
+                   src ? "is not finite or overflows" : "is not finite", kvf_dtype_name(h->dtype));
 }
 
-/* Writes one layer: its K/V blocks and side chunks; its digest into digest. */
+/* Writes one layer: its K/V blocks (each converted, checked, hashed and summed while in cache)
+ * and side chunks; its digest into digest. */
 static kf_status write_layer(hid_t ds[W_N], const kvf_cache *c, int l, wbufs *b, uint8_t digest[16], wctx *w) {
     const kvf_header *h = &c->hdr;
     const size_t H = (size_t)h->kv_heads, C = (size_t)h->n_tokens, D = (size_t)h->head_dim;
     const size_t row = H * D * kvf_dtype_size(h->dtype);
-    const void *kv[2];
-    KF_TRY(layer_kv(c, l, b, kv, w));
     const float *beta = c->beta ? c->beta + (size_t)l * H * C : b->zeros;
     const float *u = c->u ? c->u + (size_t)l * H * D : b->zeros;
     const int32_t *pos = c->positions ? c->positions + (size_t)l * H * C : b->ident;
@@ -176,12 +170,14 @@ static kf_status write_layer(hid_t ds[W_N], const kvf_cache *c, int l, wbufs *b,
             w->err->code = KF_ERR_INVALID;
         return KF_ERR_INVALID;
     }
-    kvf_layer_digest(h, l, kv[0], kv[1], beta, u, pos, hm, digest);
+    XXH3_state_t st;
+    XXH3_128bits_reset(&st);
     char what[64];
     for (int i = 0; i < 2; i++)
         for (size_t t0 = 0; t0 < C; t0 += KVF_BLOCK) {
             const size_t nt = C - t0 < KVF_BLOCK ? C - t0 : KVF_BLOCK;
-            memcpy(b->chunk, (const char *)kv[i] + t0 * row, nt * row);
+            KF_TRY(block_kv(c, i, l, t0, nt, b->chunk, w));
+            XXH3_128bits_update(&st, b->chunk, nt * row);
             memset(b->chunk + nt * row, 0, (KVF_BLOCK - nt) * row); /* a short last block: zeros */
             const hsize_t coord[4] = {(hsize_t)l, t0, 0, 0};
             if (put_chunk(ds[i], coord, b->chunk, KVF_BLOCK * row) < 0) {
@@ -189,6 +185,7 @@ static kf_status write_layer(hid_t ds[W_N], const kvf_cache *c, int l, wbufs *b,
                 return h5fail(w, what);
             }
         }
+    kvf_layer_digest_finish(h, l, &st, beta, u, pos, hm, digest);
     const struct {
         const void *p;
         size_t n;
@@ -207,17 +204,13 @@ static kf_status write_layer(hid_t ds[W_N], const kvf_cache *c, int l, wbufs *b,
 static kf_status wbufs_init(wbufs *b, const kvf_cache *c, wctx *w) {
     const kvf_header *h = &c->hdr;
     const size_t H = (size_t)h->kv_heads, C = (size_t)h->n_tokens, D = (size_t)h->head_dim;
-    const size_t n = C * H * D, esz = kvf_dtype_size(h->dtype), blk = KVF_BLOCK * H * D * esz;
+    const size_t esz = kvf_dtype_size(h->dtype), blk = KVF_BLOCK * H * D * esz;
     size_t big = blk > H * C * 4 ? blk : H * C * 4;
     big = big > H * D * 4 ? big : H * D * 4;
     memset(b, 0, sizeof *b);
-    bool ok = (b->chunk = malloc(big + 4)) && (b->zeros = calloc(H * (C > D ? C : D), sizeof(float))) &&
-              (b->ident = malloc(H * C * sizeof(int32_t))) && (b->hm = malloc(H));
-    for (int i = 0; i < 2 && ok; i++)
-        if ((i ? c->values : c->keys) && h->dtype != KVF_F32)
-            ok = (b->conv[i] = malloc(n * esz)) != NULL;
-    if (!ok)
-        return kf_fail(w->err, KF_ERR_NOMEM, "%s: out of memory for a layer (%zu values)", w->path, n);
+    if (!(b->chunk = malloc(big + 4)) || !(b->zeros = calloc(H * (C > D ? C : D), sizeof(float))) ||
+        !(b->ident = malloc(H * C * sizeof(int32_t))) || !(b->hm = malloc(H)))
+        return kf_fail(w->err, KF_ERR_NOMEM, "%s: out of memory for a layer (%zu slots)", w->path, C);
     for (size_t r = 0; r < H; r++)
         for (size_t j = 0; j < C; j++)
             b->ident[r * C + j] = (int32_t)j;
@@ -226,8 +219,6 @@ static kf_status wbufs_init(wbufs *b, const kvf_cache *c, wctx *w) {
 }
 
 static void wbufs_free(wbufs *b) {
-    free(b->conv[0]);
-    free(b->conv[1]);
     free(b->chunk);
     free(b->zeros);
     free(b->ident);
@@ -309,6 +300,8 @@ static void *img_memcpy(void *dest, const void *src, size_t size, H5FD_file_imag
 static void *img_realloc(void *ptr, size_t size, H5FD_file_image_op_t op, void *udata) {
     (void)op;
     core_image *ci = udata;
+    if (!ptr)
+        return img_malloc(size, op, udata);
     void *p = realloc(ptr, size ? size : 1);
     if (p && ptr == ci->mem && size > ci->size)
         memset((char *)p + ci->size, 0, size - ci->size);
