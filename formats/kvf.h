@@ -69,12 +69,16 @@
  *   - Content-addressed: <root>/<model_fingerprint>/<document_digest>.<method>-<budget>.<recipe16>.kvf,
  *     budget in its shortest round-trip decimal form ("0.1", "0.25", "1"), recipe16 the first 16
  *     hex digits of recipe_digest: kvf_cache_path().
- *   - kvf_write() builds the file in memory (HDF5's core driver), then writes it with plain write()
- *     calls to <final>.tmp-<pid>-<16 hex> in the same directory, fsyncs it, renames it over the
- *     final name and fsyncs the directory: a reader sees no file or a complete one, two writers of
- *     the same name leave one complete file, and a failed write (a full disk, EFBIG, EIO) leaves
- *     no file and no HDF5 state behind. A killed writer leaves only a temporary name, which
- *     kvf_open() refuses and kvf_clean_temps() removes once old enough.
+ *   - kvf_write() builds the file in memory (HDF5's core driver, every chunk written directly with
+ *     its Fletcher32 sum; the memory holds one file image, about the size of the file), then
+ *     writes it with plain write() calls to <final>.tmp-<pid>-<16 hex> in the same directory,
+ *     fsyncs it, renames it over the final name and fsyncs the directory: a reader sees no file or
+ *     a complete one, two writers of the same name leave one complete file, and a failed write (a
+ *     full disk, EFBIG, EIO) leaves no file and no HDF5 state behind (a failed H5Fclose on a disk
+ *     file leaves HDF5 1.10 with a freed file that it closes again at exit: SEGV). Files are
+ *     deterministic: the same cache gives the same bytes. SIGXFSZ is the caller's to ignore. A
+ *     killed writer leaves only a temporary name, which kvf_open() refuses and
+ *     kvf_clean_temps() removes once old enough.
  *   - HDF5 file locking is off (the files are immutable once renamed, and locks fail on some
  *     shared filesystems).
  *

@@ -15,7 +15,8 @@
 static const char kHelp[] =
     "Usage: kvfold verify FILE.kvf --model DIR [--doc FILE [--question TEXT]...]\n"
     "\n"
-    "Checks a cache file: its structure and every chunk's checksum, and that it was written for\n"
+    "Checks a cache file: its structure, every chunk's checksum, every value (finite K/V and beta,\n"
+    "positions in [0, D)) and every layer's digest, and that it was written for\n"
     "this model (fingerprint of config, tensor index and weights; layers, KV heads, head_dim).\n"
     "With --doc, also that the file is the cache of that document (digest and length).\n"
     "With --doc and --question, the answer distributions: the full document's greedy answer is\n"
