@@ -57,8 +57,8 @@ int kvf_dtype_parse(const char *s, kvf_dtype *out) {
     static const struct {
         const char *name;
         kvf_dtype d;
-    } names[] = {{"bfloat16", KVF_BF16}, {"bf16", KVF_BF16}, {"float16", KVF_F16}, {"f16", KVF_F16},
-                 {"fp16", KVF_F16},      {"float32", KVF_F32}, {"f32", KVF_F32},   {"fp32", KVF_F32}};
+    } names[] = {{"bfloat16", KVF_BF16}, {"bf16", KVF_BF16},   {"float16", KVF_F16}, {"f16", KVF_F16},
+                 {"fp16", KVF_F16},      {"float32", KVF_F32}, {"f32", KVF_F32},     {"fp32", KVF_F32}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (strcmp(s, names[i].name) == 0) {
             *out = names[i].d;
@@ -283,7 +283,7 @@ uint16_t kvf_f32_to_f16(float x) {
         return sign | 0x7e00 | (uint16_t)((a >> 13) & 0x3ff);
     if (a >= 0x477ff000u) /* >= 65520 rounds to infinity */
         return sign | 0x7c00;
-    if (a < 0x38800000u) { /* below 2^-14: a subnormal half (or zero) */
+    if (a < 0x38800000u) {   /* below 2^-14: a subnormal half (or zero) */
         if (a < 0x33000000u) /* below 2^-25 */
             return sign;
         uint32_t e = a >> 23, m = (a & 0x7fffffu) | 0x800000u;
@@ -458,8 +458,8 @@ enum { FL_T = 128 }; /* 32-byte vectors per block: 2,048 words; lane sums stay b
  * Each 32-bit lane keeps its running sum (w) and the sum of running sums (s), adds only; the
  * lanes are told apart at the end (unpacklo/hi interleave words 0-3, 8-11 / 4-7, 12-15). */
 __attribute__((target("avx2"))) static void fletcher_block_avx2(const unsigned char *p, uint64_t *A, uint64_t *B) {
-    const __m256i swap = _mm256_setr_epi8(1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14, 1, 0, 3, 2, 5, 4, 7,
-                                          6, 9, 8, 11, 10, 13, 12, 15, 14);
+    const __m256i swap = _mm256_setr_epi8(1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14, 1, 0, 3, 2, 5, 4, 7, 6,
+                                          9, 8, 11, 10, 13, 12, 15, 14);
     const __m256i z = _mm256_setzero_si256();
     __m256i w1 = z, w2 = z, s1 = z, s2 = z;
     for (int t = 0; t < FL_T; t++) {
@@ -597,15 +597,15 @@ kf_status kvf_header_check(const kvf_header *h, const char *path, kf_error *err)
                        (long long)h->n_doc_tokens, (long long)h->n_tokens);
     /* a layer's elements (and so every size below) stay far from overflow: C * H * D < 2^40 */
     if ((double)h->n_tokens * h->kv_heads * h->head_dim > (double)((int64_t)1 << 40))
-        return kf_fail(err, KF_ERR_FORMAT, "%s: a layer of C = %lld tokens is too large", path,
-                       (long long)h->n_tokens);
+        return kf_fail(err, KF_ERR_FORMAT, "%s: a layer of C = %lld tokens is too large", path, (long long)h->n_tokens);
     /* HDF5 chunks stay below 4 GiB: a K/V block [16, H, D] and a side layer [H, C] */
-    if ((int64_t)h->kv_heads * h->head_dim > ((int64_t)1 << 24) || (int64_t)h->kv_heads * h->n_tokens > ((int64_t)1 << 29))
+    if ((int64_t)h->kv_heads * h->head_dim > ((int64_t)1 << 24) ||
+        (int64_t)h->kv_heads * h->n_tokens > ((int64_t)1 << 29))
         return kf_fail(err, KF_ERR_FORMAT, "%s: kv_heads %d x head_dim %d x C %lld is too large for one chunk", path,
                        h->kv_heads, h->head_dim, (long long)h->n_tokens);
     if (h->block_size != KVF_BLOCK)
-        return kf_fail(err, KF_ERR_FORMAT, "%s: block_size %d (version %d uses %d)", path, h->block_size,
-                       KVF_VERSION, KVF_BLOCK);
+        return kf_fail(err, KF_ERR_FORMAT, "%s: block_size %d (version %d uses %d)", path, h->block_size, KVF_VERSION,
+                       KVF_BLOCK);
     if (!isfinite(h->budget) || h->budget <= 0 || h->budget > 1)
         return kf_fail(err, KF_ERR_FORMAT, "%s: budget %g must be in (0, 1]", path, h->budget);
     if (!isfinite(h->lambda) || h->lambda < 0)
@@ -645,12 +645,14 @@ kf_status kvf_check_side(const kvf_header *h, const char *path, int layer, const
     const size_t H = (size_t)h->kv_heads, C = (size_t)h->n_tokens, D = (size_t)h->head_dim;
     for (size_t i = 0; i < H * C; i++) {
         if (pos[i] < -1 || pos[i] >= h->n_doc_tokens)
-            return kf_fail(err, KF_ERR_FORMAT, "%s: position %d of layer %d, head %zu, slot %zu is outside [0, D = %lld)",
-                           path, (int)pos[i], layer, i / C, i % C, (long long)h->n_doc_tokens);
-        if (!isfinite(beta[i]) && !(beta[i] == -INFINITY && pos[i] == -1))
             return kf_fail(err, KF_ERR_FORMAT,
-                           "%s: beta %g of layer %d, head %zu, slot %zu is not finite (only a padding slot may hold -inf)",
-                           path, (double)beta[i], layer, i / C, i % C);
+                           "%s: position %d of layer %d, head %zu, slot %zu is outside [0, D = %lld)", path,
+                           (int)pos[i], layer, i / C, i % C, (long long)h->n_doc_tokens);
+        if (!isfinite(beta[i]) && !(beta[i] == -INFINITY && pos[i] == -1))
+            return kf_fail(
+                err, KF_ERR_FORMAT,
+                "%s: beta %g of layer %d, head %zu, slot %zu is not finite (only a padding slot may hold -inf)", path,
+                (double)beta[i], layer, i / C, i % C);
     }
     for (size_t i = 0; i < H * D; i++)
         if (!isfinite(u[i]))

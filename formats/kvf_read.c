@@ -23,15 +23,15 @@ struct kvf_file {
     hid_t ds[N_DS];
     kvf_header hdr;
     int64_t file_size;
-    uint8_t *digests;         /* [n_layers, 16] + 4: layer digests as stored */
+    uint8_t *digests; /* [n_layers, 16] + 4: layer digests as stored */
     /* lazily allocated: one layer of keys / values as stored, a conversion buffer, a chunk */
     void *kbuf, *vbuf, *conv; /* [C, kv_heads, head_dim] in dtype each */
     unsigned char *chunkbuf;  /* one stored K/V chunk (data + sum) */
     /* one layer of side data (+ 4 bytes of room for a chunk's sum each) */
-    float *beta, *u;          /* [kv_heads, C], [kv_heads, head_dim] */
-    int32_t *pos;             /* [kv_heads, C] */
-    uint8_t *hm;              /* [kv_heads] */
-    int pending_layer;        /* the half of a layer kept by kvf_read_layer_raw, or -1 */
+    float *beta, *u;   /* [kv_heads, C], [kv_heads, head_dim] */
+    int32_t *pos;      /* [kv_heads, C] */
+    uint8_t *hm;       /* [kv_heads] */
+    int pending_layer; /* the half of a layer kept by kvf_read_layer_raw, or -1 */
     kvf_which pending_which;
 };
 
@@ -312,7 +312,8 @@ static kf_status check_dataset(kvf_file *f, int which, hid_t d, kf_error *err) {
         const int r = H5Sget_simple_extent_ndims(s);
         if (r != rank || H5Sget_simple_extent_dims(s, got, NULL) != rank ||
             memcmp(got, want, sizeof(hsize_t) * (size_t)rank) != 0) {
-            dims_text(got_s, sizeof got_s, r > 0 && r <= 8 && H5Sget_simple_extent_dims(s, got, NULL) == r ? r : 0, got);
+            dims_text(got_s, sizeof got_s, r > 0 && r <= 8 && H5Sget_simple_extent_dims(s, got, NULL) == r ? r : 0,
+                      got);
             dims_text(want_s, sizeof want_s, rank, want);
             st = kf_fail(err, KF_ERR_FORMAT, "%s: dataset '%s' has shape [%s], the header implies [%s]", f->path, name,
                          got_s, want_s);
@@ -411,8 +412,8 @@ static kf_status get_chunk(kvf_file *f, int which, const hsize_t *coord, size_t 
     if (size != n + 4 || mask != 0) {
         chunk_where(f, which, coord, where, sizeof where);
         if (size == 0)
-            return kf_fail(err, KF_ERR_FORMAT, "%s: %s was never written (no stored chunk): the file is damaged", f->path,
-                           where);
+            return kf_fail(err, KF_ERR_FORMAT, "%s: %s was never written (no stored chunk): the file is damaged",
+                           f->path, where);
         if (size != n + 4)
             return kf_fail(err, KF_ERR_FORMAT, "%s: %s is stored in %llu bytes, not %zu: the file is damaged", f->path,
                            where, (unsigned long long)size, n + 4);
@@ -420,7 +421,8 @@ static kf_status get_chunk(kvf_file *f, int which, const hsize_t *coord, size_t 
                        f->path, where, mask);
     }
     const unsigned char *t = (const unsigned char *)dst + n;
-    if (kvf_fletcher32(dst, n) != ((uint32_t)t[0] | (uint32_t)t[1] << 8 | (uint32_t)t[2] << 16 | (uint32_t)t[3] << 24)) {
+    if (kvf_fletcher32(dst, n) !=
+        ((uint32_t)t[0] | (uint32_t)t[1] << 8 | (uint32_t)t[2] << 16 | (uint32_t)t[3] << 24)) {
         chunk_where(f, which, coord, where, sizeof where);
         return kf_fail(err, KF_ERR_FORMAT, "%s: checksum mismatch in %s: the file is damaged", f->path, where);
     }
@@ -505,8 +507,10 @@ static kf_status read_digests(kvf_file *f, kf_error *err) {
     char got[KVF_DIGEST_LEN + 1];
     kvf_payload_digest(f->digests, L, got);
     if (strcmp(got, f->hdr.payload_digest) != 0)
-        return kf_fail(err, KF_ERR_FORMAT, "%s: the layer digests give payload digest %s, the header says %s: the file "
-                       "is damaged", f->path, got, f->hdr.payload_digest);
+        return kf_fail(err, KF_ERR_FORMAT,
+                       "%s: the layer digests give payload digest %s, the header says %s: the file "
+                       "is damaged",
+                       f->path, got, f->hdr.payload_digest);
     return KF_OK;
 }
 
@@ -520,7 +524,8 @@ static kf_status check_metadata_checksums(kvf_file *f, kf_error *err) {
     H5Eclear2(H5E_DEFAULT);
     if (!ok)
         return kf_fail(err, KF_ERR_FORMAT,
-                       "%s: written without HDF5 metadata checksums (superblock or root object header too old)", f->path);
+                       "%s: written without HDF5 metadata checksums (superblock or root object header too old)",
+                       f->path);
     return KF_OK;
 }
 
@@ -576,7 +581,8 @@ kf_status kvf_open(const char *path, kvf_file **out, kf_error *err) {
         bool truncated;
         kvf_h5_take_error(m, sizeof m, NULL, &truncated);
         if (truncated)
-            st = kf_fail(err, KF_ERR_FORMAT, "%s: truncated file, %lld bytes (HDF5: %s)", path, (long long)sb.st_size, m);
+            st = kf_fail(err, KF_ERR_FORMAT, "%s: truncated file, %lld bytes (HDF5: %s)", path, (long long)sb.st_size,
+                         m);
         else
             st = kf_fail(err, KF_ERR_FORMAT, "%s: not an HDF5 file, or damaged (%lld bytes; HDF5: %s)", path,
                          (long long)sb.st_size, m);
@@ -618,9 +624,10 @@ kf_status kvf_check_model(const kvf_file *f, const char *model_fp, int n_layers,
 
 kf_status kvf_check_positions(const kvf_file *f, int64_t max_positions, kf_error *err) {
     if (max_positions > 0 && f->hdr.n_doc_tokens > max_positions)
-        return kf_fail(err, KF_ERR_MISMATCH, "%s: a document of D = %lld tokens (C = %lld) is longer than the model's "
-                       "%lld positions", f->path, (long long)f->hdr.n_doc_tokens, (long long)f->hdr.n_tokens,
-                       (long long)max_positions);
+        return kf_fail(err, KF_ERR_MISMATCH,
+                       "%s: a document of D = %lld tokens (C = %lld) is longer than the model's "
+                       "%lld positions",
+                       f->path, (long long)f->hdr.n_doc_tokens, (long long)f->hdr.n_tokens, (long long)max_positions);
     return KF_OK;
 }
 
@@ -742,8 +749,8 @@ static kf_status read_side(kvf_file *f, int which, int layer, void *out, kf_erro
     const int l0 = layer == KVF_ALL_LAYERS ? 0 : layer, l1 = layer == KVF_ALL_LAYERS ? f->hdr.n_layers : layer + 1;
     for (int l = l0; l < l1; l++) {
         KF_TRY(read_side_layer(f, l, err));
-        src = which == DS_BETA ? (const void *)f->beta
-              : which == DS_U  ? (const void *)f->u
+        src = which == DS_BETA  ? (const void *)f->beta
+              : which == DS_U   ? (const void *)f->u
               : which == DS_POS ? (const void *)f->pos
                                 : (const void *)f->hm;
         memcpy((char *)out + (size_t)(l - l0) * n, src, n);

@@ -86,8 +86,8 @@ static herr_t write_attrs(hid_t f, const kvf_header *h, const char *payload_dige
 }
 
 /* A chunked dataset with Fletcher32 sums; maxdims lets a 16-token chunk exceed a short C. */
-static hid_t make_dataset(hid_t f, const char *name, hid_t ftype, int rank, const hsize_t *dims,
-                          const hsize_t *maxdims, const hsize_t *chunk) {
+static hid_t make_dataset(hid_t f, const char *name, hid_t ftype, int rank, const hsize_t *dims, const hsize_t *maxdims,
+                          const hsize_t *chunk) {
     hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE), space = H5Screate_simple(rank, dims, maxdims), d = -1;
     if (dcpl >= 0 && space >= 0 && H5Pset_chunk(dcpl, rank, chunk) >= 0 && H5Pset_fletcher32(dcpl) >= 0 &&
         H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER) >= 0 && H5Pset_obj_track_times(dcpl, 0) >= 0)
@@ -128,10 +128,10 @@ enum { W_KEYS, W_VALUES, W_BETA, W_U, W_POS, W_HM, W_N };
 
 /* Per-layer buffers of the writer. */
 typedef struct {
-    unsigned char *chunk;   /* one stored chunk: the largest of a K/V block and a side layer, + 4 */
-    float *zeros;           /* [H, max(C, D)] */
-    int32_t *ident;         /* [H, C] slot j -> j */
-    uint8_t *hm;            /* [H] */
+    unsigned char *chunk; /* one stored chunk: the largest of a K/V block and a side layer, + 4 */
+    float *zeros;         /* [H, max(C, D)] */
+    int32_t *ident;       /* [H, C] slot j -> j */
+    uint8_t *hm;          /* [H] */
 } wbufs;
 
 /* Block [t0, t0 + nt) of layer l's keys (i = 0) or values (1) into chunk in dtype (converted
@@ -333,13 +333,14 @@ static herr_t udata_free(void *udata) {
 static kf_status build_image(const kvf_cache *c, const char *name, void **image, size_t *size, wctx *w) {
     const kvf_header *h = &c->hdr;
     /* the core driver grows by this much: about the whole file, so it does not grow in steps */
-    const double est = (double)kvf_kv_bytes(h) * 1.02 + 16.0 * h->n_layers * h->kv_heads * (double)h->n_tokens +
-                       (1 << 20);
+    const double est =
+        (double)kvf_kv_bytes(h) * 1.02 + 16.0 * h->n_layers * h->kv_heads * (double)h->n_tokens + (1 << 20);
     core_image ci = {0};
     H5FD_file_image_callbacks_t cb = {img_malloc, img_memcpy, img_realloc, img_free, udata_copy, udata_free, &ci};
     hid_t fapl = H5Pcreate(H5P_FILE_ACCESS), f = -1;
     if (fapl >= 0 && H5Pset_fapl_core(fapl, est < 1e12 ? (size_t)est : (size_t)1 << 30, 0) >= 0 &&
-        H5Pset_file_image_callbacks(fapl, &cb) >= 0 && H5Pset_libver_bounds(fapl, H5F_LIBVER_LATEST, H5F_LIBVER_LATEST) >= 0)
+        H5Pset_file_image_callbacks(fapl, &cb) >= 0 &&
+        H5Pset_libver_bounds(fapl, H5F_LIBVER_LATEST, H5F_LIBVER_LATEST) >= 0)
         f = H5Fcreate(name, H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
     if (f < 0)
         kvf_h5_capture();

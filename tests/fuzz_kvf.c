@@ -31,7 +31,6 @@ const char *__lsan_default_suppressions(void) {
     return "leak:libhdf5_serial.so\n";
 }
 
-
 int LLVMFuzzerInitialize(int *argc, char ***argv);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

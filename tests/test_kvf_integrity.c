@@ -445,8 +445,8 @@ static kf_status read_all(const char *path, snapshot *out, kf_error *err) {
     for (int l = 0; l < h->n_layers && st == KF_OK; l++) {
         unsigned char *p = out->bytes + (size_t)l * per;
         st = kvf_read_layer_all(f, l, p, p + kv, (float *)(p + 2 * kv), (float *)(p + 2 * kv + H * C * 4),
-                                (int32_t *)(p + 2 * kv + H * C * 4 + H * D * 4),
-                                p + 2 * kv + H * C * 8 + H * D * 4, err);
+                                (int32_t *)(p + 2 * kv + H * C * 4 + H * D * 4), p + 2 * kv + H * C * 8 + H * D * 4,
+                                err);
     }
     kvf_close(f);
     return st;
@@ -499,7 +499,8 @@ static void test_seeded_flips(void) {
         kf_status st = read_all(flipped, &got, &err);
         if (st != KF_OK && err.msg[0] && strstr(err.msg, flipped))
             refused++;
-        else if (st == KF_OK && same_header(&got.h, &want.h) && got.n == want.n && !memcmp(got.bytes, want.bytes, n < got.n ? n : got.n) && !memcmp(got.bytes, want.bytes, got.n))
+        else if (st == KF_OK && same_header(&got.h, &want.h) && got.n == want.n &&
+                 !memcmp(got.bytes, want.bytes, n < got.n ? n : got.n) && !memcmp(got.bytes, want.bytes, got.n))
             identical++;
         else {
             wrong++;
@@ -507,8 +508,8 @@ static void test_seeded_flips(void) {
         }
         free(got.bytes);
     }
-    fprintf(stderr, "  (%d flips of a %zu-byte file: %d refused, %d read identically, %d wrong)\n", n_flips, n,
-            refused, identical, wrong);
+    fprintf(stderr, "  (%d flips of a %zu-byte file: %d refused, %d read identically, %d wrong)\n", n_flips, n, refused,
+            identical, wrong);
     CU_ASSERT_EQUAL(wrong, 0);
     CU_ASSERT(refused > n_flips / 2);
     free(orig);
@@ -702,4 +703,6 @@ static CU_TestInfo tests[] = {
 };
 static CU_SuiteInfo suites[] = {{"kvf integrity", NULL, NULL, NULL, NULL, tests}, CU_SUITE_INFO_NULL};
 
-int main(void) { return kf_test_main(suites); }
+int main(void) {
+    return kf_test_main(suites);
+}

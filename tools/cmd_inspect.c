@@ -118,21 +118,19 @@ static int print_json(const char *path, kvf_file *f, const struct stat *sb, cons
         "{s:s, s:s, s:i, s:s, s:s, s:s, s:s, s:s, s:s, s:I, s:I, s:s, s:f, s:f, s:s, s:s, s:s, s:i, s:i, s:i, s:i}",
         "file", path, "format", KVF_FORMAT_NAME, "version", h->version, "creator", h->creator, "model_fingerprint",
         h->model_fingerprint, "tokenizer_digest", h->tokenizer_digest, "document_digest", h->document_digest,
-        "recipe_digest", h->recipe_digest, "payload_digest", h->payload_digest,
-        "n_doc_tokens", (json_int_t)h->n_doc_tokens, "n_tokens", (json_int_t)C, "method",
-        kvf_method_name(h->method), "budget", h->budget, "lambda", h->lambda, "rope_frame",
-        kvf_rope_frame_name(h->rope_frame), "placeholder", h->placeholder, "dtype", kvf_dtype_name(h->dtype),
-        "n_layers", L, "kv_heads", H, "head_dim", D, "block_size", h->block_size);
+        "recipe_digest", h->recipe_digest, "payload_digest", h->payload_digest, "n_doc_tokens",
+        (json_int_t)h->n_doc_tokens, "n_tokens", (json_int_t)C, "method", kvf_method_name(h->method), "budget",
+        h->budget, "lambda", h->lambda, "rope_frame", kvf_rope_frame_name(h->rope_frame), "placeholder", h->placeholder,
+        "dtype", kvf_dtype_name(h->dtype), "n_layers", L, "kv_heads", H, "head_dim", D, "block_size", h->block_size);
     if (!root) { /* json_pack gives NULL for a string that is not UTF-8 (the path) */
         json_decref(layers);
         cli_error("inspect", "%s: cannot write the JSON (a name that is not UTF-8?)", path);
         return -1;
     }
     json_object_set_new(root, "sizes",
-                        json_pack("{s:I, s:I, s:f, s:f, s:f}", "file_bytes", (json_int_t)sb->st_size,
-                                  "kv_bytes", (json_int_t)payload, "full_cache_bytes", full,
-                                  "token_ratio", (double)h->n_doc_tokens / (double)C, "bytes_ratio",
-                                  (double)full / on_disk));
+                        json_pack("{s:I, s:I, s:f, s:f, s:f}", "file_bytes", (json_int_t)sb->st_size, "kv_bytes",
+                                  (json_int_t)payload, "full_cache_bytes", full, "token_ratio",
+                                  (double)h->n_doc_tokens / (double)C, "bytes_ratio", (double)full / on_disk));
     json_object_set_new(root, "checksums", json_string("ok"));
     json_t *hmj = json_array();
     for (int l = 0; l < L; l++) {
