@@ -347,6 +347,11 @@ static kf_status open_dataset(kvf_file *f, int which, kf_error *err) {
         H5Eclear2(H5E_DEFAULT);
         return kf_fail(err, KF_ERR_FORMAT, "%s: missing dataset '%s'", f->path, name);
     }
+    H5L_info_t li;
+    if (H5Lget_info(f->f, name, &li, H5P_DEFAULT) < 0 || li.type != H5L_TYPE_HARD) {
+        H5Eclear2(H5E_DEFAULT); /* a soft or external link would read another object or file */
+        return kf_fail(err, KF_ERR_FORMAT, "%s: dataset '%s' is a link, not a dataset of this file", f->path, name);
+    }
     hid_t d = H5Dopen2(f->f, name, H5P_DEFAULT);
     if (d < 0) {
         char m[256];

@@ -377,6 +377,14 @@ static void test_bad_attributes(void) {
     set_i64(p, "version", 1);
     expect_refusal(p, "kvf version 1 is no longer read");
     expect_refusal(p, "recompact the document");
+    p = fresh("extlink", &s);
+    {
+        hid_t f = edit_open(p);
+        H5Lmove(f, "u", f, "u_moved", H5P_DEFAULT, H5P_DEFAULT);
+        CU_ASSERT(H5Lcreate_external("/etc/hostname", "/u", f, "u", H5P_DEFAULT, H5P_DEFAULT) >= 0);
+        H5Fclose(f);
+    }
+    expect_refusal(p, "dataset 'u' is a link");
     p = fresh("payload", &s);
     set_str(p, "payload_digest", "00000000000000000000000000000000", 0);
     expect_refusal(p, "the layer digests give payload digest");
