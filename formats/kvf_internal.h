@@ -44,6 +44,8 @@ void kvf_layer_digest(const kvf_header *h, int layer, const void *k, const void 
  * values[l]): adds the side data and the layer index. */
 void kvf_layer_digest_finish(const kvf_header *h, int layer, void *xxh3_state, const float *beta, const float *u,
                              const int32_t *pos, const uint8_t *hm, uint8_t out[16]);
+/* XXH3_128bits_update on an XXH3_state_t, with AVX2 where the CPU has it (same digests). */
+void kvf_hash_update(void *xxh3_state, const void *p, size_t n);
 void kvf_payload_digest(const uint8_t *layer_digests /* [n_layers, 16] */, int n_layers,
                         char out[KVF_DIGEST_LEN + 1]);
 

@@ -482,7 +482,7 @@ static kf_status read_kv_layer(kvf_file *f, int which, int layer, void *out, XXH
         unsigned char *dst = aside ? f->chunkbuf : (unsigned char *)out + (size_t)b * cb;
         KF_TRY(get_chunk(f, which, coord, cb, dst, err));
         KF_TRY(check_finite(f, which, layer, b * KVF_BLOCK, dst, (size_t)nt * elems, err));
-        XXH3_128bits_update(st, dst, (size_t)nt * row);
+        kvf_hash_update(st, dst, (size_t)nt * row);
         if (aside)
             memcpy((unsigned char *)out + (size_t)b * cb, f->chunkbuf, (size_t)nt * row);
     }

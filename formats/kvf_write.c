@@ -177,7 +177,7 @@ static kf_status write_layer(hid_t ds[W_N], const kvf_cache *c, int l, wbufs *b,
         for (size_t t0 = 0; t0 < C; t0 += KVF_BLOCK) {
             const size_t nt = C - t0 < KVF_BLOCK ? C - t0 : KVF_BLOCK;
             KF_TRY(block_kv(c, i, l, t0, nt, b->chunk, w));
-            XXH3_128bits_update(&st, b->chunk, nt * row);
+            kvf_hash_update(&st, b->chunk, nt * row);
             memset(b->chunk + nt * row, 0, (KVF_BLOCK - nt) * row); /* a short last block: zeros */
             const hsize_t coord[4] = {(hsize_t)l, t0, 0, 0};
             if (put_chunk(ds[i], coord, b->chunk, KVF_BLOCK * row) < 0) {

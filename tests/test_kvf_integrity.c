@@ -19,6 +19,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <xxhash.h>
+
 #include "compactor/recipe.h"
 #include "formats/kvf.h"
 #include "formats/kvf_internal.h"
@@ -697,7 +699,56 @@ static void test_full_disk(void) {
     synth_free(&s);
 }
 
+
+/* The layer and payload digests against libxxhash's one-shot XXH3-128 of the bytes kvf.h lists
+ * (an independent computation: kvfold streams them, with AVX2 where it can). */
+static void test_digests_match_the_spec(void) {
+    synth s;
+    synth_make(&s, 2, 4, 64, 40, KVF_BF16, 9);
+    const char *p = fresh("digest-spec", &s);
+    const size_t L = 2, H = 4, D = 64, C = 40, kv = C * H * D * 2;
+    const size_t per = 2 * kv + H * C * 4 + H * D * 4 + H * C * 4 + H + 8;
+    unsigned char *buf = malloc(per), digests[2 * 16];
+    for (size_t l = 0; l < L; l++) {
+        unsigned char *q = buf;
+        for (int w = 0; w < 2; w++)
+            for (size_t i = 0; i < C * H * D; i++, q += 2) {
+                uint16_t b = kvf_f32_to_bf16((w ? s.values : s.keys)[l * C * H * D + i]);
+                memcpy(q, &b, 2);
+            }
+        memcpy(q, s.beta + l * H * C, H * C * 4), q += H * C * 4;
+        memcpy(q, s.u + l * H * D, H * D * 4), q += H * D * 4;
+        memcpy(q, s.pos + l * H * C, H * C * 4), q += H * C * 4;
+        memcpy(q, s.hm + l * H, H), q += H;
+        for (int b = 0; b < 8; b++)
+            *q++ = (unsigned char)((uint64_t)l >> (8 * b));
+        XXH128_canonical_t c;
+        XXH128_canonicalFromHash(&c, XXH3_128bits(buf, per));
+        memcpy(digests + 16 * l, c.digest, 16);
+    }
+    hid_t f = edit_open(p), d = H5Dopen2(f, "layer_digest", H5P_DEFAULT);
+    unsigned char stored[2 * 16];
+    CU_ASSERT(H5Dread(d, H5T_NATIVE_UCHAR, H5S_ALL, H5S_ALL, H5P_DEFAULT, stored) >= 0);
+    H5Dclose(d);
+    H5Fclose(f);
+    CU_ASSERT(memcmp(stored, digests, sizeof digests) == 0);
+    unsigned char all[2 * 16 + 8] = {0};
+    memcpy(all, digests, 32);
+    all[32] = 2;
+    XXH128_hash_t ph = XXH3_128bits(all, sizeof all);
+    char want[33];
+    snprintf(want, sizeof want, "%016llx%016llx", (unsigned long long)ph.high64, (unsigned long long)ph.low64);
+    kvf_file *kf = NULL;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kvf_open(p, &kf, &err), KF_OK);
+    CU_ASSERT_STRING_EQUAL(kvf_file_header(kf)->payload_digest, want);
+    kvf_close(kf);
+    free(buf);
+    synth_free(&s);
+}
+
 static CU_TestInfo tests[] = {
+    {"layer and payload digests follow kvf.h (libxxhash one-shot)", test_digests_match_the_spec},
     {"swapped, zeroed, mask-1 and NaN chunks are refused", test_swapped_zeroed_masked_chunks},
     {"never-written chunks are refused", test_never_written_chunks},
     {"bad values: positions, beta, writer refusals", test_bad_values},

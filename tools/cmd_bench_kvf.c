@@ -17,7 +17,7 @@ static const char kHelp[] =
     "Builds a synthetic cache of about N MB of keys and values (32 layers x 8 kv heads x head_dim\n"
     "128, C chosen to fit) and times, R times each (median reported):\n"
     "  write  kvf_write (temporary name, Fletcher32 per chunk, fsync, rename) against fwrite of the\n"
-    "         same bytes + fsync;\n"
+    "         same bytes + fsync, each into a new file;\n"
     "  read   kvf_open + every layer's keys and values as stored (checksums verified) against fread\n"
     "         of the plain file, from the page cache (warm) and after posix_fadvise(DONTNEED) (cold);\n"
     "  read   kvf_read_layer (converted to fp32), warm, for the connector's fp32 path;\n"
@@ -166,6 +166,11 @@ int cmd_bench_kvf(int argc, char **argv) {
             (long long)h->n_tokens, kvf_dtype_name(dt), bytes / 1e6, dir);
 
     for (long long r = 0; r < repeat; r++) {
+        /* both write new files (as a compaction job does): replacing a file would add the cost of
+         * freeing the old one's blocks, which a journaling filesystem makes large and erratic */
+        unlink(plain_path);
+        unlink(kvf_path);
+        sync();
         double t0 = cli_now();
         if (plain_write(plain_path, keys, values, n * esz) != 0) {
             cli_error("bench kvf", "cannot write %s", plain_path);
