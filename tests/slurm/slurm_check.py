@@ -14,8 +14,9 @@
                                 a serving node: polls ROOT/<model-fp>/ and loads every *.kvf that
                                 appears through the connector's load path (kvfold._kvfold:
                                 read_header, then load with the model's fingerprint and shapes,
-                                Fletcher32 checked on every chunk), reloads them all every pass, and
-                                writes WORKDIR/NAME.json when WORKDIR/stop appears
+                                Fletcher32 checked on every chunk), reloads them all every half
+                                second (none may change), and writes WORKDIR/NAME.json when
+                                WORKDIR/stop appears
 
 The extension comes from KVFOLD_EXT_DIR (the build's python/kvfold), as in tests/connector. Cache
 files are found as *.kvf only: their names are not otherwise assumed.

@@ -202,29 +202,26 @@ cat >"$T/kvfold-stall" <<EOF
 #!/bin/bash
 if [ "\$SLURM_ARRAY_TASK_ID" = 1 ] && mkdir "$T/stalled" 2>/dev/null; then
     echo \$\$ >"$T/stalled/pid"
-    export KF_STALL_PWRITE=20 KF_STALL_SECONDS=120
+    export KF_STALL_PWRITE=20 KF_STALL_SECONDS=120 KF_STALL_MARK=$T/stalled/mark
 fi
 export KF_FSYNC_DELAY_MS=150 LD_PRELOAD=$stall_so
 exec "$kvfold" "\$@"
 EOF
 chmod +x "$T/kvfold-stall"
 jobB=$(KVFOLD=$T/kvfold-stall submit 0-2 "$T/rootB") || die "sbatch refused job B"
-stuck=
-while [ "$(left)" -gt 60 ]; do
-    spid=$(cat "$T/stalled/pid" 2>/dev/null)
-    stuck=$([ -n "$spid" ] && find "$T/rootB" -name "*.tmp-$spid-*" 2>/dev/null | head -n 1)
-    [ -n "$stuck" ] && [ "$(files_in "$T/rootB" | wc -l)" -ge 8 ] &&
-        [[ "$(states "$jobB")" == "0=COMPLETED:0:0 1=RUNNING:0:0 2=COMPLETED:0:0" ]] && break
+while [ ! -e "$T/stalled/mark" ] || [ "$(files_in "$T/rootB" | wc -l)" -lt 8 ] ||
+    [[ "$(states "$jobB")" != "0=COMPLETED:0:0 1=RUNNING:0:0 2=COMPLETED:0:0" ]]; do
+    [ "$(left)" -gt 60 ] || die "job B: task 1 never stalled beside tasks 0 and 2 done ($(states "$jobB"))"
     sleep 0.25
 done
-[ -n "$stuck" ] || die "task 1 of job B never held a temporary file"
-check "B: tasks 0 and 2 done while task 1 is held mid-file ($(states "$jobB"))" \
-    test "$(files_in "$T/rootB" | wc -l)" -eq 8
+stuck=$(find "$T/rootB" -name "*.tmp-$(cat "$T/stalled/pid")-*")
+check "B: task 1 is held in the middle of a temporary file (${stuck##*/})" test -n "$stuck" -a -f "$stuck"
+check "B: tasks 0 and 2 done meanwhile ($(states "$jobB"))" test "$(files_in "$T/rootB" | wc -l)" -eq 8
 scancel "${jobB}_1" || fail "scancel ${jobB}_1"
 while [ -n "$(squeue -h -j "${jobB}_1" 2>/dev/null)" ] && [ "$(left)" -gt 40 ]; do sleep 0.25; done
 check "B: task 1 cancelled ($(states "$jobB"))" \
     test "$(states "$jobB")" = "0=COMPLETED:0:0 1=CANCELLED:143:0 2=COMPLETED:0:0"
-check "B: the cancelled writer's temporary file is gone" test ! -e "$stuck"
+check "B: the cancelled writer's temporary file is gone" test -n "$stuck" -a ! -e "$stuck"
 check "B: after scancel, no partial or left-over file, the other shards whole" \
     $py "$check_py" check "$T/rootB" "$T/docs.jsonl" "$model" "$kvfold" --absent-shard 1/3
 check "B: task 1's log says it was stopped" grep -q "stopped by SIGTERM" "$(log_of "$jobB" 1)"
