@@ -11,6 +11,7 @@
 #   C  A's array again: everything skipped, no file touched
 #   D  exit codes: a bad manifest line (1), an array that is not 0..N-1 (2), a document claimed by
 #      another worker past the waits (75)
+#   E  a writer killed outright (SIGKILL): the next task removes its temporary and lock files
 #
 # Usage: test_slurm.sh KVFOLD_BIN TEST_DATA_DIR STALL_SO   (KVFOLD_EXT_DIR: the extension's folder)
 set -uo pipefail
@@ -180,7 +181,7 @@ check "A: the three tasks completed with exit code 0 ($(states "$jobA"))" \
     test "$(states "$jobA")" = "0=COMPLETED:0:0 1=COMPLETED:0:0 2=COMPLETED:0:0"
 check "A: one valid file per document, nothing else" $py "$check_py" check "$T/rootA" "$T/docs.jsonl" "$model" "$kvfold"
 check "A: the summary lines add up (12 done)" $py "$check_py" summaries "$T/logs" "$jobA" "$T/docs.jsonl" 3 12 0
-check "A: one log per task" test "$(ls "$T/logs" | grep -c "^kvfold-compact-${jobA}_[0-2].out$")" -eq 3
+check "A: one log per task" test "$(find "$T/logs" -name "kvfold-compact-${jobA}_[0-2].out" | wc -l)" -eq 3
 ok "A took $((SECONDS - t_start)) s since the start"
 
 # ---------------------------------------------------------------- B: readers, scancel, requeue
@@ -294,6 +295,26 @@ check "D: a document held by another worker past the waits: exit 75 ($(states "$
     test "$(states "$jobF")" = "0=FAILED:75:0"
 check "D: ... after waiting once" grep -q "again in 1s (1/1)" "$(log_of "$jobF" 0)"
 check "D: ... and the other 11 documents done" test "$(files_in "$T/rootF" | wc -l)" -eq 11
+
+# ---------------------------------------------------------------- E: a writer killed outright
+# SIGKILL (a lost node, KillWait exceeded) leaves the temporary file and the lock file; the next
+# task to start on the root removes both, since no one holds the lock
+LD_PRELOAD=$stall_so KF_STALL_PWRITE=20 KF_STALL_MARK=$T/killed.mark \
+    "$kvfold" compact --model "$model" --manifest "$T/docs.jsonl" --out "$T/rootG" "${opts[@]}" >/dev/null 2>&1 &
+victim=$!
+for _ in $(seq 1 120); do
+    [ -e "$T/killed.mark" ] && break
+    sleep 0.25
+done
+kill -KILL "$victim" 2>/dev/null
+wait "$victim" 2>/dev/null
+check "E: the killed writer left a temporary file" test -n "$(find "$T/rootG" -name "*.tmp-$victim-*")"
+jobG=$(submit 0-0 "$T/rootG") || die "sbatch refused job G"
+wait_job "$jobG"
+check "E: the next task completed ($(states "$jobG"))" test "$(states "$jobG")" = "0=COMPLETED:0:0"
+check "E: ... saying it removed the dead writer's temporary file" \
+    grep -q "removed 1 temporary file(s) of stopped writers" "$(log_of "$jobG" 0)"
+check "E: one valid file per document, nothing else" $py "$check_py" check "$T/rootG" "$T/docs.jsonl" "$model" "$kvfold"
 
 echo "$((SECONDS - t_start)) s in all"
 [ "$fails" = 0 ] || show_logs
