@@ -529,3 +529,29 @@ def test_c_copy_refuses_read_only_and_short_memory():
     with pytest.raises(_kvfold.KvfError, match="layer 1 outside"):
         _kvfold.copy_blocks(src, "bfloat16", 1, 16, 2, 16, [(buf, off, shape, strides, dt, 1)], "blocks_first",
                             [1], 16, 0, 16)
+
+
+def test_stub_follows_vllm(root):
+    """The stand-in's base class takes kv_cache_config as a required argument and refuses the
+    layout query on itself, as vLLM's does; the scheduler calls update_state_after_alloc for every
+    allocated request (with 0 external tokens too), and the waiting queue stops at the first
+    request it cannot allocate (vLLM's `break`), so later requests wait."""
+    import inspect
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    assert inspect.signature(KVConnectorBase_V1.__init__).parameters["kv_cache_config"].default is inspect._empty
+    with pytest.raises(TypeError):
+        KVConnectorBase_V1.get_required_kvcache_layout(None)
+    assert hasattr(KVConnectorBase_V1, "has_pending_push_work") == (vllm.PROFILE >= "0.26")
+    eng = Engine(MODEL, {"cache_root": root})
+    calls = []
+    orig = eng.scheduler.update_state_after_alloc
+    eng.scheduler.update_state_after_alloc = lambda r, b, n: (calls.append((r.request_id, n)), orig(r, b, n))
+    path = cache(root, "s.kvf", 32, 99)
+    a, _ = request("a", path, [1], root)
+    eng.add_request(a)
+    eng.add_request(Request("b", [5] * 20))
+    eng.fail_alloc["a"] = 1
+    eng.step()
+    assert eng.steps[-1]["scheduled"] == {}  # b waits behind a
+    eng.step()
+    assert eng.steps[-1]["scheduled"] == {"a": 1, "b": 20} and calls == [("a", 32), ("b", 0)]
