@@ -504,13 +504,13 @@ class Engine:
             first = next((i for i, b in enumerate(computed) if b in bad), None)  # only the pre-step computed range
             if first is None:
                 continue
-            for b in req.blocks[first:]:  # the bad block and every later one leave the prefix cache
-                if b in self.block_hash:
-                    self.cached.pop(self.block_hash.pop(b), None)
             if self.policy == "fail":
+                for b in req.blocks[first:]:  # the bad block and every later one leave the prefix cache
+                    if b in self.block_hash:
+                        self.cached.pop(self.block_hash.pop(b), None)
                 self._finish(req, "FINISHED_ERROR")  # no output for this step
-            else:  # "recompute": computed from the first bad block again, on the placeholder ids
-                req.num_computed_tokens = first * self.bs
+            else:  # "recompute": computed again from the first bad block, on the placeholder ids; the
+                req.num_computed_tokens = first * self.bs  # blocks keep their hashes in the prefix cache
                 self.recomputed.add(req.request_id)
         self.scheduler.update_connector_output(out)
         list(self.scheduler.take_events())

@@ -555,3 +555,20 @@ def test_stub_follows_vllm(root):
     assert eng.steps[-1]["scheduled"] == {}  # b waits behind a
     eng.step()
     assert eng.steps[-1]["scheduled"] == {"a": 1, "b": 20} and calls == [("a", 32), ("b", 0)]
+
+
+def test_recompute_policy_would_poison_the_prefix_cache(root, monkeypatch):
+    """Why the connector refuses "recompute": with the check bypassed, a failed load is computed
+    from the placeholder ids, the request finishes normally, and its placeholder blocks stay in the
+    prefix cache where a later request with the same ids would hit them."""
+    import kvfold.connector as kc
+    monkeypatch.setattr(kc, "check_failure_policy", lambda cfg: None)
+    path = cache(root, "rc.kvf", 32, 101)
+    eng = Engine(MODEL, {"cache_root": root}, policy="recompute", prefix_caching=True)
+    r, _ = request("r", path, [1, 2], root)
+    os.remove(path)
+    eng.add_request(r)
+    eng.run()
+    assert eng.finished["r"].status == "FINISHED_LENGTH" and "r" in eng.recomputed
+    poisoned = set(eng._hashes(r, 2)) & set(eng.cached)
+    assert len(poisoned) == 2  # both placeholder blocks are reusable
