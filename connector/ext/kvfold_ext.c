@@ -1,11 +1,12 @@
 /* kvfold_ext.c — the Python module kvfold._kvfold: kvf files in, vLLM KV blocks out.
  *
  *   read_header(path) -> dict                  opens and validates a kvf file, returns its header
- *   load(path, dtype, model_fingerprint=None, n_layers=-1, kv_heads=-1, head_dim=-1, out=None)
+ *   load(path, dtype, model_fingerprint=None, n_layers=-1, kv_heads=-1, head_dim=-1, out=None, layers=(0, -1))
  *       -> (header, buffer)                    every layer's K and V, checksums verified, as one
  *                                              [2, n_layers, C, kv_heads, head_dim] array in dtype:
  *                                              a new bytearray, or the first bytes of out (a writable
- *                                              buffer the caller reuses, e.g. a pre-faulted staging area)
+ *                                              buffer the caller reuses, e.g. a pre-faulted staging area);
+ *                                              layers=(l0, l1) reads only those layers into their place
  *   copy_blocks(src, src_dtype, n_layers, C, src_heads, head_dim, dst, layout,
  *               block_ids, block_size, t0, t1, head_start=0, kv_heads=-1, cp_size=1, cp_rank=0,
  *               cp_interleave=1)
@@ -96,8 +97,8 @@ static PyObject *py_read_header(PyObject *self, PyObject *args) {
     return d;
 }
 
-/* Reads every layer raw and converts into out ([2, L, C, H, D] in dtype). */
-static kf_status load_all(kvf_file *f, kvf_dtype dtype, unsigned char *out, kf_error *err) {
+/* Reads layers [l0, l1) raw and converts into out ([2, L, C, H, D] in dtype). */
+static kf_status load_all(kvf_file *f, kvf_dtype dtype, unsigned char *out, int l0, int l1, kf_error *err) {
     const kvf_header *h = kvf_file_header(f);
     const size_t n = (size_t)h->n_tokens * (size_t)h->kv_heads * (size_t)h->head_dim; /* per layer */
     const size_t fs = kvf_dtype_size(h->dtype), ds = kvf_dtype_size(dtype);
@@ -106,7 +107,7 @@ static kf_status load_all(kvf_file *f, kvf_dtype dtype, unsigned char *out, kf_e
         return kf_fail(err, KF_ERR_NOMEM, "%s: out of memory for a layer", kvf_file_path(f));
     kf_status st = KF_OK;
     for (int kv = 0; kv < 2 && st == KF_OK; kv++)
-        for (int l = 0; l < h->n_layers && st == KF_OK; l++) {
+        for (int l = l0; l < l1 && st == KF_OK; l++) {
             unsigned char *dst = out + ((size_t)kv * h->n_layers + (size_t)l) * n * ds;
             st = kvf_read_layer_raw(f, l, kv ? KVF_VALUES : KVF_KEYS, scratch ? scratch : dst, err);
             if (st != KF_OK || !scratch)
@@ -147,12 +148,13 @@ static int payload_size(const kvf_header *h, kvf_dtype dtype, size_t *out) {
 
 static PyObject *py_load(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
-    static char *kwlist[] = {"path", "dtype", "model_fingerprint", "n_layers", "kv_heads", "head_dim", "out", NULL};
+    static char *kwlist[] = {"path", "dtype", "model_fingerprint", "n_layers", "kv_heads", "head_dim", "out", "layers",
+                             NULL};
     const char *path, *dtname, *fp = NULL;
-    int n_layers = -1, kv_heads = -1, head_dim = -1;
+    int n_layers = -1, kv_heads = -1, head_dim = -1, l0 = 0, l1 = -1;
     PyObject *out_obj = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "ss|ziiiO", kwlist, &path, &dtname, &fp, &n_layers, &kv_heads,
-                                     &head_dim, &out_obj))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "ss|ziiiO(ii)", kwlist, &path, &dtname, &fp, &n_layers, &kv_heads,
+                                     &head_dim, &out_obj, &l0, &l1))
         return NULL;
     kvf_dtype dtype;
     if (parse_dtype(dtname, &dtype) < 0)
@@ -171,6 +173,13 @@ static PyObject *py_load(PyObject *self, PyObject *args, PyObject *kw) {
     }
     const kvf_header *h = kvf_file_header(f);
     size_t bytes;
+    if (l1 < 0)
+        l1 = h->n_layers;
+    if (l0 < 0 || l0 >= l1 || l1 > h->n_layers) {
+        PyErr_Format(PyExc_ValueError, "load: layers [%d, %d) outside %s's %d", l0, l1, path, h->n_layers);
+        kvf_close(f);
+        return NULL;
+    }
     if (payload_size(h, dtype, &bytes) < 0) {
         kvf_close(f);
         return NULL;
@@ -193,7 +202,7 @@ static PyObject *py_load(PyObject *self, PyObject *args, PyObject *kw) {
     }
     unsigned char *out = ov.obj ? (unsigned char *)ov.buf : (unsigned char *)PyByteArray_AS_STRING(buf);
     Py_BEGIN_ALLOW_THREADS
-    st = load_all(f, dtype, out, &err);
+    st = load_all(f, dtype, out, l0, l1, &err);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&ov); /* buf keeps out_obj alive */
     if (st != KF_OK) {
@@ -491,7 +500,8 @@ static PyObject *py_document_digest(PyObject *self, PyObject *arg) {
 static PyMethodDef methods[] = {
     {"read_header", py_read_header, METH_VARARGS, "read_header(path) -> dict: open and validate a kvf file"},
     {"load", (PyCFunction)(void (*)(void))py_load, METH_VARARGS | METH_KEYWORDS,
-     "load(path, dtype, model_fingerprint=None, n_layers=-1, kv_heads=-1, head_dim=-1, out=None) -> (header, buffer)"},
+     "load(path, dtype, model_fingerprint=None, n_layers=-1, kv_heads=-1, head_dim=-1, out=None, layers=(0, -1)) "
+     "-> (header, buffer)"},
     {"copy_blocks", (PyCFunction)(void (*)(void))py_copy_blocks, METH_VARARGS | METH_KEYWORDS,
      "copy_blocks(src, src_dtype, n_layers, C, src_heads, head_dim, dst, layout, block_ids, block_size, "
      "t0, t1, head_start=0, kv_heads=-1, cp_size=1, cp_rank=0, cp_interleave=1)"},

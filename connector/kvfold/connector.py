@@ -36,6 +36,8 @@ kv_connector_extra_config:
                      "cpu") or a layout ("kv_first", "blocks_first", "cpu", "packed"): narrows
                      detection to that backend's layouts (kvfold.blocks)
   copy_backend       "auto" (C for host tensors, torch otherwise) or "torch"
+  load_parts         a cold load reads the file in this many layer ranges, copying each range into
+                     the blocks while the next is read (default 4; 1 reads, then copies)
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from . import _kvfold
 from .blocks import (check_block_size, copy_to_blocks, detect_layout, dtype_name, host_destination,
                      num_kernel_blocks, zero_slots)
+from .loader import pipelined_load
 from .pool import RetentionPool
 from .prompt import PARAMS_KEY, PLACEHOLDER_SCHEME, cache_key, placeholder_ids
 
@@ -172,6 +175,7 @@ class KVFoldConnector(KVConnectorBase_V1):
         self._kv_layout_override = extra.get("kv_layout")
         self._use_torch = extra.get("copy_backend", "auto") == "torch"
         self._pool = RetentionPool(int(extra.get("pool_bytes", DEFAULT_POOL_BYTES)))
+        self._load_parts = max(1, int(extra.get("load_parts", 4)))  # layer ranges a cold load is read in
         self._tensors: List[Any] = []       # one per distinct target-layer tensor
         self._tensor_layers: List[int] = []  # the file's layer written into each
         self._destinations: List[Any] = []  # host_destination of each (host tensors)
@@ -394,16 +398,29 @@ class KVFoldConnector(KVConnectorBase_V1):
             if not self._tensors:
                 raise ValueError("no KV caches registered")
             path, nbytes = spec.path, spec.elems * (4 if self._dtype == "float32" else 2)
-            entry, hit = self._pool.get(path, self._dtype, lambda buf: _kvfold.load(
-                path, self._dtype, self._model_fp, self._n_layers, self._kv_heads, self._head_dim, out=buf), nbytes)
-            try:
-                h = entry.header
+            copied = []
+
+            def copy(h: Dict[str, Any], data: Any, l0: int, l1: int) -> None:
                 if cache_key(h) != spec.key:
                     raise ValueError(f"{path}: changed since the request was scheduled")
-                copy_to_blocks(entry.data, self._dtype, h["n_layers"], h["n_tokens"], h["kv_heads"], h["head_dim"],
-                               self._tensors, self._layout, spec.block_ids, block_size, spec.t0, spec.t1,
-                               self._head_start, self._use_torch, self._local_heads, self._destinations or None,
-                               self._cp, self._tensor_layers)
+                mine = [i for i, layer in enumerate(self._tensor_layers) if l0 <= layer < l1]
+                if mine:
+                    copy_to_blocks(data, self._dtype, h["n_layers"], h["n_tokens"], h["kv_heads"], h["head_dim"],
+                                   [self._tensors[i] for i in mine], self._layout, spec.block_ids, block_size,
+                                   spec.t0, spec.t1, self._head_start, self._use_torch, self._local_heads,
+                                   [self._destinations[i] for i in mine] if self._destinations else None, self._cp,
+                                   [self._tensor_layers[i] for i in mine])
+                copied.append((l0, l1))
+
+            def cold(buf: Any) -> Tuple[Dict[str, Any], Any]:  # reads overlap the copies of earlier layers
+                return pipelined_load(path, self._dtype, buf, self._n_layers,
+                                      lambda h, l0, l1: copy(h, buf, l0, l1), model_fingerprint=self._model_fp,
+                                      kv_heads=self._kv_heads, head_dim=self._head_dim, parts=self._load_parts)
+
+            entry, hit = self._pool.get(path, self._dtype, cold, nbytes)
+            try:
+                if not copied:  # a pool hit: the whole copy now
+                    copy(entry.header, entry.data, 0, self._n_layers)
                 zero_slots(self._draft, self._layout, spec.block_ids, block_size, spec.t0, spec.t1, self._cp)
             finally:
                 self._pool.release(entry)
