@@ -33,7 +33,8 @@ def damage_chunk(path, dataset, index):
     """Flips bytes inside one stored chunk: only the Fletcher32 checksum can find it."""
     import h5py
     with h5py.File(path, "r") as f:
-        info = f[dataset].id.get_chunk_info(index)
+        d = f[dataset].id
+        info = d.get_chunk_info_by_coord(index) if isinstance(index, tuple) else d.get_chunk_info(index)
     with open(path, "r+b") as f:
         f.seek(info.byte_offset + 8)
         b = f.read(16)
@@ -572,3 +573,25 @@ def test_recompute_policy_would_poison_the_prefix_cache(root, monkeypatch):
     assert eng.finished["r"].status == "FINISHED_LENGTH" and "r" in eng.recomputed
     poisoned = set(eng._hashes(r, 2)) & set(eng.cached)
     assert len(poisoned) == 2  # both placeholder blocks are reusable
+
+
+def test_pipelined_cold_load(root):
+    """A cold load reads layer ranges in order and hands each over once; a damaged chunk in the
+    last range fails the load (and so the request) after the earlier ranges were copied."""
+    from kvfold.loader import layer_ranges, pipelined_load
+    assert layer_ranges(36, 4) == [(0, 9), (9, 18), (18, 27), (27, 36)]
+    assert layer_ranges(2, 4) == [(0, 1), (1, 2)] and layer_ranges(5, 1) == [(0, 5)]
+    model = ModelConfig("stub-model", 5, H_, D_, V_)
+    path = os.path.join(root, FP, "pl.kvf")
+    write_cache(path, 5, H_, D_, 40, 103)
+    buf, seen = bytearray(2 * 5 * 40 * H_ * D_ * 2), []
+    h, out = pipelined_load(path, "bfloat16", buf, 5, lambda h, l0, l1: seen.append((l0, l1)), parts=3)
+    assert seen == [(0, 1), (1, 3), (3, 5)] and out is buf and h["n_tokens"] == 40
+    assert bytes(buf) == bytes(_kvfold.load(path, "bfloat16")[1])
+    damage_chunk(path, "values", (4, 16, 0, 0))  # layer 4, tokens 16..31
+    eng = Engine(model, {"cache_root": root, "load_parts": 3}, num_blocks=24, check_untouched=False)
+    r, _ = request("r", path, [1], root)
+    eng.add_request(r)
+    eng.run()
+    assert eng.finished["r"].status == "FINISHED_ERROR" and eng.worker._pool.staging.stats["new"] == 1
+    assert len(eng.worker._pool) == 0
