@@ -595,3 +595,50 @@ def test_pipelined_cold_load(root):
     eng.run()
     assert eng.finished["r"].status == "FINISHED_ERROR" and eng.worker._pool.staging.stats["new"] == 1
     assert len(eng.worker._pool) == 0
+
+
+def test_c_copy_random_arguments():
+    """Seeded random calls of copy_blocks, valid and not (layouts, stride orders, kernel blocks,
+    token ranges, block ids, heads, context parallelism): each either writes exactly the expected
+    slots (checked against a torch reference) or is refused leaving the tensor untouched. Under
+    the sanitizer build any out-of-bounds access would abort the run."""
+    from harness import ORDERS
+    rng = np.random.default_rng(7)
+    L, C, SH, D = 2, 40, 4, 8
+    src = torch.from_numpy(rng.standard_normal((2, L, C, SH, D), dtype=np.float32)).to(torch.bfloat16)
+    raw = bytearray(src.view(torch.int16).numpy().tobytes())
+    outcomes = {True: 0, False: 0}
+    for case in range(300):
+        layout = ["kv_first", "blocks_first", "cpu", "packed"][rng.integers(4)]
+        order = list(ORDERS[layout])[rng.integers(len(ORDERS[layout]))]
+        kbs = int(rng.choice([16, 32]))
+        cp = int(rng.choice([1, 1, 2]))
+        bs = kbs * int(rng.choice([1, 2])) * cp
+        heads = int(rng.integers(1, SH + 1))
+        hs = int(rng.integers(-1, SH + 1))
+        nblk = int(rng.integers(1, 8))
+        t0, t1 = sorted(int(x) for x in rng.integers(-2, C + 3, 2))
+        ids = [int(x) for x in rng.integers(0, nblk * kbs // (bs // cp) + 2, 4)]
+        t = make_cache(layout, nblk, kbs, heads, D, torch.bfloat16, order, fill=0)
+        before = t.clone()
+        valid = (0 <= t0 <= t1 <= C and 0 <= hs <= SH - heads and (t1 == t0 or (t1 - 1) // bs < len(ids))
+                 and all((b + 1) * (bs // cp // kbs) <= nblk for b in ids[t0 // bs:(t1 - 1) // bs + 1] if t1 > t0))
+        args = (raw, "bfloat16", L, C, SH, D, [dst_of(t, 1)], layout, ids, bs, t0, t1, hs, heads, cp, case % cp, 1)
+        outcomes[valid] += 1
+        if not valid:
+            with pytest.raises((_kvfold.KvfError, ValueError)):
+                _kvfold.copy_blocks(*args)
+            assert torch.equal(t.view(torch.int16), before.view(torch.int16)), case
+            continue
+        _kvfold.copy_blocks(*args)
+        want = before.clone()
+        rank = case % cp
+        for p in range(t0, t1):
+            vo = p % bs
+            if vo % cp != rank:
+                continue
+            slot = ids[p // bs] * (bs // cp) + vo // cp
+            from harness import slot_view
+            slot_view(want, layout, slot).copy_(src[:, 1, p, hs:hs + heads])
+        assert torch.equal(t.view(torch.int16), want.view(torch.int16)), case
+    assert min(outcomes.values()) >= 50, outcomes
