@@ -62,10 +62,6 @@ def kernel_block_size(layout: str, shape: Sequence[int]) -> int:
     return int(shape[_DIMS[layout][2]])
 
 
-def num_kernel_blocks(layout: str, shape: Sequence[int]) -> int:
-    return int(shape[_DIMS[layout][1]])
-
-
 def _matches(layout: str, shape: Sequence[int], block_size: int, kv_heads: int, head_dim: int) -> bool:
     kv, _, tok, head = _DIMS[layout]
     if layout == "packed":

@@ -54,8 +54,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(f"kvfold.connector runs inside vLLM, and importing vLLM's connector API failed: {e}") from e
 
 from . import _kvfold
-from .blocks import (check_block_size, copy_to_blocks, detect_layout, dtype_name, host_destination,
-                     num_kernel_blocks, zero_slots)
+from .blocks import check_block_size, copy_to_blocks, detect_layout, dtype_name, host_destination, zero_slots
 from .loader import pipelined_load
 from .pool import RetentionPool
 from .prompt import PARAMS_KEY, PLACEHOLDER_SCHEME, cache_key, placeholder_ids

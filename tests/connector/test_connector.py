@@ -9,8 +9,7 @@ import torch
 
 import kvfold
 import vllm
-from harness import (COMPUTED, DEFAULT_LAYOUT, PROFILE_LAYOUTS, Engine, ModelConfig, Request, gather, make_cache,
-                     slots_of)
+from harness import COMPUTED, PROFILE_LAYOUTS, Engine, ModelConfig, Request, gather, make_cache, slots_of
 from kvfold import _kvfold
 from util import FP, OTHER_FP, file_kv, write_cache
 
