@@ -388,8 +388,11 @@ static int write_file(const char *tmp, const void *bytes, size_t n) {
         return -1;
     const char *p = bytes;
     int rc = 0;
+    off_t at = 0;
+    /* 64 KiB pieces: a writer stopped midway (a signal, tests/slurm/stall.c) leaves a partial
+     * temporary file, as a real one would; the syscalls cost nothing next to the copies */
     while (n > 0 && rc == 0) {
-        ssize_t k = write(fd, p, n > ((size_t)1 << 30) ? (size_t)1 << 30 : n);
+        ssize_t k = pwrite(fd, p, n > ((size_t)1 << 16) ? (size_t)1 << 16 : n, at);
         if (k < 0 && errno == EINTR)
             continue;
         if (k <= 0) {
@@ -399,6 +402,7 @@ static int write_file(const char *tmp, const void *bytes, size_t n) {
             break;
         }
         p += k;
+        at += k;
         n -= (size_t)k;
     }
     if (rc == 0)
