@@ -71,7 +71,7 @@
  *     hex digits of recipe_digest: kvf_cache_path().
  *   - kvf_write() builds the file in memory (HDF5's core driver, every chunk written directly with
  *     its Fletcher32 sum; the memory holds one file image, about the size of the file), then
- *     writes it with plain write() calls to <final>.tmp-<pid>-<16 hex> in the same directory,
+ *     writes it with plain pwrite() calls (64 KiB each) to <final>.tmp-<pid>-<16 hex> in the same directory,
  *     fsyncs it, renames it over the final name and fsyncs the directory: a reader sees no file or
  *     a complete one, two writers of the same name leave one complete file, and a failed write (a
  *     full disk, EFBIG, EIO) leaves no file and no HDF5 state behind (a failed H5Fclose on a disk
