@@ -31,6 +31,7 @@ void kvf_header_init(kvf_header *h) {
     snprintf(h->placeholder, sizeof h->placeholder, "digest");
     h->dtype = KVF_BF16;
     h->block_size = KVF_BLOCK;
+    memset(h->recipe_digest, '0', KVF_DIGEST_LEN);
 }
 
 const char *kvf_method_name(kvf_method m) {
@@ -144,7 +145,8 @@ static int make_dirs(char *path) {
 }
 
 kf_status kvf_cache_path(const char *root, const char *model_fp, const char *doc_digest, kvf_method method,
-                         double budget, bool create_dirs, char *out, size_t out_len, kf_error *err) {
+                         double budget, const char *recipe_digest, bool create_dirs, char *out, size_t out_len,
+                         kf_error *err) {
     if (!root || !*root)
         return kf_fail(err, KF_ERR_INVALID, "kvf: empty cache root");
     if (!model_fp || !is_hex(model_fp, KVF_DIGEST_LEN))
@@ -155,8 +157,11 @@ kf_status kvf_cache_path(const char *root, const char *model_fp, const char *doc
                        doc_digest ? doc_digest : "(null)", KVF_DIGEST_LEN);
     if ((unsigned)method > KVF_METHOD_FOLD)
         return kf_fail(err, KF_ERR_INVALID, "kvf: unknown method %d", (int)method);
-    if (!isfinite(budget) || budget <= 0)
-        return kf_fail(err, KF_ERR_INVALID, "kvf: budget %g must be positive", budget);
+    if (!recipe_digest || !is_hex(recipe_digest, KVF_DIGEST_LEN))
+        return kf_fail(err, KF_ERR_INVALID, "kvf: recipe digest '%s' is not %d hex digits",
+                       recipe_digest ? recipe_digest : "(null)", KVF_DIGEST_LEN);
+    if (!isfinite(budget) || budget <= 0 || budget > 1)
+        return kf_fail(err, KF_ERR_INVALID, "kvf: budget %g must be in (0, 1]", budget);
     char b[32];
     kvf_format_budget(budget, b, sizeof b);
     size_t rl = strlen(root);
@@ -167,7 +172,8 @@ kf_status kvf_cache_path(const char *root, const char *model_fp, const char *doc
         return kf_fail(err, KF_ERR_INVALID, "kvf: cache path under '%s' is too long", root);
     if (create_dirs && make_dirs(out) != 0)
         return kf_fail(err, KF_ERR_IO, "kvf: cannot create directory %s: %s", out, strerror(errno));
-    int m = snprintf(out + n, out_len - (size_t)n, "/%s.%s-%s.kvf", doc_digest, kvf_method_name(method), b);
+    int m = snprintf(out + n, out_len - (size_t)n, "/%s.%s-%s.%.16s.kvf", doc_digest, kvf_method_name(method), b,
+                     recipe_digest);
     if (m < 0 || (size_t)m >= out_len - (size_t)n)
         return kf_fail(err, KF_ERR_INVALID, "kvf: cache path under '%s' is too long", root);
     return KF_OK;
@@ -320,6 +326,10 @@ void kvf_convert_to(kvf_dtype d, const float *src, void *dst, size_t n) {
     else
         for (size_t i = 0; i < n; i++)
             o[i] = kvf_f32_to_f16(src[i]);
+}
+
+void kvf_to_f32(kvf_dtype d, const void *src, float *dst, size_t n) {
+    kvf_convert_from(d, src, dst, n);
 }
 
 void kvf_convert_from(kvf_dtype d, const void *src, float *dst, size_t n) {
@@ -480,6 +490,32 @@ bool kvf_is_hex(const char *s, size_t len) {
     return is_hex(s, len);
 }
 
+bool kvf_is_clean_utf8(const char *s) {
+    const unsigned char *p = (const unsigned char *)s;
+    while (*p) {
+        unsigned c = *p;
+        int n = c < 0x80 ? 0 : (c & 0xe0) == 0xc0 ? 1 : (c & 0xf0) == 0xe0 ? 2 : (c & 0xf8) == 0xf0 ? 3 : -1;
+        if (n < 0 || (n == 0 && (c < 0x20 || c == 0x7f)))
+            return false;
+        uint32_t cp = n == 0 ? c : n == 1 ? c & 0x1f : n == 2 ? c & 0x0f : c & 0x07;
+        for (int i = 1; i <= n; i++) {
+            if ((p[i] & 0xc0) != 0x80)
+                return false;
+            cp = cp << 6 | (p[i] & 0x3f);
+        }
+        /* overlong forms, surrogates, beyond U+10FFFF */
+        if ((n == 1 && cp < 0x80) || (n == 2 && cp < 0x800) || (n == 3 && cp < 0x10000) || cp > 0x10ffff ||
+            (cp >= 0xd800 && cp <= 0xdfff))
+            return false;
+        p += n + 1;
+    }
+    return true;
+}
+
+static bool str_ok(const char *s, size_t cap) {
+    return strnlen(s, cap) < cap && kvf_is_clean_utf8(s);
+}
+
 kf_status kvf_header_check(const kvf_header *h, const char *path, kf_error *err) {
     if (!is_hex(h->model_fingerprint, KVF_DIGEST_LEN))
         return kf_fail(err, KF_ERR_FORMAT, "%s: model_fingerprint '%.40s' is not %d lowercase hex digits", path,
@@ -487,13 +523,16 @@ kf_status kvf_header_check(const kvf_header *h, const char *path, kf_error *err)
     if (!is_hex(h->document_digest, KVF_DIGEST_LEN))
         return kf_fail(err, KF_ERR_FORMAT, "%s: document_digest '%.40s' is not %d lowercase hex digits", path,
                        h->document_digest, KVF_DIGEST_LEN);
+    if (!is_hex(h->recipe_digest, KVF_DIGEST_LEN))
+        return kf_fail(err, KF_ERR_FORMAT, "%s: recipe_digest '%.40s' is not %d lowercase hex digits", path,
+                       h->recipe_digest, KVF_DIGEST_LEN);
     size_t tl = strnlen(h->tokenizer_digest, sizeof h->tokenizer_digest);
     if (tl == sizeof h->tokenizer_digest || !is_hex(h->tokenizer_digest, tl))
         return kf_fail(err, KF_ERR_FORMAT, "%s: tokenizer_digest '%.70s' is not empty or up to 64 lowercase hex digits",
                        path, h->tokenizer_digest);
-    if (strnlen(h->creator, sizeof h->creator) == sizeof h->creator ||
-        strnlen(h->placeholder, sizeof h->placeholder) == sizeof h->placeholder)
-        return kf_fail(err, KF_ERR_FORMAT, "%s: creator or placeholder is not a terminated string", path);
+    if (!str_ok(h->creator, sizeof h->creator) || !str_ok(h->placeholder, sizeof h->placeholder))
+        return kf_fail(err, KF_ERR_FORMAT, "%s: creator or placeholder is not a terminated, printable UTF-8 string",
+                       path);
     if ((unsigned)h->method > KVF_METHOD_FOLD || (unsigned)h->dtype > KVF_F32 ||
         (unsigned)h->rope_frame > KVF_FRAME_ORIGINAL)
         return kf_fail(err, KF_ERR_FORMAT, "%s: method, dtype or rope_frame out of range", path);
@@ -501,18 +540,105 @@ kf_status kvf_header_check(const kvf_header *h, const char *path, kf_error *err)
         h->head_dim > 65536)
         return kf_fail(err, KF_ERR_FORMAT, "%s: shape n_layers %d, kv_heads %d, head_dim %d is out of range", path,
                        h->n_layers, h->kv_heads, h->head_dim);
-    if (h->n_doc_tokens < 1 || h->n_tokens < 1 || h->n_tokens > ((int64_t)1 << 31))
-        return kf_fail(err, KF_ERR_FORMAT, "%s: lengths D = %lld, C = %lld are out of range", path,
+    if (h->n_doc_tokens < 1 || h->n_doc_tokens > INT32_MAX || h->n_tokens < 1 || h->n_tokens > h->n_doc_tokens)
+        return kf_fail(err, KF_ERR_FORMAT, "%s: lengths D = %lld, C = %lld: need 1 <= C <= D <= 2^31 - 1", path,
                        (long long)h->n_doc_tokens, (long long)h->n_tokens);
+    /* a layer's elements (and so every size below) stay far from overflow: C * H * D < 2^40 */
     if ((double)h->n_tokens * h->kv_heads * h->head_dim > (double)((int64_t)1 << 40))
         return kf_fail(err, KF_ERR_FORMAT, "%s: a layer of C = %lld tokens is too large", path,
                        (long long)h->n_tokens);
+    /* HDF5 chunks stay below 4 GiB: a K/V block [16, H, D] and a side layer [H, C] */
+    if ((int64_t)h->kv_heads * h->head_dim > ((int64_t)1 << 24) || (int64_t)h->kv_heads * h->n_tokens > ((int64_t)1 << 29))
+        return kf_fail(err, KF_ERR_FORMAT, "%s: kv_heads %d x head_dim %d x C %lld is too large for one chunk", path,
+                       h->kv_heads, h->head_dim, (long long)h->n_tokens);
     if (h->block_size != KVF_BLOCK)
         return kf_fail(err, KF_ERR_FORMAT, "%s: block_size %d (version %d uses %d)", path, h->block_size,
                        KVF_VERSION, KVF_BLOCK);
-    if (!isfinite(h->budget) || h->budget <= 0)
-        return kf_fail(err, KF_ERR_FORMAT, "%s: budget %g must be positive", path, h->budget);
+    if (!isfinite(h->budget) || h->budget <= 0 || h->budget > 1)
+        return kf_fail(err, KF_ERR_FORMAT, "%s: budget %g must be in (0, 1]", path, h->budget);
     if (!isfinite(h->lambda) || h->lambda < 0)
-        return kf_fail(err, KF_ERR_FORMAT, "%s: lambda %g must be non-negative", path, h->lambda);
+        return kf_fail(err, KF_ERR_FORMAT, "%s: lambda %g must be finite and non-negative", path, h->lambda);
     return KF_OK;
+}
+
+/* ---- values and digests ---- */
+
+int64_t kvf_first_nonfinite(kvf_dtype d, const void *x, size_t n) {
+    /* a vectorizable OR over all elements first; the index only when something is wrong */
+    int bad = 0;
+    if (d == KVF_F32) {
+        const uint32_t *p = x;
+        for (size_t i = 0; i < n; i++)
+            bad |= (p[i] & 0x7f800000u) == 0x7f800000u;
+    } else {
+        const uint16_t *p = x;
+        const uint16_t m = d == KVF_BF16 ? 0x7f80 : 0x7c00;
+        for (size_t i = 0; i < n; i++)
+            bad |= (p[i] & m) == m;
+    }
+    if (!bad)
+        return -1;
+    for (size_t i = 0; i < n; i++) {
+        bool nf = d == KVF_F32 ? (((const uint32_t *)x)[i] & 0x7f800000u) == 0x7f800000u
+                               : (((const uint16_t *)x)[i] & (d == KVF_BF16 ? 0x7f80 : 0x7c00)) ==
+                                     (d == KVF_BF16 ? 0x7f80 : 0x7c00);
+        if (nf)
+            return (int64_t)i;
+    }
+    return -1;
+}
+
+kf_status kvf_check_side(const kvf_header *h, const char *path, int layer, const float *beta, const float *u,
+                         const int32_t *pos, const uint8_t *hm, kf_error *err) {
+    const size_t H = (size_t)h->kv_heads, C = (size_t)h->n_tokens, D = (size_t)h->head_dim;
+    for (size_t i = 0; i < H * C; i++) {
+        if (pos[i] < -1 || pos[i] >= h->n_doc_tokens)
+            return kf_fail(err, KF_ERR_FORMAT, "%s: position %d of layer %d, head %zu, slot %zu is outside [0, D = %lld)",
+                           path, (int)pos[i], layer, i / C, i % C, (long long)h->n_doc_tokens);
+        if (!isfinite(beta[i]) && !(beta[i] == -INFINITY && pos[i] == -1))
+            return kf_fail(err, KF_ERR_FORMAT,
+                           "%s: beta %g of layer %d, head %zu, slot %zu is not finite (only a padding slot may hold -inf)",
+                           path, (double)beta[i], layer, i / C, i % C);
+    }
+    for (size_t i = 0; i < H * D; i++)
+        if (!isfinite(u[i]))
+            return kf_fail(err, KF_ERR_FORMAT, "%s: u of layer %d, head %zu is not finite", path, layer, i / D);
+    for (size_t i = 0; i < H; i++)
+        if (hm[i] > KVF_METHOD_FOLD)
+            return kf_fail(err, KF_ERR_FORMAT, "%s: head_method %u of layer %d, head %zu is not a method (0..3)", path,
+                           hm[i], layer, i);
+    return KF_OK;
+}
+
+void kvf_layer_digest(const kvf_header *h, int layer, const void *k, const void *v, const float *beta, const float *u,
+                      const int32_t *pos, const uint8_t *hm, uint8_t out[16]) {
+    const size_t H = (size_t)h->kv_heads, C = (size_t)h->n_tokens, D = (size_t)h->head_dim;
+    const size_t kv = C * H * D * kvf_dtype_size(h->dtype);
+    XXH3_state_t st;
+    XXH3_128bits_reset(&st);
+    XXH3_128bits_update(&st, k, kv);
+    XXH3_128bits_update(&st, v, kv);
+    XXH3_128bits_update(&st, beta, H * C * 4);
+    XXH3_128bits_update(&st, u, H * D * 4);
+    XXH3_128bits_update(&st, pos, H * C * 4);
+    XXH3_128bits_update(&st, hm, H);
+    uint8_t l8[8];
+    for (int b = 0; b < 8; b++)
+        l8[b] = (uint8_t)((uint64_t)layer >> (8 * b));
+    XXH3_128bits_update(&st, l8, 8);
+    XXH128_canonical_t c;
+    XXH128_canonicalFromHash(&c, XXH3_128bits_digest(&st));
+    memcpy(out, c.digest, 16);
+}
+
+void kvf_payload_digest(const uint8_t *layer_digests, int n_layers, char out[KVF_DIGEST_LEN + 1]) {
+    XXH3_state_t st;
+    XXH3_128bits_reset(&st);
+    XXH3_128bits_update(&st, layer_digests, (size_t)n_layers * 16);
+    uint8_t l8[8];
+    for (int b = 0; b < 8; b++)
+        l8[b] = (uint8_t)((uint64_t)n_layers >> (8 * b));
+    XXH3_128bits_update(&st, l8, 8);
+    XXH128_hash_t hh = XXH3_128bits_digest(&st);
+    snprintf(out, KVF_DIGEST_LEN + 1, "%016llx%016llx", (unsigned long long)hh.high64, (unsigned long long)hh.low64);
 }

@@ -15,6 +15,7 @@
 #include "compactor/cache_io.h"
 #include "compactor/compact.h"
 #include "compactor/prefix_plan.h"
+#include "compactor/recipe.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
 #include "tools/doc_input.h"
@@ -103,6 +104,7 @@ typedef struct {
     kf_prompt *probes;          /* [n_probes] (ids owned) */
     int n_probes;
     char path[PATH_MAX];
+    char recipe[KVF_DIGEST_LEN + 1]; /* kf_recipe_digest of this document's parameters */
     int state;
     int64_t C;
 } job_doc;
@@ -318,6 +320,25 @@ static void clean_stale_temps(const char *dir, int quiet) {
         cli_error(CMD, "warning: %s", e.msg);
 }
 
+/* base with this document's repeat instruction and probes (its own, then --probes-from's) in
+ * *probes (grown as needed); -1 when out of memory. */
+static int doc_params(const kf_compact_params *base, const job_doc *d, const int32_t *def_instr, int n_def_instr,
+                      const kf_prompt *extra, int n_extra, kf_prompt **probes, kf_compact_params *p) {
+    *p = *base;
+    p->repeat_instruction = d->instr ? (kf_prompt){d->instr, d->n_instr} : (kf_prompt){def_instr, n_def_instr};
+    kf_prompt *g = realloc(*probes, sizeof *g * (size_t)(d->n_probes + n_extra + 1));
+    if (!g)
+        return -1;
+    *probes = g;
+    for (int j = 0; j < d->n_probes; j++)
+        g[j] = d->probes[j];
+    for (int j = 0; j < n_extra; j++)
+        g[d->n_probes + j] = extra[j];
+    p->probes = g;
+    p->n_probes = d->n_probes + n_extra;
+    return 0;
+}
+
 static kvf_dtype model_dtype(const kf_hfconfig *cfg) {
     kvf_dtype d;
     return kvf_dtype_parse(cfg->dtype, &d) == 0 ? d : KVF_BF16;
@@ -454,6 +475,7 @@ int cmd_compact(int argc, char **argv) {
 
     /* ---- read this shard's documents ---- */
     doc_list docs = {0};
+    kf_prompt *probes = NULL; /* [n_probes] one document's probes (not owned) */
     kf_prompt *extra_probes = NULL;
     int n_extra = 0;
     if (pf) {
@@ -561,13 +583,20 @@ int cmd_compact(int argc, char **argv) {
         char digest[KVF_DIGEST_LEN + 1];
         kvf_document_digest(d->ids, d->n, digest);
         kf_error e = {0};
-        if (kvf_cache_path(root, fp, digest, kf_method_to_kvf(base.method), base.budget, true, d->path, sizeof d->path,
-                           &e) != KF_OK) {
+        kf_compact_params dp;
+        if (doc_params(&base, d, def_instr, n_def_instr, extra_probes, n_extra, &probes, &dp)) {
+            cli_error(CMD, "out of memory");
+            rc = KF_EXIT_FAIL;
+            goto done;
+        }
+        kf_recipe_digest(&dp, dtype, (int64_t)cfg->n_layers * cfg->n_kv_heads, d->recipe);
+        if (kvf_cache_path(root, fp, digest, kf_method_to_kvf(base.method), base.budget, d->recipe, true, d->path,
+                           sizeof d->path, &e) != KF_OK) {
             doc_fail(d->source, d->name, e.msg);
             d->state = ST_FAILED;
             continue;
         }
-        if (kvf_exists_valid(d->path, fp)) {
+        if (kvf_exists_valid(d->path, fp, d->recipe)) {
             d->state = ST_SKIPPED;
             continue;
         }
@@ -636,7 +665,6 @@ int cmd_compact(int argc, char **argv) {
     int prev_k = -1; /* plan index whose pages prev holds */
     int64_t computed = 0, c_total = 0, d_total = 0;
     int n_done = 0, n_busy = 0, n_failed = 0;
-    kf_prompt *probes = NULL;
     for (int k = 0; k < n_todo; k++) {
         const int pi = plan.order[k];
         job_doc *d = &docs.docs[todo[pi]];
@@ -647,7 +675,7 @@ int cmd_compact(int argc, char **argv) {
         int64_t shared = 0;
         kf_seq cur;
         kf_seq_init(&cur);
-        if (claimed <= 0 || kvf_exists_valid(d->path, fp)) {
+        if (claimed <= 0 || kvf_exists_valid(d->path, fp, d->recipe)) {
             if (claimed < 0) {
                 snprintf(err, sizeof err, "cannot create the lock file %.900s.lock: %s", d->path, strerror(errno));
                 doc_fail(d->source, d->name, err);
@@ -670,17 +698,12 @@ int cmd_compact(int argc, char **argv) {
         const int parent_ok = sharing && plan.shared[pi] > 0 && pred >= 0 && pred == prev_k;
         shared = parent_ok ? plan.shared[pi] : 0;
         const int next_shares = sharing && k + 1 < n_todo && plan.shared[plan.order[k + 1]] > 0;
-        kf_compact_params p = base;
-        p.repeat_instruction = d->instr ? (kf_prompt){d->instr, d->n_instr} : (kf_prompt){def_instr, n_def_instr};
-        kf_prompt *g = realloc(probes, sizeof *g * (size_t)(d->n_probes + n_extra + 1));
-        if (g)
-            probes = g;
-        for (int j = 0; g && j < d->n_probes; j++)
-            probes[j] = d->probes[j];
-        for (int j = 0; g && j < n_extra; j++)
-            probes[d->n_probes + j] = extra_probes[j];
-        p.probes = probes;
-        p.n_probes = g ? d->n_probes + n_extra : 0;
+        kf_compact_params p;
+        if (doc_params(&base, d, def_instr, n_def_instr, extra_probes, n_extra, &probes, &p)) {
+            cli_error(CMD, "out of memory");
+            rc = KF_EXIT_FAIL;
+            break;
+        }
         kf_compact_reuse reuse = {.arena = &arena, .parent = parent_ok ? &prev : NULL, .shared = shared,
                                   .keep = next_shares ? &cur : NULL};
         kf_prompt doc = {d->ids, d->n};
@@ -699,6 +722,7 @@ int cmd_compact(int argc, char **argv) {
             snprintf(kc.hdr.model_fingerprint, sizeof kc.hdr.model_fingerprint, "%s", fp);
             snprintf(kc.hdr.tokenizer_digest, sizeof kc.hdr.tokenizer_digest, "%s", text.digest);
             kvf_document_digest(d->ids, d->n, kc.hdr.document_digest);
+            snprintf(kc.hdr.recipe_digest, sizeof kc.hdr.recipe_digest, "%s", d->recipe);
             st = kvf_write(d->path, &kc, &e);
             d->C = c.C;
             kf_compacted_free(&c);
@@ -723,7 +747,6 @@ int cmd_compact(int argc, char **argv) {
                     pg.total, d->source, d->name[0] ? " (" : "", d->name, d->name[0] ? ")" : "", d->n,
                     (long long)d->C, (long long)shared, cli_now() - t_doc, d->path);
     }
-    free(probes);
     kf_seq_release(&arena, &prev);
     if (arena.storage)
         kf_arena_free(&arena);
@@ -767,6 +790,7 @@ done:
     for (int j = 0; j < n_extra; j++)
         free((void *)extra_probes[j].ids);
     free(extra_probes);
+    free(probes);
     doc_text_free(&text);
     if (mf)
         fclose(mf);

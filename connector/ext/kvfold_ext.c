@@ -2,7 +2,7 @@
  *
  *   read_header(path) -> dict                  opens and validates a kvf file, returns its header
  *   load(path, dtype, model_fingerprint=None, n_layers=-1, kv_heads=-1, head_dim=-1)
- *       -> (header, bytearray)                 every layer's K and V, checksums verified, as one
+ *       -> (header, bytearray)                 every layer's K and V, checksums and layer digests verified, as one
  *                                              [2, n_layers, C, kv_heads, head_dim] array in dtype
  *   copy_blocks(src, src_dtype, n_layers, C, src_heads, head_dim, dst, dst_dtype, layout,
  *               block_ids, block_size, t0, t1, head_start=0, kv_heads=-1)
@@ -58,9 +58,10 @@ static int parse_dtype(const char *s, kvf_dtype *out) {
 
 static PyObject *header_dict(const kvf_header *h) {
     return Py_BuildValue(
-        "{s:i,s:s,s:s,s:s,s:s,s:L,s:L,s:s,s:d,s:d,s:s,s:s,s:s,s:i,s:i,s:i,s:i}", "version", h->version, "creator",
-        h->creator, "model_fingerprint", h->model_fingerprint, "tokenizer_digest", h->tokenizer_digest,
-        "document_digest", h->document_digest, "n_doc_tokens", (long long)h->n_doc_tokens, "n_tokens",
+        "{s:i,s:s,s:s,s:s,s:s,s:s,s:s,s:L,s:L,s:s,s:d,s:d,s:s,s:s,s:s,s:i,s:i,s:i,s:i}", "version", h->version,
+        "creator", h->creator, "model_fingerprint", h->model_fingerprint, "tokenizer_digest", h->tokenizer_digest,
+        "document_digest", h->document_digest, "recipe_digest", h->recipe_digest, "payload_digest",
+        h->payload_digest, "n_doc_tokens", (long long)h->n_doc_tokens, "n_tokens",
         (long long)h->n_tokens, "method", kvf_method_name(h->method), "budget", h->budget, "lambda", h->lambda,
         "rope_frame", kvf_rope_frame_name(h->rope_frame), "placeholder", h->placeholder, "dtype",
         kvf_dtype_name(h->dtype), "n_layers", h->n_layers, "kv_heads", h->kv_heads, "head_dim", h->head_dim,
@@ -85,37 +86,39 @@ static PyObject *py_read_header(PyObject *self, PyObject *args) {
     return d;
 }
 
-/* Reads every layer raw and converts into out ([2, L, C, H, D] in dtype). */
+/* Reads every layer raw (each checked against its layer digest) and converts into out
+ * ([2, L, C, H, D] in dtype). */
 static kf_status load_all(kvf_file *f, kvf_dtype dtype, unsigned char *out, kf_error *err) {
     const kvf_header *h = kvf_file_header(f);
     const size_t n = (size_t)h->n_tokens * (size_t)h->kv_heads * (size_t)h->head_dim; /* per layer */
     const size_t fs = kvf_dtype_size(h->dtype), ds = kvf_dtype_size(dtype);
-    unsigned char *scratch = NULL;
-    if (h->dtype != dtype && !(scratch = malloc(n * fs)))
+    unsigned char *scratch = NULL; /* [2, C, H, D] in the file's dtype */
+    if (h->dtype != dtype && !(scratch = malloc(2 * n * fs)))
         return kf_fail(err, KF_ERR_NOMEM, "%s: out of memory for a layer", kvf_file_path(f));
     kf_status st = KF_OK;
-    for (int kv = 0; kv < 2 && st == KF_OK; kv++)
-        for (int l = 0; l < h->n_layers && st == KF_OK; l++) {
-            unsigned char *dst = out + ((size_t)kv * h->n_layers + (size_t)l) * n * ds;
-            st = kvf_read_layer_raw(f, l, kv ? KVF_VALUES : KVF_KEYS, scratch ? scratch : dst, err);
-            if (st != KF_OK || !scratch)
-                continue;
-            uint16_t *o16 = (uint16_t *)dst;
+    for (int l = 0; l < h->n_layers && st == KF_OK; l++) {
+        unsigned char *dst[2] = {out + (size_t)l * n * ds, out + ((size_t)h->n_layers + (size_t)l) * n * ds};
+        st = kvf_read_layer_all(f, l, scratch ? scratch : dst[0], scratch ? scratch + n * fs : dst[1], NULL, NULL,
+                                NULL, NULL, err);
+        for (int kv = 0; kv < 2 && st == KF_OK && scratch; kv++) {
+            const unsigned char *src = scratch + (size_t)kv * n * fs;
+            uint16_t *o16 = (uint16_t *)dst[kv];
             for (size_t i = 0; i < n; i++) {
                 float x;
                 if (h->dtype == KVF_F32) {
-                    memcpy(&x, scratch + 4 * i, 4);
+                    memcpy(&x, src + 4 * i, 4);
                 } else {
                     uint16_t b;
-                    memcpy(&b, scratch + 2 * i, 2);
+                    memcpy(&b, src + 2 * i, 2);
                     x = h->dtype == KVF_BF16 ? kvf_bf16_to_f32(b) : kvf_f16_to_f32(b);
                 }
                 if (dtype == KVF_F32)
-                    memcpy(dst + 4 * i, &x, 4);
+                    memcpy(dst[kv] + 4 * i, &x, 4);
                 else
                     o16[i] = dtype == KVF_BF16 ? kvf_f32_to_bf16(x) : kvf_f32_to_f16(x);
             }
         }
+    }
     free(scratch);
     return st;
 }
@@ -292,6 +295,7 @@ static int header_from_dict(PyObject *d, kvf_header *h) {
     } strs[] = {{"model_fingerprint", h->model_fingerprint, sizeof h->model_fingerprint},
                 {"tokenizer_digest", h->tokenizer_digest, sizeof h->tokenizer_digest},
                 {"document_digest", h->document_digest, sizeof h->document_digest},
+                {"recipe_digest", h->recipe_digest, sizeof h->recipe_digest},
                 {"placeholder", h->placeholder, sizeof h->placeholder}};
     for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++) {
         PyObject *v = PyDict_GetItemString(d, strs[i].key);
