@@ -75,6 +75,10 @@ int cmd_verify(int argc, char **argv) {
         free(questions);
         return cli_usage_error(CMD, "give one FILE.kvf and --model DIR");
     }
+    if (n_q > 0 && !doc_path) { /* the KL check needs the full context: no silent skip with exit 0 */
+        free(questions);
+        return cli_usage_error(CMD, "--question needs the document (--doc FILE)");
+    }
     const char *path = argv[optind];
     kf_backend *b;
     kf_model *m = cli_load_model(CMD, model_dir, &b);
@@ -114,9 +118,6 @@ int cmd_verify(int argc, char **argv) {
             goto done;
         }
         printf("document: %s matches (digest %s, %d tokens)\n", doc_path, digest, n_doc);
-    } else if (n_q > 0) {
-        printf("KL: skipped, --question needs the document (--doc FILE)\n");
-        n_q = 0;
     }
     rc = KF_EXIT_OK;
     if (n_q == 0)

@@ -178,6 +178,9 @@ check "ask: answers and compares" has "$tmp/ask.out" "agreement:"
 check "ask: cache summary" has "$tmp/ask.err" "cache: "
 "$kvfold" verify "$kvf" --model "$model" --doc "$tmp/doc.txt" --stop $'\n' --question $'Q: sila?\nA:' >"$tmp/verify.out" 2>&1
 check "verify: checksums, document and KL" bash -c "grep -q 'checksums ok' '$tmp/verify.out' && grep -q 'matches' '$tmp/verify.out' && grep -q 'KL(full || cache)' '$tmp/verify.out'"
+"$kvfold" verify "$kvf" --model "$model" --question 'Q: sila?' >"$tmp/verify-nodoc.out" 2>"$tmp/verify-nodoc.err"
+check "verify: --question without --doc is a usage error (was: KL skipped, exit 0)" test $? -eq 2
+check "verify: --question without --doc: message" has "$tmp/verify-nodoc.err" "--question needs the document (--doc FILE)"
 "$kvfold" verify "$kvf" --model "$data/hf-qwen3-tiny" >/dev/null 2>"$tmp/other.err"
 check "verify: another model's file refused (exit 1)" test $? -eq 1
 check "verify: another model's file refused (message)" has "$tmp/other.err" "not for this model"
