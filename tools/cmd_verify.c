@@ -21,7 +21,7 @@ static const char kHelp[] =
     "With --doc and --question, the answer distributions: the full document's greedy answer is\n"
     "teacher-forced on both the full context and the cache, and the mean KL(full || cache) over its\n"
     "tokens is reported (also for the first token alone), with whether the cache's own greedy\n"
-    "answer is the same. Without --doc a --question is skipped (integrity checks only).\n"
+    "answer is the same. A --question without --doc is a usage error.\n"
     "\n"
     "Options:\n"
     "  --model DIR          the model\n"
