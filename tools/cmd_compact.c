@@ -393,7 +393,11 @@ int cmd_compact(int argc, char **argv) {
             if (parse_shard(optarg, &shard_i, &shard_n))
                 return cli_usage_error(CMD, "--shard is i/N with 0 <= i < N, not '%s'", optarg);
             break;
-        case 'r': instruction = optarg; break;
+        case 'r':
+            if (!*optarg) /* checked here: documents with their own instruction never tokenize it */
+                return cli_usage_error(CMD, "--repeat-instruction must not be empty");
+            instruction = optarg;
+            break;
         case 'p': probes_from = optarg; break;
         case 'L': {
             char *end;

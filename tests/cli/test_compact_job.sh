@@ -86,6 +86,9 @@ check "root not writable: message before any work" has "$tmp/root.err" "cannot c
 check "root not writable: no summary" test ! -s "$tmp/root.out"
 "$kvfold" compact --model "$model" --manifest "$tmp/docs.jsonl" --shard 3/3 >/dev/null 2>&1
 check "--shard 3/3 is a usage error" test $? -eq 2
+"$kvfold" compact "${common[@]}" --out "$tmp/noinstr" --repeat-instruction '' --manifest "$tmp/docs.jsonl" >/dev/null 2>"$tmp/noinstr.err"
+check "an empty --repeat-instruction is a usage error" test $? -eq 2
+check "an empty --repeat-instruction: message, nothing compacted" bash -c "grep -q -- '--repeat-instruction must not be empty' '$tmp/noinstr.err' && [ -z \"\$(find '$tmp/noinstr' -name '*.kvf')\" ]"
 
 # ---- --shard i/N: deterministic, the shards cover the manifest exactly once ----
 for i in 0 1 2; do
