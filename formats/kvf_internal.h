@@ -40,6 +40,10 @@ kf_status kvf_check_side(const kvf_header *h, const char *path, int layer, const
 /* The layer and payload digests of kvf.h ("Payload digest"). */
 void kvf_layer_digest(const kvf_header *h, int layer, const void *k, const void *v, const float *beta,
                       const float *u, const int32_t *pos, const uint8_t *hm, uint8_t out[16]);
+/* The same digest with keys and values already fed to an XXH3_state_t (reset, then keys[l],
+ * values[l]): adds the side data and the layer index. */
+void kvf_layer_digest_finish(const kvf_header *h, int layer, void *xxh3_state, const float *beta, const float *u,
+                             const int32_t *pos, const uint8_t *hm, uint8_t out[16]);
 void kvf_payload_digest(const uint8_t *layer_digests /* [n_layers, 16] */, int n_layers,
                         char out[KVF_DIGEST_LEN + 1]);
 

@@ -11,6 +11,8 @@
 #include <sys/stat.h>
 
 #include "formats/kvf_internal.h"
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
+#include <xxhash.h>
 
 enum { DS_KEYS, DS_VALUES, DS_BETA, DS_U, DS_POS, DS_HM, DS_DIGEST, N_DS };
 static const char *const kDsNames[N_DS] = {"keys", "values", "beta", "u", "positions", "head_method", "layer_digest"};
@@ -384,8 +386,9 @@ static void chunk_where(const kvf_file *f, int which, const hsize_t *coord, char
 }
 
 /* The stored chunk at coord: n data bytes then the 4-byte sum into dst (room for n + 4), present,
- * with filter mask 0 and a matching Fletcher32 sum. */
-static kf_status get_chunk(kvf_file *f, int which, const hsize_t *coord, size_t n, void *dst, kf_error *err) {
+ * with filter mask 0 and (when sum) a matching Fletcher32 sum. */
+static kf_status get_chunk_ex(kvf_file *f, int which, const hsize_t *coord, size_t n, void *dst, bool sum,
+                              kf_error *err) {
     const hid_t d = f->ds[which];
     hsize_t size = 0;
     uint32_t mask = 0;
@@ -418,11 +421,15 @@ static kf_status get_chunk(kvf_file *f, int which, const hsize_t *coord, size_t 
                        f->path, where, mask);
     }
     const unsigned char *t = (const unsigned char *)dst + n;
-    if (kvf_fletcher32(dst, n) != ((uint32_t)t[0] | (uint32_t)t[1] << 8 | (uint32_t)t[2] << 16 | (uint32_t)t[3] << 24)) {
+    if (sum && kvf_fletcher32(dst, n) != ((uint32_t)t[0] | (uint32_t)t[1] << 8 | (uint32_t)t[2] << 16 | (uint32_t)t[3] << 24)) {
         chunk_where(f, which, coord, where, sizeof where);
         return kf_fail(err, KF_ERR_FORMAT, "%s: checksum mismatch in %s: the file is damaged", f->path, where);
     }
     return KF_OK;
+}
+
+static kf_status get_chunk(kvf_file *f, int which, const hsize_t *coord, size_t n, void *dst, kf_error *err) {
+    return get_chunk_ex(f, which, coord, n, dst, true, err);
 }
 
 static kf_status alloc_buffers(kvf_file *f, kf_error *err) {
@@ -457,11 +464,15 @@ static kf_status check_finite(kvf_file *f, int which, int layer, int64_t t0, con
                    (long long)((size_t)bad % hd / (size_t)f->hdr.head_dim));
 }
 
-/* Every block of one layer of keys/values into out (as stored, slot 0 first). A chunk lands
- * straight in out, its sum spilling into the next chunk's place (checked before that chunk is
- * read); the last one, whose sum would fall past out, goes through chunkbuf. */
-static kf_status read_kv_layer(kvf_file *f, int which, int layer, void *out, kf_error *err) {
-    const size_t row = row_bytes(&f->hdr), cb = KVF_BLOCK * row;
+/* Every block of one layer of keys/values into out (as stored, slot 0 first), each block checked
+ * for finite values and hashed into st while it is in cache. The Fletcher32 sums are checked only
+ * when sums is set: a full read checks the layer digest, which covers the same bytes, and looks at
+ * the sums only to name a damaged block (diagnose_layer). A chunk lands straight in out, its sum
+ * spilling into the next chunk's place; the last one, whose sum would fall past out, goes through
+ * chunkbuf. */
+static kf_status read_kv_layer(kvf_file *f, int which, int layer, void *out, XXH3_state_t *st, bool sums,
+                               kf_error *err) {
+    const size_t row = row_bytes(&f->hdr), cb = KVF_BLOCK * row, elems = row / kvf_dtype_size(f->hdr.dtype);
     const int64_t nb = kvf_n_blocks(f), C = f->hdr.n_tokens;
     for (int64_t b = 0; b < nb; b++) {
         const hsize_t coord[4] = {(hsize_t)layer, (hsize_t)(b * KVF_BLOCK), 0, 0};
@@ -470,11 +481,14 @@ static kf_status read_kv_layer(kvf_file *f, int which, int layer, void *out, kf_
         /* aside when the sum has no room in out: the last chunk, or one before a tiny last block */
         const bool aside = b == nb - 1 || (size_t)(next_nt < KVF_BLOCK ? next_nt : KVF_BLOCK) * row < 4;
         unsigned char *dst = aside ? f->chunkbuf : (unsigned char *)out + (size_t)b * cb;
-        KF_TRY(get_chunk(f, which, coord, cb, dst, err));
+        KF_TRY(get_chunk_ex(f, which, coord, cb, dst, sums, err));
+        KF_TRY(check_finite(f, which, layer, b * KVF_BLOCK, dst, (size_t)nt * elems, err));
+        if (st)
+            XXH3_128bits_update(st, dst, (size_t)nt * row);
         if (aside)
             memcpy((unsigned char *)out + (size_t)b * cb, f->chunkbuf, (size_t)nt * row);
     }
-    return check_finite(f, which, layer, 0, out, layer_n(&f->hdr), err);
+    return KF_OK;
 }
 
 /* One layer of side data into f->beta, u, pos, hm, checked for allowed values. */
@@ -634,16 +648,22 @@ kf_status kvf_read_layer_all(kvf_file *f, int layer, void *keys_raw, void *value
     void *k = keys_raw ? keys_raw : f->kbuf, *v = values_raw ? values_raw : f->vbuf;
     if (f->pending_layer >= 0 && (k == f->kbuf || v == f->vbuf))
         f->pending_layer = -1; /* its half is being overwritten */
-    KF_TRY(read_kv_layer(f, DS_KEYS, layer, k, err));
-    KF_TRY(read_kv_layer(f, DS_VALUES, layer, v, err));
+    XXH3_state_t st;
+    XXH3_128bits_reset(&st);
+    KF_TRY(read_kv_layer(f, DS_KEYS, layer, k, &st, false, err));
+    KF_TRY(read_kv_layer(f, DS_VALUES, layer, v, &st, false, err));
     KF_TRY(read_side_layer(f, layer, err));
     uint8_t d[16];
-    kvf_layer_digest(&f->hdr, layer, k, v, f->beta, f->u, f->pos, f->hm, d);
-    if (memcmp(d, f->digests + (size_t)layer * 16, 16) != 0)
+    kvf_layer_digest_finish(&f->hdr, layer, &st, f->beta, f->u, f->pos, f->hm, d);
+    if (memcmp(d, f->digests + (size_t)layer * 16, 16) != 0) {
+        /* a damaged block says so by its sum; else chunks were swapped, zeroed or rewritten */
+        KF_TRY(read_kv_layer(f, DS_KEYS, layer, k, NULL, true, err));
+        KF_TRY(read_kv_layer(f, DS_VALUES, layer, v, NULL, true, err));
         return kf_fail(err, KF_ERR_FORMAT,
                        "%s: layer %d does not match its digest (chunks swapped, missing, zeroed or altered): the file "
                        "is damaged",
                        f->path, layer);
+    }
     const size_t H = (size_t)f->hdr.kv_heads, C = (size_t)f->hdr.n_tokens, D = (size_t)f->hdr.head_dim;
     if (beta)
         memcpy(beta, f->beta, H * C * 4);

@@ -294,7 +294,7 @@ typedef struct {
 static void *img_malloc(size_t size, H5FD_file_image_op_t op, void *udata) {
     (void)op;
     core_image *ci = udata;
-    void *p = malloc(size ? size : 1);
+    void *p = calloc(1, size ? size : 1); /* zeros: any byte HDF5 leaves unwritten is deterministic */
     if (p && !ci->mem) {
         ci->mem = p;
         ci->size = size;
@@ -310,6 +310,8 @@ static void *img_realloc(void *ptr, size_t size, H5FD_file_image_op_t op, void *
     (void)op;
     core_image *ci = udata;
     void *p = realloc(ptr, size ? size : 1);
+    if (p && ptr == ci->mem && size > ci->size)
+        memset((char *)p + ci->size, 0, size - ci->size);
     if (p && ptr == ci->mem) {
         ci->mem = p;
         ci->size = size;
@@ -332,8 +334,10 @@ static herr_t udata_free(void *udata) {
     return 0;
 }
 
-/* The file's bytes, built in memory: *image (malloc'd) of *size bytes. */
-static kf_status build_image(const kvf_cache *c, void **image, size_t *size, wctx *w) {
+/* The file's bytes, built in memory: *image (malloc'd) of *size bytes. name is the in-memory file's
+ * name: one that does not exist (HDF5's core driver reads an existing file of that name into
+ * memory first, even with H5F_ACC_TRUNC, and bytes of it survived into the image). */
+static kf_status build_image(const kvf_cache *c, const char *name, void **image, size_t *size, wctx *w) {
     const kvf_header *h = &c->hdr;
     /* the core driver grows by this much: about the whole file, so it does not grow in steps */
     const double est = (double)kvf_kv_bytes(h) * 1.02 + 16.0 * h->n_layers * h->kv_heads * (double)h->n_tokens +
@@ -343,7 +347,7 @@ static kf_status build_image(const kvf_cache *c, void **image, size_t *size, wct
     hid_t fapl = H5Pcreate(H5P_FILE_ACCESS), f = -1;
     if (fapl >= 0 && H5Pset_fapl_core(fapl, est < 1e12 ? (size_t)est : (size_t)1 << 30, 0) >= 0 &&
         H5Pset_file_image_callbacks(fapl, &cb) >= 0 && H5Pset_libver_bounds(fapl, H5F_LIBVER_LATEST, H5F_LIBVER_LATEST) >= 0)
-        f = H5Fcreate(w->path, H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
+        f = H5Fcreate(name, H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
     if (f < 0)
         kvf_h5_capture();
     if (fapl >= 0)
@@ -456,11 +460,16 @@ kf_status kvf_write(const char *path, const kvf_cache *c, kf_error *err) {
     wctx w = {.path = path, .err = err};
     void *image = NULL;
     size_t size = 0;
-    KF_TRY(build_image(c, &image, &size, &w));
     char *tmp = temp_name(path), *dircopy = strdup(path);
     kf_status st = KF_OK;
     if (!tmp || !dircopy)
         st = kf_fail(err, KF_ERR_NOMEM, "%s: out of memory", path);
+    else if (access(tmp, F_OK) == 0)
+        st = kf_fail(err, KF_ERR_IO, "%s: the temporary name %s is taken", path, tmp);
+    else
+        st = build_image(c, tmp, &image, &size, &w);
+    if (st != KF_OK)
+        ;
     else if (write_file(tmp, image, size) != 0)
         st = kf_fail(err, KF_ERR_IO, "%s: cannot write %s (%zu bytes): %s", path, tmp, size, strerror(errno));
     else if (rename(tmp, path) != 0) {

@@ -25,6 +25,14 @@
 #include "test_util.h"
 
 static const char kFp[] = "0123456789abcdef0123456789abcdef";
+
+/* LeakSanitizer: HDF5 1.10.8 itself leaks a few bytes on some damaged object headers (in
+ * H5Aexists -> H5O_protect, seen under valgrind too); kvfold's own allocations stay checked. */
+const char *__lsan_default_suppressions(void);
+const char *__lsan_default_suppressions(void) {
+    return "leak:libhdf5_serial.so\n";
+}
+
 static const char kRecipe[] = "aaaabbbbccccddddeeeeffff00001111";
 
 typedef struct {
@@ -557,6 +565,24 @@ static void test_identity_and_head_methods(void) {
     fputc(ch ^ 1, fp);
     fclose(fp);
     CU_ASSERT(!kvf_exists_valid(path, kFp, kRecipe));
+    /* rewriting the damaged file gives exactly the bytes of a fresh write elsewhere (HDF5's core
+     * driver once read the old file of the same name into its image) */
+    s.c.head_method = s.hm;
+    kf_error e2 = {0};
+    CU_ASSERT_EQUAL(kvf_write(path, &s.c, &e2), KF_OK);
+    CU_ASSERT(kvf_exists_valid(path, kFp, kRecipe));
+    char other[1024];
+    snprintf(other, sizeof other, "%s/again.kvf", kf_test_make_dir("identity-again"));
+    CU_ASSERT_EQUAL(kvf_write(other, &s.c, &e2), KF_OK);
+    FILE *x = fopen(path, "rb"), *y = fopen(other, "rb");
+    int same = x && y;
+    for (int cx = 0, cy = 0; same && (cx != EOF || cy != EOF);)
+        same = (cx = fgetc(x)) == (cy = fgetc(y));
+    if (x)
+        fclose(x);
+    if (y)
+        fclose(y);
+    CU_ASSERT(same);
     synth_free(&s);
 }
 
