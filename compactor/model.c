@@ -72,6 +72,11 @@ static kf_status load_tensor(kf_model *m, const char *name, int64_t d0, int64_t 
         return kf_fail(err, KF_ERR_UNSUPPORTED, "%s: tensor '%s' has dtype %s (supported: BF16, F16, F32)", m->dir,
                        name, kf_st_dtype_name(t->dtype));
     }
+    int is_nan = 0;
+    const int64_t bad = kf_st_first_nonfinite(t, &is_nan);
+    if (bad >= 0)
+        return kf_fail(err, KF_ERR_FORMAT, "%s: tensor '%s' holds %s at element %lld of %lld: the checkpoint is corrupt",
+                       m->dir, name, is_nan ? "NaN" : "an infinity", (long long)bad, (long long)t->numel);
     const size_t n = (size_t)t->numel;
     void *buf = m->b->alloc(m->b, n * kf_dtype_size(m->b->weight_dtype));
     if (!buf)

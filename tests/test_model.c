@@ -324,6 +324,70 @@ static void test_load_rejects_bad_directories(void) {
     b->destroy(b);
 }
 
+/* A copy of hf-qwen3-tiny in a temp directory whose model.safetensors has the BF16 pattern bits
+ * at element `at` of tensor `name`; returns the directory (static buffer). */
+static const char *patched_model(const char *dirname, const char *name, int64_t at, uint16_t bits) {
+    static char dir[2048];
+    snprintf(dir, sizeof dir, "%s", kf_test_make_dir(dirname));
+    char src[4096], dst[4096];
+    snprintf(src, sizeof src, "%s", kf_test_data("hf-qwen3-tiny/config.json"));
+    snprintf(dst, sizeof dst, "%s/config.json", dir);
+    CU_ASSERT_EQUAL(symlink(src, dst), 0);
+    snprintf(src, sizeof src, "%s", kf_test_data("hf-qwen3-tiny/model.safetensors"));
+    kf_st_set set = {0};
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_st_open_file(&set, src, &err), KF_OK);
+    const kf_st_tensor *t = kf_st_find(&set, name);
+    CU_ASSERT_FATAL(t != NULL && t->dtype == KF_ST_BF16 && at < t->numel);
+    const size_t size = set.files[0].size, off = (size_t)((const char *)t->data - (const char *)set.files[0].map);
+    unsigned char *bytes = malloc(size);
+    memcpy(bytes, set.files[0].map, size);
+    kf_st_close(&set);
+    memcpy(bytes + off + (size_t)at * 2, &bits, 2); /* little-endian host */
+    snprintf(dst, sizeof dst, "%s/model.safetensors", dir);
+    FILE *f = fopen(dst, "wb");
+    CU_ASSERT_FATAL(f != NULL);
+    CU_ASSERT_EQUAL(fwrite(bytes, 1, size, f), size);
+    fclose(f);
+    free(bytes);
+    return dir;
+}
+
+/* Weights with NaN or an infinity are refused at load, naming the tensor and the element; the
+ * largest finite BF16 value is accepted (only the exponent pattern of NaN/Inf is refused). */
+static void test_load_rejects_nonfinite_weights(void) {
+    kf_backend *b = kf_backend_cpu_create();
+    kf_model *m = NULL;
+    kf_error err = {0};
+    const struct {
+        const char *tensor;
+        int64_t at;
+        uint16_t bits;
+        const char *what;
+    } cases[] = {
+        {"model.layers.1.self_attn.k_proj.weight", 37, 0x7fc0, "holds NaN at element 37 of"},
+        {"model.norm.weight", 0, 0x7f80, "holds an infinity at element 0 of"},
+        {"model.embed_tokens.weight", 5000, 0xff80, "holds an infinity at element 5000 of"},
+        {"model.layers.0.mlp.down_proj.weight", 1, 0xffff, "holds NaN at element 1 of"},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        char name[32];
+        snprintf(name, sizeof name, "nonfinite-%zu", c);
+        const char *dir = patched_model(name, cases[c].tensor, cases[c].at, cases[c].bits);
+        memset(&err, 0, sizeof err);
+        CU_ASSERT_EQUAL(kf_model_load(&m, dir, b, &err), KF_ERR_FORMAT);
+        CU_ASSERT_PTR_NULL(m);
+        CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, cases[c].tensor));
+        CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, cases[c].what));
+        if (!strstr(err.msg, cases[c].what))
+            fprintf(stderr, "message: %s\n", err.msg);
+    }
+    const char *dir = patched_model("finite-max", "model.norm.weight", 3, 0x7f7f);
+    CU_ASSERT_EQUAL(kf_model_load(&m, dir, b, &err), KF_OK);
+    kf_model_free(m);
+    b->destroy(b);
+}
+
 static CU_TestInfo qwen_tests[] = {
     {"golden tensors (hf-qwen3-tiny)", test_qwen_golden},
     {"chunk sizes 1, 7, 16, 64, whole", test_qwen_chunks},
@@ -338,6 +402,7 @@ static CU_TestInfo llama_tests[] = {
 };
 static CU_TestInfo load_tests[] = {
     {"bad model directories", test_load_rejects_bad_directories},
+    {"NaN or infinite weights refused with the tensor's name", test_load_rejects_nonfinite_weights},
     CU_TEST_INFO_NULL,
 };
 static CU_SuiteInfo suites[] = {

@@ -22,7 +22,7 @@ static const char kHelp[] =
     "With --doc and --question, the answer distributions: the full document's greedy answer is\n"
     "teacher-forced on both the full context and the cache, and the mean KL(full || cache) over its\n"
     "tokens is reported (also for the first token alone), with whether the cache's own greedy\n"
-    "answer is the same. Without --doc a --question is skipped (integrity checks only).\n"
+    "answer is the same. A --question without --doc is a usage error.\n"
     "\n"
     "Options:\n"
     "  --model DIR          the model\n"
@@ -76,6 +76,10 @@ int cmd_verify(int argc, char **argv) {
         free(questions);
         return cli_usage_error(CMD, "give one FILE.kvf and --model DIR");
     }
+    if (n_q > 0 && !doc_path) { /* the KL check needs the full context: no silent skip with exit 0 */
+        free(questions);
+        return cli_usage_error(CMD, "--question needs the document (--doc FILE)");
+    }
     const char *path = argv[optind];
     kf_backend *b;
     kf_model *m = cli_load_model(CMD, model_dir, &b);
@@ -115,9 +119,6 @@ int cmd_verify(int argc, char **argv) {
             goto done;
         }
         printf("document: %s matches (digest %s, %d tokens)\n", doc_path, digest, n_doc);
-    } else if (n_q > 0) {
-        printf("KL: skipped, --question needs the document (--doc FILE)\n");
-        n_q = 0;
     }
     rc = KF_EXIT_OK;
     if (n_q == 0)
