@@ -203,8 +203,12 @@ kf_status kf_quality_measure(kf_model *m, const kf_reference *r, kf_compacted *c
     kf_arena a = {0};
     kf_seq seq;
     kf_seq_init(&seq);
+    /* lq holds the rows of one teacher-forced pass: the repeat (doc.n rows) or an answer */
+    int lq_rows = r->doc.n;
+    for (int i = 0; i < r->n_qa; i++)
+        lq_rows = r->qa[i].answer.n > lq_rows ? r->qa[i].answer.n : lq_rows;
     const float **bias_l = calloc((size_t)L, sizeof *bias_l);
-    float *lq = malloc(sizeof(float) * (size_t)(r->doc.n > 64 ? r->doc.n : 64) * V);
+    float *lq = malloc(sizeof(float) * (size_t)lq_rows * V); /* [lq_rows, vocab] */
     kf_status rc = bias_l && lq ? kf_model_arena(m, &a, c->C + longest + KF_PAGE_TOKENS, err)
                                 : kf_fail(err, KF_ERR_NOMEM, "evaluate: out of memory");
     if (rc == KF_OK)
@@ -226,6 +230,13 @@ kf_status kf_quality_measure(kf_model *m, const kf_reference *r, kf_compacted *c
             break;
         out->kl_answer += kl_rows(r->refs[i].logp, lq, qa->answer.n, V, NULL, NULL);
         out->n_answer += qa->answer.n;
+        const int fr = kf_qa_fact_row(qa);
+        if (fr >= 0) {
+            int hit = 0;
+            kl_rows(r->refs[i].logp + (size_t)fr * V, lq + (size_t)fr * V, 1, V, qa->answer.ids + fr, &hit);
+            out->fact_acc += hit;
+            out->n_facts++;
+        }
         /* greedy answer of the gold answer's length */
         int32_t last = qa->question.n - 1;
         kf_forward_args fa = {.ids = qa->question.ids, .n_tokens = qa->question.n, .pos_offset = off,
@@ -318,6 +329,8 @@ kf_status kf_quality_measure(kf_model *m, const kf_reference *r, kf_compacted *c
         out->kl_answer /= (double)out->n_answer;
     if (out->n_questions)
         out->qa_em /= (double)out->n_questions;
+    if (out->n_facts)
+        out->fact_acc /= (double)out->n_facts;
     kf_seq_release(&a, &seq);
     if (a.storage)
         kf_arena_free(&a);
@@ -326,15 +339,68 @@ kf_status kf_quality_measure(kf_model *m, const kf_reference *r, kf_compacted *c
     return rc;
 }
 
+int kf_qa_fact_row(const kf_qa *qa) {
+    for (int j = 0; j + 1 < qa->answer.n; j++)
+        for (int k = 0; k < qa->question.n; k++)
+            if (qa->answer.ids[j] == qa->question.ids[k])
+                return j + 1;
+    return -1;
+}
+
+kf_status kf_reference_full_cache(const kf_reference *r, kf_compacted *out, kf_error *err) {
+    memset(out, 0, sizeof *out);
+    const int64_t D = r->doc.n;
+    const size_t row = (size_t)r->kvh * r->d, n = (size_t)r->L * D * row;
+    *out = (kf_compacted){.n_layers = r->L, .kv_heads = r->kvh, .head_dim = r->d, .D = D, .C = D, .t = D,
+                          .method = KF_METHOD_KEEP, .budget = 1.0, .rotated = 1};
+    out->keys = malloc(sizeof(float) * n);                                /* [L, D, kvh, d] */
+    out->values = malloc(sizeof(float) * n);                              /* [L, D, kvh, d] */
+    out->beta = calloc((size_t)r->L * r->kvh * D, sizeof(float));         /* [L, kvh, D] */
+    out->u = calloc((size_t)r->L * r->kvh * r->d, sizeof(float));         /* [L, kvh, d] */
+    out->positions = malloc(sizeof(int32_t) * (size_t)r->L * r->kvh * D); /* [L, kvh, D] */
+    out->var_gain = calloc((size_t)r->L * r->kvh, sizeof(float));         /* [L, kvh] */
+    if (!out->keys || !out->values || !out->beta || !out->u || !out->positions || !out->var_gain) {
+        kf_compacted_free(out);
+        return kf_fail(err, KF_ERR_NOMEM, "evaluate: out of memory for the full cache");
+    }
+    memcpy(out->keys, r->K, sizeof(float) * n);
+    memcpy(out->values, r->Vv, sizeof(float) * n);
+    for (size_t i = 0; i < (size_t)r->L * r->kvh * D; i++)
+        out->positions[i] = (int32_t)(i % (size_t)D);
+    out->stats.heads_by_method[KF_METHOD_KEEP] = r->L * r->kvh;
+    return KF_OK;
+}
+
+void kf_compacted_head_counts(const kf_compacted *c, int counts[4]) {
+    const int n = c->n_layers * c->kv_heads;
+    int filled = 0;
+    for (int i = 0; i < 4; i++)
+        filled += counts[i] = c->stats.heads_by_method[i];
+    if (filled == n)
+        return;
+    memset(counts, 0, sizeof(int) * 4);
+    if (c->head_method) {
+        for (int i = 0; i < n; i++)
+            counts[c->head_method[i] < 4 ? c->head_method[i] : c->method]++;
+        return;
+    }
+    counts[c->method] = n;
+    if (c->method == KF_METHOD_FOLD) {
+        counts[KF_METHOD_FOLD] -= c->stats.fold_fallback_heads;
+        counts[KF_METHOD_DROP] += c->stats.fold_fallback_heads;
+    }
+}
+
 void kf_quality_add(kf_quality *s, const kf_quality *x) {
     s->kl_repeat += x->kl_repeat, s->kl_answer += x->kl_answer, s->copy_acc += x->copy_acc;
-    s->qa_em += x->qa_em, s->lse_err += x->lse_err, s->out_err += x->out_err;
+    s->qa_em += x->qa_em, s->lse_err += x->lse_err, s->out_err += x->out_err, s->fact_acc += x->fact_acc;
     s->n_repeat += x->n_repeat, s->n_answer += x->n_answer, s->n_questions += x->n_questions;
-    s->n_heads += x->n_heads;
+    s->n_heads += x->n_heads, s->n_facts += x->n_facts, s->n_fact_docs += x->n_facts > 0;
 }
 
 void kf_quality_mean(kf_quality *s, int n) {
     if (n <= 0)
         return;
     s->kl_repeat /= n, s->kl_answer /= n, s->copy_acc /= n, s->qa_em /= n, s->lse_err /= n, s->out_err /= n;
+    s->fact_acc = s->n_fact_docs ? s->fact_acc / (double)s->n_fact_docs : 0;
 }

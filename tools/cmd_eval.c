@@ -22,6 +22,12 @@ static const char kHelp[] =
     "  qa_em      exact match of greedy answers\n"
     "  lse_err    per-head mean |log-sum-exp error| of the compacted block on held-out queries\n"
     "  out_err    per-head relative attention-output error with the question appended\n"
+    "  fact_acc   teacher-forced accuracy of the recalled fact: the answer token after the name\n"
+    "Then the counts: docs (documents averaged in the row), failed (compactions or measurements that\n"
+    "failed: reported, left out of the averages), fold heads compacted as drop, beta fits restarted\n"
+    "from w = 1, heads per method, documents without probes. The row `full` is the uncompacted\n"
+    "cache measured the same way (KL 0: a sanity check).\n"
+    "Every question (and every probe) runs alone on top of the document: one question per context.\n"
     "Held-out queries are those of the evaluated questions; they are never used for fitting.\n"
     "\n"
     "The JSONL lines carry ids, repeat_instruction_ids and questions[] with question_ids and\n"
@@ -31,9 +37,12 @@ static const char kHelp[] =
     "  --model DIR          model directory\n"
     "  --docs FILE          evaluation documents (JSONL)\n"
     "  --budgets LIST       kept fractions (default 0.25,0.1)\n"
-    "  --methods LIST       keep,drop,am,fold (default all four)\n"
-    "  --probes N           add N probe questions per document about records that are not\n"
-    "                       evaluated (question + answer, built from the document's record lines)\n"
+    "  --methods LIST       full,keep,drop,am,fold (default all five)\n"
+    "  --probes N           add up to N probe questions per document about records that are not\n"
+    "                       evaluated, built from the document's record lines wherever they stand\n"
+    "                       (found from the evaluated answers); documents without any are counted\n"
+    "  --probe-form F       qa (question + the record's answer, default) or question (question only)\n"
+    "  --probes-out FILE    write the probes as built, one JSON line per document\n"
     "  --fold-queries W     all | probes: the queries the fold direction u is fitted on (default all)\n"
     "  --lambda X           fold ridge, relative to tr(Sigma)/d (default 0.01)\n"
     "  --per-head FILE      also write every head's lse_err, out_err and var(q.u) as TSV rows\n"
@@ -74,6 +83,8 @@ static int json_ids(json_t *arr, idvec *out) {
     return 0;
 }
 
+typedef enum { PROBE_QA = 0, PROBE_QUESTION = 1 } probe_form;
+
 typedef struct {
     idvec doc, instr;
     idvec *q, *a;
@@ -97,43 +108,82 @@ static void eval_doc_free(eval_doc *d) {
     memset(d, 0, sizeof *d);
 }
 
-/* Probes: the first question's template with the name of a record that no evaluated question
- * asks about, followed by that record's answer. Record lines are "- <name> <value>\n": the
- * answer's first token is the name slot in the question. */
-static void build_probes(eval_doc *d, int want) {
+/* The token that opens the document's record lines: the one before an evaluated answer
+ * [name value... newline] that stands at the start of a line of the document. Found from the
+ * records themselves, wherever they stand (a document may open with prose). -1: none found. */
+static int32_t record_marker(const eval_doc *d, int32_t nl) {
+    const int32_t *x = d->doc.ids;
+    for (int k = 0; k < d->n_qa; k++) {
+        const idvec *a = &d->a[k];
+        if (a->n < 2 || a->ids[a->n - 1] != nl)
+            continue;
+        for (int i = 1; i + a->n <= d->doc.n; i++)
+            if ((i == 1 || x[i - 2] == nl) && memcmp(x + i, a->ids, sizeof(int32_t) * a->n) == 0)
+                return x[i - 1];
+    }
+    return -1;
+}
+
+/* The name an evaluated question asks about (the answer token before the fact), or -1. */
+static int32_t asked_name(const eval_doc *d, int k) {
+    const kf_qa qa = {{d->q[k].ids, d->q[k].n}, {d->a[k].ids, d->a[k].n}};
+    const int fr = kf_qa_fact_row(&qa);
+    return fr > 0 ? d->a[k].ids[fr - 1] : -1;
+}
+
+/* One probe from a record line [marker name value... nl] at doc[i..j]: the template question
+ * with the name in its slot, followed (form qa) by the record's answer [name value... nl]. */
+static int add_probe(eval_doc *d, const idvec *tq, int slot, int i, int j, probe_form form) {
+    const int n_ans = j - i; /* name, value..., newline */
+    idvec *p = &d->probes[d->n_probes];
+    p->n = tq->n + (form == PROBE_QA ? n_ans : 0);
+    p->ids = malloc(sizeof(int32_t) * (size_t)p->n);
+    if (!p->ids)
+        return -1;
+    memcpy(p->ids, tq->ids, sizeof(int32_t) * tq->n);
+    p->ids[slot] = d->doc.ids[i + 1];
+    if (form == PROBE_QA)
+        memcpy(p->ids + tq->n, d->doc.ids + i + 1, sizeof(int32_t) * n_ans);
+    d->n_probes++;
+    return 0;
+}
+
+/* Probes: the first evaluated question's template asked about records that no evaluated question
+ * asks about. Record lines are found from the evaluated answers (record_marker); values may span
+ * several tokens up to the line's end. A document without a template or a found record line gets
+ * none (the caller counts and reports it). */
+static void build_probes(eval_doc *d, int want, probe_form form) {
     d->probes = calloc((size_t)(want ? want : 1), sizeof *d->probes);
     if (!d->probes || d->n_qa == 0 || want == 0)
         return;
     const idvec *tq = &d->q[0], *ta = &d->a[0];
+    const int32_t name0 = asked_name(d, 0);
     int slot = -1;
-    for (int i = 0; i < tq->n; i++)
-        if (tq->ids[i] == ta->ids[0])
-            slot = i;
+    for (int i = 0; i < tq->n && slot < 0; i++)
+        slot = tq->ids[i] == name0 ? i : -1;
     if (slot < 0 || ta->n < 2)
         return;
-    const int32_t dash = d->doc.ids[0], nl = ta->ids[ta->n - 1];
+    const int32_t nl = ta->ids[ta->n - 1], marker = record_marker(d, nl);
+    if (marker < 0)
+        return;
+    const int32_t *x = d->doc.ids;
     for (int i = 0; i + 3 < d->doc.n && d->n_probes < want; i++) {
-        if (d->doc.ids[i] != dash || d->doc.ids[i + 3] != nl || (i > 0 && d->doc.ids[i - 1] != nl))
+        if (x[i] != marker || (i > 0 && x[i - 1] != nl) || x[i + 1] == nl)
             continue;
-        const int32_t name = d->doc.ids[i + 1], value = d->doc.ids[i + 2];
+        int j = i + 2;
+        while (j < d->doc.n && j - i <= 16 && x[j] != nl)
+            j++;
+        if (j >= d->doc.n || x[j] != nl || j == i + 2)
+            continue; /* no value, or not a line */
         int asked = 0;
         for (int k = 0; k < d->n_qa; k++)
-            asked |= d->a[k].ids[0] == name;
-        if (asked)
-            continue;
-        idvec *p = &d->probes[d->n_probes];
-        p->n = tq->n + 3;
-        p->ids = malloc(sizeof(int32_t) * (size_t)p->n);
-        if (!p->ids)
+            asked |= asked_name(d, k) == x[i + 1];
+        if (!asked && add_probe(d, tq, slot, i, j, form) != 0)
             return;
-        memcpy(p->ids, tq->ids, sizeof(int32_t) * tq->n);
-        p->ids[slot] = name;
-        p->ids[tq->n] = name, p->ids[tq->n + 1] = value, p->ids[tq->n + 2] = nl;
-        d->n_probes++;
     }
 }
 
-static int parse_doc(const char *line, int lineno, const char *path, int want_probes, eval_doc *d) {
+static int parse_doc(const char *line, int lineno, const char *path, int want_probes, probe_form form, eval_doc *d) {
     memset(d, 0, sizeof *d);
     json_error_t jerr;
     json_t *o = json_loads(line, 0, &jerr);
@@ -160,7 +210,7 @@ static int parse_doc(const char *line, int lineno, const char *path, int want_pr
         }
         d->n_qa++;
     }
-    build_probes(d, want_probes);
+    build_probes(d, want_probes, form);
     rc = 0;
 out:
     json_decref(o);
@@ -185,6 +235,292 @@ static int parse_list(const char *text, double *out, int max) {
     return n;
 }
 
+/* One row of the table: a (method, budget), or the uncompacted cache (full). Averages are over
+ * the documents whose compaction and measurement succeeded (n_ok); the others are counted. */
+typedef struct {
+    int full;             /* 1: the uncompacted cache, method and budget unused */
+    kf_method method;
+    double budget;
+    kf_quality sum;
+    double var_gain;
+    int n_ok, n_failed;
+    long long fallbacks;  /* fold heads compacted as drop (no fold direction) */
+    long long restarts;   /* beta fits restarted from w = 1 */
+    long long heads[4];   /* (layer, KV head) pairs per kf_method, summed over documents */
+} eval_row;
+
+typedef struct {
+    int n_read, n_unreadable, n_no_ref, n_no_probes;
+    long long probes_built;
+    int no_probe_lines[8]; /* the first few documents without probes (JSONL line numbers) */
+} eval_counts;
+
+typedef struct {
+    kf_model *m;
+    const char *docs;
+    kf_compact_params base;
+    FILE *per_head;
+    double *head_lse, *head_out; /* [n_layers * kv_heads] */
+} eval_ctx;
+
+/* Compacts (or takes the full cache) and measures one row on one document. */
+static void eval_row_run(const eval_ctx *x, eval_row *row, const kf_reference *ref, const eval_doc *d,
+                         const kf_prompt *pr, int lineno) {
+    kf_prompt doc = {d->doc.ids, d->doc.n};
+    kf_compact_params p = x->base;
+    p.method = row->method;
+    p.budget = row->budget;
+    p.repeat_instruction = (kf_prompt){d->instr.ids, d->instr.n};
+    p.probes = pr;
+    p.n_probes = d->n_probes;
+    kf_compacted c;
+    kf_quality q;
+    kf_error err = {0};
+    kf_status rc = row->full ? kf_reference_full_cache(ref, &c, &err) : kf_compact(x->m, NULL, &doc, NULL, &p, &c, &err);
+    if (rc == KF_OK && (rc = kf_quality_measure(x->m, ref, &c, &q, x->head_lse, x->head_out, &err)) != KF_OK)
+        kf_compacted_free(&c);
+    if (rc != KF_OK) {
+        cli_error("eval quality", "%s:%d: %s %g: %s", x->docs, lineno, row->full ? "full" : kf_method_name(row->method),
+                  row->full ? 1.0 : row->budget, err.msg);
+        row->n_failed++;
+        return;
+    }
+    kf_quality_add(&row->sum, &q);
+    row->n_ok++;
+    const int n_heads = c.n_layers * c.kv_heads;
+    for (int h = 0; x->per_head && h < n_heads; h++)
+        fprintf(x->per_head, "%d\t%s\t%g\t%d\t%d\t%.5f\t%.5f\t%.5f\n", lineno,
+                row->full ? "full" : kf_method_name(row->method), row->full ? 1.0 : row->budget, h / c.kv_heads,
+                h % c.kv_heads, x->head_lse[h], x->head_out[h], c.var_gain[h]);
+    row->var_gain += c.stats.mean_var_gain;
+    row->fallbacks += c.stats.fold_fallback_heads;
+    row->restarts += c.stats.solver.beta_restarts;
+    int counts[4];
+    kf_compacted_head_counts(&c, counts);
+    for (int i = 0; i < 4; i++)
+        row->heads[i] += counts[i];
+    kf_compacted_free(&c);
+}
+
+/* Reference and every row for one parsed document; 0, or -1 when the reference failed. */
+static int eval_document(const eval_ctx *x, eval_row *rows, int n_rows, const eval_doc *d, int lineno) {
+    kf_qa *qa = calloc((size_t)(d->n_qa ? d->n_qa : 1), sizeof *qa);
+    kf_prompt *pr = calloc((size_t)(d->n_probes ? d->n_probes : 1), sizeof *pr);
+    kf_reference *ref = NULL;
+    kf_error err = {0};
+    int rc = -1;
+    if (!qa || !pr) {
+        cli_error("eval quality", "%s:%d: out of memory", x->docs, lineno);
+        goto out;
+    }
+    for (int i = 0; i < d->n_qa; i++)
+        qa[i] = (kf_qa){{d->q[i].ids, d->q[i].n}, {d->a[i].ids, d->a[i].n}};
+    for (int i = 0; i < d->n_probes; i++)
+        pr[i] = (kf_prompt){d->probes[i].ids, d->probes[i].n};
+    kf_prompt doc = {d->doc.ids, d->doc.n}, instr = {d->instr.ids, d->instr.n};
+    if (kf_reference_build(x->m, &doc, &instr, qa, d->n_qa, &ref, &err) != KF_OK) {
+        cli_error("eval quality", "%s:%d: %s", x->docs, lineno, err.msg);
+        goto out;
+    }
+    for (int r = 0; r < n_rows; r++)
+        eval_row_run(x, &rows[r], ref, d, pr, lineno);
+    rc = 0;
+out:
+    kf_reference_free(ref);
+    free(qa);
+    free(pr);
+    return rc;
+}
+
+static void print_table(eval_row *rows, int n_rows, int tsv, const eval_counts *n) {
+    if (tsv)
+        printf("method\tbudget\tkl_repeat\tkl_answer\tcopy_acc\tqa_em\tlse_err\tout_err\tfact_acc\tdocs\tfailed\t"
+               "fold_fallbacks\tbeta_restarts\theads_keep\theads_drop\theads_am\theads_fold\tdocs_without_probes\n");
+    else
+        printf("%-6s %6s %9s %9s %8s %6s %7s %7s %8s %8s %5s %6s %6s %8s %s\n", "method", "budget", "kl_repeat",
+               "kl_answer", "copy_acc", "qa_em", "lse_err", "out_err", "var(q.u)", "fact_acc", "docs", "failed",
+               "fb>drop", "restarts", "heads keep/drop/am/fold");
+    for (int r = 0; r < n_rows; r++) {
+        eval_row *w = &rows[r];
+        kf_quality *s = &w->sum;
+        kf_quality_mean(s, w->n_ok);
+        const char *name = w->full ? "full" : kf_method_name(w->method);
+        const double budget = w->full ? 1.0 : w->budget, vg = w->n_ok ? w->var_gain / w->n_ok : 0;
+        if (tsv)
+            printf("%s\t%g\t%.4f\t%.4f\t%.4f\t%.4f\t%.4f\t%.4f\t%.4f\t%d\t%d\t%lld\t%lld\t%lld\t%lld\t%lld\t%lld\t%d\n",
+                   name, budget, s->kl_repeat, s->kl_answer, s->copy_acc, s->qa_em, s->lse_err, s->out_err,
+                   s->fact_acc, w->n_ok, w->n_failed, w->fallbacks, w->restarts, w->heads[0], w->heads[1],
+                   w->heads[2], w->heads[3], n->n_no_probes);
+        else
+            printf("%-6s %6g %9.4f %9.4f %8.4f %6.4f %7.4f %7.4f %8.4f %8.4f %5d %6d %6lld %8lld %lld/%lld/%lld/%lld\n",
+                   name, budget, s->kl_repeat, s->kl_answer, s->copy_acc, s->qa_em, s->lse_err, s->out_err, vg,
+                   s->fact_acc, w->n_ok, w->n_failed, w->fallbacks, w->restarts, w->heads[0], w->heads[1],
+                   w->heads[2], w->heads[3]);
+    }
+}
+
+/* The footer says what the table is made of: documents, failures, probes as built. */
+static void print_footer(const eval_counts *n, long long probes, probe_form form, double seconds) {
+    printf("%d documents read, %d not evaluated (unreadable %d, reference failed %d); each row averages the "
+           "documents counted in its docs column (failed compactions are left out)\n",
+           n->n_read, n->n_unreadable + n->n_no_ref, n->n_unreadable, n->n_no_ref);
+    const int n_eval = n->n_read - n->n_unreadable - n->n_no_ref;
+    if (probes == 0)
+        printf("probes: none\n");
+    else {
+        printf("probes: up to %lld per document (%s), %.1f built on average, %d documents without probes", probes,
+               form == PROBE_QA ? "question + answer" : "question only",
+               n_eval ? (double)n->probes_built / n_eval : 0.0, n->n_no_probes);
+        for (int i = 0; i < n->n_no_probes && i < 8; i++)
+            printf("%s%d", i ? ", " : " (lines ", n->no_probe_lines[i]);
+        printf("%s\n", n->n_no_probes > 8 ? ", ...)" : n->n_no_probes ? ")" : "");
+    }
+    printf("%.1f s\n", seconds);
+}
+
+/* --methods: keep, drop, am, fold and full (the uncompacted cache, one row). */
+static int parse_rows(const char *methods_s, const double *budgets, int n_budgets, eval_row **out) {
+    eval_row *rows = calloc((size_t)(5 * n_budgets + 1), sizeof *rows);
+    int n = 0, seen = 0;
+    char *copy = strdup(methods_s), *save = NULL;
+    for (char *tok = strtok_r(copy, ",", &save); rows && tok; tok = strtok_r(NULL, ",", &save)) {
+        kf_method m;
+        const int full = strcmp(tok, "full") == 0;
+        if ((!full && kf_method_parse(tok, &m) != 0) || (seen & (1 << (full ? 4 : (int)m)))) {
+            cli_usage_error("eval quality", "--methods: full, keep, drop, am or fold, each once, not '%s'", tok);
+            free(copy);
+            free(rows);
+            return -1;
+        }
+        seen |= 1 << (full ? 4 : (int)m);
+        for (int bi = 0; bi < (full ? 1 : n_budgets); bi++)
+            rows[n++] = (eval_row){.full = full, .method = full ? KF_METHOD_KEEP : m, .budget = full ? 1 : budgets[bi]};
+    }
+    free(copy);
+    *out = rows;
+    return rows ? n : -1;
+}
+
+/* --probes-out: the probes as built, one JSON line per document {"line": N, "probes": [[ids]]}. */
+static void write_probes(FILE *f, const eval_doc *d, int lineno) {
+    fprintf(f, "{\"line\": %d, \"probes\": [", lineno);
+    for (int i = 0; i < d->n_probes; i++) {
+        fputs(i ? ", [" : "[", f);
+        for (int j = 0; j < d->probes[i].n; j++)
+            fprintf(f, j ? ", %d" : "%d", d->probes[i].ids[j]);
+        fputc(']', f);
+    }
+    fputs("]}\n", f);
+}
+
+/* Reads, evaluates and counts every document (up to limit); returns the exit status of the
+ * documents (KF_EXIT_FAIL when any could not be read, measured or compacted). */
+static int eval_documents(const eval_ctx *x, FILE *f, FILE *probes_f, eval_row *rows, int n_rows, int limit,
+                          int probes, probe_form form, eval_counts *n) {
+    size_t cap = 0;
+    char *line = NULL;
+    int lineno = 0, rc = KF_EXIT_OK;
+    const int tty = isatty(2);
+    const double t0 = cli_now();
+    while (n->n_read < limit && getline(&line, &cap, f) > 0) {
+        lineno++;
+        if (line[strspn(line, " \t\r\n")] == 0)
+            continue;
+        n->n_read++;
+        eval_doc d;
+        if (parse_doc(line, lineno, x->docs, probes, form, &d) != 0) {
+            n->n_unreadable++;
+            rc = KF_EXIT_FAIL;
+            continue;
+        }
+        if (probes_f)
+            write_probes(probes_f, &d, lineno);
+        if (eval_document(x, rows, n_rows, &d, lineno) != 0) {
+            n->n_no_ref++;
+            rc = KF_EXIT_FAIL;
+        } else {
+            n->probes_built += d.n_probes;
+            if (probes > 0 && d.n_probes == 0) {
+                fprintf(stderr, "%s[eval] %s:%d: no probes (no record line found from the questions)\n",
+                        tty ? "\n" : "", x->docs, lineno);
+                if (n->n_no_probes < 8)
+                    n->no_probe_lines[n->n_no_probes] = lineno;
+                n->n_no_probes++;
+            }
+        }
+        fprintf(stderr, tty ? "\r[eval] %d documents, %.0f s   " : "[eval] %d documents, %.0f s\n", n->n_read,
+                cli_now() - t0);
+        eval_doc_free(&d);
+    }
+    if (tty)
+        fputc('\n', stderr);
+    free(line);
+    for (int r = 0; r < n_rows; r++)
+        rc = rows[r].n_failed ? KF_EXIT_FAIL : rc;
+    return rc;
+}
+
+static int eval_run(const char *model_dir, const char *docs, const char *head_budgets, const char *per_head_path,
+                    const char *probes_out, const kf_compact_params *base, eval_row *rows, int n_rows, int limit,
+                    int probes, probe_form form, int tsv) {
+    eval_ctx x = {.docs = docs, .base = *base};
+    FILE *f = fopen(docs, "r");
+    if (!f) {
+        cli_error("eval quality", "%s: cannot open", docs);
+        return KF_EXIT_FAIL;
+    }
+    kf_backend *b = NULL;
+    float *shares = NULL;
+    FILE *probes_f = NULL;
+    int rc = KF_EXIT_FAIL;
+    if (!(x.m = cli_load_model("eval quality", model_dir, &b)))
+        goto out;
+    const kf_hfconfig *cfg = kf_model_config(x.m);
+    const int n_heads = cfg->n_layers * cfg->n_kv_heads;
+    if (head_budgets) {
+        kf_error berr = {0};
+        shares = malloc(sizeof(float) * (size_t)n_heads); /* [n_layers, kv_heads] */
+        if (!shares || kf_head_budgets_load(head_budgets, cfg->n_layers, cfg->n_kv_heads, shares, &berr) != KF_OK) {
+            cli_error("eval quality", "%s", shares ? berr.msg : "out of memory");
+            goto out;
+        }
+        x.base.head_budgets = shares;
+    }
+    x.head_lse = calloc((size_t)n_heads, sizeof(double));
+    x.head_out = calloc((size_t)n_heads, sizeof(double));
+    if ((per_head_path && !(x.per_head = fopen(per_head_path, "w"))) ||
+        (probes_out && !(probes_f = fopen(probes_out, "w")))) {
+        cli_error("eval quality", "%s: cannot write", x.per_head || !per_head_path ? probes_out : per_head_path);
+        goto out;
+    }
+    if (x.per_head)
+        fprintf(x.per_head, "line\tmethod\tbudget\tlayer\tkv_head\tlse_err\tout_err\tvar_gain\n");
+    eval_counts n = {0};
+    const double t0 = cli_now();
+    rc = eval_documents(&x, f, probes_f, rows, n_rows, limit, probes, form, &n);
+    if (n.n_read == 0) {
+        cli_error("eval quality", "%s: no documents", docs);
+        rc = KF_EXIT_FAIL;
+    } else {
+        print_table(rows, n_rows, tsv, &n);
+        if (!tsv)
+            print_footer(&n, probes, form, cli_now() - t0);
+    }
+out:
+    if (x.per_head)
+        fclose(x.per_head);
+    if (probes_f)
+        fclose(probes_f);
+    free(x.head_lse);
+    free(x.head_out);
+    free(shares);
+    fclose(f);
+    kf_model_free(x.m);
+    if (b)
+        b->destroy(b);
+    return rc;
+}
+
 int cmd_eval(int argc, char **argv) {
     if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
         fputs(kHelp, argc < 2 ? stderr : stdout);
@@ -201,11 +537,13 @@ int cmd_eval(int argc, char **argv) {
         {"fold-queries", required_argument, 0, 'F'}, {"lambda", required_argument, 0, 'L'},
         {"max-queries", required_argument, 0, 'Q'}, {"chunk", required_argument, 0, 'c'},
         {"head-budgets", required_argument, 0, 'H'}, {"per-head", required_argument, 0, 'P'},
+        {"probe-form", required_argument, 0, 'A'}, {"probes-out", required_argument, 0, 'O'},
         CLI_PREFILL_OPTIONS, {0, 0, 0, 0}};
-    const char *head_budgets = NULL, *per_head_path = NULL;
-    const char *model_dir = NULL, *docs = NULL, *methods_s = "keep,drop,am,fold", *budgets_s = "0.25,0.1";
+    const char *head_budgets = NULL, *per_head_path = NULL, *probes_out = NULL;
+    const char *model_dir = NULL, *docs = NULL, *methods_s = "full,keep,drop,am,fold", *budgets_s = "0.25,0.1";
     long long probes = 0, limit = 1 << 30, maxq = 50000;
     int tsv = 0;
+    probe_form form = PROBE_QA;
     kf_compact_params base = kf_compact_params_default();
     kf_quoka_params prefill = cli_prefill_defaults();
     long long chunk = 0;
@@ -221,6 +559,12 @@ int cmd_eval(int argc, char **argv) {
             if (cli_parse_int(optarg, 0, 100000, &probes))
                 return cli_usage_error("eval quality", "--probes must be a count, not '%s'", optarg);
             break;
+        case 'A':
+            if (strcmp(optarg, "qa") && strcmp(optarg, "question"))
+                return cli_usage_error("eval quality", "--probe-form is qa or question, not '%s'", optarg);
+            form = strcmp(optarg, "question") == 0 ? PROBE_QUESTION : PROBE_QA;
+            break;
+        case 'O': probes_out = optarg; break;
         case 'l':
             if (cli_parse_int(optarg, 1, 1 << 30, &limit))
                 return cli_usage_error("eval quality", "--limit must be a positive count, not '%s'", optarg);
@@ -270,161 +614,12 @@ int cmd_eval(int argc, char **argv) {
     const int n_budgets = parse_list(budgets_s, budgets, 16);
     if (n_budgets <= 0)
         return cli_usage_error("eval quality", "--budgets: fractions in (0, 1] separated by commas, not '%s'", budgets_s);
-    kf_method methods[4];
-    int n_methods = 0;
-    {
-        char *copy = strdup(methods_s), *save = NULL;
-        for (char *tok = strtok_r(copy, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-            if (n_methods == 4 || kf_method_parse(tok, &methods[n_methods]) != 0) {
-                free(copy);
-                return cli_usage_error("eval quality", "--methods: keep, drop, am or fold, not '%s'", tok);
-            }
-            n_methods++;
-        }
-        free(copy);
-    }
-    FILE *f = fopen(docs, "r");
-    if (!f) {
-        cli_error("eval quality", "%s: cannot open", docs);
-        return KF_EXIT_FAIL;
-    }
-    kf_backend *b;
-    kf_model *m = cli_load_model("eval quality", model_dir, &b);
-    if (!m) {
-        fclose(f);
-        return KF_EXIT_FAIL;
-    }
-    float *shares = NULL;
-    if (head_budgets) {
-        const kf_hfconfig *cfg = kf_model_config(m);
-        kf_error berr = {0};
-        shares = malloc(sizeof(float) * (size_t)cfg->n_layers * cfg->n_kv_heads);
-        if (!shares || kf_head_budgets_load(head_budgets, cfg->n_layers, cfg->n_kv_heads, shares, &berr) != KF_OK) {
-            cli_error("eval quality", "%s", shares ? berr.msg : "out of memory");
-            free(shares);
-            fclose(f);
-            kf_model_free(m);
-            b->destroy(b);
-            return KF_EXIT_FAIL;
-        }
-        base.head_budgets = shares;
-    }
-    /* per-head diagnostics, one TSV row per (document, method, budget, layer, KV head) */
-    const int n_heads = kf_model_config(m)->n_layers * kf_model_config(m)->n_kv_heads;
-    double *head_lse = calloc((size_t)n_heads, sizeof(double)), *head_out = calloc((size_t)n_heads, sizeof(double));
-    FILE *per_head = per_head_path ? fopen(per_head_path, "w") : NULL;
-    if (per_head_path && !per_head) {
-        cli_error("eval quality", "%s: cannot write", per_head_path);
-        free(head_lse);
-        free(head_out);
-        free(shares);
-        fclose(f);
-        kf_model_free(m);
-        b->destroy(b);
-        return KF_EXIT_FAIL;
-    }
-    if (per_head)
-        fprintf(per_head, "line\tmethod\tbudget\tlayer\tkv_head\tlse_err\tout_err\tvar_gain\n");
-    const int n_cfg = n_methods * n_budgets;
-    kf_quality *sum = calloc((size_t)n_cfg, sizeof *sum);
-    double *var_gain = calloc((size_t)n_cfg, sizeof *var_gain);
-    int *fallbacks = calloc((size_t)n_cfg, sizeof *fallbacks);
-    size_t cap = 0;
-    char *line = NULL;
-    int lineno = 0, n_docs = 0, rc = KF_EXIT_OK;
-    const int tty = isatty(2);
-    const double t0 = cli_now();
-    while (n_docs < limit && getline(&line, &cap, f) > 0) {
-        lineno++;
-        if (line[strspn(line, " \t\r\n")] == 0)
-            continue;
-        eval_doc d;
-        if (parse_doc(line, lineno, docs, (int)probes, &d) != 0) {
-            rc = KF_EXIT_FAIL;
-            continue;
-        }
-        kf_qa *qa = calloc((size_t)(d.n_qa ? d.n_qa : 1), sizeof *qa);
-        kf_prompt *pr = calloc((size_t)(d.n_probes ? d.n_probes : 1), sizeof *pr);
-        for (int i = 0; i < d.n_qa; i++)
-            qa[i] = (kf_qa){{d.q[i].ids, d.q[i].n}, {d.a[i].ids, d.a[i].n}};
-        for (int i = 0; i < d.n_probes; i++)
-            pr[i] = (kf_prompt){d.probes[i].ids, d.probes[i].n};
-        kf_prompt doc = {d.doc.ids, d.doc.n}, instr = {d.instr.ids, d.instr.n};
-        kf_reference *ref = NULL;
-        kf_error err = {0};
-        if (kf_reference_build(m, &doc, &instr, qa, d.n_qa, &ref, &err) != KF_OK) {
-            cli_error("eval quality", "%s:%d: %s", docs, lineno, err.msg);
-            rc = KF_EXIT_FAIL;
-        }
-        for (int mi = 0; ref && mi < n_methods; mi++)
-            for (int bi = 0; bi < n_budgets; bi++) {
-                kf_compact_params p = base;
-                p.method = methods[mi];
-                p.budget = budgets[bi];
-                p.repeat_instruction = instr;
-                p.probes = pr;
-                p.n_probes = d.n_probes;
-                kf_compacted c;
-                kf_quality q;
-                if (kf_compact(m, NULL, &doc, NULL, &p, &c, &err) != KF_OK ||
-                    kf_quality_measure(m, ref, &c, &q, head_lse, head_out, &err) != KF_OK) {
-                    cli_error("eval quality", "%s:%d: %s", docs, lineno, err.msg);
-                    rc = KF_EXIT_FAIL;
-                    continue;
-                }
-                kf_quality_add(&sum[mi * n_budgets + bi], &q);
-                for (int h = 0; per_head && h < n_heads; h++)
-                    fprintf(per_head, "%d\t%s\t%g\t%d\t%d\t%.5f\t%.5f\t%.5f\n", lineno, kf_method_name(methods[mi]),
-                            budgets[bi], h / c.kv_heads, h % c.kv_heads, head_lse[h], head_out[h], c.var_gain[h]);
-                var_gain[mi * n_budgets + bi] += c.stats.mean_var_gain;
-                fallbacks[mi * n_budgets + bi] += c.stats.fold_fallback_heads;
-                kf_compacted_free(&c);
-            }
-        kf_reference_free(ref);
-        n_docs++;
-        fprintf(stderr, tty ? "\r[eval] %d documents, %.0f s   " : "[eval] %d documents, %.0f s\n", n_docs,
-                cli_now() - t0);
-        free(qa);
-        free(pr);
-        eval_doc_free(&d);
-    }
-    if (tty)
-        fputc('\n', stderr);
-    free(line);
-    fclose(f);
-    if (n_docs == 0) {
-        cli_error("eval quality", "%s: no documents", docs);
-        rc = KF_EXIT_FAIL;
-    } else {
-        if (tsv)
-            printf("method\tbudget\tkl_repeat\tkl_answer\tcopy_acc\tqa_em\tlse_err\tout_err\n");
-        else
-            printf("%-6s %7s %10s %10s %9s %7s %8s %8s %9s\n", "method", "budget", "kl_repeat", "kl_answer",
-                   "copy_acc", "qa_em", "lse_err", "out_err", "var(q.u)");
-        for (int mi = 0; mi < n_methods; mi++)
-            for (int bi = 0; bi < n_budgets; bi++) {
-                kf_quality *s = &sum[mi * n_budgets + bi];
-                kf_quality_mean(s, n_docs);
-                if (tsv)
-                    printf("%s\t%g\t%.4f\t%.4f\t%.4f\t%.4f\t%.4f\t%.4f\n", kf_method_name(methods[mi]), budgets[bi],
-                           s->kl_repeat, s->kl_answer, s->copy_acc, s->qa_em, s->lse_err, s->out_err);
-                else
-                    printf("%-6s %7g %10.4f %10.4f %9.4f %7.4f %8.4f %8.4f %9.4f\n", kf_method_name(methods[mi]),
-                           budgets[bi], s->kl_repeat, s->kl_answer, s->copy_acc, s->qa_em, s->lse_err, s->out_err,
-                           var_gain[mi * n_budgets + bi] / n_docs);
-            }
-        if (!tsv)
-            printf("%d documents, %lld probes each (at most), %.1f s\n", n_docs, probes, cli_now() - t0);
-    }
-    if (per_head)
-        fclose(per_head);
-    free(head_lse);
-    free(head_out);
-    free(shares);
-    free(sum);
-    free(var_gain);
-    free(fallbacks);
-    kf_model_free(m);
-    b->destroy(b);
+    eval_row *rows = NULL;
+    const int n_rows = parse_rows(methods_s, budgets, n_budgets, &rows);
+    if (n_rows < 0)
+        return KF_EXIT_USAGE;
+    const int rc = eval_run(model_dir, docs, head_budgets, per_head_path, probes_out, &base, rows, n_rows,
+                            (int)limit, (int)probes, form, tsv);
+    free(rows);
     return rc;
 }
