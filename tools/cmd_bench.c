@@ -47,10 +47,11 @@ static const char kPrefillHelp[] =
     "\n"
     "Prefill N random token ids (fixed seed) into a fresh paged arena, R times after one warm-up,\n"
     "and print the median time and tokens/s. Only the last position's logits are computed, as in\n"
-    "a compaction prefill. Before each timed run, the machine's sgemm peak is measured on the\n"
-    "model's own shapes (one layer's seven projections, M = the chunk, through the backend's\n"
-    "matmul: a plain cblas_sgemm on the CPU); the report gives the GFLOP/s of the prefill's GEMMs\n"
-    "alone and of the whole prefill (projections + causal attention + lm_head) as ratios to it.\n"
+    "a compaction prefill. Before and after each timed run, the machine's sgemm peak is measured\n"
+    "on the model's own shapes (one layer's seven projections, M = the chunk, through the\n"
+    "backend's matmul: a plain cblas_sgemm on the CPU); the report gives the GFLOP/s of the\n"
+    "prefill's GEMMs alone and of the whole prefill (projections + causal attention + lm_head) as\n"
+    "ratios to the mean of the two peaks around each run (medians over the runs, and their range).\n"
     "\n"
     "Options:\n"
     "  --model DIR   model directory\n"
@@ -192,8 +193,9 @@ typedef struct {
     double seconds, gemm_s, gemm_flops, peak; /* one timed run */
 } prefill_run;
 
-/* The prefill runs: one warm-up, then `repeat` timed ones, each preceded by a peak measurement
- * so that both see the same load. Returns 0, or -1 with err set. */
+/* The prefill runs: one warm-up, then `repeat` timed ones, each between two peak measurements
+ * (their mean is the run's peak) so that both see about the same load. Returns 0, or -1 with err
+ * set. */
 static int prefill_runs(kf_model *m, kf_backend *b, peak_bufs *pk, const int32_t *ids, long long n, long long chunk,
                         const kf_quoka_params *qp, float *logits, long long repeat, prefill_run *runs, kf_error *err) {
     kf_arena arena;
@@ -201,9 +203,11 @@ static int prefill_runs(kf_model *m, kf_backend *b, peak_bufs *pk, const int32_t
         return -1;
     int32_t last = (int32_t)n - 1;
     g_mm.inner = b->matmul;
+    double peak_before = 0;
     for (long long r = 0; r <= repeat; r++) {
         prefill_run *run = &runs[r];
-        run->peak = r > 0 ? peak_measure(b, pk, 0.3) : 0;
+        if (r == 1)
+            peak_before = peak_measure(b, pk, 0.3);
         kf_seq seq;
         kf_seq_init(&seq);
         kf_forward_args fa = {.ids = ids, .n_tokens = (int)n, .chunk = (int)chunk, .logit_rows = &last,
@@ -221,8 +225,13 @@ static int prefill_runs(kf_model *m, kf_backend *b, peak_bufs *pk, const int32_t
             kf_arena_free(&arena);
             return -1;
         }
-        if (r > 0)
-            fprintf(stderr, "  run %lld: %.4f s, sgemm peak %.1f GFLOP/s\n", r, run->seconds, run->peak);
+        if (r == 0)
+            continue;
+        const double peak_after = peak_measure(b, pk, 0.3);
+        run->peak = 0.5 * (peak_before + peak_after);
+        peak_before = peak_after;
+        fprintf(stderr, "  run %lld: %.4f s, sgemm peak %.1f GFLOP/s (mean of before and after)\n", r, run->seconds,
+                run->peak);
     }
     kf_arena_free(&arena);
     return 0;
