@@ -374,6 +374,10 @@ int64_t kf_forward_plan_allocs(const kf_forward_plan *p) {
     return p ? p->allocs : 0;
 }
 
+const kf_forward_plan *kf_model_plan(const kf_model *m) {
+    return m->plan;
+}
+
 /* ---- forward ------------------------------------------------------------- */
 
 /* Download rows of src ([chunk, width]) that fall in [c0, c0 + n) into dst[capture index]. */

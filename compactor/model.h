@@ -102,5 +102,7 @@ size_t kf_forward_plan_bytes(const kf_hfconfig *c, int chunk, int logit_rows);
 /* The bytes plan p holds now, and how many times its buffers were (re)allocated. */
 size_t kf_forward_plan_size(const kf_forward_plan *p, const kf_model *m);
 int64_t kf_forward_plan_allocs(const kf_forward_plan *p);
+/* The model's own plan: NULL until a forward without a plan has run. */
+const kf_forward_plan *kf_model_plan(const kf_model *m);
 
 #endif

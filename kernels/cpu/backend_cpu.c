@@ -162,6 +162,10 @@ static void cpu_destroy(kf_backend *b) {
 }
 
 kf_backend *kf_backend_cpu_create(void) {
+    return kf_backend_cpu_create_threads(0);
+}
+
+kf_backend *kf_backend_cpu_create_threads(int threads) {
     kf_backend *b = calloc(1, sizeof *b);
     cpu_impl *impl = calloc(1, sizeof *impl);
     if (!b || !impl) {
@@ -169,7 +173,8 @@ kf_backend *kf_backend_cpu_create(void) {
         free(impl);
         return NULL;
     }
-    const int threads = openblas_get_num_threads();
+    if (threads <= 0)
+        threads = openblas_get_num_threads();
     impl->pool = kf_pool_create(threads > 0 ? threads : 1);
     if (!impl->pool) {
         free(b);

@@ -14,6 +14,16 @@
 
 #include "kernels/backend.h"
 
+/* The row kernels' loops are built three times on x86-64 with GCC (AVX-512, AVX2, baseline
+ * SSE2) and the loader picks the one the CPU runs (an ifunc): the portable build stays portable
+ * and a softmax row runs 16 floats wide where the machine allows. Only the vector width
+ * changes, so the results are those of the baseline up to the order of the reductions. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define KF_ROW_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define KF_ROW_CLONES
+#endif
+
 /* dtype conversion (n values; src may be unaligned) */
 float kf_bf16_to_f32(uint16_t h);
 uint16_t kf_f32_to_bf16(float f); /* round to nearest even; NaN stays NaN */
