@@ -5,9 +5,11 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 struct kf_pool {
     int n_threads;
+    pid_t pid;               /* the process that started the workers (a fork's child has none) */
     pthread_t *workers;      /* [n_threads - 1] */
     pthread_mutex_t mu;
     pthread_cond_t wake;     /* workers wait here for a new job (or shutdown) */
@@ -62,6 +64,7 @@ kf_pool *kf_pool_create(int n_threads) {
     if (!p)
         return NULL;
     p->n_threads = 1;
+    p->pid = getpid();
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->wake, NULL);
     pthread_cond_init(&p->done, NULL);
@@ -93,7 +96,7 @@ void kf_pool_destroy(kf_pool *p) {
     p->shutdown = 1;
     pthread_cond_broadcast(&p->wake);
     pthread_mutex_unlock(&p->mu);
-    for (int t = 1; t < p->n_threads; t++)
+    for (int t = 1; t < p->n_threads && getpid() == p->pid; t++)
         pthread_join(p->workers[t - 1], NULL);
     pthread_cond_destroy(&p->wake);
     pthread_cond_destroy(&p->done);
@@ -109,7 +112,7 @@ int kf_pool_threads(const kf_pool *p) {
 void kf_pool_run(kf_pool *p, int n_items, kf_pool_fn fn, void *ctx) {
     if (n_items <= 0)
         return;
-    if (!p || p->n_threads == 1 || n_items == 1) {
+    if (!p || p->n_threads == 1 || n_items == 1 || getpid() != p->pid) {
         for (int i = 0; i < n_items; i++)
             fn(ctx, i, 0);
         return;

@@ -5,7 +5,8 @@
  * next to them made prefill several times slower on a 2-core machine). A job is a loop of
  * n_items independent items handed out one at a time through an atomic counter, so uneven items
  * (causal attention tiles) balance themselves. Jobs from one pool must not overlap: one thread
- * of control submits at a time (the backend's contract).
+ * of control submits at a time (the backend's contract). In a forked child (which inherits the
+ * pool but not its threads) every job runs inline.
  */
 #ifndef KF_POOL_H
 #define KF_POOL_H
