@@ -266,6 +266,7 @@ struct kf_forward_plan {
 };
 
 size_t kf_forward_plan_bytes(const kf_hfconfig *c, int chunk, int logit_rows) {
+    logit_rows = logit_rows < KF_PLAN_LOGIT_ROWS ? logit_rows : KF_PLAN_LOGIT_ROWS;
     const size_t QD = (size_t)c->n_heads * c->head_dim, KD = (size_t)c->n_kv_heads * c->head_dim;
     const size_t per_tok = 2 * (size_t)c->hidden_size + 2 * QD + 2 * KD + 2 * (size_t)c->intermediate_size;
     return sizeof(float) * ((size_t)chunk * per_tok + (size_t)logit_rows * ((size_t)c->hidden_size + c->vocab_size)) +

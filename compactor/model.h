@@ -45,7 +45,10 @@ typedef struct kf_model kf_model;
  * QD = n_heads * head_dim, KD = kv_heads * head_dim, V vocab (kf_forward_plan_bytes):
  *     4 C (2 H + 2 QD + 2 KD + 2 I) + 4 R (H + V) + 8 C bytes
  * e.g. Qwen3-0.6B (H 1024, I 3072, QD 2048, KD 1024, V 151936) at C = 512, R = 32:
- *     29.4 MB + 19.6 MB = 49 MB; at C = 1, R = 1 (a decoding step): 0.67 MB. */
+ *     29.4 MB + 19.6 MB = 49 MB; at C = 1, R = 1 (a decoding step): 0.67 MB.
+ * Beside it, for a context of N keys, the CPU backend's attention keeps the gathered keys and
+ * values and one score tile per pool thread (T threads): 8 N KD + 512 T N bytes, grown in steps
+ * of at least half again (so up to 1.5 times that); 0.6B at N = 2,048, T = 2: 18.9 MB. */
 typedef struct kf_forward_plan kf_forward_plan;
 
 #define KF_PLAN_LOGIT_ROWS 32 /* lm_head rows per batch, at most */
