@@ -7,6 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "compactor/engine.h"
 #include "compactor/model.h"
 #include "formats/safetensors.h"
 #include "test_util.h"
@@ -268,6 +269,103 @@ static void test_fork_reproduces_fresh_prefill(void) {
     kf_arena_free(&a);
 }
 
+/* Teacher-forced decoding, one token per call through a plan: the logits of a full prefill, and
+ * after the prompt not one buffer allocated; a longer chunk and more logit rows grow it once each. */
+static void test_plan_reused_by_decoding(void) {
+    fixture *f = &fx_qwen;
+    const kf_hfconfig *c = kf_model_config(f->m);
+    const int V = c->vocab_size, P = 40, steps = 20, more = 50;
+    CU_ASSERT_FATAL(f->T >= P + steps + more);
+    float *fresh = all_logits(f, 32); /* [T, V] */
+    kf_arena a;
+    kf_seq seq;
+    kf_seq_init(&seq);
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_model_arena(f->m, &a, f->T, &err), KF_OK);
+    kf_forward_plan *plan;
+    CU_ASSERT_EQUAL_FATAL(kf_forward_plan_create(&plan, f->m, 0, 0, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_forward_plan_size(plan, f->m), 0);
+
+    float *logits = malloc(sizeof(float) * (size_t)32 * V);
+    int32_t rows[more];
+    for (int i = 0; i < more; i++)
+        rows[i] = i;
+    int32_t last = P - 1;
+    kf_forward_args fa = {.ids = f->ids, .n_tokens = P, .logit_rows = &last, .n_logit_rows = 1, .logits = logits,
+                          .plan = plan};
+    CU_ASSERT_EQUAL_FATAL(kf_model_forward(f->m, &a, &seq, &fa, &err), KF_OK);
+    CU_ASSERT(kf_max_abs_diff(logits, fresh + (size_t)(P - 1) * V, V) < 1e-4);
+    const int64_t allocs = kf_forward_plan_allocs(plan);
+    CU_ASSERT_EQUAL(allocs, 2); /* chunk buffers, logit buffers */
+    CU_ASSERT_EQUAL(kf_forward_plan_size(plan, f->m), kf_forward_plan_bytes(c, P, 1));
+    double worst = 0;
+    for (int i = P; i < P + steps; i++) {
+        kf_forward_args fs = {.ids = f->ids + i, .n_tokens = 1, .logit_rows = rows, .n_logit_rows = 1,
+                              .logits = logits, .plan = plan};
+        CU_ASSERT_EQUAL_FATAL(kf_model_forward(f->m, &a, &seq, &fs, &err), KF_OK);
+        worst = fmax(worst, kf_max_abs_diff(logits, fresh + (size_t)i * V, V));
+    }
+    printf("\n    decoding through a plan vs a full prefill: %.2e\n", worst);
+    CU_ASSERT(worst < 1e-4);
+    CU_ASSERT_EQUAL(kf_forward_plan_allocs(plan), allocs);
+
+    /* 50 tokens in one chunk with 50 logit rows: both parts grow once, logit rows capped at 32 */
+    kf_forward_args fm = {.ids = f->ids + P + steps, .n_tokens = more, .chunk = more, .logit_rows = rows + more - 32,
+                          .n_logit_rows = 32, .logits = logits, .plan = plan};
+    CU_ASSERT_EQUAL_FATAL(kf_model_forward(f->m, &a, &seq, &fm, &err), KF_OK);
+    CU_ASSERT(kf_max_abs_diff(logits, fresh + (size_t)(P + steps + more - 32) * V, (size_t)32 * V) < 1e-4);
+    CU_ASSERT_EQUAL(kf_forward_plan_allocs(plan), allocs + 2);
+    CU_ASSERT_EQUAL(kf_forward_plan_size(plan, f->m), kf_forward_plan_bytes(c, more, 32));
+
+    /* a plan belongs to its model */
+    kf_model *other;
+    CU_ASSERT_EQUAL_FATAL(kf_model_load(&other, kf_test_data("hf-llama3-tiny-random"), f->b, &err), KF_OK);
+    kf_arena oa;
+    kf_seq os;
+    kf_seq_init(&os);
+    CU_ASSERT_EQUAL_FATAL(kf_model_arena(other, &oa, 16, &err), KF_OK);
+    kf_forward_args fo = {.ids = f->ids, .n_tokens = 4, .plan = plan};
+    CU_ASSERT_EQUAL(kf_model_forward(other, &oa, &os, &fo, &err), KF_ERR_INVALID);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "another model"));
+    kf_arena_free(&oa);
+    kf_model_free(other);
+
+    kf_forward_plan_free(plan);
+    free(logits);
+    free(fresh);
+    kf_seq_release(&a, &seq);
+    kf_arena_free(&a);
+}
+
+/* The engine's greedy decoding: the next token of a full prefill first; every forward on the
+ * engine's plan (a freshly loaded model never makes its own), untouched after the document's
+ * prefill. */
+static void test_engine_greedy_allocates_nothing(void) {
+    fixture *f = &fx_qwen;
+    const int V = kf_model_config(f->m)->vocab_size, D = 40, Q = 5;
+    float *fresh = all_logits(f, 32);
+    int32_t expect = 0;
+    for (int i = 1; i < V; i++)
+        expect = fresh[(size_t)(D + Q - 1) * V + i] > fresh[(size_t)(D + Q - 1) * V + expect] ? i : expect;
+    kf_model *m;
+    kf_engine e;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_model_load(&m, kf_test_data("hf-qwen3-tiny"), f->b, &err), KF_OK);
+    kf_prompt doc = {.ids = f->ids, .n = D}, q = {.ids = f->ids + D, .n = Q};
+    CU_ASSERT_EQUAL_FATAL(kf_engine_from_document(&e, m, &doc, 64, &err), KF_OK);
+    const int64_t allocs = kf_forward_plan_allocs(e.plan);
+    int32_t out[12];
+    int n = 0;
+    CU_ASSERT_EQUAL_FATAL(kf_engine_greedy(&e, m, &q, 12, NULL, 0, NULL, NULL, out, &n, &err), KF_OK);
+    CU_ASSERT_EQUAL(n, 12);
+    CU_ASSERT_EQUAL(out[0], expect);
+    CU_ASSERT_EQUAL(kf_forward_plan_allocs(e.plan), allocs);
+    CU_ASSERT_PTR_NULL(kf_model_plan(m));
+    kf_engine_free(&e);
+    kf_model_free(m);
+    free(fresh);
+}
+
 /* Bad arguments are statuses, not crashes. */
 static void test_forward_rejects_bad_input(void) {
     fixture *f = &fx_qwen;
@@ -393,6 +491,8 @@ static CU_TestInfo qwen_tests[] = {
     {"chunk sizes 1, 7, 16, 64, whole", test_qwen_chunks},
     {"fork and rewind reproduce a fresh prefill", test_fork_reproduces_fresh_prefill},
     {"bad forward arguments", test_forward_rejects_bad_input},
+    {"decoding through a plan allocates nothing", test_plan_reused_by_decoding},
+    {"engine greedy: no allocation per token", test_engine_greedy_allocates_nothing},
     CU_TEST_INFO_NULL,
 };
 static CU_TestInfo llama_tests[] = {
