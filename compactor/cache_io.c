@@ -38,6 +38,34 @@ void kf_compacted_to_kvf(const kf_compacted *c, kvf_cache *out) {
     out->beta = c->beta;
     out->u = c->u;
     out->positions = c->positions;
+    /* kf_method and kvf_method number the methods alike: the per-head bytes pass as they are */
+    _Static_assert(KF_METHOD_KEEP == (int)KVF_METHOD_KEEP && KF_METHOD_DROP == (int)KVF_METHOD_DROP &&
+                       KF_METHOD_AM == (int)KVF_METHOD_AM && KF_METHOD_FOLD == (int)KVF_METHOD_FOLD,
+                   "kf_method and kvf_method differ");
+    out->head_method = c->head_method;
+}
+
+/* Every layer through kvf_read_layer_all (checked against its digest), keys and values converted
+ * to fp32 through raw [C, kv_heads, head_dim] buffers. */
+static kf_status load_layers(kvf_file *f, kf_compacted *out, kf_error *err) {
+    const kvf_header *h = kvf_file_header(f);
+    const size_t per_layer = (size_t)h->n_tokens * (size_t)h->kv_heads * (size_t)h->head_dim;
+    const size_t HC = (size_t)h->kv_heads * (size_t)h->n_tokens, HD = (size_t)h->kv_heads * (size_t)h->head_dim;
+    void *kraw = malloc(per_layer * kvf_dtype_size(h->dtype)), *vraw = malloc(per_layer * kvf_dtype_size(h->dtype));
+    kf_status rc = KF_OK;
+    if (!kraw || !vraw)
+        rc = kf_fail(err, KF_ERR_NOMEM, "%s: out of memory for a layer", kvf_file_path(f));
+    for (int l = 0; l < h->n_layers && rc == KF_OK; l++) {
+        rc = kvf_read_layer_all(f, l, kraw, vraw, out->beta + (size_t)l * HC, out->u + (size_t)l * HD,
+                                out->positions + (size_t)l * HC, out->head_method + (size_t)l * h->kv_heads, err);
+        if (rc == KF_OK) {
+            kvf_to_f32(h->dtype, kraw, out->keys + (size_t)l * per_layer, per_layer);
+            kvf_to_f32(h->dtype, vraw, out->values + (size_t)l * per_layer, per_layer);
+        }
+    }
+    free(kraw);
+    free(vraw);
+    return rc;
 }
 
 kf_status kf_compacted_load(kvf_file *f, kf_compacted *out, kf_error *err) {
@@ -61,20 +89,12 @@ kf_status kf_compacted_load(kvf_file *f, kf_compacted *out, kf_error *err) {
     out->beta = malloc(sizeof(float) * (size_t)L * H * C);
     out->u = malloc(sizeof(float) * (size_t)L * H * d);
     out->positions = malloc(sizeof(int32_t) * (size_t)L * H * C);
+    out->head_method = malloc((size_t)L * H);
     kf_status rc = KF_OK;
-    if (!out->keys || !out->values || !out->beta || !out->u || !out->positions)
+    if (!out->keys || !out->values || !out->beta || !out->u || !out->positions || !out->head_method)
         rc = kf_fail(err, KF_ERR_NOMEM, "%s: out of memory for a cache of %lld tokens", kvf_file_path(f), (long long)C);
-    for (int l = 0; l < L && rc == KF_OK; l++) {
-        rc = kvf_read_layer(f, l, KVF_KEYS, out->keys + (size_t)l * per_layer, err);
-        if (rc == KF_OK)
-            rc = kvf_read_layer(f, l, KVF_VALUES, out->values + (size_t)l * per_layer, err);
-    }
     if (rc == KF_OK)
-        rc = kvf_read_beta(f, KVF_ALL_LAYERS, out->beta, err);
-    if (rc == KF_OK)
-        rc = kvf_read_u(f, KVF_ALL_LAYERS, out->u, err);
-    if (rc == KF_OK)
-        rc = kvf_read_positions(f, KVF_ALL_LAYERS, out->positions, err);
+        rc = load_layers(f, out, err);
     if (rc != KF_OK)
         kf_compacted_free(out);
     return rc;

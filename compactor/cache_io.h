@@ -10,12 +10,14 @@ kvf_method kf_method_to_kvf(kf_method m);
 kf_method kf_method_from_kvf(kvf_method m);
 
 /* A kvf_cache pointing into c's buffers (fp32; kvf_write converts to out->hdr.dtype): shape, D, C,
- * method, budget, lambda (fold only), rope frame. The caller fills the identity (model
- * fingerprint, tokenizer digest, document digest) and may change the dtype (default bf16). */
+ * method, budget, lambda (fold only), rope frame, per-head methods. The caller fills the identity
+ * (model fingerprint, tokenizer digest, document digest, recipe digest) and may change the dtype
+ * (default bf16). */
 void kf_compacted_to_kvf(const kf_compacted *c, kvf_cache *out);
 
-/* Reads a whole file into out (keys and values converted to fp32), so kf_compacted_attach can
- * put it in an arena. Files keep no prefix/suffix split: n_prefix = n_suffix = 0, t = C. */
+/* Reads a whole file into out (keys and values converted to fp32, every layer checked against its
+ * digest), so kf_compacted_attach can put it in an arena. out->head_method is always filled.
+ * Files keep no prefix/suffix split: n_prefix = n_suffix = 0, t = C. */
 kf_status kf_compacted_load(kvf_file *f, kf_compacted *out, kf_error *err);
 
 #endif

@@ -11,6 +11,8 @@ static kf_status engine_init(kf_engine *e, kf_model *m, int64_t tokens, kf_error
     e->bias_l = calloc((size_t)kf_model_config(m)->n_layers, sizeof *e->bias_l);
     if (!e->bias_l)
         return kf_fail(err, KF_ERR_NOMEM, "engine: out of memory");
+    const int chunk = tokens < KF_DEFAULT_CHUNK ? (int)tokens : KF_DEFAULT_CHUNK;
+    KF_TRY(kf_forward_plan_create(&e->plan, m, chunk, 1, err));
     return kf_model_arena(m, &e->arena, tokens + KF_PAGE_TOKENS, err);
 }
 
@@ -20,6 +22,7 @@ void kf_engine_free(kf_engine *e) {
         kf_arena_free(&e->arena);
     }
     free(e->bias_l);
+    kf_forward_plan_free(e->plan);
     memset(e, 0, sizeof *e);
 }
 
@@ -44,7 +47,7 @@ kf_status kf_engine_from_compacted(kf_engine *e, kf_model *m, const kf_compacted
 kf_status kf_engine_from_document(kf_engine *e, kf_model *m, const kf_prompt *doc, int64_t room, kf_error *err) {
     kf_status rc = engine_init(e, m, doc->n + room, err);
     if (rc == KF_OK) {
-        kf_forward_args fa = {.ids = doc->ids, .n_tokens = doc->n};
+        kf_forward_args fa = {.ids = doc->ids, .n_tokens = doc->n, .plan = e->plan};
         rc = kf_model_forward(m, &e->arena, &e->seq, &fa, err);
     }
     if (rc != KF_OK) {
@@ -74,7 +77,7 @@ kf_status kf_engine_greedy(kf_engine *e, kf_model *m, const kf_prompt *prompt, i
     int32_t row = prompt->n - 1, tok = 0;
     kf_forward_args fa = {.ids = prompt->ids, .n_tokens = prompt->n, .pos_offset = e->pos_offset,
                           .logit_rows = &row, .n_logit_rows = 1, .logits = logits, .key_bias = e->bias,
-                          .key_bias_len = (int)e->len};
+                          .key_bias_len = (int)e->len, .plan = e->plan};
     kf_status rc = KF_OK;
     while (*n_out < max_new) {
         if ((rc = kf_model_forward(m, &e->arena, &e->seq, &fa, err)) != KF_OK)
@@ -114,7 +117,8 @@ kf_status kf_engine_logprobs(kf_engine *e, kf_model *m, const kf_prompt *prompt,
     for (int i = 0; i < answer->n; i++)
         rows[i] = prompt->n - 1 + i;
     kf_forward_args fa = {.ids = ids, .n_tokens = n, .pos_offset = e->pos_offset, .logit_rows = rows,
-                          .n_logit_rows = answer->n, .logits = logp, .key_bias = e->bias, .key_bias_len = (int)e->len};
+                          .n_logit_rows = answer->n, .logits = logp, .key_bias = e->bias, .key_bias_len = (int)e->len,
+                          .plan = e->plan};
     kf_status rc = kf_model_forward(m, &e->arena, &e->seq, &fa, err);
     free(ids);
     free(rows);

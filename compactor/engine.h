@@ -5,6 +5,9 @@
  * With a compacted cache in the compacted frame, a prompt's token i sits at position C + i, what a
  * paged serving engine does after a prefix of C tokens; in AM's frame it sits at D + i. For am the
  * per-key bias goes to every forward pass.
+ *
+ * The engine owns a forward plan (compactor/model.h), made for its first prefill and grown at most
+ * once more for more logit rows: a greedy answer runs one token per step with no allocation.
  */
 #ifndef KF_ENGINE_H
 #define KF_ENGINE_H
@@ -21,6 +24,7 @@ typedef struct {
     const float **bias_l;     /* [n_layers] bias pointers for am, else unused */
     const float *const *bias; /* NULL or bias_l */
     int vocab;
+    kf_forward_plan *plan;    /* scratch of every forward this engine runs */
 } kf_engine;
 
 /* room: the longest prompt plus answer that will run on top of the context. The engine keeps

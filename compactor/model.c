@@ -37,6 +37,7 @@ struct kf_model {
     int64_t n_params;
     double *inv_freq;  /* [head_dim / 2] */
     char fingerprint[33];
+    kf_forward_plan *plan; /* the forward's scratch when the caller brings none; grown, freed with the model */
 };
 
 static char *path_join(const char *dir, const char *name) {
@@ -72,6 +73,11 @@ static kf_status load_tensor(kf_model *m, const char *name, int64_t d0, int64_t 
         return kf_fail(err, KF_ERR_UNSUPPORTED, "%s: tensor '%s' has dtype %s (supported: BF16, F16, F32)", m->dir,
                        name, kf_st_dtype_name(t->dtype));
     }
+    int is_nan = 0;
+    const int64_t bad = kf_st_first_nonfinite(t, &is_nan);
+    if (bad >= 0)
+        return kf_fail(err, KF_ERR_FORMAT, "%s: tensor '%s' holds %s at element %lld of %lld: the checkpoint is corrupt",
+                       m->dir, name, is_nan ? "NaN" : "an infinity", (long long)bad, (long long)t->numel);
     const size_t n = (size_t)t->numel;
     void *buf = m->b->alloc(m->b, n * kf_dtype_size(m->b->weight_dtype));
     if (!buf)
@@ -173,6 +179,7 @@ void kf_model_free(kf_model *m) {
     free(m->allocs);
     free(m->layers);
     free(m->inv_freq);
+    kf_forward_plan_free(m->plan);
     kf_st_close(&m->st);
     free(m->dir);
     free(m);
@@ -242,51 +249,142 @@ kf_status kf_model_arena(const kf_model *m, kf_arena *a, int64_t n_tokens, kf_er
                          err);
 }
 
-/* ---- forward ------------------------------------------------------------- */
+/* ---- forward plan --------------------------------------------------------- */
 
-typedef struct {
-    float *x;      /* [chunk, hidden] residual stream */
-    float *xn;     /* [chunk, hidden] normed */
-    float *q;      /* [chunk, n_heads * head_dim] */
-    float *k;      /* [chunk, kv_heads * head_dim] */
-    float *v;      /* [chunk, kv_heads * head_dim] */
-    float *att;    /* [chunk, n_heads * head_dim] */
-    float *gate;   /* [chunk, intermediate] */
-    float *up;     /* [chunk, intermediate] */
-    float *rows;   /* [LOGIT_ROWS, hidden] gathered final-norm rows */
-    float *lbuf;   /* [LOGIT_ROWS, vocab] */
-} scratch;
+struct kf_forward_plan {
+    const kf_model *m; /* the model whose shapes the buffers have */
+    kf_backend *b;
+    int chunk;        /* tokens per chunk the buffers hold */
+    int logit_rows;   /* rows per lm_head batch */
+    int64_t allocs;   /* how many times the buffers were (re)allocated */
+    float *x;         /* [chunk, hidden] residual stream */
+    float *xn;        /* [chunk, hidden] normed */
+    float *q;         /* [chunk, n_heads * head_dim] */
+    float *k;         /* [chunk, kv_heads * head_dim] */
+    float *v;         /* [chunk, kv_heads * head_dim] */
+    float *att;       /* [chunk, n_heads * head_dim] */
+    float *gate;      /* [chunk, intermediate] */
+    float *up;        /* [chunk, intermediate] */
+    float *rows;      /* [logit_rows, hidden] gathered final-norm rows */
+    float *lbuf;      /* [logit_rows, vocab] */
+    int64_t *pos;     /* [chunk] host: RoPE positions of the chunk */
+};
 
-#define LOGIT_ROWS 32
+size_t kf_forward_plan_bytes(const kf_hfconfig *c, int chunk, int logit_rows) {
+    logit_rows = logit_rows < KF_PLAN_LOGIT_ROWS ? logit_rows : KF_PLAN_LOGIT_ROWS;
+    const size_t QD = (size_t)c->n_heads * c->head_dim, KD = (size_t)c->n_kv_heads * c->head_dim;
+    const size_t per_tok = 2 * (size_t)c->hidden_size + 2 * QD + 2 * KD + 2 * (size_t)c->intermediate_size;
+    return sizeof(float) * ((size_t)chunk * per_tok + (size_t)logit_rows * ((size_t)c->hidden_size + c->vocab_size)) +
+           sizeof(int64_t) * (size_t)chunk;
+}
 
-static void scratch_free(kf_backend *b, scratch *s) {
-    float **all[] = {&s->x, &s->xn, &s->q, &s->k, &s->v, &s->att, &s->gate, &s->up, &s->rows, &s->lbuf};
-    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
-        if (*all[i]) {
-            b->free(b, *all[i]);
-            *all[i] = NULL;
+static void plan_free_bufs(kf_backend *b, float **const *bufs, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (*bufs[i]) {
+            b->free(b, *bufs[i]);
+            *bufs[i] = NULL;
         }
 }
 
-static kf_status scratch_alloc(kf_backend *b, const kf_hfconfig *c, int chunk, scratch *s, kf_error *err) {
-    memset(s, 0, sizeof *s);
+static void plan_release(kf_forward_plan *p) {
+    float **const chunk_bufs[] = {&p->x, &p->xn, &p->q, &p->k, &p->v, &p->att, &p->gate, &p->up};
+    float **const logit_bufs[] = {&p->rows, &p->lbuf};
+    plan_free_bufs(p->b, chunk_bufs, 8);
+    plan_free_bufs(p->b, logit_bufs, 2);
+    free(p->pos);
+    p->pos = NULL;
+    p->chunk = p->logit_rows = 0;
+}
+
+/* Room for chunks of `chunk` tokens: reallocated only when it grows. */
+static kf_status plan_reserve_chunk(kf_forward_plan *p, const kf_hfconfig *c, int chunk, kf_error *err) {
+    if (chunk <= p->chunk)
+        return KF_OK;
+    kf_backend *b = p->b;
+    float **const bufs[] = {&p->x, &p->xn, &p->q, &p->k, &p->v, &p->att, &p->gate, &p->up};
+    plan_free_bufs(b, bufs, 8);
+    free(p->pos);
+    p->chunk = 0;
     const size_t C = (size_t)chunk;
-    s->x = b->alloc(b, C * c->hidden_size * sizeof(float));
-    s->xn = b->alloc(b, C * c->hidden_size * sizeof(float));
-    s->q = b->alloc(b, C * c->n_heads * c->head_dim * sizeof(float));
-    s->k = b->alloc(b, C * c->n_kv_heads * c->head_dim * sizeof(float));
-    s->v = b->alloc(b, C * c->n_kv_heads * c->head_dim * sizeof(float));
-    s->att = b->alloc(b, C * c->n_heads * c->head_dim * sizeof(float));
-    s->gate = b->alloc(b, C * c->intermediate_size * sizeof(float));
-    s->up = b->alloc(b, C * c->intermediate_size * sizeof(float));
-    s->rows = b->alloc(b, (size_t)LOGIT_ROWS * c->hidden_size * sizeof(float));
-    s->lbuf = b->alloc(b, (size_t)LOGIT_ROWS * c->vocab_size * sizeof(float));
-    if (!s->x || !s->xn || !s->q || !s->k || !s->v || !s->att || !s->gate || !s->up || !s->rows || !s->lbuf) {
-        scratch_free(b, s);
-        return kf_fail(err, KF_ERR_NOMEM, "out of memory for forward scratch (chunk %d)", chunk);
+    const size_t QD = (size_t)c->n_heads * c->head_dim, KD = (size_t)c->n_kv_heads * c->head_dim;
+    const size_t width[8] = {c->hidden_size, c->hidden_size, QD, KD, KD, QD, c->intermediate_size,
+                             c->intermediate_size};
+    int ok = (p->pos = malloc(sizeof(int64_t) * C)) != NULL;
+    for (int i = 0; i < 8; i++)
+        ok &= (*bufs[i] = b->alloc(b, C * width[i] * sizeof(float))) != NULL;
+    p->allocs++;
+    if (!ok) {
+        plan_release(p);
+        return kf_fail(err, KF_ERR_NOMEM, "out of memory for the forward plan (chunk %d: %zu bytes)", chunk,
+                       kf_forward_plan_bytes(c, chunk, 0));
     }
+    p->chunk = chunk;
     return KF_OK;
 }
+
+/* Room for lm_head batches of `rows` rows: reallocated only when it grows. */
+static kf_status plan_reserve_logits(kf_forward_plan *p, const kf_hfconfig *c, int rows, kf_error *err) {
+    if (rows <= p->logit_rows)
+        return KF_OK;
+    kf_backend *b = p->b;
+    float **const bufs[] = {&p->rows, &p->lbuf};
+    plan_free_bufs(b, bufs, 2);
+    p->logit_rows = 0;
+    p->rows = b->alloc(b, (size_t)rows * c->hidden_size * sizeof(float));
+    p->lbuf = b->alloc(b, (size_t)rows * c->vocab_size * sizeof(float));
+    p->allocs++;
+    if (!p->rows || !p->lbuf) {
+        plan_release(p);
+        return kf_fail(err, KF_ERR_NOMEM, "out of memory for the forward plan (%d logit rows of %d)", rows,
+                       c->vocab_size);
+    }
+    p->logit_rows = rows;
+    return KF_OK;
+}
+
+static kf_status plan_reserve(kf_forward_plan *p, const kf_hfconfig *c, int chunk, int logit_rows, kf_error *err) {
+    KF_TRY(plan_reserve_chunk(p, c, chunk, err));
+    return plan_reserve_logits(p, c, logit_rows < KF_PLAN_LOGIT_ROWS ? logit_rows : KF_PLAN_LOGIT_ROWS, err);
+}
+
+kf_status kf_forward_plan_create(kf_forward_plan **out, kf_model *m, int chunk, int logit_rows, kf_error *err) {
+    *out = NULL;
+    if (chunk < 0 || logit_rows < 0)
+        return kf_fail(err, KF_ERR_INVALID, "forward plan: negative chunk (%d) or logit rows (%d)", chunk, logit_rows);
+    kf_forward_plan *p = calloc(1, sizeof *p);
+    if (!p)
+        return kf_fail(err, KF_ERR_NOMEM, "out of memory");
+    p->m = m;
+    p->b = m->b;
+    kf_status rc = plan_reserve(p, &m->cfg, chunk, logit_rows, err);
+    if (rc != KF_OK) {
+        free(p);
+        return rc;
+    }
+    *out = p;
+    return KF_OK;
+}
+
+void kf_forward_plan_free(kf_forward_plan *p) {
+    if (!p)
+        return;
+    plan_release(p);
+    free(p);
+}
+
+size_t kf_forward_plan_size(const kf_forward_plan *p, const kf_model *m) {
+    return p && p->chunk ? kf_forward_plan_bytes(&m->cfg, p->chunk, p->logit_rows) : 0;
+}
+
+int64_t kf_forward_plan_allocs(const kf_forward_plan *p) {
+    return p ? p->allocs : 0;
+}
+
+const kf_forward_plan *kf_model_plan(const kf_model *m) {
+    return m->plan;
+}
+
+/* ---- forward ------------------------------------------------------------- */
 
 /* Download rows of src ([chunk, width]) that fall in [c0, c0 + n) into dst[capture index]. */
 static void capture(kf_backend *b, float *dst, const float *src, int width, const int32_t *rows, int n_rows, int c0,
@@ -328,27 +426,102 @@ static kf_status check_args(const kf_model *m, const kf_arena *a, const kf_seq *
     return KF_OK;
 }
 
-/* Final norm + lm_head for the requested rows that fall in this chunk, LOGIT_ROWS at a time. */
-static void chunk_logits(kf_model *m, scratch *s, const kf_forward_args *args, int c0, int n) {
+/* Final norm + lm_head for the requested rows that fall in this chunk, p->logit_rows at a time. */
+static void chunk_logits(kf_model *m, kf_forward_plan *p, const kf_forward_args *args, int c0, int n) {
     kf_backend *b = m->b;
     const kf_hfconfig *c = &m->cfg;
     const int H = c->hidden_size, V = c->vocab_size;
-    int idx[LOGIT_ROWS];
+    int idx[KF_PLAN_LOGIT_ROWS];
     int k = 0;
     for (int r = 0; r <= args->n_logit_rows; r++) {
         const int last = r == args->n_logit_rows;
         if (!last && args->logit_rows[r] >= c0 && args->logit_rows[r] < c0 + n) {
-            b->rmsnorm(b, s->rows + (size_t)k * H, H, s->x + (size_t)(args->logit_rows[r] - c0) * H, H, m->final_norm,
+            b->rmsnorm(b, p->rows + (size_t)k * H, H, p->x + (size_t)(args->logit_rows[r] - c0) * H, H, m->final_norm,
                        1, H, (float)c->rms_eps);
             idx[k++] = r;
         }
-        if (k == LOGIT_ROWS || (last && k > 0)) {
-            b->matmul(b, s->lbuf, V, s->rows, H, m->lm_head, k, V, H, 0);
+        if (k == p->logit_rows || (last && k > 0)) {
+            b->matmul(b, p->lbuf, V, p->rows, H, m->lm_head, k, V, H, 0);
             for (int i = 0; i < k; i++)
-                b->download(b, args->logits + (size_t)idx[i] * V, s->lbuf + (size_t)i * V, sizeof(float) * V);
+                b->download(b, args->logits + (size_t)idx[i] * V, p->lbuf + (size_t)i * V, sizeof(float) * V);
             k = 0;
         }
     }
+}
+
+/* Where one chunk sits: tokens [c0, c0 + n) of the call, keys before it `start`. */
+typedef struct {
+    int c0, n;
+    int64_t start;
+} chunk_span;
+
+/* One decoder layer on the chunk in p->x (residual stream, updated in place). */
+static void layer_forward(kf_model *m, kf_forward_plan *p, kf_arena *a, const kf_seq *seq, const kf_forward_args *args,
+                          kf_quoka_ws *qws, int l, chunk_span cs) {
+    kf_backend *b = m->b;
+    const kf_hfconfig *c = &m->cfg;
+    const int H = c->hidden_size, I = c->intermediate_size, hd = c->head_dim;
+    const int nh = c->n_heads, kvh = c->n_kv_heads, QD = nh * hd, KD = kvh * hd, n = cs.n;
+    const float eps = (float)c->rms_eps;
+    const layer_weights *w = &m->layers[l];
+    b->rmsnorm(b, p->xn, H, p->x, H, w->attn_norm, n, H, eps);
+    b->matmul(b, p->q, QD, p->xn, H, w->wq, n, QD, H, 0);
+    b->matmul(b, p->k, KD, p->xn, H, w->wk, n, KD, H, 0);
+    b->matmul(b, p->v, KD, p->xn, H, w->wv, n, KD, H, 0);
+    if (c->has_qk_norm) {
+        b->rmsnorm(b, p->q, hd, p->q, hd, w->q_norm, n * nh, hd, eps);
+        b->rmsnorm(b, p->k, hd, p->k, hd, w->k_norm, n * kvh, hd, eps);
+    }
+    b->rope(b, p->q, QD, n, nh, hd, p->pos, m->inv_freq);
+    b->rope(b, p->k, KD, n, kvh, hd, p->pos, m->inv_freq);
+    if (args->queries)
+        capture(b, args->queries[l], p->q, QD, args->capture_rows, args->n_capture_rows, cs.c0, n);
+
+    const kf_paged_kv kv = kf_arena_layer(a, l);
+    b->kv_store(b, &kv, seq->pages, cs.start, n, p->k, p->v);
+    kf_attn_args at = {
+        .q = p->q, .q_stride = QD, .out = p->att, .out_stride = QD,
+        .n_q = n, .n_heads = nh, .n_keys = (int)(cs.start + n),
+        .pages = seq->pages, .kv = kv, .scale = 1.0f / sqrtf((float)hd),
+        .bias = args->key_bias ? args->key_bias[l] : NULL,
+        .bias_stride = (size_t)args->key_bias_len, .bias_len = args->key_bias_len,
+    };
+    if (qws->idx)
+        kf_quoka_attention(qws, &at);
+    else
+        b->attention(b, &at);
+    b->matmul(b, p->x, H, p->att, QD, w->wo, n, H, QD, 1); /* x += att Wo^T */
+
+    b->rmsnorm(b, p->xn, H, p->x, H, w->mlp_norm, n, H, eps);
+    b->matmul(b, p->gate, I, p->xn, H, w->w_gate, n, I, H, 0);
+    b->matmul(b, p->up, I, p->xn, H, w->w_up, n, I, H, 0);
+    b->silu_mul(b, p->gate, p->up, n, I);
+    b->matmul(b, p->x, H, p->gate, I, w->w_down, n, H, I, 1); /* x += mlp */
+}
+
+/* One chunk through every layer, its captures and logits. */
+static void chunk_forward(kf_model *m, kf_forward_plan *p, kf_arena *a, const kf_seq *seq,
+                          const kf_forward_args *args, kf_quoka_ws *qws, chunk_span cs) {
+    kf_backend *b = m->b;
+    const kf_hfconfig *c = &m->cfg;
+    const int H = c->hidden_size, L = c->n_layers, nc = args->n_capture_rows;
+    const int32_t *cr = args->capture_rows;
+    for (int i = 0; i < cs.n; i++)
+        p->pos[i] = cs.start + i + args->pos_offset;
+    b->embed(b, p->x, m->embed, args->ids + cs.c0, cs.n, H);
+    if (args->hidden)
+        capture(b, args->hidden[0], p->x, H, cr, nc, cs.c0, cs.n);
+    for (int l = 0; l < L; l++) {
+        layer_forward(m, p, a, seq, args, qws, l, cs);
+        if (args->hidden && l + 1 < L)
+            capture(b, args->hidden[l + 1], p->x, H, cr, nc, cs.c0, cs.n);
+    }
+    if (args->hidden && args->hidden[L]) {
+        b->rmsnorm(b, p->xn, H, p->x, H, m->final_norm, cs.n, H, (float)c->rms_eps);
+        capture(b, args->hidden[L], p->xn, H, cr, nc, cs.c0, cs.n);
+    }
+    if (args->n_logit_rows > 0)
+        chunk_logits(m, p, args, cs.c0, cs.n);
 }
 
 kf_status kf_model_forward(kf_model *m, kf_arena *a, kf_seq *seq, const kf_forward_args *args, kf_error *err) {
@@ -356,97 +529,32 @@ kf_status kf_model_forward(kf_model *m, kf_arena *a, kf_seq *seq, const kf_forwa
     if (args->n_tokens == 0)
         return KF_OK;
     kf_backend *b = m->b;
-    const kf_hfconfig *c = &m->cfg;
-    const int H = c->hidden_size, I = c->intermediate_size, hd = c->head_dim;
-    const int nh = c->n_heads, kvh = c->n_kv_heads, L = c->n_layers;
-    const int QD = nh * hd, KD = kvh * hd;
-    const int chunk = args->chunk > 0 ? (args->chunk < args->n_tokens ? args->chunk : args->n_tokens)
-                                      : (KF_DEFAULT_CHUNK < args->n_tokens ? KF_DEFAULT_CHUNK : args->n_tokens);
-    const float eps = (float)c->rms_eps;
-
+    const int want = args->chunk > 0 ? args->chunk : KF_DEFAULT_CHUNK;
+    const int chunk = want < args->n_tokens ? want : args->n_tokens;
+    kf_forward_plan *p = args->plan;
+    if (!p && !m->plan)
+        KF_TRY(kf_forward_plan_create(&m->plan, m, 0, 0, err));
+    p = p ? p : m->plan;
+    if (p->m != m)
+        return kf_fail(err, KF_ERR_INVALID, "forward: the plan was made for another model");
+    KF_TRY(plan_reserve(p, &m->cfg, chunk, args->n_logit_rows, err));
     KF_TRY(kf_seq_reserve(a, seq, args->n_tokens, err));
-    scratch s;
-    KF_TRY(scratch_alloc(b, c, chunk, &s, err));
-    int64_t *pos = malloc(sizeof(int64_t) * (size_t)chunk);
-    if (!pos) {
-        scratch_free(b, &s);
-        return kf_fail(err, KF_ERR_NOMEM, "out of memory");
-    }
     kf_quoka_ws qws;
-    kf_status rc = kf_quoka_ws_init(&qws, b, args->quoka, kvh, seq->len + args->n_tokens, err);
-    if (rc != KF_OK) {
-        free(pos);
-        scratch_free(b, &s);
-        return rc;
-    }
-    const int nc = args->n_capture_rows;
-    const int32_t *cr = args->capture_rows;
-
+    KF_TRY(kf_quoka_ws_init(&qws, b, args->quoka, m->cfg.n_kv_heads, seq->len + args->n_tokens, err));
+    kf_status rc = KF_OK;
     for (int c0 = 0; c0 < args->n_tokens; c0 += chunk) {
-        const int n = args->n_tokens - c0 < chunk ? args->n_tokens - c0 : chunk;
-        const int64_t start = seq->len; /* keys before this chunk */
-        for (int i = 0; i < n; i++)
-            pos[i] = start + i + args->pos_offset;
-
-        b->embed(b, s.x, m->embed, args->ids + c0, n, H);
-        if (args->hidden)
-            capture(b, args->hidden[0], s.x, H, cr, nc, c0, n);
-
-        for (int l = 0; l < L; l++) {
-            const layer_weights *w = &m->layers[l];
-            b->rmsnorm(b, s.xn, H, s.x, H, w->attn_norm, n, H, eps);
-            b->matmul(b, s.q, QD, s.xn, H, w->wq, n, QD, H, 0);
-            b->matmul(b, s.k, KD, s.xn, H, w->wk, n, KD, H, 0);
-            b->matmul(b, s.v, KD, s.xn, H, w->wv, n, KD, H, 0);
-            if (c->has_qk_norm) {
-                b->rmsnorm(b, s.q, hd, s.q, hd, w->q_norm, n * nh, hd, eps);
-                b->rmsnorm(b, s.k, hd, s.k, hd, w->k_norm, n * kvh, hd, eps);
-            }
-            b->rope(b, s.q, QD, n, nh, hd, pos, m->inv_freq);
-            b->rope(b, s.k, KD, n, kvh, hd, pos, m->inv_freq);
-            if (args->queries)
-                capture(b, args->queries[l], s.q, QD, cr, nc, c0, n);
-
-            const kf_paged_kv kv = kf_arena_layer(a, l);
-            b->kv_store(b, &kv, seq->pages, start, n, s.k, s.v);
-            kf_attn_args at = {
-                .q = s.q, .q_stride = QD, .out = s.att, .out_stride = QD,
-                .n_q = n, .n_heads = nh, .n_keys = (int)(start + n),
-                .pages = seq->pages, .kv = kv, .scale = 1.0f / sqrtf((float)hd),
-                .bias = args->key_bias ? args->key_bias[l] : NULL,
-                .bias_stride = (size_t)args->key_bias_len, .bias_len = args->key_bias_len,
-            };
-            if (qws.idx)
-                kf_quoka_attention(&qws, &at);
-            else
-                b->attention(b, &at);
-            b->matmul(b, s.x, H, s.att, QD, w->wo, n, H, QD, 1); /* x += att Wo^T */
-
-            b->rmsnorm(b, s.xn, H, s.x, H, w->mlp_norm, n, H, eps);
-            b->matmul(b, s.gate, I, s.xn, H, w->w_gate, n, I, H, 0);
-            b->matmul(b, s.up, I, s.xn, H, w->w_up, n, I, H, 0);
-            b->silu_mul(b, s.gate, s.up, n, I);
-            b->matmul(b, s.x, H, s.gate, I, w->w_down, n, H, I, 1); /* x += mlp */
-            if (args->hidden && l + 1 < L)
-                capture(b, args->hidden[l + 1], s.x, H, cr, nc, c0, n);
-        }
-        if (args->hidden && args->hidden[L]) {
-            b->rmsnorm(b, s.xn, H, s.x, H, m->final_norm, n, H, eps);
-            capture(b, args->hidden[L], s.xn, H, cr, nc, c0, n);
-        }
-        if (args->n_logit_rows > 0)
-            chunk_logits(m, &s, args, c0, n);
+        const chunk_span cs = {.c0 = c0, .n = args->n_tokens - c0 < chunk ? args->n_tokens - c0 : chunk,
+                               .start = seq->len};
+        chunk_forward(m, p, a, seq, args, &qws, cs);
         if (b->take_error(b)) {
             rc = kf_fail(err, KF_ERR_NOMEM, "forward: the %s backend ran out of memory at tokens [%lld, %lld)", b->name,
-                         (long long)start, (long long)(start + n));
+                         (long long)cs.start, (long long)(cs.start + cs.n));
             break;
         }
-        seq->len = start + n;
+        seq->len = cs.start + cs.n;
         if (args->progress)
-            args->progress(args->progress_ctx, c0 + n, args->n_tokens);
+            args->progress(args->progress_ctx, c0 + cs.n, args->n_tokens);
     }
     kf_quoka_ws_free(&qws);
-    free(pos);
-    scratch_free(b, &s);
     return rc;
 }

@@ -31,6 +31,28 @@
 
 typedef struct kf_model kf_model;
 
+/* An execution plan for the forward pass: its scratch memory, allocated once and reused by every
+ * kf_model_forward that runs with it. A call that needs more (a longer chunk, more logit rows)
+ * grows it once; nothing else is allocated per call or per chunk (with dense attention; QUOKA
+ * keeps a selection index of 4 * kv_heads * context bytes per call, and the CPU backend's
+ * attention keeps its own gather buffers, grown to the longest context it has seen).
+ * A forward without a plan uses the model's own (made at its first forward, grown likewise,
+ * freed with the model); greedy decoding (compactor/engine) brings its own, so every generated
+ * token runs without an allocation. Calls sharing a plan, or a model's plan, must not overlap.
+ *
+ * Memory, in backend memory, for chunks of C tokens and lm_head batches of R rows
+ * (R = min(logit rows of a call, KF_PLAN_LOGIT_ROWS)), with H hidden, I intermediate,
+ * QD = n_heads * head_dim, KD = kv_heads * head_dim, V vocab (kf_forward_plan_bytes):
+ *     4 C (2 H + 2 QD + 2 KD + 2 I) + 4 R (H + V) + 8 C bytes
+ * e.g. Qwen3-0.6B (H 1024, I 3072, QD 2048, KD 1024, V 151936) at C = 512, R = 32:
+ *     29.4 MB + 19.6 MB = 49 MB; at C = 1, R = 1 (a decoding step): 0.67 MB.
+ * Beside it, for a context of N keys, the CPU backend's attention keeps the gathered keys and
+ * values and one score tile per pool thread (T threads): 8 N KD + 512 T N bytes, grown in steps
+ * of at least half again (so up to 1.5 times that); 0.6B at N = 2,048, T = 2: 18.9 MB. */
+typedef struct kf_forward_plan kf_forward_plan;
+
+#define KF_PLAN_LOGIT_ROWS 32 /* lm_head rows per batch, at most */
+
 typedef struct {
     const int32_t *ids;            /* [n_tokens] tokens to append */
     int n_tokens;
@@ -53,6 +75,8 @@ typedef struct {
 
     void (*progress)(void *ctx, int64_t done, int64_t total); /* called after each chunk */
     void *progress_ctx;
+
+    kf_forward_plan *plan;         /* NULL: the model's own plan */
 } kf_forward_args;
 
 kf_status kf_model_load(kf_model **out, const char *dir, kf_backend *backend, kf_error *err);
@@ -71,5 +95,17 @@ const double *kf_model_inv_freq(const kf_model *m);
 kf_status kf_model_arena(const kf_model *m, kf_arena *a, int64_t n_tokens, kf_error *err);
 
 kf_status kf_model_forward(kf_model *m, kf_arena *a, kf_seq *seq, const kf_forward_args *args, kf_error *err);
+
+/* A plan for model m with room for chunks of `chunk` tokens and `logit_rows` logit rows per call
+ * (0, 0: empty, grown by the first forward). */
+kf_status kf_forward_plan_create(kf_forward_plan **out, kf_model *m, int chunk, int logit_rows, kf_error *err);
+void kf_forward_plan_free(kf_forward_plan *p);
+/* The memory formula above, in bytes. */
+size_t kf_forward_plan_bytes(const kf_hfconfig *c, int chunk, int logit_rows);
+/* The bytes plan p holds now, and how many times its buffers were (re)allocated. */
+size_t kf_forward_plan_size(const kf_forward_plan *p, const kf_model *m);
+int64_t kf_forward_plan_allocs(const kf_forward_plan *p);
+/* The model's own plan: NULL until a forward without a plan has run. */
+const kf_forward_plan *kf_model_plan(const kf_model *m);
 
 #endif

@@ -98,8 +98,10 @@ static kf_status parse_rope(kf_hfconfig *cfg, json_t *rope, const char *where, c
         return kf_fail(err, KF_ERR_UNSUPPORTED, "%s: unknown rope type '%s' (supported: default, linear, llama3)",
                        name, type);
     }
-    if ((cfg->rope.type != KF_ROPE_TYPE_DEFAULT) && !(cfg->rope.factor > 0))
-        return kf_fail(err, KF_ERR_FORMAT, "%s: %s.factor must be positive", name, where);
+    /* a scaling factor stretches positions; below 1 (or tiny: found by fuzz_hfconfig) the inverse
+     * frequencies divided by it can overflow to infinity */
+    if ((cfg->rope.type != KF_ROPE_TYPE_DEFAULT) && !(cfg->rope.factor >= 1))
+        return kf_fail(err, KF_ERR_FORMAT, "%s: %s.factor must be at least 1, not %g", name, where, cfg->rope.factor);
     json_t *th = json_object_get(rope, "rope_theta");
     if (th && !json_is_null(th)) {
         if (!json_is_number(th))
@@ -221,8 +223,9 @@ static kf_status parse_root(kf_hfconfig *cfg, json_t *root, const char *name, kf
             return kf_fail(err, KF_ERR_FORMAT, "%s: field 'rope_scaling' must be an object or null", name);
         KF_TRY(parse_rope(cfg, scaling, "rope_scaling", name, err));
     }
-    if (!(cfg->rope.theta > 0))
-        return kf_fail(err, KF_ERR_FORMAT, "%s: rope_theta must be positive", name);
+    /* theta^(-2i/d) stays within [1/theta, 1]: finite for any theta >= 1 (a base below 1 is no RoPE) */
+    if (!(cfg->rope.theta >= 1))
+        return kf_fail(err, KF_ERR_FORMAT, "%s: rope_theta must be at least 1, not %g", name, cfg->rope.theta);
 
     KF_TRY(parse_token_ids(cfg, root, name, err));
     json_t *dt = json_object_get(root, "dtype");

@@ -31,6 +31,7 @@ void kvf_header_init(kvf_header *h) {
     snprintf(h->placeholder, sizeof h->placeholder, "digest");
     h->dtype = KVF_BF16;
     h->block_size = KVF_BLOCK;
+    memset(h->recipe_digest, '0', KVF_DIGEST_LEN);
 }
 
 const char *kvf_method_name(kvf_method m) {
@@ -56,8 +57,8 @@ int kvf_dtype_parse(const char *s, kvf_dtype *out) {
     static const struct {
         const char *name;
         kvf_dtype d;
-    } names[] = {{"bfloat16", KVF_BF16}, {"bf16", KVF_BF16}, {"float16", KVF_F16}, {"f16", KVF_F16},
-                 {"fp16", KVF_F16},      {"float32", KVF_F32}, {"f32", KVF_F32},   {"fp32", KVF_F32}};
+    } names[] = {{"bfloat16", KVF_BF16}, {"bf16", KVF_BF16},   {"float16", KVF_F16}, {"f16", KVF_F16},
+                 {"fp16", KVF_F16},      {"float32", KVF_F32}, {"f32", KVF_F32},     {"fp32", KVF_F32}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (strcmp(s, names[i].name) == 0) {
             *out = names[i].d;
@@ -144,7 +145,8 @@ static int make_dirs(char *path) {
 }
 
 kf_status kvf_cache_path(const char *root, const char *model_fp, const char *doc_digest, kvf_method method,
-                         double budget, bool create_dirs, char *out, size_t out_len, kf_error *err) {
+                         double budget, const char *recipe_digest, bool create_dirs, char *out, size_t out_len,
+                         kf_error *err) {
     if (!root || !*root)
         return kf_fail(err, KF_ERR_INVALID, "kvf: empty cache root");
     if (!model_fp || !is_hex(model_fp, KVF_DIGEST_LEN))
@@ -155,8 +157,11 @@ kf_status kvf_cache_path(const char *root, const char *model_fp, const char *doc
                        doc_digest ? doc_digest : "(null)", KVF_DIGEST_LEN);
     if ((unsigned)method > KVF_METHOD_FOLD)
         return kf_fail(err, KF_ERR_INVALID, "kvf: unknown method %d", (int)method);
-    if (!isfinite(budget) || budget <= 0)
-        return kf_fail(err, KF_ERR_INVALID, "kvf: budget %g must be positive", budget);
+    if (!recipe_digest || !is_hex(recipe_digest, KVF_DIGEST_LEN))
+        return kf_fail(err, KF_ERR_INVALID, "kvf: recipe digest '%s' is not %d hex digits",
+                       recipe_digest ? recipe_digest : "(null)", KVF_DIGEST_LEN);
+    if (!isfinite(budget) || budget <= 0 || budget > 1)
+        return kf_fail(err, KF_ERR_INVALID, "kvf: budget %g must be in (0, 1]", budget);
     char b[32];
     kvf_format_budget(budget, b, sizeof b);
     size_t rl = strlen(root);
@@ -167,7 +172,8 @@ kf_status kvf_cache_path(const char *root, const char *model_fp, const char *doc
         return kf_fail(err, KF_ERR_INVALID, "kvf: cache path under '%s' is too long", root);
     if (create_dirs && make_dirs(out) != 0)
         return kf_fail(err, KF_ERR_IO, "kvf: cannot create directory %s: %s", out, strerror(errno));
-    int m = snprintf(out + n, out_len - (size_t)n, "/%s.%s-%s.kvf", doc_digest, kvf_method_name(method), b);
+    int m = snprintf(out + n, out_len - (size_t)n, "/%s.%s-%s.%.16s.kvf", doc_digest, kvf_method_name(method), b,
+                     recipe_digest);
     if (m < 0 || (size_t)m >= out_len - (size_t)n)
         return kf_fail(err, KF_ERR_INVALID, "kvf: cache path under '%s' is too long", root);
     return KF_OK;
@@ -277,7 +283,7 @@ uint16_t kvf_f32_to_f16(float x) {
         return sign | 0x7e00 | (uint16_t)((a >> 13) & 0x3ff);
     if (a >= 0x477ff000u) /* >= 65520 rounds to infinity */
         return sign | 0x7c00;
-    if (a < 0x38800000u) { /* below 2^-14: a subnormal half (or zero) */
+    if (a < 0x38800000u) {   /* below 2^-14: a subnormal half (or zero) */
         if (a < 0x33000000u) /* below 2^-25 */
             return sign;
         uint32_t e = a >> 23, m = (a & 0x7fffffu) | 0x800000u;
@@ -320,6 +326,10 @@ void kvf_convert_to(kvf_dtype d, const float *src, void *dst, size_t n) {
     else
         for (size_t i = 0; i < n; i++)
             o[i] = kvf_f32_to_f16(src[i]);
+}
+
+void kvf_to_f32(kvf_dtype d, const void *src, float *dst, size_t n) {
+    kvf_convert_from(d, src, dst, n);
 }
 
 void kvf_convert_from(kvf_dtype d, const void *src, float *dst, size_t n) {
@@ -432,10 +442,62 @@ static inline uint64_t fold16(uint64_t x) {
     return x ? (x - 1) % 65535 + 1 : 0;
 }
 
+/* AVX2 where the CPU has it (GCC picks the clone at load time) */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define KVF_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define KVF_CLONES
+#endif
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define KVF_FLETCHER_AVX2 1
+enum { FL_T = 128 }; /* 32-byte vectors per block: 2,048 words; lane sums stay below 2^30 */
+
+/* One block of 16 * FL_T big-endian words at p: A = sum w_j, B = sum (N - j) w_j, N = 16 FL_T.
+ * Each 32-bit lane keeps its running sum (w) and the sum of running sums (s), adds only; the
+ * lanes are told apart at the end (unpacklo/hi interleave words 0-3, 8-11 / 4-7, 12-15). */
+__attribute__((target("avx2"))) static void fletcher_block_avx2(const unsigned char *p, uint64_t *A, uint64_t *B) {
+    const __m256i swap = _mm256_setr_epi8(1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14, 1, 0, 3, 2, 5, 4, 7, 6,
+                                          9, 8, 11, 10, 13, 12, 15, 14);
+    const __m256i z = _mm256_setzero_si256();
+    __m256i w1 = z, w2 = z, s1 = z, s2 = z;
+    for (int t = 0; t < FL_T; t++) {
+        __m256i x = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(const void *)(p + 32 * t)), swap);
+        w1 = _mm256_add_epi32(w1, _mm256_unpacklo_epi16(x, z));
+        w2 = _mm256_add_epi32(w2, _mm256_unpackhi_epi16(x, z));
+        s1 = _mm256_add_epi32(s1, w1);
+        s2 = _mm256_add_epi32(s2, w2);
+    }
+    uint32_t a1[8], a2[8], b1[8], b2[8];
+    _mm256_storeu_si256((__m256i *)(void *)a1, w1);
+    _mm256_storeu_si256((__m256i *)(void *)a2, w2);
+    _mm256_storeu_si256((__m256i *)(void *)b1, s1);
+    _mm256_storeu_si256((__m256i *)(void *)b2, s2);
+    static const uint64_t i1[8] = {0, 1, 2, 3, 8, 9, 10, 11}, i2[8] = {4, 5, 6, 7, 12, 13, 14, 15};
+    uint64_t a = 0, b = 0;
+    for (int k = 0; k < 8; k++) {
+        a += (uint64_t)a1[k] + a2[k];
+        b += 16 * ((uint64_t)b1[k] + b2[k]) - i1[k] * a1[k] - i2[k] * a2[k]; /* exact mod 2^64 */
+    }
+    *A = a;
+    *B = b;
+}
+#endif
+
 uint32_t kvf_fletcher32(const void *data, size_t n) {
     const unsigned char *p = data;
     uint64_t s1 = 0, s2 = 0;
     size_t words = n / 2;
+#ifdef KVF_FLETCHER_AVX2
+    if (words >= 16 * (size_t)FL_T && __builtin_cpu_supports("avx2"))
+        for (; words >= 16 * (size_t)FL_T; words -= 16 * (size_t)FL_T, p += 32 * FL_T) {
+            uint64_t A, B;
+            fletcher_block_avx2(p, &A, &B);
+            s2 = fold16(s2 + 16 * (uint64_t)FL_T * s1 + B);
+            s1 = fold16(s1 + A);
+        }
+#endif
     while (words > 0) {
         /* 64-bit sums: a fold every 2^16 words keeps s2 below 2^50 */
         size_t k = words < ((size_t)1 << 16) ? words : (size_t)1 << 16;
@@ -480,6 +542,32 @@ bool kvf_is_hex(const char *s, size_t len) {
     return is_hex(s, len);
 }
 
+bool kvf_is_clean_utf8(const char *s) {
+    const unsigned char *p = (const unsigned char *)s;
+    while (*p) {
+        unsigned c = *p;
+        int n = c < 0x80 ? 0 : (c & 0xe0) == 0xc0 ? 1 : (c & 0xf0) == 0xe0 ? 2 : (c & 0xf8) == 0xf0 ? 3 : -1;
+        if (n < 0 || (n == 0 && (c < 0x20 || c == 0x7f)))
+            return false;
+        uint32_t cp = n == 0 ? c : n == 1 ? c & 0x1f : n == 2 ? c & 0x0f : c & 0x07;
+        for (int i = 1; i <= n; i++) {
+            if ((p[i] & 0xc0) != 0x80)
+                return false;
+            cp = cp << 6 | (p[i] & 0x3f);
+        }
+        /* overlong forms, surrogates, beyond U+10FFFF */
+        if ((n == 1 && cp < 0x80) || (n == 2 && cp < 0x800) || (n == 3 && cp < 0x10000) || cp > 0x10ffff ||
+            (cp >= 0xd800 && cp <= 0xdfff))
+            return false;
+        p += n + 1;
+    }
+    return true;
+}
+
+static bool str_ok(const char *s, size_t cap) {
+    return strnlen(s, cap) < cap && kvf_is_clean_utf8(s);
+}
+
 kf_status kvf_header_check(const kvf_header *h, const char *path, kf_error *err) {
     if (!is_hex(h->model_fingerprint, KVF_DIGEST_LEN))
         return kf_fail(err, KF_ERR_FORMAT, "%s: model_fingerprint '%.40s' is not %d lowercase hex digits", path,
@@ -487,13 +575,16 @@ kf_status kvf_header_check(const kvf_header *h, const char *path, kf_error *err)
     if (!is_hex(h->document_digest, KVF_DIGEST_LEN))
         return kf_fail(err, KF_ERR_FORMAT, "%s: document_digest '%.40s' is not %d lowercase hex digits", path,
                        h->document_digest, KVF_DIGEST_LEN);
+    if (!is_hex(h->recipe_digest, KVF_DIGEST_LEN))
+        return kf_fail(err, KF_ERR_FORMAT, "%s: recipe_digest '%.40s' is not %d lowercase hex digits", path,
+                       h->recipe_digest, KVF_DIGEST_LEN);
     size_t tl = strnlen(h->tokenizer_digest, sizeof h->tokenizer_digest);
     if (tl == sizeof h->tokenizer_digest || !is_hex(h->tokenizer_digest, tl))
         return kf_fail(err, KF_ERR_FORMAT, "%s: tokenizer_digest '%.70s' is not empty or up to 64 lowercase hex digits",
                        path, h->tokenizer_digest);
-    if (strnlen(h->creator, sizeof h->creator) == sizeof h->creator ||
-        strnlen(h->placeholder, sizeof h->placeholder) == sizeof h->placeholder)
-        return kf_fail(err, KF_ERR_FORMAT, "%s: creator or placeholder is not a terminated string", path);
+    if (!str_ok(h->creator, sizeof h->creator) || !str_ok(h->placeholder, sizeof h->placeholder))
+        return kf_fail(err, KF_ERR_FORMAT, "%s: creator or placeholder is not a terminated, printable UTF-8 string",
+                       path);
     if ((unsigned)h->method > KVF_METHOD_FOLD || (unsigned)h->dtype > KVF_F32 ||
         (unsigned)h->rope_frame > KVF_FRAME_ORIGINAL)
         return kf_fail(err, KF_ERR_FORMAT, "%s: method, dtype or rope_frame out of range", path);
@@ -501,18 +592,157 @@ kf_status kvf_header_check(const kvf_header *h, const char *path, kf_error *err)
         h->head_dim > 65536)
         return kf_fail(err, KF_ERR_FORMAT, "%s: shape n_layers %d, kv_heads %d, head_dim %d is out of range", path,
                        h->n_layers, h->kv_heads, h->head_dim);
-    if (h->n_doc_tokens < 1 || h->n_tokens < 1 || h->n_tokens > ((int64_t)1 << 31))
-        return kf_fail(err, KF_ERR_FORMAT, "%s: lengths D = %lld, C = %lld are out of range", path,
+    if (h->n_doc_tokens < 1 || h->n_doc_tokens > INT32_MAX || h->n_tokens < 1 || h->n_tokens > h->n_doc_tokens)
+        return kf_fail(err, KF_ERR_FORMAT, "%s: lengths D = %lld, C = %lld: need 1 <= C <= D <= 2^31 - 1", path,
                        (long long)h->n_doc_tokens, (long long)h->n_tokens);
+    /* a layer's elements (and so every size below) stay far from overflow: C * H * D < 2^40 */
     if ((double)h->n_tokens * h->kv_heads * h->head_dim > (double)((int64_t)1 << 40))
-        return kf_fail(err, KF_ERR_FORMAT, "%s: a layer of C = %lld tokens is too large", path,
-                       (long long)h->n_tokens);
+        return kf_fail(err, KF_ERR_FORMAT, "%s: a layer of C = %lld tokens is too large", path, (long long)h->n_tokens);
+    /* HDF5 chunks stay below 4 GiB: a K/V block [16, H, D] and a side layer [H, C] */
+    if ((int64_t)h->kv_heads * h->head_dim > ((int64_t)1 << 24) ||
+        (int64_t)h->kv_heads * h->n_tokens > ((int64_t)1 << 29))
+        return kf_fail(err, KF_ERR_FORMAT, "%s: kv_heads %d x head_dim %d x C %lld is too large for one chunk", path,
+                       h->kv_heads, h->head_dim, (long long)h->n_tokens);
     if (h->block_size != KVF_BLOCK)
-        return kf_fail(err, KF_ERR_FORMAT, "%s: block_size %d (version %d uses %d)", path, h->block_size,
-                       KVF_VERSION, KVF_BLOCK);
-    if (!isfinite(h->budget) || h->budget <= 0)
-        return kf_fail(err, KF_ERR_FORMAT, "%s: budget %g must be positive", path, h->budget);
+        return kf_fail(err, KF_ERR_FORMAT, "%s: block_size %d (version %d uses %d)", path, h->block_size, KVF_VERSION,
+                       KVF_BLOCK);
+    if (!isfinite(h->budget) || h->budget <= 0 || h->budget > 1)
+        return kf_fail(err, KF_ERR_FORMAT, "%s: budget %g must be in (0, 1]", path, h->budget);
     if (!isfinite(h->lambda) || h->lambda < 0)
-        return kf_fail(err, KF_ERR_FORMAT, "%s: lambda %g must be non-negative", path, h->lambda);
+        return kf_fail(err, KF_ERR_FORMAT, "%s: lambda %g must be finite and non-negative", path, h->lambda);
     return KF_OK;
 }
+
+/* ---- values and digests ---- */
+
+KVF_CLONES int64_t kvf_first_nonfinite(kvf_dtype d, const void *x, size_t n) {
+    /* a vectorizable OR over all elements first; the index only when something is wrong */
+    int bad = 0;
+    if (d == KVF_F32) {
+        const uint32_t *p = x;
+        for (size_t i = 0; i < n; i++)
+            bad |= (p[i] & 0x7f800000u) == 0x7f800000u;
+    } else {
+        const uint16_t *p = x;
+        const uint16_t m = d == KVF_BF16 ? 0x7f80 : 0x7c00;
+        for (size_t i = 0; i < n; i++)
+            bad |= (p[i] & m) == m;
+    }
+    if (!bad)
+        return -1;
+    for (size_t i = 0; i < n; i++) {
+        bool nf = d == KVF_F32 ? (((const uint32_t *)x)[i] & 0x7f800000u) == 0x7f800000u
+                               : (((const uint16_t *)x)[i] & (d == KVF_BF16 ? 0x7f80 : 0x7c00)) ==
+                                     (d == KVF_BF16 ? 0x7f80 : 0x7c00);
+        if (nf)
+            return (int64_t)i;
+    }
+    return -1;
+}
+
+kf_status kvf_check_side(const kvf_header *h, const char *path, int layer, const float *beta, const float *u,
+                         const int32_t *pos, const uint8_t *hm, kf_error *err) {
+    const size_t H = (size_t)h->kv_heads, C = (size_t)h->n_tokens, D = (size_t)h->head_dim;
+    for (size_t i = 0; i < H * C; i++) {
+        if (pos[i] < -1 || pos[i] >= h->n_doc_tokens)
+            return kf_fail(err, KF_ERR_FORMAT,
+                           "%s: position %d of layer %d, head %zu, slot %zu is outside [0, D = %lld)", path,
+                           (int)pos[i], layer, i / C, i % C, (long long)h->n_doc_tokens);
+        if (!isfinite(beta[i]) && !(beta[i] == -INFINITY && pos[i] == -1))
+            return kf_fail(
+                err, KF_ERR_FORMAT,
+                "%s: beta %g of layer %d, head %zu, slot %zu is not finite (only a padding slot may hold -inf)", path,
+                (double)beta[i], layer, i / C, i % C);
+    }
+    for (size_t i = 0; i < H * D; i++)
+        if (!isfinite(u[i]))
+            return kf_fail(err, KF_ERR_FORMAT, "%s: u of layer %d, head %zu is not finite", path, layer, i / D);
+    for (size_t i = 0; i < H; i++)
+        if (hm[i] > KVF_METHOD_FOLD)
+            return kf_fail(err, KF_ERR_FORMAT, "%s: head_method %u of layer %d, head %zu is not a method (0..3)", path,
+                           hm[i], layer, i);
+    return KF_OK;
+}
+
+void kvf_layer_digest_finish(const kvf_header *h, int layer, void *state, const float *beta, const float *u,
+                             const int32_t *pos, const uint8_t *hm, uint8_t out[16]) {
+    const size_t H = (size_t)h->kv_heads, C = (size_t)h->n_tokens, D = (size_t)h->head_dim;
+    XXH3_state_t *st = state;
+    kvf_hash_update(st, beta, H * C * 4);
+    kvf_hash_update(st, u, H * D * 4);
+    kvf_hash_update(st, pos, H * C * 4);
+    XXH3_128bits_update(st, hm, H);
+    uint8_t l8[8];
+    for (int b = 0; b < 8; b++)
+        l8[b] = (uint8_t)((uint64_t)layer >> (8 * b));
+    XXH3_128bits_update(st, l8, 8);
+    XXH128_canonical_t c;
+    XXH128_canonicalFromHash(&c, XXH3_128bits_digest(st));
+    memcpy(out, c.digest, 16);
+}
+
+void kvf_layer_digest(const kvf_header *h, int layer, const void *k, const void *v, const float *beta, const float *u,
+                      const int32_t *pos, const uint8_t *hm, uint8_t out[16]) {
+    const size_t kv = (size_t)h->n_tokens * (size_t)h->kv_heads * (size_t)h->head_dim * kvf_dtype_size(h->dtype);
+    XXH3_state_t st;
+    XXH3_128bits_reset(&st);
+    kvf_hash_update(&st, k, kv);
+    kvf_hash_update(&st, v, kv);
+    kvf_layer_digest_finish(h, layer, &st, beta, u, pos, hm, out);
+}
+
+void kvf_payload_digest(const uint8_t *layer_digests, int n_layers, char out[KVF_DIGEST_LEN + 1]) {
+    XXH3_state_t st;
+    XXH3_128bits_reset(&st);
+    XXH3_128bits_update(&st, layer_digests, (size_t)n_layers * 16);
+    uint8_t l8[8];
+    for (int b = 0; b < 8; b++)
+        l8[b] = (uint8_t)((uint64_t)n_layers >> (8 * b));
+    XXH3_128bits_update(&st, l8, 8);
+    XXH128_hash_t hh = XXH3_128bits_digest(&st);
+    snprintf(out, KVF_DIGEST_LEN + 1, "%016llx%016llx", (unsigned long long)hh.high64, (unsigned long long)hh.low64);
+}
+
+/* ---- XXH3 updates with AVX2 ----
+ * The system libxxhash is built for SSE2; the same algorithm with AVX2 (xxhash.h inlined for
+ * this one function, XXH_VECTOR = AVX2) runs about twice as fast and gives the same digests
+ * (test_kvf_integrity compares a file's layer digests with libxxhash's). The state is the
+ * library's XXH3_state_t: the inlined code has the same layout (same header). Kept at the end of
+ * the file: the inlined header renames the XXH3 functions for everything below it. */
+static void hash_update_lib(void *st, const void *p, size_t n) {
+    XXH3_128bits_update(st, p, n);
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(KVF_NO_AVX2_HASH)
+#ifdef __clang__
+#pragma clang attribute push(__attribute__((target("avx2"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2")
+#endif
+#define XXH_INLINE_ALL
+#define XXH_VECTOR 2 /* XXH_AVX2 */
+#include <xxhash.h>
+static void hash_update_avx2(void *st, const void *p, size_t n) {
+    XXH3_128bits_update((XXH3_state_t *)st, p, n);
+}
+#ifdef __clang__
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+void kvf_hash_update(void *xxh3_state, const void *p, size_t n) {
+    static int avx2 = -1;
+    if (avx2 < 0)
+        avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+    if (avx2)
+        hash_update_avx2(xxh3_state, p, n);
+    else
+        hash_update_lib(xxh3_state, p, n);
+}
+#else
+void kvf_hash_update(void *xxh3_state, const void *p, size_t n) {
+    hash_update_lib(xxh3_state, p, n);
+}
+#endif

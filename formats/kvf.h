@@ -1,59 +1,96 @@
 /* kvf.h — the kvfold cache file: the compacted KV cache of one document for one model, in HDF5.
  *
- * Format "kvfold-kvf", version 1 (HDF5 1.8+ file format; readable by h5py and h5dump).
+ * Format "kvfold-kvf", version 2. HDF5 file format of the latest library version (superblock 3,
+ * version-2 object headers: every piece of metadata carries a Jenkins checksum, which readers
+ * require); readable by h5py and h5dump (HDF5 1.10+). Version 1 files are refused with a message
+ * that says to recompact.
  *
- *   Root attributes (strings: variable-length UTF-8; integers: int64; reals: float64)
+ *   Root attributes (strings: fixed-length, null-terminated, UTF-8; integers: int64 LE; reals:
+ *   float64 LE). Readers check every value, not only its presence and type.
  *     format             "kvfold-kvf"
- *     version            1; readers refuse any other version, naming it
- *     creator            "kvfold <version>" of the writer
+ *     version            2; readers refuse any other version, naming it
+ *     creator            "kvfold <version>" of the writer (printable UTF-8)
  *     model_fingerprint  32 lowercase hex digits: kf_model_fingerprint (config, tensor index, weights)
  *     tokenizer_digest   lowercase hex digits (up to 64), or "" when unknown (ids given directly)
  *     document_digest    32 lowercase hex digits: kvf_document_digest() of the document's token ids
- *     n_doc_tokens       D, the document's length in tokens (>= 1)
- *     n_tokens           C, the compacted length: the number of cache slots (1 <= C)
- *     method             "keep" (the full cache, C = D), "drop" (kept keys, no bias), "am" (Attention
- *                        Matching: kept keys, bias beta, refitted values), "fold" (beta folded into the
- *                        keys along u, values refitted without bias)
- *     budget             the target C / D the compactor was given (> 0)
- *     lambda             the fold's ridge lambda (0 unless fold)
+ *     recipe_digest      32 lowercase hex digits: the compaction recipe (kf_recipe_digest in
+ *                        compactor/recipe.h); its first 16 digits are part of the file name
+ *     payload_digest     32 lowercase hex digits: XXH3-128 of the payload (see "Payload digest")
+ *     n_doc_tokens       D, the document's length in tokens: 1 <= D <= 2^31 - 1
+ *     n_tokens           C, the compacted length: the number of cache slots, 1 <= C <= D
+ *     method             "keep" (top-t keys, original values), "drop" (kept keys, values refitted,
+ *                        no bias), "am" (Attention Matching: kept keys, bias beta, refitted values),
+ *                        "fold" (beta folded into the keys along u, values refitted without bias)
+ *     budget             the target C / D the compactor was given, in (0, 1]
+ *     lambda             the fold's ridge lambda (0 unless fold), finite and >= 0
  *     rope_frame         "compacted": keys were rotated by -(D - C) positions, so the question's token i
  *                        sits at position C + i (what a paged engine does after a prefix of C tokens);
  *                        "original": keys are in the AM frame, the question starts at position D
  *     placeholder        how the serving side derives the C placeholder token ids (e.g. "digest")
  *     dtype              element type of keys and values: "bfloat16", "float16" or "float32"
- *     n_layers, kv_heads, head_dim
+ *     n_layers (1..4096), kv_heads (1..4096), head_dim (1..65536)
  *     block_size         16: tokens per chunk of keys/values (vLLM's block size)
  *
- *   Datasets
+ *   Datasets (every one chunked with exactly one filter, Fletcher32; every chunk must be present
+ *   and stored with filter mask 0; HDF5 fill values are never read)
  *     keys, values  [n_layers, C, kv_heads, head_dim], token-major, exactly what goes into the paged
  *                   blocks. Chunk [1, 16, kv_heads, head_dim]: one 16-token block of one layer (the
- *                   last block of a layer may be short). Fletcher32 checksum filter on every chunk.
+ *                   last block of a layer is padded with zeros to 16 tokens).
  *                   Element type by dtype: float32 = IEEE binary32 LE; float16 = IEEE binary16 LE (an
  *                   HDF5 float of size 2, numpy float16); bfloat16 = uint16 LE holding the bf16 bits
  *                   (HDF5 has no bfloat16; a custom 16-bit float would read as float16 in h5py).
- *                   Each carries a string attribute "dtype" equal to the root's.
+ *                   Each carries a string attribute "dtype" equal to the root's. Every element is
+ *                   finite.
  *     beta          [n_layers, kv_heads, C] float32: AM's additive attention bias of each slot
- *                   (0 for keep and drop; already inside the keys for fold)
- *     u             [n_layers, kv_heads, head_dim] float32: the fold direction (zeros unless fold)
+ *                   (0 for keep and drop; already inside the keys for fold); finite, or -inf in a
+ *                   padding slot (position -1)
+ *     u             [n_layers, kv_heads, head_dim] float32: the fold direction (zeros unless fold);
+ *                   finite
  *     positions     [n_layers, kv_heads, C] int32: the original position of each slot's key in the
- *                   document, per head (AM keeps different keys per head); -1 marks a padding slot
- *     beta, u and positions are chunked one layer per chunk, also with Fletcher32.
- *   Readers of version 1 ignore any other attribute or dataset.
+ *                   document, per head (AM keeps different keys per head), in [0, D); -1 marks a
+ *                   padding slot
+ *     head_method   [n_layers, kv_heads] uint8: the method (0 keep, 1 drop, 2 am, 3 fold) each head
+ *                   was compacted with (all equal to `method` unless the compactor chose per head)
+ *     beta, u, positions and head_method are chunked one layer per chunk.
+ *     layer_digest  [n_layers, 16] uint8, one chunk: the XXH3-128 digest of each layer (below), in
+ *                   XXH's canonical (big-endian) byte order
+ *   Readers of version 2 ignore any other attribute or dataset.
+ *
+ *   Payload digest. layer_digest[l] = XXH3-128 of, in this order: keys[l] and values[l] as stored
+ *   ([C, kv_heads, head_dim] elements, LE, no padding), beta[l] ([kv_heads, C] float32 LE), u[l]
+ *   ([kv_heads, head_dim] float32 LE), positions[l] ([kv_heads, C] int32 LE), head_method[l]
+ *   ([kv_heads] bytes), then l as uint64 LE. payload_digest = XXH3-128 of layer_digest[0..L) (16
+ *   bytes each) followed by L as uint64 LE, as 32 hex digits (high 64 bits first). kvf_open checks
+ *   the layer digests against payload_digest; every full read of a layer (kvf_read_layer*,
+ *   kvf_read_layer_all, kvf_verify) checks that layer against its digest, so a swapped, missing,
+ *   zeroed or altered chunk is refused even where its Fletcher32 sum holds.
  *
  * Files and names
- *   - Content-addressed: <root>/<model_fingerprint>/<document_digest>.<method>-<budget>.kvf, budget in
- *     its shortest round-trip decimal form ("0.1", "0.25", "1"): kvf_cache_path().
- *   - kvf_write() writes <final>.tmp-<pid>-<16 hex> in the same directory, fsyncs it, renames it over
- *     the final name and fsyncs the directory: a reader sees no file or a complete one, and two
- *     writers of the same name leave one complete file. A killed writer leaves only a temporary
- *     name, which kvf_open() refuses and kvf_clean_temps() removes once old enough.
+ *   - Content-addressed: <root>/<model_fingerprint>/<document_digest>.<method>-<budget>.<recipe16>.kvf,
+ *     budget in its shortest round-trip decimal form ("0.1", "0.25", "1"), recipe16 the first 16
+ *     hex digits of recipe_digest: kvf_cache_path().
+ *   - kvf_write() builds the file in memory (HDF5's core driver, every chunk written directly with
+ *     its Fletcher32 sum; the memory holds one file image, about the size of the file), then
+ *     writes it with plain pwrite() calls (64 KiB each) to <final>.tmp-<pid>-<16 hex> in the same directory,
+ *     fsyncs it, renames it over the final name and fsyncs the directory: a reader sees no file or
+ *     a complete one, two writers of the same name leave one complete file, and a failed write (a
+ *     full disk, EFBIG, EIO) leaves no file and no HDF5 state behind (a failed H5Fclose on a disk
+ *     file leaves HDF5 1.10 with a freed file that it closes again at exit: SEGV). Files are
+ *     deterministic: the same cache gives the same bytes. SIGXFSZ is the caller's to ignore. A
+ *     killed writer leaves only a temporary name, which kvf_open() refuses and
+ *     kvf_clean_temps() removes once old enough.
  *   - HDF5 file locking is off (the files are immutable once renamed, and locks fail on some
  *     shared filesystems).
  *
- * Reading verifies: format and version, every attribute and dataset present with the right type
- * and shape, sizes consistent with the header, the checksum filter present; every chunk read is
- * checked against its Fletcher32 sum ("checksum mismatch in keys, layer 3 block 2"). kvf_check_model()
- * refuses a file written for another model. A kvf_file is for one thread at a time.
+ * Reading verifies, before anything large is allocated or read: format and version, the HDF5
+ * metadata checksums (superblock 2+, object headers 2), every attribute's type and value, every
+ * dataset's type, shape, chunking and filter, and that the file is large enough to hold the
+ * chunks the header claims. Each chunk read is checked for presence, filter mask, size and its
+ * Fletcher32 sum ("checksum mismatch in keys, layer 3 block 2"); keys, values, beta, u and
+ * positions are checked for their allowed values; full layer reads check the layer digest.
+ * kvf_read_block*() reads one chunk and so checks only that chunk (not the layer digest).
+ * kvf_check_model() refuses a file written for another model. A kvf_file is for one thread at a
+ * time. Hosts are little-endian (checked at compile time).
  *
  * Library code: no printing, no exit; HDF5's own error printing is switched off and its error
  * stack becomes the kf_error message.
@@ -68,7 +105,7 @@
 #include "formats/error.h"
 
 #define KVF_FORMAT_NAME "kvfold-kvf"
-#define KVF_VERSION 1
+#define KVF_VERSION 2
 #define KVF_BLOCK 16           /* tokens per chunk */
 #define KVF_DIGEST_LEN 32      /* hex digits of a fingerprint / document digest */
 #define KVF_ALL_LAYERS (-1)
@@ -84,6 +121,8 @@ typedef struct {
     char model_fingerprint[KVF_DIGEST_LEN + 1];
     char tokenizer_digest[65];             /* "" when unknown */
     char document_digest[KVF_DIGEST_LEN + 1];
+    char recipe_digest[KVF_DIGEST_LEN + 1];  /* the caller's kf_recipe_digest (init: 32 zeros) */
+    char payload_digest[KVF_DIGEST_LEN + 1]; /* filled by kvf_write / read by kvf_open */
     int64_t n_doc_tokens;                  /* D */
     int64_t n_tokens;                      /* C */
     kvf_method method;
@@ -107,13 +146,15 @@ typedef struct {
     const float *beta;          /* [n_layers, kv_heads, C] or NULL: zeros */
     const float *u;             /* [n_layers, kv_heads, head_dim] or NULL: zeros */
     const int32_t *positions;   /* [n_layers, kv_heads, C] or NULL: slot j holds token j (keep) */
+    const uint8_t *head_method; /* [n_layers, kv_heads] kvf_method per head, or NULL: every head uses hdr.method */
 } kvf_cache;
 
 typedef struct kvf_file kvf_file;
 
 /* ---- names and small helpers ---- */
 
-/* Defaults: version, creator, block size 16, rope_frame compacted, placeholder "digest", bf16. */
+/* Defaults: version, creator, block size 16, rope_frame compacted, placeholder "digest", bf16,
+ * recipe_digest 32 zeros. */
 void kvf_header_init(kvf_header *h);
 const char *kvf_method_name(kvf_method m);      /* "keep", "drop", "am", "fold" */
 const char *kvf_dtype_name(kvf_dtype d);        /* "bfloat16", "float16", "float32" */
@@ -130,9 +171,15 @@ int64_t kvf_kv_bytes(const kvf_header *h);
 void kvf_document_digest(const int32_t *ids /* [n] */, int64_t n, char out[KVF_DIGEST_LEN + 1]);
 /* The budget's shortest decimal that reads back as the same double: 0.1 -> "0.1". */
 void kvf_format_budget(double budget, char *out, size_t out_len);
-/* <root>/<model_fp>/<doc_digest>.<method>-<budget>.kvf; with create_dirs, makes the directories. */
+/* <root>/<model_fp>/<doc_digest>.<method>-<budget>.<first 16 hex of recipe_digest>.kvf; with
+ * create_dirs, makes the directories. */
 kf_status kvf_cache_path(const char *root, const char *model_fp, const char *doc_digest, kvf_method method,
-                         double budget, bool create_dirs, char *out, size_t out_len, kf_error *err);
+                         double budget, const char *recipe_digest, bool create_dirs, char *out, size_t out_len,
+                         kf_error *err);
+/* True when s is exactly len lowercase hex digits. */
+bool kvf_is_hex(const char *s, size_t len);
+/* True when s (NUL-terminated) is valid UTF-8 without C0 control characters or DEL. */
+bool kvf_is_clean_utf8(const char *s);
 /* True when name (a path or base name) is a writer's temporary file: "*.tmp-<pid>-<16 hex>". */
 bool kvf_is_temp_name(const char *name);
 
@@ -141,17 +188,21 @@ uint16_t kvf_f32_to_bf16(float x);
 float kvf_bf16_to_f32(uint16_t b);
 uint16_t kvf_f32_to_f16(float x);
 float kvf_f16_to_f32(uint16_t h);
+/* n elements stored in dtype d to fp32. */
+void kvf_to_f32(kvf_dtype d, const void *src, float *dst /* [n] */, size_t n);
 
 /* ---- writing ---- */
 
-/* Validates the cache and writes it atomically to path (temporary name, fsync, rename, fsync of the
- * directory). An existing file at path is replaced: callers that skip existing work ask
- * kvf_exists_valid() first. */
+/* Validates the cache (header values, finite keys/values/beta/u, positions, head methods) and
+ * writes it atomically to path (built in memory, then temporary name, fsync, rename, fsync of the
+ * directory). Fills nothing in c: the payload digest is computed here. Any failure (KF_ERR_IO
+ * with errno's words for a full disk) leaves no file. An existing file at path is replaced:
+ * callers that skip existing work ask kvf_exists_valid() first. */
 kf_status kvf_write(const char *path, const kvf_cache *c, kf_error *err);
 
-/* True when path holds a kvf file that kvf_open() accepts (structure, not every checksum) and,
- * if model_fp is not NULL, that was written for that model. */
-bool kvf_exists_valid(const char *path, const char *model_fp);
+/* True when path holds a kvf file that kvf_open() and kvf_verify() accept (every checksum, the
+ * payload digest, every value), written for model_fp and recipe_digest (either NULL: not checked). */
+bool kvf_exists_valid(const char *path, const char *model_fp, const char *recipe_digest);
 
 /* Finds writers' temporary files under root (recursively) whose mtime is at least older_than_s
  * seconds ago; calls found(ctx, path, age_s) for each when given, removes them unless dry_run, and
@@ -172,7 +223,17 @@ const char *kvf_file_path(const kvf_file *f);
 kf_status kvf_check_model(const kvf_file *f, const char *model_fp, int n_layers, int kv_heads, int head_dim,
                           kf_error *err);
 
-/* One layer of keys or values, converted to fp32 / as stored (kvf_dtype_size bytes per element). */
+/* Everything of one layer, checked against its layer digest: keys and values as stored
+ * (kvf_dtype_size bytes per element), beta, u, positions and head methods. Any pointer may be NULL
+ * (read into the file's scratch, still checked). */
+kf_status kvf_read_layer_all(kvf_file *f, int layer, void *keys_raw /* [C, kv_heads, head_dim] */,
+                             void *values_raw /* [C, kv_heads, head_dim] */, float *beta /* [kv_heads, C] */,
+                             float *u /* [kv_heads, head_dim] */, int32_t *positions /* [kv_heads, C] */,
+                             uint8_t *head_method /* [kv_heads] */, kf_error *err);
+
+/* One layer of keys or values, converted to fp32 / as stored (kvf_dtype_size bytes per element),
+ * checked against the layer digest (the layer's other half is kept, so reading keys then values of
+ * a layer reads it once). */
 kf_status kvf_read_layer(kvf_file *f, int layer, kvf_which which, float *out /* [C, kv_heads, head_dim] */,
                          kf_error *err);
 kf_status kvf_read_layer_raw(kvf_file *f, int layer, kvf_which which, void *out /* [C, kv_heads, head_dim] */,
@@ -189,8 +250,15 @@ int64_t kvf_n_blocks(const kvf_file *f); /* ceil(C / 16) */
 kf_status kvf_read_beta(kvf_file *f, int layer, float *out /* [kv_heads, C] */, kf_error *err);
 kf_status kvf_read_u(kvf_file *f, int layer, float *out /* [kv_heads, head_dim] */, kf_error *err);
 kf_status kvf_read_positions(kvf_file *f, int layer, int32_t *out /* [kv_heads, C] */, kf_error *err);
+/* Every head's kvf_method. */
+kf_status kvf_read_head_methods(kvf_file *f, uint8_t *out /* [n_layers, kv_heads] */, kf_error *err);
 
-/* Reads every chunk of every dataset, verifying all checksums. */
+/* KF_ERR_MISMATCH when the document (D) or the cache (C) is longer than the model's positions
+ * (max_positions <= 0: unknown, not checked). */
+kf_status kvf_check_positions(const kvf_file *f, int64_t max_positions, kf_error *err);
+
+/* Reads every chunk of every dataset, verifying all checksums, every value and every layer's
+ * digest. */
 kf_status kvf_verify(kvf_file *f, kf_error *err);
 
 #endif

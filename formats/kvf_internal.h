@@ -29,14 +29,36 @@ void kvf_convert_from(kvf_dtype d, const void *src, float *dst, size_t n);
 
 /* Checks every header field the format constrains (not the version); msg names path. */
 kf_status kvf_header_check(const kvf_header *h, const char *path, kf_error *err);
-bool kvf_is_hex(const char *s, size_t len);
+
+/* Index of the first NaN or infinity among n elements stored in dtype d, or -1. */
+int64_t kvf_first_nonfinite(kvf_dtype d, const void *x, size_t n);
+/* One layer's side data has only allowed values: positions in [-1, D), beta finite or -inf at a
+ * padding slot, u finite, head methods 0..3. KF_ERR_FORMAT naming path, layer, head and slot. */
+kf_status kvf_check_side(const kvf_header *h, const char *path, int layer, const float *beta /* [H, C] */,
+                         const float *u /* [H, D] */, const int32_t *pos /* [H, C] */, const uint8_t *hm /* [H] */,
+                         kf_error *err);
+/* The layer and payload digests of kvf.h ("Payload digest"). */
+void kvf_layer_digest(const kvf_header *h, int layer, const void *k, const void *v, const float *beta,
+                      const float *u, const int32_t *pos, const uint8_t *hm, uint8_t out[16]);
+/* The same digest with keys and values already fed to an XXH3_state_t (reset, then keys[l],
+ * values[l]): adds the side data and the layer index. */
+void kvf_layer_digest_finish(const kvf_header *h, int layer, void *xxh3_state, const float *beta, const float *u,
+                             const int32_t *pos, const uint8_t *hm, uint8_t out[16]);
+/* XXH3_128bits_update on an XXH3_state_t, with AVX2 where the CPU has it (same digests). */
+void kvf_hash_update(void *xxh3_state, const void *p, size_t n);
+void kvf_payload_digest(const uint8_t *layer_digests /* [n_layers, 16] */, int n_layers,
+                        char out[KVF_DIGEST_LEN + 1]);
+
+#if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "kvf reads and writes little-endian data in place: a big-endian host needs byte swaps"
+#endif
 
 /* The Fletcher32 sum HDF5's filter appends to each chunk (stored little-endian after the data):
  * bytes taken in big-endian pairs, a lone last byte as the high half, both sums folded into
  * 1..65535 (0 only for all-zero input). Matched against the library in test_kvf. */
 uint32_t kvf_fletcher32(const void *data, size_t n);
 
-/* File access properties: file locking off (the files never change once renamed). */
+/* File access properties for reading: file locking off (the files never change once renamed). */
 hid_t kvf_h5_fapl(void);
 
 #endif

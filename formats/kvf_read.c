@@ -1,4 +1,9 @@
-/* kvf_read.c — opening, validating and reading kvf cache files (see kvf.h for the format). */
+/* kvf_read.c — opening, validating and reading kvf cache files (see kvf.h for the format).
+ *
+ * Every dataset is read chunk by chunk with H5Dread_chunk, past HDF5's filter pipeline: each
+ * chunk must be present, stored with filter mask 0 and exactly its size plus the 4-byte
+ * Fletcher32 sum, which is checked here (HDF5's pipeline would skip the check for a chunk whose
+ * mask says so, and would read an absent chunk as fill values). */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -6,21 +11,28 @@
 #include <sys/stat.h>
 
 #include "formats/kvf_internal.h"
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
+#include <xxhash.h>
 
-enum { DS_KEYS, DS_VALUES, DS_BETA, DS_U, DS_POS, N_DS };
-static const char *const kDsNames[N_DS] = {"keys", "values", "beta", "u", "positions"};
+enum { DS_KEYS, DS_VALUES, DS_BETA, DS_U, DS_POS, DS_HM, DS_DIGEST, N_DS };
+static const char *const kDsNames[N_DS] = {"keys", "values", "beta", "u", "positions", "head_method", "layer_digest"};
 
 struct kvf_file {
     char *path;
     hid_t f;
     hid_t ds[N_DS];
-    hid_t etype;     /* keys/values element type in memory (== the file's) */
     kvf_header hdr;
-    void *scratch;   /* [C, kv_heads, head_dim] in dtype, for conversions and diagnosis */
-    /* for read_direct: which of keys/values have exactly the [fletcher32] pipeline; one stored
-     * chunk (data + sum) for the last chunk of a read */
-    bool direct[2];
-    unsigned char *chunkbuf;
+    int64_t file_size;
+    uint8_t *digests; /* [n_layers, 16] + 4: layer digests as stored */
+    /* lazily allocated: one layer of keys / values as stored, a conversion buffer, a chunk */
+    void *kbuf, *vbuf, *conv; /* [C, kv_heads, head_dim] in dtype each */
+    unsigned char *chunkbuf;  /* one stored K/V chunk (data + sum) */
+    /* one layer of side data (+ 4 bytes of room for a chunk's sum each) */
+    float *beta, *u;   /* [kv_heads, C], [kv_heads, head_dim] */
+    int32_t *pos;      /* [kv_heads, C] */
+    uint8_t *hm;       /* [kv_heads] */
+    int pending_layer; /* the half of a layer kept by kvf_read_layer_raw, or -1 */
+    kvf_which pending_which;
 };
 
 void kvf_close(kvf_file *f) {
@@ -29,12 +41,17 @@ void kvf_close(kvf_file *f) {
     for (int i = 0; i < N_DS; i++)
         if (f->ds[i] >= 0)
             H5Dclose(f->ds[i]);
-    if (f->etype >= 0)
-        H5Tclose(f->etype);
     if (f->f >= 0)
         H5Fclose(f->f);
-    free(f->scratch);
+    free(f->digests);
+    free(f->kbuf);
+    free(f->vbuf);
+    free(f->conv);
     free(f->chunkbuf);
+    free(f->beta);
+    free(f->u);
+    free(f->pos);
+    free(f->hm);
     free(f->path);
     free(f);
 }
@@ -49,16 +66,35 @@ int64_t kvf_n_blocks(const kvf_file *f) {
     return (f->hdr.n_tokens + KVF_BLOCK - 1) / KVF_BLOCK;
 }
 
+static size_t layer_n(const kvf_header *h) {
+    return (size_t)h->n_tokens * (size_t)h->kv_heads * (size_t)h->head_dim;
+}
+static size_t row_bytes(const kvf_header *h) {
+    return (size_t)h->kv_heads * (size_t)h->head_dim * kvf_dtype_size(h->dtype);
+}
+
 /* ---- attributes ---- */
 
-static kf_status open_attr(kvf_file *f, const char *name, H5T_class_t cls, hid_t *a, kf_error *err) {
+/* Opens a scalar attribute of exactly type want (for strings: any fixed-length NUL-terminated
+ * UTF-8 string of at most max_len bytes; *len gets its size). */
+static kf_status open_attr(kvf_file *f, const char *name, hid_t want, size_t max_len, hid_t *a, size_t *len,
+                           kf_error *err) {
     if (H5Aexists(f->f, name) <= 0) {
         H5Eclear2(H5E_DEFAULT);
         return kf_fail(err, KF_ERR_FORMAT, "%s: missing attribute '%s'", f->path, name);
     }
     *a = H5Aopen(f->f, name, H5P_DEFAULT);
     hid_t t = *a >= 0 ? H5Aget_type(*a) : -1, s = *a >= 0 ? H5Aget_space(*a) : -1;
-    bool ok = t >= 0 && s >= 0 && H5Tget_class(t) == cls && H5Sget_simple_extent_npoints(s) == 1;
+    bool ok = t >= 0 && s >= 0 && H5Sget_simple_extent_type(s) == H5S_SCALAR;
+    const char *what = want < 0 ? "fixed-length UTF-8 string" : "scalar of the documented type";
+    if (ok && want < 0) {
+        ok = H5Tget_class(t) == H5T_STRING && H5Tis_variable_str(t) == 0 && H5Tget_cset(t) == H5T_CSET_UTF8 &&
+             H5Tget_strpad(t) == H5T_STR_NULLTERM;
+        *len = ok ? H5Tget_size(t) : 0;
+        ok = ok && *len >= 1 && *len <= max_len + 1;
+    } else if (ok) {
+        ok = H5Tequal(t, want) > 0;
+    }
     if (t >= 0)
         H5Tclose(t);
     if (s >= 0)
@@ -67,67 +103,51 @@ static kf_status open_attr(kvf_file *f, const char *name, H5T_class_t cls, hid_t
         if (*a >= 0)
             H5Aclose(*a);
         H5Eclear2(H5E_DEFAULT);
-        return kf_fail(err, KF_ERR_FORMAT, "%s: attribute '%s' is not a %s scalar", f->path, name,
-                       cls == H5T_STRING ? "string" : cls == H5T_INTEGER ? "integer" : "real");
+        return kf_fail(err, KF_ERR_FORMAT, "%s: attribute '%s' is not a %s%s", f->path, name, what,
+                       want < 0 ? " of the allowed length" : "");
     }
     return KF_OK;
 }
 
+static kf_status attr_read_fail(kvf_file *f, const char *name, kf_error *err) {
+    char m[256];
+    kvf_h5_take_error(m, sizeof m, NULL, NULL);
+    return kf_fail(err, KF_ERR_FORMAT, "%s: cannot read attribute '%s': %s", f->path, name, m);
+}
+
+/* A fixed-length string attribute into out[n] (n - 1 bytes at most), UTF-8 without controls. */
 static kf_status read_str(kvf_file *f, const char *name, char *out, size_t n, kf_error *err) {
     hid_t a = -1;
-    KF_TRY(open_attr(f, name, H5T_STRING, &a, err));
-    hid_t ft = H5Aget_type(a), mt = H5Tcopy(H5T_C_S1);
+    size_t len = 0;
+    KF_TRY(open_attr(f, name, -1, n - 1, &a, &len, err));
+    char buf[300]; /* len <= n <= 129 */
+    hid_t mt = H5Tcopy(H5T_C_S1);
     herr_t rc = -1;
-    H5Tset_cset(mt, H5Tget_cset(ft)); /* HDF5 does not convert between ASCII and UTF-8 */
-    bool too_long = false;
-    if (H5Tis_variable_str(ft) > 0) {
-        char *s = NULL;
-        if (H5Tset_size(mt, H5T_VARIABLE) >= 0 && (rc = H5Aread(a, mt, &s)) >= 0) {
-            too_long = !s || strlen(s) >= n;
-            snprintf(out, n, "%s", s ? s : "");
-        }
-        if (rc < 0)
-            kvf_h5_capture();
-        if (s)
-            H5free_memory(s);
-    } else {
-        size_t sz = H5Tget_size(ft);
-        char *buf = calloc(1, sz + 1);
-        if (buf && H5Tset_size(mt, sz + 1) >= 0 && H5Tset_strpad(mt, H5T_STR_NULLTERM) >= 0 &&
-            (rc = H5Aread(a, mt, buf)) >= 0) {
-            too_long = strlen(buf) >= n;
-            snprintf(out, n, "%s", buf);
-        }
-        if (rc < 0)
-            kvf_h5_capture();
-        free(buf);
-    }
-    H5Tclose(mt);
-    H5Tclose(ft);
+    if (mt >= 0 && H5Tset_size(mt, len) >= 0 && H5Tset_strpad(mt, H5T_STR_NULLTERM) >= 0 &&
+        H5Tset_cset(mt, H5T_CSET_UTF8) >= 0)
+        rc = H5Aread(a, mt, buf);
+    if (rc < 0)
+        kvf_h5_capture();
+    if (mt >= 0)
+        H5Tclose(mt);
     H5Aclose(a);
-    if (rc < 0) {
-        char m[256];
-        kvf_h5_take_error(m, sizeof m, NULL, NULL);
-        return kf_fail(err, KF_ERR_FORMAT, "%s: cannot read attribute '%s': %s", f->path, name, m);
-    }
-    if (too_long)
-        return kf_fail(err, KF_ERR_FORMAT, "%s: attribute '%s' is longer than %zu bytes", f->path, name, n - 1);
+    if (rc < 0)
+        return attr_read_fail(f, name, err);
+    buf[len - 1] = 0;
+    if (!kvf_is_clean_utf8(buf))
+        return kf_fail(err, KF_ERR_FORMAT, "%s: attribute '%s' is not printable UTF-8", f->path, name);
+    memcpy(out, buf, len); /* len <= n */
     return KF_OK;
 }
 
 static kf_status read_num(kvf_file *f, const char *name, bool real, void *out, kf_error *err) {
     hid_t a = -1;
-    KF_TRY(open_attr(f, name, real ? H5T_FLOAT : H5T_INTEGER, &a, err));
+    KF_TRY(open_attr(f, name, real ? H5T_IEEE_F64LE : H5T_STD_I64LE, 0, &a, NULL, err));
     herr_t rc = H5Aread(a, real ? H5T_NATIVE_DOUBLE : H5T_NATIVE_INT64, out);
     if (rc < 0)
         kvf_h5_capture();
     H5Aclose(a);
-    if (rc < 0) {
-        char m[256];
-        kvf_h5_take_error(m, sizeof m, NULL, NULL);
-        return kf_fail(err, KF_ERR_FORMAT, "%s: cannot read attribute '%s': %s", f->path, name, m);
-    }
-    return KF_OK;
+    return rc < 0 ? attr_read_fail(f, name, err) : KF_OK;
 }
 
 static kf_status read_int(kvf_file *f, const char *name, int64_t lo, int64_t hi, int64_t *out, kf_error *err) {
@@ -138,50 +158,76 @@ static kf_status read_int(kvf_file *f, const char *name, int64_t lo, int64_t hi,
     return KF_OK;
 }
 
-static kf_status read_header(kvf_file *f, kf_error *err) {
-    kvf_header *h = &f->hdr;
-    char s[128];
-    int64_t v;
-    if (H5Aexists(f->f, "format") <= 0) {
+/* The version before anything else: a version-1 file has variable-length strings, which are not
+ * read at all. */
+static kf_status read_version(kvf_file *f, kf_error *err) {
+    if (H5Aexists(f->f, "version") <= 0 || H5Aexists(f->f, "format") <= 0) {
         H5Eclear2(H5E_DEFAULT);
-        return kf_fail(err, KF_ERR_FORMAT, "%s: not a kvfold cache file (an HDF5 file without a 'format' attribute)",
+        return kf_fail(err, KF_ERR_FORMAT, "%s: not a kvfold cache file (an HDF5 file without 'format' and 'version')",
                        f->path);
     }
-    KF_TRY(read_str(f, "format", s, sizeof s, err));
-    if (strcmp(s, KVF_FORMAT_NAME) != 0)
-        return kf_fail(err, KF_ERR_FORMAT, "%s: not a kvfold cache file (format '%s', expected '%s')", f->path, s,
-                       KVF_FORMAT_NAME);
+    int64_t v;
     KF_TRY(read_num(f, "version", false, &v, err));
+    if (v == 1)
+        return kf_fail(err, KF_ERR_UNSUPPORTED,
+                       "%s: kvf version 1 is no longer read (it lacks metadata checksums, the payload digest and the "
+                       "recipe identity): recompact the document with this kvfold (%s, version %d)",
+                       f->path, KVFOLD_VERSION, KVF_VERSION);
     if (v != KVF_VERSION)
         return kf_fail(err, KF_ERR_UNSUPPORTED,
                        "%s: kvf version %lld is not supported (this kvfold %s reads version %d); rebuild the cache "
                        "or use a matching kvfold",
                        f->path, (long long)v, KVFOLD_VERSION, KVF_VERSION);
-    h->version = (int)v;
+    f->hdr.version = (int)v;
+    return KF_OK;
+}
+
+static kf_status read_format(kvf_file *f, kf_error *err) {
+    char s[32];
+    KF_TRY(read_str(f, "format", s, sizeof s, err));
+    if (strcmp(s, KVF_FORMAT_NAME) != 0)
+        return kf_fail(err, KF_ERR_FORMAT, "%s: not a kvfold cache file (format '%s', expected '%s')", f->path, s,
+                       KVF_FORMAT_NAME);
+    return KF_OK;
+}
+
+static kf_status read_enum(kvf_file *f, const char *name, const char *const *names, int n, int *out, kf_error *err) {
+    char s[32];
+    KF_TRY(read_str(f, name, s, sizeof s, err));
+    for (int i = 0; i < n; i++)
+        if (strcmp(s, names[i]) == 0) {
+            *out = i;
+            return KF_OK;
+        }
+    return kf_fail(err, KF_ERR_FORMAT, "%s: unknown %s '%s'", f->path, name, s);
+}
+
+static kf_status read_header(kvf_file *f, kf_error *err) {
+    kvf_header *h = &f->hdr;
+    static const char *const methods[] = {"keep", "drop", "am", "fold"}, *const frames[] = {"compacted", "original"},
+                             *const dtypes[] = {"bfloat16", "float16", "float32"};
+    int64_t v;
+    int e;
     KF_TRY(read_str(f, "creator", h->creator, sizeof h->creator, err));
     KF_TRY(read_str(f, "model_fingerprint", h->model_fingerprint, sizeof h->model_fingerprint, err));
     KF_TRY(read_str(f, "tokenizer_digest", h->tokenizer_digest, sizeof h->tokenizer_digest, err));
     KF_TRY(read_str(f, "document_digest", h->document_digest, sizeof h->document_digest, err));
-    KF_TRY(read_int(f, "n_doc_tokens", 1, INT64_MAX, &h->n_doc_tokens, err));
-    KF_TRY(read_int(f, "n_tokens", 1, (int64_t)1 << 31, &h->n_tokens, err));
-    KF_TRY(read_str(f, "method", s, sizeof s, err));
-    if (kvf_method_parse(s, &h->method) != 0)
-        return kf_fail(err, KF_ERR_FORMAT, "%s: unknown method '%s' (keep, drop, am, fold)", f->path, s);
+    KF_TRY(read_str(f, "recipe_digest", h->recipe_digest, sizeof h->recipe_digest, err));
+    KF_TRY(read_str(f, "payload_digest", h->payload_digest, sizeof h->payload_digest, err));
+    if (!kvf_is_hex(h->payload_digest, KVF_DIGEST_LEN))
+        return kf_fail(err, KF_ERR_FORMAT, "%s: payload_digest '%s' is not %d lowercase hex digits", f->path,
+                       h->payload_digest, KVF_DIGEST_LEN);
+    KF_TRY(read_int(f, "n_doc_tokens", 1, INT32_MAX, &h->n_doc_tokens, err));
+    KF_TRY(read_int(f, "n_tokens", 1, h->n_doc_tokens, &h->n_tokens, err));
+    KF_TRY(read_enum(f, "method", methods, 4, &e, err));
+    h->method = (kvf_method)e;
     KF_TRY(read_num(f, "budget", true, &h->budget, err));
     KF_TRY(read_num(f, "lambda", true, &h->lambda, err));
-    KF_TRY(read_str(f, "rope_frame", s, sizeof s, err));
-    if (strcmp(s, "compacted") == 0)
-        h->rope_frame = KVF_FRAME_COMPACTED;
-    else if (strcmp(s, "original") == 0)
-        h->rope_frame = KVF_FRAME_ORIGINAL;
-    else
-        return kf_fail(err, KF_ERR_FORMAT, "%s: unknown rope_frame '%s' (compacted, original)", f->path, s);
+    KF_TRY(read_enum(f, "rope_frame", frames, 2, &e, err));
+    h->rope_frame = (kvf_rope_frame)e;
     KF_TRY(read_str(f, "placeholder", h->placeholder, sizeof h->placeholder, err));
-    KF_TRY(read_str(f, "dtype", s, sizeof s, err));
-    if (strcmp(s, "bfloat16") == 0 || strcmp(s, "float16") == 0 || strcmp(s, "float32") == 0)
-        kvf_dtype_parse(s, &h->dtype);
-    else
-        return kf_fail(err, KF_ERR_FORMAT, "%s: unknown dtype '%s' (bfloat16, float16, float32)", f->path, s);
+    KF_TRY(read_enum(f, "dtype", dtypes, 3, &e, err));
+    h->dtype = (kvf_dtype)e;
     KF_TRY(read_int(f, "n_layers", 1, 4096, &v, err));
     h->n_layers = (int)v;
     KF_TRY(read_int(f, "kv_heads", 1, 4096, &v, err));
@@ -193,6 +239,15 @@ static kf_status read_header(kvf_file *f, kf_error *err) {
     return kvf_header_check(h, f->path, err);
 }
 
+/* The bytes the header's chunks take (data + sums), which the file must at least hold: a file
+ * claiming 4,096 layers or C = 2^21 in a few KB is refused before anything is allocated. */
+static double claimed_bytes(const kvf_header *h) {
+    const double L = h->n_layers, H = h->kv_heads, C = (double)h->n_tokens, D = h->head_dim;
+    const double blocks = (double)((h->n_tokens + KVF_BLOCK - 1) / KVF_BLOCK);
+    const double kv = 2 * L * blocks * (KVF_BLOCK * H * D * (double)kvf_dtype_size(h->dtype) + 4);
+    return kv + L * (2 * (H * C * 4 + 4) + H * D * 4 + 4 + H + 4) + L * 16 + 4;
+}
+
 /* ---- datasets ---- */
 
 static void dims_text(char *buf, size_t n, int rank, const hsize_t *d) {
@@ -202,137 +257,298 @@ static void dims_text(char *buf, size_t n, int rank, const hsize_t *d) {
         o += (size_t)snprintf(buf + o, n - o, "%s%llu", i ? ", " : "", (unsigned long long)d[i]);
 }
 
-static kf_status open_dataset(kvf_file *f, int which, kf_error *err) {
-    const kvf_header *h = &f->hdr;
-    const char *name = kDsNames[which];
+/* Shape, chunk and element type of each dataset as the header implies them. */
+static int ds_spec(const kvf_header *h, int which, hsize_t *dims, hsize_t *chunk, hid_t *type) {
     const hsize_t L = (hsize_t)h->n_layers, C = (hsize_t)h->n_tokens, H = (hsize_t)h->kv_heads,
                   D = (hsize_t)h->head_dim;
-    hsize_t want[4], chunk[4];
-    int rank = 3;
-    hid_t want_t;
     switch (which) {
     case DS_KEYS:
     case DS_VALUES:
-        rank = 4;
-        memcpy(want, (hsize_t[]){L, C, H, D}, sizeof want);
-        memcpy(chunk, (hsize_t[]){1, KVF_BLOCK, H, D}, sizeof chunk);
-        want_t = H5Tcopy(f->etype);
-        break;
+        memcpy(dims, (hsize_t[]){L, C, H, D}, 4 * sizeof(hsize_t));
+        memcpy(chunk, (hsize_t[]){1, KVF_BLOCK, H, D}, 4 * sizeof(hsize_t));
+        *type = kvf_h5_type(h->dtype);
+        return 4;
     case DS_U:
-        memcpy(want, (hsize_t[]){L, H, D}, 3 * sizeof(hsize_t));
-        want_t = H5Tcopy(H5T_IEEE_F32LE);
-        break;
+        memcpy(dims, (hsize_t[]){L, H, D}, 3 * sizeof(hsize_t));
+        memcpy(chunk, (hsize_t[]){1, H, D}, 3 * sizeof(hsize_t));
+        *type = H5Tcopy(H5T_IEEE_F32LE);
+        return 3;
     case DS_BETA:
-        memcpy(want, (hsize_t[]){L, H, C}, 3 * sizeof(hsize_t));
-        want_t = H5Tcopy(H5T_IEEE_F32LE);
-        break;
+    case DS_POS:
+        memcpy(dims, (hsize_t[]){L, H, C}, 3 * sizeof(hsize_t));
+        memcpy(chunk, (hsize_t[]){1, H, C}, 3 * sizeof(hsize_t));
+        *type = H5Tcopy(which == DS_BETA ? H5T_IEEE_F32LE : H5T_STD_I32LE);
+        return 3;
+    case DS_HM:
+        memcpy(dims, (hsize_t[]){L, H}, 2 * sizeof(hsize_t));
+        memcpy(chunk, (hsize_t[]){1, H}, 2 * sizeof(hsize_t));
+        *type = H5Tcopy(H5T_STD_U8LE);
+        return 2;
     default:
-        memcpy(want, (hsize_t[]){L, H, C}, 3 * sizeof(hsize_t));
-        want_t = H5Tcopy(H5T_STD_I32LE);
-        break;
+        memcpy(dims, (hsize_t[]){L, 16}, 2 * sizeof(hsize_t));
+        memcpy(chunk, (hsize_t[]){L, 16}, 2 * sizeof(hsize_t));
+        *type = H5Tcopy(H5T_STD_U8LE);
+        return 2;
     }
+}
+
+/* The dataset's type, shape, layout, chunk and pipeline (exactly Fletcher32) against spec. */
+static kf_status check_dataset(kvf_file *f, int which, hid_t d, kf_error *err) {
+    const char *name = kDsNames[which];
+    hsize_t want[4], chunk[4], got[8], gc[8];
+    hid_t want_t = -1;
+    const int rank = ds_spec(&f->hdr, which, want, chunk, &want_t);
+    hid_t t = H5Dget_type(d), s = H5Dget_space(d), p = H5Dget_create_plist(d);
+    char got_s[96], want_s[96];
     kf_status st = KF_OK;
-    hid_t d = -1, t = -1, s = -1, p = -1;
-    char m[256], got_s[96], want_s[96];
-    if (H5Lexists(f->f, name, H5P_DEFAULT) <= 0) {
-        st = kf_fail(err, KF_ERR_FORMAT, "%s: missing dataset '%s'", f->path, name);
-        goto out;
-    }
-    hid_t dapl = H5Pcreate(H5P_DATASET_ACCESS);
-    if (dapl >= 0 && which <= DS_VALUES)
-        H5Pset_chunk_cache(dapl, 0, 0, 1.0); /* each chunk is read once: no cache copies */
-    d = dapl >= 0 ? H5Dopen2(f->f, name, dapl) : -1;
-    if (d < 0)
-        kvf_h5_capture();
-    if (dapl >= 0)
-        H5Pclose(dapl);
-    if (d < 0 || (t = H5Dget_type(d)) < 0 || (s = H5Dget_space(d)) < 0 ||
-        (p = H5Dget_create_plist(d)) < 0) {
-        kvf_h5_take_error(m, sizeof m, NULL, NULL);
-        st = kf_fail(err, KF_ERR_FORMAT, "%s: cannot open dataset '%s': %s", f->path, name, m);
-        goto out;
-    }
-    if (H5Tequal(t, want_t) <= 0) {
-        st = kf_fail(err, KF_ERR_FORMAT, "%s: dataset '%s' does not hold %s elements", f->path, name,
-                     which <= DS_VALUES ? kvf_dtype_name(h->dtype) : which == DS_POS ? "int32" : "float32");
-        goto out;
-    }
-    hsize_t got[8];
-    int r = H5Sget_simple_extent_ndims(s);
-    if (r != rank || H5Sget_simple_extent_dims(s, got, NULL) != rank ||
-        memcmp(got, want, sizeof(hsize_t) * (size_t)rank) != 0) {
-        if (r > 0 && r <= 8)
-            H5Sget_simple_extent_dims(s, got, NULL);
-        dims_text(got_s, sizeof got_s, r > 0 && r <= 8 ? r : 0, got);
-        dims_text(want_s, sizeof want_s, rank, want);
-        st = kf_fail(err, KF_ERR_FORMAT, "%s: dataset '%s' has shape [%s], the header implies [%s]", f->path, name,
-                     got_s, want_s);
-        goto out;
-    }
-    unsigned flags = 0, cd[8];
-    size_t ncd = 8;
-    char fname[32];
-    unsigned fcfg;
-    if (H5Pget_filter_by_id2(p, H5Z_FILTER_FLETCHER32, &flags, &ncd, cd, sizeof fname, fname, &fcfg) < 0) {
-        H5Eclear2(H5E_DEFAULT);
-        st = kf_fail(err, KF_ERR_FORMAT, "%s: dataset '%s' has no Fletcher32 checksums", f->path, name);
-        goto out;
-    }
-    if (rank == 4) {
-        hsize_t gc[4];
-        if (H5Pget_layout(p) != H5D_CHUNKED || H5Pget_chunk(p, 4, gc) != 4 || memcmp(gc, chunk, sizeof gc) != 0) {
-            dims_text(want_s, sizeof want_s, 4, chunk);
-            st = kf_fail(err, KF_ERR_FORMAT, "%s: dataset '%s' is not chunked in [%s] blocks", f->path, name, want_s);
-            goto out;
-        }
-        char ds_dtype[32];
-        hid_t a = H5Aexists(d, "dtype") > 0 ? H5Aopen(d, "dtype", H5P_DEFAULT) : -1;
-        ds_dtype[0] = 0;
-        if (a >= 0) {
-            hid_t mt = H5Tcopy(H5T_C_S1), at = H5Aget_type(a);
-            char *v = NULL;
-            H5Tset_size(mt, H5T_VARIABLE);
-            H5Tset_cset(mt, H5Tget_cset(at));
-            H5Tclose(at);
-            if (H5Aread(a, mt, &v) >= 0 && v)
-                snprintf(ds_dtype, sizeof ds_dtype, "%s", v);
-            if (v)
-                H5free_memory(v);
-            H5Tclose(mt);
-            H5Aclose(a);
-        }
-        H5Eclear2(H5E_DEFAULT);
-        if (strcmp(ds_dtype, kvf_dtype_name(h->dtype)) != 0) {
-            st = kf_fail(err, KF_ERR_FORMAT, "%s: dataset '%s' has dtype attribute '%s', the file says '%s'", f->path,
-                         name, ds_dtype, kvf_dtype_name(h->dtype));
-            goto out;
+    H5O_info_t oi;
+    if (t < 0 || s < 0 || p < 0 || want_t < 0 || H5Oget_info2(d, &oi, H5O_INFO_HDR) < 0) {
+        st = kf_fail(err, KF_ERR_FORMAT, "%s: cannot read the description of dataset '%s'", f->path, name);
+    } else if (oi.hdr.version < 2) {
+        st = kf_fail(err, KF_ERR_FORMAT, "%s: dataset '%s' has an object header without checksums", f->path, name);
+    } else if (H5Tequal(t, want_t) <= 0) {
+        st = kf_fail(err, KF_ERR_FORMAT, "%s: dataset '%s' does not hold the documented element type", f->path, name);
+    } else {
+        const int r = H5Sget_simple_extent_ndims(s);
+        if (r != rank || H5Sget_simple_extent_dims(s, got, NULL) != rank ||
+            memcmp(got, want, sizeof(hsize_t) * (size_t)rank) != 0) {
+            dims_text(got_s, sizeof got_s, r > 0 && r <= 8 && H5Sget_simple_extent_dims(s, got, NULL) == r ? r : 0,
+                      got);
+            dims_text(want_s, sizeof want_s, rank, want);
+            st = kf_fail(err, KF_ERR_FORMAT, "%s: dataset '%s' has shape [%s], the header implies [%s]", f->path, name,
+                         got_s, want_s);
+        } else if (H5Pget_layout(p) != H5D_CHUNKED || H5Pget_chunk(p, rank, gc) != rank ||
+                   memcmp(gc, chunk, sizeof(hsize_t) * (size_t)rank) != 0) {
+            dims_text(want_s, sizeof want_s, rank, chunk);
+            st = kf_fail(err, KF_ERR_FORMAT, "%s: dataset '%s' is not chunked in [%s]", f->path, name, want_s);
+        } else {
+            unsigned fl = 0;
+            size_t n0 = 0;
+            if (H5Pget_nfilters(p) != 1 || H5Pget_filter2(p, 0, &fl, &n0, NULL, 0, NULL, NULL) != H5Z_FILTER_FLETCHER32)
+                st = kf_fail(err, KF_ERR_FORMAT, "%s: dataset '%s' does not have exactly the Fletcher32 filter",
+                             f->path, name);
         }
     }
-    if (which <= DS_VALUES) {
-        /* read_direct skips HDF5's pipeline, so only where it is exactly [fletcher32] */
-        unsigned fl2 = 0;
-        size_t n0 = 0;
-        f->direct[which] =
-            H5Pget_nfilters(p) == 1 && H5Pget_filter2(p, 0, &fl2, &n0, NULL, 0, NULL, NULL) == H5Z_FILTER_FLETCHER32;
-        H5Eclear2(H5E_DEFAULT);
-    }
-    f->ds[which] = d;
-    d = -1;
-out:
+    H5Eclear2(H5E_DEFAULT);
     if (p >= 0)
         H5Pclose(p);
     if (s >= 0)
         H5Sclose(s);
     if (t >= 0)
         H5Tclose(t);
-    if (d >= 0)
-        H5Dclose(d);
-    H5Tclose(want_t);
+    if (want_t >= 0)
+        H5Tclose(want_t);
     return st;
 }
 
-static size_t chunk_bytes(const kvf_file *f) {
-    return (size_t)KVF_BLOCK * (size_t)f->hdr.kv_heads * (size_t)f->hdr.head_dim * kvf_dtype_size(f->hdr.dtype);
+static kf_status open_dataset(kvf_file *f, int which, kf_error *err) {
+    const char *name = kDsNames[which];
+    if (H5Lexists(f->f, name, H5P_DEFAULT) <= 0) {
+        H5Eclear2(H5E_DEFAULT);
+        return kf_fail(err, KF_ERR_FORMAT, "%s: missing dataset '%s'", f->path, name);
+    }
+    H5L_info_t li;
+    if (H5Lget_info(f->f, name, &li, H5P_DEFAULT) < 0 || li.type != H5L_TYPE_HARD) {
+        H5Eclear2(H5E_DEFAULT); /* a soft or external link would read another object or file */
+        return kf_fail(err, KF_ERR_FORMAT, "%s: dataset '%s' is a link, not a dataset of this file", f->path, name);
+    }
+    hid_t d = H5Dopen2(f->f, name, H5P_DEFAULT);
+    if (d < 0) {
+        char m[256];
+        kvf_h5_take_error(m, sizeof m, NULL, NULL);
+        return kf_fail(err, KF_ERR_FORMAT, "%s: cannot open dataset '%s': %s", f->path, name, m);
+    }
+    kf_status st = check_dataset(f, which, d, err);
+    if (st == KF_OK && which <= DS_VALUES) {
+        char dt[32];
+        hid_t keep = f->f;
+        f->f = d; /* read_str reads attributes of f->f */
+        st = read_str(f, "dtype", dt, sizeof dt, err);
+        f->f = keep;
+        if (st == KF_OK && strcmp(dt, kvf_dtype_name(f->hdr.dtype)) != 0)
+            st = kf_fail(err, KF_ERR_FORMAT, "%s: dataset '%s' has dtype attribute '%s', the file says '%s'", f->path,
+                         name, dt, kvf_dtype_name(f->hdr.dtype));
+    }
+    if (st != KF_OK) {
+        H5Dclose(d);
+        return st;
+    }
+    f->ds[which] = d;
+    return KF_OK;
+}
+
+/* ---- chunks ---- */
+
+static void chunk_where(const kvf_file *f, int which, const hsize_t *coord, char *buf, size_t n) {
+    if (which <= DS_VALUES) {
+        const int64_t t0 = (int64_t)coord[1], t1 = t0 + KVF_BLOCK > f->hdr.n_tokens ? f->hdr.n_tokens : t0 + KVF_BLOCK;
+        snprintf(buf, n, "%s, layer %d block %lld (slots %lld..%lld)", kDsNames[which], (int)coord[0],
+                 (long long)(t0 / KVF_BLOCK), (long long)t0, (long long)(t1 - 1));
+    } else if (which == DS_DIGEST) {
+        snprintf(buf, n, "%s", kDsNames[which]);
+    } else {
+        snprintf(buf, n, "%s, layer %d", kDsNames[which], (int)coord[0]);
+    }
+}
+
+/* The stored chunk at coord: n data bytes then the 4-byte sum into dst (room for n + 4), present,
+ * with filter mask 0 and a matching Fletcher32 sum. */
+static kf_status get_chunk(kvf_file *f, int which, const hsize_t *coord, size_t n, void *dst, kf_error *err) {
+    const hid_t d = f->ds[which];
+    hsize_t size = 0;
+    uint32_t mask = 0;
+    char where[128], m[300];
+    if (H5Dget_chunk_storage_size(d, coord, &size) < 0) {
+        /* HDF5 1.10 fails here for a chunk that was never written: tell that apart */
+        H5Eclear2(H5E_DEFAULT);
+        haddr_t addr = 0;
+        unsigned fm = 0;
+        hsize_t sz = 0;
+        if (H5Dget_chunk_info_by_coord(d, coord, &fm, &addr, &sz) >= 0 && (addr == HADDR_UNDEF || sz == 0))
+            size = 0;
+        else
+            size = (hsize_t)-1;
+    }
+    if (size == (hsize_t)-1 || (size == n + 4 && H5Dread_chunk(d, H5P_DEFAULT, coord, &mask, dst) < 0)) {
+        kvf_h5_take_error(m, sizeof m, NULL, NULL);
+        chunk_where(f, which, coord, where, sizeof where);
+        return kf_fail(err, KF_ERR_FORMAT, "%s: cannot read %s: %s", f->path, where, m);
+    }
+    if (size != n + 4 || mask != 0) {
+        chunk_where(f, which, coord, where, sizeof where);
+        if (size == 0)
+            return kf_fail(err, KF_ERR_FORMAT, "%s: %s was never written (no stored chunk): the file is damaged",
+                           f->path, where);
+        if (size != n + 4)
+            return kf_fail(err, KF_ERR_FORMAT, "%s: %s is stored in %llu bytes, not %zu: the file is damaged", f->path,
+                           where, (unsigned long long)size, n + 4);
+        return kf_fail(err, KF_ERR_FORMAT, "%s: %s is stored with filter mask %u (its checksum skipped): refused",
+                       f->path, where, mask);
+    }
+    const unsigned char *t = (const unsigned char *)dst + n;
+    if (kvf_fletcher32(dst, n) !=
+        ((uint32_t)t[0] | (uint32_t)t[1] << 8 | (uint32_t)t[2] << 16 | (uint32_t)t[3] << 24)) {
+        chunk_where(f, which, coord, where, sizeof where);
+        return kf_fail(err, KF_ERR_FORMAT, "%s: checksum mismatch in %s: the file is damaged", f->path, where);
+    }
+    return KF_OK;
+}
+
+static kf_status alloc_buffers(kvf_file *f, kf_error *err) {
+    if (f->chunkbuf)
+        return KF_OK;
+    const kvf_header *h = &f->hdr;
+    const size_t H = (size_t)h->kv_heads, C = (size_t)h->n_tokens, D = (size_t)h->head_dim;
+    if (!(f->chunkbuf = malloc(KVF_BLOCK * row_bytes(h) + 4)) || !(f->beta = malloc(H * C * 4 + 4)) ||
+        !(f->u = malloc(H * D * 4 + 4)) || !(f->pos = malloc(H * C * 4 + 4)) || !(f->hm = malloc(H + 4))) {
+        free(f->chunkbuf);
+        f->chunkbuf = NULL;
+        return kf_fail(err, KF_ERR_NOMEM, "%s: out of memory", f->path);
+    }
+    return KF_OK;
+}
+
+static kf_status layer_buffer(kvf_file *f, void **b, kf_error *err) {
+    if (!*b && !(*b = malloc(layer_n(&f->hdr) * kvf_dtype_size(f->hdr.dtype))))
+        return kf_fail(err, KF_ERR_NOMEM, "%s: out of memory for a layer (%lld slots)", f->path,
+                       (long long)f->hdr.n_tokens);
+    return KF_OK;
+}
+
+/* Values of n elements of keys/values read from the file are finite. */
+static kf_status check_finite(kvf_file *f, int which, int layer, int64_t t0, const void *x, size_t n, kf_error *err) {
+    const int64_t bad = kvf_first_nonfinite(f->hdr.dtype, x, n);
+    if (bad < 0)
+        return KF_OK;
+    const size_t hd = (size_t)f->hdr.kv_heads * (size_t)f->hdr.head_dim;
+    return kf_fail(err, KF_ERR_FORMAT, "%s: %s of layer %d, slot %lld, head %lld is NaN or infinite: refused", f->path,
+                   kDsNames[which], layer, (long long)(t0 + bad / (int64_t)hd),
+                   (long long)((size_t)bad % hd / (size_t)f->hdr.head_dim));
+}
+
+/* Every block of one layer of keys/values into out (as stored, slot 0 first), each block checked
+ * (sum, finite values) and hashed into st while it is in cache. A chunk lands straight in out, its
+ * sum spilling into the next chunk's place; the last one, whose sum would fall past out, goes
+ * through chunkbuf. */
+static kf_status read_kv_layer(kvf_file *f, int which, int layer, void *out, XXH3_state_t *st, kf_error *err) {
+    const size_t row = row_bytes(&f->hdr), cb = KVF_BLOCK * row, elems = row / kvf_dtype_size(f->hdr.dtype);
+    const int64_t nb = kvf_n_blocks(f), C = f->hdr.n_tokens;
+    for (int64_t b = 0; b < nb; b++) {
+        const hsize_t coord[4] = {(hsize_t)layer, (hsize_t)(b * KVF_BLOCK), 0, 0};
+        const int64_t nt = C - b * KVF_BLOCK < KVF_BLOCK ? C - b * KVF_BLOCK : KVF_BLOCK;
+        const int64_t next_nt = C - (b + 1) * KVF_BLOCK;
+        /* aside when the sum has no room in out: the last chunk, or one before a tiny last block */
+        const bool aside = b == nb - 1 || (size_t)(next_nt < KVF_BLOCK ? next_nt : KVF_BLOCK) * row < 4;
+        unsigned char *dst = aside ? f->chunkbuf : (unsigned char *)out + (size_t)b * cb;
+        KF_TRY(get_chunk(f, which, coord, cb, dst, err));
+        KF_TRY(check_finite(f, which, layer, b * KVF_BLOCK, dst, (size_t)nt * elems, err));
+        kvf_hash_update(st, dst, (size_t)nt * row);
+        if (aside)
+            memcpy((unsigned char *)out + (size_t)b * cb, f->chunkbuf, (size_t)nt * row);
+    }
+    return KF_OK;
+}
+
+/* One layer of side data into f->beta, u, pos, hm, checked for allowed values. */
+static kf_status read_side_layer(kvf_file *f, int layer, kf_error *err) {
+    KF_TRY(alloc_buffers(f, err));
+    const size_t H = (size_t)f->hdr.kv_heads, C = (size_t)f->hdr.n_tokens, D = (size_t)f->hdr.head_dim;
+    const hsize_t coord[3] = {(hsize_t)layer, 0, 0};
+    KF_TRY(get_chunk(f, DS_BETA, coord, H * C * 4, f->beta, err));
+    KF_TRY(get_chunk(f, DS_U, coord, H * D * 4, f->u, err));
+    KF_TRY(get_chunk(f, DS_POS, coord, H * C * 4, f->pos, err));
+    KF_TRY(get_chunk(f, DS_HM, coord, H, f->hm, err));
+    return kvf_check_side(&f->hdr, f->path, layer, f->beta, f->u, f->pos, f->hm, err);
+}
+
+/* ---- open ---- */
+
+static kf_status read_digests(kvf_file *f, kf_error *err) {
+    const int L = f->hdr.n_layers;
+    if (!(f->digests = malloc((size_t)L * 16 + 4)))
+        return kf_fail(err, KF_ERR_NOMEM, "%s: out of memory", f->path);
+    const hsize_t zero[2] = {0, 0};
+    KF_TRY(get_chunk(f, DS_DIGEST, zero, (size_t)L * 16, f->digests, err));
+    char got[KVF_DIGEST_LEN + 1];
+    kvf_payload_digest(f->digests, L, got);
+    if (strcmp(got, f->hdr.payload_digest) != 0)
+        return kf_fail(err, KF_ERR_FORMAT,
+                       "%s: the layer digests give payload digest %s, the header says %s: the file "
+                       "is damaged",
+                       f->path, got, f->hdr.payload_digest);
+    return KF_OK;
+}
+
+/* HDF5's own checksums cover the metadata only from superblock version 2 and object header
+ * version 2 on (what H5F_LIBVER_LATEST writes). */
+static kf_status check_metadata_checksums(kvf_file *f, kf_error *err) {
+    H5F_info2_t fi;
+    H5O_info_t oi;
+    bool ok = H5Fget_info2(f->f, &fi) >= 0 && fi.super.version >= 2 && H5Oget_info2(f->f, &oi, H5O_INFO_HDR) >= 0 &&
+              oi.hdr.version >= 2;
+    H5Eclear2(H5E_DEFAULT);
+    if (!ok)
+        return kf_fail(err, KF_ERR_FORMAT,
+                       "%s: written without HDF5 metadata checksums (superblock or root object header too old)",
+                       f->path);
+    return KF_OK;
+}
+
+static kf_status open_contents(kvf_file *f, kf_error *err) {
+    KF_TRY(read_version(f, err));
+    KF_TRY(check_metadata_checksums(f, err));
+    KF_TRY(read_format(f, err));
+    KF_TRY(read_header(f, err));
+    const double need = claimed_bytes(&f->hdr);
+    if (need > (double)f->file_size)
+        return kf_fail(err, KF_ERR_FORMAT,
+                       "%s: the header claims %d layers x %lld slots x %d kv heads x %d (%.0f bytes of chunks), the "
+                       "file has %lld bytes",
+                       f->path, f->hdr.n_layers, (long long)f->hdr.n_tokens, f->hdr.kv_heads, f->hdr.head_dim, need,
+                       (long long)f->file_size);
+    for (int i = 0; i < N_DS; i++)
+        KF_TRY(open_dataset(f, i, err));
+    return read_digests(f, err);
 }
 
 kf_status kvf_open(const char *path, kvf_file **out, kf_error *err) {
@@ -353,7 +569,9 @@ kf_status kvf_open(const char *path, kvf_file **out, kf_error *err) {
         free(f);
         return kf_fail(err, KF_ERR_NOMEM, "%s: out of memory", path);
     }
-    f->f = f->etype = -1;
+    f->f = -1;
+    f->pending_layer = -1;
+    f->file_size = (int64_t)sb.st_size;
     for (int i = 0; i < N_DS; i++)
         f->ds[i] = -1;
     hid_t fapl = kvf_h5_fapl();
@@ -368,40 +586,29 @@ kf_status kvf_open(const char *path, kvf_file **out, kf_error *err) {
         bool truncated;
         kvf_h5_take_error(m, sizeof m, NULL, &truncated);
         if (truncated)
-            st = kf_fail(err, KF_ERR_FORMAT, "%s: truncated file, %lld bytes (HDF5: %s)", path, (long long)sb.st_size, m);
+            st = kf_fail(err, KF_ERR_FORMAT, "%s: truncated file, %lld bytes (HDF5: %s)", path, (long long)sb.st_size,
+                         m);
         else
             st = kf_fail(err, KF_ERR_FORMAT, "%s: not an HDF5 file, or damaged (%lld bytes; HDF5: %s)", path,
                          (long long)sb.st_size, m);
-        goto fail;
+    } else {
+        st = open_contents(f, err);
     }
-    if ((st = read_header(f, err)) != KF_OK)
-        goto fail;
-    if ((f->etype = kvf_h5_type(f->hdr.dtype)) < 0) {
-        st = kf_fail(err, KF_ERR_NOMEM, "%s: cannot make the element type", path);
-        goto fail;
-    }
-    for (int i = 0; i < N_DS; i++)
-        if ((st = open_dataset(f, i, err)) != KF_OK)
-            goto fail;
-    const size_t layer_bytes = (size_t)f->hdr.n_tokens * (size_t)f->hdr.kv_heads * (size_t)f->hdr.head_dim *
-                               kvf_dtype_size(f->hdr.dtype);
-    if (!(f->scratch = malloc(layer_bytes)) || !(f->chunkbuf = malloc(chunk_bytes(f) + 4))) {
-        st = kf_fail(err, KF_ERR_NOMEM, "%s: out of memory for a layer (%zu bytes)", path, layer_bytes);
-        goto fail;
+    H5Eclear2(H5E_DEFAULT);
+    if (st != KF_OK) {
+        kvf_close(f);
+        return st;
     }
     *out = f;
     return KF_OK;
-fail:
-    H5Eclear2(H5E_DEFAULT);
-    kvf_close(f);
-    return st;
 }
 
-bool kvf_exists_valid(const char *path, const char *model_fp) {
+bool kvf_exists_valid(const char *path, const char *model_fp, const char *recipe_digest) {
     kvf_file *f;
     if (kvf_open(path, &f, NULL) != KF_OK)
         return false;
-    bool ok = !model_fp || strcmp(f->hdr.model_fingerprint, model_fp) == 0;
+    bool ok = (!model_fp || strcmp(f->hdr.model_fingerprint, model_fp) == 0) &&
+              (!recipe_digest || strcmp(f->hdr.recipe_digest, recipe_digest) == 0) && kvf_verify(f, NULL) == KF_OK;
     kvf_close(f);
     return ok;
 }
@@ -420,73 +627,52 @@ kf_status kvf_check_model(const kvf_file *f, const char *model_fp, int n_layers,
     return KF_OK;
 }
 
+kf_status kvf_check_positions(const kvf_file *f, int64_t max_positions, kf_error *err) {
+    if (max_positions > 0 && f->hdr.n_doc_tokens > max_positions)
+        return kf_fail(err, KF_ERR_MISMATCH,
+                       "%s: a document of D = %lld tokens (C = %lld) is longer than the model's "
+                       "%lld positions",
+                       f->path, (long long)f->hdr.n_doc_tokens, (long long)f->hdr.n_tokens, (long long)max_positions);
+    return KF_OK;
+}
+
 /* ---- data ---- */
 
-/* Reads slots [t0, t0 + nt) of one layer of keys/values into buf (raw dtype). */
-static herr_t read_slab(kvf_file *f, int which, int layer, int64_t t0, int64_t nt, void *buf) {
-    const kvf_header *h = &f->hdr;
-    hsize_t start[4] = {(hsize_t)layer, (hsize_t)t0, 0, 0};
-    hsize_t count[4] = {1, (hsize_t)nt, (hsize_t)h->kv_heads, (hsize_t)h->head_dim};
-    hid_t fs = H5Dget_space(f->ds[which]), ms = H5Screate_simple(3, count + 1, NULL);
-    herr_t rc = -1;
-    if (fs >= 0 && ms >= 0 && H5Sselect_hyperslab(fs, H5S_SELECT_SET, start, NULL, count, NULL) >= 0)
-        rc = H5Dread(f->ds[which], f->etype, ms, fs, H5P_DEFAULT, buf);
-    if (rc < 0)
-        kvf_h5_capture();
-    if (ms >= 0)
-        H5Sclose(ms);
-    if (fs >= 0)
-        H5Sclose(fs);
-    return rc;
-}
-
-/* Reads blocks [b0, b1) of one layer into out (raw dtype, slot b0 * 16 first) past HDF5's filter
- * pipeline, whose per-chunk cost is several times the read itself: H5Dread_chunk gives the stored
- * bytes (data, then the 4-byte sum) and the Fletcher32 check is done here. A chunk lands straight
- * in out, its sum spilling into the next chunk's place (checked before that chunk is read); the
- * last one, whose sum would fall past out, goes through chunkbuf. Returns false whenever anything
- * is not as expected (a filter skipped, an odd size, a bad sum): the caller then reads through
- * H5Dread, which reports what is wrong in its usual words. Only out and chunkbuf are touched. */
-static bool read_direct(kvf_file *f, int which, int layer, int64_t b0, int64_t b1, void *out) {
-    if (!f->direct[which])
-        return false;
-    const size_t cb = chunk_bytes(f), row = cb / KVF_BLOCK;
-    const hid_t d = f->ds[which];
-    for (int64_t b = b0; b < b1; b++) {
-        hsize_t coord[4] = {(hsize_t)layer, (hsize_t)(b * KVF_BLOCK), 0, 0}, size = 0;
-        uint32_t mask = 1;
-        int64_t nt = f->hdr.n_tokens - b * KVF_BLOCK, next_nt = nt - KVF_BLOCK;
-        nt = nt < KVF_BLOCK ? nt : KVF_BLOCK;
-        /* aside when the sum has no room in out: the last chunk, or one before a tiny last block */
-        const bool aside = b == b1 - 1 || (size_t)(next_nt < KVF_BLOCK ? next_nt : KVF_BLOCK) * row < 4;
-        unsigned char *dst = aside ? f->chunkbuf : (unsigned char *)out + (size_t)(b - b0) * cb;
-        /* the size first: H5Dread_chunk writes the whole stored chunk */
-        if (H5Dget_chunk_storage_size(d, coord, &size) < 0 || size != cb + 4 ||
-            H5Dread_chunk(d, H5P_DEFAULT, coord, &mask, dst) < 0 || mask != 0) {
-            H5Eclear2(H5E_DEFAULT);
-            return false;
-        }
-        const unsigned char *t = dst + cb;
-        if (kvf_fletcher32(dst, cb) !=
-            ((uint32_t)t[0] | (uint32_t)t[1] << 8 | (uint32_t)t[2] << 16 | (uint32_t)t[3] << 24))
-            return false;
-        if (aside)
-            memcpy((unsigned char *)out + (size_t)(b - b0) * cb, f->chunkbuf, (size_t)nt * row);
-    }
-    return true;
-}
-
-static kf_status block_error(kvf_file *f, int which, int layer, int64_t b, const char *m, bool checksum,
-                             kf_error *err) {
-    int64_t t0 = b * KVF_BLOCK, t1 = t0 + KVF_BLOCK;
-    if (t1 > f->hdr.n_tokens)
-        t1 = f->hdr.n_tokens;
-    if (checksum)
+kf_status kvf_read_layer_all(kvf_file *f, int layer, void *keys_raw, void *values_raw, float *beta, float *u,
+                             int32_t *positions, uint8_t *head_method, kf_error *err) {
+    if (!f || layer < 0 || layer >= f->hdr.n_layers)
+        return kf_fail(err, KF_ERR_INVALID, "%s: bad read of layer %d (the file has %d)", f ? f->path : "kvf", layer,
+                       f ? f->hdr.n_layers : 0);
+    KF_TRY(alloc_buffers(f, err));
+    if (!keys_raw)
+        KF_TRY(layer_buffer(f, &f->kbuf, err));
+    if (!values_raw)
+        KF_TRY(layer_buffer(f, &f->vbuf, err));
+    void *k = keys_raw ? keys_raw : f->kbuf, *v = values_raw ? values_raw : f->vbuf;
+    if (f->pending_layer >= 0 && (k == f->kbuf || v == f->vbuf))
+        f->pending_layer = -1; /* its half is being overwritten */
+    XXH3_state_t st;
+    XXH3_128bits_reset(&st);
+    KF_TRY(read_kv_layer(f, DS_KEYS, layer, k, &st, err));
+    KF_TRY(read_kv_layer(f, DS_VALUES, layer, v, &st, err));
+    KF_TRY(read_side_layer(f, layer, err));
+    uint8_t d[16];
+    kvf_layer_digest_finish(&f->hdr, layer, &st, f->beta, f->u, f->pos, f->hm, d);
+    if (memcmp(d, f->digests + (size_t)layer * 16, 16) != 0) /* every sum held: swapped, zeroed, rewritten */
         return kf_fail(err, KF_ERR_FORMAT,
-                       "%s: checksum mismatch in %s, layer %d block %lld (slots %lld..%lld): the file is damaged",
-                       f->path, kDsNames[which], layer, (long long)b, (long long)t0, (long long)(t1 - 1));
-    return kf_fail(err, KF_ERR_IO, "%s: cannot read %s, layer %d block %lld: %s", f->path, kDsNames[which], layer,
-                   (long long)b, m);
+                       "%s: layer %d does not match its digest (chunks swapped, missing, zeroed or altered): the file "
+                       "is damaged",
+                       f->path, layer);
+    const size_t H = (size_t)f->hdr.kv_heads, C = (size_t)f->hdr.n_tokens, D = (size_t)f->hdr.head_dim;
+    if (beta)
+        memcpy(beta, f->beta, H * C * 4);
+    if (u)
+        memcpy(u, f->u, H * D * 4);
+    if (positions)
+        memcpy(positions, f->pos, H * C * 4);
+    if (head_method)
+        memcpy(head_method, f->hm, H);
+    return KF_OK;
 }
 
 static kf_status check_args(kvf_file *f, int layer, kvf_which which, const void *out, kf_error *err) {
@@ -498,21 +684,18 @@ static kf_status check_args(kvf_file *f, int layer, kvf_which which, const void 
 
 kf_status kvf_read_layer_raw(kvf_file *f, int layer, kvf_which which, void *out, kf_error *err) {
     KF_TRY(check_args(f, layer, which, out, err));
-    const int ds = which == KVF_KEYS ? DS_KEYS : DS_VALUES;
-    if (read_direct(f, ds, layer, 0, kvf_n_blocks(f), out) || read_slab(f, ds, layer, 0, f->hdr.n_tokens, out) >= 0)
+    const size_t bytes = layer_n(&f->hdr) * kvf_dtype_size(f->hdr.dtype);
+    if (f->pending_layer == layer && f->pending_which == which) {
+        memcpy(out, which == KVF_KEYS ? f->kbuf : f->vbuf, bytes);
+        f->pending_layer = -1;
         return KF_OK;
-    char m[300];
-    bool checksum;
-    kvf_h5_take_error(m, sizeof m, &checksum, NULL);
-    /* find the damaged block for the message */
-    for (int64_t b = 0; b < kvf_n_blocks(f); b++) {
-        int64_t nt = f->hdr.n_tokens - b * KVF_BLOCK;
-        if (read_slab(f, ds, layer, b * KVF_BLOCK, nt < KVF_BLOCK ? nt : KVF_BLOCK, f->scratch) < 0) {
-            kvf_h5_take_error(m, sizeof m, &checksum, NULL);
-            return block_error(f, ds, layer, b, m, checksum, err);
-        }
     }
-    return kf_fail(err, KF_ERR_IO, "%s: cannot read %s of layer %d: %s", f->path, kDsNames[ds], layer, m);
+    f->pending_layer = -1;
+    const bool keys = which == KVF_KEYS;
+    KF_TRY(kvf_read_layer_all(f, layer, keys ? out : NULL, keys ? NULL : out, NULL, NULL, NULL, NULL, err));
+    f->pending_layer = layer;
+    f->pending_which = keys ? KVF_VALUES : KVF_KEYS;
+    return KF_OK;
 }
 
 kf_status kvf_read_layer(kvf_file *f, int layer, kvf_which which, float *out, kf_error *err) {
@@ -520,8 +703,9 @@ kf_status kvf_read_layer(kvf_file *f, int layer, kvf_which which, float *out, kf
     const kvf_header *h = &f->hdr;
     if (h->dtype == KVF_F32)
         return kvf_read_layer_raw(f, layer, which, out, err);
-    KF_TRY(kvf_read_layer_raw(f, layer, which, f->scratch, err));
-    kvf_convert_from(h->dtype, f->scratch, out, (size_t)h->n_tokens * (size_t)h->kv_heads * (size_t)h->head_dim);
+    KF_TRY(layer_buffer(f, &f->conv, err));
+    KF_TRY(kvf_read_layer_raw(f, layer, which, f->conv, err));
+    kvf_convert_from(h->dtype, f->conv, out, layer_n(h));
     return KF_OK;
 }
 
@@ -531,16 +715,16 @@ kf_status kvf_read_block_raw(kvf_file *f, int layer, int64_t block, kvf_which wh
     if (block < 0 || block >= kvf_n_blocks(f))
         return kf_fail(err, KF_ERR_INVALID, "%s: block %lld out of range (the file has %lld)", f->path,
                        (long long)block, (long long)kvf_n_blocks(f));
+    KF_TRY(alloc_buffers(f, err));
     const int ds = which == KVF_KEYS ? DS_KEYS : DS_VALUES;
+    const size_t row = row_bytes(&f->hdr);
     int64_t nt = f->hdr.n_tokens - block * KVF_BLOCK;
-    if (nt > KVF_BLOCK)
-        nt = KVF_BLOCK;
-    if (!read_direct(f, ds, layer, block, block + 1, out) && read_slab(f, ds, layer, block * KVF_BLOCK, nt, out) < 0) {
-        char m[300];
-        bool checksum;
-        kvf_h5_take_error(m, sizeof m, &checksum, NULL);
-        return block_error(f, ds, layer, block, m, checksum, err);
-    }
+    nt = nt > KVF_BLOCK ? KVF_BLOCK : nt;
+    const hsize_t coord[4] = {(hsize_t)layer, (hsize_t)(block * KVF_BLOCK), 0, 0};
+    KF_TRY(get_chunk(f, ds, coord, KVF_BLOCK * row, f->chunkbuf, err));
+    KF_TRY(check_finite(f, ds, layer, block * KVF_BLOCK, f->chunkbuf,
+                        (size_t)nt * (size_t)f->hdr.kv_heads * (size_t)f->hdr.head_dim, err));
+    memcpy(out, f->chunkbuf, (size_t)nt * row);
     if (n_tokens)
         *n_tokens = (int)nt;
     return KF_OK;
@@ -549,76 +733,51 @@ kf_status kvf_read_block_raw(kvf_file *f, int layer, int64_t block, kvf_which wh
 kf_status kvf_read_block(kvf_file *f, int layer, int64_t block, kvf_which which, float *out, int *n_tokens,
                          kf_error *err) {
     KF_TRY(check_args(f, layer, which, out, err));
+    KF_TRY(alloc_buffers(f, err));
     int nt;
-    KF_TRY(kvf_read_block_raw(f, layer, block, which, f->hdr.dtype == KVF_F32 ? (void *)out : f->scratch, &nt, err));
-    if (f->hdr.dtype != KVF_F32)
-        kvf_convert_from(f->hdr.dtype, f->scratch, out, (size_t)nt * (size_t)f->hdr.kv_heads * (size_t)f->hdr.head_dim);
+    KF_TRY(layer_buffer(f, &f->conv, err));
+    KF_TRY(kvf_read_block_raw(f, layer, block, which, f->conv, &nt, err));
+    kvf_convert_from(f->hdr.dtype, f->conv, out, (size_t)nt * (size_t)f->hdr.kv_heads * (size_t)f->hdr.head_dim);
     if (n_tokens)
         *n_tokens = nt;
     return KF_OK;
 }
 
-/* beta, u, positions: one layer [kv_heads, n] or all [n_layers, kv_heads, n] */
-static kf_status read_side(kvf_file *f, int which, int layer, hid_t mtype, void *out, kf_error *err) {
+/* beta, u, positions, head_method: one layer [kv_heads, n] or all [n_layers, kv_heads, n] */
+static kf_status read_side(kvf_file *f, int which, int layer, void *out, kf_error *err) {
     if (!f || !out || layer < KVF_ALL_LAYERS || layer >= f->hdr.n_layers)
         return kf_fail(err, KF_ERR_INVALID, "%s: bad read of %s, layer %d", f ? f->path : "kvf", kDsNames[which],
                        layer);
-    hid_t d = f->ds[which];
-    herr_t rc;
-    if (layer == KVF_ALL_LAYERS) {
-        rc = H5Dread(d, mtype, H5S_ALL, H5S_ALL, H5P_DEFAULT, out);
-    } else {
-        hsize_t dims[3];
-        hid_t fs = H5Dget_space(d);
-        H5Sget_simple_extent_dims(fs, dims, NULL);
-        hsize_t start[3] = {(hsize_t)layer, 0, 0}, count[3] = {1, dims[1], dims[2]};
-        hid_t ms = H5Screate_simple(2, count + 1, NULL);
-        rc = -1;
-        if (fs >= 0 && ms >= 0 && H5Sselect_hyperslab(fs, H5S_SELECT_SET, start, NULL, count, NULL) >= 0)
-            rc = H5Dread(d, mtype, ms, fs, H5P_DEFAULT, out);
-        if (rc < 0)
-            kvf_h5_capture();
-        if (ms >= 0)
-            H5Sclose(ms);
-        if (fs >= 0)
-            H5Sclose(fs);
+    const size_t H = (size_t)f->hdr.kv_heads, C = (size_t)f->hdr.n_tokens, D = (size_t)f->hdr.head_dim;
+    const size_t n = which == DS_U ? H * D * 4 : which == DS_HM ? H : H * C * 4;
+    const void *src = NULL;
+    const int l0 = layer == KVF_ALL_LAYERS ? 0 : layer, l1 = layer == KVF_ALL_LAYERS ? f->hdr.n_layers : layer + 1;
+    for (int l = l0; l < l1; l++) {
+        KF_TRY(read_side_layer(f, l, err));
+        src = which == DS_BETA  ? (const void *)f->beta
+              : which == DS_U   ? (const void *)f->u
+              : which == DS_POS ? (const void *)f->pos
+                                : (const void *)f->hm;
+        memcpy((char *)out + (size_t)(l - l0) * n, src, n);
     }
-    if (rc >= 0)
-        return KF_OK;
-    char m[300];
-    bool checksum;
-    kvf_h5_take_error(m, sizeof m, &checksum, NULL);
-    if (checksum)
-        return kf_fail(err, KF_ERR_FORMAT, "%s: checksum mismatch in %s%s: the file is damaged", f->path,
-                       kDsNames[which], layer == KVF_ALL_LAYERS ? "" : ", one layer");
-    return kf_fail(err, KF_ERR_IO, "%s: cannot read %s: %s", f->path, kDsNames[which], m);
+    return KF_OK;
 }
 
 kf_status kvf_read_beta(kvf_file *f, int layer, float *out, kf_error *err) {
-    return read_side(f, DS_BETA, layer, H5T_NATIVE_FLOAT, out, err);
+    return read_side(f, DS_BETA, layer, out, err);
 }
 kf_status kvf_read_u(kvf_file *f, int layer, float *out, kf_error *err) {
-    return read_side(f, DS_U, layer, H5T_NATIVE_FLOAT, out, err);
+    return read_side(f, DS_U, layer, out, err);
 }
 kf_status kvf_read_positions(kvf_file *f, int layer, int32_t *out, kf_error *err) {
-    return read_side(f, DS_POS, layer, H5T_NATIVE_INT32, out, err);
+    return read_side(f, DS_POS, layer, out, err);
+}
+kf_status kvf_read_head_methods(kvf_file *f, uint8_t *out, kf_error *err) {
+    return read_side(f, DS_HM, KVF_ALL_LAYERS, out, err);
 }
 
 kf_status kvf_verify(kvf_file *f, kf_error *err) {
-    const kvf_header *h = &f->hdr;
-    for (int l = 0; l < h->n_layers; l++)
-        for (int w = 0; w < 2; w++)
-            KF_TRY(kvf_read_layer_raw(f, l, w ? KVF_VALUES : KVF_KEYS, f->scratch, err));
-    size_t n = (size_t)h->n_layers * (size_t)h->kv_heads *
-               (size_t)(h->n_tokens > h->head_dim ? h->n_tokens : h->head_dim);
-    void *buf = malloc(n * 4);
-    if (!buf)
-        return kf_fail(err, KF_ERR_NOMEM, "%s: out of memory", f->path);
-    kf_status st = kvf_read_beta(f, KVF_ALL_LAYERS, buf, err);
-    if (st == KF_OK)
-        st = kvf_read_u(f, KVF_ALL_LAYERS, buf, err);
-    if (st == KF_OK)
-        st = kvf_read_positions(f, KVF_ALL_LAYERS, buf, err);
-    free(buf);
-    return st;
+    for (int l = 0; l < f->hdr.n_layers; l++)
+        KF_TRY(kvf_read_layer_all(f, l, NULL, NULL, NULL, NULL, NULL, NULL, err));
+    return KF_OK;
 }

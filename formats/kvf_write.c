@@ -1,5 +1,10 @@
-/* kvf_write.c — writing a kvf cache file atomically: temporary name, fsync, rename, fsync of the
- * directory (see kvf.h for the format). */
+/* kvf_write.c — writing a kvf cache file: built in memory with HDF5's core driver (every chunk
+ * written directly with its Fletcher32 sum), then written out with plain write() calls under a
+ * temporary name, fsynced, renamed and the directory fsynced (see kvf.h for the format).
+ *
+ * HDF5 never touches the disk here: when HDF5's own file I/O fails (a full disk), H5Fclose fails
+ * and leaves a file ID whose state is already freed, which HDF5 then closes again at exit and
+ * crashes. Our write loop reports the errno instead and removes the temporary file. */
 #include <errno.h>
 #include <fcntl.h>
 #include <libgen.h>
@@ -11,13 +16,17 @@
 #include <unistd.h>
 
 #include "formats/kvf_internal.h"
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
+#include <xxhash.h>
+
+/* ---- attributes ---- */
 
 static herr_t attr_str(hid_t loc, const char *name, const char *val) {
     hid_t t = H5Tcopy(H5T_C_S1), s = H5Screate(H5S_SCALAR), a = -1;
     herr_t rc = -1;
-    if (t >= 0 && s >= 0 && H5Tset_size(t, H5T_VARIABLE) >= 0 && H5Tset_cset(t, H5T_CSET_UTF8) >= 0 &&
-        (a = H5Acreate2(loc, name, t, s, H5P_DEFAULT, H5P_DEFAULT)) >= 0)
-        rc = H5Awrite(a, t, &val);
+    if (t >= 0 && s >= 0 && H5Tset_size(t, strlen(val) + 1) >= 0 && H5Tset_strpad(t, H5T_STR_NULLTERM) >= 0 &&
+        H5Tset_cset(t, H5T_CSET_UTF8) >= 0 && (a = H5Acreate2(loc, name, t, s, H5P_DEFAULT, H5P_DEFAULT)) >= 0)
+        rc = H5Awrite(a, t, val);
     if (rc < 0)
         kvf_h5_capture();
     if (a >= 0)
@@ -51,7 +60,7 @@ static herr_t attr_f64(hid_t loc, const char *name, double v) {
     return attr_num(loc, name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &v);
 }
 
-static herr_t write_attrs(hid_t f, const kvf_header *h) {
+static herr_t write_attrs(hid_t f, const kvf_header *h, const char *payload_digest) {
     herr_t rc = 0;
     rc |= attr_str(f, "format", KVF_FORMAT_NAME);
     rc |= attr_i64(f, "version", KVF_VERSION);
@@ -59,6 +68,8 @@ static herr_t write_attrs(hid_t f, const kvf_header *h) {
     rc |= attr_str(f, "model_fingerprint", h->model_fingerprint);
     rc |= attr_str(f, "tokenizer_digest", h->tokenizer_digest);
     rc |= attr_str(f, "document_digest", h->document_digest);
+    rc |= attr_str(f, "recipe_digest", h->recipe_digest);
+    rc |= attr_str(f, "payload_digest", payload_digest);
     rc |= attr_i64(f, "n_doc_tokens", h->n_doc_tokens);
     rc |= attr_i64(f, "n_tokens", h->n_tokens);
     rc |= attr_str(f, "method", kvf_method_name(h->method));
@@ -75,17 +86,12 @@ static herr_t write_attrs(hid_t f, const kvf_header *h) {
 }
 
 /* A chunked dataset with Fletcher32 sums; maxdims lets a 16-token chunk exceed a short C. */
-static hid_t make_dataset(hid_t f, const char *name, hid_t ftype, int rank, const hsize_t *dims,
-                          const hsize_t *maxdims, const hsize_t *chunk) {
+static hid_t make_dataset(hid_t f, const char *name, hid_t ftype, int rank, const hsize_t *dims, const hsize_t *maxdims,
+                          const hsize_t *chunk) {
     hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE), space = H5Screate_simple(rank, dims, maxdims), d = -1;
-    hid_t dapl = H5Pcreate(H5P_DATASET_ACCESS);
-    /* whole chunks are written once: a chunk cache would only add copies */
-    if (dcpl >= 0 && space >= 0 && dapl >= 0 && H5Pset_chunk(dcpl, rank, chunk) >= 0 && H5Pset_fletcher32(dcpl) >= 0 &&
-        H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER) >= 0 && H5Pset_obj_track_times(dcpl, 0) >= 0 &&
-        H5Pset_chunk_cache(dapl, 0, 0, 1.0) >= 0)
-        d = H5Dcreate2(f, name, ftype, space, H5P_DEFAULT, dcpl, dapl);
-    if (dapl >= 0)
-        H5Pclose(dapl);
+    if (dcpl >= 0 && space >= 0 && H5Pset_chunk(dcpl, rank, chunk) >= 0 && H5Pset_fletcher32(dcpl) >= 0 &&
+        H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER) >= 0 && H5Pset_obj_track_times(dcpl, 0) >= 0)
+        d = H5Dcreate2(f, name, ftype, space, H5P_DEFAULT, dcpl, H5P_DEFAULT);
     if (d < 0)
         kvf_h5_capture();
     if (space >= 0)
@@ -95,32 +101,15 @@ static hid_t make_dataset(hid_t f, const char *name, hid_t ftype, int rank, cons
     return d;
 }
 
-/* Writes buf (mtype) into the [layer, 0..] slab of a rank-4 or rank-3 dataset. */
-static herr_t write_layer(hid_t d, hid_t mtype, int rank, const hsize_t *dims, int layer, const void *buf) {
-    hsize_t start[4] = {(hsize_t)layer, 0, 0, 0}, count[4];
-    memcpy(count, dims, sizeof(hsize_t) * (size_t)rank);
-    count[0] = 1;
-    hid_t fs = H5Dget_space(d), ms = H5Screate_simple(rank - 1, dims + 1, NULL);
-    herr_t rc = -1;
-    if (fs >= 0 && ms >= 0 && H5Sselect_hyperslab(fs, H5S_SELECT_SET, start, NULL, count, NULL) >= 0)
-        rc = H5Dwrite(d, mtype, ms, fs, H5P_DEFAULT, buf);
+/* Stores n bytes of data (+ room for 4 more in buf) as the chunk at coord, with the Fletcher32 sum
+ * HDF5's filter would append (little-endian). */
+static herr_t put_chunk(hid_t d, const hsize_t *coord, unsigned char *buf, size_t n) {
+    const uint32_t sum = kvf_fletcher32(buf, n);
+    for (int b = 0; b < 4; b++)
+        buf[n + (size_t)b] = (unsigned char)(sum >> (8 * b));
+    herr_t rc = H5Dwrite_chunk(d, H5P_DEFAULT, 0, coord, n + 4, buf);
     if (rc < 0)
         kvf_h5_capture();
-    if (ms >= 0)
-        H5Sclose(ms);
-    if (fs >= 0)
-        H5Sclose(fs);
-    return rc;
-}
-
-static int fsync_path(const char *path, int flags) {
-    int fd = open(path, flags | O_CLOEXEC);
-    if (fd < 0)
-        return -1;
-    int rc = fsync(fd);
-    int e = errno;
-    close(fd);
-    errno = e;
     return rc;
 }
 
@@ -135,129 +124,303 @@ static kf_status h5fail(wctx *w, const char *what) {
     return kf_fail(w->err, KF_ERR_IO, "%s: cannot %s: %s", w->path, what, m);
 }
 
+enum { W_KEYS, W_VALUES, W_BETA, W_U, W_POS, W_HM, W_N };
+
+/* Per-layer buffers of the writer. */
+typedef struct {
+    unsigned char *chunk; /* one stored chunk: the largest of a K/V block and a side layer, + 4 */
+    float *zeros;         /* [H, max(C, D)] */
+    int32_t *ident;       /* [H, C] slot j -> j */
+    uint8_t *hm;          /* [H] */
+} wbufs;
+
+/* Block [t0, t0 + nt) of layer l's keys (i = 0) or values (1) into chunk in dtype (converted
+ * from fp32, round to nearest even, or copied as given), refused when not finite. */
+static kf_status block_kv(const kvf_cache *c, int i, int l, size_t t0, size_t nt, unsigned char *chunk, wctx *w) {
+    const kvf_header *h = &c->hdr;
+    const size_t hd = (size_t)h->kv_heads * (size_t)h->head_dim, esz = kvf_dtype_size(h->dtype);
+    const size_t at = ((size_t)l * (size_t)h->n_tokens + t0) * hd; /* element offset */
+    const float *src = i ? c->values : c->keys;
+    const void *raw = i ? c->values_raw : c->keys_raw;
+    if (src)
+        kvf_convert_to(h->dtype, src + at, chunk, nt * hd);
+    else
+        memcpy(chunk, (const char *)raw + at * esz, nt * hd * esz);
+    const int64_t bad = kvf_first_nonfinite(h->dtype, chunk, nt * hd);
+    if (bad < 0)
+        return KF_OK;
+    return kf_fail(w->err, KF_ERR_INVALID, "%s: %s of layer %d, slot %lld, head %lld %s in %s", w->path,
+                   i ? "values" : "keys", l, (long long)(t0 + (size_t)bad / hd),
+                   (long long)((size_t)bad % hd / (size_t)h->head_dim),
+                   src ? "is not finite or overflows" : "is not finite", kvf_dtype_name(h->dtype));
+}
+
+/* Writes one layer: its K/V blocks (each converted, checked, hashed and summed while in cache)
+ * and side chunks; its digest into digest. */
+static kf_status write_layer(hid_t ds[W_N], const kvf_cache *c, int l, wbufs *b, uint8_t digest[16], wctx *w) {
+    const kvf_header *h = &c->hdr;
+    const size_t H = (size_t)h->kv_heads, C = (size_t)h->n_tokens, D = (size_t)h->head_dim;
+    const size_t row = H * D * kvf_dtype_size(h->dtype);
+    const float *beta = c->beta ? c->beta + (size_t)l * H * C : b->zeros;
+    const float *u = c->u ? c->u + (size_t)l * H * D : b->zeros;
+    const int32_t *pos = c->positions ? c->positions + (size_t)l * H * C : b->ident;
+    const uint8_t *hm = c->head_method ? c->head_method + (size_t)l * H : b->hm;
+    if (kvf_check_side(h, w->path, l, beta, u, pos, hm, w->err) != KF_OK) {
+        if (w->err)
+            w->err->code = KF_ERR_INVALID;
+        return KF_ERR_INVALID;
+    }
+    XXH3_state_t st;
+    XXH3_128bits_reset(&st);
+    char what[64];
+    for (int i = 0; i < 2; i++)
+        for (size_t t0 = 0; t0 < C; t0 += KVF_BLOCK) {
+            const size_t nt = C - t0 < KVF_BLOCK ? C - t0 : KVF_BLOCK;
+            KF_TRY(block_kv(c, i, l, t0, nt, b->chunk, w));
+            kvf_hash_update(&st, b->chunk, nt * row);
+            memset(b->chunk + nt * row, 0, (KVF_BLOCK - nt) * row); /* a short last block: zeros */
+            const hsize_t coord[4] = {(hsize_t)l, t0, 0, 0};
+            if (put_chunk(ds[i], coord, b->chunk, KVF_BLOCK * row) < 0) {
+                snprintf(what, sizeof what, "write %s of layer %d", i ? "values" : "keys", l);
+                return h5fail(w, what);
+            }
+        }
+    kvf_layer_digest_finish(h, l, &st, beta, u, pos, hm, digest);
+    const struct {
+        const void *p;
+        size_t n;
+    } side[4] = {{beta, H * C * 4}, {u, H * D * 4}, {pos, H * C * 4}, {hm, H}};
+    for (int i = 0; i < 4; i++) {
+        const hsize_t coord[3] = {(hsize_t)l, 0, 0};
+        memcpy(b->chunk, side[i].p, side[i].n);
+        if (put_chunk(ds[W_BETA + i], coord, b->chunk, side[i].n) < 0) {
+            snprintf(what, sizeof what, "write the side data of layer %d", l);
+            return h5fail(w, what);
+        }
+    }
+    return KF_OK;
+}
+
+static kf_status wbufs_init(wbufs *b, const kvf_cache *c, wctx *w) {
+    const kvf_header *h = &c->hdr;
+    const size_t H = (size_t)h->kv_heads, C = (size_t)h->n_tokens, D = (size_t)h->head_dim;
+    const size_t esz = kvf_dtype_size(h->dtype), blk = KVF_BLOCK * H * D * esz;
+    size_t big = blk > H * C * 4 ? blk : H * C * 4;
+    big = big > H * D * 4 ? big : H * D * 4;
+    memset(b, 0, sizeof *b);
+    if (!(b->chunk = malloc(big + 4)) || !(b->zeros = calloc(H * (C > D ? C : D), sizeof(float))) ||
+        !(b->ident = malloc(H * C * sizeof(int32_t))) || !(b->hm = malloc(H)))
+        return kf_fail(w->err, KF_ERR_NOMEM, "%s: out of memory for a layer (%zu slots)", w->path, C);
+    for (size_t r = 0; r < H; r++)
+        for (size_t j = 0; j < C; j++)
+            b->ident[r * C + j] = (int32_t)j;
+    memset(b->hm, (int)h->method, H);
+    return KF_OK;
+}
+
+static void wbufs_free(wbufs *b) {
+    free(b->chunk);
+    free(b->zeros);
+    free(b->ident);
+    free(b->hm);
+}
+
 static kf_status write_contents(hid_t f, const kvf_cache *c, wctx *w) {
     const kvf_header *h = &c->hdr;
-    const int L = h->n_layers, H = h->kv_heads, D = h->head_dim; /* D: head_dim here */
-    const int64_t C = h->n_tokens;
-    const size_t layer_n = (size_t)C * (size_t)H * (size_t)D, esz = kvf_dtype_size(h->dtype);
-    if (write_attrs(f, h) < 0)
-        return h5fail(w, "write attributes");
-
-    kf_status st = KF_OK;
-    hid_t ftype = kvf_h5_type(h->dtype), s = H5Screate(H5S_SCALAR);
-    hid_t kv[2] = {-1, -1};
-    void *conv = NULL; /* [C, kv_heads, head_dim] in dtype */
-    const hsize_t dims[4] = {(hsize_t)L, (hsize_t)C, (hsize_t)H, (hsize_t)D};
-    const hsize_t maxd[4] = {(hsize_t)L, (hsize_t)((C + KVF_BLOCK - 1) / KVF_BLOCK * KVF_BLOCK), (hsize_t)H,
-                             (hsize_t)D};
-    const hsize_t chunk[4] = {1, KVF_BLOCK, (hsize_t)H, (hsize_t)D};
-    static const char *const names[2] = {"keys", "values"};
-    const float *src[2] = {c->keys, c->values};
-    const void *raw[2] = {c->keys_raw, c->values_raw};
-    if (ftype < 0 || s < 0) {
-        st = h5fail(w, "make the element type");
-        goto out;
-    }
-    for (int i = 0; i < 2 && st == KF_OK; i++) {
-        kv[i] = make_dataset(f, names[i], ftype, 4, dims, maxd, chunk);
-        if (kv[i] < 0 || attr_str(kv[i], "dtype", kvf_dtype_name(h->dtype)) < 0) {
-            st = h5fail(w, names[i][0] == 'k' ? "create dataset keys" : "create dataset values");
-            goto out;
-        }
-        if (src[i] && h->dtype != KVF_F32 && !conv && !(conv = malloc(layer_n * esz))) {
-            st = kf_fail(w->err, KF_ERR_NOMEM, "%s: out of memory for a layer (%zu values)", w->path, layer_n);
-            goto out;
-        }
-        for (int l = 0; l < L; l++) {
-            const void *buf;
-            if (!src[i]) {
-                buf = (const char *)raw[i] + (size_t)l * layer_n * esz;
-            } else if (h->dtype == KVF_F32) {
-                buf = src[i] + (size_t)l * layer_n;
-            } else {
-                kvf_convert_to(h->dtype, src[i] + (size_t)l * layer_n, conv, layer_n);
-                buf = conv;
-            }
-            if (write_layer(kv[i], ftype, 4, dims, l, buf) < 0) {
-                char what[64];
-                snprintf(what, sizeof what, "write %s of layer %d", names[i], l);
-                st = h5fail(w, what);
-                goto out;
-            }
-        }
-    }
-
-    /* per-head side data, one layer per chunk */
-    const size_t side_n = (size_t)L * (size_t)H * (size_t)(C > D ? C : D);
-    float *zeros = NULL;
-    int32_t *ident = NULL;
-    if ((!c->beta || !c->u) && !(zeros = calloc(side_n, sizeof(float))))
+    const hsize_t L = (hsize_t)h->n_layers, C = (hsize_t)h->n_tokens, H = (hsize_t)h->kv_heads,
+                  D = (hsize_t)h->head_dim, Cmax = (C + KVF_BLOCK - 1) / KVF_BLOCK * KVF_BLOCK;
+    const hsize_t kvd[4] = {L, C, H, D}, kvmax[4] = {L, Cmax, H, D}, kvc[4] = {1, KVF_BLOCK, H, D};
+    const hsize_t bd[3] = {L, H, C}, bc[3] = {1, H, C}, ud[3] = {L, H, D}, uc[3] = {1, H, D};
+    const hsize_t hd[2] = {L, H}, hc[2] = {1, H}, dd[2] = {L, 16};
+    hid_t ds[W_N] = {-1, -1, -1, -1, -1, -1}, dig = -1, et = kvf_h5_type(h->dtype);
+    uint8_t *digests = calloc((size_t)L * 16 + 4, 1); /* [L, 16] + room for the chunk sum */
+    wbufs b;
+    kf_status st = wbufs_init(&b, c, w);
+    if (st == KF_OK && (!digests || et < 0))
         st = kf_fail(w->err, KF_ERR_NOMEM, "%s: out of memory", w->path);
-    if (st == KF_OK && !c->positions) {
-        if (!(ident = malloc(sizeof(int32_t) * side_n)))
-            st = kf_fail(w->err, KF_ERR_NOMEM, "%s: out of memory", w->path);
-        else
-            for (size_t r = 0; r < (size_t)L * (size_t)H; r++)
-                for (int64_t j = 0; j < C; j++)
-                    ident[r * (size_t)C + (size_t)j] = (int32_t)j;
+    if (st == KF_OK) {
+        ds[W_KEYS] = make_dataset(f, "keys", et, 4, kvd, kvmax, kvc);
+        ds[W_VALUES] = make_dataset(f, "values", et, 4, kvd, kvmax, kvc);
+        ds[W_BETA] = make_dataset(f, "beta", H5T_IEEE_F32LE, 3, bd, NULL, bc);
+        ds[W_U] = make_dataset(f, "u", H5T_IEEE_F32LE, 3, ud, NULL, uc);
+        ds[W_POS] = make_dataset(f, "positions", H5T_STD_I32LE, 3, bd, NULL, bc);
+        ds[W_HM] = make_dataset(f, "head_method", H5T_STD_U8LE, 2, hd, NULL, hc);
+        dig = make_dataset(f, "layer_digest", H5T_STD_U8LE, 2, dd, NULL, dd);
+        for (int i = 0; i < W_N && st == KF_OK; i++)
+            if (ds[i] < 0 || dig < 0 || (i < 2 && attr_str(ds[i], "dtype", kvf_dtype_name(h->dtype)) < 0))
+                st = h5fail(w, "create the datasets");
     }
-    const hsize_t bdims[3] = {(hsize_t)L, (hsize_t)H, (hsize_t)C}, bchunk[3] = {1, (hsize_t)H, (hsize_t)C};
-    const hsize_t udims[3] = {(hsize_t)L, (hsize_t)H, (hsize_t)D}, uchunk[3] = {1, (hsize_t)H, (hsize_t)D};
-    const struct {
-        const char *name;
-        hid_t ftype, mtype;
-        const hsize_t *dims, *chunk;
-        const void *data;
-    } side[3] = {
-        {"beta", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, bdims, bchunk, c->beta ? (const void *)c->beta : zeros},
-        {"u", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, udims, uchunk, c->u ? (const void *)c->u : zeros},
-        {"positions", H5T_STD_I32LE, H5T_NATIVE_INT32, bdims, bchunk,
-         c->positions ? (const void *)c->positions : ident},
-    };
-    for (int i = 0; i < 3 && st == KF_OK; i++) {
-        hid_t d = make_dataset(f, side[i].name, side[i].ftype, 3, side[i].dims, NULL, side[i].chunk);
-        if (d < 0 || H5Dwrite(d, side[i].mtype, H5S_ALL, H5S_ALL, H5P_DEFAULT, side[i].data) < 0) {
-            kvf_h5_capture();
-            char what[64];
-            snprintf(what, sizeof what, "write dataset %s", side[i].name);
-            st = h5fail(w, what);
-        }
-        if (d >= 0)
-            H5Dclose(d);
+    for (int l = 0; l < (int)L && st == KF_OK; l++)
+        st = write_layer(ds, c, l, &b, digests + (size_t)l * 16, w);
+    char payload[KVF_DIGEST_LEN + 1];
+    if (st == KF_OK) {
+        kvf_payload_digest(digests, (int)L, payload);
+        const hsize_t zero[2] = {0, 0};
+        if (put_chunk(dig, zero, digests, (size_t)L * 16) < 0)
+            st = h5fail(w, "write the layer digests");
     }
-    free(zeros);
-    free(ident);
-out:
-    free(conv);
-    for (int i = 0; i < 2; i++)
-        if (kv[i] >= 0)
-            H5Dclose(kv[i]);
-    if (s >= 0)
-        H5Sclose(s);
-    if (ftype >= 0)
-        H5Tclose(ftype);
+    if (st == KF_OK && write_attrs(f, h, payload) < 0)
+        st = h5fail(w, "write attributes");
+    for (int i = 0; i < W_N; i++)
+        if (ds[i] >= 0)
+            H5Dclose(ds[i]);
+    if (dig >= 0)
+        H5Dclose(dig);
+    if (et >= 0)
+        H5Tclose(et);
+    wbufs_free(&b);
+    free(digests);
     return st;
 }
 
-kf_status kvf_write(const char *path, const kvf_cache *c, kf_error *err) {
-    kvf_h5_quiet();
-    if (!path || !*path || !c)
-        return kf_fail(err, KF_ERR_INVALID, "kvf_write: no path or cache");
-    if (kvf_is_temp_name(path))
-        return kf_fail(err, KF_ERR_INVALID, "%s: the name of a temporary file cannot be a cache's name", path);
-    if (c->hdr.version != KVF_VERSION)
-        return kf_fail(err, KF_ERR_INVALID, "%s: header version %d (this kvfold writes version %d)", path,
-                       c->hdr.version, KVF_VERSION);
-    kf_status st = kvf_header_check(&c->hdr, path, err);
-    if (st != KF_OK) {
-        if (err)
-            err->code = KF_ERR_INVALID;
-        return KF_ERR_INVALID;
-    }
-    if ((!c->keys && !c->keys_raw) || (!c->values && !c->values_raw))
-        return kf_fail(err, KF_ERR_INVALID, "%s: the cache has no keys or no values", path);
+/* The core driver's buffer, kept past H5Fclose: the file image as HDF5 left it when it closed the
+ * file (H5Fget_file_image on an open file of superblock 3 gives an image HDF5 1.10.8 cannot read).
+ * Every allocation of the driver comes through these callbacks. */
+typedef struct {
+    void *mem;
+    size_t size;
+    bool closed;
+} core_image;
 
-    /* <path>.tmp-<pid>-<16 hex>: unique per process and call, recognizable by kvf_is_temp_name */
+static void *img_malloc(size_t size, H5FD_file_image_op_t op, void *udata) {
+    (void)op;
+    core_image *ci = udata;
+    void *p = calloc(1, size ? size : 1); /* zeros: any byte HDF5 leaves unwritten is deterministic */
+    if (p && !ci->mem) {
+        ci->mem = p;
+        ci->size = size;
+    }
+    return p;
+}
+static void *img_memcpy(void *dest, const void *src, size_t size, H5FD_file_image_op_t op, void *udata) {
+    (void)op;
+    (void)udata;
+    return memcpy(dest, src, size);
+}
+static void *img_realloc(void *ptr, size_t size, H5FD_file_image_op_t op, void *udata) {
+    (void)op;
+    core_image *ci = udata;
+    if (!ptr)
+        return img_malloc(size, op, udata);
+    void *p = realloc(ptr, size ? size : 1);
+    if (p && ptr == ci->mem && size > ci->size)
+        memset((char *)p + ci->size, 0, size - ci->size);
+    if (p && ptr == ci->mem) {
+        ci->mem = p;
+        ci->size = size;
+    }
+    return p;
+}
+static herr_t img_free(void *ptr, H5FD_file_image_op_t op, void *udata) {
+    core_image *ci = udata;
+    if (ptr && ptr == ci->mem && op == H5FD_FILE_IMAGE_OP_FILE_CLOSE)
+        ci->closed = true; /* ours now */
+    else
+        free(ptr);
+    return 0;
+}
+static void *udata_copy(void *udata) {
+    return udata;
+}
+static herr_t udata_free(void *udata) {
+    (void)udata;
+    return 0;
+}
+
+/* The file's bytes, built in memory: *image (malloc'd) of *size bytes. name is the in-memory file's
+ * name: one that does not exist (HDF5's core driver reads an existing file of that name into
+ * memory first, even with H5F_ACC_TRUNC, and bytes of it survived into the image). */
+static kf_status build_image(const kvf_cache *c, const char *name, void **image, size_t *size, wctx *w) {
+    const kvf_header *h = &c->hdr;
+    /* the core driver grows by this much: about the whole file, so it does not grow in steps */
+    const double est =
+        (double)kvf_kv_bytes(h) * 1.02 + 16.0 * h->n_layers * h->kv_heads * (double)h->n_tokens + (1 << 20);
+    core_image ci = {0};
+    H5FD_file_image_callbacks_t cb = {img_malloc, img_memcpy, img_realloc, img_free, udata_copy, udata_free, &ci};
+    hid_t fapl = H5Pcreate(H5P_FILE_ACCESS), f = -1;
+    if (fapl >= 0 && H5Pset_fapl_core(fapl, est < 1e12 ? (size_t)est : (size_t)1 << 30, 0) >= 0 &&
+        H5Pset_file_image_callbacks(fapl, &cb) >= 0 &&
+        H5Pset_libver_bounds(fapl, H5F_LIBVER_LATEST, H5F_LIBVER_LATEST) >= 0)
+        f = H5Fcreate(name, H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
+    if (f < 0)
+        kvf_h5_capture();
+    if (fapl >= 0)
+        H5Pclose(fapl);
+    if (f < 0)
+        return h5fail(w, "create the file in memory");
+    kf_status st = write_contents(f, c, w);
+    if (H5Fclose(f) < 0 && st == KF_OK) /* memory only: not expected to fail */
+        st = h5fail(w, "close the file in memory");
+    /* the end of file from the superblock (version 2+, 8-byte addresses: bytes 28..35) */
+    const unsigned char *m = ci.mem;
+    uint64_t eof = 0;
+    for (int b = 0; ci.closed && ci.size >= 48 && b < 8; b++)
+        eof |= (uint64_t)m[28 + b] << (8 * b);
+    if (st == KF_OK && (!ci.closed || ci.size < 48 || m[8] < 2 || m[9] != 8 || eof < 48 || eof > ci.size))
+        st = kf_fail(w->err, KF_ERR_IO, "%s: HDF5 left no complete file image in memory", w->path);
+    if (st != KF_OK) {
+        if (ci.closed)
+            free(ci.mem);
+        return st;
+    }
+    *image = ci.mem;
+    *size = (size_t)eof;
+    return KF_OK;
+}
+
+/* ---- to disk ---- */
+
+static int fsync_path(const char *path, int flags) {
+    int fd = open(path, flags | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    int rc = fsync(fd);
+    int e = errno;
+    close(fd);
+    errno = e;
+    return rc;
+}
+
+/* Creates tmp (exclusively) with the bytes, fsynced; on failure removes it: -1 with errno. */
+static int write_file(const char *tmp, const void *bytes, size_t n) {
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd < 0)
+        return -1;
+    const char *p = bytes;
+    int rc = 0;
+    off_t at = 0;
+    /* 64 KiB pieces: a writer stopped midway (a signal, tests/slurm/stall.c) leaves a partial
+     * temporary file, as a real one would; the syscalls cost nothing next to the copies */
+    while (n > 0 && rc == 0) {
+        ssize_t k = pwrite(fd, p, n > ((size_t)1 << 16) ? (size_t)1 << 16 : n, at);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0) {
+            if (k == 0)
+                errno = EIO;
+            rc = -1;
+            break;
+        }
+        p += k;
+        at += k;
+        n -= (size_t)k;
+    }
+    if (rc == 0)
+        rc = fsync(fd);
+    int e = errno;
+    if (close(fd) != 0 && rc == 0) {
+        rc = -1;
+        e = errno;
+    }
+    if (rc != 0) {
+        unlink(tmp);
+        errno = e;
+    }
+    return rc;
+}
+
+/* <path>.tmp-<pid>-<16 hex>: unique per process and call, recognizable by kvf_is_temp_name */
+static char *temp_name(const char *path) {
     uint64_t rnd = 0;
     if (getrandom(&rnd, sizeof rnd, GRND_NONBLOCK) != (ssize_t)sizeof rnd) {
         struct timespec ts;
@@ -265,55 +428,56 @@ kf_status kvf_write(const char *path, const kvf_cache *c, kf_error *err) {
         rnd = ((uint64_t)ts.tv_nsec << 20) ^ (uint64_t)ts.tv_sec ^ (uint64_t)(uintptr_t)&ts;
     }
     size_t tl = strlen(path) + 64;
-    char *tmp = malloc(tl), *dircopy = strdup(path);
-    if (!tmp || !dircopy) {
-        free(tmp);
-        free(dircopy);
-        return kf_fail(err, KF_ERR_NOMEM, "%s: out of memory", path);
-    }
-    snprintf(tmp, tl, "%s.tmp-%ld-%016llx", path, (long)getpid(), (unsigned long long)rnd);
-    const char *dir = dirname(dircopy);
+    char *tmp = malloc(tl);
+    if (tmp)
+        snprintf(tmp, tl, "%s.tmp-%ld-%016llx", path, (long)getpid(), (unsigned long long)rnd);
+    return tmp;
+}
 
-    wctx w = {.path = path, .err = err};
-    hid_t fapl = kvf_h5_fapl();
-    hid_t f = fapl < 0 ? -1 : H5Fcreate(tmp, H5F_ACC_EXCL, H5P_DEFAULT, fapl);
-    if (f < 0)
-        kvf_h5_capture();
-    if (fapl >= 0)
-        H5Pclose(fapl);
-    if (f < 0) {
-        char m[300];
-        kvf_h5_take_error(m, sizeof m, NULL, NULL);
-        st = kf_fail(err, KF_ERR_IO, "%s: cannot create the temporary file %s: %s", path, tmp, m);
-        free(tmp); /* not ours to unlink: H5F_ACC_EXCL failed or nothing was created */
-        free(dircopy);
-        return st;
+static kf_status check_cache(const char *path, const kvf_cache *c, kf_error *err) {
+    if (kvf_is_temp_name(path))
+        return kf_fail(err, KF_ERR_INVALID, "%s: the name of a temporary file cannot be a cache's name", path);
+    if (c->hdr.version != KVF_VERSION)
+        return kf_fail(err, KF_ERR_INVALID, "%s: header version %d (this kvfold writes version %d)", path,
+                       c->hdr.version, KVF_VERSION);
+    if (kvf_header_check(&c->hdr, path, err) != KF_OK) {
+        if (err)
+            err->code = KF_ERR_INVALID;
+        return KF_ERR_INVALID;
     }
-    st = write_contents(f, c, &w);
-    if (H5Fclose(f) < 0 && st == KF_OK)
-        st = h5fail(&w, "close the file");
-    if (st != KF_OK)
-        goto fail;
-    if (fsync_path(tmp, O_RDONLY) != 0) {
-        st = kf_fail(err, KF_ERR_IO, "%s: cannot fsync %s: %s", path, tmp, strerror(errno));
-        goto fail;
-    }
-    if (rename(tmp, path) != 0) {
-        st = kf_fail(err, KF_ERR_IO, "%s: cannot rename %s to it: %s", path, tmp, strerror(errno));
-        goto fail;
-    }
-    /* the rename itself is durable once the directory is synced */
-    if (fsync_path(dir, O_RDONLY | O_DIRECTORY) != 0) {
-        st = kf_fail(err, KF_ERR_IO, "%s: cannot fsync directory %s: %s", path, dir, strerror(errno));
-        free(tmp);
-        free(dircopy);
-        return st;
-    }
-    free(tmp);
-    free(dircopy);
+    if ((!c->keys && !c->keys_raw) || (!c->values && !c->values_raw))
+        return kf_fail(err, KF_ERR_INVALID, "%s: the cache has no keys or no values", path);
     return KF_OK;
-fail:
-    unlink(tmp);
+}
+
+kf_status kvf_write(const char *path, const kvf_cache *c, kf_error *err) {
+    kvf_h5_quiet();
+    if (!path || !*path || !c)
+        return kf_fail(err, KF_ERR_INVALID, "kvf_write: no path or cache");
+    KF_TRY(check_cache(path, c, err));
+    wctx w = {.path = path, .err = err};
+    void *image = NULL;
+    size_t size = 0;
+    char *tmp = temp_name(path), *dircopy = strdup(path);
+    kf_status st = KF_OK;
+    if (!tmp || !dircopy)
+        st = kf_fail(err, KF_ERR_NOMEM, "%s: out of memory", path);
+    else if (access(tmp, F_OK) == 0)
+        st = kf_fail(err, KF_ERR_IO, "%s: the temporary name %s is taken", path, tmp);
+    else
+        st = build_image(c, tmp, &image, &size, &w);
+    if (st != KF_OK)
+        ;
+    else if (write_file(tmp, image, size) != 0)
+        st = kf_fail(err, KF_ERR_IO, "%s: cannot write %s (%zu bytes): %s", path, tmp, size, strerror(errno));
+    else if (rename(tmp, path) != 0) {
+        st = kf_fail(err, KF_ERR_IO, "%s: cannot rename %s to it: %s", path, tmp, strerror(errno));
+        unlink(tmp);
+    } else if (fsync_path(dirname(dircopy), O_RDONLY | O_DIRECTORY) != 0) {
+        /* the rename itself is durable once the directory is synced */
+        st = kf_fail(err, KF_ERR_IO, "%s: cannot fsync its directory: %s", path, strerror(errno));
+    }
+    free(image);
     free(tmp);
     free(dircopy);
     return st;

@@ -394,3 +394,43 @@ const kf_st_tensor *kf_st_find(const kf_st_set *set, const char *name) {
     kf_st_tensor key = {.name = (char *)name};
     return bsearch(&key, set->tensors, set->n_tensors, sizeof key, cmp_tensor_name);
 }
+
+/* Non-finite means an all-ones exponent: (bits & exp) == exp; NaN when the mantissa is nonzero too.
+ * Blocks of 1,024 elements are OR-reduced without branches (vectorizable), and only a block with a
+ * hit is searched element by element: the scan costs about one read of the weights. */
+#define NONFINITE_SCAN(T, EXP, MANT)                                                        \
+    do {                                                                                    \
+        const unsigned char *p = t->data;                                                   \
+        for (int64_t b0 = 0; b0 < t->numel; b0 += 1024) {                                   \
+            const int64_t b1 = t->numel - b0 < 1024 ? t->numel : b0 + 1024;                 \
+            int hit = 0;                                                                    \
+            for (int64_t i = b0; i < b1; i++) {                                             \
+                T u;                                                                        \
+                memcpy(&u, p + (size_t)i * sizeof u, sizeof u);                             \
+                hit |= (u & (EXP)) == (EXP);                                                \
+            }                                                                               \
+            for (int64_t i = b0; hit && i < b1; i++) {                                      \
+                T u;                                                                        \
+                memcpy(&u, p + (size_t)i * sizeof u, sizeof u);                             \
+                if ((u & (EXP)) == (EXP)) {                                                 \
+                    *is_nan = (u & (MANT)) != 0;                                            \
+                    return i;                                                               \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+    } while (0)
+
+int64_t kf_st_first_nonfinite(const kf_st_tensor *t, int *is_nan) {
+    int dummy;
+    if (!is_nan)
+        is_nan = &dummy;
+    *is_nan = 0;
+    switch (t->dtype) {
+    case KF_ST_BF16: NONFINITE_SCAN(uint16_t, 0x7f80u, 0x007fu); break;
+    case KF_ST_F16: NONFINITE_SCAN(uint16_t, 0x7c00u, 0x03ffu); break;
+    case KF_ST_F32: NONFINITE_SCAN(uint32_t, 0x7f800000u, 0x007fffffu); break;
+    case KF_ST_F64: NONFINITE_SCAN(uint64_t, 0x7ff0000000000000ull, 0x000fffffffffffffull); break;
+    default: break;
+    }
+    return -1;
+}

@@ -75,6 +75,10 @@ void kf_st_close(kf_st_set *set);
 /* NULL when absent. */
 const kf_st_tensor *kf_st_find(const kf_st_set *set, const char *name);
 
+/* Index of the first NaN or infinite element of a floating-point tensor (F16, BF16, F32, F64) and,
+ * in *is_nan, which of the two it is; -1 when every element is finite or the dtype is not floating. */
+int64_t kf_st_first_nonfinite(const kf_st_tensor *t, int *is_nan);
+
 size_t kf_st_dtype_size(kf_st_dtype dt);
 const char *kf_st_dtype_name(kf_st_dtype dt);
 

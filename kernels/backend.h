@@ -175,7 +175,10 @@ struct kf_backend {
     void (*destroy)(kf_backend *b);
 };
 
-/* The CPU backend (OpenBLAS + OpenMP). Returns NULL when out of memory. */
+/* The CPU backend (OpenBLAS GEMMs; row kernels and attention on a pthread pool of as many
+ * threads as OpenBLAS has). Returns NULL when out of memory. */
 kf_backend *kf_backend_cpu_create(void);
+/* The same with a pool of `threads` threads (<= 0: as many as OpenBLAS has). */
+kf_backend *kf_backend_cpu_create_threads(int threads);
 
 #endif

@@ -242,7 +242,8 @@ static void test_round_trip_through_kvf(void) {
     const int V = kf_model_config(g_m)->vocab_size;
     const int32_t answer[] = {1541, 2644, 10};
     kf_prompt q = {kQuestion, 7}, ans = {answer, 3};
-    float *lp_mem = malloc(sizeof(float) * 3 * V), *lp_file = malloc(sizeof(float) * 3 * V);
+    float *lp_mem = malloc(sizeof(float) * 3 * V), *lp_file = malloc(sizeof(float) * 3 * V); /* [3, V] */
+    float *lp_again = malloc(sizeof(float) * 3 * V);                                            /* [3, V] */
     kf_prompt doc = {g_doc, 200};
     const char *dir = kf_test_make_dir("roundtrip");
     for (int mi = 0; mi < 4; mi++) {
@@ -287,34 +288,66 @@ static void test_round_trip_through_kvf(void) {
             CU_ASSERT(l.C == c.C && l.D == c.D && l.method == c.method && l.rotated == 1);
             CU_ASSERT_EQUAL_FATAL(kf_engine_from_compacted(&e, g_m, &l, 16, &err), KF_OK);
             CU_ASSERT_EQUAL_FATAL(kf_engine_logprobs(&e, g_m, &q, &ans, lp_file, &err), KF_OK);
-            /* a second prompt on the same engine: the first was rewound */
-            CU_ASSERT_EQUAL_FATAL(kf_engine_logprobs(&e, g_m, &q, &ans, lp_mem + 0, &err), KF_OK);
+            /* a second prompt on the same engine: the first was rewound, so the same answer */
+            CU_ASSERT_EQUAL_FATAL(kf_engine_logprobs(&e, g_m, &q, &ans, lp_again, &err), KF_OK);
             kf_engine_free(&e);
+            CU_ASSERT_EQUAL(memcmp(lp_again, lp_file, sizeof(float) * 3 * V), 0);
+            /* the file's cache against the in-memory one (computed before the file was read) */
             CU_ASSERT_EQUAL(memcmp(lp_mem, lp_file, sizeof(float) * 3 * V), 0);
             if (memcmp(lp_mem, lp_file, sizeof(float) * 3 * V) != 0)
                 fprintf(stderr, "%s %s: file vs memory %g\n", kf_method_name(methods[mi]), kvf_dtype_name(dtypes[di]),
                         kf_max_abs_diff(lp_mem, lp_file, (size_t)3 * V));
+            /* and the log-probabilities are real ones: finite, each row a distribution */
+            for (int row = 0; row < 3; row++) {
+                double mass = 0;
+                for (int v = 0; v < V; v++)
+                    mass += exp((double)lp_file[(size_t)row * V + v]);
+                CU_ASSERT(fabs(mass - 1) < 1e-3);
+            }
             kf_compacted_free(&l);
         }
         kf_compacted_free(&c);
     }
     free(lp_mem);
     free(lp_file);
+    free(lp_again);
 }
 
-/* Greedy decoding through the engine: the first token is the argmax of the question's logits, and
- * a full-context engine answers the records question right. */
+/* Greedy decoding through the engine: after the repeat instruction and the document's first six
+ * tokens ("- vaziri bresnu\n- reka"), a full-context engine continues copying the document (the
+ * records model copies well; it has not learned to answer questions); every token is the argmax of
+ * the teacher-forced log-probs of the prompt plus the tokens before it (one prefill, an independent
+ * path); the context is rewound after each prompt. */
 static void test_engine_greedy_full_context(void) {
     kf_error err = {0};
     kf_engine e;
-    kf_prompt doc = {g_doc, g_doc_n}, q = {kQuestion, 7};
+    kf_prompt doc = {g_doc, g_doc_n};
+    int32_t prompt[6 + 6]; /* instruction, then the document's first 6 tokens */
+    memcpy(prompt, kInstr, sizeof kInstr);
+    memcpy(prompt + 6, g_doc, sizeof(int32_t) * 6);
+    kf_prompt q = {prompt, 12};
     CU_ASSERT_EQUAL_FATAL(kf_engine_from_document(&e, g_m, &doc, 64, &err), KF_OK);
+    const int V = kf_model_config(g_m)->vocab_size;
     int32_t out[8];
     int n = 0;
     const int32_t eos = 3199;
     CU_ASSERT_EQUAL_FATAL(kf_engine_greedy(&e, g_m, &q, 8, &eos, 1, NULL, NULL, out, &n, &err), KF_OK);
-    CU_ASSERT_EQUAL(n, 8);
     CU_ASSERT_EQUAL(e.seq.len, g_doc_n); /* rewound */
+    CU_ASSERT_EQUAL_FATAL(n, 8);
+    /* " stuflo\nIn meadow stone.\nIn": the document's tokens 6..13 */
+    CU_ASSERT_EQUAL(memcmp(out, g_doc + 6, sizeof out), 0);
+    for (int j = 0; j < n && memcmp(out, g_doc + 6, sizeof out) != 0; j++)
+        fprintf(stderr, "greedy token %d: %d, the document's %d\n", j, out[j], g_doc[6 + j]);
+    float *lp = malloc(sizeof(float) * (size_t)n * V); /* [n, V] */
+    kf_prompt ans = {out, n};
+    CU_ASSERT_EQUAL_FATAL(kf_engine_logprobs(&e, g_m, &q, &ans, lp, &err), KF_OK);
+    for (int j = 0; j < n; j++) {
+        int best = 0;
+        for (int v = 1; v < V; v++)
+            best = lp[(size_t)j * V + v] > lp[(size_t)j * V + best] ? v : best;
+        CU_ASSERT_EQUAL(out[j], best);
+    }
+    free(lp);
     int32_t n2_out[8];
     int n2 = 0;
     CU_ASSERT_EQUAL_FATAL(kf_engine_greedy(&e, g_m, &q, 3, &eos, 1, NULL, NULL, n2_out, &n2, &err), KF_OK);

@@ -384,8 +384,8 @@ static void test_refuse_out_of_range(void) {
                 "out of range");
     EXPECT_FAIL(llama_with("rms_norm_eps", json_real(0.0)), KF_ERR_FORMAT, "rms_norm_eps", "positive");
     EXPECT_FAIL(llama_with("rms_norm_eps", json_real(-1e-5)), KF_ERR_FORMAT, "rms_norm_eps", "positive");
-    EXPECT_FAIL(llama_with("rope_theta", json_real(0.0)), KF_ERR_FORMAT, "rope_theta", "positive");
-    EXPECT_FAIL(llama_with("rope_theta", json_integer(-10000)), KF_ERR_FORMAT, "rope_theta", "positive");
+    EXPECT_FAIL(llama_with("rope_theta", json_real(0.0)), KF_ERR_FORMAT, "rope_theta", "at least 1");
+    EXPECT_FAIL(llama_with("rope_theta", json_integer(-10000)), KF_ERR_FORMAT, "rope_theta", "at least 1");
     /* heads not a multiple of kv heads, or fewer heads than kv heads */
     EXPECT_FAIL(llama_with("num_key_value_heads", json_integer(3)), KF_ERR_FORMAT, "multiple", "(3)");
     EXPECT_FAIL(llama_with("num_key_value_heads", json_integer(16)), KF_ERR_FORMAT, "multiple", "(16)");
@@ -431,10 +431,15 @@ static void test_refuse_rope(void) {
     EXPECT_FAIL(llama_with("rope_scaling", load_json("{\"rope_type\":\"llama3\",\"factor\":0,\"low_freq_factor\":1,"
                                                      "\"high_freq_factor\":4,"
                                                      "\"original_max_position_embeddings\":8192}")),
-                KF_ERR_FORMAT, "rope_scaling.factor", "positive");
+                KF_ERR_FORMAT, "rope_scaling.factor", "at least 1");
+    /* a tiny factor made the inverse frequencies infinite (found by fuzz_hfconfig) */
+    EXPECT_FAIL(llama_with("rope_scaling", load_json("{\"type\":\"linear\",\"factor\":1e-310}")), KF_ERR_FORMAT,
+                "factor", "at least 1");
+    EXPECT_FAIL(llama_with("rope_theta", json_real(0.5)), KF_ERR_FORMAT, "rope_theta must be at least 1", NULL);
+    EXPECT_FAIL(llama_with("rope_theta", json_real(1e-320)), KF_ERR_FORMAT, "rope_theta", NULL);
     EXPECT_FAIL(llama_with("rope_scaling", load_json("{\"type\":\"linear\"}")), KF_ERR_FORMAT, "missing", "'factor'");
     EXPECT_FAIL(llama_with("rope_scaling", load_json("{\"type\":\"linear\",\"factor\":-2}")), KF_ERR_FORMAT, "factor",
-                "positive");
+                "at least 1");
     EXPECT_FAIL(llama_with("rope_scaling", load_json("{\"type\":\"linear\",\"factor\":\"2\"}")), KF_ERR_FORMAT,
                 "'factor'", "number");
 }

@@ -6,7 +6,10 @@
 
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/fast_exp.h"
+#include "kernels/cpu/pool.h"
 #include "test_util.h"
+
+static kf_pool *g_pool; /* 3 threads, for the threaded paths */
 
 static float *poisoned(size_t n) {
     float *x = malloc(n * sizeof(float));
@@ -236,18 +239,22 @@ static void check_attention(int n_q, int n_keys, int n_heads, int kvh, int hd, i
     kf_attn_args a = {.q = q, .q_stride = q_stride, .out = out, .out_stride = (size_t)n_heads * hd, .n_q = n_q,
                       .n_heads = n_heads, .n_keys = n_keys, .pages = pages, .kv = kv, .scale = 1.0f / sqrtf(hd),
                       .bias = bias, .bias_stride = (size_t)bias_len + 1, .bias_len = bias_len};
-    kf_cpu_attn_scratch scratch = {0};
-    CU_ASSERT_EQUAL(kf_cpu_attention(&scratch, &a), 0);
     double *ref = malloc(sizeof(double) * n_q * n_heads * hd);
     naive_attention(&a, keys, vals, ref);
-    double worst = 0;
-    for (size_t i = 0; i < (size_t)n_q * n_heads * hd; i++)
-        worst = isnan(out[i]) ? INFINITY : fmax(worst, fabs(out[i] - ref[i]));
-    CU_ASSERT(worst < 1e-5);
-    if (!(worst < 1e-5))
-        printf("\n    n_q %d n_keys %d heads %d/%d hd %d bias %d: max error %.3e\n", n_q, n_keys, n_heads, kvh, hd,
-               with_bias, worst);
-    kf_cpu_attn_scratch_free(&scratch);
+    for (int threaded = 0; threaded < 2; threaded++) { /* on the calling thread, then on a pool */
+        kf_cpu_attn_scratch scratch = {.pool = threaded ? g_pool : NULL};
+        for (size_t i = 0; i < (size_t)n_q * n_heads * hd; i++)
+            out[i] = NAN;
+        CU_ASSERT_EQUAL(kf_cpu_attention(&scratch, &a), 0);
+        double worst = 0;
+        for (size_t i = 0; i < (size_t)n_q * n_heads * hd; i++)
+            worst = isnan(out[i]) ? INFINITY : fmax(worst, fabs(out[i] - ref[i]));
+        CU_ASSERT(worst < 1e-5);
+        if (!(worst < 1e-5))
+            printf("\n    n_q %d n_keys %d heads %d/%d hd %d bias %d threaded %d: max error %.3e\n", n_q, n_keys,
+                   n_heads, kvh, hd, with_bias, threaded, worst);
+        kf_cpu_attn_scratch_free(&scratch);
+    }
     free(pool);
     free(pages);
     free(keys);
@@ -266,6 +273,91 @@ static void test_attention(void) {
     check_attention(130, 130, 4, 4, 64, 1); /* MHA, bias */
 }
 
+typedef struct {
+    int *count;   /* [n] times each item ran */
+    int bad_thread;
+} pool_check;
+
+static void pool_item(void *ctx, int item, int thread) {
+    pool_check *c = ctx;
+    c->count[item]++;
+    if (thread < 0 || thread >= 3)
+        c->bad_thread = 1;
+}
+
+/* Every item runs exactly once, job after job, with fewer and more items than threads. */
+static void test_pool_runs_every_item_once(void) {
+    CU_ASSERT_EQUAL_FATAL(kf_pool_threads(g_pool), 3);
+    const int sizes[] = {1, 2, 3, 7, 1000};
+    for (int rep = 0; rep < 200; rep++) {
+        const int n = sizes[rep % 5];
+        pool_check c = {.count = calloc((size_t)n, sizeof(int))};
+        kf_pool_run(g_pool, n, pool_item, &c);
+        int wrong = 0;
+        for (int i = 0; i < n; i++)
+            wrong += c.count[i] != 1;
+        CU_ASSERT_EQUAL(wrong, 0);
+        CU_ASSERT_EQUAL(c.bad_thread, 0);
+        free(c.count);
+    }
+    kf_pool_run(g_pool, 0, pool_item, NULL); /* nothing to do */
+    CU_ASSERT_EQUAL(kf_pool_threads(NULL), 1);
+}
+
+/* The CPU backend's threaded row kernels give exactly the single-threaded kernels' results. */
+static void test_threaded_row_kernels_match(void) {
+    kf_backend *b = kf_backend_cpu_create_threads(3);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(b);
+    const int rows = 301, n = 96, heads = 3, hd = 32; /* 301 x 96 values: above the inline threshold */
+    const size_t N = (size_t)rows * n;
+    float *x = malloc(sizeof(float) * N), *w = malloc(sizeof(float) * n), *u = malloc(sizeof(float) * N);
+    float *y1 = poisoned(N), *y2 = poisoned(N);
+    kf_test_fill_uniform(x, N, 21, -5, 5);
+    kf_test_fill_uniform(u, N, 22, -5, 5);
+    kf_test_fill_uniform(w, n, 23, 0.5f, 1.5f);
+    kf_cpu_rmsnorm(y1, n, x, n, w, rows, n, 1e-6f);
+    b->rmsnorm(b, y2, n, x, n, w, rows, n, 1e-6f);
+    CU_ASSERT_EQUAL(memcmp(y1, y2, sizeof(float) * N), 0);
+
+    int64_t *pos = malloc(sizeof(int64_t) * rows);
+    for (int t = 0; t < rows; t++)
+        pos[t] = 3 * t + 1;
+    kf_rope_spec spec = {.kind = KF_ROPE_DEFAULT, .theta = 10000.0};
+    double inv_freq[16];
+    kf_rope_inv_freq(&spec, hd, inv_freq);
+    memcpy(y1, x, sizeof(float) * N);
+    memcpy(y2, x, sizeof(float) * N);
+    kf_cpu_rope(y1, n, rows, heads, hd, pos, inv_freq);
+    b->rope(b, y2, n, rows, heads, hd, pos, inv_freq);
+    CU_ASSERT_EQUAL(memcmp(y1, y2, sizeof(float) * N), 0);
+
+    memcpy(y1, x, sizeof(float) * N);
+    memcpy(y2, x, sizeof(float) * N);
+    kf_cpu_silu_mul(y1, u, rows, n);
+    b->silu_mul(b, y2, u, rows, n);
+    CU_ASSERT_EQUAL(memcmp(y1, y2, sizeof(float) * N), 0);
+    kf_cpu_add(y1, u, rows, n);
+    b->add(b, y2, u, rows, n);
+    CU_ASSERT_EQUAL(memcmp(y1, y2, sizeof(float) * N), 0);
+    free(x);
+    free(w);
+    free(u);
+    free(y1);
+    free(y2);
+    free(pos);
+    b->destroy(b);
+}
+
+static int suite_init(void) {
+    g_pool = kf_pool_create(3);
+    return g_pool ? 0 : -1;
+}
+
+static int suite_clean(void) {
+    kf_pool_destroy(g_pool);
+    return 0;
+}
+
 static CU_TestInfo tests[] = {
     {"bf16/f16 conversions", test_bf16_f16_conversions},
     {"fast exp against exp()", test_fast_exp},
@@ -274,9 +366,11 @@ static CU_TestInfo tests[] = {
     {"rope = explicit rotation; -p undoes p", test_rope_matches_explicit_rotation},
     {"rope frequencies (default, linear)", test_rope_frequencies},
     {"silu gate and add", test_silu_mul_and_add},
-    {"paged causal GQA attention with bias", test_attention},
+    {"paged causal GQA attention with bias (one thread and a pool)", test_attention},
+    {"pool runs every item once", test_pool_runs_every_item_once},
+    {"threaded row kernels = single-threaded ones", test_threaded_row_kernels_match},
     CU_TEST_INFO_NULL,
 };
-static CU_SuiteInfo suites[] = {{"cpu kernels", NULL, NULL, NULL, NULL, tests}, CU_SUITE_INFO_NULL};
+static CU_SuiteInfo suites[] = {{"cpu kernels", suite_init, suite_clean, NULL, NULL, tests}, CU_SUITE_INFO_NULL};
 
 int main(void) { return kf_test_main(suites); }

@@ -100,7 +100,7 @@ static const char *cache_file(const char *dirname, const synth *s) {
     const char *root = kf_test_make_dir(dirname);
     char rootcopy[1024];
     snprintf(rootcopy, sizeof rootcopy, "%s", root);
-    kf_status st = kvf_cache_path(rootcopy, h->model_fingerprint, h->document_digest, h->method, h->budget, true, g_path,
+    kf_status st = kvf_cache_path(rootcopy, h->model_fingerprint, h->document_digest, h->method, h->budget, h->recipe_digest, true, g_path,
                                   sizeof g_path, &err);
     CU_ASSERT_EQUAL_FATAL(st, KF_OK);
     return g_path;
@@ -223,14 +223,14 @@ static void test_names_paths_digests(void) {
     char rootcopy[1024];
     snprintf(rootcopy, sizeof rootcopy, "%s/deep/root/", root);
     kf_error err = {0};
-    CU_ASSERT_EQUAL_FATAL(kvf_cache_path(rootcopy, kFp, d1, KVF_METHOD_FOLD, 0.1, true, p, sizeof p, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kvf_cache_path(rootcopy, kFp, d1, KVF_METHOD_FOLD, 0.1, kOtherFp, true, p, sizeof p, &err), KF_OK);
     char want[4096];
-    snprintf(want, sizeof want, "%s/deep/root/%s/%s.fold-0.1.kvf", root, kFp, d1);
+    snprintf(want, sizeof want, "%s/deep/root/%s/%s.fold-0.1.fedcba9876543210.kvf", root, kFp, d1);
     CU_ASSERT_STRING_EQUAL(p, want);
     struct stat sb;
     snprintf(want, sizeof want, "%s/deep/root/%s", root, kFp);
     CU_ASSERT(stat(want, &sb) == 0 && S_ISDIR(sb.st_mode));
-    CU_ASSERT_EQUAL(kvf_cache_path(root, "nothex", d1, KVF_METHOD_AM, 0.1, false, p, sizeof p, &err), KF_ERR_INVALID);
+    CU_ASSERT_EQUAL(kvf_cache_path(root, "nothex", d1, KVF_METHOD_AM, 0.1, kFp, false, p, sizeof p, &err), KF_ERR_INVALID);
     CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "nothex"));
     CU_ASSERT(kvf_is_temp_name("/a/b/x.fold-0.1.kvf.tmp-123-0123456789abcdef"));
     CU_ASSERT(!kvf_is_temp_name("/a/b/x.fold-0.1.kvf"));
@@ -255,7 +255,7 @@ static void test_round_trip_every_method_and_dtype(void) {
             synth_make(&s, 3, 2, 8, C, (kvf_dtype)dt, (kvf_method)m, 100 + (uint64_t)(m * 3 + dt));
             const char *path = cache_file("rt", &s);
             write_ok(path, &s);
-            CU_ASSERT(kvf_exists_valid(path, kFp));
+            CU_ASSERT(kvf_exists_valid(path, kFp, NULL));
             kvf_file *f = open_ok(path);
             const kvf_header *h = kvf_file_header(f), *w = &s.c.hdr;
             CU_ASSERT_EQUAL(h->version, KVF_VERSION);
@@ -325,7 +325,7 @@ static void test_raw_input_and_defaults(void) {
     bad.c.hdr.model_fingerprint[3] = 'X';
     CU_ASSERT_EQUAL(kvf_write(path, &bad.c, &err), KF_ERR_INVALID);
     CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "model_fingerprint"));
-    CU_ASSERT(kvf_exists_valid(path, NULL)); /* the earlier file is untouched */
+    CU_ASSERT(kvf_exists_valid(path, NULL, NULL)); /* the earlier file is untouched */
     synth_free(&bad);
     free(rk);
     free(rv);
@@ -369,7 +369,7 @@ static void test_refuses_another_model(void) {
     CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "kv heads"));
     CU_ASSERT_EQUAL(kvf_check_model(f, kFp, -1, -1, -1, &err), KF_OK);
     kvf_close(f);
-    CU_ASSERT(!kvf_exists_valid(path, kOtherFp));
+    CU_ASSERT(!kvf_exists_valid(path, kOtherFp, NULL));
     synth_free(&s);
 }
 
@@ -393,7 +393,7 @@ static void test_refuses_truncated_file(void) {
             CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, ": truncated file"));
         if (st != KF_ERR_FORMAT || (cuts[i] > 600 && !strstr(err.msg, ": truncated file")))
             fprintf(stderr, "cut %zu of %zu: %s\n", cuts[i], n, err.msg);
-        CU_ASSERT(!kvf_exists_valid(t, NULL));
+        CU_ASSERT(!kvf_exists_valid(t, NULL, NULL));
     }
     free(bytes);
     synth_free(&s);
@@ -437,7 +437,10 @@ static void test_refuses_flipped_byte_in_a_chunk(void) {
     CU_ASSERT_EQUAL(kvf_read_block(f, 3, 1, KVF_KEYS, buf, &nt, &err), KF_OK); /* the neighbours are fine */
     CU_ASSERT_EQUAL(kvf_read_block(f, 3, 3, KVF_KEYS, buf, &nt, &err), KF_OK);
     CU_ASSERT_EQUAL(nt, 2);
-    CU_ASSERT_EQUAL(kvf_read_layer(f, 3, KVF_VALUES, buf, &err), KF_OK);
+    /* a full read of layer 3 reads its keys too; layer 2 is fine */
+    CU_ASSERT_EQUAL(kvf_read_layer(f, 3, KVF_VALUES, buf, &err), KF_ERR_FORMAT);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "checksum mismatch in keys, layer 3 block 2"));
+    CU_ASSERT_EQUAL(kvf_read_layer(f, 2, KVF_VALUES, buf, &err), KF_OK);
     CU_ASSERT_EQUAL(kvf_verify(f, &err), KF_ERR_FORMAT);
     CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "checksum mismatch"));
     kvf_close(f);
@@ -570,7 +573,7 @@ static const char *edited_copy(const char *dirname, int what) {
     CU_ASSERT_FATAL(fid >= 0);
     if (what == 0) {
         hid_t a = H5Aopen(fid, "version", H5P_DEFAULT);
-        int64_t v = 2;
+        int64_t v = 3;
         CU_ASSERT(H5Awrite(a, H5T_NATIVE_INT64, &v) >= 0);
         H5Aclose(a);
     } else if (what == 1) {
@@ -590,7 +593,7 @@ static const char *edited_copy(const char *dirname, int what) {
 static void test_refuses_unknown_version_and_missing_parts(void) {
     kf_error err = {0};
     CU_ASSERT_EQUAL(open_status(edited_copy("version", 0), &err), KF_ERR_UNSUPPORTED);
-    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "kvf version 2 is not supported"));
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "kvf version 3 is not supported"));
     show(&err);
     CU_ASSERT_EQUAL(open_status(edited_copy("missing", 1), &err), KF_ERR_FORMAT);
     CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "missing dataset 'u'"));
@@ -637,8 +640,8 @@ static void test_killed_writer_leaves_only_a_temp_file(void) {
     CU_ASSERT(access(tmp, F_OK) != 0);
     write_ok(final, &s);
     CU_ASSERT_EQUAL(rename(final, tmp), 0);
-    CU_ASSERT(!kvf_exists_valid(final, NULL));
-    CU_ASSERT(!kvf_exists_valid(tmp, NULL));
+    CU_ASSERT(!kvf_exists_valid(final, NULL, NULL));
+    CU_ASSERT(!kvf_exists_valid(tmp, NULL, NULL));
     CU_ASSERT_EQUAL(open_status(tmp, &err), KF_ERR_INVALID);
     CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "temporary"));
     show(&err);
@@ -680,7 +683,7 @@ static void test_killed_writer_leaves_only_a_temp_file(void) {
         if (found && WIFSIGNALED(status)) {
             killed_midway = 1;
             CU_ASSERT(access(fin, F_OK) != 0); /* the final name never appeared */
-            CU_ASSERT(!kvf_exists_valid(fin, NULL));
+            CU_ASSERT(!kvf_exists_valid(fin, NULL, NULL));
             CU_ASSERT_EQUAL(kvf_clean_temps(root, 0, false, NULL, NULL, &n, &err), KF_OK);
             CU_ASSERT_EQUAL(n, 1);
         }
@@ -739,7 +742,7 @@ static void test_concurrent_writers_never_expose_a_partial_file(void) {
         CU_ASSERT(WIFEXITED(status[i]) && WEXITSTATUS(status[i]) == 0);
     CU_ASSERT_EQUAL(bad, 0);
     CU_ASSERT(observed > 0);
-    CU_ASSERT(kvf_exists_valid(path, kFp));
+    CU_ASSERT(kvf_exists_valid(path, kFp, NULL));
     int n = -1;
     char root[1024];
     snprintf(root, sizeof root, "%s", kf_test_make_dir("concurrent"));
@@ -750,12 +753,14 @@ static void test_concurrent_writers_never_expose_a_partial_file(void) {
     synth_free(&s[1]);
 }
 
-/* Optional: h5py (python3-h5py) reads the file: attributes, bf16 as uint16, f16 as float16. */
+/* h5py (python3-h5py, required: a missing h5py fails the test) reads the file: attributes
+ * (fixed-length strings come back as bytes), bf16 as uint16, f16 as float16, head_method and
+ * layer_digest. */
 static void test_h5py_reads_the_file(void) {
-    if (system("/usr/bin/python3 -c 'import h5py' >/dev/null 2>&1") != 0) {
-        fprintf(stderr, "  (skipped: python3-h5py is not installed)\n");
-        return;
-    }
+    int have = system("/usr/bin/python3 -c 'import h5py' >/dev/null 2>&1");
+    if (have != 0)
+        fprintf(stderr, "  /usr/bin/python3 cannot import h5py: install python3-h5py\n");
+    CU_ASSERT_EQUAL_FATAL(have, 0);
     for (int dt = KVF_BF16; dt <= KVF_F16; dt++) {
         synth s;
         synth_make(&s, 2, 2, 8, 20, (kvf_dtype)dt, KVF_METHOD_FOLD, 30 + (uint64_t)dt);
@@ -769,11 +774,14 @@ static void test_h5py_reads_the_file(void) {
                  "/usr/bin/python3 - <<'EOF'\n"
                  "import h5py, numpy as np, sys\n"
                  "f = h5py.File('%s', 'r')\n"
-                 "a = f.attrs\n"
-                 "assert a['format'] == 'kvfold-kvf' and a['version'] == 1 and a['method'] == 'fold', dict(a)\n"
+                 "a = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}\n"
+                 "assert a['format'] == 'kvfold-kvf' and a['version'] == 2 and a['method'] == 'fold', a\n"
+                 "assert len(a['payload_digest']) == 32 and len(a['recipe_digest']) == 32, a\n"
+                 "assert f['head_method'].shape == (2, 2) and (f['head_method'][:] == 3).all()\n"
+                 "assert f['layer_digest'].shape == (2, 16)\n"
                  "k = f['keys']\n"
                  "assert k.shape == (2, 20, 2, 8) and k.chunks == (1, 16, 2, 8), (k.shape, k.chunks)\n"
-                 "assert k.attrs['dtype'] == a['dtype'] == '%s'\n"
+                 "assert k.attrs['dtype'].decode() == a['dtype'] == '%s'\n"
                  "x = k[1, 5, 0, 3]\n"
                  "if a['dtype'] == 'bfloat16':\n"
                  "    assert k.dtype == np.uint16, k.dtype\n"
@@ -908,7 +916,7 @@ static CU_TestInfo tests[] = {
     {"refuses unknown version, missing dataset/attribute, bad shape", test_refuses_unknown_version_and_missing_parts},
     {"a killed writer leaves only a temporary file", test_killed_writer_leaves_only_a_temp_file},
     {"concurrent writers never expose a partial file", test_concurrent_writers_never_expose_a_partial_file},
-    {"h5py reads the file (optional)", test_h5py_reads_the_file},
+    {"h5py reads the file", test_h5py_reads_the_file},
     CU_TEST_INFO_NULL,
 };
 static CU_TestInfo fp_tests[] = {

@@ -7,6 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "compactor/engine.h"
 #include "compactor/model.h"
 #include "formats/safetensors.h"
 #include "test_util.h"
@@ -268,6 +269,103 @@ static void test_fork_reproduces_fresh_prefill(void) {
     kf_arena_free(&a);
 }
 
+/* Teacher-forced decoding, one token per call through a plan: the logits of a full prefill, and
+ * after the prompt not one buffer allocated; a longer chunk and more logit rows grow it once each. */
+static void test_plan_reused_by_decoding(void) {
+    fixture *f = &fx_qwen;
+    const kf_hfconfig *c = kf_model_config(f->m);
+    const int V = c->vocab_size, P = 40, steps = 20, more = 50;
+    CU_ASSERT_FATAL(f->T >= P + steps + more);
+    float *fresh = all_logits(f, 32); /* [T, V] */
+    kf_arena a;
+    kf_seq seq;
+    kf_seq_init(&seq);
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_model_arena(f->m, &a, f->T, &err), KF_OK);
+    kf_forward_plan *plan;
+    CU_ASSERT_EQUAL_FATAL(kf_forward_plan_create(&plan, f->m, 0, 0, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_forward_plan_size(plan, f->m), 0);
+
+    float *logits = malloc(sizeof(float) * (size_t)32 * V);
+    int32_t rows[more];
+    for (int i = 0; i < more; i++)
+        rows[i] = i;
+    int32_t last = P - 1;
+    kf_forward_args fa = {.ids = f->ids, .n_tokens = P, .logit_rows = &last, .n_logit_rows = 1, .logits = logits,
+                          .plan = plan};
+    CU_ASSERT_EQUAL_FATAL(kf_model_forward(f->m, &a, &seq, &fa, &err), KF_OK);
+    CU_ASSERT(kf_max_abs_diff(logits, fresh + (size_t)(P - 1) * V, V) < 1e-4);
+    const int64_t allocs = kf_forward_plan_allocs(plan);
+    CU_ASSERT_EQUAL(allocs, 2); /* chunk buffers, logit buffers */
+    CU_ASSERT_EQUAL(kf_forward_plan_size(plan, f->m), kf_forward_plan_bytes(c, P, 1));
+    double worst = 0;
+    for (int i = P; i < P + steps; i++) {
+        kf_forward_args fs = {.ids = f->ids + i, .n_tokens = 1, .logit_rows = rows, .n_logit_rows = 1,
+                              .logits = logits, .plan = plan};
+        CU_ASSERT_EQUAL_FATAL(kf_model_forward(f->m, &a, &seq, &fs, &err), KF_OK);
+        worst = fmax(worst, kf_max_abs_diff(logits, fresh + (size_t)i * V, V));
+    }
+    printf("\n    decoding through a plan vs a full prefill: %.2e\n", worst);
+    CU_ASSERT(worst < 1e-4);
+    CU_ASSERT_EQUAL(kf_forward_plan_allocs(plan), allocs);
+
+    /* 50 tokens in one chunk with 50 logit rows: both parts grow once, logit rows capped at 32 */
+    kf_forward_args fm = {.ids = f->ids + P + steps, .n_tokens = more, .chunk = more, .logit_rows = rows + more - 32,
+                          .n_logit_rows = 32, .logits = logits, .plan = plan};
+    CU_ASSERT_EQUAL_FATAL(kf_model_forward(f->m, &a, &seq, &fm, &err), KF_OK);
+    CU_ASSERT(kf_max_abs_diff(logits, fresh + (size_t)(P + steps + more - 32) * V, (size_t)32 * V) < 1e-4);
+    CU_ASSERT_EQUAL(kf_forward_plan_allocs(plan), allocs + 2);
+    CU_ASSERT_EQUAL(kf_forward_plan_size(plan, f->m), kf_forward_plan_bytes(c, more, 32));
+
+    /* a plan belongs to its model */
+    kf_model *other;
+    CU_ASSERT_EQUAL_FATAL(kf_model_load(&other, kf_test_data("hf-llama3-tiny-random"), f->b, &err), KF_OK);
+    kf_arena oa;
+    kf_seq os;
+    kf_seq_init(&os);
+    CU_ASSERT_EQUAL_FATAL(kf_model_arena(other, &oa, 16, &err), KF_OK);
+    kf_forward_args fo = {.ids = f->ids, .n_tokens = 4, .plan = plan};
+    CU_ASSERT_EQUAL(kf_model_forward(other, &oa, &os, &fo, &err), KF_ERR_INVALID);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "another model"));
+    kf_arena_free(&oa);
+    kf_model_free(other);
+
+    kf_forward_plan_free(plan);
+    free(logits);
+    free(fresh);
+    kf_seq_release(&a, &seq);
+    kf_arena_free(&a);
+}
+
+/* The engine's greedy decoding: the next token of a full prefill first; every forward on the
+ * engine's plan (a freshly loaded model never makes its own), untouched after the document's
+ * prefill. */
+static void test_engine_greedy_allocates_nothing(void) {
+    fixture *f = &fx_qwen;
+    const int V = kf_model_config(f->m)->vocab_size, D = 40, Q = 5;
+    float *fresh = all_logits(f, 32);
+    int32_t expect = 0;
+    for (int i = 1; i < V; i++)
+        expect = fresh[(size_t)(D + Q - 1) * V + i] > fresh[(size_t)(D + Q - 1) * V + expect] ? i : expect;
+    kf_model *m;
+    kf_engine e;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_model_load(&m, kf_test_data("hf-qwen3-tiny"), f->b, &err), KF_OK);
+    kf_prompt doc = {.ids = f->ids, .n = D}, q = {.ids = f->ids + D, .n = Q};
+    CU_ASSERT_EQUAL_FATAL(kf_engine_from_document(&e, m, &doc, 64, &err), KF_OK);
+    const int64_t allocs = kf_forward_plan_allocs(e.plan);
+    int32_t out[12];
+    int n = 0;
+    CU_ASSERT_EQUAL_FATAL(kf_engine_greedy(&e, m, &q, 12, NULL, 0, NULL, NULL, out, &n, &err), KF_OK);
+    CU_ASSERT_EQUAL(n, 12);
+    CU_ASSERT_EQUAL(out[0], expect);
+    CU_ASSERT_EQUAL(kf_forward_plan_allocs(e.plan), allocs);
+    CU_ASSERT_PTR_NULL(kf_model_plan(m));
+    kf_engine_free(&e);
+    kf_model_free(m);
+    free(fresh);
+}
+
 /* Bad arguments are statuses, not crashes. */
 static void test_forward_rejects_bad_input(void) {
     fixture *f = &fx_qwen;
@@ -324,11 +422,77 @@ static void test_load_rejects_bad_directories(void) {
     b->destroy(b);
 }
 
+/* A copy of hf-qwen3-tiny in a temp directory whose model.safetensors has the BF16 pattern bits
+ * at element `at` of tensor `name`; returns the directory (static buffer). */
+static const char *patched_model(const char *dirname, const char *name, int64_t at, uint16_t bits) {
+    static char dir[2048];
+    snprintf(dir, sizeof dir, "%s", kf_test_make_dir(dirname));
+    char src[4096], dst[4096];
+    snprintf(src, sizeof src, "%s", kf_test_data("hf-qwen3-tiny/config.json"));
+    snprintf(dst, sizeof dst, "%s/config.json", dir);
+    CU_ASSERT_EQUAL(symlink(src, dst), 0);
+    snprintf(src, sizeof src, "%s", kf_test_data("hf-qwen3-tiny/model.safetensors"));
+    kf_st_set set = {0};
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_st_open_file(&set, src, &err), KF_OK);
+    const kf_st_tensor *t = kf_st_find(&set, name);
+    CU_ASSERT_FATAL(t != NULL && t->dtype == KF_ST_BF16 && at < t->numel);
+    const size_t size = set.files[0].size, off = (size_t)((const char *)t->data - (const char *)set.files[0].map);
+    unsigned char *bytes = malloc(size);
+    memcpy(bytes, set.files[0].map, size);
+    kf_st_close(&set);
+    memcpy(bytes + off + (size_t)at * 2, &bits, 2); /* little-endian host */
+    snprintf(dst, sizeof dst, "%s/model.safetensors", dir);
+    FILE *f = fopen(dst, "wb");
+    CU_ASSERT_FATAL(f != NULL);
+    CU_ASSERT_EQUAL(fwrite(bytes, 1, size, f), size);
+    fclose(f);
+    free(bytes);
+    return dir;
+}
+
+/* Weights with NaN or an infinity are refused at load, naming the tensor and the element; the
+ * largest finite BF16 value is accepted (only the exponent pattern of NaN/Inf is refused). */
+static void test_load_rejects_nonfinite_weights(void) {
+    kf_backend *b = kf_backend_cpu_create();
+    kf_model *m = NULL;
+    kf_error err = {0};
+    const struct {
+        const char *tensor;
+        int64_t at;
+        uint16_t bits;
+        const char *what;
+    } cases[] = {
+        {"model.layers.1.self_attn.k_proj.weight", 37, 0x7fc0, "holds NaN at element 37 of"},
+        {"model.norm.weight", 0, 0x7f80, "holds an infinity at element 0 of"},
+        {"model.embed_tokens.weight", 5000, 0xff80, "holds an infinity at element 5000 of"},
+        {"model.layers.0.mlp.down_proj.weight", 1, 0xffff, "holds NaN at element 1 of"},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        char name[32];
+        snprintf(name, sizeof name, "nonfinite-%zu", c);
+        const char *dir = patched_model(name, cases[c].tensor, cases[c].at, cases[c].bits);
+        memset(&err, 0, sizeof err);
+        CU_ASSERT_EQUAL(kf_model_load(&m, dir, b, &err), KF_ERR_FORMAT);
+        CU_ASSERT_PTR_NULL(m);
+        CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, cases[c].tensor));
+        CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, cases[c].what));
+        if (!strstr(err.msg, cases[c].what))
+            fprintf(stderr, "message: %s\n", err.msg);
+    }
+    const char *dir = patched_model("finite-max", "model.norm.weight", 3, 0x7f7f);
+    CU_ASSERT_EQUAL(kf_model_load(&m, dir, b, &err), KF_OK);
+    kf_model_free(m);
+    b->destroy(b);
+}
+
 static CU_TestInfo qwen_tests[] = {
     {"golden tensors (hf-qwen3-tiny)", test_qwen_golden},
     {"chunk sizes 1, 7, 16, 64, whole", test_qwen_chunks},
     {"fork and rewind reproduce a fresh prefill", test_fork_reproduces_fresh_prefill},
     {"bad forward arguments", test_forward_rejects_bad_input},
+    {"decoding through a plan allocates nothing", test_plan_reused_by_decoding},
+    {"engine greedy: no allocation per token", test_engine_greedy_allocates_nothing},
     CU_TEST_INFO_NULL,
 };
 static CU_TestInfo llama_tests[] = {
@@ -338,6 +502,7 @@ static CU_TestInfo llama_tests[] = {
 };
 static CU_TestInfo load_tests[] = {
     {"bad model directories", test_load_rejects_bad_directories},
+    {"NaN or infinite weights refused with the tensor's name", test_load_rejects_nonfinite_weights},
     CU_TEST_INFO_NULL,
 };
 static CU_SuiteInfo suites[] = {

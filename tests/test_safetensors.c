@@ -1,6 +1,7 @@
 /* The safetensors reader: valid files built byte by byte (every field checked), the real
  * fixture, every class of malformed file (status and message), sharded checkpoints through
  * kf_st_open_dir, and a deterministic mutation loop that must never crash the reader. */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -811,6 +812,70 @@ static void test_mutations(void) {
     free(good);
 }
 
+/* ---- non-finite values ------------------------------------------------------------------ */
+
+/* n elements of dtype dt at an odd (unaligned) address: finite patterns everywhere (the largest
+ * finite value, subnormals, -0), then NaN or +-Inf at chosen indices; the scan must report the
+ * first one. F32 and F64 are checked against isnan/isinf of the values themselves. */
+static void check_nonfinite(kf_st_dtype dt, size_t esz) {
+    enum { N = 3000 };
+    unsigned char *buf = calloc(N * 8 + 1, 1), *data = buf + 1;
+    const uint64_t maxfin = esz == 2 ? (dt == KF_ST_BF16 ? 0x7f7f : 0x7bff)
+                            : esz == 4 ? 0x7f7fffffull : 0x7fefffffffffffffull;
+    const uint64_t sign = 1ull << (esz * 8 - 1);
+    const uint64_t inf = esz == 2 ? (dt == KF_ST_BF16 ? 0x7f80 : 0x7c00)
+                         : esz == 4 ? 0x7f800000ull : 0x7ff0000000000000ull;
+    for (size_t i = 0; i < N; i++) {
+        const uint64_t v = i % 4 == 0 ? maxfin : i % 4 == 1 ? (maxfin | sign) : i % 4 == 2 ? 1 : sign;
+        memcpy(data + i * esz, &v, esz); /* little-endian host */
+    }
+    kf_st_tensor t = {.dtype = dt, .ndim = 1, .shape = {N}, .numel = N, .data = data, .nbytes = N * esz};
+    int is_nan = 7;
+    CU_ASSERT_EQUAL(kf_st_first_nonfinite(&t, &is_nan), -1);
+    const struct {
+        size_t at;
+        uint64_t bits;
+        int nan;
+    } cases[] = {{2999, inf, 0}, {1500, inf | sign, 0}, {1023, inf | 1, 1}, {0, inf | sign | (inf >> 1), 1}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        memcpy(data + cases[c].at * esz, &cases[c].bits, esz);
+        if (dt == KF_ST_F32) {
+            float f;
+            memcpy(&f, data + cases[c].at * esz, 4);
+            CU_ASSERT(cases[c].nan ? isnan(f) : isinf(f));
+        } else if (dt == KF_ST_F64) {
+            double f;
+            memcpy(&f, data + cases[c].at * esz, 8);
+            CU_ASSERT(cases[c].nan ? isnan(f) : isinf(f));
+        }
+        CU_ASSERT_EQUAL(kf_st_first_nonfinite(&t, &is_nan), (int64_t)cases[c].at);
+        CU_ASSERT_EQUAL(is_nan, cases[c].nan);
+    }
+    free(buf);
+}
+
+static void test_first_nonfinite(void) {
+    check_nonfinite(KF_ST_BF16, 2);
+    check_nonfinite(KF_ST_F16, 2);
+    check_nonfinite(KF_ST_F32, 4);
+    check_nonfinite(KF_ST_F64, 8);
+    /* integers have no NaN: all-ones bit patterns are ordinary values */
+    unsigned char ones[64];
+    memset(ones, 0xff, sizeof ones);
+    kf_st_tensor t = {.dtype = KF_ST_I32, .ndim = 1, .shape = {16}, .numel = 16, .data = ones, .nbytes = 64};
+    CU_ASSERT_EQUAL(kf_st_first_nonfinite(&t, NULL), -1);
+    t.dtype = KF_ST_U16;
+    t.numel = t.shape[0] = 32;
+    CU_ASSERT_EQUAL(kf_st_first_nonfinite(&t, NULL), -1);
+    /* the real fixture is finite */
+    kf_st_set set = {0};
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_st_open_file(&set, kf_test_data("hf-qwen3-tiny/model.safetensors"), &err), KF_OK);
+    for (size_t i = 0; i < set.n_tensors; i++)
+        CU_ASSERT_EQUAL(kf_st_first_nonfinite(&set.tensors[i], NULL), -1);
+    kf_st_close(&set);
+}
+
 static int suite_init(void) {
     init_data();
     make_valid_data();
@@ -823,6 +888,7 @@ static CU_TestInfo valid_tests[] = {
     {"every known dtype", test_all_dtypes},
     {"accepted edge cases", test_valid_edge_cases},
     {"real fixture hf-qwen3-tiny/model.safetensors", test_real_fixture},
+    {"first NaN or infinity of BF16/F16/F32/F64 tensors", test_first_nonfinite},
     CU_TEST_INFO_NULL,
 };
 static CU_TestInfo malformed_tests[] = {

@@ -47,7 +47,12 @@ static const char kPrefillHelp[] =
     "\n"
     "Prefill N random token ids (fixed seed) into a fresh paged arena, R times after one warm-up,\n"
     "and print the median time and tokens/s. Only the last position's logits are computed, as in\n"
-    "a compaction prefill.\n"
+    "a compaction prefill. Before and after each timed run, the machine's sgemm peak is measured\n"
+    "on the model's own shapes (one layer's seven projections, M = the chunk, through the\n"
+    "backend's matmul: a plain cblas_sgemm on the CPU); the report gives the GFLOP/s of the\n"
+    "prefill's GEMMs alone and of the whole prefill (projections + causal attention + lm_head) as\n"
+    "ratios to the mean of the two peaks around each run (medians over the runs, and their range),\n"
+    "and the whole prefill's rate over its own GEMMs' rate, the figure least moved by other load.\n"
     "\n"
     "Options:\n"
     "  --model DIR   model directory\n"
@@ -60,12 +65,220 @@ static const char kPrefillHelp[] =
     "\n"
     "Prefill attention:\n" CLI_PREFILL_HELP
     "\n"
-    "Last line: 'tokens_per_s <value>' for scripts. tools/bench-quoka.sh compares dense and QUOKA\n"
-    "prefill in the same run.\n";
+    "Last lines: 'peak_ratio <whole prefill / sgemm peak>' and 'tokens_per_s <value>' for scripts.\n"
+    "tools/bench-quoka.sh compares dense and QUOKA prefill in the same run.\n";
 
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
+}
+
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof(double), cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* ---- GEMM accounting: the backend's matmul wrapped to time every call ----------------------
+ * Each call is closed by a 4-byte download so that a device backend's queue is drained and the
+ * time is the GEMM's own (on the CPU that download is a 4-byte memcpy). */
+typedef void (*matmul_fn)(kf_backend *b, float *y, size_t ldy, const float *x, size_t ldx, const void *w, int M,
+                          int N, int K, int accumulate);
+static struct {
+    matmul_fn inner;
+    double seconds, flops;
+} g_mm;
+
+static void timed_matmul(kf_backend *b, float *y, size_t ldy, const float *x, size_t ldx, const void *w, int M, int N,
+                         int K, int accumulate) {
+    float sink;
+    const double t0 = cli_now();
+    g_mm.inner(b, y, ldy, x, ldx, w, M, N, K, accumulate);
+    b->download(b, &sink, y, sizeof sink);
+    g_mm.seconds += cli_now() - t0;
+    g_mm.flops += 2.0 * M * N * K;
+}
+
+/* The (N, K) of a layer's seven projections. */
+static int layer_shapes(const kf_hfconfig *c, int n_out[7], int k_in[7]) {
+    const int H = c->hidden_size, I = c->intermediate_size, QD = c->n_heads * c->head_dim,
+              KD = c->n_kv_heads * c->head_dim;
+    const int n[7] = {QD, KD, KD, H, I, I, H}, k[7] = {H, H, H, QD, H, H, I};
+    memcpy(n_out, n, sizeof n);
+    memcpy(k_in, k, sizeof k);
+    return 7;
+}
+
+/* Useful FLOPs of a prefill of n tokens from an empty context: projections, causal attention
+ * (QK^T and PV over the keys each query sees) and the lm_head rows. */
+static void prefill_flops(const kf_hfconfig *c, long long n, int logit_rows, double *proj, double *attn, double *head) {
+    int N[7], K[7];
+    double per_tok = 0;
+    for (int i = 0, s = layer_shapes(c, N, K); i < s; i++)
+        per_tok += 2.0 * N[i] * K[i];
+    *proj = per_tok * (double)n * c->n_layers;
+    *attn = 4.0 * c->head_dim * c->n_heads * ((double)n * (n + 1) / 2) * c->n_layers;
+    *head = 2.0 * c->hidden_size * (double)c->vocab_size * logit_rows;
+}
+
+typedef struct {
+    void *w[7];   /* [N_i, K_i] each, backend weight storage */
+    float *x, *y; /* [M, max K], [M, max N] */
+    int N[7], K[7], M;
+} peak_bufs;
+
+static void peak_free(kf_backend *b, peak_bufs *p) {
+    for (int i = 0; i < 7; i++)
+        if (p->w[i])
+            b->free(b, p->w[i]);
+    if (p->x)
+        b->free(b, p->x);
+    if (p->y)
+        b->free(b, p->y);
+}
+
+/* Buffers for the machine's sgemm peak at the model's shapes: one layer's seven projections
+ * with M = the chunk, distinct weights per shape as in the model. 0, or -1 when out of memory. */
+static int peak_init(kf_backend *b, const kf_hfconfig *c, int M, peak_bufs *p) {
+    memset(p, 0, sizeof *p);
+    p->M = M;
+    layer_shapes(c, p->N, p->K);
+    size_t maxn = 0, maxk = 0, maxw = 0;
+    for (int i = 0; i < 7; i++) {
+        maxn = (size_t)p->N[i] > maxn ? (size_t)p->N[i] : maxn;
+        maxk = (size_t)p->K[i] > maxk ? (size_t)p->K[i] : maxk;
+        maxw = (size_t)p->N[i] * p->K[i] > maxw ? (size_t)p->N[i] * p->K[i] : maxw;
+    }
+    float *host = malloc(sizeof(float) * (maxw > maxk * M ? maxw : maxk * M)); /* [max(N K, M K)] */
+    int ok = host != NULL;
+    for (size_t i = 0; ok && i < (maxw > maxk * M ? maxw : maxk * M); i++)
+        host[i] = 0.01f * (float)((i * 2654435761u) % 200) - 1.0f;
+    for (int i = 0; ok && i < 7; i++) {
+        p->w[i] = b->alloc(b, (size_t)p->N[i] * p->K[i] * kf_dtype_size(b->weight_dtype));
+        if ((ok = p->w[i] != NULL))
+            b->upload_weight(b, p->w[i], host, KF_DTYPE_F32, (size_t)p->N[i] * p->K[i]);
+    }
+    if (ok) {
+        p->x = b->alloc(b, sizeof(float) * maxk * M);
+        p->y = b->alloc(b, sizeof(float) * maxn * M);
+        ok = p->x && p->y;
+    }
+    if (ok)
+        b->upload(b, p->x, host, sizeof(float) * maxk * M);
+    free(host);
+    if (!ok)
+        peak_free(b, p);
+    return ok ? 0 : -1;
+}
+
+/* GFLOP/s of the plain GEMM (the backend's matmul: cblas_sgemm on the CPU) over the model's
+ * shapes, after one warm-up pass, for at least min_s seconds. */
+static double peak_measure(kf_backend *b, peak_bufs *p, double min_s) {
+    double flops = 0, t0 = 0;
+    float sink;
+    for (int pass = 0;; pass++) {
+        if (pass == 1) {
+            b->download(b, &sink, p->y, sizeof sink);
+            t0 = cli_now();
+        }
+        for (int i = 0; i < 7; i++) {
+            b->matmul(b, p->y, (size_t)p->N[i], p->x, (size_t)p->K[i], p->w[i], p->M, p->N[i], p->K[i], 0);
+            flops += pass ? 2.0 * p->M * p->N[i] * p->K[i] : 0;
+        }
+        b->download(b, &sink, p->y, sizeof sink);
+        if (pass >= 1 && cli_now() - t0 >= min_s)
+            return flops / (cli_now() - t0) * 1e-9;
+    }
+}
+
+typedef struct {
+    double seconds, gemm_s, gemm_flops, peak; /* one timed run */
+} prefill_run;
+
+/* The prefill runs: one warm-up, then `repeat` timed ones, each between two peak measurements
+ * (their mean is the run's peak) so that both see about the same load. Returns 0, or -1 with err
+ * set. */
+static int prefill_runs(kf_model *m, kf_backend *b, peak_bufs *pk, const int32_t *ids, long long n, long long chunk,
+                        const kf_quoka_params *qp, float *logits, long long repeat, prefill_run *runs, kf_error *err) {
+    kf_arena arena;
+    if (kf_model_arena(m, &arena, n, err) != KF_OK)
+        return -1;
+    int32_t last = (int32_t)n - 1;
+    g_mm.inner = b->matmul;
+    double peak_before = 0;
+    for (long long r = 0; r <= repeat; r++) {
+        prefill_run *run = &runs[r];
+        if (r == 1)
+            peak_before = peak_measure(b, pk, 0.3);
+        kf_seq seq;
+        kf_seq_init(&seq);
+        kf_forward_args fa = {.ids = ids, .n_tokens = (int)n, .chunk = (int)chunk, .logit_rows = &last,
+                              .n_logit_rows = 1, .logits = logits, .quoka = qp};
+        g_mm.seconds = g_mm.flops = 0;
+        b->matmul = timed_matmul;
+        const double t0 = cli_now();
+        kf_status st = kf_model_forward(m, &arena, &seq, &fa, err);
+        run->seconds = cli_now() - t0;
+        b->matmul = g_mm.inner;
+        run->gemm_s = g_mm.seconds;
+        run->gemm_flops = g_mm.flops;
+        kf_seq_release(&arena, &seq);
+        if (st != KF_OK) {
+            kf_arena_free(&arena);
+            return -1;
+        }
+        if (r == 0)
+            continue;
+        const double peak_after = peak_measure(b, pk, 0.3);
+        run->peak = 0.5 * (peak_before + peak_after);
+        peak_before = peak_after;
+        fprintf(stderr, "  run %lld: %.4f s, sgemm peak %.1f GFLOP/s (mean of before and after)\n", r, run->seconds,
+                run->peak);
+    }
+    kf_arena_free(&arena);
+    return 0;
+}
+
+/* Medians over the timed runs, and the ratios to the peak measured next to each run. */
+static void prefill_report(const kf_hfconfig *c, long long n, long long chunk, const char *desc,
+                           const prefill_run *runs, int repeat) {
+    double proj, attn, head;
+    prefill_flops(c, n, 1, &proj, &attn, &head);
+    const double total = proj + attn + head;
+    double t[repeat], pk[repeat], g[repeat], w[repeat], gr[repeat], wr[repeat], gs[repeat], wg[repeat];
+    for (int r = 0; r < repeat; r++) {
+        const prefill_run *x = &runs[r + 1];
+        t[r] = x->seconds;
+        pk[r] = x->peak;
+        g[r] = x->gemm_flops / x->gemm_s * 1e-9;
+        w[r] = total / x->seconds * 1e-9;
+        gr[r] = g[r] / x->peak;
+        wr[r] = w[r] / x->peak;
+        gs[r] = x->gemm_s / x->seconds;
+        wg[r] = w[r] / g[r];
+    }
+    double lo[3] = {gr[0], wr[0], wg[0]}, hi[3] = {gr[0], wr[0], wg[0]};
+    for (int r = 1; r < repeat; r++) {
+        const double v[3] = {gr[r], wr[r], wg[r]};
+        for (int i = 0; i < 3; i++) {
+            lo[i] = v[i] < lo[i] ? v[i] : lo[i];
+            hi[i] = v[i] > hi[i] ? v[i] : hi[i];
+        }
+    }
+    const double med = median(t, repeat);
+    printf("prefill %lld tokens (chunk %lld, %s): median %.4f s over %d runs\n", n, chunk, desc, med, repeat);
+    printf("work: %.1f GFLOP = projections %.1f + attention %.1f (dense causal) + lm_head %.2f\n", total * 1e-9,
+           proj * 1e-9, attn * 1e-9, head * 1e-9);
+    printf("sgemm peak (backend matmul, one layer's shapes, M = %lld): median %.1f GFLOP/s\n",
+           chunk < n ? chunk : n, median(pk, repeat));
+    printf("gemm-only: median %.1f GFLOP/s, %.2f of the peak (runs %.2f-%.2f); %.0f%% of the prefill's time\n",
+           median(g, repeat), median(gr, repeat), lo[0], hi[0], 100 * median(gs, repeat));
+    printf("whole prefill: median %.1f GFLOP/s, %.2f of the peak (runs %.2f-%.2f)\n", median(w, repeat),
+           median(wr, repeat), lo[1], hi[1]);
+    /* GEMM time and the rest interleave at the millisecond, so this ratio sees one load: on a
+     * shared machine it is steadier than the ratios to a peak measured beside the run */
+    printf("whole prefill / its own GEMM rate: median %.2f (runs %.2f-%.2f)\n", median(wg, repeat), lo[2], hi[2]);
+    printf("peak_ratio %.3f\n", median(wr, repeat));
+    printf("tokens_per_s %.1f\n", (double)n / med);
 }
 
 int cmd_bench_prefill(int argc, char **argv) {
@@ -102,18 +315,23 @@ int cmd_bench_prefill(int argc, char **argv) {
     }
     if (!dir || optind != argc)
         return cli_usage_error("bench prefill", "--model is required");
+    if (repeat > 1000)
+        return cli_usage_error("bench prefill", "--repeat is at most 1000");
     kf_backend *b;
     kf_model *m = cli_load_model_on("bench prefill", dir, device, &b);
     if (!m)
         return KF_EXIT_FAIL;
-    const int V = kf_model_config(m)->vocab_size;
-    int32_t *ids = malloc(sizeof(int32_t) * (size_t)n);
-    float *logits = malloc(sizeof(float) * (size_t)V);
-    double *times = malloc(sizeof(double) * (size_t)(repeat + 1));
-    int rc = KF_EXIT_FAIL;
-    kf_arena arena;
+    const kf_hfconfig *c = kf_model_config(m);
+    const int V = c->vocab_size;
+    if (!chunk)
+        chunk = KF_DEFAULT_CHUNK;
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)n);                  /* [n] */
+    float *logits = malloc(sizeof(float) * (size_t)V);                    /* [vocab] */
+    prefill_run *runs = calloc((size_t)(repeat + 1), sizeof *runs);       /* [repeat + 1] */
+    peak_bufs pk;
+    int have_pk = 0, rc = KF_EXIT_FAIL;
     kf_error err = {0};
-    if (!ids || !logits || !times) {
+    if (!ids || !logits || !runs || !(have_pk = peak_init(b, c, (int)(chunk < n ? chunk : n), &pk) == 0)) {
         cli_error("bench prefill", "out of memory");
         goto out;
     }
@@ -122,41 +340,20 @@ int cmd_bench_prefill(int argc, char **argv) {
         state = state * 6364136223846793005ULL + 1442695040888963407ULL;
         ids[i] = (int32_t)((state >> 33) % (unsigned long long)V);
     }
-    if (kf_model_arena(m, &arena, n, &err) != KF_OK) {
+    const kf_quoka_params *qp = cli_prefill_params(&prefill);
+    if (prefill_runs(m, b, &pk, ids, n, chunk, qp, logits, repeat, runs, &err) != 0) {
         cli_error("bench prefill", "%s", err.msg);
         goto out;
     }
-    int32_t last = (int32_t)n - 1;
-    for (long long r = 0; r <= repeat; r++) {
-        kf_seq seq;
-        kf_seq_init(&seq);
-        kf_forward_args fa = {.ids = ids, .n_tokens = (int)n, .chunk = (int)chunk, .logit_rows = &last,
-                              .n_logit_rows = 1, .logits = logits, .quoka = cli_prefill_params(&prefill)};
-        double t0 = cli_now();
-        kf_status st = kf_model_forward(m, &arena, &seq, &fa, &err);
-        times[r] = cli_now() - t0;
-        kf_seq_release(&arena, &seq);
-        if (st != KF_OK) {
-            cli_error("bench prefill", "%s", err.msg);
-            kf_arena_free(&arena);
-            goto out;
-        }
-        if (r > 0)
-            fprintf(stderr, "  run %lld: %.4f s\n", r, times[r]);
-    }
-    kf_arena_free(&arena);
-    qsort(times + 1, (size_t)repeat, sizeof(double), cmp_double);
-    const double med = times[1 + repeat / 2];
     char desc[160];
-    printf("prefill %lld tokens (chunk %lld, %s): median %.4f s over %lld runs\n", n,
-           chunk ? chunk : KF_DEFAULT_CHUNK, kf_quoka_describe(cli_prefill_params(&prefill), desc, sizeof desc), med,
-           repeat);
-    printf("tokens_per_s %.1f\n", (double)n / med);
+    prefill_report(c, n, chunk, kf_quoka_describe(qp, desc, sizeof desc), runs, (int)repeat);
     rc = KF_EXIT_OK;
 out:
+    if (have_pk)
+        peak_free(b, &pk);
     free(ids);
     free(logits);
-    free(times);
+    free(runs);
     kf_model_free(m);
     b->destroy(b);
     return rc;

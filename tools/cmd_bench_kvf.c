@@ -17,10 +17,14 @@ static const char kHelp[] =
     "Builds a synthetic cache of about N MB of keys and values (32 layers x 8 kv heads x head_dim\n"
     "128, C chosen to fit) and times, R times each (median reported):\n"
     "  write  kvf_write (temporary name, Fletcher32 per chunk, fsync, rename) against fwrite of the\n"
-    "         same bytes + fsync;\n"
+    "         same bytes + fsync, each into a new file;\n"
     "  read   kvf_open + every layer's keys and values as stored (checksums verified) against fread\n"
     "         of the plain file, from the page cache (warm) and after posix_fadvise(DONTNEED) (cold);\n"
-    "  read   kvf_read_layer (converted to fp32), warm, for the connector's fp32 path.\n"
+    "  read   kvf_read_layer (converted to fp32), warm, for the connector's fp32 path;\n"
+    "  verify kvf_open + kvf_verify (every chunk's sum, every value, every layer digest), warm,\n"
+    "         against fread of the plain file.\n"
+    "Targets (issue 13): verify within 1.3x the time of reading the bytes, write within 2x a plain\n"
+    "write of the same bytes with fsync.\n"
     "Prints GB/s for each and the kvf/plain ratio. Files go to DIR (default $TMPDIR or /tmp) and are\n"
     "removed afterwards.\n"
     "\n"
@@ -31,7 +35,8 @@ static const char kHelp[] =
     "  --repeat R   timed runs of each (default 3)\n"
     "  -h, --help   show this help\n"
     "\n"
-    "Last lines: 'write_ratio <kvf/plain>' and 'read_ratio <kvf/plain>' (warm) for scripts.\n";
+    "Last lines: 'write_ratio <kvf/plain>' and 'read_ratio <kvf/plain>' (speed, warm), then\n"
+    "'write_time_ratio' and 'verify_time_ratio' (time kvf / time plain) for scripts.\n";
 
 static void to_dtype(kvf_dtype dt, const float *x, void *out, size_t n) {
     uint16_t *o = out;
@@ -135,7 +140,7 @@ int cmd_bench_kvf(int argc, char **argv) {
     snprintf(plain_path, sizeof plain_path, "%s/kvfold-bench-%ld.bin", dir, (long)getpid());
     void *keys = malloc(n * esz), *values = malloc(n * esz), *back_k = malloc(n * esz), *back_v = malloc(n * esz);
     float *f32 = malloc(ln * 4);
-    enum { W_PLAIN, W_KVF, R_PLAIN, R_KVF, C_PLAIN, C_KVF, R_KVF32, N_T };
+    enum { W_PLAIN, W_KVF, R_PLAIN, R_KVF, C_PLAIN, C_KVF, R_KVF32, V_KVF, N_T };
     double *t[N_T]; /* [repeat] seconds each */
     for (int i = 0; i < N_T; i++)
         t[i] = malloc(sizeof(double) * (size_t)repeat);
@@ -161,6 +166,11 @@ int cmd_bench_kvf(int argc, char **argv) {
             (long long)h->n_tokens, kvf_dtype_name(dt), bytes / 1e6, dir);
 
     for (long long r = 0; r < repeat; r++) {
+        /* both write new files (as a compaction job does): replacing a file would add the cost of
+         * freeing the old one's blocks, which a journaling filesystem makes large and erratic */
+        unlink(plain_path);
+        unlink(kvf_path);
+        sync();
         double t0 = cli_now();
         if (plain_write(plain_path, keys, values, n * esz) != 0) {
             cli_error("bench kvf", "cannot write %s", plain_path);
@@ -203,6 +213,14 @@ int cmd_bench_kvf(int argc, char **argv) {
                 t[R_KVF32][r] = cli_now() - e;
             }
             kvf_close(f);
+            if (err.code == KF_OK && !cold) {
+                const double v0 = cli_now();
+                if (kvf_open(kvf_path, &f, &err) == KF_OK) {
+                    kvf_verify(f, &err);
+                    kvf_close(f);
+                }
+                t[V_KVF][r] = cli_now() - v0;
+            }
             if (err.code != KF_OK) {
                 cli_error("bench kvf", "%s", err.msg);
                 goto out;
@@ -219,7 +237,7 @@ int cmd_bench_kvf(int argc, char **argv) {
         const int R = (int)repeat;
         double w_plain = median(t[W_PLAIN], R), w_kvf = median(t[W_KVF], R), r_plain = median(t[R_PLAIN], R),
                r_kvf = median(t[R_KVF], R), c_plain = median(t[C_PLAIN], R), c_kvf = median(t[C_KVF], R),
-               r_kvf32 = median(t[R_KVF32], R);
+               r_kvf32 = median(t[R_KVF32], R), v_kvf = median(t[V_KVF], R);
         printf("%-34s %8s %8s %7s\n", "", "plain", "kvf", "ratio");
         printf("%-34s %8.2f %8.2f %7.2f\n", "write GB/s (+fsync)", bytes / w_plain / 1e9, bytes / w_kvf / 1e9,
                w_plain / w_kvf);
@@ -229,7 +247,12 @@ int cmd_bench_kvf(int argc, char **argv) {
                bytes / c_kvf / 1e9, c_plain / c_kvf);
         printf("%-34s %8s %8.2f %7.2f\n", "read GB/s, page cache, to fp32", "", bytes / r_kvf32 / 1e9,
                r_plain / r_kvf32);
-        printf("write_ratio %.3f\nread_ratio %.3f\n", w_plain / w_kvf, r_plain / r_kvf);
+        printf("%-34s %8.2f %8.2f %7.2f\n", "verify GB/s, page cache", bytes / r_plain / 1e9, bytes / v_kvf / 1e9,
+               r_plain / v_kvf);
+        printf("verify time / read time %.2f (target <= 1.3), write time / plain write + fsync %.2f (target <= 2)\n",
+               v_kvf / r_plain, w_kvf / w_plain);
+        printf("write_ratio %.3f\nread_ratio %.3f\nwrite_time_ratio %.3f\nverify_time_ratio %.3f\n", w_plain / w_kvf,
+               r_plain / r_kvf, w_kvf / w_plain, v_kvf / r_plain);
     }
     rc = KF_EXIT_OK;
 out:

@@ -4,6 +4,7 @@
 #include <getopt.h>
 #include <jansson.h>
 #include <limits.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,26 +15,40 @@
 #include "compactor/cache_io.h"
 #include "compactor/compact.h"
 #include "compactor/prefix_plan.h"
+#include "compactor/recipe.h"
 #include "tools/cli.h"
 #include "tools/cli_quality.h"
 #include "tools/commands.h"
 #include "tools/doc_input.h"
+#include "tools/manifest.h"
 
 #define CMD "compact"
 #define DEFAULT_INSTRUCTION "Repeat the previous context verbatim.\n"
 #define DEFAULT_ROOT "kvf-cache"
+/* Writers' temporary files (kvf_write: <file>.tmp-<pid>-<hex>) older than this are a killed
+ * writer's and are removed when a job starts. A live writer's temporary file exists only inside
+ * kvf_write, whose every write refreshes its mtime; the longest stretch without one is the final
+ * fsync and rename (seconds, minutes on a slow shared filesystem). An hour leaves a wide margin for
+ * that and for clock skew between the machines that share a root, so a concurrent writer's file is
+ * never taken; the price is that a killed writer's file can outlive it by up to an hour. */
+#define STALE_TEMP_S 3600.0
 
 static const char kHelp[] =
     "Usage: kvfold compact --model DIR [options] FILE...\n"
     "       kvfold compact --model DIR [options] --manifest DOCS.jsonl [--shard i/N]\n"
     "\n"
     "Compacts each document's KV cache and writes one kvf file per document to\n"
-    "  ROOT/<model fingerprint>/<document digest>.<method>-<budget>.kvf\n"
-    "(content-addressed: the same document, model, method and budget always get the same name).\n"
-    "A document whose valid file already exists is skipped, so the job can be rerun or resumed.\n"
+    "  ROOT/<model fingerprint>/<document digest>.<method>-<budget>.<recipe>.kvf\n"
+    "(content-addressed: <recipe> is the first 16 hex digits of the digest of every setting that\n"
+    "changes the bytes: method, budget, lambda, dtype, repeat instruction, probes, query cap, seed,\n"
+    "QUOKA and prefill chunk, head budgets, the file format's version; compactor/recipe.h).\n"
+    "A document whose file already exists with the same recipe and whose every checksum and\n"
+    "payload digest hold is skipped, so the job can be rerun or resumed.\n"
     "Files appear atomically (temporary name, fsync, rename); several workers may run on the same\n"
     "manifest and root at once (also on different machines sharing the root): a document being\n"
-    "compacted holds an flock on '<file>.lock' and the others pass it by ('busy').\n"
+    "compacted holds an flock on '<file>.lock' and the others pass it by ('busy'). A failed write\n"
+    "(a full disk, a file size limit, any I/O error) leaves no partial file and counts the document\n"
+    "as failed. Temporary files of killed writers older than an hour are removed when a job starts.\n"
     "\n"
     "Documents:\n"
     "  FILE...              text files, one document each (UTF-8, tokenized with the model's\n"
@@ -59,7 +74,8 @@ static const char kHelp[] =
     "                       drive the compaction (default \"Repeat the previous context verbatim.\\n\";\n"
     "                       for a chat model pass its chat-template form of that request)\n"
     "  --probes-from FILE   extra probe prompts for every document: one JSON value per line, a\n"
-    "                       string (text) or a list of token ids\n"
+    "                       string (text) or a list of token ids (a file that cannot be read or\n"
+    "                       parsed is a usage error: nothing is compacted)\n"
     "  --lambda X           fold ridge, relative to tr(Sigma)/d (default 0.01)\n"
     "  --max-queries N      pooled reference queries per KV head (default 50000)\n"
     "  --chunk N            prefill chunk size (default 512)\n"
@@ -76,7 +92,8 @@ static const char kHelp[] =
     "\n"
     "Output: a progress bar on a terminal (documents, tokens/s, ETA), one log line per document\n"
     "otherwise, and a summary (done, skipped, busy, failed, tokens, compression, time). The exit\n"
-    "status is 1 when any document failed, 2 for usage errors.\n"
+    "status is 1 when any document failed, 2 for usage errors (including a --manifest or\n"
+    "--probes-from that cannot be read).\n"
     "  -q, --quiet          only errors and the summary\n"
     "  -h, --help           show this help\n";
 
@@ -92,6 +109,7 @@ typedef struct {
     kf_prompt *probes;          /* [n_probes] (ids owned) */
     int n_probes;
     char path[PATH_MAX];
+    char recipe[KVF_DIGEST_LEN + 1]; /* kf_recipe_digest of this document's parameters */
     int state;
     int64_t C;
 } job_doc;
@@ -141,78 +159,15 @@ static void doc_fail(const char *source, const char *name, const char *msg) {
 
 /* One manifest line into d; 0, or -1 with the reason in err. */
 static int parse_line(doc_text *t, const char *line, job_doc *d, char *err, size_t err_len) {
-    json_error_t jerr;
-    json_t *o = json_loads(line, 0, &jerr);
-    if (!o) {
-        snprintf(err, err_len, "not JSON: %s (column %d)", jerr.text, jerr.column);
-        return -1;
-    }
-    int rc = -1;
-    char sub[400];
-    json_t *id = json_object_get(o, "id"), *ids = json_object_get(o, "ids"), *text = json_object_get(o, "text");
-    if (!json_is_object(o)) {
-        snprintf(err, err_len, "not a JSON object");
-        goto out;
-    }
-    if (json_is_string(id))
-        snprintf(d->name, sizeof d->name, "%s", json_string_value(id));
-    else if (json_is_integer(id))
-        snprintf(d->name, sizeof d->name, "%lld", (long long)json_integer_value(id));
-    if (ids) {
-        if (!json_is_array(ids)) {
-            snprintf(err, err_len, "\"ids\" must be a list of token ids");
-            goto out;
-        }
-        if (json_array_size(ids) == 0) {
-            snprintf(err, err_len, "empty document (\"ids\" is [])");
-            goto out;
-        }
-        if (doc_json_prompt(t, ids, &d->ids, &d->n, sub, sizeof sub)) {
-            snprintf(err, err_len, "\"ids\": %s", sub);
-            goto out;
-        }
-    } else if (json_is_string(text)) {
-        if (json_string_length(text) == 0) {
-            snprintf(err, err_len, "empty document (\"text\" is \"\")");
-            goto out;
-        }
-        if (doc_tokenize(t, json_string_value(text), json_string_length(text), 1, &d->ids, &d->n, sub, sizeof sub)) {
-            snprintf(err, err_len, "\"text\": %s", sub);
-            goto out;
-        }
-    } else {
-        snprintf(err, err_len, "needs \"ids\" (token ids) or \"text\"");
-        goto out;
-    }
-    json_t *ri = json_object_get(o, "repeat_instruction_ids");
-    if (!ri)
-        ri = json_object_get(o, "repeat_instruction");
-    if (ri && doc_json_prompt(t, ri, &d->instr, &d->n_instr, sub, sizeof sub)) {
-        snprintf(err, err_len, "repeat instruction: %s", sub);
-        goto out;
-    }
-    json_t *pr = json_object_get(o, "probes");
-    if (pr) {
-        if (!json_is_array(pr)) {
-            snprintf(err, err_len, "\"probes\" must be a list");
-            goto out;
-        }
-        d->probes = calloc(json_array_size(pr) + 1, sizeof *d->probes);
-        size_t i;
-        json_t *v;
-        json_array_foreach(pr, i, v) {
-            int32_t *p;
-            int n;
-            if (!d->probes || doc_json_prompt(t, v, &p, &n, sub, sizeof sub)) {
-                snprintf(err, err_len, "probe %zu: %s", i, d->probes ? sub : "out of memory");
-                goto out;
-            }
-            d->probes[d->n_probes++] = (kf_prompt){p, n};
-        }
-    }
-    rc = 0;
-out:
-    json_decref(o);
+    manifest_doc md;
+    const int rc = manifest_parse_line(t, line, &md, err, err_len);
+    memcpy(d->name, md.name, sizeof d->name);
+    d->ids = md.ids;
+    d->n = md.n;
+    d->instr = md.instr;
+    d->n_instr = md.n_instr;
+    d->probes = md.probes;
+    d->n_probes = md.n_probes;
     return rc;
 }
 
@@ -343,6 +298,52 @@ static void unclaim(const char *path, int fd) {
     close(fd);
 }
 
+/* Opens the file an option names (--manifest, --probes-from) for reading; one that cannot be opened
+ * or is a directory (which fopen accepts) is a usage error: prints it and returns NULL. */
+static FILE *open_input(const char *opt, const char *path) {
+    FILE *f = fopen(path, "r");
+    struct stat st;
+    if (f && fstat(fileno(f), &st) == 0 && S_ISDIR(st.st_mode)) {
+        fclose(f);
+        f = NULL;
+        errno = EISDIR;
+    }
+    if (!f)
+        cli_usage_error(CMD, "%s %s: cannot read: %s", opt, path, strerror(errno));
+    return f;
+}
+
+/* Removes killed writers' temporary files under dir (the model's directory of the root). */
+static void report_stale(void *ctx, const char *path, double age_s) {
+    if (!*(const int *)ctx)
+        fprintf(stderr, "[compact] removing a killed writer's temporary file (%.1f h old): %s\n", age_s / 3600, path);
+}
+static void clean_stale_temps(const char *dir, int quiet) {
+    kf_error e = {0};
+    const kf_status st = kvf_clean_temps(dir, STALE_TEMP_S, false, report_stale, &quiet, NULL, &e);
+    if (st != KF_OK && st != KF_ERR_NOTFOUND) /* no directory yet: nothing to clean */
+        cli_error(CMD, "warning: %s", e.msg);
+}
+
+/* base with this document's repeat instruction and probes (its own, then --probes-from's) in
+ * *probes (grown as needed); -1 when out of memory. */
+static int doc_params(const kf_compact_params *base, const job_doc *d, const int32_t *def_instr, int n_def_instr,
+                      const kf_prompt *extra, int n_extra, kf_prompt **probes, kf_compact_params *p) {
+    *p = *base;
+    p->repeat_instruction = d->instr ? (kf_prompt){d->instr, d->n_instr} : (kf_prompt){def_instr, n_def_instr};
+    kf_prompt *g = realloc(*probes, sizeof *g * (size_t)(d->n_probes + n_extra + 1));
+    if (!g)
+        return -1;
+    *probes = g;
+    for (int j = 0; j < d->n_probes; j++)
+        g[j] = d->probes[j];
+    for (int j = 0; j < n_extra; j++)
+        g[d->n_probes + j] = extra[j];
+    p->probes = g;
+    p->n_probes = d->n_probes + n_extra;
+    return 0;
+}
+
 static kvf_dtype model_dtype(const kf_hfconfig *cfg) {
     kvf_dtype d;
     return kvf_dtype_parse(cfg->dtype, &d) == 0 ? d : KVF_BF16;
@@ -397,7 +398,11 @@ int cmd_compact(int argc, char **argv) {
             if (parse_shard(optarg, &shard_i, &shard_n))
                 return cli_usage_error(CMD, "--shard is i/N with 0 <= i < N, not '%s'", optarg);
             break;
-        case 'r': instruction = optarg; break;
+        case 'r':
+            if (!*optarg) /* checked here: documents with their own instruction never tokenize it */
+                return cli_usage_error(CMD, "--repeat-instruction must not be empty");
+            instruction = optarg;
+            break;
         case 'p': probes_from = optarg; break;
         case 'L': {
             char *end;
@@ -446,19 +451,26 @@ int cmd_compact(int argc, char **argv) {
     base.max_queries = maxq;
     g_tty = isatty(2) && !quiet;
 
-    /* the root first: a root that cannot take files stops the job before any work */
-    if (check_root(root))
-        return KF_EXIT_FAIL;
-    FILE *mf = NULL;
-    if (manifest && !(mf = fopen(manifest, "r"))) {
-        cli_error(CMD, "%s: cannot open the manifest: %s", manifest, strerror(errno));
-        return KF_EXIT_FAIL;
+    /* inputs that cannot be read are usage errors, found before any work */
+    FILE *mf = NULL, *pf = NULL;
+    if (manifest && !(mf = open_input("--manifest", manifest)))
+        return KF_EXIT_USAGE;
+    if (probes_from && !(pf = open_input("--probes-from", probes_from))) {
+        if (mf)
+            fclose(mf);
+        return KF_EXIT_USAGE;
     }
-    kf_backend *backend;
-    kf_model *m = cli_load_model(CMD, model_dir, &backend);
+    /* a file size limit (RLIMIT_FSIZE) fails the write with EFBIG like a full disk, instead of
+     * killing the job with SIGXFSZ before its summary */
+    signal(SIGXFSZ, SIG_IGN);
+    /* the root first: a root that cannot take files stops the job before any work */
+    kf_backend *backend = NULL;
+    kf_model *m = check_root(root) ? NULL : cli_load_model(CMD, model_dir, &backend);
     if (!m) {
         if (mf)
             fclose(mf);
+        if (pf)
+            fclose(pf);
         return KF_EXIT_FAIL;
     }
     const kf_hfconfig *cfg = kf_model_config(m);
@@ -469,18 +481,18 @@ int cmd_compact(int argc, char **argv) {
     const double t_start = cli_now();
     int rc = KF_EXIT_OK;
     char err[1024];
+    {
+        char model_root[PATH_MAX];
+        snprintf(model_root, sizeof model_root, "%s/%s", root, kf_model_fingerprint(m));
+        clean_stale_temps(model_root, quiet);
+    }
 
     /* ---- read this shard's documents ---- */
     doc_list docs = {0};
+    kf_prompt *probes = NULL; /* [n_probes] one document's probes (not owned) */
     kf_prompt *extra_probes = NULL;
     int n_extra = 0;
-    if (probes_from) {
-        FILE *pf = fopen(probes_from, "r");
-        if (!pf) {
-            cli_error(CMD, "%s: cannot open: %s", probes_from, strerror(errno));
-            rc = KF_EXIT_FAIL;
-            goto done;
-        }
+    if (pf) {
         char *line = NULL;
         size_t cap = 0;
         int lineno = 0, ok = 1;
@@ -503,10 +515,15 @@ int cmd_compact(int argc, char **argv) {
             }
             json_decref(v);
         }
+        if (ok && ferror(pf)) {
+            cli_error(CMD, "--probes-from %s: cannot read: %s", probes_from, strerror(errno));
+            ok = 0;
+        }
         free(line);
         fclose(pf);
+        pf = NULL;
         if (!ok) {
-            rc = KF_EXIT_FAIL;
+            rc = KF_EXIT_USAGE; /* the option's file is unusable: nothing is compacted */
             goto done;
         }
     }
@@ -532,8 +549,14 @@ int cmd_compact(int argc, char **argv) {
             }
         }
         free(line);
+        if (rc == KF_EXIT_OK && ferror(mf)) { /* an I/O error is not the end of the manifest */
+            cli_error(CMD, "--manifest %s: cannot read: %s", manifest, strerror(errno));
+            rc = KF_EXIT_FAIL;
+        }
         fclose(mf);
         mf = NULL;
+        if (rc != KF_EXIT_OK)
+            goto done;
     } else {
         for (int a = optind; a < argc; a++) {
             if ((a - optind) % shard_n != shard_i)
@@ -567,20 +590,27 @@ int cmd_compact(int argc, char **argv) {
         if (!d->instr && !def_instr) {
             if (doc_tokenize(&text, instruction, strlen(instruction), 0, &def_instr, &n_def_instr, err, sizeof err)) {
                 cli_error(CMD, "--repeat-instruction: %s", err);
-                rc = KF_EXIT_FAIL;
+                rc = KF_EXIT_USAGE;
                 goto done;
             }
         }
         char digest[KVF_DIGEST_LEN + 1];
         kvf_document_digest(d->ids, d->n, digest);
         kf_error e = {0};
-        if (kvf_cache_path(root, fp, digest, kf_method_to_kvf(base.method), base.budget, true, d->path, sizeof d->path,
-                           &e) != KF_OK) {
+        kf_compact_params dp;
+        if (doc_params(&base, d, def_instr, n_def_instr, extra_probes, n_extra, &probes, &dp)) {
+            cli_error(CMD, "out of memory");
+            rc = KF_EXIT_FAIL;
+            goto done;
+        }
+        kf_recipe_digest(&dp, dtype, (int64_t)cfg->n_layers * cfg->n_kv_heads, d->recipe);
+        if (kvf_cache_path(root, fp, digest, kf_method_to_kvf(base.method), base.budget, d->recipe, true, d->path,
+                           sizeof d->path, &e) != KF_OK) {
             doc_fail(d->source, d->name, e.msg);
             d->state = ST_FAILED;
             continue;
         }
-        if (kvf_exists_valid(d->path, fp)) {
+        if (kvf_exists_valid(d->path, fp, d->recipe)) {
             d->state = ST_SKIPPED;
             continue;
         }
@@ -649,7 +679,6 @@ int cmd_compact(int argc, char **argv) {
     int prev_k = -1; /* plan index whose pages prev holds */
     int64_t computed = 0, c_total = 0, d_total = 0;
     int n_done = 0, n_busy = 0, n_failed = 0;
-    kf_prompt *probes = NULL;
     for (int k = 0; k < n_todo; k++) {
         const int pi = plan.order[k];
         job_doc *d = &docs.docs[todo[pi]];
@@ -660,7 +689,7 @@ int cmd_compact(int argc, char **argv) {
         int64_t shared = 0;
         kf_seq cur;
         kf_seq_init(&cur);
-        if (claimed <= 0 || kvf_exists_valid(d->path, fp)) {
+        if (claimed <= 0 || kvf_exists_valid(d->path, fp, d->recipe)) {
             if (claimed < 0) {
                 snprintf(err, sizeof err, "cannot create the lock file %.900s.lock: %s", d->path, strerror(errno));
                 doc_fail(d->source, d->name, err);
@@ -683,17 +712,12 @@ int cmd_compact(int argc, char **argv) {
         const int parent_ok = sharing && plan.shared[pi] > 0 && pred >= 0 && pred == prev_k;
         shared = parent_ok ? plan.shared[pi] : 0;
         const int next_shares = sharing && k + 1 < n_todo && plan.shared[plan.order[k + 1]] > 0;
-        kf_compact_params p = base;
-        p.repeat_instruction = d->instr ? (kf_prompt){d->instr, d->n_instr} : (kf_prompt){def_instr, n_def_instr};
-        kf_prompt *g = realloc(probes, sizeof *g * (size_t)(d->n_probes + n_extra + 1));
-        if (g)
-            probes = g;
-        for (int j = 0; g && j < d->n_probes; j++)
-            probes[j] = d->probes[j];
-        for (int j = 0; g && j < n_extra; j++)
-            probes[d->n_probes + j] = extra_probes[j];
-        p.probes = probes;
-        p.n_probes = g ? d->n_probes + n_extra : 0;
+        kf_compact_params p;
+        if (doc_params(&base, d, def_instr, n_def_instr, extra_probes, n_extra, &probes, &p)) {
+            cli_error(CMD, "out of memory");
+            rc = KF_EXIT_FAIL;
+            break;
+        }
         kf_compact_reuse reuse = {.arena = &arena, .parent = parent_ok ? &prev : NULL, .shared = shared,
                                   .keep = next_shares ? &cur : NULL};
         kf_prompt doc = {d->ids, d->n};
@@ -712,6 +736,7 @@ int cmd_compact(int argc, char **argv) {
             snprintf(kc.hdr.model_fingerprint, sizeof kc.hdr.model_fingerprint, "%s", fp);
             snprintf(kc.hdr.tokenizer_digest, sizeof kc.hdr.tokenizer_digest, "%s", text.digest);
             kvf_document_digest(d->ids, d->n, kc.hdr.document_digest);
+            snprintf(kc.hdr.recipe_digest, sizeof kc.hdr.recipe_digest, "%s", d->recipe);
             st = kvf_write(d->path, &kc, &e);
             d->C = c.C;
             kf_compacted_free(&c);
@@ -736,7 +761,6 @@ int cmd_compact(int argc, char **argv) {
                     pg.total, d->source, d->name[0] ? " (" : "", d->name, d->name[0] ? ")" : "", d->n,
                     (long long)d->C, (long long)shared, cli_now() - t_doc, d->path);
     }
-    free(probes);
     kf_seq_release(&arena, &prev);
     if (arena.storage)
         kf_arena_free(&arena);
@@ -762,7 +786,9 @@ int cmd_compact(int argc, char **argv) {
                    !share ? "off: --no-share" : sharing ? "on" : plan.saved_s > 0 ? "off: does not pay" : "nothing shared");
         }
         printf("time: %.2f s (%.0f document tokens/s), files under %s\n", el, el > 0 ? d_total / el : 0, root);
-        if (n_bad > 0)
+        if (fflush(stdout) != 0) /* now: the summary must not wait for exit (nor fail silently) */
+            cli_error(CMD, "cannot write the summary: %s", strerror(errno));
+        if (n_bad > 0 || ferror(stdout))
             rc = KF_EXIT_FAIL;
     }
 done_plan:
@@ -778,9 +804,12 @@ done:
     for (int j = 0; j < n_extra; j++)
         free((void *)extra_probes[j].ids);
     free(extra_probes);
+    free(probes);
     doc_text_free(&text);
     if (mf)
         fclose(mf);
+    if (pf)
+        fclose(pf);
     kf_model_free(m);
     backend->destroy(backend);
     return rc;

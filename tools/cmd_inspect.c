@@ -21,7 +21,12 @@ static const char kHelp[] =
     "AM's bias beta (min, mean, max), the norm of the fold direction |u|, and padding slots.\n"
     "Padding slots (original position -1) are left out of the statistics.\n"
     "\n"
-    "Every chunk of the file is read and checked against its checksum: a damaged file is refused.\n"
+    "Also the method each KV head was compacted with (counts per method and a per-layer map:\n"
+    "k keep, d drop, a am, f fold).\n"
+    "\n"
+    "Every chunk of the file is read and checked against its checksum, every layer against its\n"
+    "digest, every value against its allowed range: a damaged file is refused (exit 1; with --json\n"
+    "nothing is printed on stdout, the message goes to stderr).\n"
     "\n"
     "Options:\n"
     "  --json          one JSON object on stdout instead of text\n"
@@ -86,6 +91,72 @@ static head_stats layer_summary(const head_stats *hs, int H) {
     return s;
 }
 
+/* One JSON object on stdout; -1 (after an error message, nothing printed) when one cannot be
+ * built, e.g. from a path that is not UTF-8. */
+static int print_json(const char *path, kvf_file *f, const struct stat *sb, const char *budget_s, double full,
+                      const head_stats *st, const uint8_t *hm /* [L, H] */, const int by_method[4], int layers_only) {
+    const kvf_header *h = kvf_file_header(f);
+    const int L = h->n_layers, H = h->kv_heads, D = h->head_dim;
+    const int64_t C = h->n_tokens, payload = kvf_kv_bytes(h);
+    const double on_disk = (double)sb->st_size;
+    (void)budget_s;
+    json_t *layers = json_array();
+    for (int l = 0; l < L; l++) {
+        head_stats sum = layer_summary(st + (size_t)l * H, H);
+        json_t *lj = json_pack("{s:i}", "layer", l), *sj = stats_json(&sum);
+        json_object_update(lj, sj);
+        json_decref(sj);
+        if (!layers_only) {
+            json_t *heads = json_array();
+            for (int hh = 0; hh < H; hh++)
+                json_array_append_new(heads, stats_json(&st[(size_t)l * H + hh]));
+            json_object_set_new(lj, "heads", heads);
+        }
+        json_array_append_new(layers, lj);
+    }
+    json_t *root = json_pack(
+        "{s:s, s:s, s:i, s:s, s:s, s:s, s:s, s:s, s:s, s:I, s:I, s:s, s:f, s:f, s:s, s:s, s:s, s:i, s:i, s:i, s:i}",
+        "file", path, "format", KVF_FORMAT_NAME, "version", h->version, "creator", h->creator, "model_fingerprint",
+        h->model_fingerprint, "tokenizer_digest", h->tokenizer_digest, "document_digest", h->document_digest,
+        "recipe_digest", h->recipe_digest, "payload_digest", h->payload_digest, "n_doc_tokens",
+        (json_int_t)h->n_doc_tokens, "n_tokens", (json_int_t)C, "method", kvf_method_name(h->method), "budget",
+        h->budget, "lambda", h->lambda, "rope_frame", kvf_rope_frame_name(h->rope_frame), "placeholder", h->placeholder,
+        "dtype", kvf_dtype_name(h->dtype), "n_layers", L, "kv_heads", H, "head_dim", D, "block_size", h->block_size);
+    if (!root) { /* json_pack gives NULL for a string that is not UTF-8 (the path) */
+        json_decref(layers);
+        cli_error("inspect", "%s: cannot write the JSON (a name that is not UTF-8?)", path);
+        return -1;
+    }
+    json_object_set_new(root, "sizes",
+                        json_pack("{s:I, s:I, s:f, s:f, s:f}", "file_bytes", (json_int_t)sb->st_size, "kv_bytes",
+                                  (json_int_t)payload, "full_cache_bytes", full, "token_ratio",
+                                  (double)h->n_doc_tokens / (double)C, "bytes_ratio", (double)full / on_disk));
+    json_object_set_new(root, "checksums", json_string("ok"));
+    json_t *hmj = json_array();
+    for (int l = 0; l < L; l++) {
+        char map[4097];
+        for (int hh = 0; hh < H; hh++)
+            map[hh] = "kdaf"[hm[(size_t)l * H + hh] & 3];
+        map[H] = 0;
+        json_array_append_new(hmj, json_string(map));
+    }
+    json_object_set_new(root, "head_methods",
+                        json_pack("{s:i, s:i, s:i, s:i, s:o}", "keep", by_method[0], "drop", by_method[1], "am",
+                                  by_method[2], "fold", by_method[3], "per_layer", hmj));
+    json_object_set_new(root, "layers", layers);
+    /* any part that could not be built leaves a key out: then nothing is printed */
+    int bad = !layers || json_object_size(root) != 25 || json_array_size(layers) != (size_t)L;
+    char *s = bad ? NULL : json_dumps(root, JSON_INDENT(1) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(7));
+    if (s)
+        puts(s);
+    else
+        cli_error("inspect", "%s: cannot write the JSON (a name that is not UTF-8?)", path);
+    const int rc = s ? 0 : -1;
+    free(s);
+    json_decref(root);
+    return rc;
+}
+
 int cmd_inspect(int argc, char **argv) {
     static const struct option opts[] = {{"help", no_argument, 0, 'h'},
                                          {"json", no_argument, 0, 'j'},
@@ -115,27 +186,31 @@ int cmd_inspect(int argc, char **argv) {
     const int64_t C = h->n_tokens;
     struct stat sb;
     stat(path, &sb);
-    const int64_t payload = kvf_kv_bytes(h);
-    const int64_t full = 2 * (int64_t)L * h->n_doc_tokens * H * D * (int64_t)kvf_dtype_size(h->dtype);
+    const int64_t payload = kvf_kv_bytes(h); /* < 2^40 elements x 4 bytes: kvf_open bounds it */
+    /* D may be 2^31 - 1: in doubles (2 L D H d bytes would overflow int64) */
+    const double full = 2.0 * L * (double)h->n_doc_tokens * H * D * (double)kvf_dtype_size(h->dtype);
     const double on_disk = (double)sb.st_size;
 
     size_t ln = (size_t)C * (size_t)H * (size_t)D;
     float *k = malloc(ln * 4), *v = malloc(ln * 4), *beta = malloc((size_t)H * (size_t)C * 4),
           *u = malloc((size_t)H * (size_t)D * 4);
+    void *raw = malloc(2 * ln * kvf_dtype_size(h->dtype)); /* [2, C, H, D] as stored */
     int32_t *pos = malloc((size_t)H * (size_t)C * 4);
+    uint8_t *hm = malloc((size_t)L * (size_t)H);                /* [L, H] */
     head_stats *st = calloc((size_t)L * (size_t)H, sizeof *st); /* [L, H] */
     int rc = KF_EXIT_FAIL;
-    if (!k || !v || !beta || !u || !pos || !st) {
+    if (!k || !v || !beta || !u || !pos || !st || !raw || !hm) {
         cli_error("inspect", "out of memory");
         goto out;
     }
     for (int l = 0; l < L; l++) {
-        if (kvf_read_layer(f, l, KVF_KEYS, k, &err) != KF_OK || kvf_read_layer(f, l, KVF_VALUES, v, &err) != KF_OK ||
-            kvf_read_beta(f, l, beta, &err) != KF_OK || kvf_read_u(f, l, u, &err) != KF_OK ||
-            kvf_read_positions(f, l, pos, &err) != KF_OK) {
+        char *kr = raw, *vr = kr + ln * kvf_dtype_size(h->dtype);
+        if (kvf_read_layer_all(f, l, kr, vr, beta, u, pos, hm + (size_t)l * H, &err) != KF_OK) {
             cli_error("inspect", "%s", err.msg);
             goto out;
         }
+        kvf_to_f32(h->dtype, kr, k, ln);
+        kvf_to_f32(h->dtype, vr, v, ln);
         for (int hh = 0; hh < H; hh++) {
             head_stats *s = &st[(size_t)l * H + hh];
             const int32_t *p = pos + (size_t)hh * (size_t)C;
@@ -167,47 +242,20 @@ int cmd_inspect(int argc, char **argv) {
 
     char budget[32];
     kvf_format_budget(h->budget, budget, sizeof budget);
+    int by_method[4] = {0, 0, 0, 0};
+    for (size_t i = 0; i < (size_t)L * (size_t)H; i++)
+        by_method[hm[i] & 3]++; /* kvf_read_layer_all refused values above 3 */
     if (as_json) {
-        json_t *layers = json_array();
-        for (int l = 0; l < L; l++) {
-            head_stats sum = layer_summary(st + (size_t)l * H, H);
-            json_t *lj = json_pack("{s:i}", "layer", l), *sj = stats_json(&sum);
-            json_object_update(lj, sj);
-            json_decref(sj);
-            if (!layers_only) {
-                json_t *heads = json_array();
-                for (int hh = 0; hh < H; hh++)
-                    json_array_append_new(heads, stats_json(&st[(size_t)l * H + hh]));
-                json_object_set_new(lj, "heads", heads);
-            }
-            json_array_append_new(layers, lj);
-        }
-        json_t *root = json_pack(
-            "{s:s, s:s, s:i, s:s, s:s, s:s, s:s, s:I, s:I, s:s, s:f, s:f, s:s, s:s, s:s, s:i, s:i, s:i, s:i}", "file",
-            path, "format", KVF_FORMAT_NAME, "version", h->version, "creator", h->creator, "model_fingerprint",
-            h->model_fingerprint, "tokenizer_digest", h->tokenizer_digest, "document_digest", h->document_digest,
-            "n_doc_tokens", (json_int_t)h->n_doc_tokens, "n_tokens", (json_int_t)C, "method",
-            kvf_method_name(h->method), "budget", h->budget, "lambda", h->lambda, "rope_frame",
-            kvf_rope_frame_name(h->rope_frame), "placeholder", h->placeholder, "dtype", kvf_dtype_name(h->dtype),
-            "n_layers", L, "kv_heads", H, "head_dim", D, "block_size", h->block_size);
-        json_object_set_new(root, "sizes",
-                            json_pack("{s:I, s:I, s:I, s:f, s:f}", "file_bytes", (json_int_t)sb.st_size,
-                                      "kv_bytes", (json_int_t)payload, "full_cache_bytes", (json_int_t)full,
-                                      "token_ratio", (double)h->n_doc_tokens / (double)C, "bytes_ratio",
-                                      (double)full / on_disk));
-        json_object_set_new(root, "checksums", json_string("ok"));
-        json_object_set_new(root, "layers", layers);
-        char *s = json_dumps(root, JSON_INDENT(1) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(7));
-        if (s)
-            puts(s);
-        free(s);
-        json_decref(root);
+        if (print_json(path, f, &sb, budget, full, st, hm, by_method, layers_only) != 0)
+            goto out;
     } else {
         printf("file         %s\n", path);
         printf("format       %s version %d, written by %s\n", KVF_FORMAT_NAME, h->version, h->creator);
         printf("model        %s\n", h->model_fingerprint);
         printf("tokenizer    %s\n", h->tokenizer_digest[0] ? h->tokenizer_digest : "(unknown)");
         printf("document     %s, D = %lld tokens\n", h->document_digest, (long long)h->n_doc_tokens);
+        printf("recipe       %s\n", h->recipe_digest);
+        printf("payload      %s (XXH3-128 over the layer digests)\n", h->payload_digest);
         printf("compacted    C = %lld slots (%lld blocks of %d)\n", (long long)C, (long long)kvf_n_blocks(f),
                h->block_size);
         printf("method       %s, budget %s, lambda %g\n", kvf_method_name(h->method), budget, h->lambda);
@@ -216,11 +264,20 @@ int cmd_inspect(int argc, char **argv) {
                                                     : " (question starts at position D)");
         printf("placeholder  %s\n", h->placeholder);
         printf("shape        %d layers x %d kv heads x head_dim %d, %s\n", L, H, D, kvf_dtype_name(h->dtype));
-        printf("sizes        %.0f bytes on disk, %lld of K/V; a full cache of D tokens: %lld\n", on_disk,
-               (long long)payload, (long long)full);
+        printf("sizes        %.0f bytes on disk, %lld of K/V; a full cache of D tokens: %.0f\n", on_disk,
+               (long long)payload, full);
         printf("compression  %.2fx in tokens (D/C), %.2fx in bytes (full cache / file)\n",
                (double)h->n_doc_tokens / (double)C, (double)full / on_disk);
-        printf("checksums    ok (every chunk)\n");
+        printf("checksums    ok (every chunk, every layer's digest)\n");
+        printf("head methods keep %d, drop %d, am %d, fold %d (of %d heads)\n", by_method[0], by_method[1],
+               by_method[2], by_method[3], L * H);
+        if (by_method[h->method] != L * H)
+            for (int l = 0; l < L; l++) {
+                printf("  layer %-4d ", l);
+                for (int hh = 0; hh < H; hh++)
+                    putchar("kdaf"[hm[(size_t)l * H + hh] & 3]);
+                putchar('\n');
+            }
         printf("\n  %-8s %9s %9s %9s %9s %9s %9s %9s %8s %7s\n", "layer", "|k|mean", "|k|max", "|v|mean", "|v|max",
                "beta min", "beta mean", "beta max", "|u|", "padding");
         for (int l = 0; l < L; l++) {
@@ -242,6 +299,8 @@ out:
     free(u);
     free(pos);
     free(st);
+    free(raw);
+    free(hm);
     kvf_close(f);
     return rc;
 }

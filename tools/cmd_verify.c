@@ -15,13 +15,14 @@
 static const char kHelp[] =
     "Usage: kvfold verify FILE.kvf --model DIR [--doc FILE [--question TEXT]...]\n"
     "\n"
-    "Checks a cache file: its structure and every chunk's checksum, and that it was written for\n"
+    "Checks a cache file: its structure, every chunk's checksum, every value (finite K/V and beta,\n"
+    "positions in [0, D)) and every layer's digest, and that it was written for\n"
     "this model (fingerprint of config, tensor index and weights; layers, KV heads, head_dim).\n"
     "With --doc, also that the file is the cache of that document (digest and length).\n"
     "With --doc and --question, the answer distributions: the full document's greedy answer is\n"
     "teacher-forced on both the full context and the cache, and the mean KL(full || cache) over its\n"
     "tokens is reported (also for the first token alone), with whether the cache's own greedy\n"
-    "answer is the same. Without --doc a --question is skipped (integrity checks only).\n"
+    "answer is the same. A --question without --doc is a usage error.\n"
     "\n"
     "Options:\n"
     "  --model DIR          the model\n"
@@ -75,6 +76,10 @@ int cmd_verify(int argc, char **argv) {
         free(questions);
         return cli_usage_error(CMD, "give one FILE.kvf and --model DIR");
     }
+    if (n_q > 0 && !doc_path) { /* the KL check needs the full context: no silent skip with exit 0 */
+        free(questions);
+        return cli_usage_error(CMD, "--question needs the document (--doc FILE)");
+    }
     const char *path = argv[optind];
     kf_backend *b;
     kf_model *m = cli_load_model(CMD, model_dir, &b);
@@ -114,9 +119,6 @@ int cmd_verify(int argc, char **argv) {
             goto done;
         }
         printf("document: %s matches (digest %s, %d tokens)\n", doc_path, digest, n_doc);
-    } else if (n_q > 0) {
-        printf("KL: skipped, --question needs the document (--doc FILE)\n");
-        n_q = 0;
     }
     rc = KF_EXIT_OK;
     if (n_q == 0)

@@ -197,6 +197,8 @@ int cache_load(const char *cmd, const char *path, kf_model *m, int verify, kf_co
         st = kvf_verify(f, &err);
     if (st == KF_OK)
         st = kvf_check_model(f, kf_model_fingerprint(m), cfg->n_layers, cfg->n_kv_heads, cfg->head_dim, &err);
+    if (st == KF_OK)
+        st = kvf_check_positions(f, cfg->max_position_embeddings, &err);
     if (st == KF_OK && hdr)
         *hdr = *kvf_file_header(f);
     if (st == KF_OK && c)

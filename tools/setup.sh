@@ -3,7 +3,8 @@
 # root; otherwise prints the apt-get command), then configures and builds.
 #
 #   tools/setup.sh                       build in build/ (Release)
-#   tools/setup.sh --tests               also the test dependencies (pytest, torch, matplotlib, the npm oracles)
+#   tools/setup.sh --tests               also the test dependencies (pytest, torch, matplotlib, the npm
+#                                        oracles, Slurm's daemons for tests/slurm)
 #   tools/setup.sh --sanitize --build-dir build-asan
 #                                        AddressSanitizer + UndefinedBehaviorSanitizer build
 #   tools/setup.sh --cuda ON|OFF|AUTO    the CUDA backend (default AUTO: when nvcc is found)
@@ -32,6 +33,7 @@ packages=(build-essential cmake pkg-config libopenblas-pthread-dev liblapacke-de
 if [ "$tests" = 1 ]; then
   packages+=(python3-torch python3-numpy python3-pytest python3-h5py python3-dev python3-setuptools python3-matplotlib clang libclang-rt-14-dev)
   command -v npm >/dev/null 2>&1 || packages+=(nodejs npm)
+  packages+=(munge slurmctld slurmd slurm-client) # tests/slurm starts a private single-node Slurm
 fi
 
 missing=()

@@ -3,18 +3,23 @@
  * Source: the decoded cache, contiguous [2 (K, V), n_layers, C, src_heads, head_dim] in src_dtype
  * (the kvf file's token-major order, keys first).
  *
- * Destination: one 5-D tensor per layer, described by a data pointer, shape, strides (in
- * elements, any order: a permuted HND tensor is just other strides) and dtype. Layouts (the
- * logical shapes of research/vllm-connector.md section 5):
- *   KVB_FLASH_ATTN  (2, blocks, block_size, kv_heads, head_dim)   FlashAttention, FlexAttention
- *   KVB_FLASHINFER  (blocks, 2, block_size, kv_heads, head_dim)   FlashInfer, Triton
- *   KVB_CPU         (2, blocks, kv_heads, block_size, head_dim)   vLLM's CPU backend
+ * Destination: one tensor per layer, described by its memory (base address and size in bytes, so
+ * every element it names is checked to lie inside), an element offset, a logical shape, strides
+ * (in elements, any order: an HND or FlexAttention tensor is just other strides) and its own
+ * dtype. Logical shapes (research/vllm-conformance.md section 2):
+ *   KVB_KV_FIRST      (2, blocks, block_size, kv_heads, head_dim)   FlashAttention before vLLM #42095
+ *   KVB_BLOCKS_FIRST  (blocks, 2, block_size, kv_heads, head_dim)   FlashAttention since #42095,
+ *                                                                   FlashInfer, Triton, FlexAttention
+ *   KVB_CPU           (2, blocks, kv_heads, block_size, head_dim)   vLLM's CPU backend (5-D era)
+ *   KVB_PACKED        (blocks, kv_heads, block_size, 2 * head_dim)  every backend from #44455 (v0.26+):
+ *                                                                   K in [..., :head_dim], V after it
  * The tensor's block dimension counts kernel blocks of kbs tokens; the scheduler's blocks hold
  * block_size tokens, a multiple of kbs. Token p of the request sits in slot
  * s = block_ids[p / block_size] * block_size + p % block_size, i.e. kernel block s / kbs, offset
  * s % kbs (what vLLM's reshape_and_cache_flash does).
  *
- * Only tokens [t0, t1) are written, heads [head_start, head_start + kv_heads) of the source (a
+ * With context parallelism each rank holds every cp_size-th run of tokens (kvb_copy_args), as
+ * vLLM's block table maps them. Only tokens [t0, t1) are written, heads [head_start, head_start + kv_heads) of the source (a
  * tensor-parallel rank's slice), every layer. Nothing else in the tensors is touched.
  */
 #ifndef KF_BLOCKCOPY_H
@@ -25,40 +30,53 @@
 #include "formats/error.h"
 #include "formats/kvf.h"
 
-typedef enum { KVB_FLASH_ATTN = 0, KVB_FLASHINFER = 1, KVB_CPU = 2 } kvb_layout;
+typedef enum { KVB_KV_FIRST = 0, KVB_BLOCKS_FIRST = 1, KVB_CPU = 2, KVB_PACKED = 3 } kvb_layout;
 
 typedef struct {
-    void *data;         /* element (0, 0, 0, 0, 0) */
+    void *base;         /* the tensor's memory: [nbytes] bytes, all of it writable */
+    int64_t nbytes;
+    int64_t offset;     /* elements from base to element (0, 0, 0, 0[, 0]) */
+    int ndim;           /* 5, or 4 for KVB_PACKED */
     int64_t shape[5];
-    int64_t stride[5];  /* elements */
+    int64_t stride[5];  /* elements, each >= 1 */
+    kvf_dtype dtype;
+    int layer;          /* the source layer written into it */
 } kvb_tensor;
 
 typedef struct {
     const void *src;           /* [2, n_layers, C, src_heads, head_dim] */
+    int64_t src_bytes;         /* its size, checked against the shape */
     kvf_dtype src_dtype;
     int n_layers;
     int64_t C;
-    int src_heads, head_dim;
-    int head_start;            /* first source head written (tensor parallelism) */
-    int kv_heads;              /* heads per destination tensor */
+    int64_t src_heads, head_dim;
+    int64_t head_start;        /* first source head written (tensor parallelism) */
+    int64_t kv_heads;          /* heads per destination tensor */
 
-    const kvb_tensor *dst;     /* [n_layers] */
-    kvf_dtype dst_dtype;
+    const kvb_tensor *dst;     /* [n_dst]: a tensor per layer written (layers sharing one tensor, once) */
+    int n_dst;
     kvb_layout layout;
 
     const int32_t *block_ids;  /* [n_block_ids] the scheduler's blocks of the request, in token order */
     int64_t n_block_ids;
-    int block_size;            /* tokens per scheduler block */
+    int block_size;            /* tokens per scheduler block (block_size / cp_size per rank's block) */
     int64_t t0, t1;            /* tokens written: [t0, t1), 0 <= t0 <= t1 <= C */
+    /* context parallelism (decode x prefill CP; 0 means 1): the scheduler's block of block_size
+     * tokens is spread over cp_size ranks, cp_interleave tokens at a time; this rank (cp_rank) holds
+     * the tokens p with (p % block_size) / cp_interleave % cp_size == cp_rank, at local offset
+     * (p % block_size) / (cp_size * cp_interleave) * cp_interleave + p % cp_interleave of its block */
+    int cp_size, cp_rank, cp_interleave;
 } kvb_copy_args;
 
+/* "kv_first", "blocks_first", "cpu", "packed". */
 const char *kvb_layout_name(kvb_layout l);
-/* "flash_attn", "flashinfer" (also "triton"), "cpu"; 0 or -1 when unknown. */
+/* Those names; 0, or -1 when unknown. */
 int kvb_layout_parse(const char *s, kvb_layout *out);
 
-/* Checks every argument (shapes against the layout, strides, block sizes, block ids against the
- * tensors) before anything is written, then copies, converting between dtypes when they differ
- * (round-to-nearest-even). KF_ERR_UNSUPPORTED for block sizes other than 16, 32, 64, 128. */
+/* Checks every argument (sizes without overflow, shapes against the layout, every addressed
+ * element inside its tensor's memory, block sizes, block ids, heads) before anything is written,
+ * then copies, converting to each tensor's dtype (round-to-nearest-even). KF_ERR_UNSUPPORTED for
+ * block sizes other than 16, 32, 64, 128. */
 kf_status kvb_copy(const kvb_copy_args *a, kf_error *err);
 
 #endif

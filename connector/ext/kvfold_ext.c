@@ -1,14 +1,26 @@
 /* kvfold_ext.c — the Python module kvfold._kvfold: kvf files in, vLLM KV blocks out.
  *
  *   read_header(path) -> dict                  opens and validates a kvf file, returns its header
- *   load(path, dtype, model_fingerprint=None, n_layers=-1, kv_heads=-1, head_dim=-1)
- *       -> (header, bytearray)                 every layer's K and V, checksums verified, as one
- *                                              [2, n_layers, C, kv_heads, head_dim] array in dtype
- *   copy_blocks(src, src_dtype, n_layers, C, src_heads, head_dim, dst, dst_dtype, layout,
- *               block_ids, block_size, t0, t1, head_start=0, kv_heads=-1)
+ *   load(path, dtype, model_fingerprint=None, n_layers=-1, kv_heads=-1, head_dim=-1, out=None, layers=(0, -1))
+ *       -> (header, buffer)                    every layer's K and V, checksums and layer digests verified, as one
+ *                                              [2, n_layers, C, kv_heads, head_dim] array in dtype:
+ *                                              a new bytearray, or the first bytes of out (a writable
+ *                                              buffer the caller reuses, e.g. a pre-faulted staging area);
+ *                                              layers=(l0, l1) reads only those layers into their place
+ *   copy_blocks(src, src_dtype, n_layers, C, src_heads, head_dim, dst, layout,
+ *               block_ids, block_size, t0, t1, head_start=0, kv_heads=-1, cp_size=1, cp_rank=0,
+ *               cp_interleave=1)
  *                                              src (a buffer as load returns) into per-layer tensors
- *                                              dst = [(data_ptr, shape, strides), ...] (blockcopy.h),
- *                                              kv_heads per tensor (-1: read from the shape)
+ *                                              dst = [(buffer, offset, shape, strides, dtype, layer)]
+ *                                              (blockcopy.h): each tensor's memory as a writable
+ *                                              buffer (read-only ones are refused, and every element
+ *                                              written is checked to lie inside it), the element
+ *                                              offset of its first element, its logical shape,
+ *                                              strides in elements, dtype and the source layer
+ *                                              written into it; layout "kv_first",
+ *                                              "blocks_first", "cpu" or "packed"; kv_heads per
+ *                                              tensor (-1: read from the shape); context
+ *                                              parallelism as vLLM's block table spreads tokens
  *   write(path, header, keys, values, keys_dtype="float32")   a kvf file (tests, benchmarks)
  *   document_digest(ids) -> str                kvf_document_digest of a list of token ids
  *   WITH_CUDA                                  False: this build copies into host tensors only
@@ -58,9 +70,10 @@ static int parse_dtype(const char *s, kvf_dtype *out) {
 
 static PyObject *header_dict(const kvf_header *h) {
     return Py_BuildValue(
-        "{s:i,s:s,s:s,s:s,s:s,s:L,s:L,s:s,s:d,s:d,s:s,s:s,s:s,s:i,s:i,s:i,s:i}", "version", h->version, "creator",
-        h->creator, "model_fingerprint", h->model_fingerprint, "tokenizer_digest", h->tokenizer_digest,
-        "document_digest", h->document_digest, "n_doc_tokens", (long long)h->n_doc_tokens, "n_tokens",
+        "{s:i,s:s,s:s,s:s,s:s,s:s,s:s,s:L,s:L,s:s,s:d,s:d,s:s,s:s,s:s,s:i,s:i,s:i,s:i}", "version", h->version,
+        "creator", h->creator, "model_fingerprint", h->model_fingerprint, "tokenizer_digest", h->tokenizer_digest,
+        "document_digest", h->document_digest, "recipe_digest", h->recipe_digest, "payload_digest",
+        h->payload_digest, "n_doc_tokens", (long long)h->n_doc_tokens, "n_tokens",
         (long long)h->n_tokens, "method", kvf_method_name(h->method), "budget", h->budget, "lambda", h->lambda,
         "rope_frame", kvf_rope_frame_name(h->rope_frame), "placeholder", h->placeholder, "dtype",
         kvf_dtype_name(h->dtype), "n_layers", h->n_layers, "kv_heads", h->kv_heads, "head_dim", h->head_dim,
@@ -85,48 +98,66 @@ static PyObject *py_read_header(PyObject *self, PyObject *args) {
     return d;
 }
 
-/* Reads every layer raw and converts into out ([2, L, C, H, D] in dtype). */
-static kf_status load_all(kvf_file *f, kvf_dtype dtype, unsigned char *out, kf_error *err) {
+/* Reads layers [l0, l1) raw (each checked against its layer digest) and converts into out
+ * ([2, L, C, H, D] in dtype). */
+static kf_status load_all(kvf_file *f, kvf_dtype dtype, unsigned char *out, int l0, int l1, kf_error *err) {
     const kvf_header *h = kvf_file_header(f);
     const size_t n = (size_t)h->n_tokens * (size_t)h->kv_heads * (size_t)h->head_dim; /* per layer */
     const size_t fs = kvf_dtype_size(h->dtype), ds = kvf_dtype_size(dtype);
-    unsigned char *scratch = NULL;
-    if (h->dtype != dtype && !(scratch = malloc(n * fs)))
+    unsigned char *scratch = NULL; /* [2, C, H, D] in the file's dtype */
+    if (h->dtype != dtype && !(scratch = malloc(2 * n * fs)))
         return kf_fail(err, KF_ERR_NOMEM, "%s: out of memory for a layer", kvf_file_path(f));
     kf_status st = KF_OK;
-    for (int kv = 0; kv < 2 && st == KF_OK; kv++)
-        for (int l = 0; l < h->n_layers && st == KF_OK; l++) {
-            unsigned char *dst = out + ((size_t)kv * h->n_layers + (size_t)l) * n * ds;
-            st = kvf_read_layer_raw(f, l, kv ? KVF_VALUES : KVF_KEYS, scratch ? scratch : dst, err);
-            if (st != KF_OK || !scratch)
-                continue;
-            uint16_t *o16 = (uint16_t *)dst;
+    for (int l = l0; l < l1 && st == KF_OK; l++) {
+        unsigned char *dst[2] = {out + (size_t)l * n * ds, out + ((size_t)h->n_layers + (size_t)l) * n * ds};
+        st = kvf_read_layer_all(f, l, scratch ? scratch : dst[0], scratch ? scratch + n * fs : dst[1], NULL, NULL,
+                                NULL, NULL, err);
+        for (int kv = 0; kv < 2 && st == KF_OK && scratch; kv++) {
+            const unsigned char *src = scratch + (size_t)kv * n * fs;
+            uint16_t *o16 = (uint16_t *)dst[kv];
             for (size_t i = 0; i < n; i++) {
                 float x;
                 if (h->dtype == KVF_F32) {
-                    memcpy(&x, scratch + 4 * i, 4);
+                    memcpy(&x, src + 4 * i, 4);
                 } else {
                     uint16_t b;
-                    memcpy(&b, scratch + 2 * i, 2);
+                    memcpy(&b, src + 2 * i, 2);
                     x = h->dtype == KVF_BF16 ? kvf_bf16_to_f32(b) : kvf_f16_to_f32(b);
                 }
                 if (dtype == KVF_F32)
-                    memcpy(dst + 4 * i, &x, 4);
+                    memcpy(dst[kv] + 4 * i, &x, 4);
                 else
                     o16[i] = dtype == KVF_BF16 ? kvf_f32_to_bf16(x) : kvf_f32_to_f16(x);
             }
         }
+    }
     free(scratch);
     return st;
 }
 
+/* 2 * n_layers * C * kv_heads * head_dim elements of dtype, without overflow. */
+static int payload_size(const kvf_header *h, kvf_dtype dtype, size_t *out) {
+    const int64_t f[6] = {2, h->n_layers, h->n_tokens, h->kv_heads, h->head_dim, (int64_t)kvf_dtype_size(dtype)};
+    int64_t p = 1;
+    for (int i = 0; i < 6; i++)
+        if (f[i] < 1 || __builtin_mul_overflow(p, f[i], &p) || p > PY_SSIZE_T_MAX) {
+            PyErr_Format(PyExc_ValueError, "a cache of %d layers x %lld tokens x %d heads x %d is too large",
+                         h->n_layers, (long long)h->n_tokens, h->kv_heads, h->head_dim);
+            return -1;
+        }
+    *out = (size_t)p;
+    return 0;
+}
+
 static PyObject *py_load(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
-    static char *kwlist[] = {"path", "dtype", "model_fingerprint", "n_layers", "kv_heads", "head_dim", NULL};
+    static char *kwlist[] = {"path", "dtype", "model_fingerprint", "n_layers", "kv_heads", "head_dim", "out", "layers",
+                             NULL};
     const char *path, *dtname, *fp = NULL;
-    int n_layers = -1, kv_heads = -1, head_dim = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "ss|ziii", kwlist, &path, &dtname, &fp, &n_layers, &kv_heads,
-                                     &head_dim))
+    int n_layers = -1, kv_heads = -1, head_dim = -1, l0 = 0, l1 = -1;
+    PyObject *out_obj = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "ss|ziiiO(ii)", kwlist, &path, &dtname, &fp, &n_layers, &kv_heads,
+                                     &head_dim, &out_obj, &l0, &l1))
         return NULL;
     kvf_dtype dtype;
     if (parse_dtype(dtname, &dtype) < 0)
@@ -144,17 +175,39 @@ static PyObject *py_load(PyObject *self, PyObject *args, PyObject *kw) {
         return raise_kf(&err, st);
     }
     const kvf_header *h = kvf_file_header(f);
-    const size_t bytes = 2 * (size_t)h->n_layers * (size_t)h->n_tokens * (size_t)h->kv_heads * (size_t)h->head_dim *
-                         kvf_dtype_size(dtype);
-    PyObject *buf = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)bytes);
-    if (!buf) {
+    size_t bytes;
+    if (l1 < 0)
+        l1 = h->n_layers;
+    if (l0 < 0 || l0 >= l1 || l1 > h->n_layers) {
+        PyErr_Format(PyExc_ValueError, "load: layers [%d, %d) outside %s's %d", l0, l1, path, h->n_layers);
         kvf_close(f);
         return NULL;
     }
-    unsigned char *out = (unsigned char *)PyByteArray_AS_STRING(buf);
+    if (payload_size(h, dtype, &bytes) < 0) {
+        kvf_close(f);
+        return NULL;
+    }
+    PyObject *buf;
+    Py_buffer ov = {0};
+    if (out_obj && out_obj != Py_None) {
+        if (PyObject_GetBuffer(out_obj, &ov, PyBUF_WRITABLE) < 0 || (size_t)ov.len < bytes) {
+            if (ov.obj) {
+                PyErr_Format(PyExc_ValueError, "load: %s needs %zu bytes, out holds %zd", path, bytes, ov.len);
+                PyBuffer_Release(&ov);
+            }
+            kvf_close(f);
+            return NULL;
+        }
+        buf = Py_NewRef(out_obj);
+    } else if (!(buf = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)bytes))) {
+        kvf_close(f);
+        return NULL;
+    }
+    unsigned char *out = ov.obj ? (unsigned char *)ov.buf : (unsigned char *)PyByteArray_AS_STRING(buf);
     Py_BEGIN_ALLOW_THREADS
-    st = load_all(f, dtype, out, &err);
+    st = load_all(f, dtype, out, l0, l1, &err);
     Py_END_ALLOW_THREADS
+    PyBuffer_Release(&ov); /* buf keeps out_obj alive */
     if (st != KF_OK) {
         Py_DECREF(buf);
         kvf_close(f);
@@ -192,57 +245,82 @@ static int int64_seq(PyObject *o, int64_t *out, int n, const char *what) {
     return 0;
 }
 
+/* One destination of copy_blocks: (buffer, offset, shape, strides, dtype, layer), the buffer writable. */
+static int parse_dst(PyObject *item, int i, kvb_tensor *t, Py_buffer *view) {
+    PyObject *buf, *shape, *strides;
+    long long offset;
+    const char *dt;
+    if (!PyArg_ParseTuple(item, "OLOOsi", &buf, &offset, &shape, &strides, &dt, &t->layer))
+        return -1;
+    if (parse_dtype(dt, &t->dtype) < 0)
+        return -1;
+    Py_ssize_t nd = PySequence_Size(shape);
+    if (nd < 0)
+        return -1;
+    if (nd != 4 && nd != 5) {
+        PyErr_Format(PyExc_ValueError, "copy_blocks: a %zd-D destination (4 or 5 dimensions)", nd);
+        return -1;
+    }
+    t->ndim = (int)nd;
+    if (int64_seq(shape, t->shape, t->ndim, "shape") < 0 || int64_seq(strides, t->stride, t->ndim, "strides") < 0)
+        return -1;
+    if (PyObject_GetBuffer(buf, view, PyBUF_WRITABLE) < 0) { /* refuses read-only memory */
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "copy_blocks: destination %d is not writable memory (%s)", i,
+                     Py_TYPE(buf)->tp_name);
+        return -1;
+    }
+    t->base = view->buf;
+    t->nbytes = view->len;
+    t->offset = offset;
+    return 0;
+}
+
 static PyObject *py_copy_blocks(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
-    static char *kwlist[] = {"src",   "src_dtype",  "n_layers",   "C",  "src_heads", "head_dim", "dst", "dst_dtype",
-                             "layout", "block_ids", "block_size", "t0", "t1",        "head_start", "kv_heads", NULL};
+    static char *kwlist[] = {"src",   "src_dtype", "n_layers",   "C",  "src_heads", "head_dim",   "dst",
+                             "layout", "block_ids", "block_size", "t0", "t1",        "head_start", "kv_heads", "cp_size",
+                             "cp_rank", "cp_interleave", NULL};
     Py_buffer src = {0};
-    const char *sdt, *ddt, *lay;
-    int n_layers, src_heads, head_dim, block_size, head_start = 0, kv_heads = -1;
-    long long C, t0, t1;
+    const char *sdt, *lay;
+    int n_layers, block_size, cp_size = 1, cp_rank = 0, cp_interleave = 1;
+    long long C, src_heads, head_dim, t0, t1, head_start = 0, kv_heads = -1;
     PyObject *dst, *ids;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*siLiiOssOiLL|ii", kwlist, &src, &sdt, &n_layers, &C, &src_heads,
-                                     &head_dim, &dst, &ddt, &lay, &ids, &block_size, &t0, &t1, &head_start,
-                                     &kv_heads))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*siLLLOsOiLL|LLiii", kwlist, &src, &sdt, &n_layers, &C, &src_heads,
+                                     &head_dim, &dst, &lay, &ids, &block_size, &t0, &t1, &head_start, &kv_heads,
+                                     &cp_size, &cp_rank, &cp_interleave))
         return NULL;
     PyObject *res = NULL, *dseq = NULL, *iseq = NULL;
     kvb_tensor *tensors = NULL;
+    Py_buffer *views = NULL;
+    int n_views = 0;
     int32_t *block_ids = NULL;
-    kvb_copy_args a = {.src = src.buf, .n_layers = n_layers, .C = C, .src_heads = src_heads,
-                       .head_dim = head_dim, .head_start = head_start, .block_size = block_size, .t0 = t0, .t1 = t1};
-    if (parse_dtype(sdt, &a.src_dtype) < 0 || parse_dtype(ddt, &a.dst_dtype) < 0)
+    kvb_copy_args a = {.src = src.buf, .src_bytes = src.len, .n_layers = n_layers, .C = C, .src_heads = src_heads,
+                       .head_dim = head_dim, .head_start = head_start, .block_size = block_size, .t0 = t0, .t1 = t1,
+                       .cp_size = cp_size, .cp_rank = cp_rank, .cp_interleave = cp_interleave};
+    if (parse_dtype(sdt, &a.src_dtype) < 0)
         goto out;
     if (kvb_layout_parse(lay, &a.layout) < 0) {
-        PyErr_Format(PyExc_ValueError, "KV cache layout '%s' is not supported (flash_attn, flashinfer, triton, cpu)",
+        PyErr_Format(PyExc_ValueError, "KV cache layout '%s' is not supported (kv_first, blocks_first, cpu, packed)",
                      lay);
         goto out;
     }
-    if (n_layers < 1 || C < 1 || src_heads < 1 || head_dim < 1 ||
-        (size_t)src.len < 2 * (size_t)n_layers * (size_t)C * (size_t)src_heads * (size_t)head_dim *
-                              kvf_dtype_size(a.src_dtype)) {
-        PyErr_SetString(PyExc_ValueError, "copy_blocks: the source buffer is smaller than its shape");
+    if (!(dseq = PySequence_Fast(dst, "dst must be a sequence of (buffer, offset, shape, strides, dtype, layer)")))
+        goto out;
+    const Py_ssize_t n_dst = PySequence_Fast_GET_SIZE(dseq);
+    if (n_dst < 1 || n_dst > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "copy_blocks: %zd destination tensors", n_dst);
         goto out;
     }
-    if (!(dseq = PySequence_Fast(dst, "dst must be a sequence of (data_ptr, shape, strides)")))
-        goto out;
-    if (PySequence_Fast_GET_SIZE(dseq) != n_layers) {
-        PyErr_Format(PyExc_ValueError, "copy_blocks: %zd destination tensors for %d layers",
-                     PySequence_Fast_GET_SIZE(dseq), n_layers);
-        goto out;
-    }
-    if (!(tensors = calloc((size_t)n_layers, sizeof *tensors))) {
+    tensors = calloc((size_t)n_dst, sizeof *tensors);
+    views = calloc((size_t)n_dst, sizeof *views);
+    if (!tensors || !views) {
         PyErr_NoMemory();
         goto out;
     }
-    for (int l = 0; l < n_layers; l++) {
-        PyObject *ptr, *shape, *strides;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(dseq, l), "OOO", &ptr, &shape, &strides))
+    for (; n_views < n_dst; n_views++)
+        if (parse_dst(PySequence_Fast_GET_ITEM(dseq, n_views), n_views, &tensors[n_views], &views[n_views]) < 0)
             goto out;
-        tensors[l].data = PyLong_AsVoidPtr(ptr);
-        if (PyErr_Occurred() || int64_seq(shape, tensors[l].shape, 5, "shape") < 0 ||
-            int64_seq(strides, tensors[l].stride, 5, "strides") < 0)
-            goto out;
-    }
     if (!(iseq = PySequence_Fast(ids, "block_ids must be a sequence of ints")))
         goto out;
     a.n_block_ids = PySequence_Fast_GET_SIZE(iseq);
@@ -251,18 +329,20 @@ static PyObject *py_copy_blocks(PyObject *self, PyObject *args, PyObject *kw) {
         goto out;
     }
     for (Py_ssize_t i = 0; i < a.n_block_ids; i++) {
-        long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(iseq, i));
+        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(iseq, i));
         if (v == -1 && PyErr_Occurred())
             goto out;
         if (v < 0 || v > INT32_MAX) {
-            PyErr_Format(PyExc_ValueError, "block id %ld out of range", v);
+            PyErr_Format(PyExc_ValueError, "block id %lld out of range", v);
             goto out;
         }
         block_ids[i] = (int32_t)v;
     }
     a.dst = tensors;
+    a.n_dst = (int)n_dst;
     a.block_ids = block_ids;
-    a.kv_heads = kv_heads > 0 ? kv_heads : (int)tensors[0].shape[a.layout == KVB_CPU ? 2 : 3];
+    static const int head_dim_of[4] = {[KVB_KV_FIRST] = 3, [KVB_BLOCKS_FIRST] = 3, [KVB_CPU] = 2, [KVB_PACKED] = 1};
+    a.kv_heads = kv_heads > 0 ? kv_heads : tensors[0].shape[head_dim_of[a.layout]];
     kf_error err = {0};
     kf_status st;
     Py_BEGIN_ALLOW_THREADS
@@ -274,6 +354,9 @@ static PyObject *py_copy_blocks(PyObject *self, PyObject *args, PyObject *kw) {
     }
     res = Py_NewRef(Py_None);
 out:
+    for (int i = 0; i < n_views; i++)
+        PyBuffer_Release(&views[i]);
+    free(views);
     free(tensors);
     free(block_ids);
     Py_XDECREF(dseq);
@@ -292,6 +375,7 @@ static int header_from_dict(PyObject *d, kvf_header *h) {
     } strs[] = {{"model_fingerprint", h->model_fingerprint, sizeof h->model_fingerprint},
                 {"tokenizer_digest", h->tokenizer_digest, sizeof h->tokenizer_digest},
                 {"document_digest", h->document_digest, sizeof h->document_digest},
+                {"recipe_digest", h->recipe_digest, sizeof h->recipe_digest},
                 {"placeholder", h->placeholder, sizeof h->placeholder}};
     for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++) {
         PyObject *v = PyDict_GetItemString(d, strs[i].key);
@@ -420,10 +504,11 @@ static PyObject *py_document_digest(PyObject *self, PyObject *arg) {
 static PyMethodDef methods[] = {
     {"read_header", py_read_header, METH_VARARGS, "read_header(path) -> dict: open and validate a kvf file"},
     {"load", (PyCFunction)(void (*)(void))py_load, METH_VARARGS | METH_KEYWORDS,
-     "load(path, dtype, model_fingerprint=None, n_layers=-1, kv_heads=-1, head_dim=-1) -> (header, bytearray)"},
+     "load(path, dtype, model_fingerprint=None, n_layers=-1, kv_heads=-1, head_dim=-1, out=None, layers=(0, -1)) "
+     "-> (header, buffer)"},
     {"copy_blocks", (PyCFunction)(void (*)(void))py_copy_blocks, METH_VARARGS | METH_KEYWORDS,
-     "copy_blocks(src, src_dtype, n_layers, C, src_heads, head_dim, dst, dst_dtype, layout, block_ids, block_size, "
-     "t0, t1, head_start=0, kv_heads=-1)"},
+     "copy_blocks(src, src_dtype, n_layers, C, src_heads, head_dim, dst, layout, block_ids, block_size, "
+     "t0, t1, head_start=0, kv_heads=-1, cp_size=1, cp_rank=0, cp_interleave=1)"},
     {"write", (PyCFunction)(void (*)(void))py_write, METH_VARARGS | METH_KEYWORDS,
      "write(path, header, keys, values, keys_dtype='float32')"},
     {"document_digest", py_document_digest, METH_O, "document_digest(ids) -> 32 hex digits"},

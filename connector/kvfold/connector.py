@@ -9,14 +9,20 @@ is the cache's C placeholder ids followed by the question. Scheduler side: the r
 claimed (C tokens, minus the local prefix-cache hit) when the prompt and the file check out. When
 a request names a cache that cannot be served (missing, corrupt or another model's file, a prompt
 whose placeholders do not match), the connector still claims its leading placeholder tokens and
-the worker reports their blocks through get_block_ids_with_load_errors, so vLLM (with its default
-kv_load_failure_policy "fail") fails the request instead of attending to placeholder ids. Set
-extra config "on_invalid": "ignore" to claim nothing instead (vLLM then computes the prompt as
-given). A request without kvfold parameters is left alone: (0, False).
+the worker reports their blocks through get_block_ids_with_load_errors, so vLLM (whose
+kv_load_failure_policy must be "fail": the connector refuses to start otherwise) fails the request
+instead of attending to placeholder ids. When the local prefix-cache hit already covers the
+claim, one more token is claimed (or, when none is left, the last hit block is reported), so the
+request fails on that path too. Set extra config "on_invalid": "ignore" to claim nothing instead
+(vLLM then computes the prompt as given). A request without kvfold parameters is left alone:
+(0, False).
 
 Worker side: the load is synchronous, in start_load_kv, from the block ids in the connector
 metadata (never from attention metadata, which can be None); the per-layer hooks do nothing.
-Decoded caches stay in a host retention pool (kvfold.pool).
+Decoded caches stay in a host retention pool (kvfold.pool). Layers that share another layer's KV
+tensor are written once, as that layer; layers beyond the model's (EAGLE/MTP draft layers) get
+zeros in the loaded slots. Context parallelism (decode and prefill CP) spreads each scheduler
+block over the CP ranks as vLLM's block table does; each rank writes its tokens.
 
 kv_connector_extra_config:
   cache_root         directory of kvf files; relative names resolve under it and absolute ones must
@@ -26,8 +32,12 @@ kv_connector_extra_config:
                      Without it, files are checked against the model's shape only (logged).
   pool_bytes         retention pool limit (default 4 GiB; 0 disables retention)
   on_invalid         "fail" (default) or "ignore"
-  kv_layout          "flash_attn", "flashinfer"/"triton" or "cpu" when the shape is ambiguous
+  kv_layout          the attention backend ("flash_attn", "flashinfer", "triton", "flex_attention",
+                     "cpu") or a layout ("kv_first", "blocks_first", "cpu", "packed"): narrows
+                     detection to that backend's layouts (kvfold.blocks)
   copy_backend       "auto" (C for host tensors, torch otherwise) or "torch"
+  load_parts         a cold load reads the file in this many layer ranges, copying each range into
+                     the blocks while the next is read (default 4; 1 reads, then copies)
 """
 from __future__ import annotations
 
@@ -44,7 +54,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(f"kvfold.connector runs inside vLLM, and importing vLLM's connector API failed: {e}") from e
 
 from . import _kvfold
-from .blocks import check_block_size, copy_to_blocks, detect_layout, dtype_name
+from .blocks import check_block_size, copy_to_blocks, detect_layout, dtype_name, host_destination, zero_slots
+from .loader import pipelined_load
 from .pool import RetentionPool
 from .prompt import PARAMS_KEY, PLACEHOLDER_SCHEME, cache_key, placeholder_ids
 
@@ -65,6 +76,7 @@ class LoadSpec:
     block_ids: List[int]    # all the request's blocks, in token order
     t0: int                 # tokens [t0, t1) come from the file (t0 = the local prefix-cache hit)
     t1: int
+    elems: int = 0          # 2 * n_layers * C * kv_heads * head_dim of the file (its decoded size)
 
 
 @dataclass
@@ -80,6 +92,7 @@ class _Decision:
     reason: Optional[str]
     key: str
     n_tokens: int
+    elems: int = 0
 
 
 def _extra(vllm_config: Any) -> Dict[str, Any]:
@@ -113,13 +126,29 @@ def read_fingerprint_cache(model_dir: str) -> Optional[str]:
     return fp
 
 
+def check_failure_policy(vllm_config: Any) -> None:
+    """A failed load must fail the request: under "recompute" vLLM would compute the placeholder
+    ids as text and could keep those blocks in its prefix cache (research/vllm-conformance.md §3)."""
+    cfg = vllm_config.kv_transfer_config
+    policy = getattr(cfg, "kv_load_failure_policy", None)
+    if policy == "fail":
+        return
+    why = (f"is {policy!r}" if policy is not None else
+           "is missing (this vLLM predates the setting and always recomputes failed loads; use v0.13 or later)")
+    raise ValueError(f"kvfold: kv_transfer_config.kv_load_failure_policy {why}; the KVFoldConnector needs "
+                     '"kv_load_failure_policy": "fail" in --kv-transfer-config, so that a cache that cannot be '
+                     "loaded fails its request instead of being recomputed from placeholder ids")
+
+
 class KVFoldConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any):
         super().__init__(vllm_config, role, kv_cache_config)
+        check_failure_policy(vllm_config)
         extra = _extra(vllm_config)
         mc = vllm_config.model_config
         self._is_scheduler = role == KVConnectorRole.SCHEDULER
-        self._block_size = self._manager_block_size(vllm_config, kv_cache_config)
+        self._cp = _context_parallel(vllm_config, self._is_scheduler)  # (size, rank, interleave)
+        self._block_size = self._manager_block_size(kv_cache_config) * self._cp[0]  # the scheduler's blocks
         self._n_layers = int(mc.get_total_num_hidden_layers())
         self._kv_heads = int(mc.get_total_num_kv_heads())
         self._head_dim = int(mc.get_head_size())
@@ -136,19 +165,20 @@ class KVFoldConnector(KVConnectorBase_V1):
                            "the model's shape only")
         if self._cache_root is None and self._is_scheduler:
             logger.warning("kvfold: no cache_root: requests may name any readable kvf file")
-        policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail")
-        if policy != "fail" and self._on_invalid == "fail" and self._is_scheduler:
-            logger.warning("kvfold: kv_load_failure_policy=%r: a failed load is recomputed from placeholder "
-                           "ids; use 'fail'", policy)
         # scheduler state
         self._decisions: Dict[str, Optional[_Decision]] = {}
+        self._computed: Dict[str, int] = {}  # request -> the local hit vLLM last asked about
         self._pending: Dict[str, LoadSpec] = {}
         self._headers: Dict[Tuple[str, int, int, int], Dict[str, Any]] = {}
         # worker state
         self._kv_layout_override = extra.get("kv_layout")
         self._use_torch = extra.get("copy_backend", "auto") == "torch"
         self._pool = RetentionPool(int(extra.get("pool_bytes", DEFAULT_POOL_BYTES)))
-        self._tensors: List[Any] = []
+        self._load_parts = max(1, int(extra.get("load_parts", 4)))  # layer ranges a cold load is read in
+        self._tensors: List[Any] = []       # one per distinct target-layer tensor
+        self._tensor_layers: List[int] = []  # the file's layer written into each
+        self._destinations: List[Any] = []  # host_destination of each (host tensors)
+        self._draft: List[Any] = []         # tensors of layers beyond the model's: zeroed
         self._layout = ""
         self._dtype = ""
         self._head_start = 0
@@ -157,29 +187,44 @@ class KVFoldConnector(KVConnectorBase_V1):
         self.last_loads: List[Tuple[str, bool]] = []  # (req_id, pool hit) of the last step, for tests
 
     @staticmethod
-    def _manager_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
+    def _manager_block_size(kv_cache_config: Any) -> int:
+        """Tokens per block of one rank's KV cache (vLLM multiplies it by the context-parallel size
+        for the scheduler's blocks)."""
         groups = getattr(kv_cache_config, "kv_cache_groups", None)
-        if groups:
-            return int(groups[0].kv_cache_spec.block_size)
-        return int(vllm_config.cache_config.block_size)
+        if not groups:
+            raise ValueError("kvfold: kv_cache_config has no KV cache groups")
+        sizes = {int(g.kv_cache_spec.block_size) for g in groups}
+        if len(sizes) != 1:
+            raise ValueError(f"kvfold: KV cache groups with block sizes {sorted(sizes)} (hybrid models are not "
+                             "supported)")
+        return sizes.pop()
 
     # ---- scheduler side ------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         d = self._decide(request)
-        if d is None or d.claim <= 0:
+        if d is None or (d.claim <= 0 and not d.reason) or (d.reason and self._on_invalid != "fail"):
             return 0, False
-        return max(0, d.claim - num_computed_tokens), False
+        self._computed[request.request_id] = num_computed_tokens
+        extra = d.claim - num_computed_tokens
+        if d.reason and extra <= 0:  # the local hit covers the claim: fail one more token, when one is left
+            extra = 1 if num_computed_tokens + 1 < len(request.prompt_token_ids) else 0
+        return max(0, extra), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        if num_external_tokens <= 0:
-            return
-        d = self._decisions.get(request.request_id)
-        if d is None:
+        rid = request.request_id
+        d = self._decisions.get(rid)
+        if d is None or (num_external_tokens <= 0 and not d.reason) or (d.reason and self._on_invalid != "fail"):
             return
         block_ids = [int(b) for b in blocks.get_block_ids()[0]]
-        self._pending[request.request_id] = LoadSpec(request.request_id, d.path, d.reason, d.key, d.n_tokens,
-                                                     block_ids, d.claim - num_external_tokens, d.claim)
+        t0 = self._computed.get(rid, d.claim - num_external_tokens)
+        t1 = t0 + num_external_tokens
+        if t1 <= t0:  # a failing request with nothing left to claim: report its last hit block
+            if t0 == 0:
+                logger.error("kvfold: request %s: %s; its prompt leaves nothing to fail it with", rid, d.reason)
+                return
+            t0, t1 = t0 - 1, t0
+        self._pending[rid] = LoadSpec(rid, d.path, d.reason, d.key, d.n_tokens, block_ids, t0, t1, d.elems)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta = KVFoldMetadata(self._block_size, list(self._pending.values()))
@@ -188,6 +233,7 @@ class KVFoldConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         self._decisions.pop(request.request_id, None)
+        self._computed.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
         return False, None
 
@@ -202,7 +248,7 @@ class KVFoldConnector(KVConnectorBase_V1):
             return None
         d = self._evaluate(request, spec)
         if d.reason:
-            action = f"failing its first {d.claim} tokens" if d.claim else "claiming nothing"
+            action = "failing it" if self._on_invalid == "fail" else "claiming nothing"
             logger.warning("kvfold: request %s: %s (%s)", rid, d.reason, action)
         self._decisions[rid] = d
         return d
@@ -223,18 +269,17 @@ class KVFoldConnector(KVConnectorBase_V1):
         run = 0
         while run < min(C, T) and prompt[run] == expected[run]:
             run += 1
-        fail_claim = lambda n: n if self._on_invalid == "fail" else 0  # noqa: E731
         if run < C or T < C + 1:
             why = (f"prompt of {T} tokens starts with {run} of the cache's {C} placeholder ids" if run < C else
                    f"prompt holds only the {C} placeholder ids: nothing after them for vLLM to compute")
-            return _Decision(fail_claim(min(run, T - 1)), None, why, key, C)
+            return _Decision(min(run, T - 1), None, why, key, C)
         try:
             path = self._resolve(name)
             h = self._header(path)
             self._check_header(h, path, key, C)
         except (OSError, ValueError, _kvfold.KvfError) as e:
-            return _Decision(fail_claim(C), None, str(e), key, C)
-        return _Decision(C, path, None, key, C)
+            return _Decision(C, None, str(e), key, C)
+        return _Decision(C, path, None, key, C, 2 * h["n_layers"] * C * h["kv_heads"] * h["head_dim"])
 
     def _resolve(self, name: str) -> str:
         root = self._cache_root
@@ -280,42 +325,62 @@ class KVFoldConnector(KVConnectorBase_V1):
     # ---- worker side ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
-        by_index: Dict[int, Tuple[str, Any]] = {}
-        seen = set()
-        for pos, (name, t) in enumerate(kv_caches.items()):
-            if isinstance(t, (list, tuple)):  # vLLM before 2026-03: one tensor per virtual engine
-                t = t[0]
-            m = _LAYER_RE.search(name)
-            idx = int(m.group(1)) if m else pos
-            if t.data_ptr() in seen:  # a layer sharing another layer's KV: written once, as its owner
-                continue
-            seen.add(t.data_ptr())
-            by_index.setdefault(idx, (name, t))
-        order = sorted(by_index)
-        if order != list(range(self._n_layers)):
-            raise ValueError(f"kvfold: KV caches of layers {order} registered; the connector needs every layer "
-                             f"0..{self._n_layers - 1} on this worker (pipeline parallelism is not supported)")
-        self._tensors = [by_index[i][1] for i in order]
+        target, draft = self._map_layers(kv_caches)
+        self._tensor_layers = sorted(target)
+        self._tensors = [target[i][1] for i in self._tensor_layers]
+        self._draft = [t for _, t in draft]
         first = self._tensors[0]
         self._dtype = dtype_name(first.dtype)
         if self._dtype == "float32":
             raise ValueError("kvfold: float32 KV caches are not supported (bfloat16 or float16)")
-        check_block_size(self._block_size)
+        check_block_size(self._block_size, self._cp[0])
         tp_rank, tp_size = _tp_rank_size()
-        local_heads = max(1, self._kv_heads // tp_size)
+        self._local_heads = max(1, self._kv_heads // tp_size)
         self._head_start = tp_rank * self._kv_heads // tp_size
-        self._local_heads = local_heads
+        local_bs = self._block_size // self._cp[0]
         layouts = set()
-        for i, t in enumerate(self._tensors):
-            if t.dtype != first.dtype or tuple(t.shape) != tuple(first.shape) or t.device != first.device:
-                raise ValueError(f"kvfold: layer {by_index[i][0]}: {t.dtype} {tuple(t.shape)} on {t.device} "
-                                 f"differs from layer 0")
-            layouts.add(detect_layout(t.shape, self._block_size, local_heads, self._head_dim, t.device.type,
-                                      self._kv_layout_override, by_index[i][0]))
+        for name, t in [target[i] for i in self._tensor_layers] + draft:
+            if t.dtype != first.dtype or t.device != first.device or t.dim() != first.dim():
+                raise ValueError(f"kvfold: layer {name}: {t.dtype} {tuple(t.shape)} on {t.device} differs from "
+                                 f"{target[self._tensor_layers[0]][0]}")
+            layouts.add(detect_layout(t.shape, local_bs, self._local_heads, self._head_dim, t.device.type,
+                                      self._kv_layout_override, name))
+        if len(layouts) != 1:
+            raise ValueError(f"kvfold: the layers' KV caches have different layouts {sorted(layouts)}")
         self._layout = layouts.pop()
-        logger.info("kvfold: %d layers, layout %s, %s, heads %d..%d of %d, blocks of %d", len(self._tensors),
-                    self._layout, self._dtype, self._head_start, self._head_start + local_heads - 1,
-                    self._kv_heads, self._block_size)
+        if first.device.type == "cpu" and not self._use_torch:
+            self._destinations = [host_destination(t, i) for t, i in zip(self._tensors, self._tensor_layers)]
+        logger.info("kvfold: %d layers (%d tensors, %d draft), layout %s, %s, heads %d..%d of %d, blocks of %d%s",
+                    self._n_layers, len(self._tensors), len(self._draft), self._layout, self._dtype,
+                    self._head_start, self._head_start + self._local_heads - 1, self._kv_heads, self._block_size,
+                    f", context-parallel rank {self._cp[1]} of {self._cp[0]}" if self._cp[0] > 1 else "")
+
+    def _map_layers(self, kv_caches: Dict[str, Any]) -> Tuple[Dict[int, Tuple[str, Any]], List[Tuple[str, Any]]]:
+        """The model's layers 0..L-1 -> (name, tensor), each distinct tensor once (as the lowest
+        layer holding it: vLLM gives a layer that shares KV its target's tensor), and the layers
+        beyond the model's (draft layers of EAGLE or MTP)."""
+        by_index: Dict[int, Tuple[str, Any]] = {}
+        draft: List[Tuple[str, Any]] = []
+        owner: Dict[int, int] = {}  # data_ptr -> layer
+        covered = set()
+        for name, t in sorted(kv_caches.items(), key=lambda kv: _layer_index(kv[0])):
+            idx = _layer_index(name)
+            if idx >= self._n_layers:
+                if t.data_ptr() not in owner:
+                    owner[t.data_ptr()] = idx
+                    draft.append((name, t))
+                continue
+            covered.add(idx)
+            if t.data_ptr() in owner:  # shares the KV of a layer already mapped: written once, as that layer
+                continue
+            owner[t.data_ptr()] = idx
+            by_index[idx] = (name, t)
+        missing = sorted(set(range(self._n_layers)) - covered)
+        if missing:
+            raise ValueError(f"kvfold: no KV cache registered for layers {missing[:8]}{'...' if len(missing) > 8 else ''}"
+                             f" of {self._n_layers}: the connector needs every layer on this worker (pipeline "
+                             "parallelism is not supported)")
+        return by_index, draft
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self.last_loads = []
@@ -331,15 +396,33 @@ class KVFoldConnector(KVConnectorBase_V1):
                 raise ValueError(spec.reason)
             if not self._tensors:
                 raise ValueError("no KV caches registered")
-            path = spec.path
-            entry, hit = self._pool.get(path, self._dtype, lambda: _kvfold.load(
-                path, self._dtype, self._model_fp, self._n_layers, self._kv_heads, self._head_dim))
-            h = entry.header
-            if cache_key(h) != spec.key:
-                raise ValueError(f"{path}: changed since the request was scheduled")
-            copy_to_blocks(entry.data, self._dtype, h["n_layers"], h["n_tokens"], h["kv_heads"], h["head_dim"],
-                           self._tensors, self._layout, spec.block_ids, block_size, spec.t0, spec.t1,
-                           self._head_start, self._use_torch, self._local_heads)
+            path, nbytes = spec.path, spec.elems * (4 if self._dtype == "float32" else 2)
+            copied = []
+
+            def copy(h: Dict[str, Any], data: Any, l0: int, l1: int) -> None:
+                if cache_key(h) != spec.key:
+                    raise ValueError(f"{path}: changed since the request was scheduled")
+                mine = [i for i, layer in enumerate(self._tensor_layers) if l0 <= layer < l1]
+                if mine:
+                    copy_to_blocks(data, self._dtype, h["n_layers"], h["n_tokens"], h["kv_heads"], h["head_dim"],
+                                   [self._tensors[i] for i in mine], self._layout, spec.block_ids, block_size,
+                                   spec.t0, spec.t1, self._head_start, self._use_torch, self._local_heads,
+                                   [self._destinations[i] for i in mine] if self._destinations else None, self._cp,
+                                   [self._tensor_layers[i] for i in mine])
+                copied.append((l0, l1))
+
+            def cold(buf: Any) -> Tuple[Dict[str, Any], Any]:  # reads overlap the copies of earlier layers
+                return pipelined_load(path, self._dtype, buf, self._n_layers,
+                                      lambda h, l0, l1: copy(h, buf, l0, l1), model_fingerprint=self._model_fp,
+                                      kv_heads=self._kv_heads, head_dim=self._head_dim, parts=self._load_parts)
+
+            entry, hit = self._pool.get(path, self._dtype, cold, nbytes)
+            try:
+                if not copied:  # a pool hit: the whole copy now
+                    copy(entry.header, entry.data, 0, self._n_layers)
+                zero_slots(self._draft, self._layout, spec.block_ids, block_size, spec.t0, spec.t1, self._cp)
+            finally:
+                self._pool.release(entry)
             self.last_loads.append((spec.req_id, hit))
         except Exception as e:  # every failure becomes a load error: vLLM then fails the request
             if spec.t1 > spec.t0:
@@ -371,6 +454,13 @@ class KVFoldConnector(KVConnectorBase_V1):
         self._tensors = []
 
 
+def _layer_index(name: str) -> int:
+    m = _LAYER_RE.search(name)
+    if not m:
+        raise ValueError(f"kvfold: KV cache '{name}' names no layer index ('...layers.N...')")
+    return int(m.group(1))
+
+
 def _tp_rank_size() -> Tuple[int, int]:
     try:
         from vllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
@@ -378,3 +468,18 @@ def _tp_rank_size() -> Tuple[int, int]:
         return int(get_tensor_model_parallel_rank()), int(get_tensor_model_parallel_world_size())
     except (ImportError, AssertionError, AttributeError):  # no distributed state (tests, single process)
         return 0, 1
+
+
+def _context_parallel(vllm_config: Any, scheduler: bool) -> Tuple[int, int, int]:
+    """(size, this rank, interleave) of decode x prefill context parallelism; vLLM's block table
+    gives rank dcp_size * pcp_rank + dcp_rank the interleaved runs of each block it owns."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    dcp = int(getattr(pc, "decode_context_parallel_size", 1) or 1)
+    pcp = int(getattr(pc, "prefill_context_parallel_size", 1) or 1)
+    inter = int(getattr(pc, "cp_kv_cache_interleave_size", 1) or 1)
+    if dcp * pcp == 1 or scheduler:
+        return dcp * pcp, 0, inter
+    from vllm.distributed import parallel_state as ps
+    dcp_rank = ps.get_dcp_group().rank_in_group if dcp > 1 else 0
+    pcp_rank = ps.get_pcp_group().rank_in_group if pcp > 1 else 0
+    return dcp * pcp, dcp * pcp_rank + dcp_rank, inter

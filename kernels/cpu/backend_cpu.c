@@ -1,11 +1,18 @@
-/* The CPU backend: host memory, fp32 weights, OpenBLAS GEMMs, OpenMP row kernels. */
+/* The CPU backend: host memory, fp32 weights, OpenBLAS GEMMs; row kernels and attention on a
+ * small pthread pool of as many threads as OpenBLAS uses (OPENBLAS_NUM_THREADS, else the cores).
+ * The pool's workers sleep between jobs, so they do not fight OpenBLAS's threads for the cores. */
 #include <cblas.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cpu/pool.h"
+
+/* Row kernels run inline below this many elements: waking the workers costs more. */
+#define PAR_MIN_ELEMS 16384
 
 typedef struct {
+    kf_pool *pool;
     kf_cpu_attn_scratch attn;
     kf_cpu_quoka_scratch quoka;
     kf_cpu_sparse_scratch sparse;
@@ -54,26 +61,63 @@ static void cpu_embed(kf_backend *b, float *out, const void *table, const int32_
         memcpy(out + (size_t)r * width, t + (size_t)ids[r] * width, sizeof(float) * width);
 }
 
+/* A row kernel over row ranges: part i of `parts` handles rows [lo, hi). */
+typedef struct {
+    int op; /* 0 rmsnorm, 1 rope, 2 silu_mul, 3 add */
+    int rows, parts;
+    float *y;
+    const float *x;
+    size_t ldy, ldx;
+    const float *w;
+    int n, n_heads;
+    float eps;
+    const int64_t *positions;
+    const double *inv_freq;
+} rows_job;
+
+static void rows_item(void *ctx, int item, int thread) {
+    (void)thread;
+    const rows_job *j = ctx;
+    int lo, hi;
+    kf_pool_range(j->rows, j->parts, item, &lo, &hi);
+    if (lo >= hi)
+        return;
+    switch (j->op) {
+    case 0: kf_cpu_rmsnorm(j->y + lo * j->ldy, j->ldy, j->x + lo * j->ldx, j->ldx, j->w, hi - lo, j->n, j->eps); break;
+    case 1: kf_cpu_rope(j->y + lo * j->ldy, j->ldy, hi - lo, j->n_heads, j->n, j->positions + lo, j->inv_freq); break;
+    case 2: kf_cpu_silu_mul(j->y + lo * j->ldy, j->x + lo * j->ldx, hi - lo, j->n); break;
+    default: kf_cpu_add(j->y + lo * j->ldy, j->x + lo * j->ldx, hi - lo, j->n); break;
+    }
+}
+
+/* Runs the job inline when small, else over the pool in up to 4 ranges per thread. */
+static void rows_run(cpu_impl *impl, rows_job *j, size_t elems) {
+    const int threads = kf_pool_threads(impl->pool);
+    j->parts = elems < PAR_MIN_ELEMS || threads == 1 ? 1 : (j->rows < 4 * threads ? j->rows : 4 * threads);
+    kf_pool_run(impl->pool, j->parts, rows_item, j);
+}
+
 static void cpu_rmsnorm(kf_backend *b, float *y, size_t ldy, const float *x, size_t ldx, const void *w, int rows,
                         int n, float eps) {
-    (void)b;
-    kf_cpu_rmsnorm(y, ldy, x, ldx, w, rows, n, eps);
+    rows_job j = {.op = 0, .rows = rows, .y = y, .x = x, .ldy = ldy, .ldx = ldx, .w = w, .n = n, .eps = eps};
+    rows_run(b->impl, &j, (size_t)rows * n);
 }
 
 static void cpu_rope(kf_backend *b, float *x, size_t tok_stride, int n_tok, int n_heads, int head_dim,
                      const int64_t *positions, const double *inv_freq) {
-    (void)b;
-    kf_cpu_rope(x, tok_stride, n_tok, n_heads, head_dim, positions, inv_freq);
+    rows_job j = {.op = 1, .rows = n_tok, .y = x, .ldy = tok_stride, .n = head_dim, .n_heads = n_heads,
+                  .positions = positions, .inv_freq = inv_freq};
+    rows_run(b->impl, &j, (size_t)n_tok * n_heads * head_dim);
 }
 
 static void cpu_silu_mul(kf_backend *b, float *g, const float *u, int rows, int n) {
-    (void)b;
-    kf_cpu_silu_mul(g, u, rows, n);
+    rows_job j = {.op = 2, .rows = rows, .y = g, .x = u, .ldy = (size_t)n, .ldx = (size_t)n, .n = n};
+    rows_run(b->impl, &j, (size_t)rows * n);
 }
 
 static void cpu_add(kf_backend *b, float *y, const float *x, int rows, int n) {
-    (void)b;
-    kf_cpu_add(y, x, rows, n);
+    rows_job j = {.op = 3, .rows = rows, .y = y, .x = x, .ldy = (size_t)n, .ldx = (size_t)n, .n = n};
+    rows_run(b->impl, &j, (size_t)rows * n);
 }
 
 static void cpu_kv_store(kf_backend *b, const kf_paged_kv *kv, const int32_t *pages, int64_t first_slot, int n,
@@ -112,11 +156,16 @@ static void cpu_destroy(kf_backend *b) {
     kf_cpu_attn_scratch_free(&impl->attn);
     kf_cpu_quoka_scratch_free(&impl->quoka);
     kf_cpu_sparse_scratch_free(&impl->sparse);
+    kf_pool_destroy(impl->pool);
     free(impl);
     free(b);
 }
 
 kf_backend *kf_backend_cpu_create(void) {
+    return kf_backend_cpu_create_threads(0);
+}
+
+kf_backend *kf_backend_cpu_create_threads(int threads) {
     kf_backend *b = calloc(1, sizeof *b);
     cpu_impl *impl = calloc(1, sizeof *impl);
     if (!b || !impl) {
@@ -124,6 +173,16 @@ kf_backend *kf_backend_cpu_create(void) {
         free(impl);
         return NULL;
     }
+    if (threads <= 0)
+        threads = openblas_get_num_threads();
+    impl->pool = kf_pool_create(threads > 0 ? threads : 1);
+    if (!impl->pool) {
+        free(b);
+        free(impl);
+        return NULL;
+    }
+    impl->attn.pool = impl->pool;
+    impl->sparse.attn.pool = impl->pool;
     b->name = "cpu";
     b->weight_dtype = KF_DTYPE_F32;
     b->impl = impl;

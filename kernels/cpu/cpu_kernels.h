@@ -1,8 +1,10 @@
 /* cpu_kernels.h — the CPU reference kernels behind the CPU backend.
  *
  * Plain functions on fp32 host buffers, usable directly as the reference that every other
- * backend is tested against. Strides are in elements. Loops over rows are spread over the
- * cores with OpenMP; GEMMs go to OpenBLAS (which has its own threads).
+ * backend is tested against. Strides are in elements. The functions here run on the calling
+ * thread (attention also on a kf_pool when its scratch has one); the CPU backend spreads the
+ * row kernels over its pool (kernels/cpu/pool.h) by ranges of rows, which changes no result.
+ * GEMMs go to OpenBLAS (which has its own threads).
  */
 #ifndef KF_CPU_KERNELS_H
 #define KF_CPU_KERNELS_H
@@ -11,6 +13,16 @@
 #include <stdint.h>
 
 #include "kernels/backend.h"
+
+/* The row kernels' loops are built three times on x86-64 with GCC (AVX-512, AVX2, baseline
+ * SSE2) and the loader picks the one the CPU runs (an ifunc): the portable build stays portable
+ * and a softmax row runs 16 floats wide where the machine allows. Only the vector width
+ * changes, so the results are those of the baseline up to the order of the reductions. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define KF_ROW_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define KF_ROW_CLONES
+#endif
 
 /* dtype conversion (n values; src may be unaligned) */
 float kf_bf16_to_f32(uint16_t h);
@@ -35,12 +47,15 @@ void kf_cpu_kv_store(const kf_paged_kv *kv, const int32_t *pages, int64_t first_
 /* *buf grows to n elements of elem bytes (capacity *cap in elements); 0, or -1 when out of memory. */
 int kf_cpu_grow(void **buf, size_t *cap, size_t n, size_t elem);
 
+typedef struct kf_pool kf_pool;
+
 /* Scratch memory the attention kernel reuses between calls (one per thread of control). */
 typedef struct {
     float *kbuf, *vbuf;  /* [n_keys, kv_heads, head_dim] gathered from pages */
     size_t kv_cap;       /* floats */
-    float *scores;       /* [tile, n_keys] */
+    float *scores;       /* [threads, tile, n_keys] one score tile per pool thread */
     size_t scores_cap;   /* floats */
+    kf_pool *pool;       /* NULL: one thread; else the (head, tile) items run on it (not owned) */
 } kf_cpu_attn_scratch;
 
 /* Returns 0, or -1 when scratch memory could not be allocated. */

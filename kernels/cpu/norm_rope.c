@@ -6,14 +6,16 @@
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/fast_exp.h"
 
-void kf_cpu_rmsnorm(float *y, size_t ldy, const float *x, size_t ldx, const float *w, int rows, int n, float eps) {
+KF_ROW_CLONES void kf_cpu_rmsnorm(float *y, size_t ldy, const float *x, size_t ldx, const float *w, int rows, int n, float eps) {
     for (int r = 0; r < rows; r++) {
         const float *xr = x + (size_t)r * ldx;
         float *yr = y + (size_t)r * ldy;
         double ss = 0.0;
+#pragma omp simd reduction(+ : ss)
         for (int i = 0; i < n; i++)
             ss += (double)xr[i] * xr[i];
         const float inv = (float)(1.0 / sqrt(ss / n + eps));
+#pragma omp simd
         for (int i = 0; i < n; i++)
             yr[i] = xr[i] * inv * w[i];
     }
@@ -41,7 +43,7 @@ void kf_cpu_rope(float *x, size_t tok_stride, int n_tok, int n_heads, int head_d
         }
 }
 
-void kf_cpu_silu_mul(float *g, const float *u, int rows, int n) {
+KF_ROW_CLONES void kf_cpu_silu_mul(float *g, const float *u, int rows, int n) {
     const size_t total = (size_t)rows * n;
 #pragma omp simd
     for (size_t i = 0; i < total; i++) {
@@ -50,7 +52,7 @@ void kf_cpu_silu_mul(float *g, const float *u, int rows, int n) {
     }
 }
 
-void kf_cpu_add(float *y, const float *x, int rows, int n) {
+KF_ROW_CLONES void kf_cpu_add(float *y, const float *x, int rows, int n) {
     const size_t total = (size_t)rows * n;
     for (size_t i = 0; i < total; i++)
         y[i] += x[i];

@@ -4,7 +4,7 @@
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/fast_exp.h"
 
-void kf_cpu_softmax_row(float *x, int n, float *max_out, double *sum_out) {
+KF_ROW_CLONES void kf_cpu_softmax_row(float *x, int n, float *max_out, double *sum_out) {
     float mx = -FLT_MAX;
 #pragma omp simd reduction(max : mx)
     for (int j = 0; j < n; j++)

@@ -51,8 +51,31 @@ check "bad manifest: two files" test "$(find "$tmp/bad-root" -name '*.kvf' | wc 
 "$kvfold" compact "${common[@]}" --out "$tmp/r" "$tmp/missing.txt" >/dev/null 2>"$tmp/miss.err"
 check "missing text file: exit 1 and named" test $? -eq 1
 check "missing text file: message" has "$tmp/miss.err" "missing.txt: cannot open: No such file or directory"
-"$kvfold" compact "${common[@]}" --out "$tmp/r" --manifest "$tmp/nothere.jsonl" >/dev/null 2>"$tmp/miss2.err"
-check "missing manifest: message" has "$tmp/miss2.err" "nothere.jsonl: cannot open the manifest"
+"$kvfold" compact "${common[@]}" --out "$tmp/r" --manifest "$tmp/nothere.jsonl" >"$tmp/miss2.out" 2>"$tmp/miss2.err"
+check "missing manifest: usage error (exit 2)" test $? -eq 2
+check "missing manifest: message" has "$tmp/miss2.err" "--manifest $tmp/nothere.jsonl: cannot read: No such file or directory"
+check "missing manifest: no summary" test ! -s "$tmp/miss2.out"
+"$kvfold" compact "${common[@]}" --out "$tmp/r" --manifest "$tmp" >"$tmp/dirm.out" 2>"$tmp/dirm.err"
+check "manifest is a directory: usage error (exit 2)" test $? -eq 2
+check "manifest is a directory: message" has "$tmp/dirm.err" "--manifest $tmp: cannot read: Is a directory"
+
+# ---- --probes-from that cannot be read or parsed: a usage error, nothing compacted ----
+probe_case() { # probe_case NAME FILE EXPECTED-MESSAGE
+    "$kvfold" compact "${common[@]}" --out "$tmp/probes-$1" --probes-from "$2" --manifest "$tmp/docs.jsonl" \
+        >"$tmp/probes-$1.out" 2>"$tmp/probes-$1.err"
+    check "--probes-from $1: exit 2" test $? -eq 2
+    check "--probes-from $1: message" has "$tmp/probes-$1.err" "$3"
+    check "--probes-from $1: nothing compacted" test -z "$(find "$tmp/probes-$1" -name '*.kvf' 2>/dev/null)"
+    check "--probes-from $1: no summary" test ! -s "$tmp/probes-$1.out"
+}
+probe_case missing "$tmp/no-probes.jsonl" "--probes-from $tmp/no-probes.jsonl: cannot read: No such file or directory"
+probe_case directory "$tmp" "--probes-from $tmp: cannot read: Is a directory"
+printf '"Q: sila?"\n[1, 2, 3]\nnot json\n' >"$tmp/bad-probes.jsonl"
+probe_case unparsable "$tmp/bad-probes.jsonl" "bad-probes.jsonl:3: not JSON"
+printf '"Q: sila?"\n[1, 2, 3]\n' >"$tmp/good-probes.jsonl"
+"$kvfold" compact "${common[@]}" -q --out "$tmp/probes-good" --probes-from "$tmp/good-probes.jsonl" --manifest "$tmp/docs.jsonl" \
+    --shard 0/3 >"$tmp/probes-good.out" 2>&1
+check "--probes-from a good file: exit 0, two documents done" bash -c "[ $? -eq 0 ] && grep -q ': 2 done' '$tmp/probes-good.out'"
 "$kvfold" compact --model "$tmp/no-model" --out "$tmp/r" --manifest "$tmp/docs.jsonl" >/dev/null 2>"$tmp/model.err"
 check "unreadable model directory: exit 1" test $? -eq 1
 check "unreadable model directory: message names it" has "$tmp/model.err" "$tmp/no-model"
@@ -63,6 +86,9 @@ check "root not writable: message before any work" has "$tmp/root.err" "cannot c
 check "root not writable: no summary" test ! -s "$tmp/root.out"
 "$kvfold" compact --model "$model" --manifest "$tmp/docs.jsonl" --shard 3/3 >/dev/null 2>&1
 check "--shard 3/3 is a usage error" test $? -eq 2
+"$kvfold" compact "${common[@]}" --out "$tmp/noinstr" --repeat-instruction '' --manifest "$tmp/docs.jsonl" >/dev/null 2>"$tmp/noinstr.err"
+check "an empty --repeat-instruction is a usage error" test $? -eq 2
+check "an empty --repeat-instruction: message, nothing compacted" bash -c "grep -q -- '--repeat-instruction must not be empty' '$tmp/noinstr.err' && [ -z \"\$(find '$tmp/noinstr' -name '*.kvf')\" ]"
 
 # ---- --shard i/N: deterministic, the shards cover the manifest exactly once ----
 for i in 0 1 2; do
@@ -80,6 +106,33 @@ check "shards: shard 1/3 twice gives the same documents" test "$(names "$tmp/aga
 check "shards: shard 1/3's files are in the union" test -z "$(comm -23 <(names "$tmp/again") <(names "$tmp/shards"))"
 "$kvfold" compact "${common[@]}" -q --out "$tmp/whole" --manifest "$tmp/docs.jsonl" >"$tmp/rerun.out" 2>&1
 check "rerun: everything skipped" has "$tmp/rerun.out" "6 documents (shard 0/1): 0 done, 6 skipped"
+
+# ---- killed writers' temporary files: removed at the start of a job once an hour old ----
+fpdir=$(dirname "$(find "$tmp/whole" -name '*.kvf' | head -1)")
+old=$fpdir/0123.fold-0.25.kvf.tmp-4242-0123456789abcdef
+live=$fpdir/4567.fold-0.25.kvf.tmp-4243-0123456789abcdef
+notemp=$fpdir/89ab.fold-0.25.kvf.tmpx
+touch "$old" "$live" "$notemp"
+touch -d '65 minutes ago' "$old" "$notemp"
+touch -d '50 minutes ago' "$live"
+"$kvfold" compact "${common[@]}" --out "$tmp/whole" --manifest "$tmp/docs.jsonl" >"$tmp/stale.out" 2>"$tmp/stale.err"
+check "stale temporary file: exit 0, everything skipped" bash -c "[ $? -eq 0 ] && grep -q '0 done, 6 skipped' '$tmp/stale.out'"
+check "stale temporary file (65 min): removed" test ! -e "$old"
+check "stale temporary file: removal reported" has "$tmp/stale.err" "temporary file (1.1 h old): $old"
+check "a writer's temporary file of 50 min: kept" test -e "$live"
+check "a file that is not a temporary name: kept" test -e "$notemp"
+rm -f "$live" "$notemp"
+
+# ---- a full disk (a file size limit: EFBIG as from a full disk; kvfold ignores SIGXFSZ) ----
+( ulimit -f 32; exec "$kvfold" compact "${common[@]}" --out "$tmp/full" --manifest "$tmp/docs.jsonl" >"$tmp/full.out" 2>"$tmp/full.err" )
+rc=$?
+check "full disk: exit status 1 (was a segfault, 139)" test $rc -eq 1
+check "full disk: the summary" has "$tmp/full.out" "6 documents (shard 0/1): 0 done, 0 skipped (valid file exists), 0 busy (another worker), 6 failed"
+check "full disk: each failure names its file and the cause" test "$(grep -c '\.kvf: cannot write .*: File too large$' "$tmp/full.err")" -eq 6
+check "full disk: no file left (no partial, temporary or lock file)" test -z "$(find "$tmp/full" -type f ! -name '.kvfold-fingerprint')"
+"$kvfold" compact "${common[@]}" -q --out "$tmp/full" --manifest "$tmp/docs.jsonl" >"$tmp/full2.out" 2>&1
+check "full disk: the rerun with space does the work" has "$tmp/full2.out" "6 done, 0 skipped"
+check "full disk: the rerun's files are the same names" test "$(names "$tmp/full")" = "$(names "$tmp/whole")"
 
 # ---- two workers on the same manifest and root at once ----
 root=$tmp/shared
@@ -128,11 +181,36 @@ check "ask: answers and compares" has "$tmp/ask.out" "agreement:"
 check "ask: cache summary" has "$tmp/ask.err" "cache: "
 "$kvfold" verify "$kvf" --model "$model" --doc "$tmp/doc.txt" --stop $'\n' --question $'Q: sila?\nA:' >"$tmp/verify.out" 2>&1
 check "verify: checksums, document and KL" bash -c "grep -q 'checksums ok' '$tmp/verify.out' && grep -q 'matches' '$tmp/verify.out' && grep -q 'KL(full || cache)' '$tmp/verify.out'"
+"$kvfold" verify "$kvf" --model "$model" --question 'Q: sila?' >"$tmp/verify-nodoc.out" 2>"$tmp/verify-nodoc.err"
+check "verify: --question without --doc is a usage error (was: KL skipped, exit 0)" test $? -eq 2
+check "verify: --question without --doc: message" has "$tmp/verify-nodoc.err" "--question needs the document (--doc FILE)"
 "$kvfold" verify "$kvf" --model "$data/hf-qwen3-tiny" >/dev/null 2>"$tmp/other.err"
 check "verify: another model's file refused (exit 1)" test $? -eq 1
 check "verify: another model's file refused (message)" has "$tmp/other.err" "not for this model"
 "$kvfold" ask "$kvf" --model "$model" --doc "$tmp/docs.jsonl" --compare 'Q: x?' >/dev/null 2>"$tmp/wrongdoc.err"
 check "ask: a different document is refused" has "$tmp/wrongdoc.err" "is not the document of"
+
+# ---- a model whose weights hold NaN or an infinity: refused at load, naming the tensor ----
+python3 - "$data/hf-qwen3-tiny" "$tmp/nan-model" <<'PY'
+import json, os, shutil, struct, sys
+src, dst = sys.argv[1], sys.argv[2]
+os.makedirs(dst)
+for f in ("config.json", "tokenizer.json"):
+    shutil.copy(os.path.join(src, f), dst)
+b = bytearray(open(os.path.join(src, "model.safetensors"), "rb").read())
+n = struct.unpack("<Q", b[:8])[0]
+t = json.loads(b[8:8 + n])["model.layers.1.mlp.up_proj.weight"]
+assert t["dtype"] == "BF16"
+b[8 + n + t["data_offsets"][0] + 2 * 11: 8 + n + t["data_offsets"][0] + 2 * 12] = struct.pack("<H", 0x7fc0)
+open(os.path.join(dst, "model.safetensors"), "wb").write(b)
+PY
+"$kvfold" model-info "$tmp/nan-model" >/dev/null 2>"$tmp/nan.err"
+check "NaN weight: model-info exit 1" test $? -eq 1
+check "NaN weight: model-info names the tensor" has "$tmp/nan.err" "tensor 'model.layers.1.mlp.up_proj.weight' holds NaN at element 11"
+"$kvfold" logits --model "$tmp/nan-model" --ids 1,2,3 >"$tmp/nan-logits.out" 2>"$tmp/nan-logits.err"
+check "NaN weight: logits exit 1" test $? -eq 1
+check "NaN weight: logits prints no logits" test ! -s "$tmp/nan-logits.out"
+check "NaN weight: logits names the tensor" has "$tmp/nan-logits.err" "model.layers.1.mlp.up_proj.weight' holds NaN"
 
 echo "$fails failed"
 exit $((fails > 0))

@@ -2,9 +2,11 @@
 the build (KVFOLD_EXT_DIR, default build/python/kvfold), and the stand-in vllm (stub/) unless a
 real vLLM is installed... the stub always wins here, so the suite tests what it documents.
 
-Run: ctest -R pytest_connector, or
-  KVFOLD_EXT_DIR=build-conn/python/kvfold KVFOLD_CONNTEST_LIB=build-conn/tests/libkf_conntest.so \
+Run: ctest -R pytest_connector (both stand-in profiles), or
+  KVFOLD_VLLM_PROFILE=0.26 KVFOLD_EXT_DIR=build/python/kvfold KVFOLD_CONNTEST_LIB=build/tests/libkf_conntest.so \
       /usr/bin/python3 -m pytest -q tests/connector
+KVFOLD_VLLM_PROFILE picks the stand-in vllm's profile: 0.25 (v0.17-v0.25, 5-D layouts; the
+default) or 0.26 (v0.26+, packed layout); see stub/vllm/__init__.py.
 """
 import importlib.util
 import os

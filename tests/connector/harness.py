@@ -1,9 +1,14 @@
-"""Drives a KV connector the way vLLM's scheduler and workers call it (research/vllm-connector.md,
-section 10): config resolution, one scheduler and one worker instance, per step schedule ->
+"""Drives a KV connector the way vLLM's scheduler and workers call it (research/vllm-conformance.md
+section 3): config resolution, one scheduler and one worker instance, per step schedule ->
 build_connector_meta -> (pickled) -> worker hooks -> update_from_output, with a block pool that
 hands out non-contiguous ids (never block 0), optional prefix caching that registers full blocks
-at allocation time, a token budget (chunked prefill), allocation failures, preemption and the
-"fail" load-failure policy. The "model" writes a marker into the slots of the tokens it computes.
+at allocation time, a token budget (chunked prefill), allocation failures (the waiting queue stops
+at the first, as vLLM's `break`), preemption, and vLLM's handling of failed loads: only blocks
+inside a request's pre-step computed range count; under "fail" the invalid blocks and every block
+after them leave the prefix cache and the request finishes FINISHED_ERROR without output; under
+"recompute" its computed tokens are cut at the first bad block. The "model" writes a marker into
+the slots of the tokens it computes. The KV cache layout defaults to the stand-in vllm profile's
+(vllm.PROFILE): FlashAttention blocks-first for 0.25, packed for 0.26.
 """
 from __future__ import annotations
 
@@ -15,9 +20,22 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
 
 COMPUTED = 0.5  # what the "model" writes into the slots it computes
+DEFAULT_LAYOUT = "packed" if vllm.PROFILE >= "0.26" else "blocks_first"
+# stride orders (vLLM's get_kv_cache_stride_order: physical dims in terms of the logical ones)
+ORDERS = {
+    "kv_first": {"nhd": (0, 1, 2, 3, 4), "hnd": (0, 1, 3, 2, 4)},
+    "blocks_first": {"nhd": (0, 1, 2, 3, 4), "hnd": (0, 1, 3, 2, 4), "flex": (0, 2, 1, 3, 4)},
+    "cpu": {"nhd": (0, 1, 2, 3, 4)},
+    "packed": {"nhd": (0, 2, 1, 3), "hnd": (0, 1, 2, 3)},
+}
+# the (layout, stride order) cases of each profile
+PROFILE_LAYOUTS = ([("packed", "nhd"), ("packed", "hnd")] if vllm.PROFILE >= "0.26" else
+                   [("blocks_first", "nhd"), ("blocks_first", "hnd"), ("blocks_first", "flex"),
+                    ("kv_first", "nhd"), ("kv_first", "hnd"), ("cpu", "nhd")])
 
 
 # ---- configs (the fields and methods the connector reads) ----------------------------------------
@@ -49,10 +67,19 @@ class KVTransferConfig:
     kv_connector_module_path: str
     kv_role: str = "kv_consumer"
     kv_connector_extra_config: Dict[str, Any] = field(default_factory=dict)
-    kv_load_failure_policy: str = "fail"
+    kv_load_failure_policy: Optional[str] = "fail"
 
     def get_from_extra_config(self, key: str, default: Any) -> Any:
         return self.kv_connector_extra_config.get(key, default)
+
+
+@dataclass
+class KVTransferConfigV012:
+    """vLLM v0.12's: no kv_load_failure_policy (failed loads are always recomputed)."""
+    kv_connector: str
+    kv_connector_module_path: str
+    kv_role: str = "kv_consumer"
+    kv_connector_extra_config: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -61,10 +88,18 @@ class CacheConfig:
 
 
 @dataclass
+class ParallelConfig:
+    decode_context_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    cp_kv_cache_interleave_size: int = 1
+
+
+@dataclass
 class VllmConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     kv_transfer_config: KVTransferConfig
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 @dataclass
@@ -172,11 +207,13 @@ def slot_view(t: torch.Tensor, layout: str, slot: int) -> torch.Tensor:
     """The (2, kv_heads, head_dim) view of one slot, whatever the layout and strides."""
     kbs = t.shape[3] if layout == "cpu" else t.shape[2]
     kb, off = divmod(slot, kbs)
-    if layout == "flash_attn":
+    if layout == "kv_first":
         return t[:, kb, off]
-    if layout == "flashinfer":
+    if layout == "blocks_first":
         return t[kb, :, off]
-    return t[:, kb, :, off]
+    if layout == "cpu":
+        return t[:, kb, :, off]
+    return t[kb, :, off].unflatten(1, (2, t.shape[3] // 2)).transpose(0, 1)  # packed: (H, 2D) -> (2, H, D)
 
 
 def slots_of(block_ids: List[int], block_size: int, t0: int, t1: int) -> List[int]:
@@ -188,40 +225,52 @@ def gather(t: torch.Tensor, layout: str, slots: List[int]) -> torch.Tensor:
     return torch.stack([slot_view(t, layout, s) for s in slots], dim=1)
 
 
+def logical_shape(layout: str, num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple:
+    return {"kv_first": (2, num_blocks, block_size, kv_heads, head_dim),
+            "blocks_first": (num_blocks, 2, block_size, kv_heads, head_dim),
+            "cpu": (2, num_blocks, kv_heads, block_size, head_dim),
+            "packed": (num_blocks, kv_heads, block_size, 2 * head_dim)}[layout]
+
+
 def make_cache(layout: str, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: Any,
-               hnd: bool = False, fill: float = float("nan")) -> torch.Tensor:
-    """A cache tensor in the logical shape of a layout; hnd allocates heads before tokens and
-    permutes back (non-contiguous, as vLLM's HND stride order does)."""
-    if layout == "flash_attn":
-        shape, perm = (2, num_blocks, block_size, kv_heads, head_dim), (0, 1, 3, 2, 4)
-    elif layout == "flashinfer":
-        shape, perm = (num_blocks, 2, block_size, kv_heads, head_dim), (0, 1, 3, 2, 4)
-    else:
-        shape, perm = (2, num_blocks, kv_heads, block_size, head_dim), None
+               order: str = "nhd", fill: float = float("nan")) -> torch.Tensor:
+    """A cache tensor in the logical shape of a layout, allocated in a stride order and permuted
+    back (as vLLM's _reshape_kv_cache_tensors does: HND and FlexAttention are non-contiguous)."""
+    shape = logical_shape(layout, num_blocks, block_size, kv_heads, head_dim)
+    perm = ORDERS[layout][order]
     if not dtype.is_floating_point:
         fill = 0
-    if hnd and perm:
-        phys = torch.full([shape[i] for i in perm], fill, dtype=dtype)
-        return phys.permute(*perm)  # perm is its own inverse
-    return torch.full(shape, fill, dtype=dtype)
+    phys = torch.full([shape[i] for i in perm], fill, dtype=dtype)
+    inv = [perm.index(i) for i in range(len(perm))]
+    return phys.permute(*inv)
+
+
+def num_slots(t: torch.Tensor, layout: str) -> int:
+    kbs = t.shape[3] if layout == "cpu" else t.shape[2]
+    return (t.shape[1] if layout in ("kv_first", "cpu") else t.shape[0]) * kbs
 
 
 # ---- the engine -----------------------------------------------------------------------------------
 
 class Engine:
-    def __init__(self, model: ModelConfig, extra: Dict[str, Any], *, layout: str = "flash_attn",
+    def __init__(self, model: ModelConfig, extra: Dict[str, Any], *, layout: str = DEFAULT_LAYOUT,
                  block_size: int = 16, kernel_block_size: Optional[int] = None, num_blocks: int = 64,
-                 dtype: Any = torch.bfloat16, hnd: bool = False, token_budget: int = 4096,
+                 dtype: Any = torch.bfloat16, order: str = "nhd", token_budget: int = 4096,
                  prefix_caching: bool = False, attn_metadata: bool = True, layer_hooks: bool = True,
                  check_untouched: bool = True, seed: int = 0, local_kv_heads: Optional[int] = None,
-                 module: str = "kvfold.connector", class_name: str = "KVFoldConnector"):
+                 module: str = "kvfold.connector", class_name: str = "KVFoldConnector",
+                 policy: Optional[str] = "fail", extra_layers: Optional[Dict[str, Optional[int]]] = None):
+        """extra_layers: more KV cache names, each with the layer index whose tensor it shares
+        (KV sharing) or None for a tensor of its own (a draft model's layer)."""
         self.model, self.layout, self.bs = model, layout, block_size
         self.kbs = kernel_block_size or block_size
         self.token_budget, self.prefix_caching = token_budget, prefix_caching
         self.attn_metadata, self.layer_hooks, self.check_untouched = attn_metadata, layer_hooks, check_untouched
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(model.n_layers)]
-        self.vllm_config = VllmConfig(model, CacheConfig(block_size),
-                                      KVTransferConfig("KVFoldConnector", module, "kv_consumer", dict(extra)))
+        ktc = (KVTransferConfig("KVFoldConnector", module, "kv_consumer", dict(extra), policy) if policy else
+               KVTransferConfigV012("KVFoldConnector", module, "kv_consumer", dict(extra)))
+        self.vllm_config = VllmConfig(model, CacheConfig(block_size), ktc)
+        self.policy = policy or "recompute"
         self.kv_cache_config = KVCacheConfig(num_blocks, [KVCacheGroupSpec(
             list(self.layer_names), FullAttentionSpec(block_size, model.kv_heads, model.head_dim, dtype))])
         # 1. config resolution: import by module path, check the 3-argument constructor
@@ -236,8 +285,11 @@ class Engine:
         cls.get_required_kvcache_layout(self.vllm_config)
         per = block_size // self.kbs
         heads = local_kv_heads or model.kv_heads  # a tensor-parallel rank holds its slice of the heads
-        self.caches = {n: make_cache(layout, num_blocks * per, self.kbs, heads, model.head_dim, dtype, hnd)
+        self.caches = {n: make_cache(layout, num_blocks * per, self.kbs, heads, model.head_dim, dtype, order)
                        for n in self.layer_names}
+        for n, share in (extra_layers or {}).items():
+            self.caches[n] = (self.caches[self.layer_names[share]] if share is not None else
+                              make_cache(layout, num_blocks * per, self.kbs, heads, model.head_dim, dtype, order))
         self.worker.register_kv_caches(dict(self.caches))
         self.worker.set_host_xfer_buffer_ops(lambda *a: None)
         hs = self.worker.get_handshake_metadata()
@@ -257,6 +309,7 @@ class Engine:
         self.preempt_next: set = set()
         self.steps: List[Dict[str, Any]] = []
         self.metas: List[Any] = []
+        self.recomputed: set = set()
 
     # -- requests
     def add_request(self, req: Request) -> None:
@@ -366,9 +419,9 @@ class Engine:
             if self.fail_alloc.get(req.request_id, 0) > 0 or need > len(self.free):
                 self.fail_alloc[req.request_id] = self.fail_alloc.get(req.request_id, 0) - 1
                 self._release(hit)
-                continue
+                break  # vLLM: the waiting queue stops at the first request it cannot allocate
             req.blocks = hit + self._take(need)
-            self.scheduler.update_state_after_alloc(req, KVCacheBlocks((list(req.blocks),)), E)
+            self.scheduler.update_state_after_alloc(req, KVCacheBlocks((list(req.blocks),)), E)  # also when E is 0
             req.num_computed_tokens = L + E
             self._cache_blocks(req, L + E + num_new)
             self.waiting.remove(req)
@@ -397,7 +450,7 @@ class Engine:
             r.num_computed_tokens += so.num_scheduled_tokens[r.request_id]
         out = self._execute(pickle.loads(pickle.dumps(so)), starts, blocks)  # TP > 1 pickles it
         info = {"scheduled": dict(so.num_scheduled_tokens), "errors": set(out.invalid_block_ids)}
-        self._update_from_output(scheduled, out)
+        self._update_from_output(scheduled, out, starts)
         self.steps.append(info)
         return info
 
@@ -438,21 +491,27 @@ class Engine:
                 (t.view(torch.int32) != before[n].view(torch.int32))
             if not changed.any():
                 continue
-            total = t.shape[1] * (t.shape[3] if self.layout == "cpu" else t.shape[2]) if self.layout != "flashinfer" \
-                else t.shape[0] * t.shape[2]
+            total = num_slots(t, self.layout)
             for s in range(total):
                 if s not in allowed:
                     a, b = slot_view(t, self.layout, s), slot_view(before[n], self.layout, s)
                     assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{n}: slot {s} was written"
 
-    def _update_from_output(self, scheduled: List[Request], out: WorkerOutput) -> None:
-        if out.invalid_block_ids:  # kv_load_failure_policy "fail"
-            for req in list(self.running):
-                if set(req.blocks) & out.invalid_block_ids:
-                    self._finish(req, "FINISHED_ERROR")
-            for b in out.invalid_block_ids:
-                if b in self.block_hash:
-                    self.cached.pop(self.block_hash.pop(b), None)
+    def _update_from_output(self, scheduled: List[Request], out: WorkerOutput, starts: Dict[str, int]) -> None:
+        bad = out.invalid_block_ids
+        for req in list(self.running) if bad else []:
+            computed = req.blocks[:-(-starts.get(req.request_id, req.num_computed_tokens) // self.bs)]
+            first = next((i for i, b in enumerate(computed) if b in bad), None)  # only the pre-step computed range
+            if first is None:
+                continue
+            if self.policy == "fail":
+                for b in req.blocks[first:]:  # the bad block and every later one leave the prefix cache
+                    if b in self.block_hash:
+                        self.cached.pop(self.block_hash.pop(b), None)
+                self._finish(req, "FINISHED_ERROR")  # no output for this step
+            else:  # "recompute": computed again from the first bad block, on the placeholder ids; the
+                req.num_computed_tokens = first * self.bs  # blocks keep their hashes in the prefix cache
+                self.recomputed.add(req.request_id)
         self.scheduler.update_connector_output(out)
         list(self.scheduler.take_events())
         for req in scheduled:

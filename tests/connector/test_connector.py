@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import kvfold
-from harness import COMPUTED, Engine, ModelConfig, Request, gather, slots_of
+import vllm
+from harness import COMPUTED, PROFILE_LAYOUTS, Engine, ModelConfig, Request, gather, make_cache, slots_of
 from kvfold import _kvfold
 from util import FP, OTHER_FP, file_kv, write_cache
 
@@ -31,7 +32,8 @@ def damage_chunk(path, dataset, index):
     """Flips bytes inside one stored chunk: only the Fletcher32 checksum can find it."""
     import h5py
     with h5py.File(path, "r") as f:
-        info = f[dataset].id.get_chunk_info(index)
+        d = f[dataset].id
+        info = d.get_chunk_info_by_coord(index) if isinstance(index, tuple) else d.get_chunk_info(index)
     with open(path, "r+b") as f:
         f.seek(info.byte_offset + 8)
         b = f.read(16)
@@ -224,17 +226,16 @@ def test_chunked_prefill_and_unaligned_c(root):
     assert bool((loaded(eng, r, 57, t0=37) == COMPUTED).all())
 
 
-LAYOUT_CASES = [(lay, hnd) for lay in ("flash_attn", "flashinfer") for hnd in (False, True)] + [("cpu", False)]
-
-
-@pytest.mark.parametrize("layout,hnd", LAYOUT_CASES)
+@pytest.mark.parametrize("layout,order", PROFILE_LAYOUTS)
 @pytest.mark.parametrize("bs,kbs", [(16, 16), (32, 32), (32, 16), (128, 128)])
 @pytest.mark.parametrize("cache_dtype,file_dtype", [(torch.bfloat16, "bfloat16"), (torch.float16, "float32"),
                                                     (torch.bfloat16, "float16")])
-def test_layouts_block_sizes_dtypes(root, layout, hnd, bs, kbs, cache_dtype, file_dtype):
+def test_layouts_block_sizes_dtypes(root, layout, order, bs, kbs, cache_dtype, file_dtype):
+    """Every layout of the profile, recognised from its shape alone (no kv_layout)."""
     path = cache(root, "l.kvf", 45, 61, dtype=file_dtype)
-    eng = Engine(MODEL, {"cache_root": root, "kv_layout": layout}, layout=layout, hnd=hnd, block_size=bs,
+    eng = Engine(MODEL, {"cache_root": root}, layout=layout, order=order, block_size=bs,
                  kernel_block_size=kbs, dtype=cache_dtype, num_blocks=24)
+    assert eng.worker._layout == layout
     r, _ = request("r", path, [1, 2], root)
     eng.add_request(r)
     eng.step()
@@ -242,16 +243,61 @@ def test_layouts_block_sizes_dtypes(root, layout, hnd, bs, kbs, cache_dtype, fil
     assert torch.equal(loaded(eng, r, 45), want)
 
 
-@pytest.mark.parametrize("layout,hnd", LAYOUT_CASES)
-def test_torch_copy_path(root, layout, hnd):
+@pytest.mark.parametrize("layout,order", PROFILE_LAYOUTS)
+def test_torch_copy_path(root, layout, order):
     """The path used for device (CUDA) tensors, exercised on host tensors."""
     path = cache(root, "t.kvf", 45, 62)
-    eng = Engine(MODEL, {"cache_root": root, "kv_layout": layout, "copy_backend": "torch"}, layout=layout,
-                 hnd=hnd, block_size=32, kernel_block_size=16, num_blocks=24)
+    eng = Engine(MODEL, {"cache_root": root, "copy_backend": "torch"}, layout=layout,
+                 order=order, block_size=32, kernel_block_size=16, num_blocks=24)
     r, _ = request("r", path, [1, 2], root)
     eng.add_request(r)
     eng.step()
     assert torch.equal(loaded(eng, r, 45), expect(path))
+
+
+# kv_layout names an attention backend: each must accept the shapes that backend has had
+BACKEND_LAYOUTS = {"flash_attn": ("kv_first", "blocks_first", "packed"), "flex_attention": ("blocks_first", "packed"),
+                   "flashinfer": ("blocks_first", "packed"), "triton": ("blocks_first", "packed"),
+                   "cpu": ("cpu", "packed")}
+
+
+@pytest.mark.parametrize("backend", sorted(BACKEND_LAYOUTS))
+def test_kv_layout_aliases_match_their_backend(root, backend):
+    """An alias accepts exactly its backend's layouts (research/vllm-conformance.md section 2) and
+    loads correctly through each; any other layout is refused at start-up, naming the alias."""
+    path = cache(root, "a.kvf", 40, 63)
+    for layout in ("kv_first", "blocks_first", "cpu", "packed"):
+        make = lambda: Engine(MODEL, {"cache_root": root, "kv_layout": backend}, layout=layout,  # noqa: E731
+                              num_blocks=24)
+        if layout not in BACKEND_LAYOUTS[backend]:
+            with pytest.raises(ValueError, match=f"matches none .*kv_layout '{backend}'"):
+                make()
+            continue
+        eng = make()
+        assert eng.worker._layout == layout
+        r, _ = request("r", path, [1], root)
+        eng.add_request(r)
+        eng.step()
+        assert torch.equal(loaded(eng, r, 40), expect(path))
+
+
+def test_detect_layout_by_shape():
+    from kvfold.blocks import detect_layout
+    H, D = 2, 16
+    assert detect_layout((9, 2, 16, H, D), 16, H, D, "cuda") == "blocks_first"  # FlashAttention since #42095
+    assert detect_layout((2, 9, 16, H, D), 16, H, D, "cuda") == "kv_first"      # FlashAttention before
+    assert detect_layout((2, 9, H, 16, D), 16, H, D, "cpu") == "cpu"
+    assert detect_layout((9, H, 16, 2 * D), 16, H, D, "cuda") == "packed"       # #44455, v0.26+
+    assert detect_layout((9, H, 16, 2 * D), 32, H, D, "cuda") == "packed"       # kernel blocks of 16 in 32
+    with pytest.raises(ValueError, match="ambiguous between kv_first and blocks_first"):
+        detect_layout((2, 2, 16, H, D), 16, H, D, "cuda")  # 2 blocks: both 5-D shapes fit
+    assert detect_layout((2, 2, 16, H, D), 16, H, D, "cuda", "flashinfer") == "blocks_first"
+    with pytest.raises(ValueError, match="matches none"):
+        detect_layout((9, H, 16, D), 16, H, D, "cuda")  # packed without V
+    with pytest.raises(ValueError, match="matches none"):
+        detect_layout((9, 2 * H, 16, D), 16, H, D, "cuda")  # FlashInfer NVFP4-style split heads
+    with pytest.raises(ValueError, match="not one of"):
+        detect_layout((9, 2, 16, H, D), 16, H, D, "cuda", "paged")
 
 
 def test_tensor_parallel_rank_writes_its_heads(root, monkeypatch):
@@ -273,8 +319,6 @@ def test_refusals(root):
         Engine(MODEL, {"cache_root": root}, dtype=torch.uint8)
     with pytest.raises(ValueError, match="block size 48"):
         Engine(MODEL, {"cache_root": root}, block_size=48)
-    with pytest.raises(ValueError, match="ambiguous"):  # 2 blocks: flash_attn and flashinfer look alike
-        Engine(MODEL, {"cache_root": root}, num_blocks=2)
     path = cache(root, "r.kvf", 16, 81)
     eng = Engine(MODEL, {"cache_root": root})
     r, _ = request("r", path, [1], root)
@@ -283,17 +327,317 @@ def test_refusals(root):
     assert "outside cache_root" in eng.scheduler._decisions["r"].reason
 
 
+@pytest.mark.parametrize("policy", ["recompute", None])
+def test_refuses_to_start_unless_failure_policy_is_fail(root, policy):
+    """Under "recompute" (or a vLLM without the setting) a failed load would be computed from the
+    placeholder ids and those blocks could enter the prefix cache: both roles refuse to start."""
+    with pytest.raises(ValueError, match='kv_load_failure_policy.*"kv_load_failure_policy": "fail"'):
+        Engine(MODEL, {"cache_root": root}, policy=policy)
+
+
+def test_prefix_hit_path_fails_an_unservable_request(root):
+    """A request whose claim the local prefix-cache hit already covers still fails when its cache
+    cannot be served: one more token is claimed and its block reported; with no token left, the
+    last hit block is reported. A good request sharing those blocks is unaffected in the first case."""
+    path = cache(root, "ph.kvf", 32, 91)
+    eng = Engine(MODEL, {"cache_root": root}, prefix_caching=True, num_blocks=64)
+    a, _ = request("a", path, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], root)
+    eng.add_request(a)
+    eng.run()
+    assert eng.finished["a"].status == "FINISHED_LENGTH"
+    os.remove(path)  # the cache is gone: its blocks remain in vLLM's prefix cache
+    b = Request("b", a.prompt_token_ids + [99] * 8, a.kv_transfer_params, a.cache_salt, max_tokens=1)
+    eng.add_request(b)
+    eng.step()
+    spec = eng.metas[-1].loads[0]
+    assert spec.reason and (spec.t0, spec.t1) == (48, 49)  # hit 3 blocks (48 tokens) > C = 32: one token more
+    assert eng.finished["b"].status == "FINISHED_ERROR"
+    # the whole prompt but its last token hit: the last hit block is reported instead
+    c = Request("c", a.prompt_token_ids[:49], a.kv_transfer_params, a.cache_salt, max_tokens=1)
+    eng.add_request(c)
+    eng.step()
+    spec = eng.metas[-1].loads[0]
+    assert spec.reason and (spec.t0, spec.t1) == (47, 48)
+    assert eng.finished["c"].status == "FINISHED_ERROR"
+
+
+def test_malformed_params_fail_the_request(root):
+    eng = Engine(MODEL, {"cache_root": root})
+    r = Request("m", [5] * 40, {"kvfold": {"cache": "x.kvf"}}, max_tokens=1)  # no n_tokens, key, id_range
+    eng.add_request(r)
+    eng.run()
+    assert eng.finished["m"].status == "FINISHED_ERROR"
+    ok = Engine(MODEL, {"cache_root": root, "on_invalid": "ignore"})
+    r = Request("m", [5] * 40, {"kvfold": {"cache": "x.kvf"}}, max_tokens=1)
+    ok.add_request(r)
+    ok.run()
+    assert ok.finished["m"].status == "FINISHED_LENGTH"
+
+
+def test_shared_kv_and_draft_layers(root):
+    """A layer sharing another's KV tensor (vLLM gives it its target's tensor) is written once; a
+    draft model's layers (indices past the model's) get zeros in the loaded slots."""
+    model = ModelConfig("stub-model", 3, H_, D_, V_)
+    path = os.path.join(root, FP, "sh.kvf")
+    k, v = write_cache(path, 3, H_, D_, 40, 95)
+    # layer 2 shares layer 0's KV in the model: the file holds the same K/V for both
+    k[2], v[2] = k[0], v[0]
+    from util import header
+    from kvfold import _kvfold as ext
+    ext.write(path, header(3, H_, D_, 40, "%032x" % 95), k.tobytes(), v.tobytes())
+    eng = Engine(model, {"cache_root": root}, num_blocks=24,
+                 extra_layers={"model.layers.3.self_attn.attn": None, "model.layers.4.self_attn.attn": None})
+    shared = dict(eng.caches)
+    shared["model.layers.2.self_attn.attn"] = shared["model.layers.0.self_attn.attn"]
+    eng.caches = shared
+    eng.worker.register_kv_caches(dict(shared))
+    assert eng.worker._tensor_layers == [0, 1] and len(eng.worker._draft) == 2
+    r, _ = request("r", path, [1, 2], root)
+    eng.add_request(r)
+    eng.step()
+    slots = slots_of(r.blocks, eng.bs, 0, 40)
+    want = expect(path)
+    for i in range(3):
+        got = gather(eng.caches[f"model.layers.{i}.self_attn.attn"], eng.layout, slots).float()
+        assert torch.equal(got, want[:, i]), i
+    for n in ("model.layers.3.self_attn.attn", "model.layers.4.self_attn.attn"):
+        assert bool((gather(eng.caches[n], eng.layout, slots) == 0).all())
+    with pytest.raises(ValueError, match=r"no KV cache registered for layers \[1\]"):
+        eng.worker.register_kv_caches({n: t for n, t in shared.items() if ".1." not in n})
+
+
+@pytest.mark.parametrize("dcp,pcp,interleave", [(2, 1, 1), (2, 2, 1), (4, 1, 8), (1, 2, 16)])
+def test_context_parallel_ranks_write_their_tokens(root, monkeypatch, dcp, pcp, interleave):
+    """With decode/prefill context parallelism the scheduler's blocks hold block_size x dcp x pcp
+    tokens spread over the ranks; each rank writes exactly the tokens vLLM's block table gives it,
+    in the slot it gives them (written out here from that rule)."""
+    import vllm.distributed.parallel_state as ps
+    from harness import KVCacheBlocks, ParallelConfig
+    path = cache(root, "cp.kvf", 77, 97)
+    cp, bs = dcp * pcp, 16
+    want = expect(path)
+    seen = set()
+    for rank in range(cp):
+        monkeypatch.setattr(ps, "_DCP_RANK", rank % dcp)
+        monkeypatch.setattr(ps, "_PCP_RANK", rank // dcp)
+        eng = Engine(MODEL, {"cache_root": root}, num_blocks=24, check_untouched=False)
+        eng.vllm_config.parallel_config = ParallelConfig(dcp, pcp, interleave)
+        cls = type(eng.worker)
+        sched = cls(eng.vllm_config, eng.scheduler.role, eng.kv_cache_config)
+        worker = cls(eng.vllm_config, eng.worker.role, eng.kv_cache_config)
+        assert sched._block_size == bs * cp
+        worker.register_kv_caches(dict(eng.caches))
+        r, _ = request("r", path, [1], root)
+        assert sched.get_num_new_matched_tokens(r, 0) == (77, False)
+        ids = [7, 3, 11]  # scheduler blocks of bs * cp tokens
+        sched.update_state_after_alloc(r, KVCacheBlocks((ids,)), 77)
+        worker.bind_connector_metadata(sched.build_connector_meta(None))
+        worker.start_load_kv(None)
+        assert not worker.get_block_ids_with_load_errors()
+        for p in range(77):
+            vo = p % (bs * cp)
+            if (vo // interleave) % cp != rank:
+                continue
+            seen.add(p)
+            slot = ids[p // (bs * cp)] * bs + vo // (cp * interleave) * interleave + vo % interleave
+            for i, n in enumerate(eng.layer_names):
+                got = gather(eng.caches[n], eng.layout, [slot]).float()[:, 0]
+                assert torch.equal(got, want[:, i, p]), (rank, p)
+    assert seen == set(range(77))
+
+
+def dst_of(t, layer=0):
+    from kvfold.blocks import host_destination
+    return host_destination(t, layer)
+
+
 def test_c_copy_refusals(root):
     src = bytearray(2 * 1 * 16 * 2 * 16 * 2)
-    t = torch.zeros(2, 4, 16, 2, 16, dtype=torch.bfloat16)
-    dst = [(t.data_ptr(), tuple(t.shape), tuple(t.stride()))]
+    t = make_cache("blocks_first", 4, 16, 2, 16, torch.bfloat16)
+    dst = [dst_of(t)]
     with pytest.raises(_kvfold.KvfError, match="block size 48"):
-        _kvfold.copy_blocks(src, "bfloat16", 1, 16, 2, 16, dst, "bfloat16", "flash_attn", [1], 48, 0, 16)
+        _kvfold.copy_blocks(src, "bfloat16", 1, 16, 2, 16, dst, "blocks_first", [1], 48, 0, 16)
     with pytest.raises(ValueError, match="fp8"):
-        _kvfold.copy_blocks(src, "bfloat16", 1, 16, 2, 16, dst, "float8_e4m3fn", "flash_attn", [1], 16, 0, 16)
+        _kvfold.copy_blocks(src, "bfloat16", 1, 16, 2, 16, [dst[0][:4] + ("float8_e4m3fn", 0)], "blocks_first",
+                            [1], 16, 0, 16)
     with pytest.raises(_kvfold.KvfError, match="block id 4 outside"):
-        _kvfold.copy_blocks(src, "bfloat16", 1, 16, 2, 16, dst, "bfloat16", "flash_attn", [4], 16, 0, 16)
+        _kvfold.copy_blocks(src, "bfloat16", 1, 16, 2, 16, dst, "blocks_first", [4], 16, 0, 16)
     with pytest.raises(ValueError, match="layout 'paged'"):
-        _kvfold.copy_blocks(src, "bfloat16", 1, 16, 2, 16, dst, "bfloat16", "paged", [1], 16, 0, 16)
+        _kvfold.copy_blocks(src, "bfloat16", 1, 16, 2, 16, dst, "paged", [1], 16, 0, 16)
     with pytest.raises(_kvfold.KvfError, match="not a cpu cache"):
-        _kvfold.copy_blocks(src, "bfloat16", 1, 16, 2, 16, dst, "bfloat16", "cpu", [1], 16, 0, 16, 0, 2)
+        _kvfold.copy_blocks(src, "bfloat16", 1, 16, 2, 16, dst, "cpu", [1], 16, 0, 16, 0, 2)
+    with pytest.raises(_kvfold.KvfError, match="not a packed cache"):
+        _kvfold.copy_blocks(src, "bfloat16", 1, 16, 2, 16, dst, "packed", [1], 16, 0, 16)
+
+
+def test_c_copy_size_overflow_is_refused():
+    """C = 2^61 made 2 * L * C * H * D * 2 wrap to a small number, passing the size check."""
+    src = bytearray(64)
+    t = make_cache("blocks_first", 4, 16, 2, 16, torch.bfloat16, fill=0)
+    with pytest.raises(_kvfold.KvfError, match="smaller than"):
+        _kvfold.copy_blocks(src, "bfloat16", 1, 2 ** 61, 2, 16, [dst_of(t)], "blocks_first", [1], 16, 0, 16)
+    with pytest.raises(_kvfold.KvfError, match="smaller than"):
+        _kvfold.copy_blocks(src, "bfloat16", 2 ** 30, 2 ** 20, 2 ** 10, 2 ** 4, [dst_of(t)], "blocks_first", [1], 16,
+                            0, 16)
+
+
+def test_c_copy_head_offsets_are_64_bit():
+    """head_start = 2^31 - 1 overflowed head_start + kv_heads (int) and read far outside the source."""
+    src = bytearray(2 * 1 * 16 * 2 * 16 * 2)
+    t = make_cache("blocks_first", 4, 16, 2, 16, torch.bfloat16, fill=0)
+    for hs in (2 ** 31 - 1, 2 ** 62, -1):
+        with pytest.raises(_kvfold.KvfError, match="outside the cache's 2 kv heads"):
+            _kvfold.copy_blocks(src, "bfloat16", 1, 16, 2, 16, [dst_of(t)], "blocks_first", [1], 16, 0, 16, hs, 2)
+
+
+def test_c_copy_each_destination_has_its_own_dtype(root):
+    """Layers of mixed dtypes: each tensor is written in its own dtype (the first tensor's dtype
+    was used for all, writing 4-byte floats past 2-byte tensors)."""
+    path = cache(root, "md.kvf", 20, 98, dtype="float32")
+    h, buf = _kvfold.load(path, "float32")
+    tensors = [make_cache("blocks_first", 4, 16, 2, 16, dt, fill=0) for dt in (torch.float32, torch.bfloat16)]
+    from kvfold.blocks import copy_to_blocks
+    copy_to_blocks(buf, "float32", 2, 20, 2, 16, tensors, "blocks_first", [1, 2], 16, 0, 20)
+    f32 = torch.from_numpy(file_kv(path, "float32").copy())
+    assert torch.equal(gather(tensors[0], "blocks_first", slots_of([1, 2], 16, 0, 20)), f32[:, 0])
+    assert torch.equal(gather(tensors[1], "blocks_first", slots_of([1, 2], 16, 0, 20)).float(),
+                       f32[:, 1].to(torch.bfloat16).float())
+    assert bool((tensors[1][0] == 0).all()) and bool((tensors[1][3] == 0).all())  # nothing outside its blocks
+
+
+def test_c_copy_refuses_read_only_and_short_memory():
+    src = bytearray(2 * 1 * 16 * 2 * 16 * 2)
+    t = make_cache("blocks_first", 4, 16, 2, 16, torch.bfloat16, fill=0)
+    buf, off, shape, strides, dt, layer = dst_of(t)
+    ro = np.frombuffer(bytes(buf.nbytes), dtype=np.uint8)  # read-only memory
+    with pytest.raises(ValueError, match="destination 0 is not writable memory"):
+        _kvfold.copy_blocks(src, "bfloat16", 1, 16, 2, 16, [(ro, off, shape, strides, dt, layer)], "blocks_first",
+                            [1], 16, 0, 16)
+    with pytest.raises(ValueError, match="not writable memory .bytes"):
+        _kvfold.copy_blocks(src, "bfloat16", 1, 16, 2, 16, [(bytes(buf.nbytes), off, shape, strides, dt, layer)],
+                            "blocks_first", [1], 16, 0, 16)
+    short = bytearray(buf.nbytes - 2)  # one element short of the shape's extent
+    with pytest.raises(_kvfold.KvfError, match="reach element"):
+        _kvfold.copy_blocks(src, "bfloat16", 1, 16, 2, 16, [(short, off, shape, strides, dt, layer)], "blocks_first",
+                            [1], 16, 0, 16)
+    with pytest.raises(_kvfold.KvfError, match="reach element"):  # an offset past the end
+        _kvfold.copy_blocks(src, "bfloat16", 1, 16, 2, 16, [(buf, 8, shape, strides, dt, layer)], "blocks_first",
+                            [1], 16, 0, 16)
+    with pytest.raises(_kvfold.KvfError, match="overflow"):
+        _kvfold.copy_blocks(src, "bfloat16", 1, 16, 2, 16, [(buf, 0, shape, (2 ** 62,) + strides[1:], dt, layer)],
+                            "blocks_first", [1], 16, 0, 16)
+    with pytest.raises(_kvfold.KvfError, match="layer 1 outside"):
+        _kvfold.copy_blocks(src, "bfloat16", 1, 16, 2, 16, [(buf, off, shape, strides, dt, 1)], "blocks_first",
+                            [1], 16, 0, 16)
+
+
+def test_stub_follows_vllm(root):
+    """The stand-in's base class takes kv_cache_config as a required argument and refuses the
+    layout query on itself, as vLLM's does; the scheduler calls update_state_after_alloc for every
+    allocated request (with 0 external tokens too), and the waiting queue stops at the first
+    request it cannot allocate (vLLM's `break`), so later requests wait."""
+    import inspect
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    assert inspect.signature(KVConnectorBase_V1.__init__).parameters["kv_cache_config"].default is inspect._empty
+    with pytest.raises(TypeError):
+        KVConnectorBase_V1.get_required_kvcache_layout(None)
+    assert hasattr(KVConnectorBase_V1, "has_pending_push_work") == (vllm.PROFILE >= "0.26")
+    eng = Engine(MODEL, {"cache_root": root})
+    calls = []
+    orig = eng.scheduler.update_state_after_alloc
+    eng.scheduler.update_state_after_alloc = lambda r, b, n: (calls.append((r.request_id, n)), orig(r, b, n))
+    path = cache(root, "s.kvf", 32, 99)
+    a, _ = request("a", path, [1], root)
+    eng.add_request(a)
+    eng.add_request(Request("b", [5] * 20))
+    eng.fail_alloc["a"] = 1
+    eng.step()
+    assert eng.steps[-1]["scheduled"] == {}  # b waits behind a
+    eng.step()
+    assert eng.steps[-1]["scheduled"] == {"a": 1, "b": 20} and calls == [("a", 32), ("b", 0)]
+
+
+def test_recompute_policy_would_poison_the_prefix_cache(root, monkeypatch):
+    """Why the connector refuses "recompute": with the check bypassed, a failed load is computed
+    from the placeholder ids, the request finishes normally, and its placeholder blocks stay in the
+    prefix cache where a later request with the same ids would hit them."""
+    import kvfold.connector as kc
+    monkeypatch.setattr(kc, "check_failure_policy", lambda cfg: None)
+    path = cache(root, "rc.kvf", 32, 101)
+    eng = Engine(MODEL, {"cache_root": root}, policy="recompute", prefix_caching=True)
+    r, _ = request("r", path, [1, 2], root)
+    os.remove(path)
+    eng.add_request(r)
+    eng.run()
+    assert eng.finished["r"].status == "FINISHED_LENGTH" and "r" in eng.recomputed
+    poisoned = set(eng._hashes(r, 2)) & set(eng.cached)
+    assert len(poisoned) == 2  # both placeholder blocks are reusable
+
+
+def test_pipelined_cold_load(root):
+    """A cold load reads layer ranges in order and hands each over once; a damaged chunk in the
+    last range fails the load (and so the request) after the earlier ranges were copied."""
+    from kvfold.loader import layer_ranges, pipelined_load
+    assert layer_ranges(36, 4) == [(0, 9), (9, 18), (18, 27), (27, 36)]
+    assert layer_ranges(2, 4) == [(0, 1), (1, 2)] and layer_ranges(5, 1) == [(0, 5)]
+    model = ModelConfig("stub-model", 5, H_, D_, V_)
+    path = os.path.join(root, FP, "pl.kvf")
+    write_cache(path, 5, H_, D_, 40, 103)
+    buf, seen = bytearray(2 * 5 * 40 * H_ * D_ * 2), []
+    h, out = pipelined_load(path, "bfloat16", buf, 5, lambda h, l0, l1: seen.append((l0, l1)), parts=3)
+    assert seen == [(0, 1), (1, 3), (3, 5)] and out is buf and h["n_tokens"] == 40
+    assert bytes(buf) == bytes(_kvfold.load(path, "bfloat16")[1])
+    damage_chunk(path, "values", (4, 16, 0, 0))  # layer 4, tokens 16..31
+    eng = Engine(model, {"cache_root": root, "load_parts": 3}, num_blocks=24, check_untouched=False)
+    r, _ = request("r", path, [1], root)
+    eng.add_request(r)
+    eng.run()
+    assert eng.finished["r"].status == "FINISHED_ERROR" and eng.worker._pool.staging.stats["new"] == 1
+    assert len(eng.worker._pool) == 0
+
+
+def test_c_copy_random_arguments():
+    """Seeded random calls of copy_blocks, valid and not (layouts, stride orders, kernel blocks,
+    token ranges, block ids, heads, context parallelism): each either writes exactly the expected
+    slots (checked against a torch reference) or is refused leaving the tensor untouched. Under
+    the sanitizer build any out-of-bounds access would abort the run."""
+    from harness import ORDERS
+    rng = np.random.default_rng(7)
+    L, C, SH, D = 2, 40, 4, 8
+    src = torch.from_numpy(rng.standard_normal((2, L, C, SH, D), dtype=np.float32)).to(torch.bfloat16)
+    raw = bytearray(src.view(torch.int16).numpy().tobytes())
+    outcomes = {True: 0, False: 0}
+    for case in range(300):
+        layout = ["kv_first", "blocks_first", "cpu", "packed"][rng.integers(4)]
+        order = list(ORDERS[layout])[rng.integers(len(ORDERS[layout]))]
+        kbs = int(rng.choice([16, 32]))
+        cp = int(rng.choice([1, 1, 2]))
+        bs = kbs * int(rng.choice([1, 2])) * cp
+        heads = int(rng.integers(1, SH + 1))
+        hs = int(rng.integers(-1, SH + 1))
+        nblk = int(rng.integers(1, 8))
+        t0, t1 = sorted(int(x) for x in rng.integers(-2, C + 3, 2))
+        ids = [int(x) for x in rng.integers(0, nblk * kbs // (bs // cp) + 2, 4)]
+        t = make_cache(layout, nblk, kbs, heads, D, torch.bfloat16, order, fill=0)
+        before = t.clone()
+        valid = (0 <= t0 <= t1 <= C and 0 <= hs <= SH - heads and (t1 == t0 or (t1 - 1) // bs < len(ids))
+                 and all((b + 1) * (bs // cp // kbs) <= nblk for b in ids[t0 // bs:(t1 - 1) // bs + 1] if t1 > t0))
+        args = (raw, "bfloat16", L, C, SH, D, [dst_of(t, 1)], layout, ids, bs, t0, t1, hs, heads, cp, case % cp, 1)
+        outcomes[valid] += 1
+        if not valid:
+            with pytest.raises((_kvfold.KvfError, ValueError)):
+                _kvfold.copy_blocks(*args)
+            assert torch.equal(t.view(torch.int16), before.view(torch.int16)), case
+            continue
+        _kvfold.copy_blocks(*args)
+        want = before.clone()
+        rank = case % cp
+        for p in range(t0, t1):
+            vo = p % bs
+            if vo % cp != rank:
+                continue
+            slot = ids[p // bs] * (bs // cp) + vo // cp
+            from harness import slot_view
+            slot_view(want, layout, slot).copy_(src[:, 1, p, hs:hs + heads])
+        assert torch.equal(t.view(torch.int16), want.view(torch.int16)), case
+    assert min(outcomes.values()) >= 50, outcomes

@@ -18,7 +18,7 @@ import torch
 
 import kvfold
 from conftest import DATA, REPO
-from harness import Engine, ModelConfig, Request, gather, slots_of
+from harness import PROFILE_LAYOUTS, Engine, ModelConfig, Request, gather, slots_of
 from kvfold.prompt import model_id_range
 
 RECORDS = os.path.join(DATA, "records-qwen3")
@@ -107,18 +107,15 @@ def test_frames_agree(setup):
     assert 0 < d < 1.0
 
 
-LAYOUTS = [("flash_attn", False), ("flash_attn", True), ("flashinfer", False), ("flashinfer", True), ("cpu", False)]
-
-
-@pytest.mark.parametrize("layout,hnd", LAYOUTS)
+@pytest.mark.parametrize("layout,order", PROFILE_LAYOUTS)
 @pytest.mark.parametrize("bs,kbs", [(16, 16), (32, 32), (32, 16)])
 @pytest.mark.parametrize("cache_dtype,file_dtype", [(torch.bfloat16, "float32"), (torch.float16, "float32"),
                                                     (torch.bfloat16, "bfloat16")])
-def test_question_logits_through_blocks(setup, layout, hnd, bs, kbs, cache_dtype, file_dtype):
+def test_question_logits_through_blocks(setup, layout, order, bs, kbs, cache_dtype, file_dtype):
     s, C = setup, setup["C"]
     path = s["files"][file_dtype]
     eng = Engine(s["model"], {"cache_root": s["root"], "model_fingerprint": s["fp"], "kv_layout": layout},
-                 layout=layout, hnd=hnd, block_size=bs, kernel_block_size=kbs, dtype=cache_dtype,
+                 layout=layout, order=order, block_size=bs, kernel_block_size=kbs, dtype=cache_dtype,
                  num_blocks=C // bs + 8, check_untouched=False)
     p = kvfold.prompt(path, s["q"], id_range=model_id_range(RECORDS), cache_root=s["root"])
     req = Request("q", p.prompt_token_ids, p.kv_transfer_params, p.cache_salt)

@@ -1,2 +1,16 @@
 """A stand-in for vLLM in kvfold's connector tests: only the modules, classes and signatures the
-connector and the test harness use, at vLLM's real module paths (research/vllm-connector.md)."""
+connector and the test harness use, at vLLM's real module paths, written from the conformance
+review (research/vllm-conformance.md), not copied.
+
+Two profiles, chosen by KVFOLD_VLLM_PROFILE (ctest runs the suite under both):
+  "0.25"  v0.17-v0.25: 5-D KV caches (FlashAttention kv-first before #42095, blocks-first after;
+          FlashInfer/Triton/FlexAttention blocks-first; CPU (2, blocks, heads, bs, D))
+  "0.26"  v0.26+ (#44455): every standard backend's cache is (blocks, heads, bs, 2 * head_dim)
+          and the connector base class has the later defaulted members
+"""
+import os
+
+PROFILE = os.environ.get("KVFOLD_VLLM_PROFILE", "0.25")
+if PROFILE not in ("0.25", "0.26"):
+    raise ImportError(f"KVFOLD_VLLM_PROFILE={PROFILE!r}: the stand-in vllm knows profiles 0.25 and 0.26")
+__version__ = PROFILE + ".0"

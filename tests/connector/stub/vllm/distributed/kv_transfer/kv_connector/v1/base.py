@@ -1,9 +1,12 @@
 """vllm.distributed.kv_transfer.kv_connector.v1.base, reduced to the v1 connector API as the
-research note (section 1) describes it: the same class names, abstract methods, defaults and
-signatures; written from that description, not copied."""
+conformance review (research/vllm-conformance.md section 1, vLLM 52a31cce) describes it: the same
+class names, abstract methods, defaults and signatures; written from that description, not copied.
+The 0.26 profile adds the later defaulted members."""
 import enum
 from abc import ABC, abstractmethod
 from typing import Any, Iterable, Optional
+
+import vllm
 
 
 class KVConnectorRole(enum.Enum):
@@ -16,7 +19,9 @@ class KVConnectorMetadata(ABC):  # noqa: B024 - empty on purpose, as in vLLM
 
 
 class KVConnectorBase_V1(ABC):
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+    prefer_cross_layer_blocks = False
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
         self._connector_metadata: Optional[KVConnectorMetadata] = None
         self._vllm_config = vllm_config
         if vllm_config.kv_transfer_config is None:
@@ -45,6 +50,9 @@ class KVConnectorBase_V1(ABC):
 
     # worker side
     def register_kv_caches(self, kv_caches: dict) -> None:
+        return
+
+    def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any) -> None:
         return
 
     def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
@@ -114,10 +122,35 @@ class KVConnectorBase_V1(ABC):
     def take_events(self) -> Iterable[Any]:
         return ()
 
+    def get_finished_count(self) -> Optional[int]:
+        return None
+
+    def reset_cache(self) -> Optional[bool]:
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict] = None) -> Any:
+        return None
+
+    @classmethod
+    def build_prom_metrics(cls, *args: Any, **kwargs: Any) -> Any:
+        return None
+
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> Optional[str]:
+        if cls is KVConnectorBase_V1:  # vLLM raises when asked on the base class itself
+            raise TypeError("get_required_kvcache_layout should not be called on the abstract base class")
         return None
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict) -> bool:
         return False
+
+    if vllm.PROFILE >= "0.26":  # defaulted members of the later base class
+        requires_kv_delivery = False
+
+        def has_pending_push_work(self) -> bool:
+            return False
+
+        def set_xfer_handshake_metadata_pp_aware(self, metadata: dict) -> None:
+            return

@@ -1,0 +1,101 @@
+/* recipe.c — kf_recipe_digest: the canonical bytes of a compaction recipe (see recipe.h). */
+#include "compactor/recipe.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
+#include <xxhash.h>
+
+static void put_le(XXH3_state_t *st, uint64_t v, int n) {
+    uint8_t b[8];
+    for (int i = 0; i < n; i++)
+        b[i] = (uint8_t)(v >> (8 * i));
+    XXH3_128bits_update(st, b, (size_t)n);
+}
+
+static void tag(XXH3_state_t *st, const char *name, char type) {
+    XXH3_128bits_update(st, name, strlen(name) + 1);
+    XXH3_128bits_update(st, &type, 1);
+}
+
+static void put_i(XXH3_state_t *st, const char *name, int64_t v) {
+    tag(st, name, 'i');
+    put_le(st, (uint64_t)v, 8);
+}
+
+static void put_f(XXH3_state_t *st, const char *name, double v) {
+    tag(st, name, 'f');
+    if (v == 0 || isnan(v))
+        v = isnan(v) ? NAN : 0.0; /* -0.0 as 0.0, one NaN */
+    uint64_t u;
+    memcpy(&u, &v, 8);
+    put_le(st, u, 8);
+}
+
+static void put_ids(XXH3_state_t *st, const char *name, const int32_t *ids, int64_t n) {
+    tag(st, name, 'a');
+    put_le(st, (uint64_t)n, 8);
+    for (int64_t i = 0; i < n; i++)
+        put_le(st, (uint32_t)ids[i], 4);
+}
+
+static void put_floats(XXH3_state_t *st, const char *name, const float *x, int64_t n) {
+    if (!x) {
+        tag(st, name, '-');
+        return;
+    }
+    tag(st, name, 'F');
+    put_le(st, (uint64_t)n, 8);
+    for (int64_t i = 0; i < n; i++) {
+        float v = x[i] == 0 ? 0.0f : x[i];
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        put_le(st, u, 4);
+    }
+}
+
+static void put_quoka(XXH3_state_t *st, const kf_quoka_params *q) {
+    if (!q || q->mode == KF_PREFILL_DENSE) {
+        tag(st, "quoka", '-');
+        return;
+    }
+    put_i(st, "quoka.mode", q->mode);
+    put_i(st, "quoka.n_q", q->n_q);
+    put_i(st, "quoka.budget", q->budget);
+    put_f(st, "quoka.budget_frac", q->budget_frac);
+    put_i(st, "quoka.budget_min", q->budget_min);
+    put_i(st, "quoka.n_sink", q->n_sink);
+    put_i(st, "quoka.align_start", q->align_start);
+    put_i(st, "quoka.align_shift", q->align_shift);
+    put_i(st, "quoka.align_margin", q->align_margin);
+}
+
+void kf_recipe_digest(const kf_compact_params *p, kvf_dtype dtype, int64_t n_head_budgets,
+                      char out[KVF_DIGEST_LEN + 1]) {
+    XXH3_state_t st;
+    XXH3_128bits_reset(&st);
+    /* one line per field; keep the order (it is part of the digest) */
+    put_i(&st, "kvf_version", KVF_VERSION);
+    put_i(&st, "dtype", dtype);
+    put_i(&st, "method", p->method);
+    put_f(&st, "budget", p->budget);
+    put_f(&st, "lambda_rel", p->lambda_rel);
+    put_i(&st, "score", p->score);
+    put_i(&st, "fold_queries", p->fold_queries);
+    put_i(&st, "max_queries", p->max_queries);
+    put_i(&st, "seed", (int64_t)p->seed);
+    put_i(&st, "use_context_queries", p->use_context_queries);
+    put_ids(&st, "repeat_instruction", p->repeat_instruction.ids, p->repeat_instruction.n);
+    put_i(&st, "n_probes", p->n_probes);
+    for (int i = 0; i < p->n_probes; i++)
+        put_ids(&st, "probe", p->probes[i].ids, p->probes[i].n);
+    put_floats(&st, "head_budgets", p->head_budgets, n_head_budgets);
+    put_f(&st, "max_head_ratio", p->max_head_ratio);
+    put_i(&st, "chunk", p->chunk);
+    put_quoka(&st, p->quoka);
+    put_i(&st, "quoka_repeat", p->quoka_repeat);
+    put_i(&st, "quoka_margin", p->quoka_margin);
+    XXH128_hash_t h = XXH3_128bits_digest(&st);
+    snprintf(out, KVF_DIGEST_LEN + 1, "%016llx%016llx", (unsigned long long)h.high64, (unsigned long long)h.low64);
+}

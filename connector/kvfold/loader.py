@@ -1,0 +1,39 @@
+"""A cold load that overlaps reading with copying: the file's layers are read in a few ranges by
+one helper thread (the HDF5 library is used from that thread only), and each range is copied
+into the KV blocks by the caller's thread while the next range is read. Both the read and the
+copy run in C without the GIL, so on a host with a spare core the copy hides behind the read.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from . import _kvfold
+
+
+def layer_ranges(n_layers: int, parts: int) -> List[Tuple[int, int]]:
+    """[l0, l1) ranges covering 0..n_layers-1 in `parts` nearly equal pieces (fewer if short)."""
+    parts = max(1, min(parts, n_layers))
+    cuts = [n_layers * i // parts for i in range(parts + 1)]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+def pipelined_load(path: str, dtype: str, buf: Any, n_layers: int,
+                   on_layers: Callable[[Dict[str, Any], int, int], None], *, model_fingerprint: Optional[str] = None,
+                   kv_heads: int = -1, head_dim: int = -1, parts: int = 4) -> Tuple[Dict[str, Any], Any]:
+    """Decode path into buf ([2, n_layers, C, kv_heads, head_dim] in dtype), calling
+    on_layers(header, l0, l1) as soon as layers [l0, l1) are in buf; (header, buf) at the end.
+    A failure in any range raises it, and the ranges after it are not read."""
+    ranges = layer_ranges(n_layers, parts)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfold-load") as ex:
+        futs = [ex.submit(_kvfold.load, path, dtype, model_fingerprint, n_layers, kv_heads, head_dim, buf, r)
+                for r in ranges]
+        try:
+            header = None
+            for (l0, l1), fut in zip(ranges, futs):
+                header, _ = fut.result()
+                on_layers(header, l0, l1)
+        finally:
+            for fut in futs:
+                fut.cancel()
+    return header, buf
