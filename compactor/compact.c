@@ -51,6 +51,14 @@ static double now_s(void) {
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
+int kf_head_choice_active(const kf_compact_params *p) {
+    if (p->method == KF_METHOD_KEEP)
+        return 0;
+    if (p->head_choice == KF_CHOICE_DEFAULT)
+        return p->method == KF_METHOD_FOLD || p->method == KF_METHOD_AM;
+    return p->head_choice == KF_CHOICE_ON;
+}
+
 void kf_compacted_free(kf_compacted *c) {
     free(c->keys);
     free(c->values);
@@ -430,9 +438,7 @@ kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_pro
     int64_t *pos_local = NULL, n_val_pos = 0;
     appended_kv ap = {0};
     head_split sp = {0};
-    const int choice = p->method != KF_METHOD_KEEP &&
-                       (p->head_choice == KF_CHOICE_ON ||
-                        (p->head_choice == KF_CHOICE_DEFAULT && (p->method == KF_METHOD_FOLD || p->method == KF_METHOD_AM)));
+    const int choice = kf_head_choice_active(p);
     if (!src || !ctx_ids) {
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
         goto out;

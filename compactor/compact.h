@@ -89,6 +89,8 @@ typedef struct {
 } kf_compact_params;
 
 kf_compact_params kf_compact_params_default(void);
+/* 1 when p compacts with the per-head choice (KF_CHOICE_DEFAULT resolved by method). */
+int kf_head_choice_active(const kf_compact_params *p);
 
 typedef struct {
     double prefill_s, refq_s, select_s, beta_s, values_s, fold_s, choice_s; /* wall time per stage */

@@ -96,6 +96,16 @@ void kf_recipe_digest(const kf_compact_params *p, kvf_dtype dtype, int64_t n_hea
     put_quoka(&st, p->quoka);
     put_i(&st, "quoka_repeat", p->quoka_repeat);
     put_i(&st, "quoka_margin", p->quoka_margin);
+    put_i(&st, "beta_fit", p->beta_fit);
+    put_f(&st, "value_ridge", p->value_ridge);
+    put_i(&st, "ridge_to", p->ridge_to);
+    const int choice = kf_head_choice_active(p); /* the default resolved, so "on" = default for fold */
+    put_i(&st, "head_choice", choice);
+    if (choice) {
+        put_f(&st, "val_frac", p->val_frac);
+        put_f(&st, "choice_margin", p->choice_margin);
+        put_i(&st, "refit_all", p->refit_all);
+    }
     XXH128_hash_t h = XXH3_128bits_digest(&st);
     snprintf(out, KVF_DIGEST_LEN + 1, "%016llx%016llx", (unsigned long long)h.high64, (unsigned long long)h.low64);
 }

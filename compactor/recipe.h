@@ -12,7 +12,9 @@
  * each probe's ids (count, then one array each), head_budgets ([n_layers * kv_heads] or absent),
  * max_head_ratio, the prefill chunk (0 = the default; it decides where QUOKA chooses and the
  * summation order), QUOKA's settings (absent for dense prefill: mode, n_q, budget, budget_frac,
- * budget_min, n_sink, align_start, align_shift, align_margin), quoka_repeat, quoka_margin.
+ * budget_min, n_sink, align_start, align_shift, align_margin), quoka_repeat, quoka_margin, the
+ * beta fit, value_ridge, ridge_to, whether the per-head choice is active (the default resolved by
+ * method) and, only when it is, val_frac, choice_margin and refit_all.
  * Every field is always hashed (also at its default), so a changed default changes the digest.
  * Adding a parameter that changes bytes is one line in recipe.c (and a new digest for every file).
  */

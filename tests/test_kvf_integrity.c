@@ -640,6 +640,13 @@ static void test_recipe_digest(void) {
     DIFFERS(q.chunk = 64);
     DIFFERS(q.quoka_repeat = 1);
     DIFFERS(q.quoka_margin = 8);
+    DIFFERS(q.beta_fit = KF_BETA_BOX);
+    DIFFERS(q.value_ridge = 0.01);
+    DIFFERS(q.ridge_to = KF_RIDGE_TO_ZERO);
+    DIFFERS(q.head_choice = KF_CHOICE_OFF);
+    DIFFERS(q.val_frac = 0.3);
+    DIFFERS(q.choice_margin = 0.2);
+    DIFFERS(q.refit_all = 0);
     instr[2] = 7;
     CU_ASSERT_EQUAL(changed, cases);
     /* two QUOKA settings differ from each other */
