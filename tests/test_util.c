@@ -1,6 +1,8 @@
+#define _XOPEN_SOURCE 700 /* nftw */
 #include "test_util.h"
 
 #include <CUnit/Basic.h>
+#include <ftw.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,15 +36,33 @@ const char *kf_test_data(const char *rel) {
     return path;
 }
 
+static char temp_root_path[256];
+static pid_t temp_root_owner; /* forked children exit too: only the creator removes it */
+
+static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
+    (void)st, (void)flag, (void)ftw;
+    remove(path);
+    return 0;
+}
+
+/* The suite's scratch directory goes when the process ends (set KF_TEST_KEEP=1 to keep it). */
+static void remove_temp_root(void) {
+    const char *keep = getenv("KF_TEST_KEEP");
+    if (temp_root_path[0] && getpid() == temp_root_owner && !(keep && *keep == '1'))
+        nftw(temp_root_path, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
 static const char *temp_root(void) {
-    static char root[256];
+    char *root = temp_root_path;
     if (!root[0]) {
         const char *base = getenv("TMPDIR");
-        snprintf(root, sizeof root, "%s/kvfold-test-XXXXXX", base && *base ? base : "/tmp");
+        snprintf(root, sizeof temp_root_path, "%s/kvfold-test-XXXXXX", base && *base ? base : "/tmp");
         if (!mkdtemp(root)) {
             perror("mkdtemp");
             abort();
         }
+        temp_root_owner = getpid();
+        atexit(remove_temp_root);
     }
     return root;
 }
