@@ -117,7 +117,7 @@ def test_rope_config_forms():
 
 def _kvfold(*args):
     if not os.access(KVFOLD, os.X_OK):
-        pytest.skip(f"kvfold binary not found at {KVFOLD} (set KVFOLD_BIN)")
+        pytest.fail(f"kvfold binary not found at {KVFOLD} (set KVFOLD_BIN)")
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "2")
     env.setdefault("OPENBLAS_NUM_THREADS", "2")
