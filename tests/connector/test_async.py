@@ -30,15 +30,28 @@ class Gate:
         self.opened.set()
 
 
+@pytest.fixture
+def gate(monkeypatch):
+    """gate(*paths) -> a Gate; every gate opens at teardown, so a failing test leaves no thread blocked."""
+    made = []
+
+    def make(*paths):
+        made.append(Gate(monkeypatch, *paths))
+        return made[-1]
+    yield make
+    for g in made:
+        g.open()
+
+
 def async_engine(root, **kw):
     extra = {"cache_root": root, "load_mode": "async", "pool_bytes": 0}
     extra.update(kw.pop("extra", {}))
     return Engine(MODEL, extra, **kw)
 
 
-def test_slow_file_does_not_stall_other_requests(root, monkeypatch):
+def test_slow_file_does_not_stall_other_requests(root, gate):
     path = cache(root, "slow.kvf", 48, 201)
-    gate = Gate(monkeypatch, path)
+    gate = gate(path)
     eng = async_engine(root, num_blocks=64)
     a, _ = request("a", path, [1, 2, 3], root, max_tokens=3)
     eng.add_request(a)
@@ -108,11 +121,11 @@ def test_corrupt_file_fails_the_async_request(root):
     assert sorted(eng.free) == list(range(1, 32)) and not eng.delayed  # every block came back
 
 
-def test_abort_while_loading_keeps_blocks_until_the_thread_stops(root, monkeypatch):
+def test_abort_while_loading_keeps_blocks_until_the_thread_stops(root, gate):
     """An abort of a request whose load is running: its blocks stay allocated until the thread
     has finished writing them; a queued load (one thread) is cancelled and writes nothing."""
     p1, p2 = cache(root, "ab1.kvf", 32, 209), cache(root, "ab2.kvf", 32, 211)
-    gate = Gate(monkeypatch, p1)
+    gate = gate(p1)
     eng = async_engine(root, num_blocks=32, extra={"load_threads": 1})
     a, _ = request("a", p1, [1], root)
     b, _ = request("b", p2, [2], root)
