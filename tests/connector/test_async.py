@@ -177,3 +177,22 @@ def test_preempted_after_async_load_reloads(root):
 def test_load_mode_is_checked(root):
     with pytest.raises(ValueError, match="load_mode"):
         Engine(MODEL, {"cache_root": root, "load_mode": "later"})
+
+
+class ReportsTwice(kc.KVFoldConnector):
+    """A faulty connector: reports each finished load again in the next step."""
+
+    def get_finished(self, finished_req_ids):
+        sending, recving = super().get_finished(finished_req_ids)
+        again, self._again = getattr(self, "_again", None), set(recving or ())
+        return sending, (recving or again) or None
+
+
+def test_stand_in_refuses_unknown_load_reports(root):
+    """vLLM asserts that a reported load belongs to a request it holds; so does the stand-in."""
+    path = cache(root, "twice.kvf", 32, 215)
+    eng = Engine(MODEL, {"cache_root": root, "load_mode": "async"}, module="test_async", class_name="ReportsTwice")
+    r, _ = request("r", path, [1, 2], root)
+    eng.add_request(r)
+    with pytest.raises(AssertionError, match="finished load|reported twice"):
+        eng.run()
