@@ -1,7 +1,6 @@
 """load_mode "async": the request waits in vLLM's WAITING_FOR_REMOTE_KVS state while a loader
 thread fills its blocks, other requests keep running, and failures and aborts end the request
 without a write into blocks vLLM has freed (harness.Engine models vLLM's scheduler for this)."""
-import os
 import threading
 
 import pytest
@@ -9,7 +8,12 @@ import torch
 
 import kvfold.connector as kc
 from harness import COMPUTED, Engine, Request, gather, slots_of
-from test_connector import MODEL, cache, damage_chunk, expect, loaded, request, root  # noqa: F401 (fixture)
+from test_connector import MODEL, cache, damage_chunk, expect, loaded, request
+
+
+@pytest.fixture
+def root(tmp_path):
+    return str(tmp_path / "caches")
 
 
 class Gate:
