@@ -267,7 +267,7 @@ class KVFoldConnector(KVConnectorBase_V1):
         self._pending.pop(request.request_id, None)
         self._async_claims.discard(request.request_id)
         # vLLM itself keeps the blocks of a request still WAITING_FOR_REMOTE_KVS until the worker
-        # reports it in get_finished (research/vllm-conformance.md, async loads), so no delay here
+        # reports it in get_finished (scheduler.py finish_requests), so no delay is asked here
         return False, None
 
     def _decide(self, request: Any) -> Optional[_Decision]:
