@@ -17,8 +17,17 @@ request fails on that path too. Set extra config "on_invalid": "ignore" to claim
 (vLLM then computes the prompt as given). A request without kvfold parameters is left alone:
 (0, False).
 
-Worker side: the load is synchronous, in start_load_kv, from the block ids in the connector
-metadata (never from attention metadata, which can be None); the per-layer hooks do nothing.
+Worker side: by default the load is synchronous, in start_load_kv, from the block ids in the
+connector metadata (never from attention metadata, which can be None); the per-layer hooks do
+nothing. With "load_mode": "async" a claim whose end C falls on a block boundary is answered
+(C - local hit, True): vLLM parks the request in WAITING_FOR_REMOTE_KVS, a small thread pool reads
+the file and fills the blocks while other requests run, and get_finished reports the request once
+its load is done. A failed async load reports its blocks through get_block_ids_with_load_errors in
+the same step as get_finished reports the request, so under kv_load_failure_policy "fail" vLLM
+finishes it FINISHED_ERROR. A request aborted while loading is reported only once its thread has
+stopped writing (vLLM keeps the blocks of a WAITING_FOR_REMOTE_KVS request until then). A claim
+that ends mid-block loads synchronously even in async mode: older vLLM marks every allocated
+block computed when an async load finishes, which would skip the question tokens in that block.
 Decoded caches stay in a host retention pool (kvfold.pool). Layers that share another layer's KV
 tensor are written once, as that layer; layers beyond the model's (EAGLE/MTP draft layers) get
 zeros in the loaded slots. Context parallelism (decode and prefill CP) spreads each scheduler
@@ -38,14 +47,19 @@ kv_connector_extra_config:
   copy_backend       "auto" (C for host tensors, torch otherwise) or "torch"
   load_parts         a cold load reads the file in this many layer ranges, copying each range into
                      the blocks while the next is read (default 4; 1 reads, then copies)
+  load_mode          "sync" (default) or "async" (see above)
+  load_threads       loader threads of the async mode (default 2; loads share the retention pool,
+                     so they read one at a time, but never on the engine's thread)
 """
 from __future__ import annotations
 
 import logging
 import os
 import re
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
@@ -77,6 +91,7 @@ class LoadSpec:
     t0: int                 # tokens [t0, t1) come from the file (t0 = the local prefix-cache hit)
     t1: int
     elems: int = 0          # 2 * n_layers * C * kv_heads * head_dim of the file (its decoded size)
+    asynchronous: bool = False  # loaded by the worker's thread pool, reported by get_finished
 
 
 @dataclass
@@ -175,6 +190,16 @@ class KVFoldConnector(KVConnectorBase_V1):
         self._use_torch = extra.get("copy_backend", "auto") == "torch"
         self._pool = RetentionPool(int(extra.get("pool_bytes", DEFAULT_POOL_BYTES)))
         self._load_parts = max(1, int(extra.get("load_parts", 4)))  # layer ranges a cold load is read in
+        self._async = str(extra.get("load_mode", "sync"))
+        if self._async not in ("sync", "async"):
+            raise ValueError(f"kvfold: load_mode must be 'sync' or 'async', not {self._async!r}")
+        self._async = self._async == "async"
+        self._load_threads = max(1, int(extra.get("load_threads", 2)))
+        self._async_claims: Set[str] = set()  # scheduler: requests answered (E, True)
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._inflight: Dict[str, Tuple[Future, LoadSpec, int]] = {}  # worker: req -> (load, spec, block size)
+        self._aborted: Set[str] = set()      # in flight when vLLM finished them: no errors, just reported
+        self._pool_lock = threading.Lock()   # the retention pool is not thread-safe
         self._tensors: List[Any] = []       # one per distinct target-layer tensor
         self._tensor_layers: List[int] = []  # the file's layer written into each
         self._destinations: List[Any] = []  # host_destination of each (host tensors)
@@ -209,6 +234,10 @@ class KVFoldConnector(KVConnectorBase_V1):
         extra = d.claim - num_computed_tokens
         if d.reason and extra <= 0:  # the local hit covers the claim: fail one more token, when one is left
             extra = 1 if num_computed_tokens + 1 < len(request.prompt_token_ids) else 0
+        if self._async and not d.reason and extra > 0 and d.claim % self._block_size == 0:
+            self._async_claims.add(request.request_id)
+            return extra, True
+        self._async_claims.discard(request.request_id)
         return max(0, extra), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -224,7 +253,8 @@ class KVFoldConnector(KVConnectorBase_V1):
                 logger.error("kvfold: request %s: %s; its prompt leaves nothing to fail it with", rid, d.reason)
                 return
             t0, t1 = t0 - 1, t0
-        self._pending[rid] = LoadSpec(rid, d.path, d.reason, d.key, d.n_tokens, block_ids, t0, t1, d.elems)
+        self._pending[rid] = LoadSpec(rid, d.path, d.reason, d.key, d.n_tokens, block_ids, t0, t1, d.elems,
+                                      rid in self._async_claims and num_external_tokens > 0)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta = KVFoldMetadata(self._block_size, list(self._pending.values()))
@@ -235,6 +265,9 @@ class KVFoldConnector(KVConnectorBase_V1):
         self._decisions.pop(request.request_id, None)
         self._computed.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
+        self._async_claims.discard(request.request_id)
+        # vLLM itself keeps the blocks of a request still WAITING_FOR_REMOTE_KVS until the worker
+        # reports it in get_finished (scheduler.py finish_requests), so no delay is asked here
         return False, None
 
     def _decide(self, request: Any) -> Optional[_Decision]:
@@ -388,34 +421,66 @@ class KVFoldConnector(KVConnectorBase_V1):
         if not isinstance(meta, KVFoldMetadata):
             return
         for spec in meta.loads:
-            self._load(spec, meta.block_size)
+            if spec.asynchronous:
+                self._submit(spec, meta.block_size)
+                continue
+            try:
+                self.last_loads.append((spec.req_id, self._load(spec, meta.block_size)))
+            except Exception as e:  # every failure becomes a load error: vLLM then fails the request
+                self._report_failure(spec, meta.block_size, e)
 
-    def _load(self, spec: LoadSpec, block_size: int) -> None:
-        try:
-            if spec.reason:
-                raise ValueError(spec.reason)
-            if not self._tensors:
-                raise ValueError("no KV caches registered")
-            path, nbytes = spec.path, spec.elems * (4 if self._dtype == "float32" else 2)
-            copied = []
+    def _submit(self, spec: LoadSpec, block_size: int) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=self._load_threads, thread_name_prefix="kvfold-async")
+        if spec.req_id in self._inflight:  # vLLM never schedules a request twice while it loads
+            raise RuntimeError(f"kvfold: request {spec.req_id} is already loading")
+        self._inflight[spec.req_id] = (self._executor.submit(self._load_on_thread, spec, block_size), spec,
+                                       block_size)
 
-            def copy(h: Dict[str, Any], data: Any, l0: int, l1: int) -> None:
-                if cache_key(h) != spec.key:
-                    raise ValueError(f"{path}: changed since the request was scheduled")
-                mine = [i for i, layer in enumerate(self._tensor_layers) if l0 <= layer < l1]
-                if mine:
-                    copy_to_blocks(data, self._dtype, h["n_layers"], h["n_tokens"], h["kv_heads"], h["head_dim"],
-                                   [self._tensors[i] for i in mine], self._layout, spec.block_ids, block_size,
-                                   spec.t0, spec.t1, self._head_start, self._use_torch, self._local_heads,
-                                   [self._destinations[i] for i in mine] if self._destinations else None, self._cp,
-                                   [self._tensor_layers[i] for i in mine])
-                copied.append((l0, l1))
+    def _load_on_thread(self, spec: LoadSpec, block_size: int) -> bool:
+        """An async load; on a CUDA cache the copies run on this thread's own stream, synchronized
+        before the load counts as done."""
+        if self._tensors and self._tensors[0].device.type == "cuda":
+            import torch
+            stream = torch.cuda.Stream(device=self._tensors[0].device)
+            with torch.cuda.stream(stream):
+                hit = self._load(spec, block_size)
+            stream.synchronize()
+            return hit
+        return self._load(spec, block_size)
 
-            def cold(buf: Any) -> Tuple[Dict[str, Any], Any]:  # reads overlap the copies of earlier layers
-                return pipelined_load(path, self._dtype, buf, self._n_layers,
-                                      lambda h, l0, l1: copy(h, buf, l0, l1), model_fingerprint=self._model_fp,
-                                      kv_heads=self._kv_heads, head_dim=self._head_dim, parts=self._load_parts)
+    def _report_failure(self, spec: LoadSpec, block_size: int, e: BaseException) -> None:
+        if spec.t1 > spec.t0:
+            self._load_errors.update(spec.block_ids[spec.t0 // block_size:(spec.t1 - 1) // block_size + 1])
+        logger.error("kvfold: request %s: KV of tokens [%d, %d) not loaded: %s", spec.req_id, spec.t0, spec.t1, e)
 
+    def _load(self, spec: LoadSpec, block_size: int) -> bool:
+        """Fills the spec's slots from its file (or raises); True on a retention-pool hit."""
+        if spec.reason:
+            raise ValueError(spec.reason)
+        if not self._tensors:
+            raise ValueError("no KV caches registered")
+        path, nbytes = spec.path, spec.elems * (4 if self._dtype == "float32" else 2)
+        copied = []
+
+        def copy(h: Dict[str, Any], data: Any, l0: int, l1: int) -> None:
+            if cache_key(h) != spec.key:
+                raise ValueError(f"{path}: changed since the request was scheduled")
+            mine = [i for i, layer in enumerate(self._tensor_layers) if l0 <= layer < l1]
+            if mine:
+                copy_to_blocks(data, self._dtype, h["n_layers"], h["n_tokens"], h["kv_heads"], h["head_dim"],
+                               [self._tensors[i] for i in mine], self._layout, spec.block_ids, block_size,
+                               spec.t0, spec.t1, self._head_start, self._use_torch, self._local_heads,
+                               [self._destinations[i] for i in mine] if self._destinations else None, self._cp,
+                               [self._tensor_layers[i] for i in mine])
+            copied.append((l0, l1))
+
+        def cold(buf: Any) -> Tuple[Dict[str, Any], Any]:  # reads overlap the copies of earlier layers
+            return pipelined_load(path, self._dtype, buf, self._n_layers,
+                                  lambda h, l0, l1: copy(h, buf, l0, l1), model_fingerprint=self._model_fp,
+                                  kv_heads=self._kv_heads, head_dim=self._head_dim, parts=self._load_parts)
+
+        with self._pool_lock:
             entry, hit = self._pool.get(path, self._dtype, cold, nbytes)
             try:
                 if not copied:  # a pool hit: the whole copy now
@@ -423,12 +488,7 @@ class KVFoldConnector(KVConnectorBase_V1):
                 zero_slots(self._draft, self._layout, spec.block_ids, block_size, spec.t0, spec.t1, self._cp)
             finally:
                 self._pool.release(entry)
-            self.last_loads.append((spec.req_id, hit))
-        except Exception as e:  # every failure becomes a load error: vLLM then fails the request
-            if spec.t1 > spec.t0:
-                self._load_errors.update(spec.block_ids[spec.t0 // block_size:(spec.t1 - 1) // block_size + 1])
-            logger.error("kvfold: request %s: KV of tokens [%d, %d) not loaded: %s", spec.req_id, spec.t0,
-                         spec.t1, e)
+        return hit
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # the load finished in start_load_kv
@@ -440,16 +500,44 @@ class KVFoldConnector(KVConnectorBase_V1):
         return None
 
     def get_finished(self, finished_req_ids: set) -> Tuple[Optional[set], Optional[set]]:
-        return None, None
+        """(None, the requests whose async loads ended since the last call). A failed load's
+        blocks go to get_block_ids_with_load_errors, which vLLM calls after this in the same step,
+        so the request is failed before it could be scheduled. A request vLLM finished while its
+        load ran (an abort) is cancelled if its load has not started and reported once its thread
+        has stopped: only then does vLLM free its blocks."""
+        for rid in finished_req_ids or ():
+            if rid in self._inflight:
+                self._aborted.add(rid)
+                self._inflight[rid][0].cancel()
+        done = set()
+        for rid, (fut, spec, block_size) in list(self._inflight.items()):
+            if not fut.done():
+                continue
+            del self._inflight[rid]
+            done.add(rid)
+            aborted = rid in self._aborted
+            self._aborted.discard(rid)
+            if fut.cancelled():
+                continue
+            err = fut.exception()
+            if err is None:
+                self.last_loads.append((rid, fut.result()))
+            elif not aborted:
+                self._report_failure(spec, block_size, err)
+        return None, (done or None)
 
     def get_block_ids_with_load_errors(self) -> set:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def handle_preemptions(self, *args: Any, **kwargs: Any) -> None:
-        return None  # loads are synchronous: nothing in flight to cancel
+        return None  # only running requests are preempted, and none of them has a load in flight
 
     def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+        self._inflight.clear()
         self._pool.evict()
         self._tensors = []
 

@@ -6,7 +6,15 @@ at allocation time, a token budget (chunked prefill), allocation failures (the w
 at the first, as vLLM's `break`), preemption, and vLLM's handling of failed loads: only blocks
 inside a request's pre-step computed range count; under "fail" the invalid blocks and every block
 after them leave the prefix cache and the request finishes FINISHED_ERROR without output; under
-"recompute" its computed tokens are cut at the first bad block. The "model" writes a marker into
+"recompute" its computed tokens are cut at the first bad block. Asynchronous loads follow vLLM's
+WAITING_FOR_REMOTE_KVS state (scheduler.py at 00024d31: schedule, _update_waiting_for_remote_kv,
+_handle_invalid_blocks, finish_requests, _update_from_kv_xfer_finished): a claim answered
+(E, True) gets blocks for its L + E tokens only, none cached, and waits; when the worker reports it
+in get_finished it becomes computed up to len(blocks) * block_size (at most the prompt less one
+token), its blocks are cached and it is scheduled as usual. Failed blocks of a waiting request fail
+it (all its blocks count); a request finished while it waits for its load keeps its blocks until
+the worker reports it, and a report for a request the scheduler does not hold fails an assert, as
+in vLLM. The "model" writes a marker into
 the slots of the tokens it computes. The KV cache layout defaults to the stand-in vllm profile's
 (vllm.PROFILE): FlashAttention blocks-first for 0.25, packed for 0.26.
 """
@@ -16,6 +24,7 @@ import importlib
 import inspect
 import pickle
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
@@ -310,6 +319,10 @@ class Engine:
         self.steps: List[Dict[str, Any]] = []
         self.metas: List[Any] = []
         self.recomputed: set = set()
+        self.finished_recving: set = set()    # async loads reported done, not yet promoted
+        self.delayed: Dict[str, Request] = {}  # finished requests whose blocks wait for the worker
+        self.async_slots: Dict[str, set] = {}  # slots an async load in flight may write
+        self.async_promoted: List[str] = []    # request ids, in the order their loads were taken up
 
     # -- requests
     def add_request(self, req: Request) -> None:
@@ -369,15 +382,43 @@ class Engine:
         self.waiting.insert(0, req)
 
     def _finish(self, req: Request, status: str) -> None:
+        """vLLM's finish_requests/_free_request: a request still waiting for its async load keeps
+        its blocks until the worker reports the load (as does one whose connector asks to delay)."""
+        delay = False
+        if req.status == "WAITING_FOR_REMOTE_KVS":
+            delay = req.request_id not in self.finished_recving
+            self.finished_recving.discard(req.request_id)
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
         req.status = status
-        self.scheduler.request_finished(req, list(req.blocks))
-        self._release(req.blocks)
+        connector_delay, _ = self.scheduler.request_finished(req, list(req.blocks))
+        if delay or connector_delay:
+            self.delayed[req.request_id] = req
+        else:
+            self._release(req.blocks)
         self.finished[req.request_id] = req
         self._finished_ids.add(req.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """The API server's abort (finish_requests with FINISHED_ABORTED)."""
+        req = next(r for r in self.running + self.waiting if r.request_id == request_id)
+        self._finish(req, "FINISHED_ABORTED")
+
+    def _promote(self, req: Request) -> bool:
+        """_update_waiting_for_remote_kv: ready once the worker reported the load."""
+        if req.request_id not in self.finished_recving:
+            return False
+        self.finished_recving.discard(req.request_id)
+        n = min(len(req.blocks) * self.bs, req.num_tokens)
+        if n == req.num_tokens:
+            n -= 1
+        self._cache_blocks(req, n)
+        req.num_computed_tokens = n
+        req.status = "PREEMPTED" if req.num_preemptions else "WAITING"
+        self.async_promoted.append(req.request_id)
+        return True
 
     # -- one engine step
     def step(self) -> Dict[str, Any]:
@@ -406,22 +447,31 @@ class Engine:
         for req in list(self.waiting):
             if budget <= 0:
                 break
-            hit = self._local_hit(req)
-            L = len(hit) * self.bs
-            E, load_async = self.scheduler.get_num_new_matched_tokens(req, L)
-            if E is None:
-                self._release(hit)
-                continue
-            assert load_async is False
-            num_new = min(req.num_tokens - L - E, budget)
-            assert num_new > 0, "the connector claimed every token"
-            need = -(-(L + E + num_new) // self.bs) - len(hit)
+            if req.status == "WAITING_FOR_REMOTE_KVS" and not self._promote(req):
+                continue  # still loading: skipped, stays at the head of the queue
+            if req.num_computed_tokens == 0:
+                held = self._local_hit(req)
+                L = len(held) * self.bs
+                E, load_async = self.scheduler.get_num_new_matched_tokens(req, L)
+                if E is None:
+                    self._release(held)
+                    continue
+                assert not load_async or E > 0, "an async claim of 0 tokens"
+            else:  # its async load finished: the blocks it holds are computed
+                held, L, E, load_async = list(req.blocks), req.num_computed_tokens, 0, False
+            num_new = 0 if load_async else min(req.num_tokens - L - E, budget)
+            assert load_async or num_new > 0, "the connector claimed every token"
+            need = -(-(L + E + num_new) // self.bs) - len(held)
             if self.fail_alloc.get(req.request_id, 0) > 0 or need > len(self.free):
                 self.fail_alloc[req.request_id] = self.fail_alloc.get(req.request_id, 0) - 1
-                self._release(hit)
+                if req.num_computed_tokens == 0:
+                    self._release(held)
                 break  # vLLM: the waiting queue stops at the first request it cannot allocate
-            req.blocks = hit + self._take(need)
+            req.blocks = held + self._take(max(0, need))
             self.scheduler.update_state_after_alloc(req, KVCacheBlocks((list(req.blocks),)), E)  # also when E is 0
+            if load_async:  # blocks for L + E tokens, not cached until the load is reported
+                req.status = "WAITING_FOR_REMOTE_KVS"
+                continue
             req.num_computed_tokens = L + E
             self._cache_blocks(req, L + E + num_new)
             self.waiting.remove(req)
@@ -442,6 +492,9 @@ class Engine:
         so.finished_req_ids, self._finished_ids = self._finished_ids, set()
         meta = self.scheduler.build_connector_meta(so)
         assert meta is not None and isinstance(meta, KVConnectorMetadata)
+        for spec in getattr(meta, "loads", []):
+            if getattr(spec, "asynchronous", False):
+                self.async_slots[spec.req_id] = set(slots_of(spec.block_ids, self.bs, spec.t0, spec.t1))
         so.kv_connector_metadata = meta
         self.metas.append(meta)
         starts = {r.request_id: r.num_computed_tokens for r in scheduled}
@@ -483,7 +536,7 @@ class Engine:
 
     def _check_untouched(self, before: Dict[str, torch.Tensor], meta: Any) -> None:
         """Every slot outside the loads' [t0, t1) ranges is byte-identical after start_load_kv."""
-        allowed = set()
+        allowed = set().union(*self.async_slots.values())  # async loads may write at any time
         for spec in getattr(meta, "loads", []):
             allowed.update(slots_of(spec.block_ids, self.bs, spec.t0, spec.t1))
         for n, t in self.caches.items():
@@ -499,6 +552,10 @@ class Engine:
 
     def _update_from_output(self, scheduled: List[Request], out: WorkerOutput, starts: Dict[str, int]) -> None:
         bad = out.invalid_block_ids
+        for req in [r for r in self.waiting if r.status == "WAITING_FOR_REMOTE_KVS"] if bad else []:
+            if any(b in bad for b in req.blocks):  # an async load: every allocated block counts
+                assert self.policy == "fail", "the harness models async failures under 'fail' only"
+                self._finish(req, "FINISHED_ERROR")
         for req in list(self.running) if bad else []:
             computed = req.blocks[:-(-starts.get(req.request_id, req.num_computed_tokens) // self.bs)]
             first = next((i for i, b in enumerate(computed) if b in bad), None)  # only the pre-step computed range
@@ -512,7 +569,7 @@ class Engine:
             else:  # "recompute": computed again from the first bad block, on the placeholder ids; the
                 req.num_computed_tokens = first * self.bs  # blocks keep their hashes in the prefix cache
                 self.recomputed.add(req.request_id)
-        self.scheduler.update_connector_output(out)
+        self._update_from_xfer(out)
         list(self.scheduler.take_events())
         for req in scheduled:
             if req.status == "RUNNING" and req.num_computed_tokens >= req.num_tokens:
@@ -520,12 +577,35 @@ class Engine:
                 if len(req.output_token_ids) >= req.max_tokens:
                     self._finish(req, "FINISHED_LENGTH")
 
-    def run(self, max_steps: int = 50) -> None:
-        for _ in range(max_steps):
-            if not self.waiting and not self.running:
-                return
-            self.step()
-        raise AssertionError("requests did not finish")
+    def _update_from_xfer(self, out: WorkerOutput) -> None:
+        """_update_from_kv_xfer_finished: a reported load readies its waiting request, or frees the
+        blocks of one finished meanwhile; any other id is an error."""
+        self.scheduler.update_connector_output(out)
+        sending, recving = out.finished if out.finished else (None, None)
+        assert not sending, "a consumer connector reported sends"
+        for rid in recving or ():
+            self.async_slots.pop(rid, None)
+            if rid in self.delayed:
+                self._release(self.delayed.pop(rid).blocks)
+                continue
+            req = [r for r in self.waiting if r.request_id == rid]
+            assert len(req) == 1 and req[0].status == "WAITING_FOR_REMOTE_KVS", f"unknown finished load {rid}"
+            assert rid not in self.finished_recving, f"load of {rid} reported twice"
+            self.finished_recving.add(rid)
+
+    def run(self, max_steps: int = 50, max_wait_s: float = 60.0) -> None:
+        """Steps until every request finished and no blocks wait for a load; steps that only wait
+        for async loads (nothing scheduled) do not count, up to max_wait_s of them."""
+        deadline = time.monotonic() + max_wait_s
+        steps = 0
+        while self.waiting or self.running or self.delayed:
+            if steps >= max_steps or time.monotonic() > deadline:
+                raise AssertionError("requests did not finish")
+            loading = self.delayed or any(r.status == "WAITING_FOR_REMOTE_KVS" for r in self.waiting)
+            if self.step()["scheduled"] or not loading:
+                steps += 1
+            else:
+                time.sleep(0.002)
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
