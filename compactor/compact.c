@@ -922,9 +922,11 @@ static kf_status solve_layer(kf_compact_prep *x, variant_ws *w, int n, int l, fl
 
 kf_status kf_compact_solve(kf_compact_prep *x, const kf_compact_variant *v, int n, kf_compacted *outs,
                            kf_error *err) {
-    memset(outs, 0, sizeof *outs * (size_t)(n > 0 ? n : 0));
+    if (n <= 0)
+        return KF_OK;
+    memset(outs, 0, sizeof *outs * (size_t)n);
     const size_t row = (size_t)x->kvh * x->d;
-    variant_ws *w = calloc((size_t)(n > 0 ? n : 1), sizeof *w);
+    variant_ws *w = calloc((size_t)n, sizeof *w);
     float *K = malloc(sizeof(float) * (size_t)x->D * row), *V = malloc(sizeof(float) * (size_t)x->D * row);
     const int on_probes = x->p.fold_queries == KF_FOLD_ON_PROBES;
     float *qsub = on_probes ? malloc(sizeof(float) * (size_t)x->rq.R * x->d) : NULL; /* [R, d] */

@@ -176,7 +176,9 @@ typedef struct kf_compact_prep kf_compact_prep;
 kf_status kf_compact_prepare(kf_model *m, const kf_compact_reuse *reuse, const kf_prompt *prefix,
                              const kf_prompt *doc, const kf_prompt *suffix, const kf_compact_params *p,
                              const kf_compact_variant *v, int n, kf_compact_prep **out, kf_error *err);
-/* outs [n], in the compacted frame; on failure every outs[i] is freed (zeroed). */
+/* outs [n], in the compacted frame; on failure every outs[i] is freed (zeroed). The shared work's
+ * times (prefill, reference queries, the targets inside select_s, the validation split inside
+ * choice_s) appear in every output's stats. */
 kf_status kf_compact_solve(kf_compact_prep *prep, const kf_compact_variant *v, int n, kf_compacted *outs,
                            kf_error *err);
 /* keep: NULL (the context's pages are released), or receives them (reuse->keep). */
