@@ -372,416 +372,605 @@ kf_status kf_compact(kf_model *m, const kf_prompt *prefix, const kf_prompt *doc,
     return kf_compact_ex(m, NULL, prefix, doc, suffix, p, out, err);
 }
 
-kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_prompt *prefix, const kf_prompt *doc,
-                        const kf_prompt *suffix, const kf_compact_params *p, kf_compacted *out, kf_error *err) {
-    memset(out, 0, sizeof *out);
-    const kf_hfconfig *c = kf_model_config(m);
-    const int L = c->n_layers, kvh = c->n_kv_heads, d = c->head_dim, nh = c->n_heads, G = nh / kvh;
-    const int n_pre = prefix ? prefix->n : 0, n_doc = doc->n, n_suf = suffix ? suffix->n : 0;
-    const int64_t D = (int64_t)n_pre + n_doc + n_suf;
-    if (n_doc < 1)
+/* ---- stages 1-2: plan, prefill, reference queries (kf_compact_prepare) ---- */
+
+struct kf_compact_prep {
+    kf_model *m;
+    kf_compact_params p;       /* the caller's; method and budget come from each variant */
+    int L, kvh, d, G, nh, n_pre, n_doc, n_suf, n_sources;
+    int64_t D;
+    float scale;
+    kf_arena own_arena;
+    kf_arena *ar;              /* own_arena or the caller's */
+    kf_seq seq;                /* the context's pages (D tokens) */
+    kf_refq rq;                /* reference queries, [L][kvh][R, d] */
+    uint8_t *pos_kind, *is_val; /* validation plan, [n_pos] each (NULL: no variant needs it) */
+    int *pos_src;
+    int64_t *pos_local, n_val_pos;
+    appended_kv ap;
+    double prefill_s, refq_s;
+};
+
+static kf_status check_variant(const kf_compact_variant *v, kf_error *err) {
+    if (!(v->budget > 0 && v->budget <= 1))
+        return kf_fail(err, KF_ERR_INVALID, "compact: budget %g must be in (0, 1]", v->budget);
+    if ((unsigned)v->method > KF_METHOD_FOLD)
+        return kf_fail(err, KF_ERR_INVALID, "compact: unknown method %d", (int)v->method);
+    return KF_OK;
+}
+
+static kf_compact_params variant_params(const kf_compact_params *p, const kf_compact_variant *v) {
+    kf_compact_params q = *p;
+    q.method = v->method;
+    q.budget = v->budget;
+    return q;
+}
+
+static kf_status check_context(const kf_compact_prep *x, const kf_compact_reuse *reuse, int64_t shared,
+                               kf_error *err) {
+    const kf_hfconfig *c = kf_model_config(x->m);
+    if (x->n_doc < 1)
         return kf_fail(err, KF_ERR_INVALID, "compact: the document is empty");
-    if (!(p->budget > 0 && p->budget <= 1))
-        return kf_fail(err, KF_ERR_INVALID, "compact: budget %g must be in (0, 1]", p->budget);
-    if (p->max_queries < G)
+    if (x->p.max_queries < x->G)
         return kf_fail(err, KF_ERR_INVALID, "compact: max_queries %lld is below the group size %d",
-                       (long long)p->max_queries, G);
-    if ((unsigned)p->method > KF_METHOD_FOLD)
-        return kf_fail(err, KF_ERR_INVALID, "compact: unknown method %d", (int)p->method);
-    if (c->max_position_embeddings > 0 && D > c->max_position_embeddings)
+                       (long long)x->p.max_queries, x->G);
+    if (c->max_position_embeddings > 0 && x->D > c->max_position_embeddings)
         return kf_fail(err, KF_ERR_INVALID, "compact: %lld context tokens exceed the model's %d positions",
-                       (long long)D, c->max_position_embeddings);
-    const int64_t shared = reuse && reuse->parent ? reuse->shared : 0;
-    if (shared < 0 || shared >= D || (shared > 0 && (!reuse->arena || shared > reuse->parent->len)))
+                       (long long)x->D, c->max_position_embeddings);
+    if (shared < 0 || shared >= x->D || (shared > 0 && (!reuse->arena || shared > reuse->parent->len)))
         return kf_fail(err, KF_ERR_INVALID, "compact: cannot share %lld of %lld context tokens (parent holds %lld)",
-                       (long long)shared, (long long)D, reuse && reuse->parent ? (long long)reuse->parent->len : 0LL);
+                       (long long)shared, (long long)x->D, reuse && reuse->parent ? (long long)reuse->parent->len : 0LL);
     if (reuse && reuse->keep && !reuse->arena)
         return kf_fail(err, KF_ERR_INVALID, "compact: keeping the context's pages needs the caller's arena");
-    if (shared > 0 && p->use_context_queries)
+    if (shared > 0 && x->p.use_context_queries)
         return kf_fail(err, KF_ERR_INVALID, "compact: context queries need the whole context computed (shared %lld)",
                        (long long)shared);
+    return KF_OK;
+}
 
-    int t = (int)floor(p->budget * n_doc);
-    t = t < 1 ? 1 : (t > n_doc ? n_doc : t);
-    /* Per-head budgets: C holds the largest head (vLLM has one length for every layer and head);
-     * am pads the smaller heads with no-weight slots, the bias-free methods keep t keys in all. */
-    int *budgets = malloc(sizeof(int) * (size_t)L * kvh);
-    if (!budgets)
-        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
-    head_budgets(p, L * kvh, n_doc, t, budgets);
-    if (p->head_budgets) {
-        t = 1;
-        for (int i = 0; i < L * kvh; i++)
-            t = budgets[i] > t ? budgets[i] : t;
-    }
-    const int64_t C = n_pre + (int64_t)t + n_suf;
-    const float scale = 1.0f / sqrtf((float)d);
-
-    /* ---- plan the reference-query sources and the subsample ---- */
-    const int n_sources = 2 + p->n_probes;
-    source *src = calloc((size_t)n_sources, sizeof *src);
-    int32_t *ctx_ids = malloc(sizeof(int32_t) * (size_t)D);
-    kf_status rc = KF_OK;
-    kf_arena own_arena = {0};
-    kf_arena *const ar = reuse && reuse->arena ? reuse->arena : &own_arena;
-    kf_seq seq;
-    kf_seq_init(&seq);
-    kf_refq rq = {0};
-    int64_t *sample = NULL;
-    int32_t *rows = NULL;
-    float **qbuf = NULL;
-    float *K = NULL, *V = NULL;
-    int32_t *sel = NULL;
-    float *beta = NULL, *kfold = NULL, *vals = NULL, *qsub = NULL, *kc = NULL, *vo = NULL;
-    uint8_t *pos_kind = NULL, *is_val = NULL;
-    int *pos_src = NULL;
-    int64_t *pos_local = NULL, n_val_pos = 0;
-    appended_kv ap = {0};
-    head_split sp = {0};
-    const int choice = kf_head_choice_active(p);
-    if (!src || !ctx_ids) {
-        rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
-        goto out;
-    }
-    if (n_pre)
-        memcpy(ctx_ids, prefix->ids, sizeof(int32_t) * n_pre);
-    memcpy(ctx_ids + n_pre, doc->ids, sizeof(int32_t) * n_doc);
-    if (n_suf)
-        memcpy(ctx_ids + n_pre + n_doc, suffix->ids, sizeof(int32_t) * n_suf);
+/* src [n_sources]: the document's own queries, the repeat prompt (instruction + document, owned),
+ * the probes; *n_cand their total length, *longest the longest source after the context. */
+static kf_status plan_sources(const kf_compact_prep *x, const kf_prompt *doc, source *src, int64_t *n_cand,
+                              int64_t *longest, kf_error *err) {
+    const kf_compact_params *p = &x->p;
     if (p->use_context_queries)
-        src[0] = (source){doc->ids, n_doc, KF_REFQ_CONTEXT, NULL};
+        src[0] = (source){doc->ids, x->n_doc, KF_REFQ_CONTEXT, NULL};
     if (p->repeat_instruction.n > 0) {
-        const int n = p->repeat_instruction.n + n_doc;
-        src[1].ids_owned = malloc(sizeof(int32_t) * (size_t)n);
-        if (!src[1].ids_owned) {
-            rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
-            goto out;
-        }
-        memcpy(src[1].ids_owned, p->repeat_instruction.ids, sizeof(int32_t) * p->repeat_instruction.n);
-        memcpy(src[1].ids_owned + p->repeat_instruction.n, doc->ids, sizeof(int32_t) * n_doc);
-        src[1] = (source){src[1].ids_owned, n, KF_REFQ_REPEAT, src[1].ids_owned};
+        const int n = p->repeat_instruction.n + x->n_doc;
+        int32_t *ids = malloc(sizeof(int32_t) * (size_t)n);
+        if (!ids)
+            return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
+        memcpy(ids, p->repeat_instruction.ids, sizeof(int32_t) * p->repeat_instruction.n);
+        memcpy(ids + p->repeat_instruction.n, doc->ids, sizeof(int32_t) * x->n_doc);
+        src[1] = (source){ids, n, KF_REFQ_REPEAT, ids};
     }
-    int64_t n_cand = 0, longest = 0;
     for (int i = 0; i < p->n_probes; i++)
         src[2 + i] = (source){p->probes[i].ids, p->probes[i].n, KF_REFQ_PROBE, NULL};
-    for (int i = 0; i < n_sources; i++) {
-        n_cand += src[i].n;
-        if (i > 0 && src[i].n > longest)
-            longest = src[i].n;
+    *n_cand = *longest = 0;
+    for (int i = 0; i < x->n_sources; i++) {
+        *n_cand += src[i].n;
+        if (i > 0 && src[i].n > *longest)
+            *longest = src[i].n;
     }
-    if (n_cand == 0) {
-        rc = kf_fail(err, KF_ERR_INVALID,
-                     "compact: no reference queries: give a repeat instruction, probes or context queries");
-        goto out;
-    }
-    const int64_t cap_pos = p->max_queries / G;
-    const int64_t n_pos = n_cand < cap_pos ? n_cand : cap_pos;
-    sample = malloc(sizeof(int64_t) * (size_t)n_pos);
-    rows = malloc(sizeof(int32_t) * (size_t)(n_pos ? n_pos : 1));
-    qbuf = calloc((size_t)L, sizeof *qbuf);
-    if (!sample || !rows || !qbuf || kf_sample_indices(n_cand, n_pos, p->seed, sample) != 0) {
-        rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
-        goto out;
-    }
-    if ((rc = kf_refq_init(&rq, L, kvh, d, G, n_pos, err)) != KF_OK)
-        goto out;
-    if (choice && (rc = plan_validation(src, n_sources, sample, n_pos, p, L, (size_t)kvh * d, &pos_kind, &pos_src, &pos_local, &is_val,
-                                        &n_val_pos, &ap, err)) != KF_OK)
-        goto out;
-    /* capture buffers sized for the largest per-source count */
-    int64_t max_rows = 0;
-    {
-        int64_t base = 0, k = 0;
-        for (int i = 0; i < n_sources; i++) {
-            int64_t cnt = 0;
-            while (k + cnt < n_pos && sample[k + cnt] < base + src[i].n)
-                cnt++;
-            max_rows = cnt > max_rows ? cnt : max_rows;
-            k += cnt;
-            base += src[i].n;
-        }
-    }
-    for (int l = 0; l < L; l++) {
-        qbuf[l] = malloc(sizeof(float) * (size_t)(max_rows ? max_rows : 1) * nh * d);
-        if (!qbuf[l]) {
-            rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for query capture");
-            goto out;
-        }
-    }
+    if (*n_cand == 0)
+        return kf_fail(err, KF_ERR_INVALID,
+                       "compact: no reference queries: give a repeat instruction, probes or context queries");
+    return KF_OK;
+}
 
-    /* ---- prefill the context, then each source on top of it ---- */
+/* Capture buffers qbuf[L] [max_rows, nh * d] for the largest per-source count of sample [n_pos]. */
+static kf_status capture_alloc(const kf_compact_prep *x, const source *src, const int64_t *sample, int64_t n_pos,
+                               float **qbuf, kf_error *err) {
+    int64_t max_rows = 0, base = 0, k = 0;
+    for (int i = 0; i < x->n_sources; i++) {
+        int64_t cnt = 0;
+        while (k + cnt < n_pos && sample[k + cnt] < base + src[i].n)
+            cnt++;
+        max_rows = cnt > max_rows ? cnt : max_rows;
+        k += cnt;
+        base += src[i].n;
+    }
+    for (int l = 0; l < x->L; l++)
+        if (!(qbuf[l] = malloc(sizeof(float) * (size_t)(max_rows ? max_rows : 1) * x->nh * x->d)))
+            return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for query capture");
+    return KF_OK;
+}
+
+/* The forward pass of source i >= 1 on top of the context (QUOKA window for the repeat), its
+ * validation prompts' keys and values kept, then the KV rewound to the context. */
+static kf_status run_source(kf_compact_prep *x, const source *src, int i, const int32_t *rows, int n_rows,
+                            float **qbuf, kf_error *err) {
+    const kf_compact_params *p = &x->p;
+    kf_forward_args fa = {.ids = src[i].ids, .n_tokens = src[i].n, .chunk = p->chunk, .capture_rows = rows,
+                          .n_capture_rows = n_rows, .queries = n_rows ? qbuf : NULL};
+    kf_quoka_params rq_quoka;
+    if (i == 1 && p->quoka && p->quoka_repeat) {
+        /* the copy token at sequence index D + I + j reads document token j at n_pre + j */
+        rq_quoka = *p->quoka;
+        if (p->quoka_margin >= 0) {
+            rq_quoka.align_start = x->D + p->repeat_instruction.n;
+            rq_quoka.align_shift = x->D + p->repeat_instruction.n - x->n_pre;
+            rq_quoka.align_margin = p->quoka_margin;
+        }
+        fa.quoka = &rq_quoka;
+    }
+    if (p->progress)
+        p->progress(p->progress_ctx, i == 1 ? "repeat" : "probes", i, x->n_sources);
+    KF_TRY(kf_model_forward(x->m, x->ar, &x->seq, &fa, err));
+    const appended_kv *ap = &x->ap;
+    const size_t row = (size_t)x->kvh * x->d;
+    for (int l = 0; ap->k && ap->k[i] && l < x->L; l++) /* validation rows' prompts */
+        KF_TRY(kf_seq_read_kv(x->ar, &x->seq, l, x->D, ap->n[i], ap->k[i] + (size_t)l * ap->n[i] * row,
+                              ap->v[i] + (size_t)l * ap->n[i] * row, err));
+    return kf_seq_truncate(x->ar, &x->seq, x->D, err); /* KV rewind */
+}
+
+/* Prefill the context (from `shared` on, forking reuse->parent), then each source on top of it;
+ * the sampled rows' queries go to x->rq. */
+static kf_status run_forwards(kf_compact_prep *x, const kf_compact_reuse *reuse, int64_t shared,
+                              const int32_t *ctx_ids, const source *src, const int64_t *sample, int64_t n_pos,
+                              int32_t *rows, float **qbuf, kf_error *err) {
     double t0 = now_s();
-    if (ar == &own_arena && (rc = kf_model_arena(m, ar, D + longest + KF_PAGE_TOKENS, err)) != KF_OK)
-        goto out;
     int64_t base = 0, k = 0;
-    for (int i = 0; i < n_sources; i++) {
+    for (int i = 0; i < x->n_sources; i++) {
         int n_rows = 0;
         const int64_t first = k;
         while (k < n_pos && sample[k] < base + src[i].n)
             rows[n_rows++] = (int32_t)(sample[k++] - base);
         if (i == 0) { /* the context prefill; its document rows are source 0 */
             for (int r = 0; r < n_rows; r++)
-                rows[r] += n_pre;
-            kf_forward_args fa = {.ids = ctx_ids + shared, .n_tokens = (int)(D - shared), .chunk = p->chunk,
+                rows[r] += x->n_pre;
+            kf_forward_args fa = {.ids = ctx_ids + shared, .n_tokens = (int)(x->D - shared), .chunk = x->p.chunk,
                                   .capture_rows = rows, .n_capture_rows = n_rows, .queries = n_rows ? qbuf : NULL,
-                                  .quoka = p->quoka};
-            if (p->progress)
-                p->progress(p->progress_ctx, "prefill", 0, D);
-            if (shared > 0 && (rc = kf_seq_fork(ar, reuse->parent, shared, &seq, err)) != KF_OK)
-                goto out;
-            if ((rc = kf_model_forward(m, ar, &seq, &fa, err)) != KF_OK)
-                goto out;
-            out->stats.prefill_s = now_s() - t0;
+                                  .quoka = x->p.quoka};
+            if (x->p.progress)
+                x->p.progress(x->p.progress_ctx, "prefill", 0, x->D);
+            if (shared > 0)
+                KF_TRY(kf_seq_fork(x->ar, reuse->parent, shared, &x->seq, err));
+            KF_TRY(kf_model_forward(x->m, x->ar, &x->seq, &fa, err));
+            x->prefill_s = now_s() - t0;
             t0 = now_s();
         } else if (src[i].n > 0) {
-            kf_forward_args fa = {.ids = src[i].ids, .n_tokens = src[i].n, .chunk = p->chunk, .capture_rows = rows,
-                                  .n_capture_rows = n_rows, .queries = n_rows ? qbuf : NULL};
-            kf_quoka_params rq_quoka;
-            if (i == 1 && p->quoka && p->quoka_repeat) {
-                /* the copy token at sequence index D + I + j reads document token j at n_pre + j */
-                rq_quoka = *p->quoka;
-                if (p->quoka_margin >= 0) {
-                    rq_quoka.align_start = D + p->repeat_instruction.n;
-                    rq_quoka.align_shift = D + p->repeat_instruction.n - n_pre;
-                    rq_quoka.align_margin = p->quoka_margin;
-                }
-                fa.quoka = &rq_quoka;
-            }
-            if (p->progress)
-                p->progress(p->progress_ctx, i == 1 ? "repeat" : "probes", i, n_sources);
-            if ((rc = kf_model_forward(m, ar, &seq, &fa, err)) != KF_OK)
-                goto out;
-            for (int l = 0; ap.k && ap.k[i] && l < L && rc == KF_OK; l++) /* validation rows' prompts */
-                rc = kf_seq_read_kv(ar, &seq, l, D, ap.n[i], ap.k[i] + (size_t)l * ap.n[i] * kvh * d,
-                                    ap.v[i] + (size_t)l * ap.n[i] * kvh * d, err);
-            if (rc != KF_OK)
-                goto out;
-            if ((rc = kf_seq_truncate(ar, &seq, D, err)) != KF_OK) /* KV rewind */
-                goto out;
+            KF_TRY(run_source(x, src, i, rows, n_rows, qbuf, err));
         }
         if (n_rows)
-            kf_refq_store(&rq, qbuf, n_rows, first, src[i].kind);
+            kf_refq_store(&x->rq, qbuf, n_rows, first, src[i].kind);
         base += src[i].n;
     }
-    out->stats.refq_s = now_s() - t0;
-    out->stats.n_queries = rq.R;
+    x->refq_s = now_s() - t0;
+    return KF_OK;
+}
 
-    /* ---- per layer, per KV head ---- */
-    out->n_layers = L;
-    out->kv_heads = kvh;
-    out->head_dim = d;
-    out->D = D;
-    out->C = C;
-    out->n_prefix = n_pre;
-    out->n_suffix = n_suf;
-    out->t = t;
-    out->method = p->method;
-    out->budget = p->budget;
-    out->lambda_rel = p->lambda_rel;
+/* Sources, subsample, validation plan, arena, then the forward passes. */
+static kf_status prepare_run(kf_compact_prep *x, const kf_compact_reuse *reuse, int64_t shared, const kf_prompt *doc,
+                             const int32_t *ctx_ids, int choice, source *src, kf_error *err) {
+    int64_t n_cand = 0, longest = 0;
+    KF_TRY(plan_sources(x, doc, src, &n_cand, &longest, err));
+    const int64_t cap_pos = x->p.max_queries / x->G;
+    const int64_t n_pos = n_cand < cap_pos ? n_cand : cap_pos;
+    int64_t *sample = malloc(sizeof(int64_t) * (size_t)(n_pos ? n_pos : 1));
+    int32_t *rows = malloc(sizeof(int32_t) * (size_t)(n_pos ? n_pos : 1));
+    float **qbuf = calloc((size_t)x->L, sizeof *qbuf);
+    kf_status rc = KF_OK;
+    if (!sample || !rows || !qbuf || kf_sample_indices(n_cand, n_pos, x->p.seed, sample) != 0)
+        rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
+    if (rc == KF_OK)
+        rc = kf_refq_init(&x->rq, x->L, x->kvh, x->d, x->G, n_pos, err);
+    if (rc == KF_OK && choice)
+        rc = plan_validation(src, x->n_sources, sample, n_pos, &x->p, x->L, (size_t)x->kvh * x->d, &x->pos_kind,
+                             &x->pos_src, &x->pos_local, &x->is_val, &x->n_val_pos, &x->ap, err);
+    if (rc == KF_OK)
+        rc = capture_alloc(x, src, sample, n_pos, qbuf, err);
+    if (rc == KF_OK && x->ar == &x->own_arena)
+        rc = kf_model_arena(x->m, x->ar, x->D + longest + KF_PAGE_TOKENS, err);
+    if (rc == KF_OK)
+        rc = run_forwards(x, reuse, shared, ctx_ids, src, sample, n_pos, rows, qbuf, err);
+    for (int l = 0; qbuf && l < x->L; l++)
+        free(qbuf[l]);
+    free(qbuf);
+    free(rows);
+    free(sample);
+    return rc;
+}
+
+kf_status kf_compact_prepare(kf_model *m, const kf_compact_reuse *reuse, const kf_prompt *prefix,
+                             const kf_prompt *doc, const kf_prompt *suffix, const kf_compact_params *p,
+                             const kf_compact_variant *v, int n_variants, kf_compact_prep **out, kf_error *err) {
+    *out = NULL;
+    const kf_hfconfig *c = kf_model_config(m);
+    kf_compact_prep *x = calloc(1, sizeof *x);
+    if (!x)
+        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
+    *x = (kf_compact_prep){.m = m, .p = *p, .L = c->n_layers, .kvh = c->n_kv_heads, .d = c->head_dim,
+                           .nh = c->n_heads, .G = c->n_heads / c->n_kv_heads, .n_pre = prefix ? prefix->n : 0,
+                           .n_doc = doc->n, .n_suf = suffix ? suffix->n : 0, .n_sources = 2 + p->n_probes};
+    x->D = (int64_t)x->n_pre + x->n_doc + x->n_suf;
+    x->scale = 1.0f / sqrtf((float)x->d);
+    x->ar = reuse && reuse->arena ? reuse->arena : &x->own_arena;
+    kf_seq_init(&x->seq);
+    const int64_t shared = reuse && reuse->parent ? reuse->shared : 0;
+    int choice = 0; /* the validation split is planned when a variant needs it */
+    kf_status rc = check_context(x, reuse, shared, err);
+    for (int i = 0; rc == KF_OK && i < n_variants; i++) {
+        const kf_compact_params vp = variant_params(p, &v[i]);
+        rc = check_variant(&v[i], err);
+        choice |= kf_head_choice_active(&vp);
+    }
+    source *src = calloc((size_t)x->n_sources, sizeof *src);
+    int32_t *ctx_ids = malloc(sizeof(int32_t) * (size_t)(x->D ? x->D : 1));
+    if (rc == KF_OK && (!src || !ctx_ids))
+        rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
+    if (rc == KF_OK) {
+        if (x->n_pre)
+            memcpy(ctx_ids, prefix->ids, sizeof(int32_t) * x->n_pre);
+        memcpy(ctx_ids + x->n_pre, doc->ids, sizeof(int32_t) * x->n_doc);
+        if (x->n_suf)
+            memcpy(ctx_ids + x->n_pre + x->n_doc, suffix->ids, sizeof(int32_t) * x->n_suf);
+        rc = prepare_run(x, reuse, shared, doc, ctx_ids, choice, src, err);
+    }
+    if (src)
+        free(src[1].ids_owned);
+    free(src);
+    free(ctx_ids);
+    if (rc != KF_OK)
+        kf_compact_prep_free(x, NULL);
+    else
+        *out = x;
+    return rc;
+}
+
+void kf_compact_prep_free(kf_compact_prep *x, kf_seq *keep) {
+    if (!x)
+        return;
+    if (keep)
+        *keep = x->seq; /* the caller now owns these pages */
+    else
+        kf_seq_release(x->ar, &x->seq);
+    if (x->own_arena.storage)
+        kf_arena_free(&x->own_arena);
+    kf_refq_free(&x->rq);
+    free(x->pos_kind);
+    free(x->is_val);
+    free(x->pos_src);
+    free(x->pos_local);
+    appended_free(&x->ap);
+    free(x);
+}
+
+/* ---- stages 3-4: per layer and KV head the targets once, then every variant (kf_compact_solve) ---- */
+
+/* One variant's state in kf_compact_solve. */
+typedef struct {
+    kf_compact_params p;           /* the prep's, with this variant's method and budget */
+    int choice, t;                 /* per-head choice on; kept keys per head (the largest) */
+    int *budgets;                  /* [L * kvh] kept keys of each head */
+    int32_t *sel;                  /* [t] */
+    float *beta;                   /* [t] */
+    float *kfold, *vals, *kc, *vo; /* [t, d] each */
+    int folded;
+    double var_sum;
+    kf_compacted *out;
+} variant_ws;
+
+static void variant_free(variant_ws *w) {
+    free(w->budgets), free(w->sel), free(w->beta), free(w->kfold), free(w->vals), free(w->kc), free(w->vo);
+}
+
+/* t and the per-head budgets: C holds the largest head (vLLM has one length for every layer and
+ * head); am pads the smaller heads with no-weight slots, the bias-free methods keep t keys in all. */
+static kf_status variant_budgets(const kf_compact_prep *x, variant_ws *w, kf_error *err) {
+    const int n = x->L * x->kvh;
+    int t = (int)floor(w->p.budget * x->n_doc);
+    t = t < 1 ? 1 : (t > x->n_doc ? x->n_doc : t);
+    if (!(w->budgets = malloc(sizeof(int) * (size_t)n)))
+        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
+    head_budgets(&w->p, n, x->n_doc, t, w->budgets);
+    if (w->p.head_budgets) {
+        t = 1;
+        for (int i = 0; i < n; i++)
+            t = w->budgets[i] > t ? w->budgets[i] : t;
+    }
+    w->t = t;
+    return KF_OK;
+}
+
+/* The output's header and arrays and the variant's head buffers. */
+static kf_status variant_init(const kf_compact_prep *x, const kf_compact_variant *v, kf_compacted *out,
+                              variant_ws *w, kf_error *err) {
+    KF_TRY(check_variant(v, err));
+    w->p = variant_params(&x->p, v);
+    w->out = out;
+    w->choice = kf_head_choice_active(&w->p) && x->n_val_pos > 0;
+    if (kf_head_choice_active(&w->p) && !x->is_val)
+        return kf_fail(err, KF_ERR_INVALID, "compact: %s needs the per-head choice, not prepared for",
+                       kf_method_name(v->method));
+    KF_TRY(variant_budgets(x, w, err));
+    const int L = x->L, kvh = x->kvh, d = x->d, t = w->t;
+    const int64_t C = x->n_pre + (int64_t)t + x->n_suf;
     const size_t row = (size_t)kvh * d;
+    *out = (kf_compacted){.n_layers = L, .kv_heads = kvh, .head_dim = d, .D = x->D, .C = C, .n_prefix = x->n_pre,
+                          .n_suffix = x->n_suf, .t = t, .method = v->method, .budget = v->budget,
+                          .lambda_rel = x->p.lambda_rel};
+    out->stats.prefill_s = x->prefill_s;
+    out->stats.refq_s = x->refq_s;
+    out->stats.n_queries = x->rq.R;
+    out->stats.n_val_queries = w->choice ? x->n_val_pos * x->G : 0;
     out->keys = malloc(sizeof(float) * (size_t)L * C * row);
     out->values = malloc(sizeof(float) * (size_t)L * C * row);
     out->beta = calloc((size_t)L * kvh * C, sizeof(float));
     out->u = calloc((size_t)L * kvh * d, sizeof(float));
     out->var_gain = calloc((size_t)L * kvh, sizeof(float));
     out->positions = malloc(sizeof(int32_t) * (size_t)L * kvh * C);
-    K = malloc(sizeof(float) * (size_t)D * row);
-    V = malloc(sizeof(float) * (size_t)D * row);
-    sel = malloc(sizeof(int32_t) * (size_t)t);
-    beta = malloc(sizeof(float) * (size_t)t);
-    kfold = malloc(sizeof(float) * (size_t)t * d);
-    vals = malloc(sizeof(float) * (size_t)t * d);
-    qsub = p->fold_queries == KF_FOLD_ON_PROBES ? malloc(sizeof(float) * (size_t)rq.R * d) : NULL;
-    kc = malloc(sizeof(float) * (size_t)t * d);
-    vo = malloc(sizeof(float) * (size_t)t * d);
     out->head_method = malloc((size_t)L * kvh);
     out->head_alpha = calloc((size_t)L * kvh, sizeof(float));
-    if (!out->keys || !out->values || !out->beta || !out->u || !out->positions || !K || !V || !sel ||
-        !beta || !kfold || !vals || !kc || !vo || !out->head_method || !out->head_alpha ||
-        (p->fold_queries == KF_FOLD_ON_PROBES && !qsub)) {
-        rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the compacted cache");
-        goto out;
-    }
-    if (n_val_pos > 0 && split_alloc(&sp, rq.R, n_val_pos * G, d, n_sources) != 0) {
-        rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the validation split");
-        goto out;
-    }
-    sp.n_val = n_val_pos * G;
-    sp.n_tr = rq.R - sp.n_val;
-    out->stats.n_val_queries = sp.n_val;
-    int folded = 0;
-    double var_sum = 0;
-    for (int l = 0; l < L; l++) {
-        if ((rc = kf_seq_read_kv(ar, &seq, l, 0, D, K, V, err)) != KF_OK)
-            goto out;
-        if (p->progress)
-            p->progress(p->progress_ctx, "compact", l, L);
-        float *ok = out->keys + (size_t)l * C * row, *ov = out->values + (size_t)l * C * row;
-        /* prefix and suffix verbatim */
-        memcpy(ok, K, sizeof(float) * n_pre * row);
-        memcpy(ov, V, sizeof(float) * n_pre * row);
-        memcpy(ok + (size_t)(n_pre + t) * row, K + (size_t)(n_pre + n_doc) * row, sizeof(float) * n_suf * row);
-        memcpy(ov + (size_t)(n_pre + t) * row, V + (size_t)(n_pre + n_doc) * row, sizeof(float) * n_suf * row);
-        for (int g = 0; g < kvh; g++) {
-            float *hb = out->beta + ((size_t)l * kvh + g) * C;
-            int32_t *hp = out->positions + ((size_t)l * kvh + g) * C;
-            for (int i = 0; i < n_pre; i++)
-                hp[i] = i;
-            for (int i = 0; i < n_suf; i++)
-                hp[n_pre + t + i] = (int32_t)(n_pre + n_doc + i);
-            const float *q = kf_refq_rows(&rq, l, g);
-            kf_am_head h = {.k = K + (size_t)n_pre * row + (size_t)g * d, .k_stride = row,
-                            .v = V + (size_t)n_pre * row + (size_t)g * d, .v_stride = row,
-                            .T = n_doc, .q = q, .R = (int)rq.R, .d = d, .scale = scale};
-            kf_am_targets tg;
-            double ts = now_s();
-            if ((rc = kf_am_targets_compute(&h, p->score, &tg, err)) != KF_OK)
-                goto out;
-            /* am pads a smaller head with no-weight slots; the bias-free methods keep t keys */
-            const int th = p->method == KF_METHOD_AM ? budgets[l * kvh + g] : t;
-            rc = kf_am_select(tg.score, n_doc, th, sel, err);
-            out->stats.select_s += now_s() - ts;
-            for (int j = 0; rc == KF_OK && j < th; j++) { /* the kept keys and their original values */
-                memcpy(kc + (size_t)j * d, h.k + (size_t)sel[j] * row, sizeof(float) * d);
-                memcpy(vo + (size_t)j * d, h.v + (size_t)sel[j] * row, sizeof(float) * d);
-            }
-            kf_head_pick pick = {p->method, p->lambda_rel, p->value_ridge, 0};
-            kf_am_head hf = h; /* the rows the final beta, u and values are fitted on */
-            kf_am_targets tf = tg;
-            if (rc == KF_OK && sp.n_val > 0) {
-                ts = now_s();
-                split_head(&sp, &rq, q, &tg, is_val, pos_src, pos_local, &ap, l, g);
-                kf_am_head htr = h;
-                htr.q = sp.tr_q, htr.R = (int)sp.n_tr;
-                kf_am_targets ttr = {sp.tr_m, sp.tr_y, sp.tr_Y, NULL};
-                const kf_kv_block orig = {h.k, h.v, row, NULL, n_doc};
-                kf_val_head vh;
-                rc = kf_val_head_init(&vh, sp.val_q, (int)sp.n_val, d, scale, sp.val_w, &orig, sp.val_app, sp.val_vis,
-                                      err);
-                if (rc == KF_OK) {
-                    rc = kf_choose_head(p, &htr, &ttr, sel, th, kc, vo, &vh, p->seed + (uint64_t)(l * kvh + g), &pick,
-                                        err);
-                    kf_val_head_free(&vh);
-                }
-                if (!p->refit_all) /* ship the fit that was validated */
-                    hf = htr, tf = ttr;
-                out->stats.choice_s += now_s() - ts;
-            }
-            kf_method method = pick.method;
-            if (rc == KF_OK && method != KF_METHOD_KEEP && method != KF_METHOD_DROP) {
-                ts = now_s();
-                rc = kf_am_fit_beta_ex(&hf, &tf, sel, th, p->seed + (uint64_t)(l * kvh + g), p->beta_fit, beta,
-                                       &out->stats.solver, err);
-                out->stats.beta_s += now_s() - ts;
-            }
-            const float *kk = kc; /* [th, d] keys the values are fitted for */
-            const float *bias = NULL;
-            float *u = out->u + ((size_t)l * kvh + g) * d;
-            memset(u, 0, sizeof(float) * d); /* u = 0 unless folded */
-            if (rc == KF_OK && method == KF_METHOD_FOLD) {
-                ts = now_s();
-                const float *fq = hf.q;
-                int fR = hf.R;
-                if (p->fold_queries == KF_FOLD_ON_PROBES) { /* rows of probe positions only */
-                    fR = 0;
-                    for (int j = 0; j < G; j++)
-                        for (int64_t pp = 0; pp < rq.n_pos; pp++)
-                            if (rq.source[pp] == KF_REFQ_PROBE)
-                                memcpy(qsub + (size_t)fR++ * d, q + ((size_t)j * rq.n_pos + pp) * d, sizeof(float) * d);
-                    fq = qsub;
-                }
-                kf_fold_info fi;
-                rc = fold_selection(fq, fR, d, scale, pick.lambda, kc, beta, th, u, kfold, &fi, err);
-                if (rc == KF_OK && fi.ok) {
-                    kk = kfold;
-                    folded++;
-                    var_sum += fi.var_gain;
-                    out->var_gain[l * kvh + g] = (float)fi.var_gain;
-                } else if (rc == KF_OK) {
-                    method = KF_METHOD_DROP; /* no fold direction: compact this head as drop */
-                    memset(u, 0, sizeof(float) * d);
-                    out->stats.fold_fallback_heads++;
-                }
-                out->stats.fold_s += now_s() - ts;
-            }
-            if (rc == KF_OK && method == KF_METHOD_AM)
-                bias = beta;
-            if (rc == KF_OK && method != KF_METHOD_KEEP) {
-                ts = now_s();
-                rc = kf_am_fit_values_ridge(hf.q, hf.R, d, scale, kk, d, bias, th, tf.Y, pick.alpha,
-                                            p->ridge_to == KF_RIDGE_TO_ORIG ? vo : NULL, d, vals, &out->stats.solver,
-                                            err);
-                out->stats.values_s += now_s() - ts;
-                out->stats.heads_ridged += pick.alpha > 0;
-                out->head_alpha[l * kvh + g] = (float)pick.alpha;
-            }
-            if (rc == KF_OK) {
-                out->head_method[l * kvh + g] = (uint8_t)method;
-                out->stats.heads_by_method[method]++;
-                for (int j = 0; j < t; j++) {
-                    float *dk = ok + (size_t)(n_pre + j) * row + (size_t)g * d;
-                    float *dv = ov + (size_t)(n_pre + j) * row + (size_t)g * d;
-                    if (j >= th) { /* am padding: a slot that receives exactly no weight */
-                        memset(dk, 0, sizeof(float) * d);
-                        memset(dv, 0, sizeof(float) * d);
-                        hb[n_pre + j] = -INFINITY;
-                        hp[n_pre + j] = -1;
-                        continue;
-                    }
-                    memcpy(dk, kk + (size_t)j * d, sizeof(float) * d);
-                    memcpy(dv, (method == KF_METHOD_KEEP ? vo : vals) + (size_t)j * d, sizeof(float) * d);
-                    hb[n_pre + j] = method == KF_METHOD_AM ? beta[j] : 0.0f;
-                    hp[n_pre + j] = (int32_t)(n_pre + sel[j]);
-                }
-            }
-            kf_am_targets_free(&tg);
-            if (rc != KF_OK)
-                goto out;
-        }
-    }
-    out->stats.mean_var_gain = folded ? var_sum / folded : 0;
-    /* the compacted frame: questions at C, C+1, ... see what they would see at D, D+1, ... */
-    kf_compacted_set_frame(out, m, 1);
+    w->sel = malloc(sizeof(int32_t) * (size_t)t);
+    w->beta = malloc(sizeof(float) * (size_t)t);
+    w->kfold = malloc(sizeof(float) * (size_t)t * d);
+    w->vals = malloc(sizeof(float) * (size_t)t * d);
+    w->kc = malloc(sizeof(float) * (size_t)t * d);
+    w->vo = malloc(sizeof(float) * (size_t)t * d);
+    if (!out->keys || !out->values || !out->beta || !out->u || !out->var_gain || !out->positions ||
+        !out->head_method || !out->head_alpha || !w->sel || !w->beta || !w->kfold || !w->vals || !w->kc || !w->vo)
+        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the compacted cache");
+    return KF_OK;
+}
 
-out:
-    if (rc != KF_OK)
-        kf_compacted_free(out);
-    if (src) {
-        free(src[1].ids_owned);
-        free(src);
+/* Layer l's prefix and suffix, verbatim, with their positions; K, V [D, kvh * d]. */
+static void variant_edges(const kf_compact_prep *x, variant_ws *w, int l, const float *K, const float *V) {
+    kf_compacted *out = w->out;
+    const size_t row = (size_t)x->kvh * x->d;
+    const int n_pre = x->n_pre, n_suf = x->n_suf, t = w->t;
+    float *ok = out->keys + (size_t)l * out->C * row, *ov = out->values + (size_t)l * out->C * row;
+    memcpy(ok, K, sizeof(float) * n_pre * row);
+    memcpy(ov, V, sizeof(float) * n_pre * row);
+    memcpy(ok + (size_t)(n_pre + t) * row, K + (size_t)(n_pre + x->n_doc) * row, sizeof(float) * n_suf * row);
+    memcpy(ov + (size_t)(n_pre + t) * row, V + (size_t)(n_pre + x->n_doc) * row, sizeof(float) * n_suf * row);
+    for (int g = 0; g < x->kvh; g++) {
+        int32_t *hp = out->positions + ((size_t)l * x->kvh + g) * out->C;
+        for (int i = 0; i < n_pre; i++)
+            hp[i] = i;
+        for (int i = 0; i < n_suf; i++)
+            hp[n_pre + t + i] = (int32_t)(n_pre + x->n_doc + i);
     }
-    free(ctx_ids);
-    if (rc == KF_OK && reuse && reuse->keep)
-        *reuse->keep = seq; /* the caller now owns these pages */
-    else
-        kf_seq_release(ar, &seq);
-    if (own_arena.storage)
-        kf_arena_free(&own_arena);
-    kf_refq_free(&rq);
-    free(sample);
-    free(rows);
-    if (qbuf)
-        for (int l = 0; l < L; l++)
-            free(qbuf[l]);
-    free(qbuf);
-    free(K);
-    free(V);
-    free(budgets);
-    free(sel);
-    free(beta);
-    free(kfold);
-    free(vals);
-    free(qsub);
-    free(kc);
-    free(vo);
-    free(pos_kind);
-    free(is_val);
-    free(pos_src);
-    free(pos_local);
-    appended_free(&ap);
+}
+
+/* What one (layer, KV head) shares between the variants: its block and reference rows, AM's
+ * targets over them and, when a variant chooses per head, the validation split. */
+typedef struct {
+    int l, g;
+    const float *q;      /* [R, d] the head's reference queries */
+    kf_am_head h;
+    kf_am_targets tg;
+    const head_split *sp; /* NULL: no variant chooses per head */
+    kf_val_head vh;
+    double targets_s, split_s;
+} head_shared;
+
+static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, const float *V, head_split *sp,
+                              head_shared *hs, kf_error *err) {
+    const size_t row = (size_t)x->kvh * x->d;
+    memset(hs, 0, sizeof *hs);
+    hs->l = l, hs->g = g;
+    hs->q = kf_refq_rows(&x->rq, l, g);
+    hs->h = (kf_am_head){.k = K + (size_t)x->n_pre * row + (size_t)g * x->d, .k_stride = row,
+                         .v = V + (size_t)x->n_pre * row + (size_t)g * x->d, .v_stride = row,
+                         .T = x->n_doc, .q = hs->q, .R = (int)x->rq.R, .d = x->d, .scale = x->scale};
+    double ts = now_s();
+    KF_TRY(kf_am_targets_compute(&hs->h, x->p.score, &hs->tg, err));
+    hs->targets_s = now_s() - ts;
+    if (!sp)
+        return KF_OK;
+    ts = now_s();
+    split_head(sp, &x->rq, hs->q, &hs->tg, x->is_val, x->pos_src, x->pos_local, &x->ap, l, g);
+    const kf_kv_block orig = {hs->h.k, hs->h.v, row, NULL, x->n_doc};
+    kf_status rc = kf_val_head_init(&hs->vh, sp->val_q, (int)sp->n_val, x->d, x->scale, sp->val_w, &orig,
+                                    sp->val_app, sp->val_vis, err);
+    if (rc != KF_OK) {
+        kf_am_targets_free(&hs->tg);
+        return rc;
+    }
+    hs->sp = sp;
+    hs->split_s = now_s() - ts;
+    return KF_OK;
+}
+
+static void head_shared_free(head_shared *hs) {
+    kf_am_targets_free(&hs->tg);
+    if (hs->sp)
+        kf_val_head_free(&hs->vh);
+}
+
+/* The head's slots [n_pre, n_pre + t) of one variant: th fitted keys kk and values, am's padding
+ * after them. */
+static void write_head(const kf_compact_prep *x, variant_ws *w, const head_shared *hs, kf_method method,
+                       const float *kk, int th) {
+    kf_compacted *out = w->out;
+    const int d = x->d, n_pre = x->n_pre, hi = hs->l * x->kvh + hs->g;
+    const size_t row = (size_t)x->kvh * d;
+    float *ok = out->keys + (size_t)hs->l * out->C * row, *ov = out->values + (size_t)hs->l * out->C * row;
+    float *hb = out->beta + (size_t)hi * out->C;
+    int32_t *hp = out->positions + (size_t)hi * out->C;
+    out->head_method[hi] = (uint8_t)method;
+    out->stats.heads_by_method[method]++;
+    for (int j = 0; j < w->t; j++) {
+        float *dk = ok + (size_t)(n_pre + j) * row + (size_t)hs->g * d;
+        float *dv = ov + (size_t)(n_pre + j) * row + (size_t)hs->g * d;
+        if (j >= th) { /* am padding: a slot that receives exactly no weight */
+            memset(dk, 0, sizeof(float) * d);
+            memset(dv, 0, sizeof(float) * d);
+            hb[n_pre + j] = -INFINITY;
+            hp[n_pre + j] = -1;
+            continue;
+        }
+        memcpy(dk, kk + (size_t)j * d, sizeof(float) * d);
+        memcpy(dv, (method == KF_METHOD_KEEP ? w->vo : w->vals) + (size_t)j * d, sizeof(float) * d);
+        hb[n_pre + j] = method == KF_METHOD_AM ? w->beta[j] : 0.0f;
+        hp[n_pre + j] = (int32_t)(n_pre + w->sel[j]);
+    }
+}
+
+/* qsub [rows, d] = the head's rows q [R, d] at probe positions; returns their count. */
+static int probe_rows(const kf_refq *rq, const float *q, int d, float *qsub) {
+    int n = 0;
+    for (int j = 0; j < rq->group; j++)
+        for (int64_t pp = 0; pp < rq->n_pos; pp++)
+            if (rq->source[pp] == KF_REFQ_PROBE)
+                memcpy(qsub + (size_t)n++ * d, q + ((size_t)j * rq->n_pos + pp) * d, sizeof(float) * d);
+    return n;
+}
+
+/* beta, the fold and the values of the picked candidate, fitted on hf/tf, then written. */
+static kf_status variant_fit(const kf_compact_prep *x, variant_ws *w, const head_shared *hs, const kf_am_head *hf,
+                             const kf_am_targets *tf, const kf_head_pick *pick, int th, float *qsub, kf_error *err) {
+    kf_compacted *out = w->out;
+    const kf_compact_params *p = &w->p;
+    const int d = x->d, hi = hs->l * x->kvh + hs->g;
+    kf_method method = pick->method;
+    double ts = now_s();
+    if (method != KF_METHOD_KEEP && method != KF_METHOD_DROP) {
+        KF_TRY(kf_am_fit_beta_ex(hf, tf, w->sel, th, p->seed + (uint64_t)hi, p->beta_fit, w->beta,
+                                 &out->stats.solver, err));
+        out->stats.beta_s += now_s() - ts;
+    }
+    const float *kk = w->kc; /* [th, d] keys the values are fitted for */
+    float *u = out->u + (size_t)hi * d;
+    memset(u, 0, sizeof(float) * d); /* u = 0 unless folded */
+    if (method == KF_METHOD_FOLD) {
+        ts = now_s();
+        const int on_probes = p->fold_queries == KF_FOLD_ON_PROBES;
+        const int fR = on_probes ? probe_rows(&x->rq, hs->q, d, qsub) : hf->R;
+        kf_fold_info fi;
+        KF_TRY(fold_selection(on_probes ? qsub : hf->q, fR, d, x->scale, pick->lambda, w->kc, w->beta, th, u,
+                              w->kfold, &fi, err));
+        if (fi.ok) {
+            kk = w->kfold;
+            w->folded++;
+            w->var_sum += fi.var_gain;
+            out->var_gain[hi] = (float)fi.var_gain;
+        } else {
+            method = KF_METHOD_DROP; /* no fold direction: compact this head as drop */
+            memset(u, 0, sizeof(float) * d);
+            out->stats.fold_fallback_heads++;
+        }
+        out->stats.fold_s += now_s() - ts;
+    }
+    if (method != KF_METHOD_KEEP) {
+        ts = now_s();
+        KF_TRY(kf_am_fit_values_ridge(hf->q, hf->R, d, x->scale, kk, d, method == KF_METHOD_AM ? w->beta : NULL, th,
+                                      tf->Y, pick->alpha, p->ridge_to == KF_RIDGE_TO_ORIG ? w->vo : NULL, d, w->vals,
+                                      &out->stats.solver, err));
+        out->stats.values_s += now_s() - ts;
+        out->stats.heads_ridged += pick->alpha > 0;
+        out->head_alpha[hi] = (float)pick->alpha;
+    }
+    write_head(x, w, hs, method, kk, th);
+    return KF_OK;
+}
+
+/* One variant on one head: its selection, the per-head choice when on, then the fits. */
+static kf_status variant_head(const kf_compact_prep *x, variant_ws *w, head_shared *hs, float *qsub,
+                              kf_error *err) {
+    kf_compacted *out = w->out;
+    const kf_compact_params *p = &w->p;
+    const int d = x->d, hi = hs->l * x->kvh + hs->g;
+    const size_t row = (size_t)x->kvh * d;
+    double ts = now_s();
+    /* am pads a smaller head with no-weight slots; the bias-free methods keep t keys */
+    const int th = p->method == KF_METHOD_AM ? w->budgets[hi] : w->t;
+    KF_TRY(kf_am_select(hs->tg.score, x->n_doc, th, w->sel, err));
+    out->stats.select_s += hs->targets_s + (now_s() - ts);
+    for (int j = 0; j < th; j++) { /* the kept keys and their original values */
+        memcpy(w->kc + (size_t)j * d, hs->h.k + (size_t)w->sel[j] * row, sizeof(float) * d);
+        memcpy(w->vo + (size_t)j * d, hs->h.v + (size_t)w->sel[j] * row, sizeof(float) * d);
+    }
+    kf_head_pick pick = {p->method, p->lambda_rel, p->value_ridge, 0};
+    kf_am_head hf = hs->h; /* the rows the final beta, u and values are fitted on */
+    kf_am_targets tf = hs->tg;
+    if (w->choice) {
+        ts = now_s();
+        const head_split *sp = hs->sp;
+        kf_am_head htr = hs->h;
+        htr.q = sp->tr_q, htr.R = (int)sp->n_tr;
+        kf_am_targets ttr = {sp->tr_m, sp->tr_y, sp->tr_Y, NULL};
+        KF_TRY(kf_choose_head(p, &htr, &ttr, w->sel, th, w->kc, w->vo, &hs->vh, p->seed + (uint64_t)hi, &pick, err));
+        if (!p->refit_all) /* ship the fit that was validated */
+            hf = htr, tf = ttr;
+        out->stats.choice_s += hs->split_s + (now_s() - ts);
+    }
+    return variant_fit(x, w, hs, &hf, &tf, &pick, th, qsub, err);
+}
+
+/* Layer l: its K, V [D, kvh * d] read once, each head's shared work once, then every variant. */
+static kf_status solve_layer(kf_compact_prep *x, variant_ws *w, int n, int l, float *K, float *V, head_split *sp,
+                             float *qsub, kf_error *err) {
+    KF_TRY(kf_seq_read_kv(x->ar, &x->seq, l, 0, x->D, K, V, err));
+    if (x->p.progress)
+        x->p.progress(x->p.progress_ctx, "compact", l, x->L);
+    for (int i = 0; i < n; i++)
+        variant_edges(x, &w[i], l, K, V);
+    for (int g = 0; g < x->kvh; g++) {
+        head_shared hs;
+        KF_TRY(head_prepare(x, l, g, K, V, sp, &hs, err));
+        kf_status rc = KF_OK;
+        for (int i = 0; i < n && rc == KF_OK; i++)
+            rc = variant_head(x, &w[i], &hs, qsub, err);
+        head_shared_free(&hs);
+        KF_TRY(rc);
+    }
+    return KF_OK;
+}
+
+kf_status kf_compact_solve(kf_compact_prep *x, const kf_compact_variant *v, int n, kf_compacted *outs,
+                           kf_error *err) {
+    if (n <= 0)
+        return KF_OK;
+    memset(outs, 0, sizeof *outs * (size_t)n);
+    const size_t row = (size_t)x->kvh * x->d;
+    variant_ws *w = calloc((size_t)n, sizeof *w);
+    float *K = malloc(sizeof(float) * (size_t)x->D * row), *V = malloc(sizeof(float) * (size_t)x->D * row);
+    const int on_probes = x->p.fold_queries == KF_FOLD_ON_PROBES;
+    float *qsub = on_probes ? malloc(sizeof(float) * (size_t)x->rq.R * x->d) : NULL; /* [R, d] */
+    head_split sp = {0};
+    kf_status rc = !w || !K || !V || (on_probes && !qsub) ? kf_fail(err, KF_ERR_NOMEM, "compact: out of memory") : KF_OK;
+    int any_choice = 0;
+    for (int i = 0; i < n && rc == KF_OK; i++) {
+        rc = variant_init(x, &v[i], &outs[i], &w[i], err);
+        any_choice |= w[i].choice;
+    }
+    if (rc == KF_OK && any_choice) {
+        if (split_alloc(&sp, x->rq.R, x->n_val_pos * x->G, x->d, x->n_sources) != 0)
+            rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the validation split");
+        sp.n_val = x->n_val_pos * x->G;
+        sp.n_tr = x->rq.R - sp.n_val;
+    }
+    for (int l = 0; l < x->L && rc == KF_OK; l++)
+        rc = solve_layer(x, w, n, l, K, V, any_choice ? &sp : NULL, qsub, err);
+    for (int i = 0; i < n; i++) {
+        if (rc == KF_OK) { /* the compacted frame: questions at C, C+1, ... see what they would at D, D+1, ... */
+            outs[i].stats.mean_var_gain = w[i].folded ? w[i].var_sum / w[i].folded : 0;
+            kf_compacted_set_frame(&outs[i], x->m, 1);
+        } else {
+            kf_compacted_free(&outs[i]);
+        }
+        if (w)
+            variant_free(&w[i]);
+    }
+    free(w), free(K), free(V), free(qsub);
     split_free(&sp);
     return rc;
 }
+
+kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_prompt *prefix, const kf_prompt *doc,
+                        const kf_prompt *suffix, const kf_compact_params *p, kf_compacted *out, kf_error *err) {
+    memset(out, 0, sizeof *out);
+    const kf_compact_variant v = {p->method, p->budget};
+    kf_compact_prep *x;
+    KF_TRY(kf_compact_prepare(m, reuse, prefix, doc, suffix, p, &v, 1, &x, err));
+    const kf_status rc = kf_compact_solve(x, &v, 1, out, err);
+    kf_compact_prep_free(x, rc == KF_OK && reuse && reuse->keep ? reuse->keep : NULL);
+    return rc;
+}
+
 
 void kf_compacted_set_frame(kf_compacted *c, const kf_model *m, int compacted) {
     if (compacted == c->rotated || c->C == c->D)

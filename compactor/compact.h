@@ -157,6 +157,33 @@ typedef struct {
 kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_prompt *prefix, const kf_prompt *doc,
                         const kf_prompt *suffix, const kf_compact_params *p, kf_compacted *out, kf_error *err);
 
+/* The stages of kf_compact_ex (issue 14), for work shared between several (method, budget)
+ * variants of one document: kf_compact_prepare plans the reference-query sources and their
+ * subsample, prefills the context and runs every source on top of it (steps 1-2 above, with
+ * kf_compact_ex's reuse rules); kf_compact_solve then reads each layer's K/V once, computes each
+ * (layer, KV head)'s AM targets (and the per-head choice's validation split) once, and runs every
+ * variant's selection and fits on them (steps 3-4). Each outs[i] is bit-identical to kf_compact_ex
+ * with p's method and budget replaced by v[i]'s. */
+typedef struct {
+    kf_method method;
+    double budget;
+} kf_compact_variant;
+typedef struct kf_compact_prep kf_compact_prep;
+
+/* p's method and budget are unused: v [n] are the variants the solve will be asked for (the
+ * validation split is planned when one of them chooses per head). p and what it points to
+ * (probes, head budgets, quoka) must outlive *out. */
+kf_status kf_compact_prepare(kf_model *m, const kf_compact_reuse *reuse, const kf_prompt *prefix,
+                             const kf_prompt *doc, const kf_prompt *suffix, const kf_compact_params *p,
+                             const kf_compact_variant *v, int n, kf_compact_prep **out, kf_error *err);
+/* outs [n], in the compacted frame; on failure every outs[i] is freed (zeroed). The shared work's
+ * times (prefill, reference queries, the targets inside select_s, the validation split inside
+ * choice_s) appear in every output's stats. */
+kf_status kf_compact_solve(kf_compact_prep *prep, const kf_compact_variant *v, int n, kf_compacted *outs,
+                           kf_error *err);
+/* keep: NULL (the context's pages are released), or receives them (reuse->keep). */
+void kf_compact_prep_free(kf_compact_prep *prep, kf_seq *keep);
+
 /* Rotate the keys into the compacted frame (compacted = 1: by -(D - C), questions at C, C+1, ...)
  * or back into AM's frame (0: the kept keys at their original positions, questions at D, ...).
  * kf_compact returns the compacted frame. */

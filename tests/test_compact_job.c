@@ -233,6 +233,58 @@ static void test_compact_ex_shared_equals_whole(void) {
     kf_arena_free(&a);
 }
 
+/* Every array of two compacted caches byte for byte (1: identical). */
+static int compacted_identical(const kf_compacted *a, const kf_compacted *b) {
+    if (a->C != b->C || a->t != b->t || a->D != b->D || a->method != b->method || a->budget != b->budget ||
+        a->rotated != b->rotated)
+        return 0;
+    const size_t hs = (size_t)a->n_layers * a->kv_heads, kv = (size_t)a->n_layers * a->C * a->kv_heads * a->head_dim;
+    return !memcmp(a->keys, b->keys, sizeof(float) * kv) && !memcmp(a->values, b->values, sizeof(float) * kv) &&
+           !memcmp(a->beta, b->beta, sizeof(float) * hs * a->C) && !memcmp(a->u, b->u, sizeof(float) * hs * a->head_dim) &&
+           !memcmp(a->positions, b->positions, sizeof(int32_t) * hs * a->C) &&
+           !memcmp(a->var_gain, b->var_gain, sizeof(float) * hs) && !memcmp(a->head_alpha, b->head_alpha, sizeof(float) * hs) &&
+           !memcmp(a->head_method, b->head_method, hs) &&
+           !memcmp(a->stats.heads_by_method, b->stats.heads_by_method, sizeof a->stats.heads_by_method) &&
+           a->stats.n_queries == b->stats.n_queries && a->stats.n_val_queries == b->stats.n_val_queries &&
+           a->stats.fold_fallback_heads == b->stats.fold_fallback_heads && a->stats.mean_var_gain == b->stats.mean_var_gain;
+}
+
+/* One prepare and one solve for several (method, budget) variants (a prefix and a probe included)
+ * give, for each, exactly the cache kf_compact computes for it alone; a prepare that planned no
+ * variant with the per-head choice refuses to solve one. */
+static void test_shared_stages_equal_separate(void) {
+    kf_error err = {0};
+    const kf_compact_variant v[] = {{KF_METHOD_KEEP, 0.25}, {KF_METHOD_DROP, 0.25}, {KF_METHOD_AM, 0.25},
+                                    {KF_METHOD_FOLD, 0.25}, {KF_METHOD_FOLD, 0.1},  {KF_METHOD_AM, 0.1}};
+    const int n = (int)(sizeof v / sizeof *v);
+    kf_compact_params p = params(KF_METHOD_FOLD, 0.25);
+    const kf_prompt probe = {kQuestion, 7}, pre = {g_doc + 300, 5}, doc = {g_doc, 200};
+    p.probes = &probe;
+    p.n_probes = 1;
+    kf_compacted shared[6], alone;
+    kf_compact_prep *prep = NULL;
+    CU_ASSERT_EQUAL_FATAL(kf_compact_prepare(g_m, NULL, &pre, &doc, NULL, &p, v, n, &prep, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_compact_solve(prep, v, n, shared, &err), KF_OK);
+    kf_compact_prep_free(prep, NULL);
+    for (int i = 0; i < n; i++) {
+        kf_compact_params q = p;
+        q.method = v[i].method, q.budget = v[i].budget;
+        CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, &pre, &doc, NULL, &q, &alone, &err), KF_OK);
+        CU_ASSERT(compacted_identical(&shared[i], &alone));
+        if (!compacted_identical(&shared[i], &alone))
+            fprintf(stderr, "shared vs alone differ for %s %g\n", kf_method_name(v[i].method), v[i].budget);
+        kf_compacted_free(&alone);
+        kf_compacted_free(&shared[i]);
+    }
+    CU_ASSERT_EQUAL_FATAL(kf_compact_prepare(g_m, NULL, NULL, &doc, NULL, &p, v, 2, &prep, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_compact_solve(prep, v + 2, 1, shared, &err), KF_ERR_INVALID);
+    CU_ASSERT_PTR_NULL(shared[0].keys);
+    kf_compact_prep_free(prep, NULL);
+    const kf_compact_variant bad = {KF_METHOD_FOLD, 1.5};
+    CU_ASSERT_EQUAL(kf_compact_prepare(g_m, NULL, NULL, &doc, NULL, &p, &bad, 1, &prep, &err), KF_ERR_INVALID);
+    CU_ASSERT_PTR_NULL(prep);
+}
+
 /* compact -> kvf -> load -> attach: the question's log-probabilities from the file equal those of
  * the in-memory cache (f32 files exactly; bf16 files equal the in-memory cache rounded to bf16). */
 static void test_round_trip_through_kvf(void) {
@@ -363,6 +415,7 @@ static CU_TestInfo plan_tests[] = {
 static CU_TestInfo model_tests[] = {
     {"logits with sharing equal logits without", test_sharing_logits_equal},
     {"kf_compact_ex with a shared prefix == kf_compact", test_compact_ex_shared_equals_whole},
+    {"one prepare, several variants == kf_compact for each", test_shared_stages_equal_separate},
     {"round trip compact -> kvf -> engine", test_round_trip_through_kvf},
     {"engine: greedy decoding and rewind", test_engine_greedy_full_context},
     CU_TEST_INFO_NULL,

@@ -67,8 +67,11 @@ static const char kHelp[] =
     "\n"
     "Compaction:\n"
     "  --model DIR          model directory (config.json, safetensors, tokenizer.json)\n"
-    "  --method M           keep, drop, am or fold (default fold)\n"
-    "  --budget B           kept fraction of each document, in (0, 1] (default 0.1)\n"
+    "  --method M[,M...]    keep, drop, am or fold (default fold)\n"
+    "  --budget B[,B...]    kept fraction of each document, in (0, 1] (default 0.1). Several\n"
+    "                       methods or budgets write one file per (method, budget) and document,\n"
+    "                       each the file a run with that single pair writes; the prefill,\n"
+    "                       reference queries and targets are computed once per document\n"
     "  --out ROOT           root directory of the cache files (default " DEFAULT_ROOT ")\n"
     "  --repeat-instruction TEXT\n"
     "                       the instruction between the document and its repeat, whose queries\n"
@@ -99,6 +102,16 @@ static const char kHelp[] =
     "  -h, --help           show this help\n";
 
 enum { ST_TODO, ST_SKIPPED, ST_BUSY, ST_DONE, ST_FAILED };
+#define MAX_VARIANTS 16
+
+/* One output file of a document: one (method, budget) variant. */
+typedef struct {
+    char path[PATH_MAX];
+    char recipe[KVF_DIGEST_LEN + 1]; /* kf_recipe_digest of this file's parameters */
+    int state;                       /* ST_TODO (to compute; claimed in the compact pass), ST_SKIPPED, ... */
+    int fd;                          /* the lock while claimed */
+    int64_t C;
+} job_file;
 
 typedef struct {
     char source[PATH_MAX + 32]; /* "docs.jsonl:12" or the text file's path */
@@ -109,13 +122,12 @@ typedef struct {
     int n_instr;
     kf_prompt *probes;          /* [n_probes] (ids owned) */
     int n_probes;
-    char path[PATH_MAX];
-    char recipe[KVF_DIGEST_LEN + 1]; /* kf_recipe_digest of this document's parameters */
+    job_file *files;            /* [n_variants], or NULL before the identity pass */
     int state;
-    int64_t C;
 } job_doc;
 
 static void job_doc_free(job_doc *d) {
+    free(d->files);
     free(d->ids);
     free(d->instr);
     for (int i = 0; i < d->n_probes; i++)
@@ -345,9 +357,163 @@ static int doc_params(const kf_compact_params *base, const job_doc *d, const int
     return 0;
 }
 
+/* One comma-separated list item of --method or --budget (0), or -1 (reported). */
+static int parse_method(const char *tok, kf_method *m) {
+    return kf_method_parse(tok, m) ? (cli_usage_error(CMD, "--method is keep, drop, am or fold, not '%s'", tok), -1) : 0;
+}
+
+static int parse_budget(const char *tok, double *b) {
+    char *end;
+    errno = 0;
+    *b = strtod(tok, &end);
+    if (end == tok || *end || errno || !(*b > 0 && *b <= 1))
+        return cli_usage_error(CMD, "--budget must be a fraction in (0, 1], not '%s'", tok), -1;
+    return 0;
+}
+
+/* --method and --budget lists: every (method, budget) pair into v [MAX_VARIANTS], methods outer;
+ * their count, or -1 (reported). */
+static int parse_variants(const char *methods_s, const char *budgets_s, kf_compact_variant *v) {
+    kf_method ms[MAX_VARIANTS];
+    double bs[MAX_VARIANTS];
+    int nm = 0, nb = 0;
+    char buf[1024];
+    snprintf(buf, sizeof buf, "%s", methods_s);
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save))
+    {
+        if (nm == MAX_VARIANTS)
+            return cli_usage_error(CMD, "--method: at most %d", MAX_VARIANTS), -1;
+        if (parse_method(tok, &ms[nm++]))
+            return -1;
+    }
+    snprintf(buf, sizeof buf, "%s", budgets_s);
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save))
+    {
+        if (nb == MAX_VARIANTS)
+            return cli_usage_error(CMD, "--budget: at most %d", MAX_VARIANTS), -1;
+        if (parse_budget(tok, &bs[nb++]))
+            return -1;
+    }
+    if (nm == 0)
+        return cli_usage_error(CMD, "--method is keep, drop, am or fold, not '%s'", methods_s), -1;
+    if (nb == 0)
+        return cli_usage_error(CMD, "--budget must be a fraction in (0, 1], not '%s'", budgets_s), -1;
+    if (nm * nb > MAX_VARIANTS)
+        return cli_usage_error(CMD, "at most %d (method, budget) pairs, not %d", MAX_VARIANTS, nm * nb), -1;
+    for (int i = 0; i < nm * nb; i++) {
+        v[i] = (kf_compact_variant){ms[i / nb], bs[i % nb]};
+        for (int j = 0; j < i; j++)
+            if (v[j].method == v[i].method && v[j].budget == v[i].budget)
+                return cli_usage_error(CMD, "(method, budget) %s %g given twice", kf_method_name(v[i].method),
+                                       v[i].budget), -1;
+    }
+    return nm * nb;
+}
+
 static kvf_dtype model_dtype(const kf_hfconfig *cfg) {
     kvf_dtype d;
     return kvf_dtype_parse(cfg->dtype, &d) == 0 ? d : KVF_BF16;
+}
+
+/* What names a document's files and goes into their headers. */
+typedef struct {
+    const char *root, *fp, *digest; /* cache root, model fingerprint, document digest */
+    kvf_dtype dtype;
+    int64_t n_head_budgets;
+} file_ids;
+
+/* Each variant's recipe and path, and whether a valid file is already there; 0 when some file is
+ * to compute, 1 when none is (d skipped), -1 when a path cannot be made (d failed, reported). */
+static int doc_files(job_doc *d, const kf_compact_params *dp, const kf_compact_variant *vars, int n_vars,
+                     const file_ids *ids) {
+    int todo = 0;
+    for (int v = 0; v < n_vars; v++) {
+        job_file *f = &d->files[v];
+        kf_compact_params vp = *dp;
+        vp.method = vars[v].method;
+        vp.budget = vars[v].budget;
+        kf_recipe_digest(&vp, ids->dtype, ids->n_head_budgets, f->recipe);
+        kf_error e = {0};
+        if (kvf_cache_path(ids->root, ids->fp, ids->digest, kf_method_to_kvf(vp.method), vp.budget, f->recipe, true,
+                           f->path, sizeof f->path, &e) != KF_OK) {
+            doc_fail(d->source, d->name, e.msg);
+            d->state = ST_FAILED;
+            return -1;
+        }
+        f->state = kvf_exists_valid(f->path, ids->fp, f->recipe) ? ST_SKIPPED : ST_TODO;
+        todo += f->state == ST_TODO;
+    }
+    if (!todo)
+        d->state = ST_SKIPPED;
+    return todo ? 0 : 1;
+}
+
+static int any_file(const job_doc *d, int n_vars, int state) {
+    for (int v = 0; v < n_vars; v++)
+        if (d->files[v].state == state)
+            return 1;
+    return 0;
+}
+
+/* Claims every file still to compute: those another worker holds become ST_BUSY, those now valid
+ * ST_SKIPPED; the number claimed (left ST_TODO with their lock), or -1 with err when a lock file
+ * cannot be created (nothing left claimed). */
+static int claim_files(job_doc *d, int n_vars, const char *fp, char *err, size_t err_len) {
+    int n = 0;
+    for (int v = 0; v < n_vars; v++) {
+        job_file *f = &d->files[v];
+        if (f->state != ST_TODO)
+            continue;
+        const int c = claim(f->path, &f->fd);
+        if (c < 0) {
+            snprintf(err, err_len, "cannot create the lock file %.900s.lock: %s", f->path, strerror(errno));
+            for (int u = 0; u < v; u++)
+                if (d->files[u].state == ST_TODO)
+                    unclaim(d->files[u].path, d->files[u].fd);
+            return -1;
+        }
+        if (c == 0 || kvf_exists_valid(f->path, fp, f->recipe)) {
+            if (c > 0)
+                unclaim(f->path, f->fd);
+            f->state = c ? ST_SKIPPED : ST_BUSY;
+            continue;
+        }
+        n++;
+    }
+    return n;
+}
+
+/* Writes the claimed files' caches cc (in variant order; st: their compaction's status), frees
+ * them and releases every claim; the first failure. */
+static kf_status write_files(job_doc *d, int n_vars, kf_compacted *cc, kf_status st, const file_ids *ids,
+                             const char *tokenizer_digest, kf_error *e) {
+    kf_status first = st;
+    for (int v = 0, i = 0; v < n_vars; v++) {
+        job_file *f = &d->files[v];
+        if (f->state != ST_TODO)
+            continue;
+        kf_status fs = st;
+        kf_error we = {0};
+        if (st == KF_OK) {
+            kvf_cache kc;
+            kf_compacted_to_kvf(&cc[i], &kc);
+            kc.hdr.dtype = ids->dtype;
+            snprintf(kc.hdr.model_fingerprint, sizeof kc.hdr.model_fingerprint, "%s", ids->fp);
+            snprintf(kc.hdr.tokenizer_digest, sizeof kc.hdr.tokenizer_digest, "%s", tokenizer_digest);
+            kvf_document_digest(d->ids, d->n, kc.hdr.document_digest);
+            snprintf(kc.hdr.recipe_digest, sizeof kc.hdr.recipe_digest, "%s", f->recipe);
+            fs = kvf_write(f->path, &kc, &we);
+            f->C = cc[i].C;
+            kf_compacted_free(&cc[i++]);
+        }
+        unclaim(f->path, f->fd);
+        f->state = fs == KF_OK ? ST_DONE : ST_FAILED;
+        if (first == KF_OK && fs != KF_OK) {
+            first = fs;
+            *e = we;
+        }
+    }
+    return first;
 }
 
 int cmd_compact(int argc, char **argv) {
@@ -374,6 +540,8 @@ int cmd_compact(int argc, char **argv) {
     long long shard_i = 0, shard_n = 1, maxq = 50000, chunk = 0;
     int share = 1, quiet = 0, dtype_given = 0;
     kvf_dtype dtype = KVF_BF16;
+    const char *methods_s = "fold", *budgets_s = "0.1";
+    kf_compact_variant vars[MAX_VARIANTS]; /* [n_vars] (method, budget) pairs, methods outer */
     kf_compact_params base = kf_compact_params_default();
     kf_quoka_params prefill = cli_prefill_defaults();
     optind = 1;
@@ -381,18 +549,8 @@ int cmd_compact(int argc, char **argv) {
         switch (c) {
         case 'h': fputs(kHelp, stdout); return KF_EXIT_OK;
         case 'm': model_dir = optarg; break;
-        case 'M':
-            if (kf_method_parse(optarg, &base.method))
-                return cli_usage_error(CMD, "--method is keep, drop, am or fold, not '%s'", optarg);
-            break;
-        case 'b': {
-            char *end;
-            errno = 0;
-            base.budget = strtod(optarg, &end);
-            if (end == optarg || *end || errno || !(base.budget > 0 && base.budget <= 1))
-                return cli_usage_error(CMD, "--budget must be a fraction in (0, 1], not '%s'", optarg);
-            break;
-        }
+        case 'M': methods_s = optarg; break;
+        case 'b': budgets_s = optarg; break;
         case 'o': root = optarg; break;
         case 'f': manifest = optarg; break;
         case 's':
@@ -441,6 +599,11 @@ int cmd_compact(int argc, char **argv) {
         }
         }
     }
+    const int n_vars = parse_variants(methods_s, budgets_s, vars);
+    if (n_vars < 0)
+        return KF_EXIT_USAGE;
+    base.method = vars[0].method;
+    base.budget = vars[0].budget;
     if (!model_dir)
         return cli_usage_error(CMD, "--model DIR is required");
     if (!manifest && optind == argc)
@@ -597,26 +760,18 @@ int cmd_compact(int argc, char **argv) {
         }
         char digest[KVF_DIGEST_LEN + 1];
         kvf_document_digest(d->ids, d->n, digest);
-        kf_error e = {0};
         kf_compact_params dp;
-        if (doc_params(&base, d, def_instr, n_def_instr, extra_probes, n_extra, &probes, &dp)) {
+        if (!(d->files = calloc((size_t)n_vars, sizeof *d->files)) ||
+            doc_params(&base, d, def_instr, n_def_instr, extra_probes, n_extra, &probes, &dp)) {
             cli_error(CMD, "out of memory");
             rc = KF_EXIT_FAIL;
             goto done;
         }
-        kf_recipe_digest(&dp, dtype, (int64_t)cfg->n_layers * cfg->n_kv_heads, d->recipe);
-        if (kvf_cache_path(root, fp, digest, kf_method_to_kvf(base.method), base.budget, d->recipe, true, d->path,
-                           sizeof d->path, &e) != KF_OK) {
-            doc_fail(d->source, d->name, e.msg);
-            d->state = ST_FAILED;
-            continue;
+        const file_ids ids = {root, fp, digest, dtype, (int64_t)cfg->n_layers * cfg->n_kv_heads};
+        if (doc_files(d, &dp, vars, n_vars, &ids) == 0) {
+            n_todo++;
+            todo_tokens += d->n;
         }
-        if (kvf_exists_valid(d->path, fp, d->recipe)) {
-            d->state = ST_SKIPPED;
-            continue;
-        }
-        n_todo++;
-        todo_tokens += d->n;
     }
 
     /* ---- the sharing plan over the documents to compute ---- */
@@ -678,30 +833,27 @@ int cmd_compact(int argc, char **argv) {
     kf_seq prev;
     kf_seq_init(&prev);
     int prev_k = -1; /* plan index whose pages prev holds */
-    int64_t computed = 0, c_total = 0, d_total = 0;
+    int64_t computed = 0, c_total = 0, d_total = 0, doc_tokens = 0; /* d_total: over files */
     int n_done = 0, n_busy = 0, n_failed = 0;
     for (int k = 0; k < n_todo; k++) {
         const int pi = plan.order[k];
         job_doc *d = &docs.docs[todo[pi]];
         progress_draw(&pg, d->name[0] ? d->name : d->source);
         const double t_doc = cli_now();
-        int fd = -1;
-        const int claimed = claim(d->path, &fd);
+        const int claimed = claim_files(d, n_vars, fp, err, sizeof err);
         int64_t shared = 0;
         kf_seq cur;
         kf_seq_init(&cur);
-        if (claimed <= 0 || kvf_exists_valid(d->path, fp, d->recipe)) {
+        if (claimed <= 0) {
             if (claimed < 0) {
-                snprintf(err, sizeof err, "cannot create the lock file %.900s.lock: %s", d->path, strerror(errno));
                 doc_fail(d->source, d->name, err);
                 d->state = ST_FAILED;
                 n_failed++;
-            } else {
-                d->state = claimed ? ST_SKIPPED : ST_BUSY; /* done or being done by another worker */
-                n_busy += !claimed;
+            } else { /* done or being done by another worker */
+                const int busy = any_file(d, n_vars, ST_BUSY);
+                d->state = busy ? ST_BUSY : ST_SKIPPED;
+                n_busy += busy;
             }
-            if (claimed > 0)
-                unclaim(d->path, fd);
             kf_seq_release(&arena, &prev);
             prev_k = -1;
             pg.finished++;
@@ -722,27 +874,25 @@ int cmd_compact(int argc, char **argv) {
         kf_compact_reuse reuse = {.arena = &arena, .parent = parent_ok ? &prev : NULL, .shared = shared,
                                   .keep = next_shares ? &cur : NULL};
         kf_prompt doc = {d->ids, d->n};
-        kf_compacted c;
-        kf_status st = kf_compact_ex(m, &reuse, NULL, &doc, NULL, &p, &c, &e);
+        kf_compacted cc[MAX_VARIANTS]; /* [nv] the claimed files' caches */
+        kf_compact_variant cv[MAX_VARIANTS];
+        int nv = 0;
+        for (int v = 0; v < n_vars; v++)
+            if (d->files[v].state == ST_TODO)
+                cv[nv++] = vars[v];
+        kf_compact_prep *prep = NULL; /* one prefill, one set of queries and targets for every file */
+        kf_status st = kf_compact_prepare(m, &reuse, NULL, &doc, NULL, &p, cv, nv, &prep, &e);
+        if (st == KF_OK)
+            st = kf_compact_solve(prep, cv, nv, cc, &e);
+        kf_compact_prep_free(prep, st == KF_OK ? reuse.keep : NULL);
         kf_seq_release(&arena, &prev); /* the child holds what it took */
         prev_k = -1;
         if (st == KF_OK && next_shares) {
             prev = cur;
             prev_k = pi;
         }
-        if (st == KF_OK) {
-            kvf_cache kc;
-            kf_compacted_to_kvf(&c, &kc);
-            kc.hdr.dtype = dtype;
-            snprintf(kc.hdr.model_fingerprint, sizeof kc.hdr.model_fingerprint, "%s", fp);
-            snprintf(kc.hdr.tokenizer_digest, sizeof kc.hdr.tokenizer_digest, "%s", text.digest);
-            kvf_document_digest(d->ids, d->n, kc.hdr.document_digest);
-            snprintf(kc.hdr.recipe_digest, sizeof kc.hdr.recipe_digest, "%s", d->recipe);
-            st = kvf_write(d->path, &kc, &e);
-            d->C = c.C;
-            kf_compacted_free(&c);
-        }
-        unclaim(d->path, fd);
+        const file_ids ids = {root, fp, NULL, dtype, 0};
+        st = write_files(d, n_vars, cc, st, &ids, text.digest, &e);
         pg.finished++;
         if (st != KF_OK) {
             doc_fail(d->source, d->name, e.msg);
@@ -754,13 +904,19 @@ int cmd_compact(int argc, char **argv) {
         d->state = ST_DONE;
         n_done++;
         computed += d->n - shared;
-        d_total += d->n;
-        c_total += d->C;
+        doc_tokens += d->n;
         pg.tokens_done += d->n;
-        if (!g_tty && !quiet)
-            fprintf(stderr, "[compact] %d/%d %s%s%s%s: %d -> %lld tokens, shared %lld, %.2f s -> %s\n", pg.finished,
-                    pg.total, d->source, d->name[0] ? " (" : "", d->name, d->name[0] ? ")" : "", d->n,
-                    (long long)d->C, (long long)shared, cli_now() - t_doc, d->path);
+        for (int v = 0; v < n_vars; v++) {
+            const job_file *f = &d->files[v];
+            if (f->state != ST_DONE)
+                continue;
+            d_total += d->n;
+            c_total += f->C;
+            if (!g_tty && !quiet)
+                fprintf(stderr, "[compact] %d/%d %s%s%s%s: %d -> %lld tokens, shared %lld, %.2f s -> %s\n",
+                        pg.finished, pg.total, d->source, d->name[0] ? " (" : "", d->name, d->name[0] ? ")" : "", d->n,
+                        (long long)f->C, (long long)shared, cli_now() - t_doc, f->path);
+        }
     }
     kf_seq_release(&arena, &prev);
     if (arena.storage)
@@ -779,14 +935,21 @@ int cmd_compact(int argc, char **argv) {
                "worker), %d failed\n",
                docs.n, shard_i, shard_n, n_done, n_skipped, n_busy, n_bad);
         if (n_done > 0) {
-            printf("tokens: %lld document tokens -> %lld cached (C/D %.3f, %.2fx smaller), %s %s, budget %g\n",
-                   (long long)d_total, (long long)c_total, (double)c_total / (double)d_total,
-                   (double)d_total / (double)c_total, kf_method_name(base.method), kvf_dtype_name(dtype), base.budget);
+            if (n_vars == 1)
+                printf("tokens: %lld document tokens -> %lld cached (C/D %.3f, %.2fx smaller), %s %s, budget %g\n",
+                       (long long)d_total, (long long)c_total, (double)c_total / (double)d_total,
+                       (double)d_total / (double)c_total, kf_method_name(base.method), kvf_dtype_name(dtype),
+                       base.budget);
+            else
+                printf("tokens: %lld document tokens -> %lld cached over %d files per document (C/D %.3f), "
+                       "methods %s, budgets %s, %s\n",
+                       (long long)d_total, (long long)c_total, n_vars, (double)c_total / (double)d_total, methods_s,
+                       budgets_s, kvf_dtype_name(dtype));
             printf("prefix sharing: %lld tokens computed, %lld without sharing (%s)\n", (long long)computed,
-                   (long long)d_total,
+                   (long long)doc_tokens,
                    !share ? "off: --no-share" : sharing ? "on" : plan.saved_s > 0 ? "off: does not pay" : "nothing shared");
         }
-        printf("time: %.2f s (%.0f document tokens/s), files under %s\n", el, el > 0 ? d_total / el : 0, root);
+        printf("time: %.2f s (%.0f document tokens/s), files under %s\n", el, el > 0 ? doc_tokens / el : 0, root);
         if (fflush(stdout) != 0) /* now: the summary must not wait for exit (nor fail silently) */
             cli_error(CMD, "cannot write the summary: %s", strerror(errno));
         if (n_bad > 0 || ferror(stdout))

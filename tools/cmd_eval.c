@@ -265,23 +265,16 @@ typedef struct {
     double *head_lse, *head_out; /* [n_layers * kv_heads] */
 } eval_ctx;
 
-/* Compacts (or takes the full cache) and measures one row on one document. */
-static void eval_row_run(const eval_ctx *x, eval_row *row, const kf_reference *ref, const eval_doc *d,
-                         const kf_prompt *pr, int lineno) {
-    kf_prompt doc = {d->doc.ids, d->doc.n};
-    kf_compact_params p = x->base;
-    p.method = row->method;
-    p.budget = row->budget;
-    p.repeat_instruction = (kf_prompt){d->instr.ids, d->instr.n};
-    p.probes = pr;
-    p.n_probes = d->n_probes;
-    kf_compacted c;
+/* Measures one row's cache c (computed by the caller, or NULL when its compaction failed with
+ * cerr) on one document; frees c. */
+static void eval_row_measure(const eval_ctx *x, eval_row *row, const kf_reference *ref, kf_compacted *c,
+                             const kf_error *cerr, int lineno) {
     kf_quality q;
-    kf_error err = {0};
-    kf_status rc = row->full ? kf_reference_full_cache(ref, &c, &err) : kf_compact(x->m, NULL, &doc, NULL, &p, &c, &err);
-    if (rc == KF_OK && (rc = kf_quality_measure(x->m, ref, &c, &q, x->head_lse, x->head_out, &err)) != KF_OK)
-        kf_compacted_free(&c);
+    kf_error err = cerr ? *cerr : (kf_error){0};
+    kf_status rc = c ? kf_quality_measure(x->m, ref, c, &q, x->head_lse, x->head_out, &err) : KF_ERR_INVALID;
     if (rc != KF_OK) {
+        if (c)
+            kf_compacted_free(c);
         cli_error("eval quality", "%s:%d: %s %g: %s", x->docs, lineno, row->full ? "full" : kf_method_name(row->method),
                   row->full ? 1.0 : row->budget, err.msg);
         row->n_failed++;
@@ -289,29 +282,59 @@ static void eval_row_run(const eval_ctx *x, eval_row *row, const kf_reference *r
     }
     kf_quality_add(&row->sum, &q);
     row->n_ok++;
-    const int n_heads = c.n_layers * c.kv_heads;
+    const int n_heads = c->n_layers * c->kv_heads;
     for (int h = 0; x->per_head && h < n_heads; h++)
         fprintf(x->per_head, "%d\t%s\t%g\t%d\t%d\t%.5f\t%.5f\t%.5f\n", lineno,
-                row->full ? "full" : kf_method_name(row->method), row->full ? 1.0 : row->budget, h / c.kv_heads,
-                h % c.kv_heads, x->head_lse[h], x->head_out[h], c.var_gain[h]);
-    row->var_gain += c.stats.mean_var_gain;
-    row->fallbacks += c.stats.fold_fallback_heads;
-    row->restarts += c.stats.solver.beta_restarts;
+                row->full ? "full" : kf_method_name(row->method), row->full ? 1.0 : row->budget, h / c->kv_heads,
+                h % c->kv_heads, x->head_lse[h], x->head_out[h], c->var_gain[h]);
+    row->var_gain += c->stats.mean_var_gain;
+    row->fallbacks += c->stats.fold_fallback_heads;
+    row->restarts += c->stats.solver.beta_restarts;
     int counts[4];
-    kf_compacted_head_counts(&c, counts);
+    kf_compacted_head_counts(c, counts);
     for (int i = 0; i < 4; i++)
         row->heads[i] += counts[i];
-    kf_compacted_free(&c);
+    kf_compacted_free(c);
+}
+
+/* Every compacted row of one document from one prefill, one set of reference queries and one
+ * set of targets (kf_compact_prepare, then kf_compact_solve for all the (method, budget) rows);
+ * outs [n_rows] (the full row's entry unused). 0, or -1 with err when the compaction failed. */
+static int eval_compact_rows(const eval_ctx *x, const eval_row *rows, int n_rows, const eval_doc *d,
+                             const kf_prompt *pr, kf_compacted *outs, kf_error *err) {
+    kf_compact_variant *v = calloc((size_t)n_rows, sizeof *v);
+    kf_compacted *tmp = calloc((size_t)n_rows, sizeof *tmp);
+    int n = 0;
+    for (int r = 0; v && r < n_rows; r++)
+        if (!rows[r].full)
+            v[n++] = (kf_compact_variant){rows[r].method, rows[r].budget};
+    kf_prompt doc = {d->doc.ids, d->doc.n};
+    kf_compact_params p = x->base;
+    p.repeat_instruction = (kf_prompt){d->instr.ids, d->instr.n};
+    p.probes = pr;
+    p.n_probes = d->n_probes;
+    kf_compact_prep *prep = NULL;
+    kf_status rc = !v || !tmp ? kf_fail(err, KF_ERR_NOMEM, "out of memory") : KF_OK;
+    if (rc == KF_OK && n > 0 && (rc = kf_compact_prepare(x->m, NULL, NULL, &doc, NULL, &p, v, n, &prep, err)) == KF_OK)
+        rc = kf_compact_solve(prep, v, n, tmp, err);
+    kf_compact_prep_free(prep, NULL);
+    for (int r = 0, i = 0; rc == KF_OK && r < n_rows; r++)
+        if (!rows[r].full)
+            outs[r] = tmp[i++];
+    free(v);
+    free(tmp);
+    return rc == KF_OK ? 0 : -1;
 }
 
 /* Reference and every row for one parsed document; 0, or -1 when the reference failed. */
 static int eval_document(const eval_ctx *x, eval_row *rows, int n_rows, const eval_doc *d, int lineno) {
     kf_qa *qa = calloc((size_t)(d->n_qa ? d->n_qa : 1), sizeof *qa);
     kf_prompt *pr = calloc((size_t)(d->n_probes ? d->n_probes : 1), sizeof *pr);
+    kf_compacted *outs = calloc((size_t)n_rows, sizeof *outs); /* [n_rows] */
     kf_reference *ref = NULL;
     kf_error err = {0};
     int rc = -1;
-    if (!qa || !pr) {
+    if (!qa || !pr || !outs) {
         cli_error("eval quality", "%s:%d: out of memory", x->docs, lineno);
         goto out;
     }
@@ -324,11 +347,20 @@ static int eval_document(const eval_ctx *x, eval_row *rows, int n_rows, const ev
         cli_error("eval quality", "%s:%d: %s", x->docs, lineno, err.msg);
         goto out;
     }
-    for (int r = 0; r < n_rows; r++)
-        eval_row_run(x, &rows[r], ref, d, pr, lineno);
+    kf_error cerr = {0};
+    const int compacted = eval_compact_rows(x, rows, n_rows, d, pr, outs, &cerr) == 0;
+    for (int r = 0; r < n_rows; r++) {
+        kf_error ferr = {0};
+        if (rows[r].full)
+            eval_row_measure(x, &rows[r], ref, kf_reference_full_cache(ref, &outs[r], &ferr) == KF_OK ? &outs[r] : NULL,
+                             &ferr, lineno);
+        else
+            eval_row_measure(x, &rows[r], ref, compacted ? &outs[r] : NULL, &cerr, lineno);
+    }
     rc = 0;
 out:
     kf_reference_free(ref);
+    free(outs);
     free(qa);
     free(pr);
     return rc;

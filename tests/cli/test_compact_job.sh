@@ -212,5 +212,53 @@ check "NaN weight: logits exit 1" test $? -eq 1
 check "NaN weight: logits prints no logits" test ! -s "$tmp/nan-logits.out"
 check "NaN weight: logits names the tensor" has "$tmp/nan-logits.err" "model.layers.1.mlp.up_proj.weight' holds NaN"
 
+# ---- several methods and budgets in one run: one file per (method, budget), each byte for byte the
+# file a run with that single pair writes (same name, same recipe digest), from one prefill ----
+head -n 2 "$tmp/docs.jsonl" >"$tmp/two.jsonl"
+mv_common=(--model "$model" --max-queries 500 --quiet --manifest "$tmp/two.jsonl")
+"$kvfold" compact "${mv_common[@]}" --method fold,drop,am --budget 0.25,0.1 --out "$tmp/multi" >"$tmp/multi.out" 2>"$tmp/multi.err"
+check "several variants: exit 0" test $? -eq 0
+check "several variants: 12 files" test "$(find "$tmp/multi" -name '*.kvf' | wc -l)" -eq 12
+check "several variants: summary" has "$tmp/multi.out" "2 documents (shard 0/1): 2 done, 0 skipped"
+for m in fold drop am; do
+    for b in 0.25 0.1; do
+        "$kvfold" compact "${mv_common[@]}" --method $m --budget $b --out "$tmp/single" >/dev/null 2>&1
+    done
+done
+# the files' content: every dataset's bytes and every attribute (HDF5 also stores object times,
+# which differ between runs in different seconds)
+/usr/bin/python3 - "$tmp/single" "$tmp/multi" >"$tmp/multi-cmp.txt" 2>&1 <<'PY'
+import os, sys, h5py, numpy as np
+single, multi = sys.argv[1:3]
+def content(path):
+    out = {}
+    def visit(name, obj):
+        out[name] = (obj[()].tobytes() if isinstance(obj, h5py.Dataset) else None,
+                     sorted((k, np.asarray(v).tobytes()) for k, v in obj.attrs.items()))
+    with h5py.File(path, "r") as f:
+        out["/"] = (None, sorted((k, np.asarray(v).tobytes()) for k, v in f.attrs.items()))
+        f.visititems(visit)
+    return out
+n = 0
+for root, _, files in os.walk(single):
+    for name in files:
+        if name.endswith(".kvf"):
+            a = os.path.join(root, name)
+            b = os.path.join(multi, os.path.relpath(a, single))
+            n += 1
+            if not os.path.exists(b) or content(a) != content(b):
+                print("differs or missing:", b)
+print("compared", n)
+PY
+check "several variants: every file equals its single run (12 of them)" test "$(cat "$tmp/multi-cmp.txt")" = "compared 12"
+"$kvfold" compact "${mv_common[@]}" --method fold,drop --budget 0.25,0.1,0.5 --out "$tmp/multi" >"$tmp/multi2.out" 2>&1
+check "several variants: a rerun computes only the missing budget (2 documents done)" has "$tmp/multi2.out" "2 documents (shard 0/1): 2 done, 0 skipped"
+check "several variants: 16 files after the rerun" test "$(find "$tmp/multi" -name '*.kvf' | wc -l)" -eq 16
+"$kvfold" compact "${mv_common[@]}" --method fold,drop --budget 0.25,0.1 --out "$tmp/multi" >"$tmp/multi3.out" 2>&1
+check "several variants: all there: skipped" has "$tmp/multi3.out" "2 documents (shard 0/1): 0 done, 2 skipped"
+"$kvfold" compact "${mv_common[@]}" --method fold,fold --out "$tmp/multi" >/dev/null 2>"$tmp/dup.err"
+check "several variants: a pair given twice is a usage error" test $? -eq 2
+check "several variants: bad method in a list named" bash -c '"$0" compact --model "$1" --method fold,nope x 2>&1 | grep -qF "not '"'"'nope'"'"'"' "$kvfold" "$model"
+
 echo "$fails failed"
 exit $((fails > 0))
