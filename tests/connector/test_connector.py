@@ -314,6 +314,32 @@ def test_tensor_parallel_rank_writes_its_heads(root, monkeypatch):
     assert torch.equal(loaded(eng, r, 33), expect(path)[:, :, :, 2:4])
 
 
+def test_tensor_parallel_rank_reads_only_its_heads(root, monkeypatch):
+    """Rank 1 of 4 reads only its KV head's chunks: a quarter of the file's K/V bytes, counted by
+    the extension, against an unsharded load of the same file that reads all of them."""
+    import vllm.distributed.parallel_state as ps
+    C, H = 40, 4
+    model = ModelConfig("stub-model", L_, H, D_, V_)
+    path = os.path.join(root, FP, "tp4.kvf")
+    write_cache(path, L_, H, D_, C, 72)
+    whole = 2 * L_ * H * (C * D_ * 2 + 4)  # every (layer, head) chunk of keys and values, with sums
+    before = _kvfold.kv_bytes_read()
+    eng = Engine(model, {"cache_root": root}, num_blocks=16)
+    r, _ = request("r", path, [1], root)
+    eng.add_request(r)
+    eng.step()
+    assert _kvfold.kv_bytes_read() - before == whole
+    monkeypatch.setattr(ps, "_TP_RANK", 1)
+    monkeypatch.setattr(ps, "_TP_SIZE", 4)
+    before = _kvfold.kv_bytes_read()
+    eng = Engine(model, {"cache_root": root}, num_blocks=16, local_kv_heads=1)
+    r, _ = request("r", path, [1], root)
+    eng.add_request(r)
+    eng.step()
+    assert _kvfold.kv_bytes_read() - before == whole // 4
+    assert torch.equal(loaded(eng, r, C), expect(path)[:, :, :, 1:2])
+
+
 def test_refusals(root):
     with pytest.raises(ValueError, match="fp8"):
         Engine(MODEL, {"cache_root": root}, dtype=torch.uint8)
