@@ -28,6 +28,7 @@ struct kvf_file {
     /* lazily allocated: one layer of keys / values as stored, a conversion buffer, a chunk */
     void *kbuf, *vbuf, *conv; /* [C, kv_heads, head_dim] in dtype each */
     unsigned char *chunkbuf;  /* one stored K/V chunk (data + sum): [C, head_dim] of one head */
+    unsigned char *hk, *hv;   /* one layer's keys / values head-major, [kv_heads, C, head_dim] + 4 each */
     int block_layer;          /* the layer kbuf and vbuf hold whole and verified for block reads, or -1 */
     int64_t kv_bytes_read;    /* bytes of K/V chunks read (data + sums) since kvf_open */
     /* one layer of side data (+ 4 bytes of room for a chunk's sum each) */
@@ -51,6 +52,8 @@ void kvf_close(kvf_file *f) {
     free(f->vbuf);
     free(f->conv);
     free(f->chunkbuf);
+    free(f->hk);
+    free(f->hv);
     free(f->beta);
     free(f->u);
     free(f->pos);
@@ -473,23 +476,28 @@ static kf_status check_finite(kvf_file *f, int which, int layer, int head, const
 }
 
 /* Head hd of one layer's keys (which = DS_KEYS) or values, [C, head_dim] as stored, from its
- * chunk into f->chunkbuf: sum and values checked, hashed into st, and scattered into out
- * ([C, kv_heads, head_dim], head hd of each slot; NULL: not copied). */
-static kf_status read_head_chunk(kvf_file *f, int which, int layer, int hd, void *out, XXH3_state_t *st,
+ * chunk into dst (room for the data and its 4-byte sum): sum and values checked, hashed into st. */
+static kf_status read_head_chunk(kvf_file *f, int which, int layer, int hd, unsigned char *dst, XXH3_state_t *st,
                                  kf_error *err) {
-    const size_t cb = head_chunk_bytes(&f->hdr), row = row_bytes(&f->hdr), C = (size_t)f->hdr.n_tokens;
-    const size_t hb = cb / C; /* bytes of one slot of one head */
+    const size_t cb = head_chunk_bytes(&f->hdr);
     const hsize_t coord[4] = {(hsize_t)layer, 0, (hsize_t)hd, 0};
-    KF_TRY(get_chunk(f, which, coord, cb, f->chunkbuf, err));
+    KF_TRY(get_chunk(f, which, coord, cb, dst, err));
     f->kv_bytes_read += (int64_t)cb + 4;
-    KF_TRY(check_finite(f, which, layer, hd, f->chunkbuf, err));
-    kvf_hash_update(st, f->chunkbuf, cb);
-    if (out) {
-        unsigned char *o = (unsigned char *)out + (size_t)hd * hb;
-        for (size_t t = 0; t < C; t++)
-            memcpy(o + t * row, f->chunkbuf + t * hb, hb);
-    }
+    KF_TRY(check_finite(f, which, layer, hd, dst, err));
+    kvf_hash_update(st, dst, cb);
     return KF_OK;
+}
+
+/* Heads [h0, h1) from head-major src ([h1 - h0, C, head_dim]) into token-major out ([C, kv_heads,
+ * head_dim]): written slot by slot, in order (a scatter head by head is several times slower). */
+static void heads_to_tokens(const kvf_header *h, int h0, int h1, const unsigned char *src, unsigned char *out) {
+    const size_t C = (size_t)h->n_tokens, hb = (size_t)h->head_dim * kvf_dtype_size(h->dtype);
+    const size_t row = (size_t)h->kv_heads * hb, nh = (size_t)(h1 - h0);
+    for (size_t t = 0; t < C; t++) {
+        unsigned char *o = out + t * row + (size_t)h0 * hb;
+        for (size_t j = 0; j < nh; j++)
+            memcpy(o + j * hb, src + (j * C + t) * hb, hb);
+    }
 }
 
 /* One layer of side data into f->beta, u, pos, hm, checked for allowed values. */
@@ -647,11 +655,15 @@ kf_status kvf_check_positions(const kvf_file *f, int64_t max_positions, kf_error
  * head checked against its head digest. */
 static kf_status read_heads(kvf_file *f, int layer, int h0, int h1, void *k, void *v, kf_error *err) {
     KF_TRY(read_side_layer(f, layer, err));
+    const size_t cb = head_chunk_bytes(&f->hdr), n = cb * (size_t)f->hdr.kv_heads + 4;
+    if ((!f->hk && !(f->hk = malloc(n))) || (!f->hv && !(f->hv = malloc(n))))
+        return kf_fail(err, KF_ERR_NOMEM, "%s: out of memory for a layer (%lld slots)", f->path,
+                       (long long)f->hdr.n_tokens);
     for (int hd = h0; hd < h1; hd++) {
         XXH3_state_t st;
         XXH3_128bits_reset(&st);
-        KF_TRY(read_head_chunk(f, DS_KEYS, layer, hd, k, &st, err));
-        KF_TRY(read_head_chunk(f, DS_VALUES, layer, hd, v, &st, err));
+        KF_TRY(read_head_chunk(f, DS_KEYS, layer, hd, f->hk + (size_t)(hd - h0) * cb, &st, err));
+        KF_TRY(read_head_chunk(f, DS_VALUES, layer, hd, f->hv + (size_t)(hd - h0) * cb, &st, err));
         uint8_t d[16];
         kvf_head_digest_finish(&f->hdr, layer, hd, &st, f->beta, f->u, f->pos, f->hm, d);
         if (memcmp(d, f->digests + ((size_t)layer * (size_t)f->hdr.kv_heads + (size_t)hd) * 16, 16) != 0)
@@ -660,6 +672,10 @@ static kf_status read_heads(kvf_file *f, int layer, int h0, int h1, void *k, voi
                            "altered): the file is damaged",
                            f->path, layer, hd);
     }
+    if (k)
+        heads_to_tokens(&f->hdr, h0, h1, f->hk, k);
+    if (v)
+        heads_to_tokens(&f->hdr, h0, h1, f->hv, v);
     return KF_OK;
 }
 
