@@ -250,6 +250,10 @@ kf_status kvf_read_layer_raw(kvf_file *f, int layer, kvf_which which, void *out 
  * K/V chunks are read. */
 kf_status kvf_read_heads_raw(kvf_file *f, int layer, int h0, int h1, void *keys_raw /* [C, kv_heads, head_dim] */,
                              void *values_raw /* [C, kv_heads, head_dim] */, kf_error *err);
+/* The same, head-major, as the chunks hold them: head h lands at [h] of the [kv_heads, C, head_dim]
+ * buffers, read there directly (no copy); nothing outside heads [h0, h1) is written. */
+kf_status kvf_read_heads_hm(kvf_file *f, int layer, int h0, int h1, void *keys_raw /* [kv_heads, C, head_dim] */,
+                            void *values_raw /* [kv_heads, C, head_dim] */, kf_error *err);
 /* Bytes of K/V chunks (data and sums) this file has read since kvf_open. */
 int64_t kvf_kv_bytes_read(const kvf_file *f);
 /* One 16-token block (block b holds slots 16b .. 16b+15); *n_tokens = its length (16, or less for

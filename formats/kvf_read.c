@@ -650,20 +650,24 @@ kf_status kvf_check_positions(const kvf_file *f, int64_t max_positions, kf_error
 
 /* ---- data ---- */
 
-/* Heads [h0, h1) of one layer (keys and values into k and v, [C, kv_heads, head_dim], each head
- * in its place; either NULL: not copied), the layer's side data into f->beta, u, pos, hm; each
- * head checked against its head digest. */
-static kf_status read_heads(kvf_file *f, int layer, int h0, int h1, void *k, void *v, kf_error *err) {
+/* Heads [h0, h1) of one layer head-major, head h's chunk at k + (h - hoff) * chunk bytes (and v);
+ * the layer's side data into f->beta, u, pos, hm; each head checked against its head digest. A
+ * chunk's sum spills into the next head's place; the last head's goes through f->chunkbuf, so
+ * nothing past head h1 - 1 is written. */
+static kf_status read_heads_hm(kvf_file *f, int layer, int h0, int h1, void *k, void *v, int hoff, kf_error *err) {
     KF_TRY(read_side_layer(f, layer, err));
-    const size_t cb = head_chunk_bytes(&f->hdr), n = cb * (size_t)f->hdr.kv_heads + 4;
-    if ((!f->hk && !(f->hk = malloc(n))) || (!f->hv && !(f->hv = malloc(n))))
-        return kf_fail(err, KF_ERR_NOMEM, "%s: out of memory for a layer (%lld slots)", f->path,
-                       (long long)f->hdr.n_tokens);
+    const size_t cb = head_chunk_bytes(&f->hdr);
     for (int hd = h0; hd < h1; hd++) {
         XXH3_state_t st;
         XXH3_128bits_reset(&st);
-        KF_TRY(read_head_chunk(f, DS_KEYS, layer, hd, f->hk + (size_t)(hd - h0) * cb, &st, err));
-        KF_TRY(read_head_chunk(f, DS_VALUES, layer, hd, f->hv + (size_t)(hd - h0) * cb, &st, err));
+        unsigned char *kd = (unsigned char *)k + (size_t)(hd - hoff) * cb, *vd = (unsigned char *)v + (size_t)(hd - hoff) * cb;
+        const bool last = hd == h1 - 1;
+        KF_TRY(read_head_chunk(f, DS_KEYS, layer, hd, last ? f->chunkbuf : kd, &st, err));
+        if (last)
+            memcpy(kd, f->chunkbuf, cb);
+        KF_TRY(read_head_chunk(f, DS_VALUES, layer, hd, last ? f->chunkbuf : vd, &st, err));
+        if (last)
+            memcpy(vd, f->chunkbuf, cb);
         uint8_t d[16];
         kvf_head_digest_finish(&f->hdr, layer, hd, &st, f->beta, f->u, f->pos, f->hm, d);
         if (memcmp(d, f->digests + ((size_t)layer * (size_t)f->hdr.kv_heads + (size_t)hd) * 16, 16) != 0)
@@ -672,11 +676,32 @@ static kf_status read_heads(kvf_file *f, int layer, int h0, int h1, void *k, voi
                            "altered): the file is damaged",
                            f->path, layer, hd);
     }
+    return KF_OK;
+}
+
+/* Heads [h0, h1) of one layer (keys and values into k and v, [C, kv_heads, head_dim], each head
+ * in its place; either NULL: not copied), through the head-major scratch f->hk, f->hv. */
+static kf_status read_heads(kvf_file *f, int layer, int h0, int h1, void *k, void *v, kf_error *err) {
+    const size_t cb = head_chunk_bytes(&f->hdr), n = cb * (size_t)f->hdr.kv_heads + 4;
+    if ((!f->hk && !(f->hk = malloc(n))) || (!f->hv && !(f->hv = malloc(n))))
+        return kf_fail(err, KF_ERR_NOMEM, "%s: out of memory for a layer (%lld slots)", f->path,
+                       (long long)f->hdr.n_tokens);
+    KF_TRY(read_heads_hm(f, layer, h0, h1, f->hk, f->hv, h0, err));
     if (k)
         heads_to_tokens(&f->hdr, h0, h1, f->hk, k);
     if (v)
         heads_to_tokens(&f->hdr, h0, h1, f->hv, v);
     return KF_OK;
+}
+
+kf_status kvf_read_heads_hm(kvf_file *f, int layer, int h0, int h1, void *keys_raw, void *values_raw,
+                            kf_error *err) {
+    if (!f || !keys_raw || !values_raw || layer < 0 || layer >= f->hdr.n_layers || h0 < 0 || h0 >= h1 ||
+        h1 > f->hdr.kv_heads)
+        return kf_fail(err, KF_ERR_INVALID, "%s: bad read of layer %d heads [%d, %d) (the file has %d x %d)",
+                       f ? f->path : "kvf", layer, h0, h1, f ? f->hdr.n_layers : 0, f ? f->hdr.kv_heads : 0);
+    KF_TRY(alloc_buffers(f, err));
+    return read_heads_hm(f, layer, h0, h1, keys_raw, values_raw, 0, err);
 }
 
 kf_status kvf_read_heads_raw(kvf_file *f, int layer, int h0, int h1, void *keys_raw, void *values_raw,

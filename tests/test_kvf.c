@@ -444,6 +444,16 @@ static void test_refuses_flipped_byte_in_a_chunk(void) {
     CU_ASSERT_EQUAL(kvf_kv_bytes_read(f) - before, 2 * (50 * 8 * 2 + 4));
     CU_ASSERT_EQUAL(k[(7 * 2 + 0) * 8 + 5], kvf_f32_to_bf16(s.keys[((3 * 50 + 7) * 2 + 0) * 8 + 5]));
     CU_ASSERT_EQUAL(v[(49 * 2 + 0) * 8 + 7], kvf_f32_to_bf16(s.values[((3 * 50 + 49) * 2 + 0) * 8 + 7]));
+    /* head-major, in place: head 0 at [0], nothing written past it (its sum goes aside) */
+    memset(k, 0xab, 50 * 2 * 8 * 2);
+    memset(v, 0xab, 50 * 2 * 8 * 2);
+    CU_ASSERT_EQUAL(kvf_read_heads_hm(f, 3, 0, 1, k, v, &err), KF_OK);
+    CU_ASSERT_EQUAL(k[7 * 8 + 5], kvf_f32_to_bf16(s.keys[((3 * 50 + 7) * 2 + 0) * 8 + 5]));
+    CU_ASSERT_EQUAL(v[49 * 8 + 7], kvf_f32_to_bf16(s.values[((3 * 50 + 49) * 2 + 0) * 8 + 7]));
+    CU_ASSERT(k[50 * 8] == 0xabab && v[50 * 8] == 0xabab && k[50 * 8 + 1] == 0xabab);
+    CU_ASSERT_EQUAL(kvf_read_heads_hm(f, 2, 1, 2, k, v, &err), KF_OK); /* head 1 at [1], head 0 kept */
+    CU_ASSERT_EQUAL(k[50 * 8 + 9 * 8 + 2], kvf_f32_to_bf16(s.keys[((2 * 50 + 9) * 2 + 1) * 8 + 2]));
+    CU_ASSERT_EQUAL(k[7 * 8 + 5], kvf_f32_to_bf16(s.keys[((3 * 50 + 7) * 2 + 0) * 8 + 5]));
     CU_ASSERT_EQUAL(kvf_read_heads_raw(f, 3, 1, 2, k, v, &err), KF_ERR_FORMAT);
     CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "checksum mismatch in keys, layer 3 head 1"));
     CU_ASSERT_EQUAL(kvf_read_heads_raw(f, 3, 1, 3, k, v, &err), KF_ERR_INVALID);
