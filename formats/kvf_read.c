@@ -10,6 +10,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "formats/kvf_internal.h"
 #define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
@@ -493,6 +496,20 @@ static kf_status read_head_chunk(kvf_file *f, int which, int layer, int hd, unsi
 static void heads_to_tokens(const kvf_header *h, int h0, int h1, const unsigned char *src, unsigned char *out) {
     const size_t C = (size_t)h->n_tokens, hb = (size_t)h->head_dim * kvf_dtype_size(h->dtype);
     const size_t row = (size_t)h->kv_heads * hb, nh = (size_t)(h1 - h0);
+#if defined(__SSE2__)
+    if (hb % 16 == 0 && (uintptr_t)out % 16 == 0 && row % 16 == 0) { /* streaming stores: out is not read back here */
+        for (size_t t = 0; t < C; t++) {
+            __m128i *o = (__m128i *)(out + t * row + (size_t)h0 * hb);
+            for (size_t j = 0; j < nh; j++) {
+                const unsigned char *sp = src + (j * C + t) * hb;
+                for (size_t b = 0; b < hb; b += 16, o++)
+                    _mm_stream_si128(o, _mm_loadu_si128((const __m128i *)(sp + b)));
+            }
+        }
+        _mm_sfence();
+        return;
+    }
+#endif
     for (size_t t = 0; t < C; t++) {
         unsigned char *o = out + t * row + (size_t)h0 * hb;
         for (size_t j = 0; j < nh; j++)
