@@ -700,7 +700,7 @@ void kvf_payload_digest(const uint8_t *head_digests, int n_layers, int kv_heads,
 /* ---- XXH3 updates with AVX2 ----
  * The system libxxhash is built for SSE2; the same algorithm with AVX2 (xxhash.h inlined for
  * this one function, XXH_VECTOR = AVX2) runs about twice as fast and gives the same digests
- * (test_kvf_integrity compares a file's layer digests with libxxhash's). The state is the
+ * (test_kvf_integrity compares a file's head digests with libxxhash's). The state is the
  * library's XXH3_state_t: the inlined code has the same layout (same header). Kept at the end of
  * the file: the inlined header renames the XXH3 functions for everything below it. */
 static void hash_update_lib(void *st, const void *p, size_t n) {

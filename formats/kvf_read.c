@@ -1,7 +1,7 @@
 /* kvf_read.c — opening, validating and reading kvf cache files (see kvf.h for the format).
  *
  * Every dataset is read chunk by chunk with H5Dread_chunk, past HDF5's filter pipeline (keys and
- * values: one chunk per (layer, head), scattered into the token-major layer buffer): each
+ * values: one chunk per (layer, head), landing head-major, then token-major where asked): each
  * chunk must be present, stored with filter mask 0 and exactly its size plus the 4-byte
  * Fletcher32 sum, which is checked here (HDF5's pipeline would skip the check for a chunk whose
  * mask says so, and would read an absent chunk as fill values). */
