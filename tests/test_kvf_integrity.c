@@ -378,6 +378,11 @@ static void test_bad_attributes(void) {
     set_i64(p, "n_doc_tokens", (int64_t)1 << 21);
     set_i64(p, "n_tokens", (int64_t)1 << 21);
     expect_refusal(p, "the header claims 2 layers x 2097152 slots");
+    p = fresh("big-chunk", &s); /* one (layer, head) chunk of C x head_dim bf16 = 2^20 x 2^16 x 2 bytes >= 4 GiB */
+    set_i64(p, "n_doc_tokens", (int64_t)1 << 20);
+    set_i64(p, "n_tokens", (int64_t)1 << 20);
+    set_i64(p, "head_dim", 65536);
+    expect_refusal(p, "x C 1048576 is too large for one chunk");
     p = fresh("utf8", &s);
     set_str(p, "placeholder", "ok\xff\xfe", 0);
     expect_refusal(p, "attribute 'placeholder' is not printable UTF-8");
