@@ -598,8 +598,9 @@ kf_status kvf_header_check(const kvf_header *h, const char *path, kf_error *err)
     /* a layer's elements (and so every size below) stay far from overflow: C * H * D < 2^40 */
     if ((double)h->n_tokens * h->kv_heads * h->head_dim > (double)((int64_t)1 << 40))
         return kf_fail(err, KF_ERR_FORMAT, "%s: a layer of C = %lld tokens is too large", path, (long long)h->n_tokens);
-    /* HDF5 chunks stay below 4 GiB: a K/V block [16, H, D] and a side layer [H, C] */
-    if ((int64_t)h->kv_heads * h->head_dim > ((int64_t)1 << 24) ||
+    /* HDF5 chunks stay below 4 GiB: a K/V chunk [C, D] of one (layer, head) and a side layer [H, C] */
+    if ((int64_t)h->n_tokens * h->head_dim * (int64_t)kvf_dtype_size(h->dtype) + 4 >= ((int64_t)1 << 32) ||
+        (int64_t)h->kv_heads * h->head_dim > ((int64_t)1 << 24) ||
         (int64_t)h->kv_heads * h->n_tokens > ((int64_t)1 << 29))
         return kf_fail(err, KF_ERR_FORMAT, "%s: kv_heads %d x head_dim %d x C %lld is too large for one chunk", path,
                        h->kv_heads, h->head_dim, (long long)h->n_tokens);
@@ -664,41 +665,34 @@ kf_status kvf_check_side(const kvf_header *h, const char *path, int layer, const
     return KF_OK;
 }
 
-void kvf_layer_digest_finish(const kvf_header *h, int layer, void *state, const float *beta, const float *u,
-                             const int32_t *pos, const uint8_t *hm, uint8_t out[16]) {
-    const size_t H = (size_t)h->kv_heads, C = (size_t)h->n_tokens, D = (size_t)h->head_dim;
-    XXH3_state_t *st = state;
-    kvf_hash_update(st, beta, H * C * 4);
-    kvf_hash_update(st, u, H * D * 4);
-    kvf_hash_update(st, pos, H * C * 4);
-    XXH3_128bits_update(st, hm, H);
-    uint8_t l8[8];
+static void put_u64(XXH3_state_t *st, uint64_t v) {
+    uint8_t b8[8];
     for (int b = 0; b < 8; b++)
-        l8[b] = (uint8_t)((uint64_t)layer >> (8 * b));
-    XXH3_128bits_update(st, l8, 8);
+        b8[b] = (uint8_t)(v >> (8 * b));
+    XXH3_128bits_update(st, b8, 8);
+}
+
+void kvf_head_digest_finish(const kvf_header *h, int layer, int head, void *state, const float *beta,
+                            const float *u, const int32_t *pos, const uint8_t *hm, uint8_t out[16]) {
+    const size_t C = (size_t)h->n_tokens, D = (size_t)h->head_dim, hd = (size_t)head;
+    XXH3_state_t *st = state;
+    kvf_hash_update(st, beta + hd * C, C * 4);
+    kvf_hash_update(st, u + hd * D, D * 4);
+    kvf_hash_update(st, pos + hd * C, C * 4);
+    XXH3_128bits_update(st, hm + hd, 1);
+    put_u64(st, (uint64_t)layer);
+    put_u64(st, (uint64_t)head);
     XXH128_canonical_t c;
     XXH128_canonicalFromHash(&c, XXH3_128bits_digest(st));
     memcpy(out, c.digest, 16);
 }
 
-void kvf_layer_digest(const kvf_header *h, int layer, const void *k, const void *v, const float *beta, const float *u,
-                      const int32_t *pos, const uint8_t *hm, uint8_t out[16]) {
-    const size_t kv = (size_t)h->n_tokens * (size_t)h->kv_heads * (size_t)h->head_dim * kvf_dtype_size(h->dtype);
+void kvf_payload_digest(const uint8_t *head_digests, int n_layers, int kv_heads, char out[KVF_DIGEST_LEN + 1]) {
     XXH3_state_t st;
     XXH3_128bits_reset(&st);
-    kvf_hash_update(&st, k, kv);
-    kvf_hash_update(&st, v, kv);
-    kvf_layer_digest_finish(h, layer, &st, beta, u, pos, hm, out);
-}
-
-void kvf_payload_digest(const uint8_t *layer_digests, int n_layers, char out[KVF_DIGEST_LEN + 1]) {
-    XXH3_state_t st;
-    XXH3_128bits_reset(&st);
-    XXH3_128bits_update(&st, layer_digests, (size_t)n_layers * 16);
-    uint8_t l8[8];
-    for (int b = 0; b < 8; b++)
-        l8[b] = (uint8_t)((uint64_t)n_layers >> (8 * b));
-    XXH3_128bits_update(&st, l8, 8);
+    XXH3_128bits_update(&st, head_digests, (size_t)n_layers * (size_t)kv_heads * 16);
+    put_u64(&st, (uint64_t)n_layers);
+    put_u64(&st, (uint64_t)kv_heads);
     XXH128_hash_t hh = XXH3_128bits_digest(&st);
     snprintf(out, KVF_DIGEST_LEN + 1, "%016llx%016llx", (unsigned long long)hh.high64, (unsigned long long)hh.low64);
 }
@@ -706,7 +700,7 @@ void kvf_payload_digest(const uint8_t *layer_digests, int n_layers, char out[KVF
 /* ---- XXH3 updates with AVX2 ----
  * The system libxxhash is built for SSE2; the same algorithm with AVX2 (xxhash.h inlined for
  * this one function, XXH_VECTOR = AVX2) runs about twice as fast and gives the same digests
- * (test_kvf_integrity compares a file's layer digests with libxxhash's). The state is the
+ * (test_kvf_integrity compares a file's head digests with libxxhash's). The state is the
  * library's XXH3_state_t: the inlined code has the same layout (same header). Kept at the end of
  * the file: the inlined header renames the XXH3 functions for everything below it. */
 static void hash_update_lib(void *st, const void *p, size_t n) {

@@ -29,13 +29,15 @@
  *     placeholder        how the serving side derives the C placeholder token ids (e.g. "digest")
  *     dtype              element type of keys and values: "bfloat16", "float16" or "float32"
  *     n_layers (1..4096), kv_heads (1..4096), head_dim (1..65536)
- *     block_size         16: tokens per chunk of keys/values (vLLM's block size)
+ *     block_size         16: tokens per block of kvf_read_block (vLLM's block size); not the chunking
  *
  *   Datasets (every one chunked with exactly one filter, Fletcher32; every chunk must be present
  *   and stored with filter mask 0; HDF5 fill values are never read)
  *     keys, values  [n_layers, C, kv_heads, head_dim], token-major, exactly what goes into the paged
- *                   blocks. Chunk [1, 16, kv_heads, head_dim]: one 16-token block of one layer (the
- *                   last block of a layer is padded with zeros to 16 tokens).
+ *                   blocks. Chunk [1, C, 1, head_dim]: every slot of one (layer, KV head), so a
+ *                   tensor-parallel rank serving heads [h0, h1) reads only those heads' chunks, one
+ *                   lookup and one read each. A chunk (C * head_dim * element size + 4 bytes) must
+ *                   stay below 4 GiB: writers and readers refuse a larger C * head_dim.
  *                   Element type by dtype: float32 = IEEE binary32 LE; float16 = IEEE binary16 LE (an
  *                   HDF5 float of size 2, numpy float16); bfloat16 = uint16 LE holding the bf16 bits
  *                   (HDF5 has no bfloat16; a custom 16-bit float would read as float16 in h5py).
@@ -52,18 +54,21 @@
  *     head_method   [n_layers, kv_heads] uint8: the method (0 keep, 1 drop, 2 am, 3 fold) each head
  *                   was compacted with (all equal to `method` unless the compactor chose per head)
  *     beta, u, positions and head_method are chunked one layer per chunk.
- *     layer_digest  [n_layers, 16] uint8, one chunk: the XXH3-128 digest of each layer (below), in
- *                   XXH's canonical (big-endian) byte order
+ *     head_digest   [n_layers, kv_heads, 16] uint8, one chunk: the XXH3-128 digest of each (layer,
+ *                   KV head) (below), in XXH's canonical (big-endian) byte order
  *   Readers of version 2 ignore any other attribute or dataset.
  *
- *   Payload digest. layer_digest[l] = XXH3-128 of, in this order: keys[l] and values[l] as stored
- *   ([C, kv_heads, head_dim] elements, LE, no padding), beta[l] ([kv_heads, C] float32 LE), u[l]
- *   ([kv_heads, head_dim] float32 LE), positions[l] ([kv_heads, C] int32 LE), head_method[l]
- *   ([kv_heads] bytes), then l as uint64 LE. payload_digest = XXH3-128 of layer_digest[0..L) (16
- *   bytes each) followed by L as uint64 LE, as 32 hex digits (high 64 bits first). kvf_open checks
- *   the layer digests against payload_digest; every full read of a layer (kvf_read_layer*,
- *   kvf_read_layer_all, kvf_verify) checks that layer against its digest, so a swapped, missing,
- *   zeroed or altered chunk is refused even where its Fletcher32 sum holds.
+ *   Payload digest. head_digest[l, h] = XXH3-128 of, in this order: keys[l, :, h, :] and
+ *   values[l, :, h, :] ([C, head_dim] elements each, slot-major, LE: exactly the two chunks' data),
+ *   beta[l, h] ([C] float32 LE), u[l, h] ([head_dim] float32 LE), positions[l, h] ([C] int32 LE),
+ *   head_method[l, h] (1 byte), then l and h as uint64 LE. payload_digest = XXH3-128 of
+ *   head_digest (L * kv_heads * 16 bytes, layer-major) followed by L and kv_heads as uint64 LE, as
+ *   32 hex digits (high 64 bits first). kvf_open checks the head digests against payload_digest;
+ *   every read of a head's keys and values (kvf_read_heads_raw, kvf_read_layer*,
+ *   kvf_read_layer_all, kvf_read_block*, kvf_verify) checks that head against its digest, so a
+ *   swapped (between heads or layers), missing, zeroed or altered chunk is refused even where its
+ *   Fletcher32 sum holds, and a partial read is verified by digests covering exactly what it read
+ *   (plus the layer's side chunks, which it reads whole and checks by their sums and values).
  *
  * Files and names
  *   - Content-addressed: <root>/<model_fingerprint>/<document_digest>.<method>-<budget>.<recipe16>.kvf,
@@ -86,9 +91,10 @@
  * metadata checksums (superblock 2+, object headers 2), every attribute's type and value, every
  * dataset's type, shape, chunking and filter, and that the file is large enough to hold the
  * chunks the header claims. Each chunk read is checked for presence, filter mask, size and its
- * Fletcher32 sum ("checksum mismatch in keys, layer 3 block 2"); keys, values, beta, u and
- * positions are checked for their allowed values; full layer reads check the layer digest.
- * kvf_read_block*() reads one chunk and so checks only that chunk (not the layer digest).
+ * Fletcher32 sum ("checksum mismatch in keys, layer 3 head 2"); keys, values, beta, u and
+ * positions are checked for their allowed values; reads of keys/values check the head digests of
+ * the heads they read. kvf_read_block*() reads (and verifies) the block's whole layer once and
+ * serves the layer's blocks from it.
  * kvf_check_model() refuses a file written for another model. A kvf_file is for one thread at a
  * time. Hosts are little-endian (checked at compile time).
  *
@@ -238,8 +244,22 @@ kf_status kvf_read_layer(kvf_file *f, int layer, kvf_which which, float *out /* 
                          kf_error *err);
 kf_status kvf_read_layer_raw(kvf_file *f, int layer, kvf_which which, void *out /* [C, kv_heads, head_dim] */,
                              kf_error *err);
+/* Heads [h0, h1) of one layer's keys and values as stored, each checked against its head digest
+ * (the layer's side chunks are read and checked too): head h of slot t lands at [t, h] of the
+ * [C, kv_heads, head_dim] buffers, whose other heads are left as they were. Only these heads'
+ * K/V chunks are read. */
+kf_status kvf_read_heads_raw(kvf_file *f, int layer, int h0, int h1, void *keys_raw /* [C, kv_heads, head_dim] */,
+                             void *values_raw /* [C, kv_heads, head_dim] */, kf_error *err);
+/* The same, head-major, as the chunks hold them: head h lands at [h] of the [kv_heads, C, head_dim]
+ * buffers, read there directly (no copy); nothing outside heads [h0, h1) is written. */
+kf_status kvf_read_heads_hm(kvf_file *f, int layer, int h0, int h1, void *keys_raw /* [kv_heads, C, head_dim] */,
+                            void *values_raw /* [kv_heads, C, head_dim] */, kf_error *err);
+/* Bytes of K/V chunks (data and sums) this file has read since kvf_open. */
+int64_t kvf_kv_bytes_read(const kvf_file *f);
 /* One 16-token block (block b holds slots 16b .. 16b+15); *n_tokens = its length (16, or less for
- * the last block). The buffers hold KVF_BLOCK tokens. */
+ * the last block). The buffers hold KVF_BLOCK tokens. The first block read of a layer reads and
+ * verifies the whole layer (a chunk holds every slot of a head); the layer's other blocks come
+ * from memory. */
 kf_status kvf_read_block(kvf_file *f, int layer, int64_t block, kvf_which which,
                          float *out /* [16, kv_heads, head_dim] */, int *n_tokens, kf_error *err);
 kf_status kvf_read_block_raw(kvf_file *f, int layer, int64_t block, kvf_which which,

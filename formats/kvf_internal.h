@@ -37,16 +37,14 @@ int64_t kvf_first_nonfinite(kvf_dtype d, const void *x, size_t n);
 kf_status kvf_check_side(const kvf_header *h, const char *path, int layer, const float *beta /* [H, C] */,
                          const float *u /* [H, D] */, const int32_t *pos /* [H, C] */, const uint8_t *hm /* [H] */,
                          kf_error *err);
-/* The layer and payload digests of kvf.h ("Payload digest"). */
-void kvf_layer_digest(const kvf_header *h, int layer, const void *k, const void *v, const float *beta,
-                      const float *u, const int32_t *pos, const uint8_t *hm, uint8_t out[16]);
-/* The same digest with keys and values already fed to an XXH3_state_t (reset, then keys[l],
- * values[l]): adds the side data and the layer index. */
-void kvf_layer_digest_finish(const kvf_header *h, int layer, void *xxh3_state, const float *beta, const float *u,
-                             const int32_t *pos, const uint8_t *hm, uint8_t out[16]);
+/* The head digest of kvf.h ("Payload digest") with keys[layer, :, head] and values[layer, :, head]
+ * already fed to an XXH3_state_t (reset, then the two chunks): adds the head's side data (taken
+ * from one layer's beta [H, C], u [H, D], pos [H, C], hm [H]), the layer and the head. */
+void kvf_head_digest_finish(const kvf_header *h, int layer, int head, void *xxh3_state, const float *beta,
+                            const float *u, const int32_t *pos, const uint8_t *hm, uint8_t out[16]);
 /* XXH3_128bits_update on an XXH3_state_t, with AVX2 where the CPU has it (same digests). */
 void kvf_hash_update(void *xxh3_state, const void *p, size_t n);
-void kvf_payload_digest(const uint8_t *layer_digests /* [n_layers, 16] */, int n_layers,
+void kvf_payload_digest(const uint8_t *head_digests /* [n_layers, kv_heads, 16] */, int n_layers, int kv_heads,
                         char out[KVF_DIGEST_LEN + 1]);
 
 #if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__

@@ -1,6 +1,7 @@
 /* kvf_read.c — opening, validating and reading kvf cache files (see kvf.h for the format).
  *
- * Every dataset is read chunk by chunk with H5Dread_chunk, past HDF5's filter pipeline: each
+ * Every dataset is read chunk by chunk with H5Dread_chunk, past HDF5's filter pipeline (keys and
+ * values: one chunk per (layer, head), landing head-major, then token-major where asked): each
  * chunk must be present, stored with filter mask 0 and exactly its size plus the 4-byte
  * Fletcher32 sum, which is checked here (HDF5's pipeline would skip the check for a chunk whose
  * mask says so, and would read an absent chunk as fill values). */
@@ -9,13 +10,16 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "formats/kvf_internal.h"
 #define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
 #include <xxhash.h>
 
 enum { DS_KEYS, DS_VALUES, DS_BETA, DS_U, DS_POS, DS_HM, DS_DIGEST, N_DS };
-static const char *const kDsNames[N_DS] = {"keys", "values", "beta", "u", "positions", "head_method", "layer_digest"};
+static const char *const kDsNames[N_DS] = {"keys", "values", "beta", "u", "positions", "head_method", "head_digest"};
 
 struct kvf_file {
     char *path;
@@ -23,10 +27,13 @@ struct kvf_file {
     hid_t ds[N_DS];
     kvf_header hdr;
     int64_t file_size;
-    uint8_t *digests; /* [n_layers, 16] + 4: layer digests as stored */
+    uint8_t *digests; /* [n_layers, kv_heads, 16] + 4: head digests as stored */
     /* lazily allocated: one layer of keys / values as stored, a conversion buffer, a chunk */
     void *kbuf, *vbuf, *conv; /* [C, kv_heads, head_dim] in dtype each */
-    unsigned char *chunkbuf;  /* one stored K/V chunk (data + sum) */
+    unsigned char *chunkbuf;  /* one stored K/V chunk (data + sum): [C, head_dim] of one head */
+    unsigned char *hk, *hv;   /* one layer's keys / values head-major, [kv_heads, C, head_dim] + 4 each */
+    int block_layer;          /* the layer kbuf and vbuf hold whole and verified for block reads, or -1 */
+    int64_t kv_bytes_read;    /* bytes of K/V chunks read (data + sums) since kvf_open */
     /* one layer of side data (+ 4 bytes of room for a chunk's sum each) */
     float *beta, *u;   /* [kv_heads, C], [kv_heads, head_dim] */
     int32_t *pos;      /* [kv_heads, C] */
@@ -48,6 +55,8 @@ void kvf_close(kvf_file *f) {
     free(f->vbuf);
     free(f->conv);
     free(f->chunkbuf);
+    free(f->hk);
+    free(f->hv);
     free(f->beta);
     free(f->u);
     free(f->pos);
@@ -71,6 +80,12 @@ static size_t layer_n(const kvf_header *h) {
 }
 static size_t row_bytes(const kvf_header *h) {
     return (size_t)h->kv_heads * (size_t)h->head_dim * kvf_dtype_size(h->dtype);
+}
+static size_t head_chunk_bytes(const kvf_header *h) { /* one (layer, head) chunk's data: [C, head_dim] */
+    return (size_t)h->n_tokens * (size_t)h->head_dim * kvf_dtype_size(h->dtype);
+}
+int64_t kvf_kv_bytes_read(const kvf_file *f) {
+    return f->kv_bytes_read;
 }
 
 /* ---- attributes ---- */
@@ -243,9 +258,8 @@ static kf_status read_header(kvf_file *f, kf_error *err) {
  * claiming 4,096 layers or C = 2^21 in a few KB is refused before anything is allocated. */
 static double claimed_bytes(const kvf_header *h) {
     const double L = h->n_layers, H = h->kv_heads, C = (double)h->n_tokens, D = h->head_dim;
-    const double blocks = (double)((h->n_tokens + KVF_BLOCK - 1) / KVF_BLOCK);
-    const double kv = 2 * L * blocks * (KVF_BLOCK * H * D * (double)kvf_dtype_size(h->dtype) + 4);
-    return kv + L * (2 * (H * C * 4 + 4) + H * D * 4 + 4 + H + 4) + L * 16 + 4;
+    const double kv = 2 * L * H * (C * D * (double)kvf_dtype_size(h->dtype) + 4);
+    return kv + L * (2 * (H * C * 4 + 4) + H * D * 4 + 4 + H + 4) + L * H * 16 + 4;
 }
 
 /* ---- datasets ---- */
@@ -265,7 +279,7 @@ static int ds_spec(const kvf_header *h, int which, hsize_t *dims, hsize_t *chunk
     case DS_KEYS:
     case DS_VALUES:
         memcpy(dims, (hsize_t[]){L, C, H, D}, 4 * sizeof(hsize_t));
-        memcpy(chunk, (hsize_t[]){1, KVF_BLOCK, H, D}, 4 * sizeof(hsize_t));
+        memcpy(chunk, (hsize_t[]){1, C, 1, D}, 4 * sizeof(hsize_t));
         *type = kvf_h5_type(h->dtype);
         return 4;
     case DS_U:
@@ -285,10 +299,10 @@ static int ds_spec(const kvf_header *h, int which, hsize_t *dims, hsize_t *chunk
         *type = H5Tcopy(H5T_STD_U8LE);
         return 2;
     default:
-        memcpy(dims, (hsize_t[]){L, 16}, 2 * sizeof(hsize_t));
-        memcpy(chunk, (hsize_t[]){L, 16}, 2 * sizeof(hsize_t));
+        memcpy(dims, (hsize_t[]){L, H, 16}, 3 * sizeof(hsize_t));
+        memcpy(chunk, (hsize_t[]){L, H, 16}, 3 * sizeof(hsize_t));
         *type = H5Tcopy(H5T_STD_U8LE);
-        return 2;
+        return 3;
     }
 }
 
@@ -380,10 +394,9 @@ static kf_status open_dataset(kvf_file *f, int which, kf_error *err) {
 /* ---- chunks ---- */
 
 static void chunk_where(const kvf_file *f, int which, const hsize_t *coord, char *buf, size_t n) {
+    (void)f;
     if (which <= DS_VALUES) {
-        const int64_t t0 = (int64_t)coord[1], t1 = t0 + KVF_BLOCK > f->hdr.n_tokens ? f->hdr.n_tokens : t0 + KVF_BLOCK;
-        snprintf(buf, n, "%s, layer %d block %lld (slots %lld..%lld)", kDsNames[which], (int)coord[0],
-                 (long long)(t0 / KVF_BLOCK), (long long)t0, (long long)(t1 - 1));
+        snprintf(buf, n, "%s, layer %d head %d", kDsNames[which], (int)coord[0], (int)coord[2]);
     } else if (which == DS_DIGEST) {
         snprintf(buf, n, "%s", kDsNames[which]);
     } else {
@@ -439,7 +452,7 @@ static kf_status alloc_buffers(kvf_file *f, kf_error *err) {
         return KF_OK;
     const kvf_header *h = &f->hdr;
     const size_t H = (size_t)h->kv_heads, C = (size_t)h->n_tokens, D = (size_t)h->head_dim;
-    if (!(f->chunkbuf = malloc(KVF_BLOCK * row_bytes(h) + 4)) || !(f->beta = malloc(H * C * 4 + 4)) ||
+    if (!(f->chunkbuf = malloc(head_chunk_bytes(h) + 4)) || !(f->beta = malloc(H * C * 4 + 4)) ||
         !(f->u = malloc(H * D * 4 + 4)) || !(f->pos = malloc(H * C * 4 + 4)) || !(f->hm = malloc(H + 4))) {
         free(f->chunkbuf);
         f->chunkbuf = NULL;
@@ -455,38 +468,53 @@ static kf_status layer_buffer(kvf_file *f, void **b, kf_error *err) {
     return KF_OK;
 }
 
-/* Values of n elements of keys/values read from the file are finite. */
-static kf_status check_finite(kvf_file *f, int which, int layer, int64_t t0, const void *x, size_t n, kf_error *err) {
-    const int64_t bad = kvf_first_nonfinite(f->hdr.dtype, x, n);
+/* The C x head_dim elements of one head's keys/values chunk x are finite. */
+static kf_status check_finite(kvf_file *f, int which, int layer, int head, const void *x, kf_error *err) {
+    const size_t D = (size_t)f->hdr.head_dim;
+    const int64_t bad = kvf_first_nonfinite(f->hdr.dtype, x, (size_t)f->hdr.n_tokens * D);
     if (bad < 0)
         return KF_OK;
-    const size_t hd = (size_t)f->hdr.kv_heads * (size_t)f->hdr.head_dim;
-    return kf_fail(err, KF_ERR_FORMAT, "%s: %s of layer %d, slot %lld, head %lld is NaN or infinite: refused", f->path,
-                   kDsNames[which], layer, (long long)(t0 + bad / (int64_t)hd),
-                   (long long)((size_t)bad % hd / (size_t)f->hdr.head_dim));
+    return kf_fail(err, KF_ERR_FORMAT, "%s: %s of layer %d, slot %lld, head %d is NaN or infinite: refused", f->path,
+                   kDsNames[which], layer, (long long)((size_t)bad / D), head);
 }
 
-/* Every block of one layer of keys/values into out (as stored, slot 0 first), each block checked
- * (sum, finite values) and hashed into st while it is in cache. A chunk lands straight in out, its
- * sum spilling into the next chunk's place; the last one, whose sum would fall past out, goes
- * through chunkbuf. */
-static kf_status read_kv_layer(kvf_file *f, int which, int layer, void *out, XXH3_state_t *st, kf_error *err) {
-    const size_t row = row_bytes(&f->hdr), cb = KVF_BLOCK * row, elems = row / kvf_dtype_size(f->hdr.dtype);
-    const int64_t nb = kvf_n_blocks(f), C = f->hdr.n_tokens;
-    for (int64_t b = 0; b < nb; b++) {
-        const hsize_t coord[4] = {(hsize_t)layer, (hsize_t)(b * KVF_BLOCK), 0, 0};
-        const int64_t nt = C - b * KVF_BLOCK < KVF_BLOCK ? C - b * KVF_BLOCK : KVF_BLOCK;
-        const int64_t next_nt = C - (b + 1) * KVF_BLOCK;
-        /* aside when the sum has no room in out: the last chunk, or one before a tiny last block */
-        const bool aside = b == nb - 1 || (size_t)(next_nt < KVF_BLOCK ? next_nt : KVF_BLOCK) * row < 4;
-        unsigned char *dst = aside ? f->chunkbuf : (unsigned char *)out + (size_t)b * cb;
-        KF_TRY(get_chunk(f, which, coord, cb, dst, err));
-        KF_TRY(check_finite(f, which, layer, b * KVF_BLOCK, dst, (size_t)nt * elems, err));
-        kvf_hash_update(st, dst, (size_t)nt * row);
-        if (aside)
-            memcpy((unsigned char *)out + (size_t)b * cb, f->chunkbuf, (size_t)nt * row);
-    }
+/* Head hd of one layer's keys (which = DS_KEYS) or values, [C, head_dim] as stored, from its
+ * chunk into dst (room for the data and its 4-byte sum): sum and values checked, hashed into st. */
+static kf_status read_head_chunk(kvf_file *f, int which, int layer, int hd, unsigned char *dst, XXH3_state_t *st,
+                                 kf_error *err) {
+    const size_t cb = head_chunk_bytes(&f->hdr);
+    const hsize_t coord[4] = {(hsize_t)layer, 0, (hsize_t)hd, 0};
+    KF_TRY(get_chunk(f, which, coord, cb, dst, err));
+    f->kv_bytes_read += (int64_t)cb + 4;
+    KF_TRY(check_finite(f, which, layer, hd, dst, err));
+    kvf_hash_update(st, dst, cb);
     return KF_OK;
+}
+
+/* Heads [h0, h1) from head-major src ([h1 - h0, C, head_dim]) into token-major out ([C, kv_heads,
+ * head_dim]): written slot by slot, in order (a scatter head by head is several times slower). */
+static void heads_to_tokens(const kvf_header *h, int h0, int h1, const unsigned char *src, unsigned char *out) {
+    const size_t C = (size_t)h->n_tokens, hb = (size_t)h->head_dim * kvf_dtype_size(h->dtype);
+    const size_t row = (size_t)h->kv_heads * hb, nh = (size_t)(h1 - h0);
+#if defined(__SSE2__)
+    if (hb % 16 == 0 && (uintptr_t)out % 16 == 0 && row % 16 == 0) { /* streaming stores: out is not read back here */
+        for (size_t t = 0; t < C; t++) {
+            __m128i *o = (__m128i *)(out + t * row + (size_t)h0 * hb);
+            for (size_t j = 0; j < nh; j++) {
+                const unsigned char *sp = src + (j * C + t) * hb;
+                for (size_t b = 0; b < hb; b += 16, o++)
+                    _mm_stream_si128(o, _mm_loadu_si128((const __m128i *)(sp + b)));
+            }
+        }
+        _mm_sfence();
+        return;
+    }
+#endif
+    for (size_t t = 0; t < C; t++) {
+        unsigned char *o = out + t * row + (size_t)h0 * hb;
+        for (size_t j = 0; j < nh; j++)
+            memcpy(o + j * hb, src + (j * C + t) * hb, hb);
+    }
 }
 
 /* One layer of side data into f->beta, u, pos, hm, checked for allowed values. */
@@ -504,16 +532,16 @@ static kf_status read_side_layer(kvf_file *f, int layer, kf_error *err) {
 /* ---- open ---- */
 
 static kf_status read_digests(kvf_file *f, kf_error *err) {
-    const int L = f->hdr.n_layers;
-    if (!(f->digests = malloc((size_t)L * 16 + 4)))
+    const int L = f->hdr.n_layers, H = f->hdr.kv_heads;
+    if (!(f->digests = malloc((size_t)L * (size_t)H * 16 + 4)))
         return kf_fail(err, KF_ERR_NOMEM, "%s: out of memory", f->path);
-    const hsize_t zero[2] = {0, 0};
-    KF_TRY(get_chunk(f, DS_DIGEST, zero, (size_t)L * 16, f->digests, err));
+    const hsize_t zero[3] = {0, 0, 0};
+    KF_TRY(get_chunk(f, DS_DIGEST, zero, (size_t)L * (size_t)H * 16, f->digests, err));
     char got[KVF_DIGEST_LEN + 1];
-    kvf_payload_digest(f->digests, L, got);
+    kvf_payload_digest(f->digests, L, H, got);
     if (strcmp(got, f->hdr.payload_digest) != 0)
         return kf_fail(err, KF_ERR_FORMAT,
-                       "%s: the layer digests give payload digest %s, the header says %s: the file "
+                       "%s: the head digests give payload digest %s, the header says %s: the file "
                        "is damaged",
                        f->path, got, f->hdr.payload_digest);
     return KF_OK;
@@ -571,6 +599,7 @@ kf_status kvf_open(const char *path, kvf_file **out, kf_error *err) {
     }
     f->f = -1;
     f->pending_layer = -1;
+    f->block_layer = -1;
     f->file_size = (int64_t)sb.st_size;
     for (int i = 0; i < N_DS; i++)
         f->ds[i] = -1;
@@ -638,6 +667,72 @@ kf_status kvf_check_positions(const kvf_file *f, int64_t max_positions, kf_error
 
 /* ---- data ---- */
 
+/* Heads [h0, h1) of one layer head-major, head h's chunk at k + (h - hoff) * chunk bytes (and v);
+ * the layer's side data into f->beta, u, pos, hm; each head checked against its head digest. A
+ * chunk's sum spills into the next head's place; the last head's goes through f->chunkbuf, so
+ * nothing past head h1 - 1 is written. */
+static kf_status read_heads_hm(kvf_file *f, int layer, int h0, int h1, void *k, void *v, int hoff, kf_error *err) {
+    KF_TRY(read_side_layer(f, layer, err));
+    const size_t cb = head_chunk_bytes(&f->hdr);
+    for (int hd = h0; hd < h1; hd++) {
+        XXH3_state_t st;
+        XXH3_128bits_reset(&st);
+        unsigned char *kd = (unsigned char *)k + (size_t)(hd - hoff) * cb, *vd = (unsigned char *)v + (size_t)(hd - hoff) * cb;
+        const bool last = hd == h1 - 1;
+        KF_TRY(read_head_chunk(f, DS_KEYS, layer, hd, last ? f->chunkbuf : kd, &st, err));
+        if (last)
+            memcpy(kd, f->chunkbuf, cb);
+        KF_TRY(read_head_chunk(f, DS_VALUES, layer, hd, last ? f->chunkbuf : vd, &st, err));
+        if (last)
+            memcpy(vd, f->chunkbuf, cb);
+        uint8_t d[16];
+        kvf_head_digest_finish(&f->hdr, layer, hd, &st, f->beta, f->u, f->pos, f->hm, d);
+        if (memcmp(d, f->digests + ((size_t)layer * (size_t)f->hdr.kv_heads + (size_t)hd) * 16, 16) != 0)
+            return kf_fail(err, KF_ERR_FORMAT,
+                           "%s: layer %d head %d does not match its digest (chunks swapped, missing, zeroed or "
+                           "altered): the file is damaged",
+                           f->path, layer, hd);
+    }
+    return KF_OK;
+}
+
+/* Heads [h0, h1) of one layer (keys and values into k and v, [C, kv_heads, head_dim], each head
+ * in its place; either NULL: not copied), through the head-major scratch f->hk, f->hv. */
+static kf_status read_heads(kvf_file *f, int layer, int h0, int h1, void *k, void *v, kf_error *err) {
+    const size_t cb = head_chunk_bytes(&f->hdr), n = cb * (size_t)f->hdr.kv_heads + 4;
+    if ((!f->hk && !(f->hk = malloc(n))) || (!f->hv && !(f->hv = malloc(n))))
+        return kf_fail(err, KF_ERR_NOMEM, "%s: out of memory for a layer (%lld slots)", f->path,
+                       (long long)f->hdr.n_tokens);
+    KF_TRY(read_heads_hm(f, layer, h0, h1, f->hk, f->hv, h0, err));
+    if (k)
+        heads_to_tokens(&f->hdr, h0, h1, f->hk, k);
+    if (v)
+        heads_to_tokens(&f->hdr, h0, h1, f->hv, v);
+    return KF_OK;
+}
+
+kf_status kvf_read_heads_hm(kvf_file *f, int layer, int h0, int h1, void *keys_raw, void *values_raw,
+                            kf_error *err) {
+    if (!f || !keys_raw || !values_raw || layer < 0 || layer >= f->hdr.n_layers || h0 < 0 || h0 >= h1 ||
+        h1 > f->hdr.kv_heads)
+        return kf_fail(err, KF_ERR_INVALID, "%s: bad read of layer %d heads [%d, %d) (the file has %d x %d)",
+                       f ? f->path : "kvf", layer, h0, h1, f ? f->hdr.n_layers : 0, f ? f->hdr.kv_heads : 0);
+    KF_TRY(alloc_buffers(f, err));
+    return read_heads_hm(f, layer, h0, h1, keys_raw, values_raw, 0, err);
+}
+
+kf_status kvf_read_heads_raw(kvf_file *f, int layer, int h0, int h1, void *keys_raw, void *values_raw,
+                             kf_error *err) {
+    if (!f || !keys_raw || !values_raw || layer < 0 || layer >= f->hdr.n_layers || h0 < 0 || h0 >= h1 ||
+        h1 > f->hdr.kv_heads)
+        return kf_fail(err, KF_ERR_INVALID, "%s: bad read of layer %d heads [%d, %d) (the file has %d x %d)",
+                       f ? f->path : "kvf", layer, h0, h1, f ? f->hdr.n_layers : 0, f ? f->hdr.kv_heads : 0);
+    KF_TRY(alloc_buffers(f, err));
+    if (keys_raw == f->kbuf || values_raw == f->vbuf || keys_raw == f->vbuf || values_raw == f->kbuf)
+        return kf_fail(err, KF_ERR_INVALID, "%s: kvf_read_heads_raw into the file's own buffers", f->path);
+    return read_heads(f, layer, h0, h1, keys_raw, values_raw, err);
+}
+
 kf_status kvf_read_layer_all(kvf_file *f, int layer, void *keys_raw, void *values_raw, float *beta, float *u,
                              int32_t *positions, uint8_t *head_method, kf_error *err) {
     if (!f || layer < 0 || layer >= f->hdr.n_layers)
@@ -649,20 +744,11 @@ kf_status kvf_read_layer_all(kvf_file *f, int layer, void *keys_raw, void *value
     if (!values_raw)
         KF_TRY(layer_buffer(f, &f->vbuf, err));
     void *k = keys_raw ? keys_raw : f->kbuf, *v = values_raw ? values_raw : f->vbuf;
-    if (f->pending_layer >= 0 && (k == f->kbuf || v == f->vbuf))
-        f->pending_layer = -1; /* its half is being overwritten */
-    XXH3_state_t st;
-    XXH3_128bits_reset(&st);
-    KF_TRY(read_kv_layer(f, DS_KEYS, layer, k, &st, err));
-    KF_TRY(read_kv_layer(f, DS_VALUES, layer, v, &st, err));
-    KF_TRY(read_side_layer(f, layer, err));
-    uint8_t d[16];
-    kvf_layer_digest_finish(&f->hdr, layer, &st, f->beta, f->u, f->pos, f->hm, d);
-    if (memcmp(d, f->digests + (size_t)layer * 16, 16) != 0) /* every sum held: swapped, zeroed, rewritten */
-        return kf_fail(err, KF_ERR_FORMAT,
-                       "%s: layer %d does not match its digest (chunks swapped, missing, zeroed or altered): the file "
-                       "is damaged",
-                       f->path, layer);
+    if (k == f->kbuf || v == f->vbuf) { /* their contents are being overwritten */
+        f->pending_layer = -1;
+        f->block_layer = -1;
+    }
+    KF_TRY(read_heads(f, layer, 0, f->hdr.kv_heads, k, v, err));
     const size_t H = (size_t)f->hdr.kv_heads, C = (size_t)f->hdr.n_tokens, D = (size_t)f->hdr.head_dim;
     if (beta)
         memcpy(beta, f->beta, H * C * 4);
@@ -715,16 +801,15 @@ kf_status kvf_read_block_raw(kvf_file *f, int layer, int64_t block, kvf_which wh
     if (block < 0 || block >= kvf_n_blocks(f))
         return kf_fail(err, KF_ERR_INVALID, "%s: block %lld out of range (the file has %lld)", f->path,
                        (long long)block, (long long)kvf_n_blocks(f));
-    KF_TRY(alloc_buffers(f, err));
-    const int ds = which == KVF_KEYS ? DS_KEYS : DS_VALUES;
+    if (f->block_layer != layer) { /* a chunk holds every slot of one head: the whole layer, verified */
+        KF_TRY(kvf_read_layer_all(f, layer, NULL, NULL, NULL, NULL, NULL, NULL, err));
+        f->block_layer = layer;
+    }
     const size_t row = row_bytes(&f->hdr);
     int64_t nt = f->hdr.n_tokens - block * KVF_BLOCK;
     nt = nt > KVF_BLOCK ? KVF_BLOCK : nt;
-    const hsize_t coord[4] = {(hsize_t)layer, (hsize_t)(block * KVF_BLOCK), 0, 0};
-    KF_TRY(get_chunk(f, ds, coord, KVF_BLOCK * row, f->chunkbuf, err));
-    KF_TRY(check_finite(f, ds, layer, block * KVF_BLOCK, f->chunkbuf,
-                        (size_t)nt * (size_t)f->hdr.kv_heads * (size_t)f->hdr.head_dim, err));
-    memcpy(out, f->chunkbuf, (size_t)nt * row);
+    const unsigned char *src = (const unsigned char *)(which == KVF_KEYS ? f->kbuf : f->vbuf);
+    memcpy(out, src + (size_t)block * KVF_BLOCK * row, (size_t)nt * row);
     if (n_tokens)
         *n_tokens = (int)nt;
     return KF_OK;

@@ -85,7 +85,7 @@ static herr_t write_attrs(hid_t f, const kvf_header *h, const char *payload_dige
     return rc < 0 ? -1 : 0;
 }
 
-/* A chunked dataset with Fletcher32 sums; maxdims lets a 16-token chunk exceed a short C. */
+/* A chunked dataset with Fletcher32 sums (maxdims NULL: fixed at dims). */
 static hid_t make_dataset(hid_t f, const char *name, hid_t ftype, int rank, const hsize_t *dims, const hsize_t *maxdims,
                           const hsize_t *chunk) {
     hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE), space = H5Screate_simple(rank, dims, maxdims), d = -1;
@@ -134,33 +134,35 @@ typedef struct {
     uint8_t *hm;          /* [H] */
 } wbufs;
 
-/* Block [t0, t0 + nt) of layer l's keys (i = 0) or values (1) into chunk in dtype (converted
+/* Head hd of layer l's keys (i = 0) or values (1), [C, head_dim], into chunk in dtype (converted
  * from fp32, round to nearest even, or copied as given), refused when not finite. */
-static kf_status block_kv(const kvf_cache *c, int i, int l, size_t t0, size_t nt, unsigned char *chunk, wctx *w) {
+static kf_status head_kv(const kvf_cache *c, int i, int l, size_t hd, unsigned char *chunk, wctx *w) {
     const kvf_header *h = &c->hdr;
-    const size_t hd = (size_t)h->kv_heads * (size_t)h->head_dim, esz = kvf_dtype_size(h->dtype);
-    const size_t at = ((size_t)l * (size_t)h->n_tokens + t0) * hd; /* element offset */
+    const size_t H = (size_t)h->kv_heads, D = (size_t)h->head_dim, C = (size_t)h->n_tokens;
+    const size_t esz = kvf_dtype_size(h->dtype);
     const float *src = i ? c->values : c->keys;
     const void *raw = i ? c->values_raw : c->keys_raw;
-    if (src)
-        kvf_convert_to(h->dtype, src + at, chunk, nt * hd);
-    else
-        memcpy(chunk, (const char *)raw + at * esz, nt * hd * esz);
-    const int64_t bad = kvf_first_nonfinite(h->dtype, chunk, nt * hd);
+    for (size_t t = 0; t < C; t++) {
+        const size_t at = (((size_t)l * C + t) * H + hd) * D; /* element offset of [l, t, hd, 0] */
+        if (src)
+            kvf_convert_to(h->dtype, src + at, chunk + t * D * esz, D);
+        else
+            memcpy(chunk + t * D * esz, (const char *)raw + at * esz, D * esz);
+    }
+    const int64_t bad = kvf_first_nonfinite(h->dtype, chunk, C * D);
     if (bad < 0)
         return KF_OK;
-    return kf_fail(w->err, KF_ERR_INVALID, "%s: %s of layer %d, slot %lld, head %lld %s in %s", w->path,
-                   i ? "values" : "keys", l, (long long)(t0 + (size_t)bad / hd),
-                   (long long)((size_t)bad % hd / (size_t)h->head_dim),
+    return kf_fail(w->err, KF_ERR_INVALID, "%s: %s of layer %d, slot %lld, head %zu %s in %s", w->path,
+                   i ? "values" : "keys", l, (long long)((size_t)bad / D), hd,
                    src ? "is not finite or overflows" : "is not finite", kvf_dtype_name(h->dtype));
 }
 
-/* Writes one layer: its K/V blocks (each converted, checked, hashed and summed while in cache)
- * and side chunks; its digest into digest. */
-static kf_status write_layer(hid_t ds[W_N], const kvf_cache *c, int l, wbufs *b, uint8_t digest[16], wctx *w) {
+/* Writes one layer: one K and one V chunk per head (each converted, checked, hashed and summed
+ * while in cache) and the side chunks; the head digests into digests ([kv_heads, 16]). */
+static kf_status write_layer(hid_t ds[W_N], const kvf_cache *c, int l, wbufs *b, uint8_t *digests, wctx *w) {
     const kvf_header *h = &c->hdr;
     const size_t H = (size_t)h->kv_heads, C = (size_t)h->n_tokens, D = (size_t)h->head_dim;
-    const size_t row = H * D * kvf_dtype_size(h->dtype);
+    const size_t cb = C * D * kvf_dtype_size(h->dtype); /* bytes of one (layer, head) chunk */
     const float *beta = c->beta ? c->beta + (size_t)l * H * C : b->zeros;
     const float *u = c->u ? c->u + (size_t)l * H * D : b->zeros;
     const int32_t *pos = c->positions ? c->positions + (size_t)l * H * C : b->ident;
@@ -170,22 +172,21 @@ static kf_status write_layer(hid_t ds[W_N], const kvf_cache *c, int l, wbufs *b,
             w->err->code = KF_ERR_INVALID;
         return KF_ERR_INVALID;
     }
-    XXH3_state_t st;
-    XXH3_128bits_reset(&st);
     char what[64];
-    for (int i = 0; i < 2; i++)
-        for (size_t t0 = 0; t0 < C; t0 += KVF_BLOCK) {
-            const size_t nt = C - t0 < KVF_BLOCK ? C - t0 : KVF_BLOCK;
-            KF_TRY(block_kv(c, i, l, t0, nt, b->chunk, w));
-            kvf_hash_update(&st, b->chunk, nt * row);
-            memset(b->chunk + nt * row, 0, (KVF_BLOCK - nt) * row); /* a short last block: zeros */
-            const hsize_t coord[4] = {(hsize_t)l, t0, 0, 0};
-            if (put_chunk(ds[i], coord, b->chunk, KVF_BLOCK * row) < 0) {
-                snprintf(what, sizeof what, "write %s of layer %d", i ? "values" : "keys", l);
+    for (size_t hd = 0; hd < H; hd++) {
+        XXH3_state_t st;
+        XXH3_128bits_reset(&st);
+        for (int i = 0; i < 2; i++) {
+            KF_TRY(head_kv(c, i, l, hd, b->chunk, w));
+            kvf_hash_update(&st, b->chunk, cb);
+            const hsize_t coord[4] = {(hsize_t)l, 0, hd, 0};
+            if (put_chunk(ds[i], coord, b->chunk, cb) < 0) {
+                snprintf(what, sizeof what, "write %s of layer %d head %zu", i ? "values" : "keys", l, hd);
                 return h5fail(w, what);
             }
         }
-    kvf_layer_digest_finish(h, l, &st, beta, u, pos, hm, digest);
+        kvf_head_digest_finish(h, l, (int)hd, &st, beta, u, pos, hm, digests + hd * 16);
+    }
     const struct {
         const void *p;
         size_t n;
@@ -204,7 +205,7 @@ static kf_status write_layer(hid_t ds[W_N], const kvf_cache *c, int l, wbufs *b,
 static kf_status wbufs_init(wbufs *b, const kvf_cache *c, wctx *w) {
     const kvf_header *h = &c->hdr;
     const size_t H = (size_t)h->kv_heads, C = (size_t)h->n_tokens, D = (size_t)h->head_dim;
-    const size_t esz = kvf_dtype_size(h->dtype), blk = KVF_BLOCK * H * D * esz;
+    const size_t esz = kvf_dtype_size(h->dtype), blk = C * D * esz; /* one (layer, head) chunk */
     size_t big = blk > H * C * 4 ? blk : H * C * 4;
     big = big > H * D * 4 ? big : H * D * 4;
     memset(b, 0, sizeof *b);
@@ -228,36 +229,36 @@ static void wbufs_free(wbufs *b) {
 static kf_status write_contents(hid_t f, const kvf_cache *c, wctx *w) {
     const kvf_header *h = &c->hdr;
     const hsize_t L = (hsize_t)h->n_layers, C = (hsize_t)h->n_tokens, H = (hsize_t)h->kv_heads,
-                  D = (hsize_t)h->head_dim, Cmax = (C + KVF_BLOCK - 1) / KVF_BLOCK * KVF_BLOCK;
-    const hsize_t kvd[4] = {L, C, H, D}, kvmax[4] = {L, Cmax, H, D}, kvc[4] = {1, KVF_BLOCK, H, D};
+                  D = (hsize_t)h->head_dim;
+    const hsize_t kvd[4] = {L, C, H, D}, kvc[4] = {1, C, 1, D};
     const hsize_t bd[3] = {L, H, C}, bc[3] = {1, H, C}, ud[3] = {L, H, D}, uc[3] = {1, H, D};
-    const hsize_t hd[2] = {L, H}, hc[2] = {1, H}, dd[2] = {L, 16};
+    const hsize_t hd[2] = {L, H}, hc[2] = {1, H}, dd[3] = {L, H, 16};
     hid_t ds[W_N] = {-1, -1, -1, -1, -1, -1}, dig = -1, et = kvf_h5_type(h->dtype);
-    uint8_t *digests = calloc((size_t)L * 16 + 4, 1); /* [L, 16] + room for the chunk sum */
+    uint8_t *digests = calloc((size_t)(L * H) * 16 + 4, 1); /* [L, H, 16] + room for the chunk sum */
     wbufs b;
     kf_status st = wbufs_init(&b, c, w);
     if (st == KF_OK && (!digests || et < 0))
         st = kf_fail(w->err, KF_ERR_NOMEM, "%s: out of memory", w->path);
     if (st == KF_OK) {
-        ds[W_KEYS] = make_dataset(f, "keys", et, 4, kvd, kvmax, kvc);
-        ds[W_VALUES] = make_dataset(f, "values", et, 4, kvd, kvmax, kvc);
+        ds[W_KEYS] = make_dataset(f, "keys", et, 4, kvd, NULL, kvc);
+        ds[W_VALUES] = make_dataset(f, "values", et, 4, kvd, NULL, kvc);
         ds[W_BETA] = make_dataset(f, "beta", H5T_IEEE_F32LE, 3, bd, NULL, bc);
         ds[W_U] = make_dataset(f, "u", H5T_IEEE_F32LE, 3, ud, NULL, uc);
         ds[W_POS] = make_dataset(f, "positions", H5T_STD_I32LE, 3, bd, NULL, bc);
         ds[W_HM] = make_dataset(f, "head_method", H5T_STD_U8LE, 2, hd, NULL, hc);
-        dig = make_dataset(f, "layer_digest", H5T_STD_U8LE, 2, dd, NULL, dd);
+        dig = make_dataset(f, "head_digest", H5T_STD_U8LE, 3, dd, NULL, dd);
         for (int i = 0; i < W_N && st == KF_OK; i++)
             if (ds[i] < 0 || dig < 0 || (i < 2 && attr_str(ds[i], "dtype", kvf_dtype_name(h->dtype)) < 0))
                 st = h5fail(w, "create the datasets");
     }
     for (int l = 0; l < (int)L && st == KF_OK; l++)
-        st = write_layer(ds, c, l, &b, digests + (size_t)l * 16, w);
+        st = write_layer(ds, c, l, &b, digests + (size_t)l * H * 16, w);
     char payload[KVF_DIGEST_LEN + 1];
     if (st == KF_OK) {
-        kvf_payload_digest(digests, (int)L, payload);
-        const hsize_t zero[2] = {0, 0};
-        if (put_chunk(dig, zero, digests, (size_t)L * 16) < 0)
-            st = h5fail(w, "write the layer digests");
+        kvf_payload_digest(digests, (int)L, (int)H, payload);
+        const hsize_t zero[3] = {0, 0, 0};
+        if (put_chunk(dig, zero, digests, (size_t)(L * H) * 16) < 0)
+            st = h5fail(w, "write the head digests");
     }
     if (st == KF_OK && write_attrs(f, h, payload) < 0)
         st = h5fail(w, "write attributes");

@@ -404,17 +404,17 @@ static void test_refuses_flipped_byte_in_a_chunk(void) {
     synth_make(&s, 4, 2, 8, 50, KVF_BF16, KVF_METHOD_FOLD, 13);
     const char *path = cache_file("flip", &s);
     write_ok(path, &s);
-    /* where HDF5 put the chunk of keys for layer 3, block 2 (slots 32..47) */
+    /* where HDF5 put the chunk of keys for layer 3, head 1 (all 50 slots) */
     hid_t fid = H5Fopen(path, H5F_ACC_RDONLY, H5P_DEFAULT);
     hid_t d = H5Dopen2(fid, "keys", H5P_DEFAULT);
-    hsize_t coord[4] = {3, 32, 0, 0};
+    hsize_t coord[4] = {3, 0, 1, 0};
     unsigned mask = 0;
     haddr_t addr = 0;
     hsize_t size = 0;
     CU_ASSERT_FATAL(H5Dget_chunk_info_by_coord(d, coord, &mask, &addr, &size) >= 0);
     H5Dclose(d);
     H5Fclose(fid);
-    CU_ASSERT_EQUAL_FATAL(size, 16 * 2 * 8 * 2 + 4); /* data + the Fletcher32 sum */
+    CU_ASSERT_EQUAL_FATAL(size, 50 * 8 * 2 + 4); /* [C, head_dim] bf16 + the Fletcher32 sum */
     FILE *fp = fopen(path, "r+b");
     CU_ASSERT_PTR_NOT_NULL_FATAL(fp);
     fseek(fp, (long)addr + 37, SEEK_SET);
@@ -427,19 +427,41 @@ static void test_refuses_flipped_byte_in_a_chunk(void) {
     float *buf = malloc(50 * 2 * 8 * 4);
     kf_error err = {0};
     CU_ASSERT_EQUAL(kvf_read_layer(f, 3, KVF_KEYS, buf, &err), KF_ERR_FORMAT);
-    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "checksum mismatch in keys, layer 3 block 2"));
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "checksum mismatch in keys, layer 3 head 1"));
     CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, path));
     show(&err);
     memset(&err, 0, sizeof err);
-    CU_ASSERT_EQUAL(kvf_read_block(f, 3, 2, KVF_KEYS, buf, NULL, &err), KF_ERR_FORMAT);
-    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "checksum mismatch in keys, layer 3 block 2"));
+    /* a block holds every head: the whole layer is read and refused, for any block */
+    CU_ASSERT_EQUAL(kvf_read_block(f, 3, 0, KVF_KEYS, buf, NULL, &err), KF_ERR_FORMAT);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "checksum mismatch in keys, layer 3 head 1"));
     int nt = 0;
-    CU_ASSERT_EQUAL(kvf_read_block(f, 3, 1, KVF_KEYS, buf, &nt, &err), KF_OK); /* the neighbours are fine */
-    CU_ASSERT_EQUAL(kvf_read_block(f, 3, 3, KVF_KEYS, buf, &nt, &err), KF_OK);
+    CU_ASSERT_EQUAL(kvf_read_block(f, 2, 3, KVF_KEYS, buf, &nt, &err), KF_OK); /* layer 2 is fine */
     CU_ASSERT_EQUAL(nt, 2);
+    /* a rank serving head 0 reads only head 0's chunks, verified by head 0's digest */
+    uint16_t *k = malloc(50 * 2 * 8 * 2), *v = malloc(50 * 2 * 8 * 2); /* [C, H, D] bf16 */
+    const int64_t before = kvf_kv_bytes_read(f);
+    CU_ASSERT_EQUAL(kvf_read_heads_raw(f, 3, 0, 1, k, v, &err), KF_OK);
+    CU_ASSERT_EQUAL(kvf_kv_bytes_read(f) - before, 2 * (50 * 8 * 2 + 4));
+    CU_ASSERT_EQUAL(k[(7 * 2 + 0) * 8 + 5], kvf_f32_to_bf16(s.keys[((3 * 50 + 7) * 2 + 0) * 8 + 5]));
+    CU_ASSERT_EQUAL(v[(49 * 2 + 0) * 8 + 7], kvf_f32_to_bf16(s.values[((3 * 50 + 49) * 2 + 0) * 8 + 7]));
+    /* head-major, in place: head 0 at [0], nothing written past it (its sum goes aside) */
+    memset(k, 0xab, 50 * 2 * 8 * 2);
+    memset(v, 0xab, 50 * 2 * 8 * 2);
+    CU_ASSERT_EQUAL(kvf_read_heads_hm(f, 3, 0, 1, k, v, &err), KF_OK);
+    CU_ASSERT_EQUAL(k[7 * 8 + 5], kvf_f32_to_bf16(s.keys[((3 * 50 + 7) * 2 + 0) * 8 + 5]));
+    CU_ASSERT_EQUAL(v[49 * 8 + 7], kvf_f32_to_bf16(s.values[((3 * 50 + 49) * 2 + 0) * 8 + 7]));
+    CU_ASSERT(k[50 * 8] == 0xabab && v[50 * 8] == 0xabab && k[50 * 8 + 1] == 0xabab);
+    CU_ASSERT_EQUAL(kvf_read_heads_hm(f, 2, 1, 2, k, v, &err), KF_OK); /* head 1 at [1], head 0 kept */
+    CU_ASSERT_EQUAL(k[50 * 8 + 9 * 8 + 2], kvf_f32_to_bf16(s.keys[((2 * 50 + 9) * 2 + 1) * 8 + 2]));
+    CU_ASSERT_EQUAL(k[7 * 8 + 5], kvf_f32_to_bf16(s.keys[((3 * 50 + 7) * 2 + 0) * 8 + 5]));
+    CU_ASSERT_EQUAL(kvf_read_heads_raw(f, 3, 1, 2, k, v, &err), KF_ERR_FORMAT);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "checksum mismatch in keys, layer 3 head 1"));
+    CU_ASSERT_EQUAL(kvf_read_heads_raw(f, 3, 1, 3, k, v, &err), KF_ERR_INVALID);
+    free(k);
+    free(v);
     /* a full read of layer 3 reads its keys too; layer 2 is fine */
     CU_ASSERT_EQUAL(kvf_read_layer(f, 3, KVF_VALUES, buf, &err), KF_ERR_FORMAT);
-    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "checksum mismatch in keys, layer 3 block 2"));
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "checksum mismatch in keys, layer 3 head 1"));
     CU_ASSERT_EQUAL(kvf_read_layer(f, 2, KVF_VALUES, buf, &err), KF_OK);
     CU_ASSERT_EQUAL(kvf_verify(f, &err), KF_ERR_FORMAT);
     CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "checksum mismatch"));
@@ -778,9 +800,9 @@ static void test_h5py_reads_the_file(void) {
                  "assert a['format'] == 'kvfold-kvf' and a['version'] == 2 and a['method'] == 'fold', a\n"
                  "assert len(a['payload_digest']) == 32 and len(a['recipe_digest']) == 32, a\n"
                  "assert f['head_method'].shape == (2, 2) and (f['head_method'][:] == 3).all()\n"
-                 "assert f['layer_digest'].shape == (2, 16)\n"
+                 "assert f['head_digest'].shape == (2, 2, 16)\n"
                  "k = f['keys']\n"
-                 "assert k.shape == (2, 20, 2, 8) and k.chunks == (1, 16, 2, 8), (k.shape, k.chunks)\n"
+                 "assert k.shape == (2, 20, 2, 8) and k.chunks == (1, 20, 1, 8), (k.shape, k.chunks)\n"
                  "assert k.attrs['dtype'].decode() == a['dtype'] == '%s'\n"
                  "x = k[1, 5, 0, 3]\n"
                  "if a['dtype'] == 'bfloat16':\n"

@@ -196,11 +196,11 @@ static void chunk_put(hid_t d, const hsize_t *coord, unsigned char *buf, size_t 
 static void test_swapped_zeroed_masked_chunks(void) {
     synth s;
     synth_make(&s, 3, 2, 8, 40, KVF_BF16, 1);
-    const size_t cb = 16 * 2 * 8 * 2;
+    const size_t cb = 40 * 8 * 2; /* one (layer, head) chunk: [C, head_dim] bf16 */
     unsigned char *a = malloc(cb + 8), *b = malloc(cb + 8);
-    const hsize_t c0[4] = {0, 16, 0, 0}, c1[4] = {1, 16, 0, 0};
+    const hsize_t c0[4] = {0, 0, 1, 0}, c1[4] = {1, 0, 1, 0}, h0[4] = {0, 0, 0, 0};
 
-    /* keys of layers 0 and 1, block 1, swapped: each chunk keeps its valid sum */
+    /* keys of head 1 of layers 0 and 1 swapped: each chunk keeps its valid sum */
     const char *p = fresh("swap", &s);
     hid_t f = edit_open(p), d = H5Dopen2(f, "keys", H5P_DEFAULT);
     CU_ASSERT_EQUAL(chunk_get(d, c0, a), cb + 4);
@@ -209,7 +209,19 @@ static void test_swapped_zeroed_masked_chunks(void) {
     CU_ASSERT(H5Dwrite_chunk(d, H5P_DEFAULT, 0, c1, cb + 4, a) >= 0);
     H5Dclose(d);
     H5Fclose(f);
-    expect_refusal(p, "layer 0 does not match its digest");
+    expect_refusal(p, "layer 0 head 1 does not match its digest");
+
+    /* values of heads 0 and 1 of layer 0 swapped */
+    p = fresh("swaph", &s);
+    f = edit_open(p);
+    d = H5Dopen2(f, "values", H5P_DEFAULT);
+    CU_ASSERT_EQUAL(chunk_get(d, h0, a), cb + 4);
+    CU_ASSERT_EQUAL(chunk_get(d, c0, b), cb + 4);
+    CU_ASSERT(H5Dwrite_chunk(d, H5P_DEFAULT, 0, h0, cb + 4, b) >= 0);
+    CU_ASSERT(H5Dwrite_chunk(d, H5P_DEFAULT, 0, c0, cb + 4, a) >= 0);
+    H5Dclose(d);
+    H5Fclose(f);
+    expect_refusal(p, "layer 0 head 0 does not match its digest");
 
     /* an all-zero chunk: Fletcher32 of zeros is 0, so the sum holds */
     p = fresh("zero", &s);
@@ -219,7 +231,7 @@ static void test_swapped_zeroed_masked_chunks(void) {
     CU_ASSERT(H5Dwrite_chunk(d, H5P_DEFAULT, 0, c1, cb + 4, a) >= 0);
     H5Dclose(d);
     H5Fclose(f);
-    expect_refusal(p, "layer 1 does not match its digest");
+    expect_refusal(p, "layer 1 head 1 does not match its digest");
 
     /* a NaN inside a chunk whose sum is valid (bf16 0x7fc0) */
     p = fresh("nan", &s);
@@ -230,7 +242,7 @@ static void test_swapped_zeroed_masked_chunks(void) {
     chunk_put(d, c0, a, cb, 0);
     H5Dclose(d);
     H5Fclose(f);
-    expect_refusal(p, "values of layer 0, slot 18, head 0 is NaN or infinite");
+    expect_refusal(p, "values of layer 0, slot 4, head 1 is NaN or infinite");
     free(a);
     free(b);
     synth_free(&s);
@@ -366,6 +378,11 @@ static void test_bad_attributes(void) {
     set_i64(p, "n_doc_tokens", (int64_t)1 << 21);
     set_i64(p, "n_tokens", (int64_t)1 << 21);
     expect_refusal(p, "the header claims 2 layers x 2097152 slots");
+    p = fresh("big-chunk", &s); /* one (layer, head) chunk of C x head_dim bf16 = 2^20 x 2^16 x 2 bytes >= 4 GiB */
+    set_i64(p, "n_doc_tokens", (int64_t)1 << 20);
+    set_i64(p, "n_tokens", (int64_t)1 << 20);
+    set_i64(p, "head_dim", 65536);
+    expect_refusal(p, "x C 1048576 is too large for one chunk");
     p = fresh("utf8", &s);
     set_str(p, "placeholder", "ok\xff\xfe", 0);
     expect_refusal(p, "attribute 'placeholder' is not printable UTF-8");
@@ -389,7 +406,7 @@ static void test_bad_attributes(void) {
     expect_refusal(p, "dataset 'u' is a link");
     p = fresh("payload", &s);
     set_str(p, "payload_digest", "00000000000000000000000000000000", 0);
-    expect_refusal(p, "the layer digests give payload digest");
+    expect_refusal(p, "the head digests give payload digest");
     synth_free(&s);
 }
 
@@ -707,41 +724,46 @@ static void test_full_disk(void) {
 }
 
 
-/* The layer and payload digests against libxxhash's one-shot XXH3-128 of the bytes kvf.h lists
+/* The head and payload digests against libxxhash's one-shot XXH3-128 of the bytes kvf.h lists
  * (an independent computation: kvfold streams them, with AVX2 where it can). */
 static void test_digests_match_the_spec(void) {
     synth s;
     synth_make(&s, 2, 4, 64, 40, KVF_BF16, 9);
     const char *p = fresh("digest-spec", &s);
-    const size_t L = 2, H = 4, D = 64, C = 40, kv = C * H * D * 2;
-    const size_t per = 2 * kv + H * C * 4 + H * D * 4 + H * C * 4 + H + 8;
-    unsigned char *buf = malloc(per), digests[2 * 16];
-    for (size_t l = 0; l < L; l++) {
-        unsigned char *q = buf;
-        for (int w = 0; w < 2; w++)
-            for (size_t i = 0; i < C * H * D; i++, q += 2) {
-                uint16_t b = kvf_f32_to_bf16((w ? s.values : s.keys)[l * C * H * D + i]);
-                memcpy(q, &b, 2);
-            }
-        memcpy(q, s.beta + l * H * C, H * C * 4), q += H * C * 4;
-        memcpy(q, s.u + l * H * D, H * D * 4), q += H * D * 4;
-        memcpy(q, s.pos + l * H * C, H * C * 4), q += H * C * 4;
-        memcpy(q, s.hm + l * H, H), q += H;
-        for (int b = 0; b < 8; b++)
-            *q++ = (unsigned char)((uint64_t)l >> (8 * b));
-        XXH128_canonical_t c;
-        XXH128_canonicalFromHash(&c, XXH3_128bits(buf, per));
-        memcpy(digests + 16 * l, c.digest, 16);
-    }
-    hid_t f = edit_open(p), d = H5Dopen2(f, "layer_digest", H5P_DEFAULT);
-    unsigned char stored[2 * 16];
+    const size_t L = 2, H = 4, D = 64, C = 40;
+    const size_t per = 2 * C * D * 2 + C * 4 + D * 4 + C * 4 + 1 + 16;
+    unsigned char *buf = malloc(per), digests[2 * 4 * 16];
+    for (size_t l = 0; l < L; l++)
+        for (size_t h = 0; h < H; h++) {
+            unsigned char *q = buf;
+            for (int w = 0; w < 2; w++) /* keys[l, :, h, :] then values[l, :, h, :] */
+                for (size_t t = 0; t < C; t++)
+                    for (size_t i = 0; i < D; i++, q += 2) {
+                        uint16_t b = kvf_f32_to_bf16((w ? s.values : s.keys)[((l * C + t) * H + h) * D + i]);
+                        memcpy(q, &b, 2);
+                    }
+            memcpy(q, s.beta + (l * H + h) * C, C * 4), q += C * 4;
+            memcpy(q, s.u + (l * H + h) * D, D * 4), q += D * 4;
+            memcpy(q, s.pos + (l * H + h) * C, C * 4), q += C * 4;
+            *q++ = s.hm[l * H + h];
+            for (int b = 0; b < 8; b++)
+                *q++ = (unsigned char)((uint64_t)l >> (8 * b));
+            for (int b = 0; b < 8; b++)
+                *q++ = (unsigned char)((uint64_t)h >> (8 * b));
+            XXH128_canonical_t c;
+            XXH128_canonicalFromHash(&c, XXH3_128bits(buf, per));
+            memcpy(digests + 16 * (l * H + h), c.digest, 16);
+        }
+    hid_t f = edit_open(p), d = H5Dopen2(f, "head_digest", H5P_DEFAULT);
+    unsigned char stored[2 * 4 * 16];
     CU_ASSERT(H5Dread(d, H5T_NATIVE_UCHAR, H5S_ALL, H5S_ALL, H5P_DEFAULT, stored) >= 0);
     H5Dclose(d);
     H5Fclose(f);
     CU_ASSERT(memcmp(stored, digests, sizeof digests) == 0);
-    unsigned char all[2 * 16 + 8] = {0};
-    memcpy(all, digests, 32);
-    all[32] = 2;
+    unsigned char all[2 * 4 * 16 + 16] = {0};
+    memcpy(all, digests, sizeof digests);
+    all[sizeof digests] = 2;     /* L as uint64 LE */
+    all[sizeof digests + 8] = 4; /* kv_heads as uint64 LE */
     XXH128_hash_t ph = XXH3_128bits(all, sizeof all);
     char want[33];
     snprintf(want, sizeof want, "%016llx%016llx", (unsigned long long)ph.high64, (unsigned long long)ph.low64);
@@ -755,7 +777,7 @@ static void test_digests_match_the_spec(void) {
 }
 
 static CU_TestInfo tests[] = {
-    {"layer and payload digests follow kvf.h (libxxhash one-shot)", test_digests_match_the_spec},
+    {"head and payload digests follow kvf.h (libxxhash one-shot)", test_digests_match_the_spec},
     {"swapped, zeroed, mask-1 and NaN chunks are refused", test_swapped_zeroed_masked_chunks},
     {"never-written chunks are refused", test_never_written_chunks},
     {"bad values: positions, beta, writer refusals", test_bad_values},

@@ -5,7 +5,9 @@ the same bytes measured in the same run.
   cold  a retention-pool miss: open the kvf file, read every chunk (Fletcher32 verified) into a
         reused staging buffer, copying each range of layers into the blocks while the next range
         is read (--parts; the file is in the OS page cache: it was just written); also without
-        the overlap, and into a fresh buffer per load (how cold loads worked before)
+        the overlap, into a fresh buffer per load (how cold loads worked before), and with a
+        head-major decode (load(head_major=True): the file's per-head chunks land in place, the copy
+        into the blocks transposes)
   warm  a retention-pool hit: the copy into the blocks only
   plain read+copy  the baseline of a cold load: the file's bytes read into a reused buffer
                    (readinto), then one copy_ of the K/V bytes into a tensor of the blocks' size
@@ -90,18 +92,19 @@ def main():
 
     pool = RetentionPool(limit_bytes=4 * nbytes)
 
-    def copy_layers(data, l0, l1):
+    def copy_layers(data, l0, l1, head_major=False):
         copy_to_blocks(data, "bfloat16", L, C, H, D, caches[l0:l1], a.layout, ids, bs, 0, C,
-                       destinations=dests[l0:l1], layers=range(l0, l1))
+                       destinations=dests[l0:l1], layers=range(l0, l1), head_major=head_major)
 
-    def load(evict, parts=a.parts):  # what the connector does: on a miss, copy each layer range as it arrives
+    def load(evict, parts=a.parts, hm=False):  # what the connector does: on a miss, copy each layer range as it arrives
         if evict:
             pool.evict()
         copied = []
 
         def cold(buf):
-            return pipelined_load(path, "bfloat16", buf, L, lambda h, l0, l1: (copy_layers(buf, l0, l1),
-                                                                               copied.append(1)), parts=parts)
+            return pipelined_load(path, "bfloat16", buf, L, lambda h, l0, l1: (copy_layers(buf, l0, l1, hm),
+                                                                               copied.append(1)), parts=parts,
+                                  head_major=hm)
         e, _ = pool.get(path, "bfloat16", cold, nbytes)
         if not copied:
             copy_layers(e.data, 0, L)
@@ -117,6 +120,7 @@ def main():
     load(True)  # the first load creates the staging buffer; the timed ones reuse it
     t_cold = median_time(lambda: load(True), a.repeat)
     t_serial = median_time(lambda: load(True, 1), a.repeat)
+    t_hm = median_time(lambda: load(True, hm=True), a.repeat)  # the chunks land in place, the copy transposes
     load(False)
     t_warm = median_time(lambda: load(False), a.repeat)
 
@@ -154,6 +158,7 @@ def main():
           f"layout {a.layout}, blocks of {bs}, median of {a.repeat}, torch threads {torch.get_num_threads()}")
     print(f"{'path':<34}{'time ms':>10}{'GB/s':>9}{'vs copy_':>10}{'vs scatter':>12}")
     for name, t in (("cold: kvf file -> blocks", t_cold), ("cold, read all then copy", t_serial),
+                    ("cold, head-major decode", t_hm),
                     ("cold, fresh buffer per load", t_fresh), ("warm: retention pool -> blocks", t_warm),
                     ("plain read + copy_ (baseline)", t_plain), ("torch copy_ (contiguous)", t_copy),
                     ("torch scatter (index_put_)", t_scatter)):
@@ -161,6 +166,7 @@ def main():
     print(f"warm vs copy_: {t_copy / t_warm:.2f}")
     print(f"cold with a fresh buffer per load vs plain read+copy: {t_plain / t_fresh:.2f}")
     print(f"cold reading all layers before copying vs plain read+copy: {t_plain / t_serial:.2f}")
+    print(f"cold with a head-major decode vs plain read+copy: {t_plain / t_hm:.2f}")
     print(f"cold vs plain read+copy: {t_plain / t_cold:.2f}")
     os.remove(path)
     os.rmdir(tmp)

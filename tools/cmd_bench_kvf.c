@@ -21,7 +21,7 @@ static const char kHelp[] =
     "  read   kvf_open + every layer's keys and values as stored (checksums verified) against fread\n"
     "         of the plain file, from the page cache (warm) and after posix_fadvise(DONTNEED) (cold);\n"
     "  read   kvf_read_layer (converted to fp32), warm, for the connector's fp32 path;\n"
-    "  verify kvf_open + kvf_verify (every chunk's sum, every value, every layer digest), warm,\n"
+    "  verify kvf_open + kvf_verify (every chunk's sum, every value, every head digest), warm,\n"
     "         against fread of the plain file.\n"
     "Targets (issue 13): verify within 1.3x the time of reading the bytes, write within 2x a plain\n"
     "write of the same bytes with fsync.\n"

@@ -255,7 +255,7 @@ int cmd_inspect(int argc, char **argv) {
         printf("tokenizer    %s\n", h->tokenizer_digest[0] ? h->tokenizer_digest : "(unknown)");
         printf("document     %s, D = %lld tokens\n", h->document_digest, (long long)h->n_doc_tokens);
         printf("recipe       %s\n", h->recipe_digest);
-        printf("payload      %s (XXH3-128 over the layer digests)\n", h->payload_digest);
+        printf("payload      %s (XXH3-128 over the head digests)\n", h->payload_digest);
         printf("compacted    C = %lld slots (%lld blocks of %d)\n", (long long)C, (long long)kvf_n_blocks(f),
                h->block_size);
         printf("method       %s, budget %s, lambda %g\n", kvf_method_name(h->method), budget, h->lambda);

@@ -183,6 +183,32 @@ static kf_status check_tensor(const kvb_copy_args *a, int l, kf_error *err) {
     return KF_OK;
 }
 
+/* n tokens from p of a head-major source layer ([src_heads, C, head_dim]) to dst, the first token's
+ * place in the tensor: each head's run of D elements per token (a fixed-size copy where the
+ * dtypes match and a head's elements are contiguous: 128 and 256 bytes inline). */
+static void copy_head_major(const kvb_copy_args *a, const kvb_tensor *t, const roles *r, unsigned char *dst,
+                            const unsigned char *src_layer, int64_t p, int64_t n) {
+    const size_t ss = kvf_dtype_size(a->src_dtype), ds = kvf_dtype_size(t->dtype);
+    const int64_t D = a->head_dim;
+    const size_t hb = (size_t)D * ss;
+    const bool raw = a->src_dtype == t->dtype && r->s_dim == 1;
+    const size_t dstep = (size_t)r->s_tok * ds, hstep = (size_t)r->s_head * ds, sh = (size_t)a->C * hb;
+    const unsigned char *s0 = src_layer + (size_t)((a->head_start * a->C + p) * D) * ss; /* head 0, token p */
+    for (int64_t i = 0; i < n; i++) { /* token by token: the destination is written in order */
+        unsigned char *d = dst + (size_t)i * dstep;
+        const unsigned char *s = s0 + (size_t)i * hb;
+        if (raw && hb == 256)
+            for (int64_t h = 0; h < a->kv_heads; h++)
+                memcpy(d + (size_t)h * hstep, s + (size_t)h * sh, 256);
+        else if (raw && hb == 128)
+            for (int64_t h = 0; h < a->kv_heads; h++)
+                memcpy(d + (size_t)h * hstep, s + (size_t)h * sh, 128);
+        else
+            for (int64_t h = 0; h < a->kv_heads; h++)
+                copy_run(d + (size_t)h * hstep, r->s_dim, s + (size_t)h * sh, D, a->src_dtype, t->dtype);
+    }
+}
+
 /* Tokens [t0, t1) of K or V of one layer into one tensor. */
 static void copy_layer(const kvb_copy_args *a, const kvb_tensor *t, const unsigned char *src_layer, int kv) {
     const roles r = tensor_roles(t, a->layout, a->head_dim);
@@ -208,6 +234,11 @@ static void copy_layer(const kvb_copy_args *a, const kvb_tensor *t, const unsign
         if (n > a->t1 - p)
             n = a->t1 - p;
         unsigned char *dst = base + (size_t)(kb * r.s_blk + off * r.s_tok) * ds;
+        if (a->src_head_major) {
+            copy_head_major(a, t, &r, dst, src_layer, p, n);
+            p += n;
+            continue;
+        }
         const unsigned char *src = src_layer + (size_t)(p * src_tok + a->head_start * D) * ss;
         if (block_rows && a->src_heads == H) {
             copy_run(dst, 1, src, n * H * D, a->src_dtype, t->dtype);

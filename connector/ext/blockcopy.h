@@ -1,6 +1,8 @@
 /* blockcopy.h — copies a decoded kvf cache into a paged engine's KV block tensors (vLLM's layouts).
  *
- * Source: the decoded cache, contiguous [2 (K, V), n_layers, C, src_heads, head_dim] in src_dtype
+ * Source: the decoded cache, contiguous [2 (K, V), n_layers, C, src_heads, head_dim] in src_dtype, or
+ * with src_head_major [2, n_layers, src_heads, C, head_dim] (what kvf chunks hold: a load lands them
+ * in place without a copy)
  * (the kvf file's token-major order, keys first).
  *
  * Destination: one tensor per layer, described by its memory (base address and size in bytes, so
@@ -51,6 +53,7 @@ typedef struct {
     int64_t C;
     int64_t src_heads, head_dim;
     int64_t head_start;        /* first source head written (tensor parallelism) */
+    bool src_head_major;       /* src is [2, n_layers, src_heads, C, head_dim] */
     int64_t kv_heads;          /* heads per destination tensor */
 
     const kvb_tensor *dst;     /* [n_dst]: a tensor per layer written (layers sharing one tensor, once) */

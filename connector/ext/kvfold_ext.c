@@ -1,15 +1,22 @@
 /* kvfold_ext.c — the Python module kvfold._kvfold: kvf files in, vLLM KV blocks out.
  *
  *   read_header(path) -> dict                  opens and validates a kvf file, returns its header
- *   load(path, dtype, model_fingerprint=None, n_layers=-1, kv_heads=-1, head_dim=-1, out=None, layers=(0, -1))
- *       -> (header, buffer)                    every layer's K and V, checksums and layer digests verified, as one
+ *   load(path, dtype, model_fingerprint=None, n_layers=-1, kv_heads=-1, head_dim=-1, out=None, layers=(0, -1),
+ *        heads=(0, -1), head_major=False)
+ *       -> (header, buffer)                    every layer's K and V, checksums and head digests verified, as one
  *                                              [2, n_layers, C, kv_heads, head_dim] array in dtype:
  *                                              a new bytearray, or the first bytes of out (a writable
  *                                              buffer the caller reuses, e.g. a pre-faulted staging area);
- *                                              layers=(l0, l1) reads only those layers into their place
+ *                                              layers=(l0, l1) reads only those layers into their place,
+ *                                              heads=(h0, h1) only those KV heads (a tensor-parallel
+ *                                              rank's): only their chunks are read, the other heads'
+ *                                              places are left as they were; head_major: the
+ *                                              array is [2, n_layers, kv_heads, C, head_dim], as the
+ *                                              file's chunks hold it (read in place, no copy)
+ *   kv_bytes_read() -> int                     bytes of K/V chunks every load of this process has read
  *   copy_blocks(src, src_dtype, n_layers, C, src_heads, head_dim, dst, layout,
  *               block_ids, block_size, t0, t1, head_start=0, kv_heads=-1, cp_size=1, cp_rank=0,
- *               cp_interleave=1)
+ *               cp_interleave=1, src_head_major=False)
  *                                              src (a buffer as load returns) into per-layer tensors
  *                                              dst = [(buffer, offset, shape, strides, dtype, layer)]
  *                                              (blockcopy.h): each tensor's memory as a writable
@@ -98,9 +105,47 @@ static PyObject *py_read_header(PyObject *self, PyObject *args) {
     return d;
 }
 
-/* Reads layers [l0, l1) raw (each checked against its layer digest) and converts into out
- * ([2, L, C, H, D] in dtype). */
-static kf_status load_all(kvf_file *f, kvf_dtype dtype, unsigned char *out, int l0, int l1, kf_error *err) {
+/* Elements [i0, i1) from src in the file's dtype to dst in dtype. */
+static void convert_run(const kvf_header *h, kvf_dtype dtype, const unsigned char *src, unsigned char *dst, size_t i0,
+                        size_t i1) {
+    const size_t ds = kvf_dtype_size(dtype);
+    for (size_t i = i0; i < i1; i++) {
+            float x;
+            if (h->dtype == KVF_F32) {
+                memcpy(&x, src + 4 * i, 4);
+            } else {
+                uint16_t b;
+                memcpy(&b, src + 2 * i, 2);
+                x = h->dtype == KVF_BF16 ? kvf_bf16_to_f32(b) : kvf_f16_to_f32(b);
+            }
+            if (dtype == KVF_F32) {
+                memcpy(dst + 4 * i, &x, 4);
+            } else {
+                uint16_t o = dtype == KVF_BF16 ? kvf_f32_to_bf16(x) : kvf_f32_to_f16(x);
+                memcpy(dst + ds * i, &o, 2);
+            }
+    }
+}
+
+/* Heads [h0, h1) of a layer side ([C, H, D], or [H, C, D] when head_major) from src in the file's
+ * dtype to dst in dtype. */
+static void convert_heads(const kvf_header *h, kvf_dtype dtype, const unsigned char *src, unsigned char *dst, int h0,
+                          int h1, bool head_major) {
+    const size_t H = (size_t)h->kv_heads, D = (size_t)h->head_dim, C = (size_t)h->n_tokens;
+    if (head_major) {
+        convert_run(h, dtype, src, dst, (size_t)h0 * C * D, (size_t)h1 * C * D);
+        return;
+    }
+    for (size_t t = 0; t < C; t++)
+        convert_run(h, dtype, src, dst, (t * H + (size_t)h0) * D, (t * H + (size_t)h1) * D);
+}
+
+static int64_t g_kv_bytes_read; /* every load's K/V chunk bytes (atomic: loads run without the GIL) */
+
+/* Reads heads [h0, h1) of layers [l0, l1) raw (each head checked against its digest) and converts
+ * into out ([2, L, C, H, D] in dtype). */
+static kf_status load_all(kvf_file *f, kvf_dtype dtype, unsigned char *out, int l0, int l1, int h0, int h1,
+                          bool head_major, kf_error *err) {
     const kvf_header *h = kvf_file_header(f);
     const size_t n = (size_t)h->n_tokens * (size_t)h->kv_heads * (size_t)h->head_dim; /* per layer */
     const size_t fs = kvf_dtype_size(h->dtype), ds = kvf_dtype_size(dtype);
@@ -110,29 +155,20 @@ static kf_status load_all(kvf_file *f, kvf_dtype dtype, unsigned char *out, int 
     kf_status st = KF_OK;
     for (int l = l0; l < l1 && st == KF_OK; l++) {
         unsigned char *dst[2] = {out + (size_t)l * n * ds, out + ((size_t)h->n_layers + (size_t)l) * n * ds};
-        st = kvf_read_layer_all(f, l, scratch ? scratch : dst[0], scratch ? scratch + n * fs : dst[1], NULL, NULL,
-                                NULL, NULL, err);
-        for (int kv = 0; kv < 2 && st == KF_OK && scratch; kv++) {
-            const unsigned char *src = scratch + (size_t)kv * n * fs;
-            uint16_t *o16 = (uint16_t *)dst[kv];
-            for (size_t i = 0; i < n; i++) {
-                float x;
-                if (h->dtype == KVF_F32) {
-                    memcpy(&x, src + 4 * i, 4);
-                } else {
-                    uint16_t b;
-                    memcpy(&b, src + 2 * i, 2);
-                    x = h->dtype == KVF_BF16 ? kvf_bf16_to_f32(b) : kvf_f16_to_f32(b);
-                }
-                if (dtype == KVF_F32)
-                    memcpy(dst[kv] + 4 * i, &x, 4);
-                else
-                    o16[i] = dtype == KVF_BF16 ? kvf_f32_to_bf16(x) : kvf_f32_to_f16(x);
-            }
-        }
+        unsigned char *k = scratch ? scratch : dst[0], *v = scratch ? scratch + n * fs : dst[1];
+        st = head_major ? kvf_read_heads_hm(f, l, h0, h1, k, v, err) : kvf_read_heads_raw(f, l, h0, h1, k, v, err);
+        for (int kv = 0; kv < 2 && st == KF_OK && scratch; kv++)
+            convert_heads(h, dtype, scratch + (size_t)kv * n * fs, dst[kv], h0, h1, head_major);
     }
     free(scratch);
+    __atomic_fetch_add(&g_kv_bytes_read, kvf_kv_bytes_read(f), __ATOMIC_RELAXED);
     return st;
+}
+
+static PyObject *py_kv_bytes_read(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyLong_FromLongLong((long long)__atomic_load_n(&g_kv_bytes_read, __ATOMIC_RELAXED));
 }
 
 /* 2 * n_layers * C * kv_heads * head_dim elements of dtype, without overflow. */
@@ -152,12 +188,12 @@ static int payload_size(const kvf_header *h, kvf_dtype dtype, size_t *out) {
 static PyObject *py_load(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
     static char *kwlist[] = {"path", "dtype", "model_fingerprint", "n_layers", "kv_heads", "head_dim", "out", "layers",
-                             NULL};
+                             "heads", "head_major", NULL};
     const char *path, *dtname, *fp = NULL;
-    int n_layers = -1, kv_heads = -1, head_dim = -1, l0 = 0, l1 = -1;
+    int n_layers = -1, kv_heads = -1, head_dim = -1, l0 = 0, l1 = -1, h0 = 0, h1 = -1, head_major = 0;
     PyObject *out_obj = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "ss|ziiiO(ii)", kwlist, &path, &dtname, &fp, &n_layers, &kv_heads,
-                                     &head_dim, &out_obj, &l0, &l1))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "ss|ziiiO(ii)(ii)p", kwlist, &path, &dtname, &fp, &n_layers, &kv_heads,
+                                     &head_dim, &out_obj, &l0, &l1, &h0, &h1, &head_major))
         return NULL;
     kvf_dtype dtype;
     if (parse_dtype(dtname, &dtype) < 0)
@@ -183,6 +219,13 @@ static PyObject *py_load(PyObject *self, PyObject *args, PyObject *kw) {
         kvf_close(f);
         return NULL;
     }
+    if (h1 < 0)
+        h1 = h->kv_heads;
+    if (h0 < 0 || h0 >= h1 || h1 > h->kv_heads) {
+        PyErr_Format(PyExc_ValueError, "load: heads [%d, %d) outside %s's %d kv heads", h0, h1, path, h->kv_heads);
+        kvf_close(f);
+        return NULL;
+    }
     if (payload_size(h, dtype, &bytes) < 0) {
         kvf_close(f);
         return NULL;
@@ -205,7 +248,7 @@ static PyObject *py_load(PyObject *self, PyObject *args, PyObject *kw) {
     }
     unsigned char *out = ov.obj ? (unsigned char *)ov.buf : (unsigned char *)PyByteArray_AS_STRING(buf);
     Py_BEGIN_ALLOW_THREADS
-    st = load_all(f, dtype, out, l0, l1, &err);
+    st = load_all(f, dtype, out, l0, l1, h0, h1, head_major != 0, &err);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&ov); /* buf keeps out_obj alive */
     if (st != KF_OK) {
@@ -280,15 +323,15 @@ static PyObject *py_copy_blocks(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
     static char *kwlist[] = {"src",   "src_dtype", "n_layers",   "C",  "src_heads", "head_dim",   "dst",
                              "layout", "block_ids", "block_size", "t0", "t1",        "head_start", "kv_heads", "cp_size",
-                             "cp_rank", "cp_interleave", NULL};
+                             "cp_rank", "cp_interleave", "src_head_major", NULL};
     Py_buffer src = {0};
     const char *sdt, *lay;
-    int n_layers, block_size, cp_size = 1, cp_rank = 0, cp_interleave = 1;
+    int n_layers, block_size, cp_size = 1, cp_rank = 0, cp_interleave = 1, src_head_major = 0;
     long long C, src_heads, head_dim, t0, t1, head_start = 0, kv_heads = -1;
     PyObject *dst, *ids;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*siLLLOsOiLL|LLiii", kwlist, &src, &sdt, &n_layers, &C, &src_heads,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*siLLLOsOiLL|LLiiip", kwlist, &src, &sdt, &n_layers, &C, &src_heads,
                                      &head_dim, &dst, &lay, &ids, &block_size, &t0, &t1, &head_start, &kv_heads,
-                                     &cp_size, &cp_rank, &cp_interleave))
+                                     &cp_size, &cp_rank, &cp_interleave, &src_head_major))
         return NULL;
     PyObject *res = NULL, *dseq = NULL, *iseq = NULL;
     kvb_tensor *tensors = NULL;
@@ -297,7 +340,8 @@ static PyObject *py_copy_blocks(PyObject *self, PyObject *args, PyObject *kw) {
     int32_t *block_ids = NULL;
     kvb_copy_args a = {.src = src.buf, .src_bytes = src.len, .n_layers = n_layers, .C = C, .src_heads = src_heads,
                        .head_dim = head_dim, .head_start = head_start, .block_size = block_size, .t0 = t0, .t1 = t1,
-                       .cp_size = cp_size, .cp_rank = cp_rank, .cp_interleave = cp_interleave};
+                       .cp_size = cp_size, .cp_rank = cp_rank, .cp_interleave = cp_interleave,
+                       .src_head_major = src_head_major != 0};
     if (parse_dtype(sdt, &a.src_dtype) < 0)
         goto out;
     if (kvb_layout_parse(lay, &a.layout) < 0) {
@@ -504,11 +548,12 @@ static PyObject *py_document_digest(PyObject *self, PyObject *arg) {
 static PyMethodDef methods[] = {
     {"read_header", py_read_header, METH_VARARGS, "read_header(path) -> dict: open and validate a kvf file"},
     {"load", (PyCFunction)(void (*)(void))py_load, METH_VARARGS | METH_KEYWORDS,
-     "load(path, dtype, model_fingerprint=None, n_layers=-1, kv_heads=-1, head_dim=-1, out=None, layers=(0, -1)) "
-     "-> (header, buffer)"},
+     "load(path, dtype, model_fingerprint=None, n_layers=-1, kv_heads=-1, head_dim=-1, out=None, layers=(0, -1), "
+     "heads=(0, -1), head_major=False) -> (header, buffer)"},
+    {"kv_bytes_read", py_kv_bytes_read, METH_NOARGS, "kv_bytes_read() -> bytes of K/V chunks read by every load"},
     {"copy_blocks", (PyCFunction)(void (*)(void))py_copy_blocks, METH_VARARGS | METH_KEYWORDS,
      "copy_blocks(src, src_dtype, n_layers, C, src_heads, head_dim, dst, layout, block_ids, block_size, "
-     "t0, t1, head_start=0, kv_heads=-1, cp_size=1, cp_rank=0, cp_interleave=1)"},
+     "t0, t1, head_start=0, kv_heads=-1, cp_size=1, cp_rank=0, cp_interleave=1, src_head_major=False)"},
     {"write", (PyCFunction)(void (*)(void))py_write, METH_VARARGS | METH_KEYWORDS,
      "write(path, header, keys, values, keys_dtype='float32')"},
     {"document_digest", py_document_digest, METH_O, "document_digest(ids) -> 32 hex digits"},

@@ -123,9 +123,9 @@ def copy_to_blocks(src: Any, src_dtype: str, n_layers: int, C: int, src_heads: i
                    tensors: List[Any], layout: str, block_ids: Sequence[int], block_size: int, t0: int, t1: int,
                    head_start: int = 0, use_torch: bool = False, kv_heads: int = -1,
                    destinations: Optional[List[Any]] = None, cp: Tuple[int, int, int] = (1, 0, 1),
-                   layers: Optional[Sequence[int]] = None) -> None:
+                   layers: Optional[Sequence[int]] = None, head_major: bool = False) -> None:
     """Write tokens [t0, t1) of a decoded cache (src: [2, n_layers, C, src_heads, head_dim] in
-    src_dtype) into the tensors: layer layers[i] (default i) into tensors[i]. block_size is the scheduler's (per-rank block size
+    src_dtype, or [2, n_layers, src_heads, C, head_dim] with head_major) into the tensors: layer layers[i] (default i) into tensors[i]. block_size is the scheduler's (per-rank block size
     x context-parallel size); cp = (size, rank, interleave) of context parallelism, whose tokens
     this rank holds as vLLM's block table spreads them. destinations: host_destination of each
     tensor, when the caller keeps them."""
@@ -136,11 +136,11 @@ def copy_to_blocks(src: Any, src_dtype: str, n_layers: int, C: int, src_heads: i
     if on_host and not use_torch:
         dst = destinations or [host_destination(t, i) for t, i in zip(tensors, layers)]
         _kvfold.copy_blocks(src, src_dtype, n_layers, C, src_heads, head_dim, dst, layout, list(block_ids),
-                            block_size, t0, t1, head_start, kv_heads, *cp)
+                            block_size, t0, t1, head_start, kv_heads, *cp, head_major)
         return
     check_block_size(block_size, cp[0])
     _copy_torch(src, src_dtype, n_layers, C, src_heads, head_dim, tensors, layout, block_ids, block_size, t0, t1,
-                head_start, cp, layers)
+                head_start, cp, layers, head_major)
 
 
 def _slot_index(layout: str, t: Any, block_ids: Sequence[int], block_size: int, t0: int, t1: int,
@@ -173,12 +173,15 @@ def put_slots(t: Any, layout: str, kb: Any, off: Any, x: Any) -> None:
 
 def _copy_torch(src: Any, src_dtype: str, n_layers: int, C: int, src_heads: int, head_dim: int,
                 tensors: List[Any], layout: str, block_ids: Sequence[int], block_size: int, t0: int, t1: int,
-                head_start: int, cp: Tuple[int, int, int], layers: List[int]) -> None:
+                head_start: int, cp: Tuple[int, int, int], layers: List[int], head_major: bool = False) -> None:
     import torch  # only here: importing kvfold must not start CUDA
 
     tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
     whole = torch.frombuffer(src, dtype=tdt[src_dtype], count=2 * n_layers * C * src_heads * head_dim)
-    whole = whole.view(2, n_layers, C, src_heads, head_dim)
+    if head_major:
+        whole = whole.view(2, n_layers, src_heads, C, head_dim).transpose(2, 3)  # [2, L, C, H, D], a view
+    else:
+        whole = whole.view(2, n_layers, C, src_heads, head_dim)
     first = tensors[0]
     kv_heads = first.shape[_DIMS[layout][3]]
     kb, off, rows = _slot_index(layout, first, block_ids, block_size, t0, t1, cp)

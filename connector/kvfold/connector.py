@@ -462,6 +462,7 @@ class KVFoldConnector(KVConnectorBase_V1):
             raise ValueError("no KV caches registered")
         path, nbytes = spec.path, spec.elems * (4 if self._dtype == "float32" else 2)
         copied = []
+        heads = (self._head_start, self._head_start + self._local_heads)  # only this TP rank's KV heads are read
 
         def copy(h: Dict[str, Any], data: Any, l0: int, l1: int) -> None:
             if cache_key(h) != spec.key:
@@ -478,10 +479,11 @@ class KVFoldConnector(KVConnectorBase_V1):
         def cold(buf: Any) -> Tuple[Dict[str, Any], Any]:  # reads overlap the copies of earlier layers
             return pipelined_load(path, self._dtype, buf, self._n_layers,
                                   lambda h, l0, l1: copy(h, buf, l0, l1), model_fingerprint=self._model_fp,
-                                  kv_heads=self._kv_heads, head_dim=self._head_dim, parts=self._load_parts)
+                                  kv_heads=self._kv_heads, head_dim=self._head_dim, parts=self._load_parts,
+                                  heads=heads)
 
         with self._pool_lock:
-            entry, hit = self._pool.get(path, self._dtype, cold, nbytes)
+            entry, hit = self._pool.get(path, self._dtype, cold, nbytes, heads)
             try:
                 if not copied:  # a pool hit: the whole copy now
                     copy(entry.header, entry.data, 0, self._n_layers)

@@ -20,13 +20,18 @@ def layer_ranges(n_layers: int, parts: int) -> List[Tuple[int, int]]:
 
 def pipelined_load(path: str, dtype: str, buf: Any, n_layers: int,
                    on_layers: Callable[[Dict[str, Any], int, int], None], *, model_fingerprint: Optional[str] = None,
-                   kv_heads: int = -1, head_dim: int = -1, parts: int = 4) -> Tuple[Dict[str, Any], Any]:
-    """Decode path into buf ([2, n_layers, C, kv_heads, head_dim] in dtype), calling
+                   kv_heads: int = -1, head_dim: int = -1, parts: int = 4,
+                   heads: Tuple[int, int] = (0, -1), head_major: bool = False) -> Tuple[Dict[str, Any], Any]:
+    """Decode path into buf ([2, n_layers, C, kv_heads, head_dim] in dtype, or
+    [2, n_layers, kv_heads, C, head_dim] with head_major: the file's chunks land in place), calling
     on_layers(header, l0, l1) as soon as layers [l0, l1) are in buf; (header, buf) at the end.
-    A failure in any range raises it, and the ranges after it are not read."""
+    Only KV heads [h0, h1) = heads are read (a tensor-parallel rank's; h1 = -1: every head); the
+    other heads' places in buf are left as they were. A failure in any range raises it, and the
+    ranges after it are not read."""
     ranges = layer_ranges(n_layers, parts)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfold-load") as ex:
-        futs = [ex.submit(_kvfold.load, path, dtype, model_fingerprint, n_layers, kv_heads, head_dim, buf, r)
+        futs = [ex.submit(_kvfold.load, path, dtype, model_fingerprint, n_layers, kv_heads, head_dim, buf, r,
+                            tuple(heads), head_major)
                 for r in ranges]
         try:
             header = None

@@ -1,7 +1,7 @@
 """The retention pool: decoded caches kept in host memory between requests (DESIGN.md "Reuse").
 
-An entry is one kvf file decoded into the KV cache's dtype, [2, n_layers, C, kv_heads, head_dim],
-ready to copy into blocks. The pool holds at most `limit_bytes`; when a new entry does not fit,
+An entry is one kvf file decoded into the KV cache's dtype, [2, n_layers, C, kv_heads, head_dim]
+(only the heads its loader read are filled: a tensor-parallel rank's), ready to copy into blocks. The pool holds at most `limit_bytes`; when a new entry does not fit,
 entries are evicted lowest value first, where
 
     value = probability_of_reuse * reload_seconds / pages
@@ -91,7 +91,7 @@ class Entry:
     retained: bool = True
 
 
-Key = Tuple[str, int, int, int, str]
+Key = Tuple[str, int, int, int, str, Tuple[int, int]]
 
 
 class RetentionPool:
@@ -108,9 +108,9 @@ class RetentionPool:
         return len(self._entries)
 
     @staticmethod
-    def key(path: str, dtype: str) -> Key:
+    def key(path: str, dtype: str, heads: Tuple[int, int] = (0, -1)) -> Key:
         st = os.stat(path)
-        return (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns, dtype)
+        return (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns, dtype, tuple(heads))
 
     def _decayed_hits(self, e: Entry) -> float:
         return e.hits * 0.5 ** ((self._tick - e.last_tick) / self.half_life)
@@ -120,12 +120,13 @@ class RetentionPool:
         return (h + 1.0) / (h + 2.0) * e.reload_s / max(1, e.pages)
 
     def get(self, path: str, dtype: str, load: Callable[..., Tuple[Dict[str, Any], Any]],
-            nbytes: Optional[int] = None) -> Tuple[Entry, bool]:
+            nbytes: Optional[int] = None, heads: Tuple[int, int] = (0, -1)) -> Tuple[Entry, bool]:
         """The decoded cache of path; (entry, hit). On a miss, load(buffer) -> (header, data) when
-        nbytes is given (buffer: nbytes of staging memory to decode into), else load(). Call
+        nbytes is given (buffer: nbytes of staging memory to decode into), else load(). heads: the
+        KV heads the load decodes (an entry holding other heads is another entry). Call
         release(entry) when done with an entry's data."""
         self._tick += 1
-        k = self.key(path, dtype)
+        k = self.key(path, dtype, heads)
         e = self._entries.get(k)
         if e is not None:
             e.hits = self._decayed_hits(e) + 1.0

@@ -314,6 +314,32 @@ def test_tensor_parallel_rank_writes_its_heads(root, monkeypatch):
     assert torch.equal(loaded(eng, r, 33), expect(path)[:, :, :, 2:4])
 
 
+def test_tensor_parallel_rank_reads_only_its_heads(root, monkeypatch):
+    """Rank 1 of 4 reads only its KV head's chunks: a quarter of the file's K/V bytes, counted by
+    the extension, against an unsharded load of the same file that reads all of them."""
+    import vllm.distributed.parallel_state as ps
+    C, H = 40, 4
+    model = ModelConfig("stub-model", L_, H, D_, V_)
+    path = os.path.join(root, FP, "tp4.kvf")
+    write_cache(path, L_, H, D_, C, 72)
+    whole = 2 * L_ * H * (C * D_ * 2 + 4)  # every (layer, head) chunk of keys and values, with sums
+    before = _kvfold.kv_bytes_read()
+    eng = Engine(model, {"cache_root": root}, num_blocks=16)
+    r, _ = request("r", path, [1], root)
+    eng.add_request(r)
+    eng.step()
+    assert _kvfold.kv_bytes_read() - before == whole
+    monkeypatch.setattr(ps, "_TP_RANK", 1)
+    monkeypatch.setattr(ps, "_TP_SIZE", 4)
+    before = _kvfold.kv_bytes_read()
+    eng = Engine(model, {"cache_root": root}, num_blocks=16, local_kv_heads=1)
+    r, _ = request("r", path, [1], root)
+    eng.add_request(r)
+    eng.step()
+    assert _kvfold.kv_bytes_read() - before == whole // 4
+    assert torch.equal(loaded(eng, r, C), expect(path)[:, :, :, 1:2])
+
+
 def test_refusals(root):
     with pytest.raises(ValueError, match="fp8"):
         Engine(MODEL, {"cache_root": root}, dtype=torch.uint8)
@@ -641,3 +667,36 @@ def test_c_copy_random_arguments():
             slot_view(want, layout, slot).copy_(src[:, 1, p, hs:hs + heads])
         assert torch.equal(t.view(torch.int16), want.view(torch.int16)), case
     assert min(outcomes.values()) >= 50, outcomes
+
+
+@pytest.mark.parametrize("use_torch", [False, True])
+def test_head_major_decode_copies_the_same_blocks(root, use_torch):
+    """load(head_major=True) holds each head's slots together, [2, L, H, C, D], as the file's
+    chunks do; copy_to_blocks(head_major=True) from it writes what the token-major path writes,
+    and a head range reads only those heads."""
+    from kvfold.blocks import copy_to_blocks
+    L, H, D, C, bs = 3, 4, 16, 37, 16
+    path = os.path.join(root, FP, "hm.kvf")
+    write_cache(path, L, H, D, C, 73)
+    h, tok = _kvfold.load(path, "bfloat16")
+    _, hm = _kvfold.load(path, "bfloat16", head_major=True)
+    t = torch.frombuffer(tok, dtype=torch.bfloat16).view(2, L, C, H, D)
+    m = torch.frombuffer(hm, dtype=torch.bfloat16).view(2, L, H, C, D)
+    assert torch.equal(m.transpose(2, 3), t)
+    import h5py  # an independent reader of the same file: bf16 is stored as uint16 bits
+    with h5py.File(path, "r") as f:
+        for i, name in enumerate(("keys", "values")):
+            assert np.array_equal(f[name][:], t[i].view(torch.int16).numpy().view(np.uint16))
+    ids = [5, 1, 3]
+    for head_start, heads in ((0, H), (2, 1)):
+        a = [torch.zeros(8, 2, bs, heads, D, dtype=torch.bfloat16) for _ in range(L)]
+        b = [torch.zeros(8, 2, bs, heads, D, dtype=torch.bfloat16) for _ in range(L)]
+        copy_to_blocks(tok, "bfloat16", L, C, H, D, a, "blocks_first", ids, bs, 0, C, head_start, use_torch, heads)
+        copy_to_blocks(hm, "bfloat16", L, C, H, D, b, "blocks_first", ids, bs, 0, C, head_start, use_torch, heads,
+                       head_major=True)
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+        assert torch.equal(b[1][5, 0, :, 0], t[0, 1, :bs, head_start])  # block 5 holds tokens 0..15
+    buf = bytearray(len(hm))
+    _kvfold.load(path, "bfloat16", out=buf, heads=(1, 2), head_major=True)
+    got = torch.frombuffer(buf, dtype=torch.bfloat16).view(2, L, H, C, D)
+    assert torch.equal(got[:, :, 1], m[:, :, 1]) and not got[:, :, 0].any() and not got[:, :, 2:].any()
