@@ -174,9 +174,9 @@ static kf_status parse_root(kf_hfconfig *cfg, json_t *root, const char *name, kf
     if (cfg->n_heads % cfg->n_kv_heads != 0)
         return kf_fail(err, KF_ERR_FORMAT, "%s: num_attention_heads (%d) is not a multiple of num_key_value_heads (%d)",
                        name, cfg->n_heads, cfg->n_kv_heads);
-    if (cfg->head_dim < 2) /* only a default can get here: hidden_size < num_attention_heads */
+    if (cfg->head_dim < 2 || cfg->head_dim > 4096) /* only the default hidden_size / heads gets here */
         return kf_fail(err, KF_ERR_FORMAT,
-                       "%s: head_dim %d (hidden_size %d / num_attention_heads %d) is too small; set head_dim",
+                       "%s: head_dim %d (hidden_size %d / num_attention_heads %d) is out of range [2, 4096]; set head_dim",
                        name, cfg->head_dim, cfg->hidden_size, cfg->n_heads);
     if (cfg->head_dim % 2 != 0)
         return kf_fail(err, KF_ERR_FORMAT, "%s: head_dim %d must be even for RoPE", name, cfg->head_dim);

@@ -396,6 +396,9 @@ static void test_refuse_out_of_range(void) {
     j = llama_with("head_dim", NULL);
     json_object_set_new(j, "hidden_size", json_integer(72)); /* 72 / 8 = 9: odd */
     EXPECT_FAIL(j, KF_ERR_FORMAT, "head_dim 9", "even");
+    j = llama_with("head_dim", NULL);
+    json_object_set_new(j, "hidden_size", json_integer(8 * 4098)); /* 4098 > 4096 (found by fuzz_hfconfig) */
+    EXPECT_FAIL(j, KF_ERR_FORMAT, "head_dim 4098", "out of range");
 }
 
 static void test_refuse_rope(void) {
