@@ -711,23 +711,25 @@ static kf_status read_heads(kvf_file *f, int layer, int h0, int h1, void *k, voi
     return KF_OK;
 }
 
-kf_status kvf_read_heads_hm(kvf_file *f, int layer, int h0, int h1, void *keys_raw, void *values_raw,
-                            kf_error *err) {
+/* The arguments of a heads read are in range; the read buffers allocated. */
+static kf_status heads_read_begin(kvf_file *f, int layer, int h0, int h1, const void *keys_raw,
+                                  const void *values_raw, kf_error *err) {
     if (!f || !keys_raw || !values_raw || layer < 0 || layer >= f->hdr.n_layers || h0 < 0 || h0 >= h1 ||
         h1 > f->hdr.kv_heads)
         return kf_fail(err, KF_ERR_INVALID, "%s: bad read of layer %d heads [%d, %d) (the file has %d x %d)",
                        f ? f->path : "kvf", layer, h0, h1, f ? f->hdr.n_layers : 0, f ? f->hdr.kv_heads : 0);
-    KF_TRY(alloc_buffers(f, err));
+    return alloc_buffers(f, err);
+}
+
+kf_status kvf_read_heads_hm(kvf_file *f, int layer, int h0, int h1, void *keys_raw, void *values_raw,
+                            kf_error *err) {
+    KF_TRY(heads_read_begin(f, layer, h0, h1, keys_raw, values_raw, err));
     return read_heads_hm(f, layer, h0, h1, keys_raw, values_raw, 0, err);
 }
 
 kf_status kvf_read_heads_raw(kvf_file *f, int layer, int h0, int h1, void *keys_raw, void *values_raw,
                              kf_error *err) {
-    if (!f || !keys_raw || !values_raw || layer < 0 || layer >= f->hdr.n_layers || h0 < 0 || h0 >= h1 ||
-        h1 > f->hdr.kv_heads)
-        return kf_fail(err, KF_ERR_INVALID, "%s: bad read of layer %d heads [%d, %d) (the file has %d x %d)",
-                       f ? f->path : "kvf", layer, h0, h1, f ? f->hdr.n_layers : 0, f ? f->hdr.kv_heads : 0);
-    KF_TRY(alloc_buffers(f, err));
+    KF_TRY(heads_read_begin(f, layer, h0, h1, keys_raw, values_raw, err));
     if (keys_raw == f->kbuf || values_raw == f->vbuf || keys_raw == f->vbuf || values_raw == f->kbuf)
         return kf_fail(err, KF_ERR_INVALID, "%s: kvf_read_heads_raw into the file's own buffers", f->path);
     return read_heads(f, layer, h0, h1, keys_raw, values_raw, err);
