@@ -639,12 +639,17 @@ void kf_compact_prep_free(kf_compact_prep *x, kf_seq *keep) {
 
 /* ---- stages 3-4: per layer and KV head the targets once, then every variant (kf_compact_solve) ---- */
 
-/* One variant's state in kf_compact_solve. */
+/* One variant's state in kf_compact_solve, or one thread's view of it. kf_compact_solve keeps
+ * one per variant (its budgets, its output, folded and var_sum merged so far); every thread holds
+ * a view per variant for the head it solves: the same p, choice, t and budgets, the thread's head
+ * buffers, `out` a copy of the output's header (the variant's arrays, written at the head's own
+ * slots only; stats of this head alone) and folded / var_sum of this head alone, merged in head
+ * order after the layer (solve_layer). */
 typedef struct {
     kf_compact_params p;           /* the prep's, with this variant's method and budget */
     int choice, t;                 /* per-head choice on; kept keys per head (the largest) */
-    int *budgets;                  /* [L * kvh] kept keys of each head */
-    int32_t *sel;                  /* [t] */
+    int *budgets;                  /* [L * kvh] kept keys of each head (the variant's) */
+    int32_t *sel;                  /* [t] (views only: the thread's buffers) */
     float *beta;                   /* [t] */
     float *kfold, *vals, *kc, *vo; /* [t, d] each */
     int folded;
@@ -653,7 +658,7 @@ typedef struct {
 } variant_ws;
 
 static void variant_free(variant_ws *w) {
-    free(w->budgets), free(w->sel), free(w->beta), free(w->kfold), free(w->vals), free(w->kc), free(w->vo);
+    free(w->budgets);
 }
 
 /* t and the per-head budgets: C holds the largest head (vLLM has one length for every layer and
@@ -674,7 +679,7 @@ static kf_status variant_budgets(const kf_compact_prep *x, variant_ws *w, kf_err
     return KF_OK;
 }
 
-/* The output's header and arrays and the variant's head buffers. */
+/* The output's header and arrays. */
 static kf_status variant_init(const kf_compact_prep *x, const kf_compact_variant *v, kf_compacted *out,
                               variant_ws *w, kf_error *err) {
     KF_TRY(check_variant(v, err));
@@ -703,14 +708,8 @@ static kf_status variant_init(const kf_compact_prep *x, const kf_compact_variant
     out->positions = malloc(sizeof(int32_t) * (size_t)L * kvh * C);
     out->head_method = malloc((size_t)L * kvh);
     out->head_alpha = calloc((size_t)L * kvh, sizeof(float));
-    w->sel = malloc(sizeof(int32_t) * (size_t)t);
-    w->beta = malloc(sizeof(float) * (size_t)t);
-    w->kfold = malloc(sizeof(float) * (size_t)t * d);
-    w->vals = malloc(sizeof(float) * (size_t)t * d);
-    w->kc = malloc(sizeof(float) * (size_t)t * d);
-    w->vo = malloc(sizeof(float) * (size_t)t * d);
     if (!out->keys || !out->values || !out->beta || !out->u || !out->var_gain || !out->positions ||
-        !out->head_method || !out->head_alpha || !w->sel || !w->beta || !w->kfold || !w->vals || !w->kc || !w->vo)
+        !out->head_method || !out->head_alpha)
         return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the compacted cache");
     return KF_OK;
 }
@@ -900,24 +899,160 @@ static kf_status variant_head(const kf_compact_prep *x, variant_ws *w, head_shar
     return variant_fit(x, w, hs, &hf, &tf, &pick, th, qsub, err);
 }
 
-/* Layer l: its K, V [D, kvh * d] read once, each head's shared work once, then every variant. */
-static kf_status solve_layer(kf_compact_prep *x, variant_ws *w, int n, int l, float *K, float *V, head_split *sp,
-                             float *qsub, kf_error *err) {
+/* ---- the solve over the KV heads of a layer, in parallel (backend.h's parallel_for) ---- */
+
+/* One thread's scratch for the heads it solves, allocated once per kf_compact_solve. */
+typedef struct {
+    head_split sp;                 /* the head's validation split (when a variant chooses per head) */
+    float *qsub;                   /* [R, d] probe rows (fold on probes), else NULL */
+    int32_t *sel;                  /* [t_max] shared by the views: a head runs its variants in turn */
+    float *beta;                   /* [t_max] */
+    float *kfold, *vals, *kc, *vo; /* [t_max, d] each */
+    variant_ws *w;                 /* [n] the thread's views of the variants (variant_ws) */
+    kf_compacted *out;             /* [n] the views' outputs */
+} thread_ws;
+
+/* What one (head, variant) adds to the variant: its stats, folded and var_sum. */
+typedef struct {
+    kf_compact_stats st;
+    int folded;
+    double var_sum;
+} head_add;
+
+/* One layer's heads as a parallel_for job: item g solves head g on thread ws tw[thread]. */
+typedef struct {
+    kf_compact_prep *x;
+    int n, l, any_choice;
+    const float *K, *V;  /* [D, kvh * d] the layer's keys and values */
+    thread_ws *tw;       /* [threads] */
+    kf_status *rc;       /* [kvh] each head's status */
+    kf_error *err;       /* [kvh] its cause */
+    head_add *add;       /* [kvh, n] */
+} layer_job;
+
+static void thread_free(thread_ws *t) {
+    split_free(&t->sp);
+    free(t->qsub), free(t->sel), free(t->beta), free(t->kfold), free(t->vals), free(t->kc), free(t->vo);
+    free(t->w), free(t->out);
+    memset(t, 0, sizeof *t);
+}
+
+/* Thread t's buffers for the largest of the n variants w and its views of them. */
+static kf_status thread_init(const kf_compact_prep *x, const variant_ws *w, int n, int any_choice, thread_ws *t,
+                             kf_error *err) {
+    const int d = x->d;
+    int tm = 1;
+    for (int i = 0; i < n; i++)
+        tm = w[i].t > tm ? w[i].t : tm;
+    memset(t, 0, sizeof *t);
+    t->sel = malloc(sizeof(int32_t) * (size_t)tm);
+    t->beta = malloc(sizeof(float) * (size_t)tm);
+    t->kfold = malloc(sizeof(float) * (size_t)tm * d);
+    t->vals = malloc(sizeof(float) * (size_t)tm * d);
+    t->kc = malloc(sizeof(float) * (size_t)tm * d);
+    t->vo = malloc(sizeof(float) * (size_t)tm * d);
+    t->w = calloc((size_t)n, sizeof *t->w);
+    t->out = calloc((size_t)n, sizeof *t->out);
+    if (x->p.fold_queries == KF_FOLD_ON_PROBES)
+        t->qsub = malloc(sizeof(float) * (size_t)x->rq.R * d);
+    if (!t->sel || !t->beta || !t->kfold || !t->vals || !t->kc || !t->vo || !t->w || !t->out ||
+        (x->p.fold_queries == KF_FOLD_ON_PROBES && !t->qsub))
+        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the solve's per-thread buffers (t %d)", tm);
+    if (any_choice) {
+        if (split_alloc(&t->sp, x->rq.R, x->n_val_pos * x->G, d, x->n_sources) != 0)
+            return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the validation split");
+        t->sp.n_val = x->n_val_pos * x->G;
+        t->sp.n_tr = x->rq.R - t->sp.n_val;
+    }
+    for (int i = 0; i < n; i++) {
+        t->w[i] = w[i];
+        t->out[i] = *w[i].out;
+        t->w[i].out = &t->out[i];
+        t->w[i].sel = t->sel, t->w[i].beta = t->beta, t->w[i].kfold = t->kfold;
+        t->w[i].vals = t->vals, t->w[i].kc = t->kc, t->w[i].vo = t->vo;
+    }
+    return KF_OK;
+}
+
+/* Item g of a layer_job: head g's shared work, then every variant on it (the first failing one
+ * stops it); its stats go to add[g, :]. */
+static void head_item(void *ctx, int g, int thread) {
+    const layer_job *j = ctx;
+    thread_ws *t = &j->tw[thread];
+    for (int i = 0; i < j->n; i++) {
+        memset(&t->out[i].stats, 0, sizeof t->out[i].stats);
+        t->w[i].folded = 0, t->w[i].var_sum = 0;
+    }
+    head_shared hs;
+    kf_status rc = head_prepare(j->x, j->l, g, j->K, j->V, j->any_choice ? &t->sp : NULL, &hs, &j->err[g]);
+    if (rc == KF_OK) {
+        for (int i = 0; i < j->n && rc == KF_OK; i++)
+            rc = variant_head(j->x, &t->w[i], &hs, t->qsub, &j->err[g]);
+        head_shared_free(&hs);
+    }
+    for (int i = 0; i < j->n; i++)
+        j->add[(size_t)g * j->n + i] = (head_add){t->out[i].stats, t->w[i].folded, t->w[i].var_sum};
+    j->rc[g] = rc;
+}
+
+/* The variant's stats += one head's (head order: the sums one thread would make). */
+static void head_merge(variant_ws *w, const head_add *a) {
+    kf_compact_stats *s = &w->out->stats;
+    s->select_s += a->st.select_s, s->beta_s += a->st.beta_s, s->values_s += a->st.values_s;
+    s->fold_s += a->st.fold_s, s->choice_s += a->st.choice_s;
+    s->fold_fallback_heads += a->st.fold_fallback_heads;
+    s->heads_ridged += a->st.heads_ridged;
+    for (int k = 0; k < 4; k++)
+        s->heads_by_method[k] += a->st.heads_by_method[k];
+    s->solver.beta_fallbacks += a->st.solver.beta_fallbacks;
+    s->solver.value_fallbacks += a->st.solver.value_fallbacks;
+    s->solver.failures += a->st.solver.failures;
+    s->solver.beta_restarts += a->st.solver.beta_restarts;
+    w->folded += a->folded;
+    w->var_sum += a->var_sum;
+}
+
+/* Layer l: its K, V [D, kvh * d] read once, then its heads in parallel (each head's shared work,
+ * then every variant), then their stats merged in head order; the first failing head's error. */
+static kf_status solve_layer(kf_compact_prep *x, variant_ws *w, int n, int l, float *K, float *V, layer_job *j,
+                             kf_error *err) {
     KF_TRY(kf_seq_read_kv(x->ar, &x->seq, l, 0, x->D, K, V, err));
     if (x->p.progress)
         x->p.progress(x->p.progress_ctx, "compact", l, x->L);
     for (int i = 0; i < n; i++)
         variant_edges(x, &w[i], l, K, V);
+    j->l = l, j->K = K, j->V = V;
+    kf_backend_parallel_for(kf_model_backend(x->m), x->kvh, head_item, j);
     for (int g = 0; g < x->kvh; g++) {
-        head_shared hs;
-        KF_TRY(head_prepare(x, l, g, K, V, sp, &hs, err));
-        kf_status rc = KF_OK;
-        for (int i = 0; i < n && rc == KF_OK; i++)
-            rc = variant_head(x, &w[i], &hs, qsub, err);
-        head_shared_free(&hs);
-        KF_TRY(rc);
+        if (j->rc[g] != KF_OK) {
+            if (err)
+                *err = j->err[g];
+            return j->rc[g];
+        }
+        for (int i = 0; i < n; i++)
+            head_merge(&w[i], &j->add[(size_t)g * n + i]);
     }
     return KF_OK;
+}
+
+/* The job's per-head results and every thread's scratch (tw [threads], zeroed by the caller). */
+static kf_status job_init(kf_compact_prep *x, const variant_ws *w, int n, int any_choice, int threads,
+                          layer_job *j, kf_error *err) {
+    j->x = x, j->n = n, j->any_choice = any_choice;
+    j->rc = calloc((size_t)x->kvh, sizeof *j->rc);
+    j->err = calloc((size_t)x->kvh, sizeof *j->err);
+    j->add = calloc((size_t)x->kvh * n, sizeof *j->add);
+    if (!j->rc || !j->err || !j->add)
+        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
+    for (int t = 0; t < threads; t++)
+        KF_TRY(thread_init(x, w, n, any_choice, &j->tw[t], err));
+    return KF_OK;
+}
+
+static void job_free(layer_job *j, int threads) {
+    for (int t = 0; j->tw && t < threads; t++)
+        thread_free(&j->tw[t]);
+    free(j->tw), free(j->rc), free(j->err), free(j->add);
 }
 
 kf_status kf_compact_solve(kf_compact_prep *x, const kf_compact_variant *v, int n, kf_compacted *outs,
@@ -926,25 +1061,20 @@ kf_status kf_compact_solve(kf_compact_prep *x, const kf_compact_variant *v, int 
         return KF_OK;
     memset(outs, 0, sizeof *outs * (size_t)n);
     const size_t row = (size_t)x->kvh * x->d;
+    const int threads = kf_backend_threads(kf_model_backend(x->m));
     variant_ws *w = calloc((size_t)n, sizeof *w);
     float *K = malloc(sizeof(float) * (size_t)x->D * row), *V = malloc(sizeof(float) * (size_t)x->D * row);
-    const int on_probes = x->p.fold_queries == KF_FOLD_ON_PROBES;
-    float *qsub = on_probes ? malloc(sizeof(float) * (size_t)x->rq.R * x->d) : NULL; /* [R, d] */
-    head_split sp = {0};
-    kf_status rc = !w || !K || !V || (on_probes && !qsub) ? kf_fail(err, KF_ERR_NOMEM, "compact: out of memory") : KF_OK;
+    layer_job j = {.tw = calloc((size_t)threads, sizeof(thread_ws))};
+    kf_status rc = !w || !K || !V || !j.tw ? kf_fail(err, KF_ERR_NOMEM, "compact: out of memory") : KF_OK;
     int any_choice = 0;
     for (int i = 0; i < n && rc == KF_OK; i++) {
         rc = variant_init(x, &v[i], &outs[i], &w[i], err);
         any_choice |= w[i].choice;
     }
-    if (rc == KF_OK && any_choice) {
-        if (split_alloc(&sp, x->rq.R, x->n_val_pos * x->G, x->d, x->n_sources) != 0)
-            rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the validation split");
-        sp.n_val = x->n_val_pos * x->G;
-        sp.n_tr = x->rq.R - sp.n_val;
-    }
+    if (rc == KF_OK)
+        rc = job_init(x, w, n, any_choice, threads, &j, err);
     for (int l = 0; l < x->L && rc == KF_OK; l++)
-        rc = solve_layer(x, w, n, l, K, V, any_choice ? &sp : NULL, qsub, err);
+        rc = solve_layer(x, w, n, l, K, V, &j, err);
     for (int i = 0; i < n; i++) {
         if (rc == KF_OK) { /* the compacted frame: questions at C, C+1, ... see what they would at D, D+1, ... */
             outs[i].stats.mean_var_gain = w[i].folded ? w[i].var_sum / w[i].folded : 0;
@@ -955,8 +1085,8 @@ kf_status kf_compact_solve(kf_compact_prep *x, const kf_compact_variant *v, int 
         if (w)
             variant_free(&w[i]);
     }
-    free(w), free(K), free(V), free(qsub);
-    split_free(&sp);
+    job_free(&j, threads);
+    free(w), free(K), free(V);
     return rc;
 }
 

@@ -193,6 +193,10 @@ const char *kf_model_dir(const kf_model *m) {
     return m->dir;
 }
 
+kf_backend *kf_model_backend(const kf_model *m) {
+    return m->b;
+}
+
 const double *kf_model_inv_freq(const kf_model *m) {
     return m->inv_freq;
 }

@@ -88,6 +88,9 @@ int64_t kf_model_n_params(const kf_model *m);
 /* Digest of config.json, the tensor index and every weight byte (XXH3-128, 32 hex digits). */
 const char *kf_model_fingerprint(kf_model *m);
 
+/* The backend the model was loaded on. */
+kf_backend *kf_model_backend(const kf_model *m);
+
 /* RoPE inverse frequencies [head_dim / 2] of this model. */
 const double *kf_model_inv_freq(const kf_model *m);
 

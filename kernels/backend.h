@@ -130,6 +130,10 @@ typedef struct {
 
 typedef struct kf_backend kf_backend;
 
+/* One item of a parallel_for: thread in [0, kf_backend_threads(b)) names the per-thread scratch
+ * the item may use (0 is the calling thread). */
+typedef void (*kf_parallel_fn)(void *ctx, int item, int thread);
+
 struct kf_backend {
     const char *name;
     kf_dtype weight_dtype;
@@ -168,6 +172,22 @@ struct kf_backend {
     void (*quoka_select)(kf_backend *b, const kf_quoka_select_args *args);
     void (*sparse_attention)(kf_backend *b, const kf_sparse_attn_args *args);
 
+    /* Host work that is none of the operations above (the compactor's solve over KV heads):
+     * fn(ctx, i, thread) for every i in [0, n_items), in any order, on up to `threads` threads;
+     * returns when all have finished. The contract:
+     *   - items are independent: each writes its own memory (per-thread scratch by `thread`, its
+     *     own output slots), so the results cannot depend on the order or the thread count; what
+     *     must be summed in order the caller merges after the job, in item order;
+     *   - jobs never overlap: one thread of control calls parallel_for at a time, and an item
+     *     calls neither parallel_for nor any other operation of this backend;
+     *   - the CPU backend runs the items on its pool with OpenBLAS held to one thread for the
+     *     duration (restored after), so that the items' own BLAS calls run side by side instead
+     *     of queueing for OpenBLAS's threads; it does so for any pool size, so that every BLAS
+     *     call of an item computes the same bits whatever the thread count.
+     * NULL (CUDA, tests' stubs): kf_backend_parallel_for runs the items inline, in order. */
+    void (*parallel_for)(kf_backend *b, int n_items, kf_parallel_fn fn, void *ctx);
+    int threads; /* parallel_for's threads (0: one) */
+
     /* Nonzero when an operation failed since the last call (e.g. scratch memory could not be
      * had); clears the flag. Operations themselves return nothing so that a device backend
      * can queue them. */
@@ -175,10 +195,26 @@ struct kf_backend {
     void (*destroy)(kf_backend *b);
 };
 
+/* Threads an item of kf_backend_parallel_for may be given (its per-thread scratch count). */
+static inline int kf_backend_threads(const kf_backend *b) {
+    return b && b->parallel_for && b->threads > 1 ? b->threads : 1;
+}
+
+/* b->parallel_for, or the items inline in order on thread 0 when b has none. */
+static inline void kf_backend_parallel_for(kf_backend *b, int n_items, kf_parallel_fn fn, void *ctx) {
+    if (b && b->parallel_for) {
+        b->parallel_for(b, n_items, fn, ctx);
+        return;
+    }
+    for (int i = 0; i < n_items; i++)
+        fn(ctx, i, 0);
+}
+
 /* The CPU backend (OpenBLAS GEMMs; row kernels and attention on a pthread pool of as many
  * threads as OpenBLAS has). Returns NULL when out of memory. */
 kf_backend *kf_backend_cpu_create(void);
-/* The same with a pool of `threads` threads (<= 0: as many as OpenBLAS has). */
+/* The same with a pool of `threads` threads (<= 0: as many as OpenBLAS has); parallel_for uses
+ * them all. */
 kf_backend *kf_backend_cpu_create_threads(int threads);
 
 #endif

@@ -1,6 +1,7 @@
 /* The CPU backend: host memory, fp32 weights, OpenBLAS GEMMs; row kernels and attention on a
  * small pthread pool of as many threads as OpenBLAS uses (OPENBLAS_NUM_THREADS, else the cores).
- * The pool's workers sleep between jobs, so they do not fight OpenBLAS's threads for the cores. */
+ * The pool's workers sleep between jobs, so they do not fight OpenBLAS's threads for the cores;
+ * parallel_for (the compactor's heads) runs on the same pool with OpenBLAS on one thread. */
 #include <cblas.h>
 #include <stdlib.h>
 #include <string.h>
@@ -144,6 +145,17 @@ static void cpu_sparse_attention(kf_backend *b, const kf_sparse_attn_args *args)
         impl->attn_failed = 1;
 }
 
+/* Items on the pool, OpenBLAS on one thread meanwhile (backend.h's contract). */
+static void cpu_parallel_for(kf_backend *b, int n_items, kf_parallel_fn fn, void *ctx) {
+    cpu_impl *impl = b->impl;
+    const int blas_threads = openblas_get_num_threads();
+    if (blas_threads > 1)
+        openblas_set_num_threads(1);
+    kf_pool_run(impl->pool, n_items, fn, ctx);
+    if (blas_threads > 1)
+        openblas_set_num_threads(blas_threads);
+}
+
 static int cpu_take_error(kf_backend *b) {
     cpu_impl *impl = b->impl;
     int e = impl->attn_failed;
@@ -202,6 +214,8 @@ kf_backend *kf_backend_cpu_create_threads(int threads) {
     b->attention = cpu_attention;
     b->quoka_select = cpu_quoka_select;
     b->sparse_attention = cpu_sparse_attention;
+    b->parallel_for = cpu_parallel_for;
+    b->threads = kf_pool_threads(impl->pool);
     b->take_error = cpu_take_error;
     b->destroy = cpu_destroy;
     return b;
