@@ -93,7 +93,9 @@ kf_compact_params kf_compact_params_default(void);
 int kf_head_choice_active(const kf_compact_params *p);
 
 typedef struct {
-    double prefill_s, refq_s, select_s, beta_s, values_s, fold_s, choice_s; /* wall time per stage */
+    double prefill_s, refq_s, select_s, beta_s, values_s, fold_s, choice_s; /* wall time per stage; the
+                                   solve's (select_s .. choice_s) summed over the heads, which run on
+                                   the backend's parallel_for: thread-seconds with several threads */
     int64_t n_queries;          /* pooled queries per KV head */
     int fold_fallback_heads;    /* heads where mu^T a <= 0: compacted as `drop` */
     double mean_var_gain;       /* var(q.u) averaged over folded heads */
@@ -162,7 +164,8 @@ kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_pro
  * subsample, prefills the context and runs every source on top of it (steps 1-2 above, with
  * kf_compact_ex's reuse rules); kf_compact_solve then reads each layer's K/V once, computes each
  * (layer, KV head)'s AM targets (and the per-head choice's validation split) once, and runs every
- * variant's selection and fits on them (steps 3-4). Each outs[i] is bit-identical to kf_compact_ex
+ * variant's selection and fits on them (steps 3-4), the KV heads of a layer in parallel on the
+ * model's backend (parallel_for; the same bytes for any thread count). Each outs[i] is bit-identical to kf_compact_ex
  * with p's method and budget replaced by v[i]'s. */
 typedef struct {
     kf_method method;
