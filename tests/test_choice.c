@@ -1,0 +1,179 @@
+/* The per-head choice's building blocks (issue 14: the same results, computed faster): the
+ * validation head's appended and original attention, the validation error, and the fits that
+ * share work, each against an independent fp64 reference computed here. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "compactor/am.h"
+#include "compactor/compact.h"
+#include "compactor/diag.h"
+#include "test_util.h"
+
+/* ---- fp64 references ---- */
+
+/* Attention of q [d] over the first n keys of b (bias included): lse and out [d]; -inf, 0 when n = 0. */
+static double ref_attend(const float *q, int d, double scale, const kf_kv_block *b, int n, double *out) {
+    double *z = malloc(sizeof(double) * (size_t)(n ? n : 1)), mx = -INFINITY, sum = 0;
+    for (int j = 0; j < n; j++) {
+        double dot = 0;
+        for (int c = 0; c < d; c++)
+            dot += (double)q[c] * b->k[(size_t)j * b->stride + c];
+        z[j] = scale * dot + (b->beta ? b->beta[j] : 0.0);
+        mx = fmax(mx, z[j]);
+    }
+    memset(out, 0, sizeof(double) * d);
+    for (int j = 0; j < n; j++) {
+        const double e = exp(z[j] - mx);
+        sum += e;
+        for (int c = 0; c < d; c++)
+            out[c] += e * b->v[(size_t)j * b->stride + c];
+    }
+    for (int c = 0; c < d && n > 0; c++)
+        out[c] /= sum;
+    free(z);
+    return n > 0 ? mx + log(sum) : -INFINITY;
+}
+
+/* The output over [block | appended] from the two blocks' lse and outputs. */
+static void ref_mix(double lb, const double *ob, double la, const double *oa, int d, double *out) {
+    const double m = fmax(lb, la), wb = exp(lb - m), wa = isinf(la) ? 0 : exp(la - m);
+    for (int c = 0; c < d; c++)
+        out[c] = (wb * ob[c] + wa * oa[c]) / (wb + wa);
+}
+
+/* ---- a validation head with several appended blocks ---- */
+
+enum { D = 16, T = 90, NV = 300, NB = 3 };
+
+typedef struct {
+    float K[T * D], V[T * D], Q[NV * D];
+    float AK[NB][200 * D], AV[NB][200 * D];
+    kf_kv_block orig, blocks[NB];
+    const kf_kv_block *app[NV];
+    int vis[NV];
+    double w[NV];
+} val_case;
+
+/* Rows interleaved over three appended blocks (of 200, 150 and 7 keys: more rows than one tile on
+ * the first), every 11th row without one; visible counts from 1 to the whole block. */
+static void make_case(val_case *c) {
+    static const int nb[NB] = {200, 150, 7};
+    kf_test_fill_uniform(c->K, T * D, 1401, -1, 1);
+    kf_test_fill_uniform(c->V, T * D, 1402, -1, 1);
+    kf_test_fill_uniform(c->Q, NV * D, 1403, -2, 2);
+    c->orig = (kf_kv_block){c->K, c->V, D, NULL, T};
+    for (int b = 0; b < NB; b++) {
+        kf_test_fill_uniform(c->AK[b], (size_t)nb[b] * D, 1410 + b, -1.5f, 1.5f);
+        kf_test_fill_uniform(c->AV[b], (size_t)nb[b] * D, 1420 + b, -1, 1);
+        c->blocks[b] = (kf_kv_block){c->AK[b], c->AV[b], D, NULL, nb[b]};
+    }
+    for (int i = 0; i < NV; i++) {
+        const int b = (i * 7) % NB;
+        c->app[i] = i % 11 == 5 ? NULL : &c->blocks[b];
+        c->vis[i] = 1 + (int)(((unsigned)i * 2654435761u) % (unsigned)nb[b]);
+        if (i % 13 == 0)
+            c->vis[i] = nb[b];
+        c->w[i] = 1 + i % 3;
+    }
+}
+
+static void test_val_head_appended(void) {
+    val_case *c = malloc(sizeof *c);
+    make_case(c);
+    const float scale = 0.35f;
+    kf_val_head vh;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_val_head_init(&vh, c->Q, NV, D, scale, c->w, &c->orig, c->app, c->vis, &err), KF_OK);
+    double oa[D], ob[D], of[D], worst_o = 0, worst_l = 0, worst_f = 0;
+    int lse_inf_ok = 1;
+    for (int i = 0; i < NV; i++) {
+        const float *q = c->Q + (size_t)i * D;
+        const double la = c->app[i] ? ref_attend(q, D, scale, c->app[i], c->vis[i], oa) : -INFINITY;
+        if (!c->app[i])
+            memset(oa, 0, sizeof oa);
+        const double lb = ref_attend(q, D, scale, &c->orig, T, ob);
+        ref_mix(lb, ob, la, oa, D, of);
+        if (isinf(la))
+            lse_inf_ok &= isinf(vh.lse_a[i]) && vh.lse_a[i] < 0;
+        else
+            worst_l = fmax(worst_l, fabs(vh.lse_a[i] - la));
+        for (int k = 0; k < D; k++) {
+            worst_o = fmax(worst_o, fabs(vh.o_a[(size_t)i * D + k] - oa[k]));
+            worst_f = fmax(worst_f, fabs(vh.o_full[(size_t)i * D + k] - of[k]));
+        }
+    }
+    printf("\n    appended: max |lse - ref| %.2e, |o_a - ref| %.2e; |o_full - ref| %.2e\n", worst_l, worst_o, worst_f);
+    CU_ASSERT(lse_inf_ok);
+    CU_ASSERT(worst_l < 1e-5);
+    CU_ASSERT(worst_o < 1e-5);
+    CU_ASSERT(worst_f < 1e-5);
+    double ws = 0;
+    for (int i = 0; i < NV; i++)
+        ws += vh.w[i];
+    CU_ASSERT(fabs(ws - 1) < 1e-12);
+    kf_val_head_free(&vh);
+    free(c);
+}
+
+/* The weighted mean relative error of a candidate (keys with a bias, values) against fp64. */
+static double ref_val_err(const val_case *c, float scale, const kf_kv_block *comp) {
+    double wsum = 0, e = 0, oa[D], ob[D], of[D], oc[D], mc[D];
+    for (int i = 0; i < NV; i++)
+        wsum += c->w[i];
+    for (int i = 0; i < NV; i++) {
+        const float *q = c->Q + (size_t)i * D;
+        const double la = c->app[i] ? ref_attend(q, D, scale, c->app[i], c->vis[i], oa) : -INFINITY;
+        if (!c->app[i])
+            memset(oa, 0, sizeof oa);
+        const double lb = ref_attend(q, D, scale, &c->orig, T, ob);
+        ref_mix(lb, ob, la, oa, D, of);
+        const double lc = ref_attend(q, D, scale, comp, comp->n, oc);
+        ref_mix(lc, oc, la, oa, D, mc);
+        double num = 0, den = 0;
+        for (int k = 0; k < D; k++)
+            num += (mc[k] - of[k]) * (mc[k] - of[k]), den += of[k] * of[k];
+        e += c->w[i] / wsum * sqrt(num / den);
+    }
+    return e;
+}
+
+static void test_val_err_reference(void) {
+    val_case *c = malloc(sizeof *c);
+    make_case(c);
+    const float scale = 0.35f;
+    enum { t = 20 };
+    float beta[t], v1[t * 4 * D], v2[t * 4 * D]; /* row stride 4 D, as the keys */
+    kf_test_fill_uniform(beta, t, 1431, -1, 1);
+    kf_test_fill_uniform(v1, t * 4 * D, 1432, -1, 1);
+    kf_test_fill_uniform(v2, t * 4 * D, 1433, -1, 1);
+    kf_val_head vh;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_val_head_init(&vh, c->Q, NV, D, scale, c->w, &c->orig, c->app, c->vis, &err), KF_OK);
+    /* keys: every fourth original key; two value sets on the same keys and bias */
+    const kf_kv_block c1 = {c->K, v1, 4 * D, beta, t}, c2 = {c->K, v2, 4 * D, beta, t};
+    const double r1 = ref_val_err(c, scale, &c1), r2 = ref_val_err(c, scale, &c2);
+    const double e1 = kf_val_err(&vh, &c1);
+    CU_ASSERT_EQUAL_FATAL(kf_val_attend(&vh, &c1), 0);
+    const double e1b = kf_val_err_values(&vh, v1, 4 * D), e2 = kf_val_err_values(&vh, v2, 4 * D);
+    printf("\n    val_err %.9f (ref %.9f), shared weights %.9f, other values %.9f (ref %.9f)\n", e1, r1, e1b, e2, r2);
+    CU_ASSERT(fabs(e1 - r1) < 1e-5 * r1);
+    CU_ASSERT(e1b == e1);
+    CU_ASSERT(fabs(e2 - r2) < 1e-5 * r2);
+    CU_ASSERT(fabs(r1 - r2) > 1e-3); /* the two value sets do differ */
+    kf_val_head_free(&vh);
+    free(c);
+}
+
+static CU_TestInfo val_tests[] = {
+    {"validation head: appended and original attention == fp64", test_val_head_appended},
+    {"validation error == fp64; weights shared between value sets", test_val_err_reference},
+    CU_TEST_INFO_NULL,
+};
+static CU_SuiteInfo suites[] = {
+    {"per-head choice: validation", NULL, NULL, NULL, NULL, val_tests},
+    CU_SUITE_INFO_NULL,
+};
+
+int main(void) { return kf_test_main(suites); }
