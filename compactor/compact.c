@@ -170,23 +170,47 @@ static kf_status fold_selection(const float *q, int R, int d, float scale, doubl
     return KF_OK;
 }
 
-/* Score every value refit alpha of one (keys, bias) candidate; updates best. */
+/* Score every value refit alpha of one (keys, bias) candidate; updates best. The candidate's
+ * attention weights on the validation rows are computed once for the whole grid (they do not
+ * depend on the values) and stay in val for the caller (keep reuses drop's). */
 static kf_status try_alphas(const kf_am_head *htr, const float *Ytr, const float *keys, const float *bias, int t,
                             const float *v0, kf_method method, double lambda, double penalty, kf_val_head *val,
                             float *vals, kf_head_pick *best, kf_error *err) {
     kf_value_gram gm;
     KF_TRY(kf_value_gram_build(htr->q, htr->R, htr->d, htr->scale, keys, htr->d, bias, t, Ytr, &gm, err));
-    kf_status rc = KF_OK;
+    const kf_kv_block cb = {keys, NULL, (size_t)htr->d, bias, t};
+    kf_status rc = kf_val_attend(val, &cb) == 0
+                       ? KF_OK
+                       : kf_fail(err, KF_ERR_NOMEM, "compact: out of memory in the per-head validation");
     for (size_t a = 0; a < sizeof kAlphaGrid / sizeof *kAlphaGrid && rc == KF_OK; a++) {
         rc = kf_value_gram_solve(&gm, kAlphaGrid[a], v0, htr->d, vals, NULL, err);
-        const kf_kv_block cb = {keys, vals, (size_t)htr->d, bias, t};
-        const double e = rc == KF_OK ? kf_val_err(val, &cb) * penalty : NAN;
-        if (rc == KF_OK && isnan(e))
-            rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory in the per-head validation");
+        const double e = rc == KF_OK ? kf_val_err_values(val, vals, (size_t)htr->d) * penalty : NAN;
         if (rc == KF_OK && e < best->err)
             *best = (kf_head_pick){method, lambda, kAlphaGrid[a], e};
     }
     kf_value_gram_free(&gm);
+    return rc;
+}
+
+/* The fold candidates: u fitted on the training rows for each lambda of the grid (the queries'
+ * mean and covariance computed once), the kept keys folded along it, every alpha scored. */
+static kf_status try_folds(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr, const float *kc,
+                           const float *beta, int t, const float *v0, kf_val_head *val, float *u, float *keys,
+                           float *vals, kf_head_pick *best, kf_error *err) {
+    kf_fold_cov cov;
+    KF_TRY(kf_fold_cov_compute(htr->q, htr->R, htr->d, &cov, err));
+    kf_status rc = KF_OK;
+    for (size_t li = 0; li < sizeof kLambdaGrid / sizeof *kLambdaGrid && rc == KF_OK; li++) {
+        const double lambda = kLambdaGrid[li] * p->lambda_rel;
+        kf_fold_info fi;
+        rc = kf_fold_direction_cov(&cov, lambda, u, &fi, err);
+        if (rc == KF_OK && fi.ok) {
+            kf_fold_keys(kc, htr->d, beta, t, htr->d, htr->scale, u, keys, htr->d);
+            rc = try_alphas(htr, ttr->Y, keys, NULL, t, v0, KF_METHOD_FOLD, lambda, 1 + p->choice_margin, val, vals,
+                            best, err);
+        }
+    }
+    kf_fold_cov_free(&cov);
     return rc;
 }
 
@@ -209,23 +233,20 @@ kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, cons
         if (p->method == KF_METHOD_AM &&
             (rc = try_alphas(htr, ttr->Y, kc, beta, t, v0, KF_METHOD_AM, 0, 1 + p->choice_margin, val, vals, best, err)) != KF_OK)
             goto out;
-        for (size_t li = 0; p->method == KF_METHOD_FOLD && li < sizeof kLambdaGrid / sizeof *kLambdaGrid; li++) {
-            const double lambda = kLambdaGrid[li] * p->lambda_rel;
-            kf_fold_info fi;
-            if ((rc = fold_selection(htr->q, htr->R, d, htr->scale, lambda, kc, beta, t, u, keys, &fi, err)) != KF_OK ||
-                (fi.ok && (rc = try_alphas(htr, ttr->Y, keys, NULL, t, v0, KF_METHOD_FOLD, lambda, 1 + p->choice_margin, val, vals, best,
-                                           err)) != KF_OK))
-                goto out;
-        }
+        if (p->method == KF_METHOD_FOLD &&
+            (rc = try_folds(p, htr, ttr, kc, beta, t, v0, val, u, keys, vals, best, err)) != KF_OK)
+            goto out;
     }
-    if (p->method != KF_METHOD_KEEP &&
-        (rc = try_alphas(htr, ttr->Y, kc, NULL, t, v0, KF_METHOD_DROP, p->lambda_rel, 1, val, vals, best, err)) != KF_OK)
-        goto out;
+    /* keep: the kept keys without bias, drop's weights (attended here when drop is not a candidate) */
     const kf_kv_block kb = {kc, vo, (size_t)d, NULL, t};
-    const double e = kf_val_err(val, &kb);
-    if (isnan(e))
+    if (p->method != KF_METHOD_KEEP)
+        rc = try_alphas(htr, ttr->Y, kc, NULL, t, v0, KF_METHOD_DROP, p->lambda_rel, 1, val, vals, best, err);
+    else if (kf_val_attend(val, &kb) != 0)
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory in the per-head validation");
-    else if (e < best->err)
+    if (rc != KF_OK)
+        goto out;
+    const double e = kf_val_err_values(val, vo, (size_t)d);
+    if (e < best->err)
         *best = (kf_head_pick){KF_METHOD_KEEP, p->lambda_rel, 0, e};
 out:
     free(beta), free(u), free(keys), free(vals);
