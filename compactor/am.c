@@ -362,48 +362,79 @@ static float *design(const float *q, int R, int d, float scale, const float *key
 void kf_value_gram_free(kf_value_gram *g) {
     free(g->G);
     free(g->B);
+    free(g->A);
+    free(g->Bs);
     memset(g, 0, sizeof *g);
+}
+
+/* Rows of the design matrix in tiles of GRAM_TILE: X [n, t] in fp32 (as design()), then G += X^T X
+ * and B += X^T Y in fp64 from the tile's fp64 copy: no R x t fp64 copy of X is ever held. */
+#define GRAM_TILE 256
+typedef struct {
+    float *X;   /* [GRAM_TILE, t] */
+    double *Xd; /* [GRAM_TILE, t] */
+    double *Yd; /* [GRAM_TILE, d] */
+} gram_tiles;
+
+static void gram_accumulate(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
+                            const float *beta, int t, const float *Y, const gram_tiles *w, double *G, double *B) {
+    for (int i0 = 0; i0 < R; i0 += GRAM_TILE) {
+        const int n = R - i0 < GRAM_TILE ? R - i0 : GRAM_TILE;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, t, d, scale, q + (size_t)i0 * d, d, keys,
+                    (int)key_stride, 0.0f, w->X, t);
+        for (int i = 0; i < n; i++) {
+            float *x = w->X + (size_t)i * t;
+            if (beta)
+#pragma omp simd
+                for (int j = 0; j < t; j++)
+                    x[j] += beta[j];
+            kf_cpu_softmax_row(x, t, NULL, NULL);
+        }
+        for (size_t k = 0; k < (size_t)n * t; k++)
+            w->Xd[k] = w->X[k];
+        for (size_t k = 0; k < (size_t)n * d; k++)
+            w->Yd[k] = Y[(size_t)i0 * d + k];
+        const double keep = i0 ? 1.0 : 0.0;
+        cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, t, n, 1.0, w->Xd, t, keep, G, t);
+        cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, t, d, n, 1.0, w->Xd, t, w->Yd, d, keep, B, d);
+    }
 }
 
 kf_status kf_value_gram_build(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
                               const float *beta, int t, const float *Y, kf_value_gram *out, kf_error *err) {
     memset(out, 0, sizeof *out);
     out->t = t, out->d = d;
-    float *X = design(q, R, d, scale, keys, key_stride, beta, t);
-    double *Xd = malloc(sizeof(double) * (size_t)R * t), *Yd = malloc(sizeof(double) * (size_t)R * d);
-    out->G = malloc(sizeof(double) * (size_t)t * t);
-    out->B = malloc(sizeof(double) * (size_t)t * d);
-    if (!X || !Xd || !Yd || !out->G || !out->B) {
-        free(X), free(Xd), free(Yd);
+    const size_t t1 = (size_t)(t ? t : 1);
+    gram_tiles w = {malloc(sizeof(float) * GRAM_TILE * t1), malloc(sizeof(double) * GRAM_TILE * t1),
+                    malloc(sizeof(double) * GRAM_TILE * (size_t)d)};
+    out->G = calloc(t1 * t1, sizeof(double));
+    out->B = calloc(t1 * d, sizeof(double));
+    out->A = malloc(sizeof(double) * t1 * t1);
+    out->Bs = malloc(sizeof(double) * t1 * d);
+    if (!w.X || !w.Xd || !w.Yd || !out->G || !out->B || !out->A || !out->Bs) {
+        free(w.X), free(w.Xd), free(w.Yd);
         kf_value_gram_free(out);
         return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the value refit's normal equations (R %d, t %d)", R, t);
     }
-    for (size_t i = 0; i < (size_t)R * t; i++)
-        Xd[i] = X[i];
-    for (size_t i = 0; i < (size_t)R * d; i++)
-        Yd[i] = Y[i];
-    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, t, R, 1.0, Xd, t, 0.0, out->G, t);
+    if (t > 0)
+        gram_accumulate(q, R, d, scale, keys, key_stride, beta, t, Y, &w, out->G, out->B);
     for (int r = 0; r < t; r++)
         for (int c = 0; c < r; c++)
             out->G[(size_t)r * t + c] = out->G[(size_t)c * t + r];
-    cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, t, d, R, 1.0, Xd, t, Yd, d, 0.0, out->B, d);
     out->tr = 0;
     for (int j = 0; j < t; j++)
         out->tr += out->G[(size_t)j * t + j];
-    free(X), free(Xd), free(Yd);
+    free(w.X), free(w.Xd), free(w.Yd);
     return KF_OK;
 }
 
 kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float *v0, size_t v0_stride, float *values,
                               kf_am_stats *stats, kf_error *err) {
+    (void)err;
     const int t = g->t, d = g->d;
     if (t == 0)
         return KF_OK;
-    double *A = malloc(sizeof(double) * (size_t)t * t), *B = malloc(sizeof(double) * (size_t)t * d);
-    if (!A || !B) {
-        free(A), free(B);
-        return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the value refit (t %d)", t);
-    }
+    double *A = g->A, *B = g->Bs; /* the gram's own scratch: one solve at a time */
     const double mu = (alpha > 1e-6 ? alpha : 1e-6) * (g->tr > 0 ? g->tr / t : 1.0);
     memcpy(A, g->G, sizeof(double) * (size_t)t * t);
     memcpy(B, g->B, sizeof(double) * (size_t)t * d);
@@ -421,7 +452,6 @@ kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float 
         for (size_t i = 0; i < (size_t)t * d; i++)
             values[i] = (float)B[i];
     }
-    free(A), free(B);
     return KF_OK;
 }
 

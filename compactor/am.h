@@ -93,11 +93,13 @@ kf_status kf_am_fit_values_ridge(const float *q, int R, int d, float scale, cons
                                  size_t v0_stride, float *values, kf_am_stats *stats, kf_error *err);
 
 /* The normal equations of one value refit, built once and solved for several alphas (the per-head
- * choice). G = X^T X [t, t] (full), B = X^T Y [t, d], fp64. */
+ * choice). G = X^T X [t, t] (full), B = X^T Y [t, d], fp64, accumulated over tiles of rows (X is never
+ * held whole). */
 typedef struct {
     double *G, *B;
     double tr; /* tr(G) */
     int t, d;
+    double *A, *Bs; /* [t, t], [t, d] the solves' scratch (one solve at a time per gram) */
 } kf_value_gram;
 
 kf_status kf_value_gram_build(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
