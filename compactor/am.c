@@ -468,8 +468,6 @@ kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float 
 kf_status kf_am_fit_values_ridge(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
                                  const float *beta, int t, const float *Y, double alpha, const float *v0,
                                  size_t v0_stride, float *values, kf_am_stats *stats, kf_error *err) {
-    if (!(alpha > 0))
-        return kf_am_fit_values(q, R, d, scale, keys, key_stride, beta, t, Y, values, stats, err);
     kf_value_gram g;
     KF_TRY(kf_value_gram_build(q, R, d, scale, keys, key_stride, beta, t, Y, &g, err));
     kf_status rc = kf_value_gram_solve(&g, alpha, v0, v0_stride, values, stats, err);

@@ -87,7 +87,9 @@ kf_status kf_am_fit_values(const float *q, int R, int d, float scale, const floa
 /* Tikhonov-regularised value refit (issue 12):
  *   values = argmin ||X values - Y||_F^2 + mu ||values - V0||_F^2,   mu = alpha * tr(X^T X) / t
  * towards V0 [t, d] (row stride v0_stride; NULL: towards zero), i.e. (X^T X + mu I) values =
- * X^T Y + mu V0 in fp64. alpha = 0 is kf_am_fit_values (least squares, QR). */
+ * X^T Y + mu V0 in fp64, with mu at least 1e-6 tr(X^T X) / t (kf_value_gram_solve): alpha = 0 is the
+ * least-squares fit the per-head choice validated (normal equations with that safety ridge, not
+ * kf_am_fit_values' QR: issue 14, one exponential pass and tiles instead of an R x t QR). */
 kf_status kf_am_fit_values_ridge(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
                                  const float *beta, int t, const float *Y, double alpha, const float *v0,
                                  size_t v0_stride, float *values, kf_am_stats *stats, kf_error *err);
