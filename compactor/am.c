@@ -216,7 +216,7 @@ static int ridge_to_one(const double *G, const double *b, int t, double rel, dou
     for (int j = 0; j < t; j++)
         tr += G[(size_t)j * t + j];
     const double rho = rel * (tr > 0 ? tr / t : 1.0) + 1e-30;
-    double *br = malloc(sizeof(double) * (size_t)t);
+    double *br = calloc((size_t)(t > 0 ? t : 1), sizeof(double));
     if (!br)
         return -1;
     for (int j = 0; j < t; j++)
@@ -287,20 +287,46 @@ static void pg_steps(const double *G, const double *b, int t, uint64_t seed, flo
     }
 }
 
-kf_status kf_am_fit_beta_ex(const kf_am_head *h, const kf_am_targets *tg, const int32_t *sel, int t, uint64_t seed,
-                            kf_beta_fit fit, float *beta, kf_am_stats *stats, kf_error *err) {
+void kf_beta_normal_free(kf_beta_normal *ne) {
+    free(ne->G);
+    free(ne->b);
+    memset(ne, 0, sizeof *ne);
+}
+
+kf_status kf_beta_normal_build(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
+                               kf_beta_normal *out, kf_error *err) {
+    memset(out, 0, sizeof *out);
+    out->t = t;
+    const size_t t1 = (size_t)(t ? t : 1);
+    out->G = malloc(sizeof(double) * t1 * t1);
+    out->b = malloc(sizeof(double) * t1);
+    if (!out->G || !out->b || (t > 0 && beta_normal(h, tg, kc, t, out->G, out->b, &out->yy) != 0)) {
+        kf_beta_normal_free(out);
+        return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the beta fit (R %d, t %d)", h->R, t);
+    }
+    return KF_OK;
+}
+
+void kf_beta_normal_add(kf_beta_normal *acc, const kf_beta_normal *part) {
+    const int t = acc->t;
+    for (size_t k = 0; k < (size_t)t * t; k++)
+        acc->G[k] += part->G[k];
+    for (int j = 0; j < t; j++)
+        acc->b[j] += part->b[j];
+    acc->yy += part->yy;
+}
+
+kf_status kf_am_fit_beta_normal(const kf_beta_normal *ne, uint64_t seed, kf_beta_fit fit, float *beta,
+                                kf_am_stats *stats, kf_error *err) {
+    const int t = ne->t;
     if (t == 0)
         return KF_OK;
     const float lo = expf(-3.0f), hi = expf(3.0f);
-    float *kc = gather_rows(h->k, h->k_stride, sel, t, h->d);
-    double *G = malloc(sizeof(double) * (size_t)t * t), *b = malloc(sizeof(double) * (size_t)t), yy;
+    const double *G = ne->G, *b = ne->b;
     double *x = malloc(sizeof(double) * (size_t)t), *g = malloc(sizeof(double) * (size_t)t);
     float *w = malloc(sizeof(float) * (size_t)t);
     kf_status rc = KF_OK;
-    if (!kc || !G || !b || !x || !g || !w || beta_normal(h, tg, kc, t, G, b, &yy) != 0) {
-        rc = kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the beta fit (R %d, t %d)", h->R, t);
-        goto out;
-    }
+    int path = x && g && w ? ridge_to_one(G, b, t, 1e-6, x, w) : -1;
     /* Least squares on the partition function in fp64 normal equations, with a tiny ridge that
      * pulls towards w = 1 (beta = 0):
      *   min ||M w - y||^2 + rho ||w - 1||^2,   rho = 1e-6 * tr(M^T M) / t.
@@ -309,7 +335,6 @@ kf_status kf_am_fit_beta_ex(const kf_am_head *h, const kf_am_targets *tg, const 
      * heads of the records model at budget 0.5 (relative residual 0.35-0.97 against 0.13 here,
      * measured); the fp64 Gram solve with the pull keeps undetermined weights near 1. Everything
      * after M's exponentials works on G = M^T M and b = M^T y (issue 14: M is never held whole). */
-    int path = ridge_to_one(G, b, t, 1e-6, x, w);
     if (path < 0) {
         rc = kf_fail(err, KF_ERR_NOMEM, "AM: out of memory in least squares");
         goto out;
@@ -318,7 +343,7 @@ kf_status kf_am_fit_beta_ex(const kf_am_head *h, const kf_am_targets *tg, const 
     for (int j = 0; j < t; j++)
         w[j] = isnan(w[j]) ? 1.0f : (w[j] < lo ? lo : (w[j] > hi ? hi : w[j]));
     /* keep the clamped start only if it beats w = 1 (counted: issue 12 found it firing often) */
-    if (residual_sq(G, b, yy, t, w) > residual_sq(G, b, yy, t, NULL)) {
+    if (residual_sq(G, b, ne->yy, t, w) > residual_sq(G, b, ne->yy, t, NULL)) {
         for (int j = 0; j < t; j++)
             w[j] = 1.0f;
         if (stats)
@@ -331,7 +356,23 @@ kf_status kf_am_fit_beta_ex(const kf_am_head *h, const kf_am_targets *tg, const 
     for (int j = 0; j < t; j++)
         beta[j] = logf(w[j]);
 out:
-    free(kc), free(G), free(b), free(x), free(g), free(w);
+    free(x), free(g), free(w);
+    return rc;
+}
+
+kf_status kf_am_fit_beta_ex(const kf_am_head *h, const kf_am_targets *tg, const int32_t *sel, int t, uint64_t seed,
+                            kf_beta_fit fit, float *beta, kf_am_stats *stats, kf_error *err) {
+    if (t == 0)
+        return KF_OK;
+    float *kc = gather_rows(h->k, h->k_stride, sel, t, h->d);
+    if (!kc)
+        return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the beta fit (R %d, t %d)", h->R, t);
+    kf_beta_normal ne;
+    kf_status rc = kf_beta_normal_build(h, tg, kc, t, &ne, err);
+    free(kc);
+    if (rc == KF_OK)
+        rc = kf_am_fit_beta_normal(&ne, seed, fit, beta, stats, err);
+    kf_beta_normal_free(&ne);
     return rc;
 }
 
@@ -463,6 +504,17 @@ kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float 
             values[i] = (float)B[i];
     }
     return KF_OK;
+}
+
+void kf_value_gram_add(kf_value_gram *acc, const kf_value_gram *part) {
+    const int t = acc->t, d = acc->d;
+    for (size_t k = 0; k < (size_t)t * t; k++)
+        acc->G[k] += part->G[k];
+    for (size_t k = 0; k < (size_t)t * d; k++)
+        acc->B[k] += part->B[k];
+    acc->tr = 0;
+    for (int j = 0; j < t; j++)
+        acc->tr += acc->G[(size_t)j * t + j];
 }
 
 kf_status kf_am_fit_values_ridge(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,

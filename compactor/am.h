@@ -72,6 +72,24 @@ kf_status kf_am_fit_beta(const kf_am_head *h, const kf_am_targets *tg, const int
 kf_status kf_am_fit_beta_ex(const kf_am_head *h, const kf_am_targets *tg, const int32_t *sel, int t, uint64_t seed,
                             kf_beta_fit fit, float *beta, kf_am_stats *stats, kf_error *err);
 
+/* The beta fit in two halves (issue 14: work shared between the per-head choice and the refit):
+ * its fp64 normal equations over the kept keys kc [t, d] (contiguous) on the first h->R rows,
+ * G = M^T M [t, t] (full), b = M^T y [t], yy = y^T y with M_ij = exp(s q_i.k_j - m_i), built in
+ * row tiles (M is never held whole; h->k unused); then the fit from them alone. Normal equations
+ * of disjoint row sets add: training rows + validation rows = all rows.
+ * kf_am_fit_beta_ex == kf_beta_normal_build then kf_am_fit_beta_normal. */
+typedef struct {
+    double *G, *b;
+    double yy;
+    int t;
+} kf_beta_normal;
+kf_status kf_beta_normal_build(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
+                               kf_beta_normal *out, kf_error *err);
+void kf_beta_normal_add(kf_beta_normal *acc, const kf_beta_normal *part);
+kf_status kf_am_fit_beta_normal(const kf_beta_normal *ne, uint64_t seed, kf_beta_fit fit, float *beta,
+                                kf_am_stats *stats, kf_error *err);
+void kf_beta_normal_free(kf_beta_normal *ne);
+
 /* Box-constrained least squares from its normal equations: w = argmin w^T G w / 2 - b^T w with
  * lo <= w <= hi, G [t, t] symmetric PSD (fp64, full), by cyclic coordinate descent from w (in and
  * out, clamped first). Stops when every projected gradient is below tol * max(|b|, |G w|) or after
@@ -109,6 +127,8 @@ kf_status kf_value_gram_build(const float *q, int R, int d, float scale, const f
 /* mu = max(alpha, 1e-6) * tr / t (the floor is the least-squares fallback's safety ridge). */
 kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float *v0, size_t v0_stride, float *values,
                               kf_am_stats *stats, kf_error *err);
+/* acc += part (the same keys and bias on another set of rows: training + validation = all). */
+void kf_value_gram_add(kf_value_gram *acc, const kf_value_gram *part);
 void kf_value_gram_free(kf_value_gram *g);
 
 #endif

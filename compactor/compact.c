@@ -175,7 +175,7 @@ static kf_status fold_selection(const float *q, int R, int d, float scale, doubl
  * depend on the values) and stay in val for the caller (keep reuses drop's). */
 static kf_status try_alphas(const kf_am_head *htr, const float *Ytr, const float *keys, const float *bias, int t,
                             const float *v0, kf_method method, double lambda, double penalty, kf_val_head *val,
-                            float *vals, kf_head_pick *best, kf_error *err) {
+                            float *vals, kf_head_pick *best, kf_value_gram *keep, kf_error *err) {
     kf_value_gram gm;
     KF_TRY(kf_value_gram_build(htr->q, htr->R, htr->d, htr->scale, keys, htr->d, bias, t, Ytr, &gm, err));
     const kf_kv_block cb = {keys, NULL, (size_t)htr->d, bias, t};
@@ -188,7 +188,10 @@ static kf_status try_alphas(const kf_am_head *htr, const float *Ytr, const float
         if (rc == KF_OK && e < best->err)
             *best = (kf_head_pick){method, lambda, kAlphaGrid[a], e};
     }
-    kf_value_gram_free(&gm);
+    if (rc == KF_OK && keep)
+        *keep = gm; /* the refit on all the rows adds the validation rows' part */
+    else
+        kf_value_gram_free(&gm);
     return rc;
 }
 
@@ -207,31 +210,42 @@ static kf_status try_folds(const kf_compact_params *p, const kf_am_head *htr, co
         if (rc == KF_OK && fi.ok) {
             kf_fold_keys(kc, htr->d, beta, t, htr->d, htr->scale, u, keys, htr->d);
             rc = try_alphas(htr, ttr->Y, keys, NULL, t, v0, KF_METHOD_FOLD, lambda, 1 + p->choice_margin, val, vals,
-                            best, err);
+                            best, NULL, err);
         }
     }
     kf_fold_cov_free(&cov);
     return rc;
 }
 
+void kf_choice_fits_free(kf_choice_fits *f) {
+    kf_beta_normal_free(&f->beta);
+    kf_value_gram_free(&f->drop);
+}
+
 kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr,
                          const int32_t *sel, int t, const float *kc, const float *vo, kf_val_head *val, uint64_t seed,
-                         kf_head_pick *best, kf_error *err) {
+                         kf_head_pick *best, kf_choice_fits *keep, kf_error *err) {
+    (void)sel; /* the kept keys are kc */
     const int d = htr->d;
     float *beta = malloc(sizeof(float) * (size_t)(t ? t : 1)), *u = malloc(sizeof(float) * (size_t)d);
     float *keys = malloc(sizeof(float) * (size_t)(t ? t : 1) * d), *vals = malloc(sizeof(float) * (size_t)(t ? t : 1) * d);
     const float *v0 = p->ridge_to == KF_RIDGE_TO_ORIG ? vo : NULL;
+    kf_beta_normal bn = {0};
     *best = (kf_head_pick){KF_METHOD_KEEP, p->lambda_rel, 0, INFINITY};
+    if (keep)
+        memset(keep, 0, sizeof *keep);
     kf_status rc = KF_OK;
     if (!beta || !u || !keys || !vals) {
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the per-head choice (t %d)", t);
         goto out;
     }
     if (p->method == KF_METHOD_AM || p->method == KF_METHOD_FOLD) {
-        if ((rc = kf_am_fit_beta_ex(htr, ttr, sel, t, seed, p->beta_fit, beta, NULL, err)) != KF_OK)
+        if ((rc = kf_beta_normal_build(htr, ttr, kc, t, &bn, err)) != KF_OK ||
+            (rc = kf_am_fit_beta_normal(&bn, seed, p->beta_fit, beta, NULL, err)) != KF_OK)
             goto out;
         if (p->method == KF_METHOD_AM &&
-            (rc = try_alphas(htr, ttr->Y, kc, beta, t, v0, KF_METHOD_AM, 0, 1 + p->choice_margin, val, vals, best, err)) != KF_OK)
+            (rc = try_alphas(htr, ttr->Y, kc, beta, t, v0, KF_METHOD_AM, 0, 1 + p->choice_margin, val, vals, best,
+                             NULL, err)) != KF_OK)
             goto out;
         if (p->method == KF_METHOD_FOLD &&
             (rc = try_folds(p, htr, ttr, kc, beta, t, v0, val, u, keys, vals, best, err)) != KF_OK)
@@ -240,7 +254,8 @@ kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, cons
     /* keep: the kept keys without bias, drop's weights (attended here when drop is not a candidate) */
     const kf_kv_block kb = {kc, vo, (size_t)d, NULL, t};
     if (p->method != KF_METHOD_KEEP)
-        rc = try_alphas(htr, ttr->Y, kc, NULL, t, v0, KF_METHOD_DROP, p->lambda_rel, 1, val, vals, best, err);
+        rc = try_alphas(htr, ttr->Y, kc, NULL, t, v0, KF_METHOD_DROP, p->lambda_rel, 1, val, vals, best,
+                        keep ? &keep->drop : NULL, err);
     else if (kf_val_attend(val, &kb) != 0)
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory in the per-head validation");
     if (rc != KF_OK)
@@ -249,6 +264,12 @@ kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, cons
     if (e < best->err)
         *best = (kf_head_pick){KF_METHOD_KEEP, p->lambda_rel, 0, e};
 out:
+    if (rc == KF_OK && keep)
+        keep->beta = bn; /* the beta refit adds the validation rows' part */
+    else
+        kf_beta_normal_free(&bn);
+    if (rc != KF_OK && keep)
+        kf_choice_fits_free(keep);
     free(beta), free(u), free(keys), free(vals);
     return rc;
 }
@@ -274,6 +295,7 @@ static void appended_free(appended_kv *a) {
  * tr (m, y, Y), validation queries into val_q with weights, appended blocks and visible counts. */
 typedef struct {
     float *tr_q, *tr_m, *tr_y, *tr_Y, *val_q;
+    float *val_m, *val_y, *val_Y; /* the validation rows' targets (the refit adds their part) */
     double *val_w;
     const kf_kv_block **val_app;
     int *val_vis;
@@ -283,6 +305,7 @@ typedef struct {
 
 static void split_free(head_split *s) {
     free(s->tr_q), free(s->tr_m), free(s->tr_y), free(s->tr_Y), free(s->val_q), free(s->val_w);
+    free(s->val_m), free(s->val_y), free(s->val_Y);
     free((void *)s->val_app), free(s->val_vis), free(s->blocks);
     memset(s, 0, sizeof *s);
 }
@@ -295,11 +318,15 @@ static int split_alloc(head_split *s, int64_t R, int64_t n_val, int d, int n_src
     s->tr_y = malloc(sizeof(float) * (size_t)n_tr);
     s->tr_Y = malloc(sizeof(float) * (size_t)n_tr * d);
     s->val_q = malloc(sizeof(float) * (size_t)n_val * d);
+    s->val_m = malloc(sizeof(float) * (size_t)(n_val ? n_val : 1));
+    s->val_y = malloc(sizeof(float) * (size_t)(n_val ? n_val : 1));
+    s->val_Y = malloc(sizeof(float) * (size_t)(n_val ? n_val : 1) * d);
     s->val_w = malloc(sizeof(double) * (size_t)n_val);
     s->val_app = malloc(sizeof(*s->val_app) * (size_t)n_val);
     s->val_vis = malloc(sizeof(int) * (size_t)n_val);
     s->blocks = calloc((size_t)n_src, sizeof *s->blocks);
-    return s->tr_q && s->tr_m && s->tr_y && s->tr_Y && s->val_q && s->val_w && s->val_app && s->val_vis && s->blocks
+    return s->tr_q && s->tr_m && s->tr_y && s->tr_Y && s->val_q && s->val_w && s->val_app && s->val_vis && s->blocks &&
+                   s->val_m && s->val_y && s->val_Y
                ? 0
                : -1;
 }
@@ -329,6 +356,8 @@ static void split_head(head_split *s, const kf_refq *rq, const float *q, const k
                 continue;
             }
             memcpy(s->val_q + (size_t)nv * d, q + (size_t)r * d, sizeof(float) * d);
+            memcpy(s->val_Y + (size_t)nv * d, tg->Y + (size_t)r * d, sizeof(float) * d);
+            s->val_m[nv] = tg->m[r], s->val_y[nv] = tg->y[r];
             const int probe = rq->source[k] == KF_REFQ_PROBE;
             /* probe rows weigh half of the total when there are both kinds */
             s->val_w[nv] = n_probe && n_other ? 0.5 / (double)(probe ? n_probe : n_other) : 1.0;
@@ -783,9 +812,9 @@ static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, 
         return KF_OK;
     ts = now_s();
     split_head(sp, &x->rq, hs->q, &hs->tg, x->is_val, x->pos_src, x->pos_local, &x->ap, l, g);
-    const kf_kv_block orig = {hs->h.k, hs->h.v, row, NULL, x->n_doc};
-    kf_status rc = kf_val_head_init(&hs->vh, sp->val_q, (int)sp->n_val, x->d, x->scale, sp->val_w, &orig,
-                                    sp->val_app, sp->val_vis, err);
+    /* the original block's attention on the validation rows is their targets */
+    kf_status rc = kf_val_head_init_targets(&hs->vh, sp->val_q, (int)sp->n_val, x->d, x->scale, sp->val_w, sp->val_m,
+                                            sp->val_y, sp->val_Y, sp->val_app, sp->val_vis, err);
     if (rc != KF_OK) {
         kf_am_targets_free(&hs->tg);
         return rc;
@@ -840,17 +869,68 @@ static int probe_rows(const kf_refq *rq, const float *q, int d, float *qsub) {
     return n;
 }
 
-/* beta, the fold and the values of the picked candidate, fitted on hf/tf, then written. */
+/* The rows the choice held out, as a head and targets (their part of the refit on all the rows). */
+static void val_rows(const head_shared *hs, kf_am_head *hv, kf_am_targets *tv) {
+    *hv = hs->h;
+    hv->q = hs->sp->val_q, hv->R = (int)hs->sp->n_val;
+    *tv = (kf_am_targets){hs->sp->val_m, hs->sp->val_y, hs->sp->val_Y, NULL};
+}
+
+/* The picked candidate's beta: from the choice's training normal equations (plus the validation
+ * rows' part with refit_all) when it kept them, else fitted on hf/tf. */
+static kf_status fit_beta(const variant_ws *w, const head_shared *hs, const kf_am_head *hf, const kf_am_targets *tf,
+                          kf_choice_fits *fits, int th, uint64_t seed, kf_error *err) {
+    const kf_compact_params *p = &w->p;
+    kf_am_stats *st = &w->out->stats.solver;
+    if (!fits || !fits->beta.G)
+        return kf_am_fit_beta_ex(hf, tf, w->sel, th, seed, p->beta_fit, w->beta, st, err);
+    if (p->refit_all) {
+        kf_am_head hv;
+        kf_am_targets tv;
+        kf_beta_normal part;
+        val_rows(hs, &hv, &tv);
+        KF_TRY(kf_beta_normal_build(&hv, &tv, w->kc, th, &part, err));
+        kf_beta_normal_add(&fits->beta, &part);
+        kf_beta_normal_free(&part);
+    }
+    return kf_am_fit_beta_normal(&fits->beta, seed, p->beta_fit, w->beta, st, err);
+}
+
+/* The values for keys kk [th, d] (bias: am's beta): drop's from the choice's training normal
+ * equations (plus the validation rows' part with refit_all) when it kept them, else fitted on
+ * hf/tf. */
+static kf_status fit_values(const kf_compact_prep *x, variant_ws *w, const head_shared *hs, const kf_am_head *hf,
+                            const kf_am_targets *tf, kf_choice_fits *fits, kf_method method, const float *kk,
+                            double alpha, int th, kf_error *err) {
+    const kf_compact_params *p = &w->p;
+    const float *v0 = p->ridge_to == KF_RIDGE_TO_ORIG ? w->vo : NULL;
+    kf_am_stats *st = &w->out->stats.solver;
+    if (method != KF_METHOD_DROP || !fits || !fits->drop.G)
+        return kf_am_fit_values_ridge(hf->q, hf->R, x->d, x->scale, kk, x->d, method == KF_METHOD_AM ? w->beta : NULL,
+                                      th, tf->Y, alpha, v0, x->d, w->vals, st, err);
+    if (p->refit_all) {
+        kf_value_gram part;
+        const head_split *sp = hs->sp;
+        KF_TRY(kf_value_gram_build(sp->val_q, (int)sp->n_val, x->d, x->scale, kk, x->d, NULL, th, sp->val_Y, &part,
+                                   err));
+        kf_value_gram_add(&fits->drop, &part);
+        kf_value_gram_free(&part);
+    }
+    return kf_value_gram_solve(&fits->drop, alpha, v0, x->d, w->vals, st, err);
+}
+
+/* beta, the fold and the values of the picked candidate, fitted on hf/tf (or from what the
+ * choice kept in fits, NULL: nothing), then written. */
 static kf_status variant_fit(const kf_compact_prep *x, variant_ws *w, const head_shared *hs, const kf_am_head *hf,
-                             const kf_am_targets *tf, const kf_head_pick *pick, int th, float *qsub, kf_error *err) {
+                             const kf_am_targets *tf, const kf_head_pick *pick, kf_choice_fits *fits, int th,
+                             float *qsub, kf_error *err) {
     kf_compacted *out = w->out;
     const kf_compact_params *p = &w->p;
     const int d = x->d, hi = hs->l * x->kvh + hs->g;
     kf_method method = pick->method;
     double ts = now_s();
     if (method != KF_METHOD_KEEP && method != KF_METHOD_DROP) {
-        KF_TRY(kf_am_fit_beta_ex(hf, tf, w->sel, th, p->seed + (uint64_t)hi, p->beta_fit, w->beta,
-                                 &out->stats.solver, err));
+        KF_TRY(fit_beta(w, hs, hf, tf, fits, th, p->seed + (uint64_t)hi, err));
         out->stats.beta_s += now_s() - ts;
     }
     const float *kk = w->kc; /* [th, d] keys the values are fitted for */
@@ -877,9 +957,7 @@ static kf_status variant_fit(const kf_compact_prep *x, variant_ws *w, const head
     }
     if (method != KF_METHOD_KEEP) {
         ts = now_s();
-        KF_TRY(kf_am_fit_values_ridge(hf->q, hf->R, d, x->scale, kk, d, method == KF_METHOD_AM ? w->beta : NULL, th,
-                                      tf->Y, pick->alpha, p->ridge_to == KF_RIDGE_TO_ORIG ? w->vo : NULL, d, w->vals,
-                                      &out->stats.solver, err));
+        KF_TRY(fit_values(x, w, hs, hf, tf, fits, method, kk, pick->alpha, th, err));
         out->stats.values_s += now_s() - ts;
         out->stats.heads_ridged += pick->alpha > 0;
         out->head_alpha[hi] = (float)pick->alpha;
@@ -907,18 +985,22 @@ static kf_status variant_head(const kf_compact_prep *x, variant_ws *w, head_shar
     kf_head_pick pick = {p->method, p->lambda_rel, p->value_ridge, 0};
     kf_am_head hf = hs->h; /* the rows the final beta, u and values are fitted on */
     kf_am_targets tf = hs->tg;
+    kf_choice_fits fits = {0}; /* what the choice keeps for the refit */
     if (w->choice) {
         ts = now_s();
         const head_split *sp = hs->sp;
         kf_am_head htr = hs->h;
         htr.q = sp->tr_q, htr.R = (int)sp->n_tr;
         kf_am_targets ttr = {sp->tr_m, sp->tr_y, sp->tr_Y, NULL};
-        KF_TRY(kf_choose_head(p, &htr, &ttr, w->sel, th, w->kc, w->vo, &hs->vh, p->seed + (uint64_t)hi, &pick, err));
+        KF_TRY(kf_choose_head(p, &htr, &ttr, w->sel, th, w->kc, w->vo, &hs->vh, p->seed + (uint64_t)hi, &pick, &fits,
+                              err));
         if (!p->refit_all) /* ship the fit that was validated */
             hf = htr, tf = ttr;
         out->stats.choice_s += hs->split_s + (now_s() - ts);
     }
-    return variant_fit(x, w, hs, &hf, &tf, &pick, th, qsub, err);
+    const kf_status rc = variant_fit(x, w, hs, &hf, &tf, &pick, w->choice ? &fits : NULL, th, qsub, err);
+    kf_choice_fits_free(&fits);
+    return rc;
 }
 
 /* Layer l: its K, V [D, kvh * d] read once, each head's shared work once, then every variant. */

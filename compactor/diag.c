@@ -210,8 +210,17 @@ static int appended_all(kf_val_head *v, const kf_kv_block *const *app, const int
     return rc;
 }
 
-/* o_full: the original block's attention over row tiles (ORIG_TILE x T weights at a time) mixed
- * with the appended block's. */
+/* o_full from the original block's lse_b and o_b (filled by the caller) and the appended block's. */
+static void mix_full(kf_val_head *v) {
+    const int d = v->d;
+    for (int i = 0; i < v->n; i++) {
+        mix(v, i, v->lse_b[i], v->o_b + (size_t)i * d, v->tmp);
+        for (int c = 0; c < d; c++)
+            v->o_full[(size_t)i * d + c] = (float)v->tmp[c];
+    }
+}
+
+/* The original block's attention over row tiles (ORIG_TILE x T weights at a time) into lse_b, o_b. */
 #define ORIG_TILE 256
 static int original_all(kf_val_head *v, const kf_kv_block *orig) {
     const int n = v->n, d = v->d;
@@ -221,16 +230,12 @@ static int original_all(kf_val_head *v, const kf_kv_block *orig) {
         const int m = n - i0 < ORIG_TILE ? n - i0 : ORIG_TILE;
         block_attend(m, d, v->scale, v->q + (size_t)i0 * d, orig, v->Z, v->lse_b + i0, v->o_b + (size_t)i0 * d);
     }
-    for (int i = 0; i < n; i++) {
-        mix(v, i, v->lse_b[i], v->o_b + (size_t)i * d, v->tmp);
-        for (int c = 0; c < d; c++)
-            v->o_full[(size_t)i * d + c] = (float)v->tmp[c];
-    }
     return 0;
 }
 
-kf_status kf_val_head_init(kf_val_head *v, const float *q, int n, int d, float scale, const double *w,
-                           const kf_kv_block *orig, const kf_kv_block *const *app, const int *visible, kf_error *err) {
+/* The head's buffers, weights and appended blocks (what both initialisations share). */
+static int val_head_common(kf_val_head *v, const float *q, int n, int d, float scale, const double *w,
+                           const kf_kv_block *const *app, const int *visible) {
     memset(v, 0, sizeof *v);
     v->n = n, v->d = d, v->scale = scale, v->q = q;
     const size_t n1 = (size_t)(n ? n : 1);
@@ -242,15 +247,37 @@ kf_status kf_val_head_init(kf_val_head *v, const float *q, int n, int d, float s
     v->o_b = malloc(sizeof(float) * n1 * d);
     v->tmp = malloc(sizeof(double) * (size_t)d);
     if (!v->w || !v->lse_a || !v->o_a || !v->o_full || !v->lse_b || !v->o_b || !v->tmp ||
-        appended_all(v, app, visible) != 0 || original_all(v, orig) != 0) {
-        kf_val_head_free(v);
-        return kf_fail(err, KF_ERR_NOMEM, "validation: out of memory (%d queries, %d keys)", n, orig->n);
-    }
+        appended_all(v, app, visible) != 0)
+        return -1;
     double wsum = 0;
     for (int i = 0; i < n; i++)
         wsum += (v->w[i] = w ? w[i] : 1.0);
     for (int i = 0; i < n; i++)
         v->w[i] = wsum > 0 ? v->w[i] / wsum : 0;
+    return 0;
+}
+
+kf_status kf_val_head_init(kf_val_head *v, const float *q, int n, int d, float scale, const double *w,
+                           const kf_kv_block *orig, const kf_kv_block *const *app, const int *visible, kf_error *err) {
+    if (val_head_common(v, q, n, d, scale, w, app, visible) != 0 || original_all(v, orig) != 0) {
+        kf_val_head_free(v);
+        return kf_fail(err, KF_ERR_NOMEM, "validation: out of memory (%d queries, %d keys)", n, orig->n);
+    }
+    mix_full(v);
+    return KF_OK;
+}
+
+kf_status kf_val_head_init_targets(kf_val_head *v, const float *q, int n, int d, float scale, const double *w,
+                                   const float *m, const float *y, const float *Y, const kf_kv_block *const *app,
+                                   const int *visible, kf_error *err) {
+    if (val_head_common(v, q, n, d, scale, w, app, visible) != 0) {
+        kf_val_head_free(v);
+        return kf_fail(err, KF_ERR_NOMEM, "validation: out of memory (%d queries)", n);
+    }
+    for (int i = 0; i < n; i++)
+        v->lse_b[i] = m[i] + log((double)y[i]);
+    memcpy(v->o_b, Y, sizeof(float) * (size_t)n * d);
+    mix_full(v);
     return KF_OK;
 }
 

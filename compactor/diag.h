@@ -60,6 +60,11 @@ typedef struct {
  * none) of which visible[i] keys are seen. */
 kf_status kf_val_head_init(kf_val_head *v, const float *q, int n, int d, float scale, const double *w,
                            const kf_kv_block *orig, const kf_kv_block *const *app, const int *visible, kf_error *err);
+/* kf_val_head_init with the original block's attention given instead of computed: AM's targets
+ * of these rows (m [n], y [n], Y [n, d]: lse = m + ln y, output Y), which the solve has already. */
+kf_status kf_val_head_init_targets(kf_val_head *v, const float *q, int n, int d, float scale, const double *w,
+                                   const float *m, const float *y, const float *Y, const kf_kv_block *const *app,
+                                   const int *visible, kf_error *err);
 /* Weighted mean relative output error of a compacted block (n keys; beta may be NULL); NAN when
  * out of memory. */
 double kf_val_err(kf_val_head *v, const kf_kv_block *comp);

@@ -113,6 +113,20 @@ static void test_val_head_appended(void) {
     for (int i = 0; i < NV; i++)
         ws += vh.w[i];
     CU_ASSERT(fabs(ws - 1) < 1e-12);
+    /* the same head from AM's targets of these rows instead of the original block's attention */
+    kf_am_head h = {c->K, D, c->V, D, T, c->Q, NV, D, scale};
+    kf_am_targets tg;
+    kf_val_head vt;
+    CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_val_head_init_targets(&vt, c->Q, NV, D, scale, c->w, tg.m, tg.y, tg.Y, c->app, c->vis, &err),
+                          KF_OK);
+    double worst_t = 0;
+    for (size_t k = 0; k < (size_t)NV * D; k++)
+        worst_t = fmax(worst_t, fabs(vt.o_full[k] - vh.o_full[k]));
+    printf("    from the targets: max |o_full - computed| %.2e\n", worst_t);
+    CU_ASSERT(worst_t < 1e-5);
+    kf_val_head_free(&vt);
+    kf_am_targets_free(&tg);
     kf_val_head_free(&vh);
     free(c);
 }
@@ -166,9 +180,112 @@ static void test_val_err_reference(void) {
     free(c);
 }
 
+
+/* ---- normal equations of disjoint row sets add up (the refit reuses the choice's) ---- */
+
+enum { NT = 60, ND = 8, NR = 150, NTR = 100, NK = 12 };
+
+/* fp64 reference of one row set: the beta fit's G_M, b_M, yy and the value refit's G_X, B_X over
+ * the kept keys kc (no bias). */
+static void ref_normal(const float *Q, const kf_am_targets *tg, int r0, int r1, const float *kc, float scale,
+                       double *GM, double *bM, double *yy, double *GX, double *BX) {
+    memset(GM, 0, sizeof(double) * NK * NK), memset(bM, 0, sizeof(double) * NK), *yy = 0;
+    memset(GX, 0, sizeof(double) * NK * NK), memset(BX, 0, sizeof(double) * NK * ND);
+    for (int i = r0; i < r1; i++) {
+        double z[NK], M[NK], X[NK], mx = -INFINITY, sum = 0;
+        for (int j = 0; j < NK; j++) {
+            double dot = 0;
+            for (int c = 0; c < ND; c++)
+                dot += (double)Q[i * ND + c] * kc[j * ND + c];
+            z[j] = scale * dot;
+            mx = fmax(mx, z[j]);
+            M[j] = exp(z[j] - tg->m[i]);
+        }
+        for (int j = 0; j < NK; j++)
+            sum += exp(z[j] - mx);
+        for (int j = 0; j < NK; j++)
+            X[j] = exp(z[j] - mx) / sum;
+        *yy += (double)tg->y[i] * tg->y[i];
+        for (int a = 0; a < NK; a++) {
+            bM[a] += M[a] * tg->y[i];
+            for (int b = 0; b < NK; b++)
+                GM[a * NK + b] += M[a] * M[b], GX[a * NK + b] += X[a] * X[b];
+            for (int c = 0; c < ND; c++)
+                BX[a * ND + c] += X[a] * tg->Y[i * ND + c];
+        }
+    }
+}
+
+static double rel_diff(const double *a, const double *b, int n) {
+    double num = 0, den = 0;
+    for (int k = 0; k < n; k++)
+        num = fmax(num, fabs(a[k] - b[k])), den = fmax(den, fabs(b[k]));
+    return den > 0 ? num / den : num;
+}
+
+static void test_normal_equations_add(void) {
+    float K[NT * ND], V[NT * ND], Q[NR * ND], kc[NK * ND], beta_all[NK], beta_sum[NK], v_all[NK * ND], v_sum[NK * ND];
+    kf_test_fill_uniform(K, NT * ND, 1501, -1, 1);
+    kf_test_fill_uniform(V, NT * ND, 1502, -1, 1);
+    kf_test_fill_uniform(Q, NR * ND, 1503, -1.5f, 1.5f);
+    for (int i = 0; i < NR; i++)
+        Q[i * ND] += 1.0f; /* a common direction: a peaked, uneven attention */
+    const float scale = 0.6f;
+    kf_am_head h = {K, ND, V, ND, NT, Q, NR, ND, scale};
+    kf_am_targets tg;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
+    int32_t sel[NK];
+    CU_ASSERT_EQUAL_FATAL(kf_am_select(tg.score, NT, NK, sel, &err), KF_OK);
+    for (int j = 0; j < NK; j++)
+        memcpy(kc + j * ND, K + sel[j] * ND, sizeof(float) * ND);
+    /* training rows [0, NTR), validation rows [NTR, NR): heads and targets over each */
+    kf_am_head htr = h, hv = h;
+    htr.R = NTR, hv.q = Q + NTR * ND, hv.R = NR - NTR;
+    kf_am_targets tv = {tg.m + NTR, tg.y + NTR, tg.Y + NTR * ND, NULL};
+    kf_beta_normal bn, part;
+    kf_value_gram gm, gpart;
+    CU_ASSERT_EQUAL_FATAL(kf_beta_normal_build(&htr, &tg, kc, NK, &bn, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_beta_normal_build(&hv, &tv, kc, NK, &part, &err), KF_OK);
+    kf_beta_normal_add(&bn, &part);
+    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(Q, NTR, ND, scale, kc, ND, NULL, NK, tg.Y, &gm, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(hv.q, hv.R, ND, scale, kc, ND, NULL, NK, tv.Y, &gpart, &err), KF_OK);
+    kf_value_gram_add(&gm, &gpart);
+    double GM[NK * NK], bM[NK], yy, GX[NK * NK], BX[NK * ND], tr = 0;
+    ref_normal(Q, &tg, 0, NR, kc, scale, GM, bM, &yy, GX, BX);
+    for (int j = 0; j < NK; j++)
+        tr += GX[j * NK + j];
+    const double eG = rel_diff(bn.G, GM, NK * NK), eb = rel_diff(bn.b, bM, NK), ey = fabs(bn.yy - yy) / yy;
+    const double eGX = rel_diff(gm.G, GX, NK * NK), eBX = rel_diff(gm.B, BX, NK * ND), etr = fabs(gm.tr - tr) / tr;
+    printf("\n    train + validation vs fp64 over all rows: beta G %.1e b %.1e yy %.1e; values G %.1e B %.1e tr %.1e",
+           eG, eb, ey, eGX, eBX, etr);
+    CU_ASSERT(eG < 1e-5 && eb < 1e-5 && ey < 1e-6);
+    CU_ASSERT(eGX < 1e-5 && eBX < 1e-5 && etr < 1e-6);
+    /* and the fits from the sums equal the fits on all the rows */
+    CU_ASSERT_EQUAL(kf_am_fit_beta_normal(&bn, 7, KF_BETA_AM, beta_sum, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_am_fit_beta(&h, &tg, sel, NK, 7, beta_all, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_value_gram_solve(&gm, 1e-3, V, ND, v_sum, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_am_fit_values_ridge(Q, NR, ND, scale, kc, ND, NULL, NK, tg.Y, 1e-3, V, ND, v_all, NULL, &err),
+                    KF_OK);
+    double db = 0, dv = 0, mb = 0;
+    for (int j = 0; j < NK; j++)
+        db = fmax(db, fabs(beta_sum[j] - beta_all[j])), mb = fmax(mb, fabs(beta_all[j]));
+    for (int k = 0; k < NK * ND; k++)
+        dv = fmax(dv, fabs(v_sum[k] - v_all[k]));
+    printf("\n    fits from the sums vs on all rows: max |d beta| %.1e (max |beta| %.2f), max |d values| %.1e\n", db, mb,
+           dv);
+    CU_ASSERT(mb > 0.05); /* the fit moved off beta = 0 */
+    CU_ASSERT(db < 1e-4);
+    CU_ASSERT(dv < 1e-4);
+    kf_beta_normal_free(&bn), kf_beta_normal_free(&part);
+    kf_value_gram_free(&gm), kf_value_gram_free(&gpart);
+    kf_am_targets_free(&tg);
+}
+
 static CU_TestInfo val_tests[] = {
     {"validation head: appended and original attention == fp64", test_val_head_appended},
     {"validation error == fp64; weights shared between value sets", test_val_err_reference},
+    {"normal equations: training + validation == all rows (fp64)", test_normal_equations_add},
     CU_TEST_INFO_NULL,
 };
 static CU_SuiteInfo suites[] = {
