@@ -495,13 +495,18 @@ kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float 
             for (int c = 0; c < d; c++)
                 B[(size_t)j * d + c] += mu * v0[(size_t)j * v0_stride + c];
     }
-    if (LAPACKE_dpotrf(LAPACK_ROW_MAJOR, 'U', t, A, t) != 0 || LAPACKE_dpotrs(LAPACK_ROW_MAJOR, 'U', t, d, A, t, B, d) != 0) {
+    /* A is symmetric, so its row-major storage is its column-major storage: Cholesky A = U^T U in
+     * place (no transposed copies, no NaN scan), then A X = B as X^T U^T U = B^T: B [t, d] row-major
+     * is B^T [d, t] column-major, solved by two triangular solves from the right */
+    if (LAPACKE_dpotrf_work(LAPACK_COL_MAJOR, 'U', t, A, t) == 0) {
+        cblas_dtrsm(CblasColMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit, d, t, 1.0, A, t, B, d);
+        cblas_dtrsm(CblasColMajor, CblasRight, CblasUpper, CblasTrans, CblasNonUnit, d, t, 1.0, A, t, B, d);
+        for (size_t i = 0; i < (size_t)t * d; i++)
+            values[i] = (float)B[i];
+    } else {
         memset(values, 0, sizeof(float) * (size_t)t * d);
         if (stats)
             stats->failures++;
-    } else {
-        for (size_t i = 0; i < (size_t)t * d; i++)
-            values[i] = (float)B[i];
     }
     return KF_OK;
 }
