@@ -511,6 +511,85 @@ kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float 
     return KF_OK;
 }
 
+/* gram (t, d set) with G, B zeroed and the solves' scratch; 0 or -1. */
+static int gram_alloc(kf_value_gram *g, int t, int d) {
+    memset(g, 0, sizeof *g);
+    g->t = t, g->d = d;
+    const size_t t1 = (size_t)(t ? t : 1);
+    g->G = calloc(t1 * t1, sizeof(double));
+    g->B = calloc(t1 * d, sizeof(double));
+    g->A = malloc(sizeof(double) * t1 * t1);
+    g->Bs = malloc(sizeof(double) * t1 * d);
+    return g->G && g->B && g->A && g->Bs ? 0 : -1;
+}
+
+/* Mirror G's upper triangle and take its trace. */
+static void gram_finish(kf_value_gram *g) {
+    const int t = g->t;
+    for (int r = 0; r < t; r++)
+        for (int c = 0; c < r; c++)
+            g->G[(size_t)r * t + c] = g->G[(size_t)c * t + r];
+    g->tr = 0;
+    for (int j = 0; j < t; j++)
+        g->tr += g->G[(size_t)j * t + j];
+}
+
+/* One row tile of kf_kept_normal_build: Z [n, t] the tile's logits over the kept keys. */
+static void kept_tile(const float *m, const float *y, const float *Y, int n, int t, int d, float *Z, float *X,
+                      double *Xd, double *Yd, kf_beta_normal *bn, kf_value_gram *drop, int first) {
+    memcpy(X, Z, sizeof(float) * (size_t)n * t);
+    for (int i = 0; i < n; i++) {
+        float *row = Z + (size_t)i * t;
+        kf_cpu_softmax_row(X + (size_t)i * t, t, NULL, NULL); /* drop's design row */
+#pragma omp simd
+        for (int j = 0; j < t; j++)
+            row[j] = kf_expf(row[j] - m[i]); /* beta's M row */
+        Yd[i] = y[i];
+        bn->yy += Yd[i] * Yd[i];
+    }
+    for (size_t k = 0; k < (size_t)n * t; k++)
+        Xd[k] = Z[k];
+    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, t, n, 1.0, Xd, t, 1.0, bn->G, t);
+    cblas_dgemv(CblasRowMajor, CblasTrans, n, t, 1.0, Xd, t, Yd, 1, 1.0, bn->b, 1);
+    for (size_t k = 0; k < (size_t)n * t; k++)
+        Xd[k] = X[k];
+    for (size_t k = 0; k < (size_t)n * d; k++)
+        Yd[k] = Y[k];
+    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, t, n, 1.0, Xd, t, first ? 0.0 : 1.0, drop->G, t);
+    cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, t, d, n, 1.0, Xd, t, Yd, d, first ? 0.0 : 1.0, drop->B, d);
+}
+
+kf_status kf_kept_normal_build(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
+                               kf_beta_normal *bn, kf_value_gram *drop, kf_error *err) {
+    const int R = h->R, d = h->d;
+    const size_t t1 = (size_t)(t ? t : 1);
+    memset(bn, 0, sizeof *bn);
+    bn->t = t;
+    bn->G = calloc(t1 * t1, sizeof(double));
+    bn->b = calloc(t1, sizeof(double));
+    float *Z = malloc(sizeof(float) * GRAM_TILE * t1), *X = malloc(sizeof(float) * GRAM_TILE * t1); /* [tile, t] */
+    double *Xd = malloc(sizeof(double) * GRAM_TILE * t1);                                          /* [tile, t] */
+    double *Yd = malloc(sizeof(double) * GRAM_TILE * (size_t)(d > 1 ? d : 1));                    /* [tile, d] */
+    const int ok = gram_alloc(drop, t, d) == 0 && bn->G && bn->b && Z && X && Xd && Yd;
+    for (int i0 = 0; ok && t > 0 && i0 < R; i0 += GRAM_TILE) {
+        const int n = R - i0 < GRAM_TILE ? R - i0 : GRAM_TILE;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, t, d, h->scale, h->q + (size_t)i0 * d, d, kc, d, 0.0f,
+                    Z, t);
+        kept_tile(tg->m + i0, tg->y + i0, tg->Y + (size_t)i0 * d, n, t, d, Z, X, Xd, Yd, bn, drop, i0 == 0);
+    }
+    free(Z), free(X), free(Xd), free(Yd);
+    if (!ok) {
+        kf_beta_normal_free(bn);
+        kf_value_gram_free(drop);
+        return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the kept keys' normal equations (R %d, t %d)", R, t);
+    }
+    for (int r = 0; r < t; r++)
+        for (int c = 0; c < r; c++)
+            bn->G[(size_t)r * t + c] = bn->G[(size_t)c * t + r];
+    gram_finish(drop);
+    return KF_OK;
+}
+
 void kf_value_gram_add(kf_value_gram *acc, const kf_value_gram *part) {
     const int t = acc->t, d = acc->d;
     for (size_t k = 0; k < (size_t)t * t; k++)

@@ -170,28 +170,34 @@ static kf_status fold_selection(const float *q, int R, int d, float scale, doubl
     return KF_OK;
 }
 
-/* Score every value refit alpha of one (keys, bias) candidate; updates best. The candidate's
- * attention weights on the validation rows are computed once for the whole grid (they do not
- * depend on the values) and stay in val for the caller (keep reuses drop's). */
-static kf_status try_alphas(const kf_am_head *htr, const float *Ytr, const float *keys, const float *bias, int t,
-                            const float *v0, kf_method method, double lambda, double penalty, kf_val_head *val,
-                            float *vals, kf_head_pick *best, kf_value_gram *keep, kf_error *err) {
-    kf_value_gram gm;
-    KF_TRY(kf_value_gram_build(htr->q, htr->R, htr->d, htr->scale, keys, htr->d, bias, t, Ytr, &gm, err));
-    const kf_kv_block cb = {keys, NULL, (size_t)htr->d, bias, t};
+/* Score every value refit alpha of one (keys, bias) candidate from its normal equations gm;
+ * updates best. The candidate's attention weights on the validation rows are computed once for
+ * the whole grid (they do not depend on the values) and stay in val for the caller (keep reuses
+ * drop's). */
+static kf_status score_alphas(const kf_value_gram *gm, const float *keys, const float *bias, int t, int d,
+                              const float *v0, kf_method method, double lambda, double penalty, kf_val_head *val,
+                              float *vals, kf_head_pick *best, kf_error *err) {
+    const kf_kv_block cb = {keys, NULL, (size_t)d, bias, t};
     kf_status rc = kf_val_attend(val, &cb) == 0
                        ? KF_OK
                        : kf_fail(err, KF_ERR_NOMEM, "compact: out of memory in the per-head validation");
     for (size_t a = 0; a < sizeof kAlphaGrid / sizeof *kAlphaGrid && rc == KF_OK; a++) {
-        rc = kf_value_gram_solve(&gm, kAlphaGrid[a], v0, htr->d, vals, NULL, err);
-        const double e = rc == KF_OK ? kf_val_err_values(val, vals, (size_t)htr->d) * penalty : NAN;
+        rc = kf_value_gram_solve(gm, kAlphaGrid[a], v0, d, vals, NULL, err);
+        const double e = rc == KF_OK ? kf_val_err_values(val, vals, (size_t)d) * penalty : NAN;
         if (rc == KF_OK && e < best->err)
             *best = (kf_head_pick){method, lambda, kAlphaGrid[a], e};
     }
-    if (rc == KF_OK && keep)
-        *keep = gm; /* the refit on all the rows adds the validation rows' part */
-    else
-        kf_value_gram_free(&gm);
+    return rc;
+}
+
+/* score_alphas with the candidate's normal equations built on the training rows. */
+static kf_status try_alphas(const kf_am_head *htr, const float *Ytr, const float *keys, const float *bias, int t,
+                            const float *v0, kf_method method, double lambda, double penalty, kf_val_head *val,
+                            float *vals, kf_head_pick *best, kf_error *err) {
+    kf_value_gram gm;
+    KF_TRY(kf_value_gram_build(htr->q, htr->R, htr->d, htr->scale, keys, htr->d, bias, t, Ytr, &gm, err));
+    const kf_status rc = score_alphas(&gm, keys, bias, t, htr->d, v0, method, lambda, penalty, val, vals, best, err);
+    kf_value_gram_free(&gm);
     return rc;
 }
 
@@ -210,11 +216,33 @@ static kf_status try_folds(const kf_compact_params *p, const kf_am_head *htr, co
         if (rc == KF_OK && fi.ok) {
             kf_fold_keys(kc, htr->d, beta, t, htr->d, htr->scale, u, keys, htr->d);
             rc = try_alphas(htr, ttr->Y, keys, NULL, t, v0, KF_METHOD_FOLD, lambda, 1 + p->choice_margin, val, vals,
-                            best, NULL, err);
+                            best, err);
         }
     }
     kf_fold_cov_free(&cov);
     return rc;
+}
+
+/* The choice's candidates other than keep: the method's (am, fold: beta fitted on the training
+ * rows, from one pass that also builds drop's normal equations) and drop; keep's weights are
+ * drop's, left in val. bn, dg: the training rows' normal equations (for the refit). */
+static kf_status choose_fits(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr, int t,
+                             const float *kc, const float *v0, kf_val_head *val, uint64_t seed, float *beta, float *u,
+                             float *keys, float *vals, kf_beta_normal *bn, kf_value_gram *dg, kf_head_pick *best,
+                             kf_error *err) {
+    const int d = htr->d;
+    if (p->method == KF_METHOD_AM || p->method == KF_METHOD_FOLD) {
+        KF_TRY(kf_kept_normal_build(htr, ttr, kc, t, bn, dg, err));
+        KF_TRY(kf_am_fit_beta_normal(bn, seed, p->beta_fit, beta, NULL, err));
+        if (p->method == KF_METHOD_AM)
+            KF_TRY(try_alphas(htr, ttr->Y, kc, beta, t, v0, KF_METHOD_AM, 0, 1 + p->choice_margin, val, vals, best,
+                              err));
+        else
+            KF_TRY(try_folds(p, htr, ttr, kc, beta, t, v0, val, u, keys, vals, best, err));
+    } else {
+        KF_TRY(kf_value_gram_build(htr->q, htr->R, d, htr->scale, kc, d, NULL, t, ttr->Y, dg, err));
+    }
+    return score_alphas(dg, kc, NULL, t, d, v0, KF_METHOD_DROP, p->lambda_rel, 1, val, vals, best, err);
 }
 
 void kf_choice_fits_free(kf_choice_fits *f) {
@@ -230,46 +258,25 @@ kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, cons
     float *beta = malloc(sizeof(float) * (size_t)(t ? t : 1)), *u = malloc(sizeof(float) * (size_t)d);
     float *keys = malloc(sizeof(float) * (size_t)(t ? t : 1) * d), *vals = malloc(sizeof(float) * (size_t)(t ? t : 1) * d);
     const float *v0 = p->ridge_to == KF_RIDGE_TO_ORIG ? vo : NULL;
-    kf_beta_normal bn = {0};
+    kf_choice_fits f = {0};
     *best = (kf_head_pick){KF_METHOD_KEEP, p->lambda_rel, 0, INFINITY};
-    if (keep)
-        memset(keep, 0, sizeof *keep);
     kf_status rc = KF_OK;
-    if (!beta || !u || !keys || !vals) {
-        rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the per-head choice (t %d)", t);
-        goto out;
-    }
-    if (p->method == KF_METHOD_AM || p->method == KF_METHOD_FOLD) {
-        if ((rc = kf_beta_normal_build(htr, ttr, kc, t, &bn, err)) != KF_OK ||
-            (rc = kf_am_fit_beta_normal(&bn, seed, p->beta_fit, beta, NULL, err)) != KF_OK)
-            goto out;
-        if (p->method == KF_METHOD_AM &&
-            (rc = try_alphas(htr, ttr->Y, kc, beta, t, v0, KF_METHOD_AM, 0, 1 + p->choice_margin, val, vals, best,
-                             NULL, err)) != KF_OK)
-            goto out;
-        if (p->method == KF_METHOD_FOLD &&
-            (rc = try_folds(p, htr, ttr, kc, beta, t, v0, val, u, keys, vals, best, err)) != KF_OK)
-            goto out;
-    }
-    /* keep: the kept keys without bias, drop's weights (attended here when drop is not a candidate) */
     const kf_kv_block kb = {kc, vo, (size_t)d, NULL, t};
-    if (p->method != KF_METHOD_KEEP)
-        rc = try_alphas(htr, ttr->Y, kc, NULL, t, v0, KF_METHOD_DROP, p->lambda_rel, 1, val, vals, best,
-                        keep ? &keep->drop : NULL, err);
-    else if (kf_val_attend(val, &kb) != 0)
+    if (!beta || !u || !keys || !vals)
+        rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the per-head choice (t %d)", t);
+    else if (p->method != KF_METHOD_KEEP)
+        rc = choose_fits(p, htr, ttr, t, kc, v0, val, seed, beta, u, keys, vals, &f.beta, &f.drop, best, err);
+    else if (kf_val_attend(val, &kb) != 0) /* keep alone: the kept keys' weights */
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory in the per-head validation");
-    if (rc != KF_OK)
-        goto out;
-    const double e = kf_val_err_values(val, vo, (size_t)d);
-    if (e < best->err)
-        *best = (kf_head_pick){KF_METHOD_KEEP, p->lambda_rel, 0, e};
-out:
+    if (rc == KF_OK) {
+        const double e = kf_val_err_values(val, vo, (size_t)d);
+        if (e < best->err)
+            *best = (kf_head_pick){KF_METHOD_KEEP, p->lambda_rel, 0, e};
+    }
     if (rc == KF_OK && keep)
-        keep->beta = bn; /* the beta refit adds the validation rows' part */
+        *keep = f; /* the refit adds the validation rows' part */
     else
-        kf_beta_normal_free(&bn);
-    if (rc != KF_OK && keep)
-        kf_choice_fits_free(keep);
+        kf_choice_fits_free(&f);
     free(beta), free(u), free(keys), free(vals);
     return rc;
 }

@@ -277,6 +277,20 @@ static void test_normal_equations_add(void) {
     CU_ASSERT(mb > 0.05); /* the fit moved off beta = 0 */
     CU_ASSERT(db < 1e-4);
     CU_ASSERT(dv < 1e-4);
+    /* one pass for both (the choice's) == the two builds, over all the rows */
+    kf_beta_normal b1, b2;
+    kf_value_gram g1, g2;
+    CU_ASSERT_EQUAL_FATAL(kf_kept_normal_build(&h, &tg, kc, NK, &b1, &g1, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_beta_normal_build(&h, &tg, kc, NK, &b2, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(Q, NR, ND, scale, kc, ND, NULL, NK, tg.Y, &g2, &err), KF_OK);
+    const double e1 = rel_diff(b1.G, b2.G, NK * NK), e2 = rel_diff(b1.b, b2.b, NK);
+    const double e3 = rel_diff(g1.G, g2.G, NK * NK), e4 = rel_diff(g1.B, g2.B, NK * ND);
+    printf("    one pass vs two builds: %.1e %.1e %.1e %.1e, yy %.1e tr %.1e\n", e1, e2, e3, e4, b1.yy - b2.yy,
+           g1.tr - g2.tr);
+    CU_ASSERT(e1 < 1e-12 && e2 < 1e-12 && e3 < 1e-12 && e4 < 1e-12);
+    CU_ASSERT(fabs(b1.yy - b2.yy) < 1e-12 * b2.yy && fabs(g1.tr - g2.tr) < 1e-12 * g2.tr);
+    kf_beta_normal_free(&b1), kf_beta_normal_free(&b2);
+    kf_value_gram_free(&g1), kf_value_gram_free(&g2);
     kf_beta_normal_free(&bn), kf_beta_normal_free(&part);
     kf_value_gram_free(&gm), kf_value_gram_free(&gpart);
     kf_am_targets_free(&tg);
