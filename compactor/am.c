@@ -323,8 +323,8 @@ kf_status kf_am_fit_beta_normal(const kf_beta_normal *ne, uint64_t seed, kf_beta
         return KF_OK;
     const float lo = expf(-3.0f), hi = expf(3.0f);
     const double *G = ne->G, *b = ne->b;
-    double *x = malloc(sizeof(double) * (size_t)t), *g = malloc(sizeof(double) * (size_t)t);
-    float *w = malloc(sizeof(float) * (size_t)t);
+    double *x = calloc((size_t)t, sizeof(double)), *g = calloc((size_t)t, sizeof(double));
+    float *w = calloc((size_t)t, sizeof(float));
     kf_status rc = KF_OK;
     int path = x && g && w ? ridge_to_one(G, b, t, 1e-6, x, w) : -1;
     /* Least squares on the partition function in fp64 normal equations, with a tiny ridge that
