@@ -125,8 +125,9 @@ typedef struct {
 
 /* One head's choice (what kf_compact does per head when the choice is on): candidates fitted on
  * the training rows train / train_tg (targets m, y, Y of those rows), scored by kf_val_err on val;
- * kc, vo [t, d]: the kept keys and their original values (contiguous). Ties keep the earlier
- * candidate: the method itself, then drop, then keep; grids in ascending order. */
+ * kc, vo [t, d]: the kept keys and their original values (contiguous; sel, their positions, is
+ * not read: train->k may be any block). Ties keep the earlier candidate: the method itself, then
+ * drop, then keep; grids in ascending order. */
 typedef struct {
     kf_method method;
     double lambda, alpha, err; /* the fold's lambda_rel, the refit's alpha, the validation error */
