@@ -125,57 +125,6 @@ static void count_path(int path, int *fallbacks, kf_am_stats *stats) {
         stats->failures++;
 }
 
-/* ||M w - y||^2 (w NULL: all ones); r is [R] scratch. */
-static double residual_sq(const float *M, int R, int t, const float *y, const float *w, float *r) {
-    double s = 0;
-    for (int i = 0; i < R; i++) {
-        double acc = -(double)y[i];
-        const float *row = M + (size_t)i * t;
-        for (int j = 0; j < t; j++)
-            acc += (double)row[j] * (w ? w[j] : 1.0f);
-        r[i] = (float)acc;
-        s += acc * acc;
-    }
-    return s;
-}
-
-/* w = argmin ||M w - y||^2 + rho ||w - 1||^2 with rho = rel * tr(M^T M) / t, in fp64 (Cholesky). */
-static int ridge_to_one(const float *M, int R, int t, const float *y, double rel, float *w) {
-    double *Md = malloc(sizeof(double) * (size_t)R * t), *G = calloc((size_t)t * t, sizeof(double));
-    double *b = malloc(sizeof(double) * (size_t)t);
-    int rc = -1;
-    if (!Md || !G || !b)
-        goto out;
-    for (size_t i = 0; i < (size_t)R * t; i++)
-        Md[i] = M[i];
-    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, t, R, 1.0, Md, t, 0.0, G, t);
-    for (int j = 0; j < t; j++)
-        b[j] = 0;
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < t; j++)
-            b[j] += Md[(size_t)i * t + j] * y[i];
-    double tr = 0;
-    for (int j = 0; j < t; j++)
-        tr += G[(size_t)j * t + j];
-    const double rho = rel * (tr > 0 ? tr / t : 1.0) + 1e-30;
-    for (int j = 0; j < t; j++) {
-        G[(size_t)j * t + j] += rho;
-        b[j] += rho;
-    }
-    double *x = malloc(sizeof(double) * (size_t)t);
-    if (!x)
-        goto out;
-    rc = kf_spd_solve(G, t, 0.0, b, x) == 0 ? KF_LSTSQ_QR : KF_LSTSQ_FAILED;
-    for (int j = 0; j < t; j++)
-        w[j] = rc == KF_LSTSQ_QR ? (float)x[j] : 1.0f;
-    free(x);
-out:
-    free(Md);
-    free(G);
-    free(b);
-    return rc;
-}
-
 int kf_box_lsq(const double *G, const double *b, int t, double lo, double hi, double tol, int max_sweeps, double *w) {
     double scale = 0;
     for (int j = 0; j < t; j++) {
@@ -205,26 +154,104 @@ int kf_box_lsq(const double *G, const double *b, int t, double lo, double hi, do
     return max_sweeps + 1;
 }
 
-/* G = M^T M [t, t] (full) and b = M^T y in fp64. */
-static int normal_equations(const float *M, int R, int t, const float *y, double *G, double *b) {
-    double *Md = malloc(sizeof(double) * (size_t)R * t), *yd = malloc(sizeof(double) * (size_t)R);
-    if (!Md || !yd) {
-        free(Md);
-        free(yd);
+/* The beta fit's normal equations over the kept keys kc [t, d]: G = M^T M [t, t] (full),
+ * b = M^T y [t] and yy = y^T y in fp64, M_ij = exp(s q_i.k_j - m_i), accumulated over tiles of
+ * BETA_TILE rows (M is never held whole). 0, or -1 when out of memory. */
+#define BETA_TILE 256
+static int beta_normal(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t, double *G, double *b,
+                       double *yy) {
+    const int R = h->R, d = h->d;
+    float *M = malloc(sizeof(float) * BETA_TILE * (size_t)t);   /* [BETA_TILE, t] */
+    double *Md = malloc(sizeof(double) * BETA_TILE * (size_t)t); /* [BETA_TILE, t] */
+    double *yd = malloc(sizeof(double) * BETA_TILE);
+    if (!M || !Md || !yd) {
+        free(M), free(Md), free(yd);
         return -1;
     }
-    for (size_t i = 0; i < (size_t)R * t; i++)
-        Md[i] = M[i];
-    for (int i = 0; i < R; i++)
-        yd[i] = y[i];
-    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, t, R, 1.0, Md, t, 0.0, G, t);
+    memset(G, 0, sizeof(double) * (size_t)t * t);
+    memset(b, 0, sizeof(double) * (size_t)t);
+    *yy = 0;
+    for (int i0 = 0; i0 < R; i0 += BETA_TILE) {
+        const int n = R - i0 < BETA_TILE ? R - i0 : BETA_TILE;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, t, d, h->scale, h->q + (size_t)i0 * d, d, kc, d, 0.0f,
+                    M, t);
+        for (int i = 0; i < n; i++) {
+            float *row = M + (size_t)i * t;
+            const float mi = tg->m[i0 + i];
+#pragma omp simd
+            for (int j = 0; j < t; j++)
+                row[j] = kf_expf(row[j] - mi);
+            yd[i] = tg->y[i0 + i];
+            *yy += yd[i] * yd[i];
+        }
+        for (size_t k = 0; k < (size_t)n * t; k++)
+            Md[k] = M[k];
+        cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, t, n, 1.0, Md, t, 1.0, G, t);
+        cblas_dgemv(CblasRowMajor, CblasTrans, n, t, 1.0, Md, t, yd, 1, 1.0, b, 1);
+    }
     for (int r = 0; r < t; r++)
         for (int c = 0; c < r; c++)
             G[(size_t)r * t + c] = G[(size_t)c * t + r];
-    cblas_dgemv(CblasRowMajor, CblasTrans, R, t, 1.0, Md, t, yd, 1, 0.0, b, 1);
-    free(Md);
-    free(yd);
+    free(M), free(Md), free(yd);
     return 0;
+}
+
+/* ||M w - y||^2 = w^T G w - 2 b^T w + y^T y (w NULL: all ones). */
+static double residual_sq(const double *G, const double *b, double yy, int t, const float *w) {
+    double s = yy;
+    for (int j = 0; j < t; j++) {
+        const double wj = w ? w[j] : 1.0;
+        double gw = 0;
+        for (int k = 0; k < t; k++)
+            gw += G[(size_t)j * t + k] * (w ? w[k] : 1.0);
+        s += wj * (gw - 2 * b[j]);
+    }
+    return s;
+}
+
+/* w = argmin ||M w - y||^2 + rho ||w - 1||^2 with rho = rel * tr(M^T M) / t, from the normal
+ * equations (Cholesky in fp64); x [t] scratch. */
+static int ridge_to_one(const double *G, const double *b, int t, double rel, double *x, float *w) {
+    double tr = 0;
+    for (int j = 0; j < t; j++)
+        tr += G[(size_t)j * t + j];
+    const double rho = rel * (tr > 0 ? tr / t : 1.0) + 1e-30;
+    double *br = calloc((size_t)(t > 0 ? t : 1), sizeof(double));
+    if (!br)
+        return -1;
+    for (int j = 0; j < t; j++)
+        br[j] = b[j] + rho;
+    const int rc = kf_spd_solve(G, t, rho, br, x) == 0 ? KF_LSTSQ_QR : KF_LSTSQ_FAILED;
+    for (int j = 0; j < t; j++)
+        w[j] = rc == KF_LSTSQ_QR ? (float)x[j] : 1.0f;
+    free(br);
+    return rc;
+}
+
+/* ||M||_2^2 by power iteration on G = M^T M from kf_spectral_norm_sq's seeded start; v [t] scratch. */
+static double gram_spectral_sq(const double *G, int t, int iters, uint64_t seed, double *v, double *gv) {
+    uint64_t s = seed * 0x9E3779B97F4A7C15ULL + 0x632BE59BD9B4E019ULL;
+    for (int j = 0; j < t; j++) {
+        s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+        v[j] = 0.5 + (double)(s >> 11) / 9007199254740992.0;
+    }
+    double sigma2 = 0;
+    for (int it = 0; it < iters; it++) {
+        double nv = 0;
+        for (int j = 0; j < t; j++)
+            nv += v[j] * v[j];
+        nv = sqrt(nv);
+        if (nv == 0)
+            break;
+        for (int j = 0; j < t; j++)
+            v[j] /= nv;
+        cblas_dsymv(CblasRowMajor, CblasUpper, t, 1.0, G, t, v, 1, 0.0, gv, 1); /* G v */
+        sigma2 = 0;
+        for (int j = 0; j < t; j++)
+            sigma2 += v[j] * gv[j]; /* ||M v||^2 */
+        memcpy(v, gv, sizeof(double) * t);
+    }
+    return sigma2;
 }
 
 kf_status kf_am_fit_beta(const kf_am_head *h, const kf_am_targets *tg, const int32_t *sel, int t, uint64_t seed,
@@ -232,56 +259,82 @@ kf_status kf_am_fit_beta(const kf_am_head *h, const kf_am_targets *tg, const int
     return kf_am_fit_beta_ex(h, tg, sel, t, seed, KF_BETA_AM, beta, stats, err);
 }
 
-/* The converged box fit from the start w (in and out). */
-static kf_status box_refine(const float *M, int R, int t, const float *y, float lo, float hi, float *w,
-                            kf_error *err) {
-    double *G = malloc(sizeof(double) * (size_t)t * t), *b = malloc(sizeof(double) * (size_t)t);
-    double *wd = malloc(sizeof(double) * (size_t)t);
-    if (!G || !b || !wd || normal_equations(M, R, t, y, G, b) != 0) {
-        free(G), free(b), free(wd);
-        return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the box fit (t %d)", t);
-    }
+/* The converged box fit from the start w (in and out); wd [t] scratch. */
+static void box_refine(const double *G, const double *b, int t, float lo, float hi, double *wd, float *w) {
     for (int j = 0; j < t; j++)
         wd[j] = w[j];
     kf_box_lsq(G, b, t, lo, hi, 1e-9, KF_BOX_MAX_SWEEPS, wd);
     for (int j = 0; j < t; j++)
         w[j] = (float)wd[j];
-    free(G), free(b), free(wd);
+}
+
+/* AM's two projected-gradient steps on ||M w - y||^2 with step 1/L: the gradient M^T (M w - y) =
+ * G w - b; v, g [t] scratch. */
+static void pg_steps(const double *G, const double *b, int t, uint64_t seed, float lo, float hi, double *v,
+                     double *g, float *w) {
+    double L = gram_spectral_sq(G, t, 3, seed, v, g);
+    if (!(L > 1e-6))
+        L = 1e-6;
+    for (int it = 0; it < 2; it++) {
+        for (int j = 0; j < t; j++)
+            v[j] = w[j];
+        memcpy(g, b, sizeof(double) * t);
+        cblas_dsymv(CblasRowMajor, CblasUpper, t, 1.0, G, t, v, 1, -1.0, g, 1); /* g = G w - b */
+        for (int j = 0; j < t; j++) {
+            float x = w[j] - (float)(g[j] / L);
+            w[j] = x < lo ? lo : (x > hi ? hi : x);
+        }
+    }
+}
+
+void kf_beta_normal_free(kf_beta_normal *ne) {
+    free(ne->G);
+    free(ne->b);
+    memset(ne, 0, sizeof *ne);
+}
+
+kf_status kf_beta_normal_build(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
+                               kf_beta_normal *out, kf_error *err) {
+    memset(out, 0, sizeof *out);
+    out->t = t;
+    const size_t t1 = (size_t)(t ? t : 1);
+    out->G = malloc(sizeof(double) * t1 * t1);
+    out->b = malloc(sizeof(double) * t1);
+    if (!out->G || !out->b || (t > 0 && beta_normal(h, tg, kc, t, out->G, out->b, &out->yy) != 0)) {
+        kf_beta_normal_free(out);
+        return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the beta fit (R %d, t %d)", h->R, t);
+    }
     return KF_OK;
 }
 
-kf_status kf_am_fit_beta_ex(const kf_am_head *h, const kf_am_targets *tg, const int32_t *sel, int t, uint64_t seed,
-                            kf_beta_fit fit, float *beta, kf_am_stats *stats, kf_error *err) {
-    const int R = h->R, d = h->d;
+void kf_beta_normal_add(kf_beta_normal *acc, const kf_beta_normal *part) {
+    const int t = acc->t;
+    for (size_t k = 0; k < (size_t)t * t; k++)
+        acc->G[k] += part->G[k];
+    for (int j = 0; j < t; j++)
+        acc->b[j] += part->b[j];
+    acc->yy += part->yy;
+}
+
+kf_status kf_am_fit_beta_normal(const kf_beta_normal *ne, uint64_t seed, kf_beta_fit fit, float *beta,
+                                kf_am_stats *stats, kf_error *err) {
+    const int t = ne->t;
     if (t == 0)
         return KF_OK;
     const float lo = expf(-3.0f), hi = expf(3.0f);
-    float *kc = gather_rows(h->k, h->k_stride, sel, t, d);
-    float *M = malloc(sizeof(float) * (size_t)R * t); /* [R, t] */
-    float *w = malloc(sizeof(float) * (size_t)t);
-    float *r = malloc(sizeof(float) * (size_t)R);
-    float *g = malloc(sizeof(float) * (size_t)t);
+    const double *G = ne->G, *b = ne->b;
+    double *x = calloc((size_t)t, sizeof(double)), *g = calloc((size_t)t, sizeof(double));
+    float *w = calloc((size_t)t, sizeof(float));
     kf_status rc = KF_OK;
-    if (!kc || !M || !w || !r || !g) {
-        rc = kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the beta fit (R %d, t %d)", R, t);
-        goto out;
-    }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, R, t, d, h->scale, h->q, d, kc, d, 0.0f, M, t);
-    for (int i = 0; i < R; i++) {
-        float *row = M + (size_t)i * t;
-        const float mi = tg->m[i];
-#pragma omp simd
-        for (int j = 0; j < t; j++)
-            row[j] = kf_expf(row[j] - mi);
-    }
+    int path = x && g && w ? ridge_to_one(G, b, t, 1e-6, x, w) : -1;
     /* Least squares on the partition function in fp64 normal equations, with a tiny ridge that
      * pulls towards w = 1 (beta = 0):
      *   min ||M w - y||^2 + rho ||w - 1||^2,   rho = 1e-6 * tr(M^T M) / t.
      * M's columns span e^-20 .. 1. The fp32 least-squares solution (pivoted QR) was wild there:
      * clamped to the box it fitted worse than w = 1 (plain drop) on the training queries for most
      * heads of the records model at budget 0.5 (relative residual 0.35-0.97 against 0.13 here,
-     * measured); the fp64 Gram solve with the pull keeps undetermined weights near 1. */
-    int path = ridge_to_one(M, R, t, tg->y, 1e-6, w);
+     * measured); the fp64 Gram solve with the pull keeps undetermined weights near 1. Everything
+     * after M's exponentials works on G = M^T M and b = M^T y (issue 14: M is never held whole). */
     if (path < 0) {
         rc = kf_fail(err, KF_ERR_NOMEM, "AM: out of memory in least squares");
         goto out;
@@ -290,38 +343,36 @@ kf_status kf_am_fit_beta_ex(const kf_am_head *h, const kf_am_targets *tg, const 
     for (int j = 0; j < t; j++)
         w[j] = isnan(w[j]) ? 1.0f : (w[j] < lo ? lo : (w[j] > hi ? hi : w[j]));
     /* keep the clamped start only if it beats w = 1 (counted: issue 12 found it firing often) */
-    if (residual_sq(M, R, t, tg->y, w, r) > residual_sq(M, R, t, tg->y, NULL, r)) {
+    if (residual_sq(G, b, ne->yy, t, w) > residual_sq(G, b, ne->yy, t, NULL)) {
         for (int j = 0; j < t; j++)
             w[j] = 1.0f;
         if (stats)
             stats->beta_restarts++;
     }
-    if (fit == KF_BETA_BOX) {
-        rc = box_refine(M, R, t, tg->y, lo, hi, w, err);
-    } else {
-        /* two projected-gradient steps on ||M w - y||^2 with step 1/L */
-        double L = kf_spectral_norm_sq(M, R, t, 3, seed);
-        if (!(L > 1e-6))
-            L = 1e-6;
-        for (int it = 0; it < 2; it++) {
-            for (int i = 0; i < R; i++)
-                r[i] = -tg->y[i];
-            cblas_sgemv(CblasRowMajor, CblasNoTrans, R, t, 1.0f, M, t, w, 1, 1.0f, r, 1);   /* r = M w - y */
-            cblas_sgemv(CblasRowMajor, CblasTrans, R, t, 1.0f, M, t, r, 1, 0.0f, g, 1);     /* g = M^T r */
-            for (int j = 0; j < t; j++) {
-                float x = w[j] - (float)(g[j] / L);
-                w[j] = x < lo ? lo : (x > hi ? hi : x);
-            }
-        }
-    }
+    if (fit == KF_BETA_BOX)
+        box_refine(G, b, t, lo, hi, x, w);
+    else
+        pg_steps(G, b, t, seed, lo, hi, x, g, w);
     for (int j = 0; j < t; j++)
         beta[j] = logf(w[j]);
 out:
+    free(x), free(g), free(w);
+    return rc;
+}
+
+kf_status kf_am_fit_beta_ex(const kf_am_head *h, const kf_am_targets *tg, const int32_t *sel, int t, uint64_t seed,
+                            kf_beta_fit fit, float *beta, kf_am_stats *stats, kf_error *err) {
+    if (t == 0)
+        return KF_OK;
+    float *kc = gather_rows(h->k, h->k_stride, sel, t, h->d);
+    if (!kc)
+        return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the beta fit (R %d, t %d)", h->R, t);
+    kf_beta_normal ne;
+    kf_status rc = kf_beta_normal_build(h, tg, kc, t, &ne, err);
     free(kc);
-    free(M);
-    free(w);
-    free(r);
-    free(g);
+    if (rc == KF_OK)
+        rc = kf_am_fit_beta_normal(&ne, seed, fit, beta, stats, err);
+    kf_beta_normal_free(&ne);
     return rc;
 }
 
@@ -362,48 +413,79 @@ static float *design(const float *q, int R, int d, float scale, const float *key
 void kf_value_gram_free(kf_value_gram *g) {
     free(g->G);
     free(g->B);
+    free(g->A);
+    free(g->Bs);
     memset(g, 0, sizeof *g);
+}
+
+/* Rows of the design matrix in tiles of GRAM_TILE: X [n, t] in fp32 (as design()), then G += X^T X
+ * and B += X^T Y in fp64 from the tile's fp64 copy: no R x t fp64 copy of X is ever held. */
+#define GRAM_TILE 256
+typedef struct {
+    float *X;   /* [GRAM_TILE, t] */
+    double *Xd; /* [GRAM_TILE, t] */
+    double *Yd; /* [GRAM_TILE, d] */
+} gram_tiles;
+
+static void gram_accumulate(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
+                            const float *beta, int t, const float *Y, const gram_tiles *w, double *G, double *B) {
+    for (int i0 = 0; i0 < R; i0 += GRAM_TILE) {
+        const int n = R - i0 < GRAM_TILE ? R - i0 : GRAM_TILE;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, t, d, scale, q + (size_t)i0 * d, d, keys,
+                    (int)key_stride, 0.0f, w->X, t);
+        for (int i = 0; i < n; i++) {
+            float *x = w->X + (size_t)i * t;
+            if (beta)
+#pragma omp simd
+                for (int j = 0; j < t; j++)
+                    x[j] += beta[j];
+            kf_cpu_softmax_row(x, t, NULL, NULL);
+        }
+        for (size_t k = 0; k < (size_t)n * t; k++)
+            w->Xd[k] = w->X[k];
+        for (size_t k = 0; k < (size_t)n * d; k++)
+            w->Yd[k] = Y[(size_t)i0 * d + k];
+        const double keep = i0 ? 1.0 : 0.0;
+        cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, t, n, 1.0, w->Xd, t, keep, G, t);
+        cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, t, d, n, 1.0, w->Xd, t, w->Yd, d, keep, B, d);
+    }
 }
 
 kf_status kf_value_gram_build(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
                               const float *beta, int t, const float *Y, kf_value_gram *out, kf_error *err) {
     memset(out, 0, sizeof *out);
     out->t = t, out->d = d;
-    float *X = design(q, R, d, scale, keys, key_stride, beta, t);
-    double *Xd = malloc(sizeof(double) * (size_t)R * t), *Yd = malloc(sizeof(double) * (size_t)R * d);
-    out->G = malloc(sizeof(double) * (size_t)t * t);
-    out->B = malloc(sizeof(double) * (size_t)t * d);
-    if (!X || !Xd || !Yd || !out->G || !out->B) {
-        free(X), free(Xd), free(Yd);
+    const size_t t1 = (size_t)(t ? t : 1);
+    gram_tiles w = {malloc(sizeof(float) * GRAM_TILE * t1), malloc(sizeof(double) * GRAM_TILE * t1),
+                    malloc(sizeof(double) * GRAM_TILE * (size_t)d)};
+    out->G = calloc(t1 * t1, sizeof(double));
+    out->B = calloc(t1 * d, sizeof(double));
+    out->A = malloc(sizeof(double) * t1 * t1);
+    out->Bs = malloc(sizeof(double) * t1 * d);
+    if (!w.X || !w.Xd || !w.Yd || !out->G || !out->B || !out->A || !out->Bs) {
+        free(w.X), free(w.Xd), free(w.Yd);
         kf_value_gram_free(out);
         return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the value refit's normal equations (R %d, t %d)", R, t);
     }
-    for (size_t i = 0; i < (size_t)R * t; i++)
-        Xd[i] = X[i];
-    for (size_t i = 0; i < (size_t)R * d; i++)
-        Yd[i] = Y[i];
-    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, t, R, 1.0, Xd, t, 0.0, out->G, t);
+    if (t > 0)
+        gram_accumulate(q, R, d, scale, keys, key_stride, beta, t, Y, &w, out->G, out->B);
     for (int r = 0; r < t; r++)
         for (int c = 0; c < r; c++)
             out->G[(size_t)r * t + c] = out->G[(size_t)c * t + r];
-    cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, t, d, R, 1.0, Xd, t, Yd, d, 0.0, out->B, d);
     out->tr = 0;
     for (int j = 0; j < t; j++)
         out->tr += out->G[(size_t)j * t + j];
-    free(X), free(Xd), free(Yd);
+    free(w.X), free(w.Xd), free(w.Yd);
     return KF_OK;
 }
 
 kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float *v0, size_t v0_stride, float *values,
                               kf_am_stats *stats, kf_error *err) {
+    (void)err;
     const int t = g->t, d = g->d;
     if (t == 0)
         return KF_OK;
-    double *A = malloc(sizeof(double) * (size_t)t * t), *B = malloc(sizeof(double) * (size_t)t * d);
-    if (!A || !B) {
-        free(A), free(B);
-        return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the value refit (t %d)", t);
-    }
+    double *A = g->A, *B = g->Bs; /* the gram's own scratch: one solve at a time */
     const double mu = (alpha > 1e-6 ? alpha : 1e-6) * (g->tr > 0 ? g->tr / t : 1.0);
     memcpy(A, g->G, sizeof(double) * (size_t)t * t);
     memcpy(B, g->B, sizeof(double) * (size_t)t * d);
@@ -413,23 +495,115 @@ kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float 
             for (int c = 0; c < d; c++)
                 B[(size_t)j * d + c] += mu * v0[(size_t)j * v0_stride + c];
     }
-    if (LAPACKE_dpotrf(LAPACK_ROW_MAJOR, 'U', t, A, t) != 0 || LAPACKE_dpotrs(LAPACK_ROW_MAJOR, 'U', t, d, A, t, B, d) != 0) {
+    /* A is symmetric, so its row-major storage is its column-major storage: Cholesky A = U^T U in
+     * place (no transposed copies, no NaN scan), then A X = B as X^T U^T U = B^T: B [t, d] row-major
+     * is B^T [d, t] column-major, solved by two triangular solves from the right */
+    if (LAPACKE_dpotrf_work(LAPACK_COL_MAJOR, 'U', t, A, t) == 0) {
+        cblas_dtrsm(CblasColMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit, d, t, 1.0, A, t, B, d);
+        cblas_dtrsm(CblasColMajor, CblasRight, CblasUpper, CblasTrans, CblasNonUnit, d, t, 1.0, A, t, B, d);
+        for (size_t i = 0; i < (size_t)t * d; i++)
+            values[i] = (float)B[i];
+    } else {
         memset(values, 0, sizeof(float) * (size_t)t * d);
         if (stats)
             stats->failures++;
-    } else {
-        for (size_t i = 0; i < (size_t)t * d; i++)
-            values[i] = (float)B[i];
     }
-    free(A), free(B);
     return KF_OK;
+}
+
+/* gram (t, d set) with G, B zeroed and the solves' scratch; 0 or -1. */
+static int gram_alloc(kf_value_gram *g, int t, int d) {
+    memset(g, 0, sizeof *g);
+    g->t = t, g->d = d;
+    const size_t t1 = (size_t)(t ? t : 1);
+    g->G = calloc(t1 * t1, sizeof(double));
+    g->B = calloc(t1 * d, sizeof(double));
+    g->A = malloc(sizeof(double) * t1 * t1);
+    g->Bs = malloc(sizeof(double) * t1 * d);
+    return g->G && g->B && g->A && g->Bs ? 0 : -1;
+}
+
+/* Mirror G's upper triangle and take its trace. */
+static void gram_finish(kf_value_gram *g) {
+    const int t = g->t;
+    for (int r = 0; r < t; r++)
+        for (int c = 0; c < r; c++)
+            g->G[(size_t)r * t + c] = g->G[(size_t)c * t + r];
+    g->tr = 0;
+    for (int j = 0; j < t; j++)
+        g->tr += g->G[(size_t)j * t + j];
+}
+
+/* One row tile of kf_kept_normal_build: Z [n, t] the tile's logits over the kept keys. */
+static void kept_tile(const float *m, const float *y, const float *Y, int n, int t, int d, float *Z, float *X,
+                      double *Xd, double *Yd, kf_beta_normal *bn, kf_value_gram *drop, int first) {
+    memcpy(X, Z, sizeof(float) * (size_t)n * t);
+    for (int i = 0; i < n; i++) {
+        float *row = Z + (size_t)i * t;
+        kf_cpu_softmax_row(X + (size_t)i * t, t, NULL, NULL); /* drop's design row */
+#pragma omp simd
+        for (int j = 0; j < t; j++)
+            row[j] = kf_expf(row[j] - m[i]); /* beta's M row */
+        Yd[i] = y[i];
+        bn->yy += Yd[i] * Yd[i];
+    }
+    for (size_t k = 0; k < (size_t)n * t; k++)
+        Xd[k] = Z[k];
+    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, t, n, 1.0, Xd, t, 1.0, bn->G, t);
+    cblas_dgemv(CblasRowMajor, CblasTrans, n, t, 1.0, Xd, t, Yd, 1, 1.0, bn->b, 1);
+    for (size_t k = 0; k < (size_t)n * t; k++)
+        Xd[k] = X[k];
+    for (size_t k = 0; k < (size_t)n * d; k++)
+        Yd[k] = Y[k];
+    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, t, n, 1.0, Xd, t, first ? 0.0 : 1.0, drop->G, t);
+    cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, t, d, n, 1.0, Xd, t, Yd, d, first ? 0.0 : 1.0, drop->B, d);
+}
+
+kf_status kf_kept_normal_build(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
+                               kf_beta_normal *bn, kf_value_gram *drop, kf_error *err) {
+    const int R = h->R, d = h->d;
+    const size_t t1 = (size_t)(t ? t : 1);
+    memset(bn, 0, sizeof *bn);
+    bn->t = t;
+    bn->G = calloc(t1 * t1, sizeof(double));
+    bn->b = calloc(t1, sizeof(double));
+    float *Z = malloc(sizeof(float) * GRAM_TILE * t1), *X = malloc(sizeof(float) * GRAM_TILE * t1); /* [tile, t] */
+    double *Xd = malloc(sizeof(double) * GRAM_TILE * t1);                                          /* [tile, t] */
+    double *Yd = malloc(sizeof(double) * GRAM_TILE * (size_t)(d > 1 ? d : 1));                    /* [tile, d] */
+    const int ok = gram_alloc(drop, t, d) == 0 && bn->G && bn->b && Z && X && Xd && Yd;
+    for (int i0 = 0; ok && t > 0 && i0 < R; i0 += GRAM_TILE) {
+        const int n = R - i0 < GRAM_TILE ? R - i0 : GRAM_TILE;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, t, d, h->scale, h->q + (size_t)i0 * d, d, kc, d, 0.0f,
+                    Z, t);
+        kept_tile(tg->m + i0, tg->y + i0, tg->Y + (size_t)i0 * d, n, t, d, Z, X, Xd, Yd, bn, drop, i0 == 0);
+    }
+    free(Z), free(X), free(Xd), free(Yd);
+    if (!ok) {
+        kf_beta_normal_free(bn);
+        kf_value_gram_free(drop);
+        return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the kept keys' normal equations (R %d, t %d)", R, t);
+    }
+    for (int r = 0; r < t; r++)
+        for (int c = 0; c < r; c++)
+            bn->G[(size_t)r * t + c] = bn->G[(size_t)c * t + r];
+    gram_finish(drop);
+    return KF_OK;
+}
+
+void kf_value_gram_add(kf_value_gram *acc, const kf_value_gram *part) {
+    const int t = acc->t, d = acc->d;
+    for (size_t k = 0; k < (size_t)t * t; k++)
+        acc->G[k] += part->G[k];
+    for (size_t k = 0; k < (size_t)t * d; k++)
+        acc->B[k] += part->B[k];
+    acc->tr = 0;
+    for (int j = 0; j < t; j++)
+        acc->tr += acc->G[(size_t)j * t + j];
 }
 
 kf_status kf_am_fit_values_ridge(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
                                  const float *beta, int t, const float *Y, double alpha, const float *v0,
                                  size_t v0_stride, float *values, kf_am_stats *stats, kf_error *err) {
-    if (!(alpha > 0))
-        return kf_am_fit_values(q, R, d, scale, keys, key_stride, beta, t, Y, values, stats, err);
     kf_value_gram g;
     KF_TRY(kf_value_gram_build(q, R, d, scale, keys, key_stride, beta, t, Y, &g, err));
     kf_status rc = kf_value_gram_solve(&g, alpha, v0, v0_stride, values, stats, err);

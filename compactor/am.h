@@ -12,7 +12,14 @@
  *             equations, tiny ridge towards w = 1; see am.c for why not fp32 QR), clamped to
  *             [e^-3, e^3] (w = 1 instead if that fits better), then two projected-gradient steps
  *             with step 1/L, L = ||M||_2^2 from power iteration (fixed seed); beta = ln w.
- *   values    C_v = argmin ||X C_v - Y||_F with X = softmax_j(s q_i.c_j + beta_j) over the kept keys.
+ *   values    C_v = argmin ||X C_v - Y||_F with X = softmax_j(s q_i.c_j + beta_j) over the kept keys
+ *             (the compactor's fits: fp64 normal equations with a safety ridge of 1e-6 tr(X^T X)/t,
+ *             kf_am_fit_values_ridge; kf_am_fit_values is the plain QR least squares). On ill-
+ *             conditioned heads QR's exact solution reached |values| 5,190 (records-qwen3, am,
+ *             budget 0.1; 888 with the ridge; drop's stay below 36) and 2,183 (records-llama3-
+ *             induct; 36 with the ridge); the ridged fit is also the one the per-head choice
+ *             validates. beta, drop and fold build their normal equations in row tiles: no R x t
+ *             matrix is held.
  *
  * Softmax domains (a classic source of silent errors): targets and selection use the document
  * block only without bias; M uses unnormalised exponentials shifted by the block's row max; X uses
@@ -72,6 +79,24 @@ kf_status kf_am_fit_beta(const kf_am_head *h, const kf_am_targets *tg, const int
 kf_status kf_am_fit_beta_ex(const kf_am_head *h, const kf_am_targets *tg, const int32_t *sel, int t, uint64_t seed,
                             kf_beta_fit fit, float *beta, kf_am_stats *stats, kf_error *err);
 
+/* The beta fit in two halves (issue 14: work shared between the per-head choice and the refit):
+ * its fp64 normal equations over the kept keys kc [t, d] (contiguous) on the first h->R rows,
+ * G = M^T M [t, t] (full), b = M^T y [t], yy = y^T y with M_ij = exp(s q_i.k_j - m_i), built in
+ * row tiles (M is never held whole; h->k unused); then the fit from them alone. Normal equations
+ * of disjoint row sets add: training rows + validation rows = all rows.
+ * kf_am_fit_beta_ex == kf_beta_normal_build then kf_am_fit_beta_normal. */
+typedef struct {
+    double *G, *b;
+    double yy;
+    int t;
+} kf_beta_normal;
+kf_status kf_beta_normal_build(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
+                               kf_beta_normal *out, kf_error *err);
+void kf_beta_normal_add(kf_beta_normal *acc, const kf_beta_normal *part);
+kf_status kf_am_fit_beta_normal(const kf_beta_normal *ne, uint64_t seed, kf_beta_fit fit, float *beta,
+                                kf_am_stats *stats, kf_error *err);
+void kf_beta_normal_free(kf_beta_normal *ne);
+
 /* Box-constrained least squares from its normal equations: w = argmin w^T G w / 2 - b^T w with
  * lo <= w <= hi, G [t, t] symmetric PSD (fp64, full), by cyclic coordinate descent from w (in and
  * out, clamped first). Stops when every projected gradient is below tol * max(|b|, |G w|) or after
@@ -87,17 +112,21 @@ kf_status kf_am_fit_values(const float *q, int R, int d, float scale, const floa
 /* Tikhonov-regularised value refit (issue 12):
  *   values = argmin ||X values - Y||_F^2 + mu ||values - V0||_F^2,   mu = alpha * tr(X^T X) / t
  * towards V0 [t, d] (row stride v0_stride; NULL: towards zero), i.e. (X^T X + mu I) values =
- * X^T Y + mu V0 in fp64. alpha = 0 is kf_am_fit_values (least squares, QR). */
+ * X^T Y + mu V0 in fp64, with mu at least 1e-6 tr(X^T X) / t (kf_value_gram_solve): alpha = 0 is the
+ * least-squares fit the per-head choice validated (normal equations with that safety ridge, not
+ * kf_am_fit_values' QR: issue 14, one exponential pass and tiles instead of an R x t QR). */
 kf_status kf_am_fit_values_ridge(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
                                  const float *beta, int t, const float *Y, double alpha, const float *v0,
                                  size_t v0_stride, float *values, kf_am_stats *stats, kf_error *err);
 
 /* The normal equations of one value refit, built once and solved for several alphas (the per-head
- * choice). G = X^T X [t, t] (full), B = X^T Y [t, d], fp64. */
+ * choice). G = X^T X [t, t] (full), B = X^T Y [t, d], fp64, accumulated over tiles of rows (X is never
+ * held whole). */
 typedef struct {
     double *G, *B;
     double tr; /* tr(G) */
     int t, d;
+    double *A, *Bs; /* [t, t], [t, d] the solves' scratch (one solve at a time per gram) */
 } kf_value_gram;
 
 kf_status kf_value_gram_build(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
@@ -105,6 +134,13 @@ kf_status kf_value_gram_build(const float *q, int R, int d, float scale, const f
 /* mu = max(alpha, 1e-6) * tr / t (the floor is the least-squares fallback's safety ridge). */
 kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float *v0, size_t v0_stride, float *values,
                               kf_am_stats *stats, kf_error *err);
+/* Beta's normal equations and drop's value refit (the kept keys without bias) in one pass over
+ * the rows: one logit GEMM per row tile for both; each equal to its own build
+ * (kf_beta_normal_build, kf_value_gram_build with beta NULL). */
+kf_status kf_kept_normal_build(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
+                               kf_beta_normal *bn, kf_value_gram *drop, kf_error *err);
+/* acc += part (the same keys and bias on another set of rows: training + validation = all). */
+void kf_value_gram_add(kf_value_gram *acc, const kf_value_gram *part);
 void kf_value_gram_free(kf_value_gram *g);
 
 #endif

@@ -170,64 +170,113 @@ static kf_status fold_selection(const float *q, int R, int d, float scale, doubl
     return KF_OK;
 }
 
-/* Score every value refit alpha of one (keys, bias) candidate; updates best. */
+/* Score every value refit alpha of one (keys, bias) candidate from its normal equations gm;
+ * updates best. The candidate's attention weights on the validation rows are computed once for
+ * the whole grid (they do not depend on the values) and stay in val for the caller (keep reuses
+ * drop's). */
+static kf_status score_alphas(const kf_value_gram *gm, const float *keys, const float *bias, int t, int d,
+                              const float *v0, kf_method method, double lambda, double penalty, kf_val_head *val,
+                              float *vals, kf_head_pick *best, kf_error *err) {
+    const kf_kv_block cb = {keys, NULL, (size_t)d, bias, t};
+    kf_status rc = kf_val_attend(val, &cb) == 0
+                       ? KF_OK
+                       : kf_fail(err, KF_ERR_NOMEM, "compact: out of memory in the per-head validation");
+    for (size_t a = 0; a < sizeof kAlphaGrid / sizeof *kAlphaGrid && rc == KF_OK; a++) {
+        rc = kf_value_gram_solve(gm, kAlphaGrid[a], v0, d, vals, NULL, err);
+        const double e = rc == KF_OK ? kf_val_err_values(val, vals, (size_t)d) * penalty : NAN;
+        if (rc == KF_OK && e < best->err)
+            *best = (kf_head_pick){method, lambda, kAlphaGrid[a], e};
+    }
+    return rc;
+}
+
+/* score_alphas with the candidate's normal equations built on the training rows. */
 static kf_status try_alphas(const kf_am_head *htr, const float *Ytr, const float *keys, const float *bias, int t,
                             const float *v0, kf_method method, double lambda, double penalty, kf_val_head *val,
                             float *vals, kf_head_pick *best, kf_error *err) {
     kf_value_gram gm;
     KF_TRY(kf_value_gram_build(htr->q, htr->R, htr->d, htr->scale, keys, htr->d, bias, t, Ytr, &gm, err));
-    kf_status rc = KF_OK;
-    for (size_t a = 0; a < sizeof kAlphaGrid / sizeof *kAlphaGrid && rc == KF_OK; a++) {
-        rc = kf_value_gram_solve(&gm, kAlphaGrid[a], v0, htr->d, vals, NULL, err);
-        const kf_kv_block cb = {keys, vals, (size_t)htr->d, bias, t};
-        const double e = rc == KF_OK ? kf_val_err(val, &cb) * penalty : NAN;
-        if (rc == KF_OK && isnan(e))
-            rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory in the per-head validation");
-        if (rc == KF_OK && e < best->err)
-            *best = (kf_head_pick){method, lambda, kAlphaGrid[a], e};
-    }
+    const kf_status rc = score_alphas(&gm, keys, bias, t, htr->d, v0, method, lambda, penalty, val, vals, best, err);
     kf_value_gram_free(&gm);
     return rc;
 }
 
+/* The fold candidates: u fitted on the training rows for each lambda of the grid (the queries'
+ * mean and covariance computed once), the kept keys folded along it, every alpha scored. */
+static kf_status try_folds(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr, const float *kc,
+                           const float *beta, int t, const float *v0, kf_val_head *val, float *u, float *keys,
+                           float *vals, kf_head_pick *best, kf_error *err) {
+    kf_fold_cov cov;
+    KF_TRY(kf_fold_cov_compute(htr->q, htr->R, htr->d, &cov, err));
+    kf_status rc = KF_OK;
+    for (size_t li = 0; li < sizeof kLambdaGrid / sizeof *kLambdaGrid && rc == KF_OK; li++) {
+        const double lambda = kLambdaGrid[li] * p->lambda_rel;
+        kf_fold_info fi;
+        rc = kf_fold_direction_cov(&cov, lambda, u, &fi, err);
+        if (rc == KF_OK && fi.ok) {
+            kf_fold_keys(kc, htr->d, beta, t, htr->d, htr->scale, u, keys, htr->d);
+            rc = try_alphas(htr, ttr->Y, keys, NULL, t, v0, KF_METHOD_FOLD, lambda, 1 + p->choice_margin, val, vals,
+                            best, err);
+        }
+    }
+    kf_fold_cov_free(&cov);
+    return rc;
+}
+
+/* The choice's candidates other than keep: the method's (am, fold: beta fitted on the training
+ * rows, from one pass that also builds drop's normal equations) and drop; keep's weights are
+ * drop's, left in val. bn, dg: the training rows' normal equations (for the refit). */
+static kf_status choose_fits(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr, int t,
+                             const float *kc, const float *v0, kf_val_head *val, uint64_t seed, float *beta, float *u,
+                             float *keys, float *vals, kf_beta_normal *bn, kf_value_gram *dg, kf_head_pick *best,
+                             kf_error *err) {
+    const int d = htr->d;
+    if (p->method == KF_METHOD_AM || p->method == KF_METHOD_FOLD) {
+        KF_TRY(kf_kept_normal_build(htr, ttr, kc, t, bn, dg, err));
+        KF_TRY(kf_am_fit_beta_normal(bn, seed, p->beta_fit, beta, NULL, err));
+        if (p->method == KF_METHOD_AM)
+            KF_TRY(try_alphas(htr, ttr->Y, kc, beta, t, v0, KF_METHOD_AM, 0, 1 + p->choice_margin, val, vals, best,
+                              err));
+        else
+            KF_TRY(try_folds(p, htr, ttr, kc, beta, t, v0, val, u, keys, vals, best, err));
+    } else {
+        KF_TRY(kf_value_gram_build(htr->q, htr->R, d, htr->scale, kc, d, NULL, t, ttr->Y, dg, err));
+    }
+    return score_alphas(dg, kc, NULL, t, d, v0, KF_METHOD_DROP, p->lambda_rel, 1, val, vals, best, err);
+}
+
+void kf_choice_fits_free(kf_choice_fits *f) {
+    kf_beta_normal_free(&f->beta);
+    kf_value_gram_free(&f->drop);
+}
+
 kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr,
                          const int32_t *sel, int t, const float *kc, const float *vo, kf_val_head *val, uint64_t seed,
-                         kf_head_pick *best, kf_error *err) {
+                         kf_head_pick *best, kf_choice_fits *keep, kf_error *err) {
+    (void)sel; /* the kept keys are kc */
     const int d = htr->d;
     float *beta = malloc(sizeof(float) * (size_t)(t ? t : 1)), *u = malloc(sizeof(float) * (size_t)d);
     float *keys = malloc(sizeof(float) * (size_t)(t ? t : 1) * d), *vals = malloc(sizeof(float) * (size_t)(t ? t : 1) * d);
     const float *v0 = p->ridge_to == KF_RIDGE_TO_ORIG ? vo : NULL;
+    kf_choice_fits f = {0};
     *best = (kf_head_pick){KF_METHOD_KEEP, p->lambda_rel, 0, INFINITY};
     kf_status rc = KF_OK;
-    if (!beta || !u || !keys || !vals) {
-        rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the per-head choice (t %d)", t);
-        goto out;
-    }
-    if (p->method == KF_METHOD_AM || p->method == KF_METHOD_FOLD) {
-        if ((rc = kf_am_fit_beta_ex(htr, ttr, sel, t, seed, p->beta_fit, beta, NULL, err)) != KF_OK)
-            goto out;
-        if (p->method == KF_METHOD_AM &&
-            (rc = try_alphas(htr, ttr->Y, kc, beta, t, v0, KF_METHOD_AM, 0, 1 + p->choice_margin, val, vals, best, err)) != KF_OK)
-            goto out;
-        for (size_t li = 0; p->method == KF_METHOD_FOLD && li < sizeof kLambdaGrid / sizeof *kLambdaGrid; li++) {
-            const double lambda = kLambdaGrid[li] * p->lambda_rel;
-            kf_fold_info fi;
-            if ((rc = fold_selection(htr->q, htr->R, d, htr->scale, lambda, kc, beta, t, u, keys, &fi, err)) != KF_OK ||
-                (fi.ok && (rc = try_alphas(htr, ttr->Y, keys, NULL, t, v0, KF_METHOD_FOLD, lambda, 1 + p->choice_margin, val, vals, best,
-                                           err)) != KF_OK))
-                goto out;
-        }
-    }
-    if (p->method != KF_METHOD_KEEP &&
-        (rc = try_alphas(htr, ttr->Y, kc, NULL, t, v0, KF_METHOD_DROP, p->lambda_rel, 1, val, vals, best, err)) != KF_OK)
-        goto out;
     const kf_kv_block kb = {kc, vo, (size_t)d, NULL, t};
-    const double e = kf_val_err(val, &kb);
-    if (isnan(e))
+    if (!beta || !u || !keys || !vals)
+        rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the per-head choice (t %d)", t);
+    else if (p->method != KF_METHOD_KEEP)
+        rc = choose_fits(p, htr, ttr, t, kc, v0, val, seed, beta, u, keys, vals, &f.beta, &f.drop, best, err);
+    else if (kf_val_attend(val, &kb) != 0) /* keep alone: the kept keys' weights */
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory in the per-head validation");
-    else if (e < best->err)
-        *best = (kf_head_pick){KF_METHOD_KEEP, p->lambda_rel, 0, e};
-out:
+    if (rc == KF_OK) {
+        const double e = kf_val_err_values(val, vo, (size_t)d);
+        if (e < best->err)
+            *best = (kf_head_pick){KF_METHOD_KEEP, p->lambda_rel, 0, e};
+    }
+    if (rc == KF_OK && keep)
+        *keep = f; /* the refit adds the validation rows' part */
+    else
+        kf_choice_fits_free(&f);
     free(beta), free(u), free(keys), free(vals);
     return rc;
 }
@@ -253,6 +302,7 @@ static void appended_free(appended_kv *a) {
  * tr (m, y, Y), validation queries into val_q with weights, appended blocks and visible counts. */
 typedef struct {
     float *tr_q, *tr_m, *tr_y, *tr_Y, *val_q;
+    float *val_m, *val_y, *val_Y; /* the validation rows' targets (the refit adds their part) */
     double *val_w;
     const kf_kv_block **val_app;
     int *val_vis;
@@ -262,6 +312,7 @@ typedef struct {
 
 static void split_free(head_split *s) {
     free(s->tr_q), free(s->tr_m), free(s->tr_y), free(s->tr_Y), free(s->val_q), free(s->val_w);
+    free(s->val_m), free(s->val_y), free(s->val_Y);
     free((void *)s->val_app), free(s->val_vis), free(s->blocks);
     memset(s, 0, sizeof *s);
 }
@@ -274,11 +325,15 @@ static int split_alloc(head_split *s, int64_t R, int64_t n_val, int d, int n_src
     s->tr_y = malloc(sizeof(float) * (size_t)n_tr);
     s->tr_Y = malloc(sizeof(float) * (size_t)n_tr * d);
     s->val_q = malloc(sizeof(float) * (size_t)n_val * d);
+    s->val_m = malloc(sizeof(float) * (size_t)(n_val ? n_val : 1));
+    s->val_y = malloc(sizeof(float) * (size_t)(n_val ? n_val : 1));
+    s->val_Y = malloc(sizeof(float) * (size_t)(n_val ? n_val : 1) * d);
     s->val_w = malloc(sizeof(double) * (size_t)n_val);
     s->val_app = malloc(sizeof(*s->val_app) * (size_t)n_val);
     s->val_vis = malloc(sizeof(int) * (size_t)n_val);
     s->blocks = calloc((size_t)n_src, sizeof *s->blocks);
-    return s->tr_q && s->tr_m && s->tr_y && s->tr_Y && s->val_q && s->val_w && s->val_app && s->val_vis && s->blocks
+    return s->tr_q && s->tr_m && s->tr_y && s->tr_Y && s->val_q && s->val_w && s->val_app && s->val_vis && s->blocks &&
+                   s->val_m && s->val_y && s->val_Y
                ? 0
                : -1;
 }
@@ -308,6 +363,8 @@ static void split_head(head_split *s, const kf_refq *rq, const float *q, const k
                 continue;
             }
             memcpy(s->val_q + (size_t)nv * d, q + (size_t)r * d, sizeof(float) * d);
+            memcpy(s->val_Y + (size_t)nv * d, tg->Y + (size_t)r * d, sizeof(float) * d);
+            s->val_m[nv] = tg->m[r], s->val_y[nv] = tg->y[r];
             const int probe = rq->source[k] == KF_REFQ_PROBE;
             /* probe rows weigh half of the total when there are both kinds */
             s->val_w[nv] = n_probe && n_other ? 0.5 / (double)(probe ? n_probe : n_other) : 1.0;
@@ -761,9 +818,9 @@ static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, 
         return KF_OK;
     ts = now_s();
     split_head(sp, &x->rq, hs->q, &hs->tg, x->is_val, x->pos_src, x->pos_local, &x->ap, l, g);
-    const kf_kv_block orig = {hs->h.k, hs->h.v, row, NULL, x->n_doc};
-    kf_status rc = kf_val_head_init(&hs->vh, sp->val_q, (int)sp->n_val, x->d, x->scale, sp->val_w, &orig,
-                                    sp->val_app, sp->val_vis, err);
+    /* the original block's attention on the validation rows is their targets */
+    kf_status rc = kf_val_head_init_targets(&hs->vh, sp->val_q, (int)sp->n_val, x->d, x->scale, sp->val_w, sp->val_m,
+                                            sp->val_y, sp->val_Y, sp->val_app, sp->val_vis, err);
     if (rc != KF_OK) {
         kf_am_targets_free(&hs->tg);
         return rc;
@@ -818,17 +875,68 @@ static int probe_rows(const kf_refq *rq, const float *q, int d, float *qsub) {
     return n;
 }
 
-/* beta, the fold and the values of the picked candidate, fitted on hf/tf, then written. */
+/* The rows the choice held out, as a head and targets (their part of the refit on all the rows). */
+static void val_rows(const head_shared *hs, kf_am_head *hv, kf_am_targets *tv) {
+    *hv = hs->h;
+    hv->q = hs->sp->val_q, hv->R = (int)hs->sp->n_val;
+    *tv = (kf_am_targets){hs->sp->val_m, hs->sp->val_y, hs->sp->val_Y, NULL};
+}
+
+/* The picked candidate's beta: from the choice's training normal equations (plus the validation
+ * rows' part with refit_all) when it kept them, else fitted on hf/tf. */
+static kf_status fit_beta(const variant_ws *w, const head_shared *hs, const kf_am_head *hf, const kf_am_targets *tf,
+                          kf_choice_fits *fits, int th, uint64_t seed, kf_error *err) {
+    const kf_compact_params *p = &w->p;
+    kf_am_stats *st = &w->out->stats.solver;
+    if (!fits || !fits->beta.G)
+        return kf_am_fit_beta_ex(hf, tf, w->sel, th, seed, p->beta_fit, w->beta, st, err);
+    if (p->refit_all) {
+        kf_am_head hv;
+        kf_am_targets tv;
+        kf_beta_normal part;
+        val_rows(hs, &hv, &tv);
+        KF_TRY(kf_beta_normal_build(&hv, &tv, w->kc, th, &part, err));
+        kf_beta_normal_add(&fits->beta, &part);
+        kf_beta_normal_free(&part);
+    }
+    return kf_am_fit_beta_normal(&fits->beta, seed, p->beta_fit, w->beta, st, err);
+}
+
+/* The values for keys kk [th, d] (bias: am's beta): drop's from the choice's training normal
+ * equations (plus the validation rows' part with refit_all) when it kept them, else fitted on
+ * hf/tf. */
+static kf_status fit_values(const kf_compact_prep *x, variant_ws *w, const head_shared *hs, const kf_am_head *hf,
+                            const kf_am_targets *tf, kf_choice_fits *fits, kf_method method, const float *kk,
+                            double alpha, int th, kf_error *err) {
+    const kf_compact_params *p = &w->p;
+    const float *v0 = p->ridge_to == KF_RIDGE_TO_ORIG ? w->vo : NULL;
+    kf_am_stats *st = &w->out->stats.solver;
+    if (method != KF_METHOD_DROP || !fits || !fits->drop.G)
+        return kf_am_fit_values_ridge(hf->q, hf->R, x->d, x->scale, kk, x->d, method == KF_METHOD_AM ? w->beta : NULL,
+                                      th, tf->Y, alpha, v0, x->d, w->vals, st, err);
+    if (p->refit_all) {
+        kf_value_gram part;
+        const head_split *sp = hs->sp;
+        KF_TRY(kf_value_gram_build(sp->val_q, (int)sp->n_val, x->d, x->scale, kk, x->d, NULL, th, sp->val_Y, &part,
+                                   err));
+        kf_value_gram_add(&fits->drop, &part);
+        kf_value_gram_free(&part);
+    }
+    return kf_value_gram_solve(&fits->drop, alpha, v0, x->d, w->vals, st, err);
+}
+
+/* beta, the fold and the values of the picked candidate, fitted on hf/tf (or from what the
+ * choice kept in fits, NULL: nothing), then written. */
 static kf_status variant_fit(const kf_compact_prep *x, variant_ws *w, const head_shared *hs, const kf_am_head *hf,
-                             const kf_am_targets *tf, const kf_head_pick *pick, int th, float *qsub, kf_error *err) {
+                             const kf_am_targets *tf, const kf_head_pick *pick, kf_choice_fits *fits, int th,
+                             float *qsub, kf_error *err) {
     kf_compacted *out = w->out;
     const kf_compact_params *p = &w->p;
     const int d = x->d, hi = hs->l * x->kvh + hs->g;
     kf_method method = pick->method;
     double ts = now_s();
     if (method != KF_METHOD_KEEP && method != KF_METHOD_DROP) {
-        KF_TRY(kf_am_fit_beta_ex(hf, tf, w->sel, th, p->seed + (uint64_t)hi, p->beta_fit, w->beta,
-                                 &out->stats.solver, err));
+        KF_TRY(fit_beta(w, hs, hf, tf, fits, th, p->seed + (uint64_t)hi, err));
         out->stats.beta_s += now_s() - ts;
     }
     const float *kk = w->kc; /* [th, d] keys the values are fitted for */
@@ -855,9 +963,7 @@ static kf_status variant_fit(const kf_compact_prep *x, variant_ws *w, const head
     }
     if (method != KF_METHOD_KEEP) {
         ts = now_s();
-        KF_TRY(kf_am_fit_values_ridge(hf->q, hf->R, d, x->scale, kk, d, method == KF_METHOD_AM ? w->beta : NULL, th,
-                                      tf->Y, pick->alpha, p->ridge_to == KF_RIDGE_TO_ORIG ? w->vo : NULL, d, w->vals,
-                                      &out->stats.solver, err));
+        KF_TRY(fit_values(x, w, hs, hf, tf, fits, method, kk, pick->alpha, th, err));
         out->stats.values_s += now_s() - ts;
         out->stats.heads_ridged += pick->alpha > 0;
         out->head_alpha[hi] = (float)pick->alpha;
@@ -885,18 +991,22 @@ static kf_status variant_head(const kf_compact_prep *x, variant_ws *w, head_shar
     kf_head_pick pick = {p->method, p->lambda_rel, p->value_ridge, 0};
     kf_am_head hf = hs->h; /* the rows the final beta, u and values are fitted on */
     kf_am_targets tf = hs->tg;
+    kf_choice_fits fits = {0}; /* what the choice keeps for the refit */
     if (w->choice) {
         ts = now_s();
         const head_split *sp = hs->sp;
         kf_am_head htr = hs->h;
         htr.q = sp->tr_q, htr.R = (int)sp->n_tr;
         kf_am_targets ttr = {sp->tr_m, sp->tr_y, sp->tr_Y, NULL};
-        KF_TRY(kf_choose_head(p, &htr, &ttr, w->sel, th, w->kc, w->vo, &hs->vh, p->seed + (uint64_t)hi, &pick, err));
+        KF_TRY(kf_choose_head(p, &htr, &ttr, w->sel, th, w->kc, w->vo, &hs->vh, p->seed + (uint64_t)hi, &pick, &fits,
+                              err));
         if (!p->refit_all) /* ship the fit that was validated */
             hf = htr, tf = ttr;
         out->stats.choice_s += hs->split_s + (now_s() - ts);
     }
-    return variant_fit(x, w, hs, &hf, &tf, &pick, th, qsub, err);
+    const kf_status rc = variant_fit(x, w, hs, &hf, &tf, &pick, w->choice ? &fits : NULL, th, qsub, err);
+    kf_choice_fits_free(&fits);
+    return rc;
 }
 
 /* ---- the solve over the KV heads of a layer, in parallel (backend.h's parallel_for) ---- */

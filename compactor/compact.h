@@ -127,16 +127,27 @@ typedef struct {
 
 /* One head's choice (what kf_compact does per head when the choice is on): candidates fitted on
  * the training rows train / train_tg (targets m, y, Y of those rows), scored by kf_val_err on val;
- * kc, vo [t, d]: the kept keys and their original values (contiguous). Ties keep the earlier
- * candidate: the method itself, then drop, then keep; grids in ascending order. */
+ * kc, vo [t, d]: the kept keys and their original values (contiguous; sel, their positions, is
+ * not read: train->k may be any block). Ties keep the earlier candidate: the method itself, then
+ * drop, then keep; grids in ascending order. */
 typedef struct {
     kf_method method;
     double lambda, alpha, err; /* the fold's lambda_rel, the refit's alpha, the validation error */
 } kf_head_pick;
 
+/* What kf_choose_head keeps for the refit when asked (issue 14: shared, not rebuilt): the training
+ * rows' normal equations over the kept keys, beta's (am, fold; beta.G NULL: none) and drop's value
+ * refit (drop.G NULL: none); the refit on all the rows adds the validation rows' part. */
+typedef struct {
+    kf_beta_normal beta;
+    kf_value_gram drop;
+} kf_choice_fits;
+void kf_choice_fits_free(kf_choice_fits *f);
+
+/* keep: NULL, or receives what the refit can reuse (freed by the caller, also on failure). */
 kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *train, const kf_am_targets *train_tg,
                          const int32_t *sel, int t, const float *kc, const float *vo, kf_val_head *val, uint64_t seed,
-                         kf_head_pick *best, kf_error *err);
+                         kf_head_pick *best, kf_choice_fits *keep, kf_error *err);
 
 /* The full context is prefix + doc + suffix (prefix/suffix may be empty: n = 0). */
 kf_status kf_compact(kf_model *m, const kf_prompt *prefix, const kf_prompt *doc, const kf_prompt *suffix,

@@ -1,6 +1,7 @@
 #include "compactor/diag.h"
 
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -87,29 +88,38 @@ void kf_val_head_free(kf_val_head *v) {
     free(v->o_a);
     free(v->o_full);
     free(v->Z);
+    free(v->lse_b);
+    free(v->o_b);
+    free(v->tmp);
     memset(v, 0, sizeof *v);
 }
 
-/* Softmax attention of every query over one block: lse [n] and output o [n, d]. */
-static int block_attend(kf_val_head *v, const kf_kv_block *b, double *lse, float *o) {
-    const int n = v->n, d = v->d;
+/* Z [v->n, nk] holds the candidate's attention weights (grown when needed); 0 or -1. */
+static int z_reserve(kf_val_head *v, size_t rows, size_t nk) {
+    if (rows * nk <= v->z_cap)
+        return 0;
+    float *z = realloc(v->Z, sizeof(float) * rows * nk);
+    if (!z)
+        return -1;
+    v->Z = z;
+    v->z_cap = rows * nk;
+    return 0;
+}
+
+/* Softmax attention of rows q [n, d] over one block: lse [n] and output o [n, d]; P [n, b->n]
+ * receives the weights. */
+static void block_attend(int n, int d, float scale, const float *q, const kf_kv_block *b, float *P, double *lse,
+                         float *o) {
     if (b->n == 0) {
         for (int i = 0; i < n; i++)
             lse[i] = -INFINITY;
         memset(o, 0, sizeof(float) * (size_t)n * d);
-        return 0;
+        return;
     }
-    if ((size_t)b->n > v->z_cap) {
-        float *z = realloc(v->Z, sizeof(float) * (size_t)n * b->n);
-        if (!z)
-            return -1;
-        v->Z = z;
-        v->z_cap = (size_t)b->n;
-    }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, b->n, d, v->scale, v->q, d, b->k, (int)b->stride, 0.0f,
-                v->Z, b->n);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, b->n, d, scale, q, d, b->k, (int)b->stride, 0.0f, P,
+                b->n);
     for (int i = 0; i < n; i++) {
-        float *z = v->Z + (size_t)i * b->n, mx;
+        float *z = P + (size_t)i * b->n, mx;
         double sum;
         if (b->beta)
             for (int j = 0; j < b->n; j++)
@@ -117,9 +127,9 @@ static int block_attend(kf_val_head *v, const kf_kv_block *b, double *lse, float
         kf_cpu_softmax_row(z, b->n, &mx, &sum);
         lse[i] = mx + log(sum);
     }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, b->n, 1.0f, v->Z, b->n, b->v, (int)b->stride, 0.0f, o,
-                d);
-    return 0;
+    if (o)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, b->n, 1.0f, P, b->n, b->v, (int)b->stride, 0.0f,
+                    o, d);
 }
 
 /* The output over [block | appended] for row i from the block's lse and output. */
@@ -131,72 +141,177 @@ static void mix(const kf_val_head *v, int i, double lse_b, const float *o_b, dou
         out[c] = (wb * o_b[c] + wa * oa[c]) / (wb + wa);
 }
 
-kf_status kf_val_head_init(kf_val_head *v, const float *q, int n, int d, float scale, const double *w,
-                           const kf_kv_block *orig, const kf_kv_block *const *app, const int *visible, kf_error *err) {
+/* A validation row in the order the appended blocks are attended in. */
+typedef struct {
+    const kf_kv_block *a;
+    int vis, i;
+} app_row;
+
+static int by_block_then_visible(const void *x, const void *y) {
+    const app_row *p = x, *q = y;
+    if (p->a != q->a)
+        return (uintptr_t)p->a < (uintptr_t)q->a ? -1 : 1;
+    if (p->vis != q->vis)
+        return p->vis < q->vis ? -1 : 1;
+    return (p->i > q->i) - (p->i < q->i);
+}
+
+/* Rows r [nr] (one appended block, visible counts ascending) in tiles of APP_TILE: Z = s Q K^T over
+ * the tile's largest visible count, each row's causal cut (weights past its count zeroed), the
+ * row softmax, then O = P V. qt, ot [APP_TILE, d] and Z [APP_TILE, a->n] are scratch. */
+#define APP_TILE 64
+static void appended_attend(kf_val_head *v, const app_row *r, int nr, float *qt, float *ot) {
+    const int d = v->d;
+    const kf_kv_block *a = r[0].a;
+    for (int i0 = 0; i0 < nr; i0 += APP_TILE) {
+        const int n = nr - i0 < APP_TILE ? nr - i0 : APP_TILE, nk = r[i0 + n - 1].vis;
+        for (int i = 0; i < n; i++)
+            memcpy(qt + (size_t)i * d, v->q + (size_t)r[i0 + i].i * d, sizeof(float) * d);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, nk, d, v->scale, qt, d, a->k, (int)a->stride, 0.0f,
+                    v->Z, nk);
+        for (int i = 0; i < n; i++) {
+            float *z = v->Z + (size_t)i * nk, mx;
+            double sum;
+            const int vis = r[i0 + i].vis;
+            kf_cpu_softmax_row(z, vis, &mx, &sum);
+            memset(z + vis, 0, sizeof(float) * (size_t)(nk - vis));
+            v->lse_a[r[i0 + i].i] = mx + log(sum);
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, nk, 1.0f, v->Z, nk, a->v, (int)a->stride, 0.0f, ot,
+                    d);
+        for (int i = 0; i < n; i++)
+            memcpy(v->o_a + (size_t)r[i0 + i].i * d, ot + (size_t)i * d, sizeof(float) * d);
+    }
+}
+
+/* lse_a and o_a of every row: the rows grouped by appended block, each group attended in tiles. */
+static int appended_all(kf_val_head *v, const kf_kv_block *const *app, const int *visible) {
+    const int n = v->n, d = v->d;
+    app_row *r = malloc(sizeof *r * (size_t)(n ? n : 1));
+    float *qt = malloc(sizeof(float) * APP_TILE * (size_t)d), *ot = malloc(sizeof(float) * APP_TILE * (size_t)d);
+    int nr = 0, rc = r && qt && ot ? 0 : -1;
+    for (int i = 0; i < n && rc == 0; i++) {
+        const kf_kv_block *a = app ? app[i] : NULL;
+        const int na = a ? (visible ? visible[i] : a->n) : 0;
+        v->lse_a[i] = -INFINITY; /* o_a is zero (calloc) for rows without an appended block */
+        if (na > 0)
+            r[nr++] = (app_row){a, na, i};
+    }
+    if (rc == 0)
+        qsort(r, (size_t)nr, sizeof *r, by_block_then_visible);
+    for (int g0 = 0, g1; rc == 0 && g0 < nr; g0 = g1) {
+        for (g1 = g0; g1 < nr && r[g1].a == r[g0].a; g1++)
+            ;
+        rc = z_reserve(v, APP_TILE, (size_t)r[g1 - 1].vis);
+        if (rc == 0)
+            appended_attend(v, r + g0, g1 - g0, qt, ot);
+    }
+    free(r), free(qt), free(ot);
+    return rc;
+}
+
+/* o_full from the original block's lse_b and o_b (filled by the caller) and the appended block's. */
+static void mix_full(kf_val_head *v) {
+    const int d = v->d;
+    for (int i = 0; i < v->n; i++) {
+        mix(v, i, v->lse_b[i], v->o_b + (size_t)i * d, v->tmp);
+        for (int c = 0; c < d; c++)
+            v->o_full[(size_t)i * d + c] = (float)v->tmp[c];
+    }
+}
+
+/* The original block's attention over row tiles (ORIG_TILE x T weights at a time) into lse_b, o_b. */
+#define ORIG_TILE 256
+static int original_all(kf_val_head *v, const kf_kv_block *orig) {
+    const int n = v->n, d = v->d;
+    if (z_reserve(v, ORIG_TILE, (size_t)orig->n) != 0)
+        return -1;
+    for (int i0 = 0; i0 < n; i0 += ORIG_TILE) {
+        const int m = n - i0 < ORIG_TILE ? n - i0 : ORIG_TILE;
+        block_attend(m, d, v->scale, v->q + (size_t)i0 * d, orig, v->Z, v->lse_b + i0, v->o_b + (size_t)i0 * d);
+    }
+    return 0;
+}
+
+/* The head's buffers, weights and appended blocks (what both initialisations share). */
+static int val_head_common(kf_val_head *v, const float *q, int n, int d, float scale, const double *w,
+                           const kf_kv_block *const *app, const int *visible) {
     memset(v, 0, sizeof *v);
     v->n = n, v->d = d, v->scale = scale, v->q = q;
-    v->w = malloc(sizeof(double) * (size_t)(n ? n : 1));
-    v->lse_a = malloc(sizeof(double) * (size_t)(n ? n : 1));
-    v->o_a = calloc((size_t)(n ? n : 1) * d, sizeof(float));
-    v->o_full = malloc(sizeof(float) * (size_t)(n ? n : 1) * d);
-    double *lse_o = malloc(sizeof(double) * (size_t)(n ? n : 1)), *tmp = malloc(sizeof(double) * (size_t)d);
-    float *o_o = malloc(sizeof(float) * (size_t)(n ? n : 1) * d);
-    if (!v->w || !v->lse_a || !v->o_a || !v->o_full || !lse_o || !tmp || !o_o || block_attend(v, orig, lse_o, o_o)) {
-        free(lse_o), free(tmp), free(o_o);
-        kf_val_head_free(v);
-        return kf_fail(err, KF_ERR_NOMEM, "validation: out of memory (%d queries, %d keys)", n, orig->n);
-    }
+    const size_t n1 = (size_t)(n ? n : 1);
+    v->w = malloc(sizeof(double) * n1);
+    v->lse_a = malloc(sizeof(double) * n1);
+    v->o_a = calloc(n1 * d, sizeof(float));
+    v->o_full = malloc(sizeof(float) * n1 * d);
+    v->lse_b = malloc(sizeof(double) * n1);
+    v->o_b = malloc(sizeof(float) * n1 * d);
+    v->tmp = malloc(sizeof(double) * (size_t)d);
+    if (!v->w || !v->lse_a || !v->o_a || !v->o_full || !v->lse_b || !v->o_b || !v->tmp ||
+        appended_all(v, app, visible) != 0)
+        return -1;
     double wsum = 0;
     for (int i = 0; i < n; i++)
         wsum += (v->w[i] = w ? w[i] : 1.0);
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; i < n; i++)
         v->w[i] = wsum > 0 ? v->w[i] / wsum : 0;
-        const float *qi = q + (size_t)i * d;
-        const kf_kv_block *a = app ? app[i] : NULL;
-        const int na = a ? (visible ? visible[i] : a->n) : 0;
-        double mx = -INFINITY, sum = 0;
-        for (int j = 0; j < na; j++) { /* appended keys, one query at a time (their counts differ) */
-            const double z = scale * cblas_sdot(d, qi, 1, a->k + (size_t)j * a->stride, 1);
-            if (z > mx) {
-                const double f = exp(mx - z);
-                sum *= f;
-                for (int c = 0; c < d; c++)
-                    v->o_a[(size_t)i * d + c] *= (float)f;
-                mx = z;
-            }
-            const double e = exp(z - mx);
-            sum += e;
-            cblas_saxpy(d, (float)e, a->v + (size_t)j * a->stride, 1, v->o_a + (size_t)i * d, 1);
-        }
-        for (int c = 0; na > 0 && c < d; c++)
-            v->o_a[(size_t)i * d + c] = (float)(v->o_a[(size_t)i * d + c] / sum);
-        v->lse_a[i] = na > 0 ? mx + log(sum) : -INFINITY;
-        mix(v, i, lse_o[i], o_o + (size_t)i * d, tmp);
-        for (int c = 0; c < d; c++)
-            v->o_full[(size_t)i * d + c] = (float)tmp[c];
+    return 0;
+}
+
+kf_status kf_val_head_init(kf_val_head *v, const float *q, int n, int d, float scale, const double *w,
+                           const kf_kv_block *orig, const kf_kv_block *const *app, const int *visible, kf_error *err) {
+    if (val_head_common(v, q, n, d, scale, w, app, visible) != 0 || original_all(v, orig) != 0) {
+        kf_val_head_free(v);
+        return kf_fail(err, KF_ERR_NOMEM, "validation: out of memory (%d queries, %d keys)", n, orig->n);
     }
-    free(lse_o), free(tmp), free(o_o);
+    mix_full(v);
     return KF_OK;
 }
 
-double kf_val_err(kf_val_head *v, const kf_kv_block *comp) {
-    const int n = v->n, d = v->d;
-    double *lse = malloc(sizeof(double) * (size_t)(n ? n : 1)), *tmp = malloc(sizeof(double) * (size_t)d);
-    float *o = malloc(sizeof(float) * (size_t)(n ? n : 1) * d);
-    double e = NAN;
-    if (lse && tmp && o && block_attend(v, comp, lse, o) == 0) {
-        e = 0;
-        for (int i = 0; i < n; i++) {
-            mix(v, i, lse[i], o + (size_t)i * d, tmp);
-            double num = 0, den = 0;
-            for (int c = 0; c < d; c++) {
-                const double ref = v->o_full[(size_t)i * d + c], diff = tmp[c] - ref;
-                num += diff * diff;
-                den += ref * ref;
-            }
-            e += v->w[i] * (den > 0 ? sqrt(num / den) : 0);
-        }
+kf_status kf_val_head_init_targets(kf_val_head *v, const float *q, int n, int d, float scale, const double *w,
+                                   const float *m, const float *y, const float *Y, const kf_kv_block *const *app,
+                                   const int *visible, kf_error *err) {
+    if (val_head_common(v, q, n, d, scale, w, app, visible) != 0) {
+        kf_val_head_free(v);
+        return kf_fail(err, KF_ERR_NOMEM, "validation: out of memory (%d queries)", n);
     }
-    free(lse), free(tmp), free(o);
+    for (int i = 0; i < n; i++)
+        v->lse_b[i] = m[i] + log((double)y[i]);
+    memcpy(v->o_b, Y, sizeof(float) * (size_t)n * d);
+    mix_full(v);
+    return KF_OK;
+}
+
+int kf_val_attend(kf_val_head *v, const kf_kv_block *keys) {
+    if (z_reserve(v, (size_t)v->n, (size_t)keys->n) != 0)
+        return -1;
+    block_attend(v->n, v->d, v->scale, v->q, keys, v->Z, v->lse_b, NULL);
+    v->z_n = keys->n;
+    return 0;
+}
+
+double kf_val_err_values(kf_val_head *v, const float *values, size_t stride) {
+    const int n = v->n, d = v->d, nk = v->z_n;
+    if (nk > 0)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, nk, 1.0f, v->Z, nk, values, (int)stride, 0.0f,
+                    v->o_b, d);
+    else
+        memset(v->o_b, 0, sizeof(float) * (size_t)n * d);
+    double e = 0;
+    for (int i = 0; i < n; i++) {
+        mix(v, i, v->lse_b[i], v->o_b + (size_t)i * d, v->tmp);
+        double num = 0, den = 0;
+        for (int c = 0; c < d; c++) {
+            const double ref = v->o_full[(size_t)i * d + c], diff = v->tmp[c] - ref;
+            num += diff * diff;
+            den += ref * ref;
+        }
+        e += v->w[i] * (den > 0 ? sqrt(num / den) : 0);
+    }
     return e;
+}
+
+double kf_val_err(kf_val_head *v, const kf_kv_block *comp) {
+    if (kf_val_attend(v, comp) != 0)
+        return NAN;
+    return kf_val_err_values(v, comp->v, comp->stride);
 }

@@ -47,17 +47,33 @@ typedef struct {
     double *lse_a;   /* [n] appended block's log-sum-exp (-inf: none) */
     float *o_a;      /* [n, d] appended block's output */
     float *o_full;   /* [n, d] original output over [block | appended] */
-    float *Z;        /* scratch [n, z_cap] */
-    size_t z_cap;
+    /* workspace, allocated once per head: */
+    float *Z;        /* [n, z_n] the last attended candidate's weights (scratch in init) */
+    size_t z_cap;    /* floats in Z */
+    int z_n;
+    double *lse_b;   /* [n] the last attended candidate's log-sum-exp */
+    float *o_b;      /* [n, d] its output */
+    double *tmp;     /* [d] */
 } kf_val_head;
 
 /* q [n, d]; w [n] (NULL: uniform; normalised here); app[i] the appended block of row i (NULL:
  * none) of which visible[i] keys are seen. */
 kf_status kf_val_head_init(kf_val_head *v, const float *q, int n, int d, float scale, const double *w,
                            const kf_kv_block *orig, const kf_kv_block *const *app, const int *visible, kf_error *err);
+/* kf_val_head_init with the original block's attention given instead of computed: AM's targets
+ * of these rows (m [n], y [n], Y [n, d]: lse = m + ln y, output Y), which the solve has already. */
+kf_status kf_val_head_init_targets(kf_val_head *v, const float *q, int n, int d, float scale, const double *w,
+                                   const float *m, const float *y, const float *Y, const kf_kv_block *const *app,
+                                   const int *visible, kf_error *err);
 /* Weighted mean relative output error of a compacted block (n keys; beta may be NULL); NAN when
  * out of memory. */
 double kf_val_err(kf_val_head *v, const kf_kv_block *comp);
+/* kf_val_err in two halves, for several value sets on the same keys and bias (the alpha grid):
+ * kf_val_attend keeps the attention weights of keys (keys->v unused) in v (0, or -1 when out of
+ * memory); kf_val_err_values then scores values [keys->n, d] (row stride) with them. Both reuse
+ * v's workspace: no allocation per candidate once Z is large enough. */
+int kf_val_attend(kf_val_head *v, const kf_kv_block *keys);
+double kf_val_err_values(kf_val_head *v, const float *values, size_t stride);
 void kf_val_head_free(kf_val_head *v);
 
 #endif

@@ -9,70 +9,94 @@
 
 #define ROW_TILE 1024
 
-kf_status kf_fold_direction(const float *q, int R, int d, double lambda_rel, float *u, kf_fold_info *info,
-                            kf_error *err) {
-    memset(info, 0, sizeof *info);
-    memset(u, 0, sizeof(float) * d);
+void kf_fold_cov_free(kf_fold_cov *c) {
+    free(c->mu);
+    free(c->S);
+    memset(c, 0, sizeof *c);
+}
+
+kf_status kf_fold_cov_compute(const float *q, int R, int d, kf_fold_cov *c, kf_error *err) {
+    memset(c, 0, sizeof *c);
+    c->R = R, c->d = d;
     if (R <= 0)
         return KF_OK;
-    double *mu = calloc((size_t)d, sizeof(double));
-    double *S = calloc((size_t)d * d, sizeof(double));
-    double *tile = malloc(sizeof(double) * ROW_TILE * (size_t)d);
-    double *a = malloc(sizeof(double) * (size_t)d);
-    kf_status rc = KF_OK;
-    if (!mu || !S || !tile || !a) {
-        rc = kf_fail(err, KF_ERR_NOMEM, "fold: out of memory (d %d)", d);
-        goto out;
+    c->mu = calloc((size_t)d, sizeof(double));
+    c->S = calloc((size_t)d * d, sizeof(double));
+    double *tile = malloc(sizeof(double) * ROW_TILE * (size_t)d); /* [ROW_TILE, d] */
+    if (!c->mu || !c->S || !tile) {
+        free(tile);
+        kf_fold_cov_free(c);
+        return kf_fail(err, KF_ERR_NOMEM, "fold: out of memory (d %d)", d);
     }
+    double *mu = c->mu, *S = c->S;
     for (int i = 0; i < R; i++)
-        for (int c = 0; c < d; c++)
-            mu[c] += q[(size_t)i * d + c];
-    for (int c = 0; c < d; c++)
-        mu[c] /= R;
+        for (int k = 0; k < d; k++)
+            mu[k] += q[(size_t)i * d + k];
+    for (int k = 0; k < d; k++)
+        mu[k] /= R;
     /* Sigma = (1/R) sum (q - mu)(q - mu)^T, accumulated in fp64 tiles */
     for (int i0 = 0; i0 < R; i0 += ROW_TILE) {
         const int n = R - i0 < ROW_TILE ? R - i0 : ROW_TILE;
         for (int i = 0; i < n; i++)
-            for (int c = 0; c < d; c++)
-                tile[(size_t)i * d + c] = q[(size_t)(i0 + i) * d + c] - mu[c];
+            for (int k = 0; k < d; k++)
+                tile[(size_t)i * d + k] = q[(size_t)(i0 + i) * d + k] - mu[k];
         cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, d, n, 1.0 / R, tile, d, 1.0, S, d);
     }
     for (int r = 0; r < d; r++) /* mirror the upper triangle */
-        for (int c = 0; c < r; c++)
-            S[(size_t)r * d + c] = S[(size_t)c * d + r];
+        for (int k = 0; k < r; k++)
+            S[(size_t)r * d + k] = S[(size_t)k * d + r];
+    free(tile);
+    return KF_OK;
+}
+
+kf_status kf_fold_direction_cov(const kf_fold_cov *c, double lambda_rel, float *u, kf_fold_info *info,
+                                kf_error *err) {
+    const int d = c->d;
+    memset(info, 0, sizeof *info);
+    memset(u, 0, sizeof(float) * d);
+    if (c->R <= 0)
+        return KF_OK;
+    const double *mu = c->mu, *S = c->S;
+    double *a = malloc(sizeof(double) * (size_t)d);
+    if (!a)
+        return kf_fail(err, KF_ERR_NOMEM, "fold: out of memory (d %d)", d);
     double tr = 0;
-    for (int c = 0; c < d; c++)
-        tr += S[(size_t)c * d + c];
+    for (int k = 0; k < d; k++)
+        tr += S[(size_t)k * d + k];
     const double lambda = lambda_rel * tr / d + 1e-12;
-    if (kf_spd_solve(S, d, lambda, mu, a) != 0) {
-        info->ok = 0;
-        goto out;
-    }
     double mta = 0;
-    for (int c = 0; c < d; c++)
-        mta += mu[c] * a[c];
+    if (kf_spd_solve(S, d, lambda, mu, a) == 0)
+        for (int k = 0; k < d; k++)
+            mta += mu[k] * a[k];
     info->mu_dot_a = mta;
-    if (!(mta > 1e-12)) {
-        info->ok = 0;
-        goto out;
+    if (!(mta > 1e-12)) { /* no direction (or the solve failed) */
+        free(a);
+        return KF_OK;
     }
     double un = 0, var = 0;
-    for (int c = 0; c < d; c++) {
-        a[c] /= mta;
-        u[c] = (float)a[c];
-        un += a[c] * a[c];
+    for (int k = 0; k < d; k++) {
+        a[k] /= mta;
+        u[k] = (float)a[k];
+        un += a[k] * a[k];
     }
     for (int r = 0; r < d; r++)
-        for (int c = 0; c < d; c++)
-            var += a[r] * S[(size_t)r * d + c] * a[c];
+        for (int k = 0; k < d; k++)
+            var += a[r] * S[(size_t)r * d + k] * a[k];
     info->u_norm = sqrt(un);
     info->var_gain = var;
     info->ok = 1;
-out:
-    free(mu);
-    free(S);
-    free(tile);
     free(a);
+    return KF_OK;
+}
+
+kf_status kf_fold_direction(const float *q, int R, int d, double lambda_rel, float *u, kf_fold_info *info,
+                            kf_error *err) {
+    kf_fold_cov c;
+    memset(info, 0, sizeof *info);
+    memset(u, 0, sizeof(float) * d);
+    KF_TRY(kf_fold_cov_compute(q, R, d, &c, err));
+    const kf_status rc = kf_fold_direction_cov(&c, lambda_rel, u, info, err);
+    kf_fold_cov_free(&c);
     return rc;
 }
 

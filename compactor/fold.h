@@ -24,6 +24,19 @@ typedef struct {
 kf_status kf_fold_direction(const float *q, int R, int d, double lambda_rel, float *u, kf_fold_info *info,
                             kf_error *err);
 
+/* The queries' mean and covariance, computed once for several lambdas (the per-head choice's
+ * grid): kf_fold_direction(q, ...) == kf_fold_cov_compute(q, ...) then kf_fold_direction_cov. */
+typedef struct {
+    double *mu; /* [d] */
+    double *S;  /* [d, d] Sigma, full */
+    int R, d;
+} kf_fold_cov;
+
+kf_status kf_fold_cov_compute(const float *q, int R, int d, kf_fold_cov *out, kf_error *err);
+kf_status kf_fold_direction_cov(const kf_fold_cov *c, double lambda_rel, float *u, kf_fold_info *info,
+                                kf_error *err);
+void kf_fold_cov_free(kf_fold_cov *c);
+
 /* out[j] = keys[j] + beta[j] * u / scale for t keys of width d (row strides in elements). */
 void kf_fold_keys(const float *keys, size_t key_stride, const float *beta, int t, int d, float scale, const float *u,
                   float *out, size_t out_stride);

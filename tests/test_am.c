@@ -593,7 +593,7 @@ static kf_head_pick planted_choice(int dup, float val_sign, kf_ridge_target to, 
     kf_compact_params p = kf_compact_params_default();
     p.method = KF_METHOD_FOLD;
     p.ridge_to = to;
-    CU_ASSERT_EQUAL(kf_choose_head(&p, &h, &tg, sel, t, K, V, &vh, 1, &pick, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_choose_head(&p, &h, &tg, sel, t, K, V, &vh, 1, &pick, NULL, &err), KF_OK);
     /* the errors of keep and of the winner, for the message */
     const kf_kv_block kb = {K, V, d, NULL, t};
     *err_out = kf_val_err(&vh, &kb);

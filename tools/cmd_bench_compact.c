@@ -15,7 +15,8 @@ static const char kHelp[] =
     "Builds one document of about N tokens (default 4000) by concatenating the documents of a\n"
     "records-style JSONL file (fields ids and repeat_instruction_ids), compacts it once, and prints\n"
     "the time of each stage: prefill, repeat prefill (reference queries), selection, beta fit, value\n"
-    "fit and fold, with the ratio of selection + beta + values + fold to the prefill.\n"
+    "fit, fold and the per-head choice, with the ratio of selection + choice + beta + values + fold\n"
+    "to the prefill.\n"
     "\n"
     "Options:\n"
     "  --model DIR      model directory\n"
@@ -122,7 +123,7 @@ int cmd_bench_compact(int argc, char **argv) {
     } else {
         const double total = cli_now() - t0;
         const kf_compact_stats *s = &c.stats;
-        const double work = s->select_s + s->beta_s + s->values_s + s->fold_s;
+        const double work = s->select_s + s->choice_s + s->beta_s + s->values_s + s->fold_s;
         printf("compact %d tokens, %s, budget %g -> C = %lld, %lld queries per KV head\n", n,
                kf_method_name(p.method), p.budget, (long long)c.C, (long long)s->n_queries);
         printf("  %-34s %8.3f s\n", "prefill (document)", s->prefill_s);
@@ -131,8 +132,9 @@ int cmd_bench_compact(int argc, char **argv) {
         printf("  %-34s %8.3f s\n", "beta fit", s->beta_s);
         printf("  %-34s %8.3f s\n", "value fit", s->values_s);
         printf("  %-34s %8.3f s\n", "fold (direction, key shift)", s->fold_s);
+        printf("  %-34s %8.3f s\n", "per-head choice (validation)", s->choice_s);
         printf("  %-34s %8.3f s\n", "total", total);
-        printf("ratio (selection + beta + values + fold) / prefill = %.2f (target <= 0.5)\n", work / s->prefill_s);
+        printf("ratio (selection + choice + beta + values + fold) / prefill = %.2f (target <= 0.5)\n", work / s->prefill_s);
         kf_compacted_free(&c);
     }
     free(ids);

@@ -1,0 +1,310 @@
+/* The per-head choice's building blocks (issue 14: the same results, computed faster): the
+ * validation head's appended and original attention, the validation error, and the fits that
+ * share work, each against an independent fp64 reference computed here. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "compactor/am.h"
+#include "compactor/compact.h"
+#include "compactor/diag.h"
+#include "test_util.h"
+
+/* ---- fp64 references ---- */
+
+/* Attention of q [d] over the first n keys of b (bias included): lse and out [d]; -inf, 0 when n = 0. */
+static double ref_attend(const float *q, int d, double scale, const kf_kv_block *b, int n, double *out) {
+    double *z = malloc(sizeof(double) * (size_t)(n ? n : 1)), mx = -INFINITY, sum = 0;
+    for (int j = 0; j < n; j++) {
+        double dot = 0;
+        for (int c = 0; c < d; c++)
+            dot += (double)q[c] * b->k[(size_t)j * b->stride + c];
+        z[j] = scale * dot + (b->beta ? b->beta[j] : 0.0);
+        mx = fmax(mx, z[j]);
+    }
+    memset(out, 0, sizeof(double) * d);
+    for (int j = 0; j < n; j++) {
+        const double e = exp(z[j] - mx);
+        sum += e;
+        for (int c = 0; c < d; c++)
+            out[c] += e * b->v[(size_t)j * b->stride + c];
+    }
+    for (int c = 0; c < d && n > 0; c++)
+        out[c] /= sum;
+    free(z);
+    return n > 0 ? mx + log(sum) : -INFINITY;
+}
+
+/* The output over [block | appended] from the two blocks' lse and outputs. */
+static void ref_mix(double lb, const double *ob, double la, const double *oa, int d, double *out) {
+    const double m = fmax(lb, la), wb = exp(lb - m), wa = isinf(la) ? 0 : exp(la - m);
+    for (int c = 0; c < d; c++)
+        out[c] = (wb * ob[c] + wa * oa[c]) / (wb + wa);
+}
+
+/* ---- a validation head with several appended blocks ---- */
+
+enum { D = 16, T = 90, NV = 300, NB = 3 };
+
+typedef struct {
+    float K[T * D], V[T * D], Q[NV * D];
+    float AK[NB][200 * D], AV[NB][200 * D];
+    kf_kv_block orig, blocks[NB];
+    const kf_kv_block *app[NV];
+    int vis[NV];
+    double w[NV];
+} val_case;
+
+/* Rows interleaved over three appended blocks (of 200, 150 and 7 keys: more rows than one tile on
+ * the first), every 11th row without one; visible counts from 1 to the whole block. */
+static void make_case(val_case *c) {
+    static const int nb[NB] = {200, 150, 7};
+    kf_test_fill_uniform(c->K, T * D, 1401, -1, 1);
+    kf_test_fill_uniform(c->V, T * D, 1402, -1, 1);
+    kf_test_fill_uniform(c->Q, NV * D, 1403, -2, 2);
+    c->orig = (kf_kv_block){c->K, c->V, D, NULL, T};
+    for (int b = 0; b < NB; b++) {
+        kf_test_fill_uniform(c->AK[b], (size_t)nb[b] * D, 1410 + b, -1.5f, 1.5f);
+        kf_test_fill_uniform(c->AV[b], (size_t)nb[b] * D, 1420 + b, -1, 1);
+        c->blocks[b] = (kf_kv_block){c->AK[b], c->AV[b], D, NULL, nb[b]};
+    }
+    for (int i = 0; i < NV; i++) {
+        const int b = (i * 7) % NB;
+        c->app[i] = i % 11 == 5 ? NULL : &c->blocks[b];
+        c->vis[i] = 1 + (int)(((unsigned)i * 2654435761u) % (unsigned)nb[b]);
+        if (i % 13 == 0)
+            c->vis[i] = nb[b];
+        c->w[i] = 1 + i % 3;
+    }
+}
+
+static void test_val_head_appended(void) {
+    val_case *c = malloc(sizeof *c);
+    make_case(c);
+    const float scale = 0.35f;
+    kf_val_head vh;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_val_head_init(&vh, c->Q, NV, D, scale, c->w, &c->orig, c->app, c->vis, &err), KF_OK);
+    double oa[D], ob[D], of[D], worst_o = 0, worst_l = 0, worst_f = 0;
+    int lse_inf_ok = 1;
+    for (int i = 0; i < NV; i++) {
+        const float *q = c->Q + (size_t)i * D;
+        const double la = c->app[i] ? ref_attend(q, D, scale, c->app[i], c->vis[i], oa) : -INFINITY;
+        if (!c->app[i])
+            memset(oa, 0, sizeof oa);
+        const double lb = ref_attend(q, D, scale, &c->orig, T, ob);
+        ref_mix(lb, ob, la, oa, D, of);
+        if (isinf(la))
+            lse_inf_ok &= isinf(vh.lse_a[i]) && vh.lse_a[i] < 0;
+        else
+            worst_l = fmax(worst_l, fabs(vh.lse_a[i] - la));
+        for (int k = 0; k < D; k++) {
+            worst_o = fmax(worst_o, fabs(vh.o_a[(size_t)i * D + k] - oa[k]));
+            worst_f = fmax(worst_f, fabs(vh.o_full[(size_t)i * D + k] - of[k]));
+        }
+    }
+    printf("\n    appended: max |lse - ref| %.2e, |o_a - ref| %.2e; |o_full - ref| %.2e\n", worst_l, worst_o, worst_f);
+    CU_ASSERT(lse_inf_ok);
+    CU_ASSERT(worst_l < 1e-5);
+    CU_ASSERT(worst_o < 1e-5);
+    CU_ASSERT(worst_f < 1e-5);
+    double ws = 0;
+    for (int i = 0; i < NV; i++)
+        ws += vh.w[i];
+    CU_ASSERT(fabs(ws - 1) < 1e-12);
+    /* the same head from AM's targets of these rows instead of the original block's attention */
+    kf_am_head h = {c->K, D, c->V, D, T, c->Q, NV, D, scale};
+    kf_am_targets tg;
+    kf_val_head vt;
+    CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_val_head_init_targets(&vt, c->Q, NV, D, scale, c->w, tg.m, tg.y, tg.Y, c->app, c->vis, &err),
+                          KF_OK);
+    double worst_t = 0;
+    for (size_t k = 0; k < (size_t)NV * D; k++)
+        worst_t = fmax(worst_t, fabs(vt.o_full[k] - vh.o_full[k]));
+    printf("    from the targets: max |o_full - computed| %.2e\n", worst_t);
+    CU_ASSERT(worst_t < 1e-5);
+    kf_val_head_free(&vt);
+    kf_am_targets_free(&tg);
+    kf_val_head_free(&vh);
+    free(c);
+}
+
+/* The weighted mean relative error of a candidate (keys with a bias, values) against fp64. */
+static double ref_val_err(const val_case *c, float scale, const kf_kv_block *comp) {
+    double wsum = 0, e = 0, oa[D], ob[D], of[D], oc[D], mc[D];
+    for (int i = 0; i < NV; i++)
+        wsum += c->w[i];
+    for (int i = 0; i < NV; i++) {
+        const float *q = c->Q + (size_t)i * D;
+        const double la = c->app[i] ? ref_attend(q, D, scale, c->app[i], c->vis[i], oa) : -INFINITY;
+        if (!c->app[i])
+            memset(oa, 0, sizeof oa);
+        const double lb = ref_attend(q, D, scale, &c->orig, T, ob);
+        ref_mix(lb, ob, la, oa, D, of);
+        const double lc = ref_attend(q, D, scale, comp, comp->n, oc);
+        ref_mix(lc, oc, la, oa, D, mc);
+        double num = 0, den = 0;
+        for (int k = 0; k < D; k++)
+            num += (mc[k] - of[k]) * (mc[k] - of[k]), den += of[k] * of[k];
+        e += c->w[i] / wsum * sqrt(num / den);
+    }
+    return e;
+}
+
+static void test_val_err_reference(void) {
+    val_case *c = malloc(sizeof *c);
+    make_case(c);
+    const float scale = 0.35f;
+    enum { t = 20 };
+    float beta[t], v1[t * 4 * D], v2[t * 4 * D]; /* row stride 4 D, as the keys */
+    kf_test_fill_uniform(beta, t, 1431, -1, 1);
+    kf_test_fill_uniform(v1, t * 4 * D, 1432, -1, 1);
+    kf_test_fill_uniform(v2, t * 4 * D, 1433, -1, 1);
+    kf_val_head vh;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_val_head_init(&vh, c->Q, NV, D, scale, c->w, &c->orig, c->app, c->vis, &err), KF_OK);
+    /* keys: every fourth original key; two value sets on the same keys and bias */
+    const kf_kv_block c1 = {c->K, v1, 4 * D, beta, t}, c2 = {c->K, v2, 4 * D, beta, t};
+    const double r1 = ref_val_err(c, scale, &c1), r2 = ref_val_err(c, scale, &c2);
+    const double e1 = kf_val_err(&vh, &c1);
+    CU_ASSERT_EQUAL_FATAL(kf_val_attend(&vh, &c1), 0);
+    const double e1b = kf_val_err_values(&vh, v1, 4 * D), e2 = kf_val_err_values(&vh, v2, 4 * D);
+    printf("\n    val_err %.9f (ref %.9f), shared weights %.9f, other values %.9f (ref %.9f)\n", e1, r1, e1b, e2, r2);
+    CU_ASSERT(fabs(e1 - r1) < 1e-5 * r1);
+    CU_ASSERT(e1b == e1);
+    CU_ASSERT(fabs(e2 - r2) < 1e-5 * r2);
+    CU_ASSERT(fabs(r1 - r2) > 1e-3); /* the two value sets do differ */
+    kf_val_head_free(&vh);
+    free(c);
+}
+
+
+/* ---- normal equations of disjoint row sets add up (the refit reuses the choice's) ---- */
+
+enum { NT = 60, ND = 8, NR = 150, NTR = 100, NK = 12 };
+
+/* fp64 reference of one row set: the beta fit's G_M, b_M, yy and the value refit's G_X, B_X over
+ * the kept keys kc (no bias). */
+static void ref_normal(const float *Q, const kf_am_targets *tg, int r0, int r1, const float *kc, float scale,
+                       double *GM, double *bM, double *yy, double *GX, double *BX) {
+    memset(GM, 0, sizeof(double) * NK * NK), memset(bM, 0, sizeof(double) * NK), *yy = 0;
+    memset(GX, 0, sizeof(double) * NK * NK), memset(BX, 0, sizeof(double) * NK * ND);
+    for (int i = r0; i < r1; i++) {
+        double z[NK], M[NK], X[NK], mx = -INFINITY, sum = 0;
+        for (int j = 0; j < NK; j++) {
+            double dot = 0;
+            for (int c = 0; c < ND; c++)
+                dot += (double)Q[i * ND + c] * kc[j * ND + c];
+            z[j] = scale * dot;
+            mx = fmax(mx, z[j]);
+            M[j] = exp(z[j] - tg->m[i]);
+        }
+        for (int j = 0; j < NK; j++)
+            sum += exp(z[j] - mx);
+        for (int j = 0; j < NK; j++)
+            X[j] = exp(z[j] - mx) / sum;
+        *yy += (double)tg->y[i] * tg->y[i];
+        for (int a = 0; a < NK; a++) {
+            bM[a] += M[a] * tg->y[i];
+            for (int b = 0; b < NK; b++)
+                GM[a * NK + b] += M[a] * M[b], GX[a * NK + b] += X[a] * X[b];
+            for (int c = 0; c < ND; c++)
+                BX[a * ND + c] += X[a] * tg->Y[i * ND + c];
+        }
+    }
+}
+
+static double rel_diff(const double *a, const double *b, int n) {
+    double num = 0, den = 0;
+    for (int k = 0; k < n; k++)
+        num = fmax(num, fabs(a[k] - b[k])), den = fmax(den, fabs(b[k]));
+    return den > 0 ? num / den : num;
+}
+
+static void test_normal_equations_add(void) {
+    float K[NT * ND], V[NT * ND], Q[NR * ND], kc[NK * ND], beta_all[NK], beta_sum[NK], v_all[NK * ND], v_sum[NK * ND];
+    kf_test_fill_uniform(K, NT * ND, 1501, -1, 1);
+    kf_test_fill_uniform(V, NT * ND, 1502, -1, 1);
+    kf_test_fill_uniform(Q, NR * ND, 1503, -1.5f, 1.5f);
+    for (int i = 0; i < NR; i++)
+        Q[i * ND] += 1.0f; /* a common direction: a peaked, uneven attention */
+    const float scale = 0.6f;
+    kf_am_head h = {K, ND, V, ND, NT, Q, NR, ND, scale};
+    kf_am_targets tg;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
+    int32_t sel[NK];
+    CU_ASSERT_EQUAL_FATAL(kf_am_select(tg.score, NT, NK, sel, &err), KF_OK);
+    for (int j = 0; j < NK; j++)
+        memcpy(kc + j * ND, K + sel[j] * ND, sizeof(float) * ND);
+    /* training rows [0, NTR), validation rows [NTR, NR): heads and targets over each */
+    kf_am_head htr = h, hv = h;
+    htr.R = NTR, hv.q = Q + NTR * ND, hv.R = NR - NTR;
+    kf_am_targets tv = {tg.m + NTR, tg.y + NTR, tg.Y + NTR * ND, NULL};
+    kf_beta_normal bn, part;
+    kf_value_gram gm, gpart;
+    CU_ASSERT_EQUAL_FATAL(kf_beta_normal_build(&htr, &tg, kc, NK, &bn, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_beta_normal_build(&hv, &tv, kc, NK, &part, &err), KF_OK);
+    kf_beta_normal_add(&bn, &part);
+    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(Q, NTR, ND, scale, kc, ND, NULL, NK, tg.Y, &gm, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(hv.q, hv.R, ND, scale, kc, ND, NULL, NK, tv.Y, &gpart, &err), KF_OK);
+    kf_value_gram_add(&gm, &gpart);
+    double GM[NK * NK], bM[NK], yy, GX[NK * NK], BX[NK * ND], tr = 0;
+    ref_normal(Q, &tg, 0, NR, kc, scale, GM, bM, &yy, GX, BX);
+    for (int j = 0; j < NK; j++)
+        tr += GX[j * NK + j];
+    const double eG = rel_diff(bn.G, GM, NK * NK), eb = rel_diff(bn.b, bM, NK), ey = fabs(bn.yy - yy) / yy;
+    const double eGX = rel_diff(gm.G, GX, NK * NK), eBX = rel_diff(gm.B, BX, NK * ND), etr = fabs(gm.tr - tr) / tr;
+    printf("\n    train + validation vs fp64 over all rows: beta G %.1e b %.1e yy %.1e; values G %.1e B %.1e tr %.1e",
+           eG, eb, ey, eGX, eBX, etr);
+    CU_ASSERT(eG < 1e-5 && eb < 1e-5 && ey < 1e-6);
+    CU_ASSERT(eGX < 1e-5 && eBX < 1e-5 && etr < 1e-6);
+    /* and the fits from the sums equal the fits on all the rows */
+    CU_ASSERT_EQUAL(kf_am_fit_beta_normal(&bn, 7, KF_BETA_AM, beta_sum, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_am_fit_beta(&h, &tg, sel, NK, 7, beta_all, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_value_gram_solve(&gm, 1e-3, V, ND, v_sum, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_am_fit_values_ridge(Q, NR, ND, scale, kc, ND, NULL, NK, tg.Y, 1e-3, V, ND, v_all, NULL, &err),
+                    KF_OK);
+    double db = 0, dv = 0, mb = 0;
+    for (int j = 0; j < NK; j++)
+        db = fmax(db, fabs(beta_sum[j] - beta_all[j])), mb = fmax(mb, fabs(beta_all[j]));
+    for (int k = 0; k < NK * ND; k++)
+        dv = fmax(dv, fabs(v_sum[k] - v_all[k]));
+    printf("\n    fits from the sums vs on all rows: max |d beta| %.1e (max |beta| %.2f), max |d values| %.1e\n", db, mb,
+           dv);
+    CU_ASSERT(mb > 0.05); /* the fit moved off beta = 0 */
+    CU_ASSERT(db < 1e-4);
+    CU_ASSERT(dv < 1e-4);
+    /* one pass for both (the choice's) == the two builds, over all the rows */
+    kf_beta_normal b1, b2;
+    kf_value_gram g1, g2;
+    CU_ASSERT_EQUAL_FATAL(kf_kept_normal_build(&h, &tg, kc, NK, &b1, &g1, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_beta_normal_build(&h, &tg, kc, NK, &b2, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(Q, NR, ND, scale, kc, ND, NULL, NK, tg.Y, &g2, &err), KF_OK);
+    const double e1 = rel_diff(b1.G, b2.G, NK * NK), e2 = rel_diff(b1.b, b2.b, NK);
+    const double e3 = rel_diff(g1.G, g2.G, NK * NK), e4 = rel_diff(g1.B, g2.B, NK * ND);
+    printf("    one pass vs two builds: %.1e %.1e %.1e %.1e, yy %.1e tr %.1e\n", e1, e2, e3, e4, b1.yy - b2.yy,
+           g1.tr - g2.tr);
+    CU_ASSERT(e1 < 1e-12 && e2 < 1e-12 && e3 < 1e-12 && e4 < 1e-12);
+    CU_ASSERT(fabs(b1.yy - b2.yy) < 1e-12 * b2.yy && fabs(g1.tr - g2.tr) < 1e-12 * g2.tr);
+    kf_beta_normal_free(&b1), kf_beta_normal_free(&b2);
+    kf_value_gram_free(&g1), kf_value_gram_free(&g2);
+    kf_beta_normal_free(&bn), kf_beta_normal_free(&part);
+    kf_value_gram_free(&gm), kf_value_gram_free(&gpart);
+    kf_am_targets_free(&tg);
+}
+
+static CU_TestInfo val_tests[] = {
+    {"validation head: appended and original attention == fp64", test_val_head_appended},
+    {"validation error == fp64; weights shared between value sets", test_val_err_reference},
+    {"normal equations: training + validation == all rows (fp64)", test_normal_equations_add},
+    CU_TEST_INFO_NULL,
+};
+static CU_SuiteInfo suites[] = {
+    {"per-head choice: validation", NULL, NULL, NULL, NULL, val_tests},
+    CU_SUITE_INFO_NULL,
+};
+
+int main(void) { return kf_test_main(suites); }
