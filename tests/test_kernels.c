@@ -280,6 +280,7 @@ static void test_attention(void) {
     check_attention(300, 1100, 8, 2, 32, 1);
     check_attention(600, 600, 4, 4, 16, 0); /* a causal chunk from empty: tiles see fewer blocks */
     check_attention(90, 700, 4, 2, 16, 2);  /* a first key block all -inf: the running max stays -inf */
+    check_attention(1, 40, 128, 1, 8, 0);   /* one query, 128 heads on one KV head: tiles cannot shrink */
 }
 
 typedef struct {

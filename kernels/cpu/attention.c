@@ -180,7 +180,7 @@ int kf_cpu_attention(kf_cpu_attn_scratch *s, const kf_attn_args *a) {
     attn_job j = {.a = a, .rep = rep, .tq = TILE_ROWS / rep > 0 ? TILE_ROWS / rep : 1};
     j.tq = j.tq < nq ? j.tq : nq;
     /* smaller tiles while there would be fewer than two items per thread (down to 64 rows) */
-    while (a->kv.kv_heads * ((nq + j.tq - 1) / j.tq) < 2 * threads && j.tq * rep > 64)
+    while (a->kv.kv_heads * ((nq + j.tq - 1) / j.tq) < 2 * threads && j.tq * rep > 64 && j.tq > 1)
         j.tq = (j.tq + 1) / 2;
     j.n_tiles = (nq + j.tq - 1) / j.tq;
     j.per_thread = bufs_floats(j.tq * rep, hd);
