@@ -41,32 +41,92 @@ static double block_pass(const float *q, int d, float scale, const kf_kv_block *
     return lse;
 }
 
-kf_status kf_diag_head(const float *q, int R, int d, float scale, const kf_kv_block *orig, const kf_kv_block *comp,
-                       const kf_kv_block *appended, const int *visible, kf_head_diag *out, kf_error *err) {
-    memset(out, 0, sizeof *out);
-    double *o1 = malloc(sizeof(double) * d), *o2 = malloc(sizeof(double) * d);
-    if (!o1 || !o2) {
-        free(o1);
-        free(o2);
+/* block_pass twice over the same keys, the scores computed once: the block's LSE, then (acc not
+ * NULL) exp(z - ref) * v added into acc and *mass, ref = the LSE itself when own_ref. The same
+ * arithmetic as the two calls, so the same bits. */
+static double block_lse_acc(const float *q, int d, float scale, const kf_kv_block *b, int own_ref, double ref,
+                            double *acc, double *mass) {
+    const int n = b->n;
+    double mx = -INFINITY;
+    double *z = malloc(sizeof(double) * (size_t)(n ? n : 1));
+    if (!z)
+        return NAN;
+    for (int j = 0; j < n; j++) {
+        double dot = 0;
+        const float *k = b->k + (size_t)j * b->stride;
+        for (int c = 0; c < d; c++)
+            dot += (double)q[c] * k[c];
+        z[j] = dot * scale + (b->beta ? b->beta[j] : 0.0);
+        mx = z[j] > mx ? z[j] : mx;
+    }
+    double sum = 0;
+    for (int j = 0; j < n; j++)
+        sum += exp(z[j] - mx);
+    const double lse = mx + log(sum);
+    ref = own_ref ? lse : ref;
+    if (acc)
+        for (int j = 0; j < n; j++) {
+            const double w = exp(z[j] - ref);
+            *mass += w;
+            const float *v = b->v + (size_t)j * b->stride;
+            for (int c = 0; c < d; c++)
+                acc[c] += w * v[c];
+        }
+    free(z);
+    return lse;
+}
+
+void kf_diag_ref_free(kf_diag_ref *ref) {
+    if (!ref)
+        return;
+    free(ref->lse);
+    free(ref->o);
+    free(ref->m);
+    memset(ref, 0, sizeof *ref);
+}
+
+kf_status kf_diag_ref_init(kf_diag_ref *ref, const float *q, int R, int d, float scale, const kf_kv_block *orig,
+                           const kf_kv_block *appended, const int *visible, kf_error *err) {
+    memset(ref, 0, sizeof *ref);
+    ref->R = R, ref->d = d;
+    ref->lse = malloc(sizeof(double) * (size_t)(R ? R : 1));      /* [R] */
+    ref->o = calloc((size_t)(R ? R : 1) * d, sizeof(double));     /* [R, d] */
+    ref->m = calloc((size_t)(R ? R : 1), sizeof(double));         /* [R] */
+    if (!ref->lse || !ref->o || !ref->m) {
+        kf_diag_ref_free(ref);
         return kf_fail(err, KF_ERR_NOMEM, "diagnostics: out of memory");
     }
+    for (int i = 0; i < R; i++) {
+        const float *qi = q + (size_t)i * d;
+        const int na = appended ? (visible ? visible[i] : appended->n) : 0;
+        double *o1 = ref->o + (size_t)i * d;
+        ref->lse[i] = block_lse_acc(qi, d, scale, orig, 1, 0, o1, &ref->m[i]);
+        if (na > 0)
+            block_pass(qi, d, scale, appended, na, ref->lse[i], o1, &ref->m[i]);
+    }
+    return KF_OK;
+}
+
+kf_status kf_diag_head_vs(const kf_diag_ref *ref, const float *q, float scale, const kf_kv_block *comp,
+                          const kf_kv_block *appended, const int *visible, kf_head_diag *out, kf_error *err) {
+    memset(out, 0, sizeof *out);
+    const int R = ref->R, d = ref->d;
+    double *o2 = malloc(sizeof(double) * d);
+    if (!o2)
+        return kf_fail(err, KF_ERR_NOMEM, "diagnostics: out of memory");
     double lse_sum = 0, out_sum = 0;
     for (int i = 0; i < R; i++) {
         const float *qi = q + (size_t)i * d;
         const int na = appended ? (visible ? visible[i] : appended->n) : 0;
-        const double lse_o = block_pass(qi, d, scale, orig, orig->n, 0, NULL, NULL);
-        const double lse_c = block_pass(qi, d, scale, comp, comp->n, 0, NULL, NULL);
-        lse_sum += fabs(lse_c - lse_o);
+        const double lse_o = ref->lse[i], m1 = ref->m[i];
+        const double *o1 = ref->o + (size_t)i * d;
         /* outputs over [block | appended], shifted by the original block's LSE for range */
-        double m1 = 0, m2 = 0;
-        memset(o1, 0, sizeof(double) * d);
+        double m2 = 0;
         memset(o2, 0, sizeof(double) * d);
-        block_pass(qi, d, scale, orig, orig->n, lse_o, o1, &m1);
-        block_pass(qi, d, scale, comp, comp->n, lse_o, o2, &m2);
-        if (na > 0) {
-            block_pass(qi, d, scale, appended, na, lse_o, o1, &m1);
+        const double lse_c = block_lse_acc(qi, d, scale, comp, 0, lse_o, o2, &m2);
+        lse_sum += fabs(lse_c - lse_o);
+        if (na > 0)
             block_pass(qi, d, scale, appended, na, lse_o, o2, &m2);
-        }
         double num = 0, den = 0;
         for (int c = 0; c < d; c++) {
             const double a = o1[c] / m1, b = o2[c] / m2;
@@ -77,9 +137,18 @@ kf_status kf_diag_head(const float *q, int R, int d, float scale, const kf_kv_bl
     }
     out->lse_err = R ? lse_sum / R : 0;
     out->out_err = R ? out_sum / R : 0;
-    free(o1);
     free(o2);
     return KF_OK;
+}
+
+kf_status kf_diag_head(const float *q, int R, int d, float scale, const kf_kv_block *orig, const kf_kv_block *comp,
+                       const kf_kv_block *appended, const int *visible, kf_head_diag *out, kf_error *err) {
+    memset(out, 0, sizeof *out);
+    kf_diag_ref ref;
+    KF_TRY(kf_diag_ref_init(&ref, q, R, d, scale, orig, appended, visible, err));
+    const kf_status rc = kf_diag_head_vs(&ref, q, scale, comp, appended, visible, out, err);
+    kf_diag_ref_free(&ref);
+    return rc;
 }
 
 void kf_val_head_free(kf_val_head *v) {

@@ -33,6 +33,22 @@ typedef struct {
 kf_status kf_diag_head(const float *q, int R, int d, float scale, const kf_kv_block *orig, const kf_kv_block *comp,
                        const kf_kv_block *appended, const int *visible, kf_head_diag *out, kf_error *err);
 
+/* kf_diag_head in two halves, for one head measured against several compacted blocks: the
+ * original block's side (each query's LSE over it, and its output over [orig | appended]) once,
+ * then each compacted block against it. kf_diag_head_vs takes the q, appended and visible of the
+ * init and gives kf_diag_head's result to the bit. */
+typedef struct {
+    int R, d;
+    double *lse;   /* [R] the original block's LSE per query */
+    double *o, *m; /* [R, d] output over [orig | appended] shifted by lse, unnormalised; [R] its mass */
+} kf_diag_ref;
+
+kf_status kf_diag_ref_init(kf_diag_ref *ref, const float *q, int R, int d, float scale, const kf_kv_block *orig,
+                           const kf_kv_block *appended, const int *visible, kf_error *err);
+kf_status kf_diag_head_vs(const kf_diag_ref *ref, const float *q, float scale, const kf_kv_block *comp,
+                          const kf_kv_block *appended, const int *visible, kf_head_diag *out, kf_error *err);
+void kf_diag_ref_free(kf_diag_ref *ref);
+
 /* Validation of one head's compaction candidates (the per-head choice, issue 12).
  * Built once per head from validation queries that were not used for fitting: the original
  * block's output and mass, and each query's appended block (the tokens before it in its own

@@ -11,6 +11,7 @@ typedef struct {
     float **q;       /* [n_layers] -> [n_tok, n_heads, head_dim] queries of question+answer tokens */
     float **k, **v;  /* [n_layers] -> [n_tok, kv_heads, head_dim] their keys and values */
     int n_tok;
+    kf_diag_ref *diag; /* [n_layers * kv_heads] the original block's side of the diagnostics */
 } qa_ref;
 
 struct kf_reference {
@@ -92,9 +93,79 @@ void kf_reference_free(kf_reference *r) {
         free(r->refs[i].q);
         free(r->refs[i].k);
         free(r->refs[i].v);
+        for (int h = 0; r->refs[i].diag && h < r->L * r->kvh; h++)
+            kf_diag_ref_free(&r->refs[i].diag[h]);
+        free(r->refs[i].diag);
     }
     free(r->refs);
     free(r);
+}
+
+/* Scratch for one (layer, KV head, question) of the diagnostics. */
+typedef struct {
+    float *hq;      /* [n_tok * G, d] the group's query heads, token by token */
+    float *ak, *av; /* [n_tok, d] the question's own keys and values (the appended block) */
+    int *vis;       /* [n_tok * G] appended keys each query row sees (causal) */
+} diag_rows;
+
+static void diag_rows_free(diag_rows *w) {
+    free(w->hq);
+    free(w->ak);
+    free(w->av);
+    free(w->vis);
+}
+
+static int diag_rows_alloc(diag_rows *w, const kf_reference *r) {
+    int most = 1;
+    for (int i = 0; i < r->n_qa; i++)
+        most = r->refs[i].n_tok > most ? r->refs[i].n_tok : most;
+    const int G = r->nh / r->kvh;
+    w->hq = malloc(sizeof(float) * (size_t)most * G * r->d);
+    w->ak = malloc(sizeof(float) * (size_t)most * r->d);
+    w->av = malloc(sizeof(float) * (size_t)most * r->d);
+    w->vis = malloc(sizeof(int) * (size_t)most * G);
+    return w->hq && w->ak && w->av && w->vis ? 0 : -1;
+}
+
+/* Fills w for question x at layer l, KV head g; returns the appended block. */
+static kf_kv_block diag_rows_fill(const kf_reference *r, const qa_ref *x, int l, int g, diag_rows *w) {
+    const int d = r->d, G = r->nh / r->kvh;
+    const size_t row = (size_t)r->kvh * d;
+    for (int t = 0; t < x->n_tok; t++) {
+        memcpy(w->ak + (size_t)t * d, x->k[l] + (size_t)t * row + (size_t)g * d, sizeof(float) * d);
+        memcpy(w->av + (size_t)t * d, x->v[l] + (size_t)t * row + (size_t)g * d, sizeof(float) * d);
+        for (int j = 0; j < G; j++) {
+            memcpy(w->hq + ((size_t)t * G + j) * d, x->q[l] + ((size_t)t * r->nh + g * G + j) * d, sizeof(float) * d);
+            w->vis[t * G + j] = t + 1; /* causal within the question */
+        }
+    }
+    return (kf_kv_block){w->ak, w->av, (size_t)d, NULL, x->n_tok};
+}
+
+/* The original block's side of every (layer, KV head, question) diagnostic, once per document
+ * instead of once per evaluated row. */
+static kf_status reference_diag(kf_reference *r, kf_error *err) {
+    const int d = r->d, G = r->nh / r->kvh;
+    const size_t row = (size_t)r->kvh * d;
+    const float scale = 1.0f / sqrtf((float)d);
+    diag_rows w = {0};
+    kf_status rc = diag_rows_alloc(&w, r) == 0 ? KF_OK : kf_fail(err, KF_ERR_NOMEM, "evaluate: out of memory");
+    for (int i = 0; i < r->n_qa && rc == KF_OK; i++) {
+        qa_ref *x = &r->refs[i];
+        if (!(x->diag = calloc((size_t)r->L * r->kvh, sizeof *x->diag))) {
+            rc = kf_fail(err, KF_ERR_NOMEM, "evaluate: out of memory");
+            break;
+        }
+        for (int l = 0; l < r->L && rc == KF_OK; l++)
+            for (int g = 0; g < r->kvh && rc == KF_OK; g++) {
+                const kf_kv_block app = diag_rows_fill(r, x, l, g, &w);
+                const kf_kv_block orig = {r->K + (size_t)l * r->doc.n * row + (size_t)g * d,
+                                          r->Vv + (size_t)l * r->doc.n * row + (size_t)g * d, row, NULL, r->doc.n};
+                rc = kf_diag_ref_init(&x->diag[l * r->kvh + g], w.hq, x->n_tok * G, d, scale, &orig, &app, w.vis, err);
+            }
+    }
+    diag_rows_free(&w);
+    return rc;
 }
 
 kf_status kf_reference_build(kf_model *m, const kf_prompt *doc, const kf_prompt *instruction, const kf_qa *qa,
@@ -158,6 +229,8 @@ kf_status kf_reference_build(kf_model *m, const kf_prompt *doc, const kf_prompt 
         if (rc == KF_OK)
             rc = kf_seq_truncate(&a, &seq, doc->n, err);
     }
+    if (rc == KF_OK)
+        rc = reference_diag(r, err);
     if (rc != KF_OK)
         goto fail;
     kf_seq_release(&a, &seq);
@@ -193,7 +266,7 @@ static double kl_rows(const float *lp, const float *lq, int rows, int V, const i
 kf_status kf_quality_measure(kf_model *m, const kf_reference *r, kf_compacted *c, kf_quality *out,
                              double *head_lse, double *head_out, kf_error *err) {
     memset(out, 0, sizeof *out);
-    const int V = r->V, L = r->L, kvh = r->kvh, d = r->d, G = r->nh / r->kvh;
+    const int V = r->V, L = r->L, kvh = r->kvh, d = r->d;
     const size_t row = (size_t)kvh * d;
     if (c->n_prefix || c->n_suffix || c->D != r->doc.n)
         return kf_fail(err, KF_ERR_INVALID, "evaluate: the cache is not of this document");
@@ -264,43 +337,21 @@ kf_status kf_quality_measure(kf_model *m, const kf_reference *r, kf_compacted *c
     const int was_rotated = c->rotated;
     if (rc == KF_OK)
         kf_compacted_set_frame(c, m, 0);
-    int total_tok = 0;
-    for (int i = 0; i < r->n_qa; i++)
-        total_tok += r->refs[i].n_tok;
-    float *hq = malloc(sizeof(float) * (size_t)(total_tok ? total_tok : 1) * G * d);
-    float *ak = malloc(sizeof(float) * (size_t)(total_tok ? total_tok : 1) * d);
-    float *av = malloc(sizeof(float) * (size_t)(total_tok ? total_tok : 1) * d);
-    if (rc == KF_OK && (!hq || !ak || !av))
+    diag_rows w = {0};
+    if (rc == KF_OK && diag_rows_alloc(&w, r) != 0)
         rc = kf_fail(err, KF_ERR_NOMEM, "evaluate: out of memory");
     const float scale = 1.0f / sqrtf((float)d);
     for (int l = 0; l < L && rc == KF_OK; l++)
         for (int g = 0; g < kvh && rc == KF_OK; g++) {
-            kf_kv_block orig = {r->K + (size_t)l * r->doc.n * row + (size_t)g * d,
-                                r->Vv + (size_t)l * r->doc.n * row + (size_t)g * d, row, NULL, r->doc.n};
             kf_kv_block comp = {c->keys + (size_t)l * c->C * row + (size_t)g * d,
                                 c->values + (size_t)l * c->C * row + (size_t)g * d, row,
                                 c->method == KF_METHOD_AM ? c->beta + ((size_t)l * kvh + g) * c->C : NULL, (int)c->C};
             double lse = 0, oe = 0;
             for (int i = 0; i < r->n_qa && rc == KF_OK; i++) {
                 const qa_ref *x = &r->refs[i];
-                int *vis = malloc(sizeof(int) * (size_t)x->n_tok * G);
-                if (!vis) {
-                    rc = kf_fail(err, KF_ERR_NOMEM, "evaluate: out of memory");
-                    break;
-                }
-                for (int t = 0; t < x->n_tok; t++) {
-                    memcpy(ak + (size_t)t * d, x->k[l] + (size_t)t * row + (size_t)g * d, sizeof(float) * d);
-                    memcpy(av + (size_t)t * d, x->v[l] + (size_t)t * row + (size_t)g * d, sizeof(float) * d);
-                    for (int j = 0; j < G; j++) {
-                        memcpy(hq + ((size_t)t * G + j) * d, x->q[l] + ((size_t)t * r->nh + g * G + j) * d,
-                               sizeof(float) * d);
-                        vis[t * G + j] = t + 1; /* causal within the question */
-                    }
-                }
-                kf_kv_block app = {ak, av, (size_t)d, NULL, x->n_tok};
+                const kf_kv_block app = diag_rows_fill(r, x, l, g, &w);
                 kf_head_diag hd;
-                rc = kf_diag_head(hq, x->n_tok * G, d, scale, &orig, &comp, &app, vis, &hd, err);
-                free(vis);
+                rc = kf_diag_head_vs(&x->diag[l * kvh + g], w.hq, scale, &comp, &app, w.vis, &hd, err);
                 lse += hd.lse_err;
                 oe += hd.out_err;
             }
@@ -319,9 +370,7 @@ kf_status kf_quality_measure(kf_model *m, const kf_reference *r, kf_compacted *c
         out->out_err /= (double)out->n_heads;
     }
     kf_compacted_set_frame(c, m, was_rotated);
-    free(hq);
-    free(ak);
-    free(av);
+    diag_rows_free(&w);
     /* turn sums into means */
     if (out->n_repeat)
         out->kl_repeat /= (double)out->n_repeat, out->copy_acc /= (double)out->n_repeat;

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "compactor/diag.h"
 #include "compactor/evaluate.h"
 #include "kernels/backend.h"
 #include "test_util.h"
@@ -182,9 +183,90 @@ static void test_head_counts(void) {
     CU_ASSERT(n[KF_METHOD_KEEP] == 6 && n[KF_METHOD_FOLD] == 0);
 }
 
+
+/* Independent fp64 reference of one query's diagnostics: LSE of the block alone, and the
+ * normalised softmax output over [block | first na appended keys]. */
+static void naive_diag(const float *q, int d, double scale, const kf_kv_block *blk, const kf_kv_block *app, int na,
+                       double *lse, double *o) {
+    const int n = blk->n + na;
+    double z[128], mx = -INFINITY, mb = -INFINITY, sb = 0, s = 0;
+    for (int j = 0; j < n; j++) {
+        const kf_kv_block *b = j < blk->n ? blk : app;
+        const int t = j < blk->n ? j : j - blk->n;
+        double dot = 0;
+        for (int c = 0; c < d; c++)
+            dot += (double)q[c] * b->k[(size_t)t * b->stride + c];
+        z[j] = dot * scale + (b->beta ? b->beta[t] : 0.0);
+        mx = fmax(mx, z[j]);
+        mb = j < blk->n ? fmax(mb, z[j]) : mb;
+    }
+    for (int j = 0; j < blk->n; j++)
+        sb += exp(z[j] - mb);
+    *lse = mb + log(sb);
+    for (int c = 0; c < d; c++)
+        o[c] = 0;
+    for (int j = 0; j < n; j++) {
+        const kf_kv_block *b = j < blk->n ? blk : app;
+        const int t = j < blk->n ? j : j - blk->n;
+        const double w = exp(z[j] - mx);
+        s += w;
+        for (int c = 0; c < d; c++)
+            o[c] += w * b->v[(size_t)t * b->stride + c];
+    }
+    for (int c = 0; c < d; c++)
+        o[c] /= s;
+}
+
+/* The original block's side computed once (kf_diag_ref_init) and measured against two
+ * compacted blocks in turn gives kf_diag_head's figures to the bit, and both match an
+ * independent fp64 computation. */
+static void test_diag_reference_reused(void) {
+    enum { R = 6, D = 8, N = 40, C = 10, A = 5 };
+    float q[R * D], k[N * D], v[N * D], ak[A * D], av[A * D], ck[2][C * D], cv[2][C * D], beta[C];
+    kf_test_fill_uniform(q, R * D, 1, -1, 1);
+    kf_test_fill_uniform(k, N * D, 2, -1, 1);
+    kf_test_fill_uniform(v, N * D, 3, -1, 1);
+    kf_test_fill_uniform(ak, A * D, 4, -1, 1);
+    kf_test_fill_uniform(av, A * D, 5, -1, 1);
+    kf_test_fill_uniform(beta, C, 6, -1, 1);
+    for (int i = 0; i < C; i++) /* two compacted blocks: every 4th key, and keys 3..12 perturbed */
+        for (int c = 0; c < D; c++) {
+            ck[0][i * D + c] = k[(4 * i) * D + c], cv[0][i * D + c] = v[(4 * i) * D + c];
+            ck[1][i * D + c] = 1.1f * k[(3 + i) * D + c], cv[1][i * D + c] = v[(3 + i) * D + c] - 0.1f;
+        }
+    const int vis[R] = {1, 2, 3, 5, 0, 4};
+    const float scale = 0.7f;
+    const kf_kv_block orig = {k, v, D, NULL, N}, app = {ak, av, D, NULL, A};
+    const kf_kv_block comp[2] = {{ck[0], cv[0], D, beta, C}, {ck[1], cv[1], D, NULL, C}};
+    kf_error err = {0};
+    kf_diag_ref ref;
+    CU_ASSERT_EQUAL_FATAL(kf_diag_ref_init(&ref, q, R, D, scale, &orig, &app, vis, &err), KF_OK);
+    for (int b = 0; b < 2; b++) {
+        kf_head_diag once, reused;
+        CU_ASSERT_EQUAL(kf_diag_head(q, R, D, scale, &orig, &comp[b], &app, vis, &once, &err), KF_OK);
+        CU_ASSERT_EQUAL(kf_diag_head_vs(&ref, q, scale, &comp[b], &app, vis, &reused, &err), KF_OK);
+        CU_ASSERT(memcmp(&once, &reused, sizeof once) == 0);
+        double lse_err = 0, out_err = 0;
+        for (int i = 0; i < R; i++) {
+            double lo, lc, oo[D], oc[D], num = 0, den = 0;
+            naive_diag(q + i * D, D, scale, &orig, &app, vis[i], &lo, oo);
+            naive_diag(q + i * D, D, scale, &comp[b], &app, vis[i], &lc, oc);
+            for (int c = 0; c < D; c++)
+                num += (oo[c] - oc[c]) * (oo[c] - oc[c]), den += oo[c] * oo[c];
+            lse_err += fabs(lc - lo) / R;
+            out_err += sqrt(num / den) / R;
+        }
+        CU_ASSERT(lse_err > 1e-3 && out_err > 1e-3); /* the blocks do differ */
+        CU_ASSERT_DOUBLE_EQUAL(reused.lse_err, lse_err, 1e-12);
+        CU_ASSERT_DOUBLE_EQUAL(reused.out_err, out_err, 1e-12);
+    }
+    kf_diag_ref_free(&ref);
+}
+
 static CU_TestInfo unit_tests[] = {
     {"fact row: the token after the name", test_fact_row},
     {"heads per method", test_head_counts},
+    {"diagnostics: the original side once, against fp64", test_diag_reference_reused},
     CU_TEST_INFO_NULL,
 };
 static CU_TestInfo model_tests[] = {

@@ -209,6 +209,8 @@ static void naive_attention(const kf_attn_args *a, const float *keys, const floa
     free(s);
 }
 
+/* with_bias 2: as 1, and KV head 0's first 256 keys (a whole key block of the kernel) get bias
+ * -inf, so that its first block has no weight at all for every query */
 static void check_attention(int n_q, int n_keys, int n_heads, int kvh, int hd, int with_bias) {
     const int n_pages_doc = (n_keys + 15) / 16, pool_pages = n_pages_doc + 5;
     const size_t row = (size_t)kvh * hd, page_stride = 2 * 16 * row + 8; /* a padded, interleaved pool */
@@ -234,6 +236,8 @@ static void check_attention(int n_q, int n_keys, int n_heads, int kvh, int hd, i
     if (with_bias) {
         bias = malloc(sizeof(float) * kvh * (bias_len + 1));
         kf_test_fill_uniform(bias, (size_t)kvh * (bias_len + 1), 14, -3, 3);
+        for (int j = 0; with_bias == 2 && j < 256 && j < bias_len; j++)
+            bias[j] = -INFINITY;
     }
     float *out = poisoned((size_t)n_q * n_heads * hd);
     kf_attn_args a = {.q = q, .q_stride = q_stride, .out = out, .out_stride = (size_t)n_heads * hd, .n_q = n_q,
@@ -271,6 +275,12 @@ static void test_attention(void) {
     check_attention(7, 50, 4, 2, 16, 1);    /* history + chunk, bias on part of the history */
     check_attention(200, 333, 8, 2, 32, 0); /* tiles of 128 queries, GQA 4:1 */
     check_attention(130, 130, 4, 4, 64, 1); /* MHA, bias */
+    /* several key blocks of 256 and query tiles; rows of late tiles skip no block, rows of the
+     * first tile skip the last one */
+    check_attention(300, 1100, 8, 2, 32, 1);
+    check_attention(600, 600, 4, 4, 16, 0); /* a causal chunk from empty: tiles see fewer blocks */
+    check_attention(90, 700, 4, 2, 16, 2);  /* a first key block all -inf: the running max stays -inf */
+    check_attention(1, 40, 128, 1, 8, 0);   /* one query, 128 heads on one KV head: tiles cannot shrink */
 }
 
 typedef struct {

@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "tools/cli.h"
 #include "tools/commands.h"
@@ -42,8 +43,8 @@ int cmd_bench(int argc, char **argv) {
 }
 
 static const char kPrefillHelp[] =
-    "Usage: kvfold bench prefill --model DIR --tokens N [--chunk C] [--repeat R] [--seed S]\n"
-    "                            [--prefill dense|quoka] [--quoka-budget B] ...\n"
+    "Usage: kvfold bench prefill --model DIR --tokens N [--context P] [--chunk C] [--repeat R]\n"
+    "                            [--seed S] [--prefill dense|quoka] [--quoka-budget B] ...\n"
     "\n"
     "Prefill N random token ids (fixed seed) into a fresh paged arena, R times after one warm-up,\n"
     "and print the median time and tokens/s. Only the last position's logits are computed, as in\n"
@@ -53,10 +54,17 @@ static const char kPrefillHelp[] =
     "prefill's GEMMs alone and of the whole prefill (projections + causal attention + lm_head) as\n"
     "ratios to the mean of the two peaks around each run (medians over the runs, and their range),\n"
     "and the whole prefill's rate over its own GEMMs' rate, the figure least moved by other load.\n"
+    "The backend's attention calls are timed too: their GFLOP/s (each query over the keys it\n"
+    "sees) against the same peak. With --context P, P other random tokens are prefilled first\n"
+    "(untimed, once) and every timed run prefills the N tokens on top of them (the repeat prefill\n"
+    "of a compaction: each query also attends to the P context keys), then rewinds to P.\n"
     "\n"
     "Options:\n"
     "  --model DIR   model directory\n"
     "  --tokens N    prompt length (default 512)\n"
+    "  --context P   tokens already in the arena before the timed prefill (default 0)\n"
+    "  --clock C     wall (default) or cpu: the process's CPU time, for a loaded machine with\n"
+    "                OPENBLAS_NUM_THREADS=1 (spinning threads would count)\n"
     "  --chunk C     chunk size (default 512)\n"
     "  --repeat R    timed runs (default 3)\n"
     "  --seed S      seed of the token ids (default 1)\n"
@@ -78,6 +86,16 @@ static double median(double *v, int n) {
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+/* The bench prefill clock: wall time (default), or with --clock cpu the process's CPU time, which
+ * on a shared machine with one thread (OPENBLAS_NUM_THREADS=1) counts the work and not the wait
+ * for a core. Two threads waiting on each other would count their spinning too. */
+static double cpu_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+static double (*g_now)(void) = cli_now;
+
 /* ---- GEMM accounting: the backend's matmul wrapped to time every call ----------------------
  * Each call is closed by a 4-byte download so that a device backend's queue is drained and the
  * time is the GEMM's own (on the CPU that download is a 4-byte memcpy). */
@@ -91,11 +109,30 @@ static struct {
 static void timed_matmul(kf_backend *b, float *y, size_t ldy, const float *x, size_t ldx, const void *w, int M, int N,
                          int K, int accumulate) {
     float sink;
-    const double t0 = cli_now();
+    const double t0 = g_now();
     g_mm.inner(b, y, ldy, x, ldx, w, M, N, K, accumulate);
     b->download(b, &sink, y, sizeof sink);
-    g_mm.seconds += cli_now() - t0;
+    g_mm.seconds += g_now() - t0;
     g_mm.flops += 2.0 * M * N * K;
+}
+
+/* The same for the backend's attention: seconds, and the FLOPs of QK^T and PV over the keys
+ * each query sees (n_past + i + 1 for query i). QUOKA's sparse attention does not go through
+ * here. */
+typedef void (*attention_fn)(kf_backend *b, const kf_attn_args *a);
+static struct {
+    attention_fn inner;
+    double seconds, flops;
+} g_at;
+
+static void timed_attention(kf_backend *b, const kf_attn_args *a) {
+    float sink;
+    const double t0 = g_now();
+    g_at.inner(b, a);
+    b->download(b, &sink, a->out, sizeof sink);
+    g_at.seconds += g_now() - t0;
+    const double n_past = (double)a->n_keys - a->n_q, nq = a->n_q;
+    g_at.flops += 4.0 * a->kv.head_dim * a->n_heads * (nq * n_past + nq * (nq + 1) / 2);
 }
 
 /* The (N, K) of a layer's seven projections. */
@@ -108,15 +145,17 @@ static int layer_shapes(const kf_hfconfig *c, int n_out[7], int k_in[7]) {
     return 7;
 }
 
-/* Useful FLOPs of a prefill of n tokens from an empty context: projections, causal attention
- * (QK^T and PV over the keys each query sees) and the lm_head rows. */
-static void prefill_flops(const kf_hfconfig *c, long long n, int logit_rows, double *proj, double *attn, double *head) {
+/* Useful FLOPs of a prefill of n tokens on top of ctx context tokens: projections, causal
+ * attention (QK^T and PV over the keys each query sees: the ctx context keys and its own causal
+ * part) and the lm_head rows. */
+static void prefill_flops(const kf_hfconfig *c, long long n, long long ctx, int logit_rows, double *proj, double *attn,
+                          double *head) {
     int N[7], K[7];
     double per_tok = 0;
     for (int i = 0, s = layer_shapes(c, N, K); i < s; i++)
         per_tok += 2.0 * N[i] * K[i];
     *proj = per_tok * (double)n * c->n_layers;
-    *attn = 4.0 * c->head_dim * c->n_heads * ((double)n * (n + 1) / 2) * c->n_layers;
+    *attn = 4.0 * c->head_dim * c->n_heads * ((double)n * ctx + (double)n * (n + 1) / 2) * c->n_layers;
     *head = 2.0 * c->hidden_size * (double)c->vocab_size * logit_rows;
 }
 
@@ -178,51 +217,71 @@ static double peak_measure(kf_backend *b, peak_bufs *p, double min_s) {
     for (int pass = 0;; pass++) {
         if (pass == 1) {
             b->download(b, &sink, p->y, sizeof sink);
-            t0 = cli_now();
+            t0 = g_now();
         }
         for (int i = 0; i < 7; i++) {
             b->matmul(b, p->y, (size_t)p->N[i], p->x, (size_t)p->K[i], p->w[i], p->M, p->N[i], p->K[i], 0);
             flops += pass ? 2.0 * p->M * p->N[i] * p->K[i] : 0;
         }
         b->download(b, &sink, p->y, sizeof sink);
-        if (pass >= 1 && cli_now() - t0 >= min_s)
-            return flops / (cli_now() - t0) * 1e-9;
+        if (pass >= 1 && g_now() - t0 >= min_s)
+            return flops / (g_now() - t0) * 1e-9;
     }
 }
 
 typedef struct {
-    double seconds, gemm_s, gemm_flops, peak; /* one timed run */
+    double seconds, gemm_s, gemm_flops, attn_s, attn_flops, peak; /* one timed run */
 } prefill_run;
+
+/* The context: ctx tokens prefilled once into seq before the runs. Returns the status. */
+static kf_status prefill_context(kf_model *m, kf_arena *arena, kf_seq *seq, const int32_t *ids, long long ctx,
+                                 long long chunk, kf_error *err) {
+    kf_forward_args fa = {.ids = ids, .n_tokens = (int)ctx, .chunk = (int)chunk};
+    return ctx > 0 ? kf_model_forward(m, arena, seq, &fa, err) : KF_OK;
+}
 
 /* The prefill runs: one warm-up, then `repeat` timed ones, each between two peak measurements
  * (their mean is the run's peak) so that both see about the same load. Returns 0, or -1 with err
  * set. */
-static int prefill_runs(kf_model *m, kf_backend *b, peak_bufs *pk, const int32_t *ids, long long n, long long chunk,
-                        const kf_quoka_params *qp, float *logits, long long repeat, prefill_run *runs, kf_error *err) {
+static int prefill_runs(kf_model *m, kf_backend *b, peak_bufs *pk, const int32_t *ids, long long n, long long ctx,
+                        long long chunk, const kf_quoka_params *qp, float *logits, long long repeat, prefill_run *runs,
+                        kf_error *err) {
     kf_arena arena;
-    if (kf_model_arena(m, &arena, n, err) != KF_OK)
+    if (kf_model_arena(m, &arena, ctx + n, err) != KF_OK)
         return -1;
     int32_t last = (int32_t)n - 1;
     g_mm.inner = b->matmul;
+    g_at.inner = b->attention;
     double peak_before = 0;
+    kf_seq seq;
+    kf_seq_init(&seq);
+    if (prefill_context(m, &arena, &seq, ids, ctx, chunk, err) != KF_OK) {
+        kf_seq_release(&arena, &seq);
+        kf_arena_free(&arena);
+        return -1;
+    }
     for (long long r = 0; r <= repeat; r++) {
         prefill_run *run = &runs[r];
         if (r == 1)
             peak_before = peak_measure(b, pk, 0.3);
-        kf_seq seq;
-        kf_seq_init(&seq);
-        kf_forward_args fa = {.ids = ids, .n_tokens = (int)n, .chunk = (int)chunk, .logit_rows = &last,
+        kf_forward_args fa = {.ids = ids + ctx, .n_tokens = (int)n, .chunk = (int)chunk, .logit_rows = &last,
                               .n_logit_rows = 1, .logits = logits, .quoka = qp};
-        g_mm.seconds = g_mm.flops = 0;
+        g_mm.seconds = g_mm.flops = g_at.seconds = g_at.flops = 0;
         b->matmul = timed_matmul;
-        const double t0 = cli_now();
+        b->attention = timed_attention;
+        const double t0 = g_now();
         kf_status st = kf_model_forward(m, &arena, &seq, &fa, err);
-        run->seconds = cli_now() - t0;
+        run->seconds = g_now() - t0;
         b->matmul = g_mm.inner;
+        b->attention = g_at.inner;
         run->gemm_s = g_mm.seconds;
         run->gemm_flops = g_mm.flops;
-        kf_seq_release(&arena, &seq);
+        run->attn_s = g_at.seconds;
+        run->attn_flops = g_at.flops;
+        if (st == KF_OK)
+            st = kf_seq_truncate(&arena, &seq, ctx, err);
         if (st != KF_OK) {
+            kf_seq_release(&arena, &seq);
             kf_arena_free(&arena);
             return -1;
         }
@@ -234,61 +293,79 @@ static int prefill_runs(kf_model *m, kf_backend *b, peak_bufs *pk, const int32_t
         fprintf(stderr, "  run %lld: %.4f s, sgemm peak %.1f GFLOP/s (mean of before and after)\n", r, run->seconds,
                 run->peak);
     }
+    kf_seq_release(&arena, &seq);
     kf_arena_free(&arena);
     return 0;
 }
 
+/* Per-run figures of the report: rates (GFLOP/s) and ratios. */
+enum { F_GEMM, F_WHOLE, F_ATTN, F_GEMM_R, F_WHOLE_R, F_ATTN_R, F_GEMM_SHARE, F_ATTN_SHARE, F_WHOLE_G, F_ATTN_G, F_N };
+
 /* Medians over the timed runs, and the ratios to the peak measured next to each run. */
-static void prefill_report(const kf_hfconfig *c, long long n, long long chunk, const char *desc,
+static void prefill_report(const kf_hfconfig *c, long long n, long long ctx, long long chunk, const char *desc,
                            const prefill_run *runs, int repeat) {
     double proj, attn, head;
-    prefill_flops(c, n, 1, &proj, &attn, &head);
+    prefill_flops(c, n, ctx, 1, &proj, &attn, &head);
     const double total = proj + attn + head;
-    double t[repeat], pk[repeat], g[repeat], w[repeat], gr[repeat], wr[repeat], gs[repeat], wg[repeat];
+    double t[repeat], pk[repeat], f[F_N][repeat], lo[F_N], hi[F_N], med[F_N];
     for (int r = 0; r < repeat; r++) {
         const prefill_run *x = &runs[r + 1];
         t[r] = x->seconds;
         pk[r] = x->peak;
-        g[r] = x->gemm_flops / x->gemm_s * 1e-9;
-        w[r] = total / x->seconds * 1e-9;
-        gr[r] = g[r] / x->peak;
-        wr[r] = w[r] / x->peak;
-        gs[r] = x->gemm_s / x->seconds;
-        wg[r] = w[r] / g[r];
+        f[F_GEMM][r] = x->gemm_flops / x->gemm_s * 1e-9;
+        f[F_WHOLE][r] = total / x->seconds * 1e-9;
+        f[F_ATTN][r] = x->attn_s > 0 ? x->attn_flops / x->attn_s * 1e-9 : 0;
+        f[F_GEMM_R][r] = f[F_GEMM][r] / x->peak;
+        f[F_WHOLE_R][r] = f[F_WHOLE][r] / x->peak;
+        f[F_ATTN_R][r] = f[F_ATTN][r] / x->peak;
+        f[F_GEMM_SHARE][r] = x->gemm_s / x->seconds;
+        f[F_ATTN_SHARE][r] = x->attn_s / x->seconds;
+        f[F_WHOLE_G][r] = f[F_WHOLE][r] / f[F_GEMM][r];
+        f[F_ATTN_G][r] = f[F_ATTN][r] / f[F_GEMM][r];
     }
-    double lo[3] = {gr[0], wr[0], wg[0]}, hi[3] = {gr[0], wr[0], wg[0]};
-    for (int r = 1; r < repeat; r++) {
-        const double v[3] = {gr[r], wr[r], wg[r]};
-        for (int i = 0; i < 3; i++) {
-            lo[i] = v[i] < lo[i] ? v[i] : lo[i];
-            hi[i] = v[i] > hi[i] ? v[i] : hi[i];
+    for (int i = 0; i < F_N; i++) {
+        lo[i] = hi[i] = f[i][0];
+        for (int r = 1; r < repeat; r++) {
+            lo[i] = f[i][r] < lo[i] ? f[i][r] : lo[i];
+            hi[i] = f[i][r] > hi[i] ? f[i][r] : hi[i];
         }
+        med[i] = median(f[i], repeat); /* sorts f[i]: lo and hi are taken first */
     }
-    const double med = median(t, repeat);
-    printf("prefill %lld tokens (chunk %lld, %s): median %.4f s over %d runs\n", n, chunk, desc, med, repeat);
-    printf("work: %.1f GFLOP = projections %.1f + attention %.1f (dense causal) + lm_head %.2f\n", total * 1e-9,
-           proj * 1e-9, attn * 1e-9, head * 1e-9);
-    printf("sgemm peak (backend matmul, one layer's shapes, M = %lld): median %.1f GFLOP/s\n",
-           chunk < n ? chunk : n, median(pk, repeat));
+    const double tmed = median(t, repeat);
+    if (ctx > 0)
+        printf("prefill %lld tokens on top of %lld context tokens (chunk %lld, %s): median %.4f s over %d runs\n", n,
+               ctx, chunk, desc, tmed, repeat);
+    else
+        printf("prefill %lld tokens (chunk %lld, %s): median %.4f s over %d runs\n", n, chunk, desc, tmed, repeat);
+    printf("work: %.1f GFLOP = projections %.1f + attention %.1f (dense%s) + lm_head %.2f\n", total * 1e-9,
+           proj * 1e-9, attn * 1e-9, ctx > 0 ? ", context + causal" : " causal", head * 1e-9);
+    printf("sgemm peak (backend matmul, one layer's shapes, M = %lld): median %.1f GFLOP/s\n", chunk < n ? chunk : n,
+           median(pk, repeat));
+    if (med[F_ATTN] > 0) /* none when QUOKA's sparse attention ran every chunk */
+        printf("attention: median %.1f GFLOP/s, %.2f of the peak (runs %.2f-%.2f), %.2f of the GEMMs' own rate; "
+               "%.0f%% of the prefill's time\n",
+               med[F_ATTN], med[F_ATTN_R], lo[F_ATTN_R], hi[F_ATTN_R], med[F_ATTN_G], 100 * med[F_ATTN_SHARE]);
     printf("gemm-only: median %.1f GFLOP/s, %.2f of the peak (runs %.2f-%.2f); %.0f%% of the prefill's time\n",
-           median(g, repeat), median(gr, repeat), lo[0], hi[0], 100 * median(gs, repeat));
-    printf("whole prefill: median %.1f GFLOP/s, %.2f of the peak (runs %.2f-%.2f)\n", median(w, repeat),
-           median(wr, repeat), lo[1], hi[1]);
+           med[F_GEMM], med[F_GEMM_R], lo[F_GEMM_R], hi[F_GEMM_R], 100 * med[F_GEMM_SHARE]);
+    printf("whole prefill: median %.1f GFLOP/s, %.2f of the peak (runs %.2f-%.2f)\n", med[F_WHOLE], med[F_WHOLE_R],
+           lo[F_WHOLE_R], hi[F_WHOLE_R]);
     /* GEMM time and the rest interleave at the millisecond, so this ratio sees one load: on a
      * shared machine it is steadier than the ratios to a peak measured beside the run */
-    printf("whole prefill / its own GEMM rate: median %.2f (runs %.2f-%.2f)\n", median(wg, repeat), lo[2], hi[2]);
-    printf("peak_ratio %.3f\n", median(wr, repeat));
-    printf("tokens_per_s %.1f\n", (double)n / med);
+    printf("whole prefill / its own GEMM rate: median %.2f (runs %.2f-%.2f)\n", med[F_WHOLE_G], lo[F_WHOLE_G],
+           hi[F_WHOLE_G]);
+    printf("peak_ratio %.3f\n", med[F_WHOLE_R]);
+    printf("tokens_per_s %.1f\n", (double)n / tmed);
 }
 
 int cmd_bench_prefill(int argc, char **argv) {
     static const struct option opts[] = {{"help", no_argument, 0, 'h'},        {"model", required_argument, 0, 'm'},
                                          {"tokens", required_argument, 0, 'n'}, {"chunk", required_argument, 0, 'c'},
+                                         {"context", required_argument, 0, 'x'}, {"clock", required_argument, 0, 'k'},
                                          {"repeat", required_argument, 0, 'r'}, {"seed", required_argument, 0, 's'},
                                          {"device", required_argument, 0, 'd'}, CLI_PREFILL_OPTIONS,
                                          {0, 0, 0, 0}};
     const char *dir = NULL, *device = NULL;
-    long long n = 512, chunk = 0, repeat = 3, seed = 1;
+    long long n = 512, chunk = 0, repeat = 3, seed = 1, ctx = 0;
     kf_quoka_params prefill = cli_prefill_defaults();
     optind = 1;
     for (int c; (c = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
@@ -299,6 +376,15 @@ int cmd_bench_prefill(int argc, char **argv) {
         case 'd': device = optarg; continue;
         case 'n': dst = &n; break;
         case 'c': dst = &chunk; break;
+        case 'k':
+            if (strcmp(optarg, "wall") && strcmp(optarg, "cpu"))
+                return cli_usage_error("bench prefill", "--clock is wall or cpu, not '%s'", optarg);
+            g_now = strcmp(optarg, "cpu") == 0 ? cpu_now : cli_now;
+            continue;
+        case 'x':
+            if (cli_parse_int(optarg, 0, 1 << 24, &ctx))
+                return cli_usage_error("bench prefill", "--context must be a count of tokens, not '%s'", optarg);
+            continue;
         case 'r': dst = &repeat; break;
         case 's': dst = &seed; break;
         default: {
@@ -325,7 +411,7 @@ int cmd_bench_prefill(int argc, char **argv) {
     const int V = c->vocab_size;
     if (!chunk)
         chunk = KF_DEFAULT_CHUNK;
-    int32_t *ids = malloc(sizeof(int32_t) * (size_t)n);                  /* [n] */
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(ctx + n));          /* [context + n] */
     float *logits = malloc(sizeof(float) * (size_t)V);                    /* [vocab] */
     prefill_run *runs = calloc((size_t)(repeat + 1), sizeof *runs);       /* [repeat + 1] */
     peak_bufs pk;
@@ -336,17 +422,17 @@ int cmd_bench_prefill(int argc, char **argv) {
         goto out;
     }
     unsigned long long state = (unsigned long long)seed * 6364136223846793005ULL + 1442695040888963407ULL;
-    for (long long i = 0; i < n; i++) {
+    for (long long i = 0; i < ctx + n; i++) {
         state = state * 6364136223846793005ULL + 1442695040888963407ULL;
         ids[i] = (int32_t)((state >> 33) % (unsigned long long)V);
     }
     const kf_quoka_params *qp = cli_prefill_params(&prefill);
-    if (prefill_runs(m, b, &pk, ids, n, chunk, qp, logits, repeat, runs, &err) != 0) {
+    if (prefill_runs(m, b, &pk, ids, n, ctx, chunk, qp, logits, repeat, runs, &err) != 0) {
         cli_error("bench prefill", "%s", err.msg);
         goto out;
     }
     char desc[160];
-    prefill_report(c, n, chunk, kf_quoka_describe(qp, desc, sizeof desc), runs, (int)repeat);
+    prefill_report(c, n, ctx, chunk, kf_quoka_describe(qp, desc, sizeof desc), runs, (int)repeat);
     rc = KF_EXIT_OK;
 out:
     if (have_pk)

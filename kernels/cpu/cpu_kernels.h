@@ -51,11 +51,9 @@ typedef struct kf_pool kf_pool;
 
 /* Scratch memory the attention kernel reuses between calls (one per thread of control). */
 typedef struct {
-    float *kbuf, *vbuf;  /* [n_keys, kv_heads, head_dim] gathered from pages */
-    size_t kv_cap;       /* floats */
-    float *scores;       /* [threads, tile, n_keys] one score tile per pool thread */
-    size_t scores_cap;   /* floats */
-    kf_pool *pool;       /* NULL: one thread; else the (head, tile) items run on it (not owned) */
+    float *work;         /* [threads, per-thread] each thread's query tile, key block and scores */
+    size_t work_cap;     /* floats; independent of the number of keys */
+    kf_pool *pool;       /* NULL: one thread; else the (KV head, tile) items run on it (not owned) */
 } kf_cpu_attn_scratch;
 
 /* Returns 0, or -1 when scratch memory could not be allocated. */

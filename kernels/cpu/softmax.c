@@ -9,12 +9,14 @@ KF_ROW_CLONES void kf_cpu_softmax_row(float *x, int n, float *max_out, double *s
 #pragma omp simd reduction(max : mx)
     for (int j = 0; j < n; j++)
         mx = x[j] > mx ? x[j] : mx;
-    double sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int j = 0; j < n; j++) {
+#pragma omp simd
+    for (int j = 0; j < n; j++)
         x[j] = kf_expf(x[j] - mx);
+    /* summed in index order, as before the exponentials were vectorized: the callers' results
+     * (AM's and the diagnostics' softmax) keep their bits */
+    double sum = 0;
+    for (int j = 0; j < n; j++)
         sum += x[j];
-    }
     const float inv = (float)(1.0 / sum);
 #pragma omp simd
     for (int j = 0; j < n; j++)
