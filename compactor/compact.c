@@ -458,31 +458,21 @@ static kf_status plan_sources(const kf_compact_prep *x, const kf_prompt *doc, so
     return KF_OK;
 }
 
-/* Capture buffers qbuf[L] [max_rows, nh * d] for the largest per-source count of sample [n_pos]. */
-static kf_status capture_alloc(const kf_compact_prep *x, const source *src, const int64_t *sample, int64_t n_pos,
-                               float **qbuf, kf_error *err) {
-    int64_t max_rows = 0, base = 0, k = 0;
-    for (int i = 0; i < x->n_sources; i++) {
-        int64_t cnt = 0;
-        while (k + cnt < n_pos && sample[k + cnt] < base + src[i].n)
-            cnt++;
-        max_rows = cnt > max_rows ? cnt : max_rows;
-        k += cnt;
-        base += src[i].n;
-    }
+/* qdst [L]: where the forward pass captures the rows of sampled positions first .. of one source:
+ * straight into the pool (kf_refq_capture_dst). */
+static void capture_dst(const kf_compact_prep *x, int64_t first, float **qdst) {
     for (int l = 0; l < x->L; l++)
-        if (!(qbuf[l] = malloc(sizeof(float) * (size_t)(max_rows ? max_rows : 1) * x->nh * x->d)))
-            return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for query capture");
-    return KF_OK;
+        qdst[l] = kf_refq_capture_dst(&x->rq, l, first);
 }
 
 /* The forward pass of source i >= 1 on top of the context (QUOKA window for the repeat), its
  * validation prompts' keys and values kept, then the KV rewound to the context. */
 static kf_status run_source(kf_compact_prep *x, const source *src, int i, const int32_t *rows, int n_rows,
-                            float **qbuf, kf_error *err) {
+                            float **qdst, kf_error *err) {
     const kf_compact_params *p = &x->p;
     kf_forward_args fa = {.ids = src[i].ids, .n_tokens = src[i].n, .chunk = p->chunk, .capture_rows = rows,
-                          .n_capture_rows = n_rows, .queries = n_rows ? qbuf : NULL};
+                          .n_capture_rows = n_rows, .queries = n_rows ? qdst : NULL,
+                          .queries_row_stride = (size_t)x->d, .queries_head_stride = kf_refq_head_stride(&x->rq)};
     kf_quoka_params rq_quoka;
     if (i == 1 && p->quoka && p->quoka_repeat) {
         /* the copy token at sequence index D + I + j reads document token j at n_pre + j */
@@ -509,7 +499,7 @@ static kf_status run_source(kf_compact_prep *x, const source *src, int i, const 
  * the sampled rows' queries go to x->rq. */
 static kf_status run_forwards(kf_compact_prep *x, const kf_compact_reuse *reuse, int64_t shared,
                               const int32_t *ctx_ids, const source *src, const int64_t *sample, int64_t n_pos,
-                              int32_t *rows, float **qbuf, kf_error *err) {
+                              int32_t *rows, float **qdst, kf_error *err) {
     double t0 = now_s();
     int64_t base = 0, k = 0;
     for (int i = 0; i < x->n_sources; i++) {
@@ -517,12 +507,14 @@ static kf_status run_forwards(kf_compact_prep *x, const kf_compact_reuse *reuse,
         const int64_t first = k;
         while (k < n_pos && sample[k] < base + src[i].n)
             rows[n_rows++] = (int32_t)(sample[k++] - base);
+        capture_dst(x, first, qdst);
         if (i == 0) { /* the context prefill; its document rows are source 0 */
             for (int r = 0; r < n_rows; r++)
                 rows[r] += x->n_pre;
             kf_forward_args fa = {.ids = ctx_ids + shared, .n_tokens = (int)(x->D - shared), .chunk = x->p.chunk,
-                                  .capture_rows = rows, .n_capture_rows = n_rows, .queries = n_rows ? qbuf : NULL,
-                                  .quoka = x->p.quoka};
+                                  .capture_rows = rows, .n_capture_rows = n_rows, .queries = n_rows ? qdst : NULL,
+                                  .queries_row_stride = (size_t)x->d,
+                                  .queries_head_stride = kf_refq_head_stride(&x->rq), .quoka = x->p.quoka};
             if (x->p.progress)
                 x->p.progress(x->p.progress_ctx, "prefill", 0, x->D);
             if (shared > 0)
@@ -531,10 +523,9 @@ static kf_status run_forwards(kf_compact_prep *x, const kf_compact_reuse *reuse,
             x->prefill_s = now_s() - t0;
             t0 = now_s();
         } else if (src[i].n > 0) {
-            KF_TRY(run_source(x, src, i, rows, n_rows, qbuf, err));
+            KF_TRY(run_source(x, src, i, rows, n_rows, qdst, err));
         }
-        if (n_rows)
-            kf_refq_store(&x->rq, qbuf, n_rows, first, src[i].kind);
+        memset(x->rq.source + first, src[i].kind, (size_t)n_rows);
         base += src[i].n;
     }
     x->refq_s = now_s() - t0;
@@ -550,24 +541,20 @@ static kf_status prepare_run(kf_compact_prep *x, const kf_compact_reuse *reuse, 
     const int64_t n_pos = n_cand < cap_pos ? n_cand : cap_pos;
     int64_t *sample = malloc(sizeof(int64_t) * (size_t)(n_pos ? n_pos : 1));
     int32_t *rows = malloc(sizeof(int32_t) * (size_t)(n_pos ? n_pos : 1));
-    float **qbuf = calloc((size_t)x->L, sizeof *qbuf);
+    float **qdst = malloc(sizeof(float *) * (size_t)x->L); /* [L] capture destinations */
     kf_status rc = KF_OK;
-    if (!sample || !rows || !qbuf || kf_sample_indices(n_cand, n_pos, x->p.seed, sample) != 0)
+    if (!sample || !rows || !qdst || kf_sample_indices(n_cand, n_pos, x->p.seed, sample) != 0)
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
     if (rc == KF_OK)
         rc = kf_refq_init(&x->rq, x->L, x->kvh, x->d, x->G, n_pos, err);
     if (rc == KF_OK && choice)
         rc = plan_validation(src, x->n_sources, sample, n_pos, &x->p, x->L, (size_t)x->kvh * x->d, &x->pos_kind,
                              &x->pos_src, &x->pos_local, &x->is_val, &x->n_val_pos, &x->ap, err);
-    if (rc == KF_OK)
-        rc = capture_alloc(x, src, sample, n_pos, qbuf, err);
     if (rc == KF_OK && x->ar == &x->own_arena)
         rc = kf_model_arena(x->m, x->ar, x->D + longest + KF_PAGE_TOKENS, err);
     if (rc == KF_OK)
-        rc = run_forwards(x, reuse, shared, ctx_ids, src, sample, n_pos, rows, qbuf, err);
-    for (int l = 0; qbuf && l < x->L; l++)
-        free(qbuf[l]);
-    free(qbuf);
+        rc = run_forwards(x, reuse, shared, ctx_ids, src, sample, n_pos, rows, qdst, err);
+    free(qdst);
     free(rows);
     free(sample);
     return rc;

@@ -396,6 +396,28 @@ static void capture(kf_backend *b, float *dst, const float *src, int width, cons
             b->download(b, dst + (size_t)r * width, src + (size_t)(rows[r] - c0) * width, sizeof(float) * width);
 }
 
+/* Layer l's queries q [chunk, nh * hd] of the capture rows in [c0, c0 + n), at the caller's strides. */
+static void capture_queries(kf_backend *b, const kf_forward_args *args, int l, const float *q, int nh, int hd, int c0,
+                            int n) {
+    float *dst = args->queries[l];
+    const size_t hs = args->queries_head_stride ? args->queries_head_stride : (size_t)hd;
+    const size_t rs = args->queries_row_stride ? args->queries_row_stride : (size_t)nh * hd;
+    if (!dst)
+        return;
+    for (int r = 0; r < args->n_capture_rows; r++) {
+        const int row = args->capture_rows[r];
+        if (row < c0 || row >= c0 + n)
+            continue;
+        const float *src = q + (size_t)(row - c0) * nh * hd;
+        if (hs == (size_t)hd) {
+            b->download(b, dst + (size_t)r * rs, src, sizeof(float) * nh * hd);
+            continue;
+        }
+        for (int h = 0; h < nh; h++)
+            b->download(b, dst + (size_t)r * rs + (size_t)h * hs, src + (size_t)h * hd, sizeof(float) * hd);
+    }
+}
+
 static kf_status check_args(const kf_model *m, const kf_arena *a, const kf_seq *seq, const kf_forward_args *args,
                             kf_error *err) {
     const kf_hfconfig *c = &m->cfg;
@@ -475,7 +497,7 @@ static void layer_forward(kf_model *m, kf_forward_plan *p, kf_arena *a, const kf
     b->rope(b, p->q, QD, n, nh, hd, p->pos, m->inv_freq);
     b->rope(b, p->k, KD, n, kvh, hd, p->pos, m->inv_freq);
     if (args->queries)
-        capture(b, args->queries[l], p->q, QD, args->capture_rows, args->n_capture_rows, cs.c0, n);
+        capture_queries(b, args, l, p->q, nh, hd, cs.c0, n);
 
     const kf_paged_kv kv = kf_arena_layer(a, l);
     b->kv_store(b, &kv, seq->pages, cs.start, n, p->k, p->v);

@@ -28,20 +28,6 @@ void kf_refq_free(kf_refq *r) {
     memset(r, 0, sizeof *r);
 }
 
-void kf_refq_store(kf_refq *r, float *const *queries, int n, int64_t first_pos, uint8_t source) {
-    const int G = r->group, d = r->head_dim, nh = r->kv_heads * G;
-    for (int l = 0; l < r->n_layers; l++)
-        for (int i = 0; i < n; i++) {
-            const int64_t p = first_pos + i;
-            for (int g = 0; g < r->kv_heads; g++)
-                for (int j = 0; j < G; j++)
-                    memcpy(kf_refq_rows(r, l, g) + ((size_t)j * r->n_pos + p) * d,
-                           queries[l] + ((size_t)i * nh + g * G + j) * d, sizeof(float) * d);
-        }
-    for (int i = 0; i < n; i++)
-        r->source[first_pos + i] = source;
-}
-
 static int cmp_i64(const void *a, const void *b) {
     const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
     return (x > y) - (x < y);

@@ -34,9 +34,16 @@ static inline float *kf_refq_rows(const kf_refq *r, int layer, int g) {
     return r->q + ((size_t)layer * r->kv_heads + g) * (size_t)r->R * r->head_dim;
 }
 
-/* Scatter captured queries (per layer: [n, n_heads, head_dim]) of sampled positions
- * first_pos .. first_pos + n - 1 into the pool. */
-void kf_refq_store(kf_refq *r, float *const *queries, int n, int64_t first_pos, uint8_t source);
+/* The pool is also [n_layers, n_heads, n_pos, head_dim] (query head h = g * group + j), so the
+ * forward pass captures straight into it: kf_forward_args.queries[l] = kf_refq_capture_dst(r, l,
+ * first_pos) with queries_row_stride = head_dim and queries_head_stride = n_pos * head_dim puts the
+ * captured rows 0, 1, ... at sampled positions first_pos, first_pos + 1, ... (no second copy). */
+static inline float *kf_refq_capture_dst(const kf_refq *r, int layer, int64_t first_pos) {
+    return r->q + ((size_t)layer * r->kv_heads * r->group * r->n_pos + (size_t)first_pos) * r->head_dim;
+}
+static inline size_t kf_refq_head_stride(const kf_refq *r) {
+    return (size_t)r->n_pos * r->head_dim;
+}
 
 /* n_keep sorted distinct indices drawn uniformly from [0, n_total) (all of them when
  * n_keep >= n_total). Deterministic for a seed. Returns 0 or -1 (out of memory). */
