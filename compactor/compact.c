@@ -232,21 +232,34 @@ out:
     return rc;
 }
 
-/* The appended prompts of the validation rows: per source i >= 1 its keys and values
- * [n_layers, app_n[i], kv_heads * d] from the forward pass that produced its queries. */
+/* The appended prompts of the validation rows: a source i >= 1 holding validation rows keeps the
+ * pages of the forward pass that produced its queries, fork[i] (the context's D tokens shared, then
+ * the first n[i] tokens of the source), until kf_compact_prep_free; k[i], v[i] [n[i], kv_heads * d]
+ * hold one layer of those n[i] tokens (appended_load, before the layer's heads). */
 typedef struct {
-    float **k, **v;
-    int64_t *n;
+    kf_seq *fork;    /* [n_src], empty where n[i] = 0 */
+    float **k, **v;  /* [n_src] -> [n[i], kv_heads * d], NULL where n[i] = 0 */
+    int64_t *n;      /* [n_src] */
     int n_src;
 } appended_kv;
 
-static void appended_free(appended_kv *a) {
-    for (int i = 0; a->k && i < a->n_src; i++) {
-        free(a->k[i]);
-        free(a->v[i]);
+static void appended_free(kf_arena *a, appended_kv *ap) {
+    for (int i = 0; ap->k && i < ap->n_src; i++) {
+        free(ap->k[i]);
+        free(ap->v[i]);
     }
-    free(a->k), free(a->v), free(a->n);
-    memset(a, 0, sizeof *a);
+    for (int i = 0; ap->fork && i < ap->n_src; i++)
+        kf_seq_release(a, &ap->fork[i]);
+    free(ap->fork), free(ap->k), free(ap->v), free(ap->n);
+    memset(ap, 0, sizeof *ap);
+}
+
+/* Layer l's keys and values of every kept validation prompt into k, v (solve_layer's prologue). */
+static kf_status appended_load(const kf_arena *a, int64_t D, appended_kv *ap, int l, kf_error *err) {
+    for (int i = 1; i < ap->n_src; i++)
+        if (ap->n[i] > 0)
+            KF_TRY(kf_seq_read_kv(a, &ap->fork[i], l, D, ap->n[i], ap->k[i], ap->v[i], err));
+    return KF_OK;
 }
 
 /* Split one head's rows into training and validation: training q/targets gathered into tr_q,
@@ -283,16 +296,15 @@ static int split_alloc(head_split *s, int64_t R, int64_t n_val, int d, int n_src
                : -1;
 }
 
-/* pos_src/pos_local [n_pos]: source and index inside it of every sampled position. */
+/* pos_src/pos_local [n_pos]: source and index inside it of every sampled position; ap holds the
+ * layer of this head (appended_load). */
 static void split_head(head_split *s, const kf_refq *rq, const float *q, const kf_am_targets *tg, const uint8_t *is_val,
-                       const int *pos_src, const int64_t *pos_local, const appended_kv *ap, int layer, int g) {
+                       const int *pos_src, const int64_t *pos_local, const appended_kv *ap, int g) {
     const int d = rq->head_dim;
     const size_t row = (size_t)rq->kv_heads * d;
     for (int i = 1; i < ap->n_src; i++)
         if (ap->k[i])
-            s->blocks[i] = (kf_kv_block){ap->k[i] + (size_t)layer * ap->n[i] * row + (size_t)g * d,
-                                         ap->v[i] + (size_t)layer * ap->n[i] * row + (size_t)g * d, row, NULL,
-                                         (int)ap->n[i]};
+            s->blocks[i] = (kf_kv_block){ap->k[i] + (size_t)g * d, ap->v[i] + (size_t)g * d, row, NULL, (int)ap->n[i]};
     int64_t n_probe = 0, nt = 0, nv = 0;
     for (int64_t k = 0; k < rq->n_pos; k++)
         n_probe += is_val[k] && rq->source[k] == KF_REFQ_PROBE;
@@ -326,10 +338,10 @@ typedef struct {
 } source;
 
 /* The per-head choice's validation plan: every sampled position's source, index inside it and
- * kind; the held-out positions (is_val); and buffers for the appended prompts of the sources
- * that hold validation rows (filled by the forward passes). */
+ * kind; the held-out positions (is_val); and, for the sources that hold validation rows, how many
+ * of their tokens to keep (n) and one layer's buffers for them. */
 static kf_status plan_validation(const source *src, int n_sources, const int64_t *sample, int64_t n_pos,
-                                 const kf_compact_params *p, int L, size_t row, uint8_t **kind, int **pos_src,
+                                 const kf_compact_params *p, size_t row, uint8_t **kind, int **pos_src,
                                  int64_t **pos_local, uint8_t **is_val, int64_t *n_val, appended_kv *ap,
                                  kf_error *err) {
     *kind = malloc((size_t)(n_pos ? n_pos : 1));
@@ -337,10 +349,11 @@ static kf_status plan_validation(const source *src, int n_sources, const int64_t
     *pos_src = malloc(sizeof(int) * (size_t)(n_pos ? n_pos : 1));
     *pos_local = malloc(sizeof(int64_t) * (size_t)(n_pos ? n_pos : 1));
     ap->n_src = n_sources;
+    ap->fork = calloc((size_t)n_sources, sizeof *ap->fork);
     ap->k = calloc((size_t)n_sources, sizeof *ap->k);
     ap->v = calloc((size_t)n_sources, sizeof *ap->v);
     ap->n = calloc((size_t)n_sources, sizeof *ap->n);
-    if (!*kind || !*is_val || !*pos_src || !*pos_local || !ap->k || !ap->v || !ap->n)
+    if (!*kind || !*is_val || !*pos_src || !*pos_local || !ap->fork || !ap->k || !ap->v || !ap->n)
         return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the validation split");
     int64_t base = 0, k = 0;
     for (int i = 0; i < n_sources; i++) {
@@ -359,8 +372,8 @@ static kf_status plan_validation(const source *src, int n_sources, const int64_t
             ap->n[(*pos_src)[k]] = (*pos_local)[k] + 1;
     for (int i = 1; i < n_sources; i++)
         if (ap->n[i] > 0) {
-            ap->k[i] = malloc(sizeof(float) * (size_t)L * ap->n[i] * row);
-            ap->v[i] = malloc(sizeof(float) * (size_t)L * ap->n[i] * row);
+            ap->k[i] = malloc(sizeof(float) * (size_t)ap->n[i] * row);
+            ap->v[i] = malloc(sizeof(float) * (size_t)ap->n[i] * row);
             if (!ap->k[i] || !ap->v[i])
                 return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the validation prompts' keys");
         }
@@ -429,9 +442,9 @@ static kf_status check_context(const kf_compact_prep *x, const kf_compact_reuse 
 }
 
 /* src [n_sources]: the document's own queries, the repeat prompt (instruction + document, owned),
- * the probes; *n_cand their total length, *longest the longest source after the context. */
+ * the probes; *n_cand their total length. */
 static kf_status plan_sources(const kf_compact_prep *x, const kf_prompt *doc, source *src, int64_t *n_cand,
-                              int64_t *longest, kf_error *err) {
+                              kf_error *err) {
     const kf_compact_params *p = &x->p;
     if (p->use_context_queries)
         src[0] = (source){doc->ids, x->n_doc, KF_REFQ_CONTEXT, NULL};
@@ -446,12 +459,9 @@ static kf_status plan_sources(const kf_compact_prep *x, const kf_prompt *doc, so
     }
     for (int i = 0; i < p->n_probes; i++)
         src[2 + i] = (source){p->probes[i].ids, p->probes[i].n, KF_REFQ_PROBE, NULL};
-    *n_cand = *longest = 0;
-    for (int i = 0; i < x->n_sources; i++) {
+    *n_cand = 0;
+    for (int i = 0; i < x->n_sources; i++)
         *n_cand += src[i].n;
-        if (i > 0 && src[i].n > *longest)
-            *longest = src[i].n;
-    }
     if (*n_cand == 0)
         return kf_fail(err, KF_ERR_INVALID,
                        "compact: no reference queries: give a repeat instruction, probes or context queries");
@@ -465,8 +475,8 @@ static void capture_dst(const kf_compact_prep *x, int64_t first, float **qdst) {
         qdst[l] = kf_refq_capture_dst(&x->rq, l, first);
 }
 
-/* The forward pass of source i >= 1 on top of the context (QUOKA window for the repeat), its
- * validation prompts' keys and values kept, then the KV rewound to the context. */
+/* The forward pass of source i >= 1 on a fork of the context (QUOKA window for the repeat); the fork
+ * keeps the first n[i] tokens of the source when it holds validation rows (x->ap), else is released. */
 static kf_status run_source(kf_compact_prep *x, const source *src, int i, const int32_t *rows, int n_rows,
                             float **qdst, kf_error *err) {
     const kf_compact_params *p = &x->p;
@@ -486,13 +496,16 @@ static kf_status run_source(kf_compact_prep *x, const source *src, int i, const 
     }
     if (p->progress)
         p->progress(p->progress_ctx, i == 1 ? "repeat" : "probes", i, x->n_sources);
-    KF_TRY(kf_model_forward(x->m, x->ar, &x->seq, &fa, err));
-    const appended_kv *ap = &x->ap;
-    const size_t row = (size_t)x->kvh * x->d;
-    for (int l = 0; ap->k && ap->k[i] && l < x->L; l++) /* validation rows' prompts */
-        KF_TRY(kf_seq_read_kv(x->ar, &x->seq, l, x->D, ap->n[i], ap->k[i] + (size_t)l * ap->n[i] * row,
-                              ap->v[i] + (size_t)l * ap->n[i] * row, err));
-    return kf_seq_truncate(x->ar, &x->seq, x->D, err); /* KV rewind */
+    const int64_t keep = x->ap.n ? x->ap.n[i] : 0;
+    kf_seq fork;
+    KF_TRY(kf_seq_fork(x->ar, &x->seq, x->D, &fork, err));
+    kf_status rc = kf_model_forward(x->m, x->ar, &fork, &fa, err);
+    if (rc == KF_OK && keep > 0 && (rc = kf_seq_truncate(x->ar, &fork, x->D + keep, err)) == KF_OK) {
+        x->ap.fork[i] = fork; /* the validation rows' prompts, read a layer at a time by the solve */
+        return KF_OK;
+    }
+    kf_seq_release(x->ar, &fork); /* KV rewind: the context's pages are untouched */
+    return rc;
 }
 
 /* Prefill the context (from `shared` on, forking reuse->parent), then each source on top of it;
@@ -532,11 +545,39 @@ static kf_status run_forwards(kf_compact_prep *x, const kf_compact_reuse *reuse,
     return KF_OK;
 }
 
+/* Pages a source of n tokens run on a fork of the D-token context takes: its own pages past the
+ * context's full ones (a partly filled last context page is copied on write). */
+static int64_t fork_pages(int64_t D, int64_t n) {
+    return kf_pages_for(D + n) - D / KF_PAGE_TOKENS;
+}
+
+int64_t kf_compact_arena_pages(const kf_compact_params *p, int64_t n_ctx, int n_doc) {
+    int64_t pages = kf_pages_for(n_ctx);
+    if (p->repeat_instruction.n > 0)
+        pages += fork_pages(n_ctx, (int64_t)p->repeat_instruction.n + n_doc);
+    for (int i = 0; i < p->n_probes; i++)
+        pages += p->probes[i].n > 0 ? fork_pages(n_ctx, p->probes[i].n) : 0;
+    return pages;
+}
+
+/* The own arena: the context, then at the worst moment (source i running) the kept validation
+ * prompts of the sources before it and source i whole (run_source). */
+static int64_t arena_pages(const kf_compact_prep *x, const source *src) {
+    int64_t kept = 0, peak = 0;
+    for (int i = 1; i < x->n_sources; i++) {
+        if (src[i].n == 0)
+            continue;
+        peak = kept + fork_pages(x->D, src[i].n) > peak ? kept + fork_pages(x->D, src[i].n) : peak;
+        kept += x->ap.n && x->ap.n[i] > 0 ? fork_pages(x->D, x->ap.n[i]) : 0;
+    }
+    return kf_pages_for(x->D) + peak;
+}
+
 /* Sources, subsample, validation plan, arena, then the forward passes. */
 static kf_status prepare_run(kf_compact_prep *x, const kf_compact_reuse *reuse, int64_t shared, const kf_prompt *doc,
                              const int32_t *ctx_ids, int choice, source *src, kf_error *err) {
-    int64_t n_cand = 0, longest = 0;
-    KF_TRY(plan_sources(x, doc, src, &n_cand, &longest, err));
+    int64_t n_cand = 0;
+    KF_TRY(plan_sources(x, doc, src, &n_cand, err));
     const int64_t cap_pos = x->p.max_queries / x->G;
     const int64_t n_pos = n_cand < cap_pos ? n_cand : cap_pos;
     int64_t *sample = malloc(sizeof(int64_t) * (size_t)(n_pos ? n_pos : 1));
@@ -548,10 +589,10 @@ static kf_status prepare_run(kf_compact_prep *x, const kf_compact_reuse *reuse, 
     if (rc == KF_OK)
         rc = kf_refq_init(&x->rq, x->L, x->kvh, x->d, x->G, n_pos, err);
     if (rc == KF_OK && choice)
-        rc = plan_validation(src, x->n_sources, sample, n_pos, &x->p, x->L, (size_t)x->kvh * x->d, &x->pos_kind,
+        rc = plan_validation(src, x->n_sources, sample, n_pos, &x->p, (size_t)x->kvh * x->d, &x->pos_kind,
                              &x->pos_src, &x->pos_local, &x->is_val, &x->n_val_pos, &x->ap, err);
     if (rc == KF_OK && x->ar == &x->own_arena)
-        rc = kf_model_arena(x->m, x->ar, x->D + longest + KF_PAGE_TOKENS, err);
+        rc = kf_model_arena(x->m, x->ar, arena_pages(x, src) * KF_PAGE_TOKENS, err);
     if (rc == KF_OK)
         rc = run_forwards(x, reuse, shared, ctx_ids, src, sample, n_pos, rows, qdst, err);
     free(qdst);
@@ -609,6 +650,7 @@ kf_status kf_compact_prepare(kf_model *m, const kf_compact_reuse *reuse, const k
 void kf_compact_prep_free(kf_compact_prep *x, kf_seq *keep) {
     if (!x)
         return;
+    appended_free(x->ar, &x->ap); /* the validation prompts' forks, before the arena goes */
     if (keep)
         *keep = x->seq; /* the caller now owns these pages */
     else
@@ -620,7 +662,6 @@ void kf_compact_prep_free(kf_compact_prep *x, kf_seq *keep) {
     free(x->is_val);
     free(x->pos_src);
     free(x->pos_local);
-    appended_free(&x->ap);
     free(x);
 }
 
@@ -748,7 +789,7 @@ static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, 
     if (!sp)
         return KF_OK;
     ts = now_s();
-    split_head(sp, &x->rq, hs->q, &hs->tg, x->is_val, x->pos_src, x->pos_local, &x->ap, l, g);
+    split_head(sp, &x->rq, hs->q, &hs->tg, x->is_val, x->pos_src, x->pos_local, &x->ap, g);
     const kf_kv_block orig = {hs->h.k, hs->h.v, row, NULL, x->n_doc};
     kf_status rc = kf_val_head_init(&hs->vh, sp->val_q, (int)sp->n_val, x->d, x->scale, sp->val_w, &orig,
                                     sp->val_app, sp->val_vis, err);
@@ -891,6 +932,8 @@ static kf_status variant_head(const kf_compact_prep *x, variant_ws *w, head_shar
 static kf_status solve_layer(kf_compact_prep *x, variant_ws *w, int n, int l, float *K, float *V, head_split *sp,
                              float *qsub, kf_error *err) {
     KF_TRY(kf_seq_read_kv(x->ar, &x->seq, l, 0, x->D, K, V, err));
+    if (sp)
+        KF_TRY(appended_load(x->ar, x->D, &x->ap, l, err));
     if (x->p.progress)
         x->p.progress(x->p.progress_ctx, "compact", l, x->L);
     for (int i = 0; i < n; i++)

@@ -144,13 +144,21 @@ void kf_compacted_free(kf_compacted *c);
 /* Prefix sharing in batch jobs (compactor/prefix_plan.h): kf_compact on a caller's arena, taking
  * the first `shared` context tokens from a document already there instead of prefilling them. */
 typedef struct {
-    kf_arena *arena;       /* NULL: an arena of kf_compact's own, sized for this document */
+    kf_arena *arena;       /* NULL: an arena of kf_compact's own, sized for this document; else the
+                              caller's, with kf_compact_arena_pages() free pages besides the parent's */
     const kf_seq *parent;  /* NULL, or a document in arena whose first `shared` tokens are this
                               context's first `shared` tokens (the caller guarantees it) */
     int64_t shared;        /* 0 <= shared < D, <= parent->len; the prefill runs on the rest */
     kf_seq *keep;          /* NULL, or receives the context's pages (D tokens) to be a later
                               document's parent; the caller releases it */
 } kf_compact_reuse;
+
+/* Pages kf_compact_prepare may take from a caller's arena for a context of n_ctx tokens (n_doc of
+ * them the document) with p's repeat instruction and probes: the context, and every reference
+ * source run on a fork of it (its own pages from the context's last, partly filled page on); a
+ * source holding validation rows of the per-head choice keeps its pages up to its last such row
+ * until kf_compact_prep_free, so the bound counts every source whole. */
+int64_t kf_compact_arena_pages(const kf_compact_params *p, int64_t n_ctx, int n_doc);
 
 /* kf_compact with reuse (NULL: exactly kf_compact). Context queries (use_context_queries) need
  * the whole context computed and are refused with shared > 0. */

@@ -808,17 +808,18 @@ int cmd_compact(int argc, char **argv) {
     }
     const int sharing = share && plan.enabled;
 
-    /* ---- one arena for the run: the kept predecessor plus the current document and its repeat ---- */
+    /* ---- one arena for the run: the kept predecessor plus the current document and its sources ---- */
     kf_arena arena = {0};
     int64_t need = 0, prev_len = 0;
     for (int k = 0; k < n_todo; k++) {
         const job_doc *d = &docs.docs[todo[plan.order[k]]];
-        int64_t longest = (int64_t)(d->instr ? d->n_instr : n_def_instr) + d->n;
-        for (int j = 0; j < d->n_probes; j++)
-            longest = d->probes[j].n > longest ? d->probes[j].n : longest;
-        for (int j = 0; j < n_extra; j++)
-            longest = extra_probes[j].n > longest ? extra_probes[j].n : longest;
-        const int64_t pages = kf_pages_for(sharing ? prev_len : 0) + kf_pages_for(d->n + longest) + 2;
+        kf_compact_params dp;
+        if (doc_params(&base, d, def_instr, n_def_instr, extra_probes, n_extra, &probes, &dp)) {
+            cli_error(CMD, "out of memory");
+            rc = KF_EXIT_FAIL;
+            goto done_plan;
+        }
+        const int64_t pages = kf_pages_for(sharing ? prev_len : 0) + kf_compact_arena_pages(&dp, d->n, d->n) + 1;
         need = pages > need ? pages : need;
         prev_len = d->n;
     }
