@@ -84,6 +84,7 @@ static kf_status load_tensor(kf_model *m, const char *name, int64_t d0, int64_t 
         return kf_fail(err, KF_ERR_NOMEM, "%s: out of memory for tensor '%s' (%zu values)", m->dir, name, n);
     m->allocs[m->n_allocs++] = buf;
     m->b->upload_weight(m->b, buf, t->data, dt, n);
+    kf_st_release_pages(&m->st, t); /* converted: the file's copy need not stay resident */
     m->n_params += (int64_t)n;
     *out = buf;
     return KF_OK;
@@ -222,6 +223,7 @@ static void fingerprint_compute(void *ctx, char out[33]) {
         XXH3_128bits_update(st, kf_st_dtype_name(t->dtype), strlen(kf_st_dtype_name(t->dtype)) + 1);
         XXH3_128bits_update(st, t->shape, sizeof(int64_t) * (size_t)t->ndim);
         XXH3_128bits_update(st, t->data, t->nbytes);
+        kf_st_release_pages(&m->st, t);
     }
     XXH128_hash_t h = XXH3_128bits_digest(st);
     XXH3_freeState(st);
