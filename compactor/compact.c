@@ -468,21 +468,38 @@ static kf_status plan_sources(const kf_compact_prep *x, const kf_prompt *doc, so
     return KF_OK;
 }
 
-/* qdst [L]: where the forward pass captures the rows of sampled positions first .. of one source:
- * straight into the pool (kf_refq_capture_dst). */
-static void capture_dst(const kf_compact_prep *x, int64_t first, float **qdst) {
-    for (int l = 0; l < x->L; l++)
-        qdst[l] = kf_refq_capture_dst(&x->rq, l, first);
+/* Where the forward pass captures the rows of sampled positions first .. of one source: straight
+ * into the pool (kf_refq_capture_dst), qdst [L] for an fp32 pool or qdst_h [L] for a bf16 one. */
+typedef struct {
+    float **q;
+    uint16_t **qh;
+} capture_to;
+
+static void capture_dst(const kf_compact_prep *x, int64_t first, capture_to *dst) {
+    for (int l = 0; l < x->L; l++) {
+        if (x->rq.q)
+            dst->q[l] = kf_refq_capture_dst(&x->rq, l, first);
+        else
+            dst->qh[l] = kf_refq_capture_dst_bf16(&x->rq, l, first);
+    }
+}
+
+/* fa's capture of n_rows rows into dst at the pool's strides. */
+static void capture_args(const kf_compact_prep *x, kf_forward_args *fa, int n_rows, const capture_to *dst) {
+    fa->queries = n_rows && x->rq.q ? dst->q : NULL;
+    fa->queries_bf16 = n_rows && x->rq.qh ? dst->qh : NULL;
+    fa->queries_row_stride = (size_t)x->d;
+    fa->queries_head_stride = kf_refq_head_stride(&x->rq);
 }
 
 /* The forward pass of source i >= 1 on a fork of the context (QUOKA window for the repeat); the fork
  * keeps the first n[i] tokens of the source when it holds validation rows (x->ap), else is released. */
 static kf_status run_source(kf_compact_prep *x, const source *src, int i, const int32_t *rows, int n_rows,
-                            float **qdst, kf_error *err) {
+                            const capture_to *qdst, kf_error *err) {
     const kf_compact_params *p = &x->p;
     kf_forward_args fa = {.ids = src[i].ids, .n_tokens = src[i].n, .chunk = p->chunk, .capture_rows = rows,
-                          .n_capture_rows = n_rows, .queries = n_rows ? qdst : NULL,
-                          .queries_row_stride = (size_t)x->d, .queries_head_stride = kf_refq_head_stride(&x->rq)};
+                          .n_capture_rows = n_rows};
+    capture_args(x, &fa, n_rows, qdst);
     kf_quoka_params rq_quoka;
     if (i == 1 && p->quoka && p->quoka_repeat) {
         /* the copy token at sequence index D + I + j reads document token j at n_pre + j */
@@ -512,7 +529,7 @@ static kf_status run_source(kf_compact_prep *x, const source *src, int i, const 
  * the sampled rows' queries go to x->rq. */
 static kf_status run_forwards(kf_compact_prep *x, const kf_compact_reuse *reuse, int64_t shared,
                               const int32_t *ctx_ids, const source *src, const int64_t *sample, int64_t n_pos,
-                              int32_t *rows, float **qdst, kf_error *err) {
+                              int32_t *rows, capture_to *qdst, kf_error *err) {
     double t0 = now_s();
     int64_t base = 0, k = 0;
     for (int i = 0; i < x->n_sources; i++) {
@@ -525,9 +542,8 @@ static kf_status run_forwards(kf_compact_prep *x, const kf_compact_reuse *reuse,
             for (int r = 0; r < n_rows; r++)
                 rows[r] += x->n_pre;
             kf_forward_args fa = {.ids = ctx_ids + shared, .n_tokens = (int)(x->D - shared), .chunk = x->p.chunk,
-                                  .capture_rows = rows, .n_capture_rows = n_rows, .queries = n_rows ? qdst : NULL,
-                                  .queries_row_stride = (size_t)x->d,
-                                  .queries_head_stride = kf_refq_head_stride(&x->rq), .quoka = x->p.quoka};
+                                  .capture_rows = rows, .n_capture_rows = n_rows, .quoka = x->p.quoka};
+            capture_args(x, &fa, n_rows, qdst);
             if (x->p.progress)
                 x->p.progress(x->p.progress_ctx, "prefill", 0, x->D);
             if (shared > 0)
@@ -582,20 +598,20 @@ static kf_status prepare_run(kf_compact_prep *x, const kf_compact_reuse *reuse, 
     const int64_t n_pos = n_cand < cap_pos ? n_cand : cap_pos;
     int64_t *sample = malloc(sizeof(int64_t) * (size_t)(n_pos ? n_pos : 1));
     int32_t *rows = malloc(sizeof(int32_t) * (size_t)(n_pos ? n_pos : 1));
-    float **qdst = malloc(sizeof(float *) * (size_t)x->L); /* [L] capture destinations */
+    capture_to qdst = {malloc(sizeof(float *) * (size_t)x->L), malloc(sizeof(uint16_t *) * (size_t)x->L)}; /* [L] */
     kf_status rc = KF_OK;
-    if (!sample || !rows || !qdst || kf_sample_indices(n_cand, n_pos, x->p.seed, sample) != 0)
+    if (!sample || !rows || !qdst.q || !qdst.qh || kf_sample_indices(n_cand, n_pos, x->p.seed, sample) != 0)
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
     if (rc == KF_OK)
-        rc = kf_refq_init(&x->rq, x->L, x->kvh, x->d, x->G, n_pos, err);
+        rc = kf_refq_init(&x->rq, x->L, x->kvh, x->d, x->G, n_pos, x->p.refq_bf16, err);
     if (rc == KF_OK && choice)
         rc = plan_validation(src, x->n_sources, sample, n_pos, &x->p, (size_t)x->kvh * x->d, &x->pos_kind,
                              &x->pos_src, &x->pos_local, &x->is_val, &x->n_val_pos, &x->ap, err);
     if (rc == KF_OK && x->ar == &x->own_arena)
         rc = kf_model_arena(x->m, x->ar, arena_pages(x, src) * KF_PAGE_TOKENS, err);
     if (rc == KF_OK)
-        rc = run_forwards(x, reuse, shared, ctx_ids, src, sample, n_pos, rows, qdst, err);
-    free(qdst);
+        rc = run_forwards(x, reuse, shared, ctx_ids, src, sample, n_pos, rows, &qdst, err);
+    free(qdst.q), free(qdst.qh);
     free(rows);
     free(sample);
     return rc;
@@ -767,6 +783,7 @@ static void variant_edges(const kf_compact_prep *x, variant_ws *w, int l, const 
 typedef struct {
     int l, g;
     const float *q;      /* [R, d] the head's reference queries */
+    float *q_own;        /* [R, d] q converted from a bf16 pool, or NULL */
     kf_am_head h;
     kf_am_targets tg;
     const head_split *sp; /* NULL: no variant chooses per head */
@@ -779,22 +796,29 @@ static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, 
     const size_t row = (size_t)x->kvh * x->d;
     memset(hs, 0, sizeof *hs);
     hs->l = l, hs->g = g;
-    hs->q = kf_refq_rows(&x->rq, l, g);
+    if (x->rq.qh && !(hs->q_own = malloc(sizeof(float) * (size_t)x->rq.R * x->d)))
+        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for a head's reference queries");
+    hs->q = kf_refq_head(&x->rq, l, g, hs->q_own);
     hs->h = (kf_am_head){.k = K + (size_t)x->n_pre * row + (size_t)g * x->d, .k_stride = row,
                          .v = V + (size_t)x->n_pre * row + (size_t)g * x->d, .v_stride = row,
                          .T = x->n_doc, .q = hs->q, .R = (int)x->rq.R, .d = x->d, .scale = x->scale};
     double ts = now_s();
-    KF_TRY(kf_am_targets_compute(&hs->h, x->p.score, &hs->tg, err));
+    kf_status rc = kf_am_targets_compute(&hs->h, x->p.score, &hs->tg, err);
+    if (rc != KF_OK) {
+        free(hs->q_own);
+        return rc;
+    }
     hs->targets_s = now_s() - ts;
     if (!sp)
         return KF_OK;
     ts = now_s();
     split_head(sp, &x->rq, hs->q, &hs->tg, x->is_val, x->pos_src, x->pos_local, &x->ap, g);
     const kf_kv_block orig = {hs->h.k, hs->h.v, row, NULL, x->n_doc};
-    kf_status rc = kf_val_head_init(&hs->vh, sp->val_q, (int)sp->n_val, x->d, x->scale, sp->val_w, &orig,
-                                    sp->val_app, sp->val_vis, err);
+    rc = kf_val_head_init(&hs->vh, sp->val_q, (int)sp->n_val, x->d, x->scale, sp->val_w, &orig, sp->val_app,
+                          sp->val_vis, err);
     if (rc != KF_OK) {
         kf_am_targets_free(&hs->tg);
+        free(hs->q_own);
         return rc;
     }
     hs->sp = sp;
@@ -804,6 +828,7 @@ static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, 
 
 static void head_shared_free(head_shared *hs) {
     kf_am_targets_free(&hs->tg);
+    free(hs->q_own);
     if (hs->sp)
         kf_val_head_free(&hs->vh);
 }

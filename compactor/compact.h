@@ -84,6 +84,8 @@ typedef struct {
     int quoka_repeat;               /* also QUOKA for the repeat prefill, with the aligned window: the
                                        copy's source span +- quoka_margin tokens (-1: no window) */
     int quoka_margin;
+    int refq_bf16;                  /* 1: reference queries stored in bf16 (half the memory; each head's
+                                       rows widened to fp32 for its solve); default 0: fp32 */
     void (*progress)(void *ctx, const char *stage, int64_t done, int64_t total);
     void *progress_ctx;
 } kf_compact_params;
@@ -224,7 +226,8 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *   arena   = 128 L KD (pg(D) + pg(N) - floor(D / 16) + pg(P) + 2 p)
  *               fp32 K and V pages: the context; the longest source on its fork (the context's
  *               partly filled last page copied); the other validation prompts kept beside it
- *   queries = 4 L kvh R d                         the pool, [L, kvh, R, d] fp32, held once
+ *   queries = e L kvh R d                         the pool, [L, kvh, R, d], held once: e = 4 (fp32)
+ *                                                 or 2 (refq_bf16)
  *   forward = kf_forward_plan_bytes(min(c, max(D, S)), 0) + 8 N KD + 512 A N
  *               the plan's scratch; the attention's gathered K/V and A score tiles over N keys
  *   solve   = 8 D KD + 8 (S + P) KD [choice]      one layer's K/V, and of the validation prompts
@@ -232,6 +235,7 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *                + [choice] 4 R (2 d + 2) + 12 Rv + 8 Rv d + 16 Rv
  *                                                 the training/validation split, validation outputs
  *                + 16 t d + 8 t                   the variant's head buffers
+ *                + [bf16] 4 R d                   the head's rows widened to fp32
  *                + max(ws, 1032 T))               the fits, or the targets' transient tiles
  *   output  = L C (8 KD + 8 kvh) + L kvh (4 d + 9) the compacted cache
  *   base    = 32 MiB                              binary, libraries, OpenBLAS (about 25 MB here)
@@ -246,6 +250,7 @@ typedef struct {
     int n_p;              /* count of those other sources */
     int64_t R, Rv, t;     /* reference queries and held-out ones per KV head; kept keys per head */
     int choice;           /* the per-head choice runs (validation prompts kept, the split built) */
+    int refq_bf16;        /* reference queries stored in bf16 */
     int chunk;            /* prefill chunk (0: KF_DEFAULT_CHUNK) */
     int attn_threads;     /* the CPU attention's pool threads */
     int solve_heads;      /* h: KV heads solved at once */

@@ -7,6 +7,7 @@
 #include <xxhash.h>
 
 #include "compactor/fingerprint.h"
+#include "kernels/cpu/cpu_kernels.h"
 #include "formats/safetensors.h"
 
 typedef struct {
@@ -401,16 +402,28 @@ static void capture(kf_backend *b, float *dst, const float *src, int width, cons
 /* Layer l's queries q [chunk, nh * hd] of the capture rows in [c0, c0 + n), at the caller's strides. */
 static void capture_queries(kf_backend *b, const kf_forward_args *args, int l, const float *q, int nh, int hd, int c0,
                             int n) {
-    float *dst = args->queries[l];
+    float *dst = args->queries ? args->queries[l] : NULL;
+    uint16_t *dsth = args->queries_bf16 ? args->queries_bf16[l] : NULL;
     const size_t hs = args->queries_head_stride ? args->queries_head_stride : (size_t)hd;
     const size_t rs = args->queries_row_stride ? args->queries_row_stride : (size_t)nh * hd;
-    if (!dst)
+    if (!dst && !dsth)
         return;
+    float tmp[256];
     for (int r = 0; r < args->n_capture_rows; r++) {
         const int row = args->capture_rows[r];
         if (row < c0 || row >= c0 + n)
             continue;
         const float *src = q + (size_t)(row - c0) * nh * hd;
+        if (dsth) { /* through a host buffer, 256 values at a time */
+            for (int h = 0; h < nh; h++)
+                for (int e0 = 0; e0 < hd; e0 += 256) {
+                    const int k = hd - e0 < 256 ? hd - e0 : 256;
+                    b->download(b, tmp, src + (size_t)h * hd + e0, sizeof(float) * k);
+                    for (int e = 0; e < k; e++)
+                        dsth[(size_t)r * rs + (size_t)h * hs + e0 + e] = kf_f32_to_bf16(tmp[e]);
+                }
+            continue;
+        }
         if (hs == (size_t)hd) {
             b->download(b, dst + (size_t)r * rs, src, sizeof(float) * nh * hd);
             continue;
@@ -498,7 +511,7 @@ static void layer_forward(kf_model *m, kf_forward_plan *p, kf_arena *a, const kf
     }
     b->rope(b, p->q, QD, n, nh, hd, p->pos, m->inv_freq);
     b->rope(b, p->k, KD, n, kvh, hd, p->pos, m->inv_freq);
-    if (args->queries)
+    if (args->queries || args->queries_bf16)
         capture_queries(b, args, l, p->q, nh, hd, cs.c0, n);
 
     const kf_paged_kv kv = kf_arena_layer(a, l);

@@ -357,6 +357,12 @@ static void test_memory_formula(void) {
     CU_ASSERT_EQUAL(m.total, total);
     /* ws = 12 R t + 8 R d + 8 t^2 + 8 t d */
     CU_ASSERT_EQUAL(kf_compact_head_ws_bytes(100, 8, 16), 9600 + 12800 + 512 + 1024);
+    /* bf16 reference queries: half the pool, and each head's rows widened (4 * 100 * 16) */
+    kf_mem_shape sh16 = sh;
+    sh16.refq_bf16 = 1;
+    kf_mem_peak m16;
+    kf_compact_peak_bytes(&c, &sh16, &m16);
+    CU_ASSERT(m16.queries == 12800 && m16.solve == 97920 + 6400 && m16.total == total - 12800 + 6400);
 
     /* the weights term counts what the model loads */
     kf_mem_shape real;
@@ -374,6 +380,31 @@ static void test_memory_formula(void) {
     CU_ASSERT_EQUAL(out.stats.n_val_queries, real.Rv);
     CU_ASSERT_EQUAL(out.t, real.t);
     kf_compacted_free(&out);
+}
+
+/* refq_bf16 compacts from the queries rounded to bf16: the same shape and query count, not the
+ * same bytes (the option acts), and close to the fp32 result: most kept positions the same. */
+static void test_refq_bf16_close(void) {
+    kf_error err = {0};
+    const kf_prompt doc = {g_doc, 200};
+    kf_compact_params p = params(KF_METHOD_FOLD, 0.25);
+    kf_compacted a, b;
+    CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &a, &err), KF_OK);
+    p.refq_bf16 = 1;
+    CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &b, &err), KF_OK);
+    CU_ASSERT_FATAL(a.C == b.C && a.stats.n_queries == b.stats.n_queries);
+    CU_ASSERT(!compacted_identical(&a, &b));
+    const size_t np = (size_t)a.n_layers * a.kv_heads * a.C;
+    size_t same = 0;
+    for (size_t i = 0; i < np; i++)
+        same += a.positions[i] == b.positions[i];
+    const size_t n = (size_t)a.n_layers * a.C * a.kv_heads * a.head_dim;
+    const double dv = kf_max_abs_diff(a.values, b.values, n) / kf_max_abs(a.values, n);
+    printf("\n    bf16 reference queries: %zu of %zu kept positions as fp32's, values max diff %.3g (relative)\n",
+           same, np, dv);
+    CU_ASSERT(same >= np * 9 / 10);
+    kf_compacted_free(&a);
+    kf_compacted_free(&b);
 }
 
 /* compact -> kvf -> load -> attach: the question's log-probabilities from the file equal those of
@@ -509,6 +540,7 @@ static CU_TestInfo model_tests[] = {
     {"one prepare, several variants == kf_compact for each", test_shared_stages_equal_separate},
     {"a caller's arena of kf_compact_arena_pages; validation forks kept, then released", test_prep_arena_pages},
     {"the memory formula: a hand-computed case, the loaded weights, kf_compact's shape", test_memory_formula},
+    {"bf16 reference queries: a different, close compaction", test_refq_bf16_close},
     {"round trip compact -> kvf -> engine", test_round_trip_through_kvf},
     {"engine: greedy decoding and rewind", test_engine_greedy_full_context},
     CU_TEST_INFO_NULL,

@@ -10,6 +10,7 @@
 #include "compactor/engine.h"
 #include "compactor/model.h"
 #include "compactor/refq.h"
+#include "formats/kvf.h"
 #include "formats/safetensors.h"
 #include "test_util.h"
 
@@ -281,7 +282,7 @@ static void test_capture_into_refq_pool(void) {
     const int32_t rows[N_ROWS] = {0, 17, 40, 41, 90};
     kf_error err = {0};
     kf_refq rq;
-    CU_ASSERT_EQUAL_FATAL(kf_refq_init(&rq, L, kvh, hd, G, N_POS, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_refq_init(&rq, L, kvh, hd, G, N_POS, 0, &err), KF_OK);
     const size_t pool = (size_t)L * kvh * rq.R * hd;
     for (size_t i = 0; i < pool; i++)
         rq.q[i] = -7.0f;
@@ -319,6 +320,43 @@ static void test_capture_into_refq_pool(void) {
                 }
     CU_ASSERT_EQUAL(bad, 0);
     CU_ASSERT(untouched);
+
+    /* a bf16 pool: every value the fp32 capture's rounded to nearest even (formats/kvf's rounding) */
+    kf_refq rh;
+    CU_ASSERT_EQUAL_FATAL(kf_refq_init(&rh, L, kvh, hd, G, N_POS, 1, &err), KF_OK);
+    CU_ASSERT(rh.q == NULL && rh.qh != NULL);
+    uint16_t **dsth = calloc((size_t)L, sizeof *dsth);
+    for (int l = 0; l < L; l++)
+        dsth[l] = kf_refq_capture_dst_bf16(&rh, l, FIRST);
+    kf_arena a;
+    kf_seq seq;
+    kf_seq_init(&seq);
+    CU_ASSERT_EQUAL_FATAL(kf_model_arena(f->m, &a, 100, &err), KF_OK);
+    kf_forward_args fh = {.ids = f->ids, .n_tokens = 100, .chunk = 32, .capture_rows = rows, .n_capture_rows = N_ROWS,
+                          .queries_bf16 = dsth, .queries_row_stride = (size_t)hd,
+                          .queries_head_stride = kf_refq_head_stride(&rh)};
+    CU_ASSERT_EQUAL_FATAL(kf_model_forward(f->m, &a, &seq, &fh, &err), KF_OK);
+    kf_seq_release(&a, &seq);
+    kf_arena_free(&a);
+    float *wide = malloc(sizeof(float) * (size_t)rh.R * hd); /* [R, hd] */
+    int bad_h = 0, exact = 0;
+    for (int l = 0; l < L; l++)
+        for (int g = 0; g < kvh; g++) {
+            const float *got = kf_refq_head(&rh, l, g, wide);
+            for (int j = 0; j < G; j++)
+                for (int p = FIRST; p < FIRST + N_ROWS; p++)
+                    for (int e = 0; e < hd; e++) {
+                        const float want = flat[l][((size_t)(p - FIRST) * nh + g * G + j) * hd + e];
+                        const float r = kvf_bf16_to_f32(kvf_f32_to_bf16(want));
+                        bad_h += memcmp(&got[((size_t)j * N_POS + p) * hd + e], &r, sizeof r) != 0;
+                        exact += r == want;
+                    }
+        }
+    CU_ASSERT_EQUAL(bad_h, 0);
+    CU_ASSERT(exact < L * nh * N_ROWS * hd / 2); /* the rounding did happen */
+    free(wide);
+    free(dsth);
+    kf_refq_free(&rh);
     for (int l = 0; l < L; l++)
         free(flat[l]);
     free(flat), free(dst);

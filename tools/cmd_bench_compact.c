@@ -30,6 +30,7 @@ static const char kHelp[] =
     "  --budget B       kept fraction (default 0.1)\n"
     "  --method M       keep, drop, am or fold (default fold)\n"
     "  --max-queries N  reference queries per KV head (default 50000)\n"
+    "  --refq-dtype T   reference queries in f32 (default) or bf16\n"
     "  --predict-only   print the predicted peak only (no weights loaded, nothing compacted)\n"
     "  -h, --help       show this help\n";
 
@@ -83,7 +84,8 @@ int cmd_bench_compact(int argc, char **argv) {
                                          {"docs", required_argument, 0, 'd'},    {"tokens", required_argument, 0, 'n'},
                                          {"budget", required_argument, 0, 'b'},  {"method", required_argument, 0, 'M'},
                                          {"max-queries", required_argument, 0, 'Q'},
-                                         {"predict-only", no_argument, 0, 'P'},  {0, 0, 0, 0}};
+                                         {"predict-only", no_argument, 0, 'P'},  {"refq-dtype", required_argument, 0, 'R'},
+                                         {0, 0, 0, 0}};
     const char *dir = NULL, *docs = NULL;
     long long want = 4000, maxq = 50000;
     int predict_only = 0;
@@ -110,6 +112,11 @@ int cmd_bench_compact(int argc, char **argv) {
             break;
         }
         case 'P': predict_only = 1; break;
+        case 'R':
+            if (strcmp(optarg, "f32") && strcmp(optarg, "bf16"))
+                return cli_usage_error("bench compact", "--refq-dtype is f32 or bf16, not '%s'", optarg);
+            p.refq_bf16 = strcmp(optarg, "bf16") == 0;
+            break;
         case 'M':
             if (kf_method_parse(optarg, &p.method))
                 return cli_usage_error("bench compact", "--method is keep, drop, am or fold, not '%s'", optarg);

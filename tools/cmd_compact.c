@@ -42,7 +42,7 @@ static const char kHelp[] =
     "(content-addressed: <recipe> is the first 16 hex digits of the digest of every setting that\n"
     "changes the bytes: method, budget, lambda, dtype, repeat instruction, probes, query cap, seed,\n"
     "QUOKA and prefill chunk, head budgets, the beta fit, value ridge and per-head choice\n"
-    "settings, the file format's version; compactor/recipe.h).\n"
+    "settings, the reference queries' dtype, the file format's version; compactor/recipe.h).\n"
     "A document whose file already exists with the same recipe and whose every checksum and\n"
     "payload digest hold is skipped, so the job can be rerun or resumed.\n"
     "Files appear atomically (temporary name, fsync, rename); several workers may run on the same\n"
