@@ -281,21 +281,34 @@ kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, cons
     return rc;
 }
 
-/* The appended prompts of the validation rows: per source i >= 1 its keys and values
- * [n_layers, app_n[i], kv_heads * d] from the forward pass that produced its queries. */
+/* The appended prompts of the validation rows: a source i >= 1 holding validation rows keeps the
+ * pages of the forward pass that produced its queries, fork[i] (the context's D tokens shared, then
+ * the first n[i] tokens of the source), until kf_compact_prep_free; k[i], v[i] [n[i], kv_heads * d]
+ * hold one layer of those n[i] tokens (appended_load, before the layer's heads). */
 typedef struct {
-    float **k, **v;
-    int64_t *n;
+    kf_seq *fork;    /* [n_src], empty where n[i] = 0 */
+    float **k, **v;  /* [n_src] -> [n[i], kv_heads * d], NULL where n[i] = 0 */
+    int64_t *n;      /* [n_src] */
     int n_src;
 } appended_kv;
 
-static void appended_free(appended_kv *a) {
-    for (int i = 0; a->k && i < a->n_src; i++) {
-        free(a->k[i]);
-        free(a->v[i]);
+static void appended_free(kf_arena *a, appended_kv *ap) {
+    for (int i = 0; ap->k && i < ap->n_src; i++) {
+        free(ap->k[i]);
+        free(ap->v[i]);
     }
-    free(a->k), free(a->v), free(a->n);
-    memset(a, 0, sizeof *a);
+    for (int i = 0; ap->fork && i < ap->n_src; i++)
+        kf_seq_release(a, &ap->fork[i]);
+    free(ap->fork), free(ap->k), free(ap->v), free(ap->n);
+    memset(ap, 0, sizeof *ap);
+}
+
+/* Layer l's keys and values of every kept validation prompt into k, v (solve_layer's prologue). */
+static kf_status appended_load(const kf_arena *a, int64_t D, appended_kv *ap, int l, kf_error *err) {
+    for (int i = 1; i < ap->n_src; i++)
+        if (ap->n[i] > 0)
+            KF_TRY(kf_seq_read_kv(a, &ap->fork[i], l, D, ap->n[i], ap->k[i], ap->v[i], err));
+    return KF_OK;
 }
 
 /* Split one head's rows into training and validation: training q/targets gathered into tr_q,
@@ -338,16 +351,15 @@ static int split_alloc(head_split *s, int64_t R, int64_t n_val, int d, int n_src
                : -1;
 }
 
-/* pos_src/pos_local [n_pos]: source and index inside it of every sampled position. */
+/* pos_src/pos_local [n_pos]: source and index inside it of every sampled position; ap holds the
+ * layer of this head (appended_load). */
 static void split_head(head_split *s, const kf_refq *rq, const float *q, const kf_am_targets *tg, const uint8_t *is_val,
-                       const int *pos_src, const int64_t *pos_local, const appended_kv *ap, int layer, int g) {
+                       const int *pos_src, const int64_t *pos_local, const appended_kv *ap, int g) {
     const int d = rq->head_dim;
     const size_t row = (size_t)rq->kv_heads * d;
     for (int i = 1; i < ap->n_src; i++)
         if (ap->k[i])
-            s->blocks[i] = (kf_kv_block){ap->k[i] + (size_t)layer * ap->n[i] * row + (size_t)g * d,
-                                         ap->v[i] + (size_t)layer * ap->n[i] * row + (size_t)g * d, row, NULL,
-                                         (int)ap->n[i]};
+            s->blocks[i] = (kf_kv_block){ap->k[i] + (size_t)g * d, ap->v[i] + (size_t)g * d, row, NULL, (int)ap->n[i]};
     int64_t n_probe = 0, nt = 0, nv = 0;
     for (int64_t k = 0; k < rq->n_pos; k++)
         n_probe += is_val[k] && rq->source[k] == KF_REFQ_PROBE;
@@ -383,10 +395,10 @@ typedef struct {
 } source;
 
 /* The per-head choice's validation plan: every sampled position's source, index inside it and
- * kind; the held-out positions (is_val); and buffers for the appended prompts of the sources
- * that hold validation rows (filled by the forward passes). */
+ * kind; the held-out positions (is_val); and, for the sources that hold validation rows, how many
+ * of their tokens to keep (n) and one layer's buffers for them. */
 static kf_status plan_validation(const source *src, int n_sources, const int64_t *sample, int64_t n_pos,
-                                 const kf_compact_params *p, int L, size_t row, uint8_t **kind, int **pos_src,
+                                 const kf_compact_params *p, size_t row, uint8_t **kind, int **pos_src,
                                  int64_t **pos_local, uint8_t **is_val, int64_t *n_val, appended_kv *ap,
                                  kf_error *err) {
     *kind = malloc((size_t)(n_pos ? n_pos : 1));
@@ -394,10 +406,11 @@ static kf_status plan_validation(const source *src, int n_sources, const int64_t
     *pos_src = malloc(sizeof(int) * (size_t)(n_pos ? n_pos : 1));
     *pos_local = malloc(sizeof(int64_t) * (size_t)(n_pos ? n_pos : 1));
     ap->n_src = n_sources;
+    ap->fork = calloc((size_t)n_sources, sizeof *ap->fork);
     ap->k = calloc((size_t)n_sources, sizeof *ap->k);
     ap->v = calloc((size_t)n_sources, sizeof *ap->v);
     ap->n = calloc((size_t)n_sources, sizeof *ap->n);
-    if (!*kind || !*is_val || !*pos_src || !*pos_local || !ap->k || !ap->v || !ap->n)
+    if (!*kind || !*is_val || !*pos_src || !*pos_local || !ap->fork || !ap->k || !ap->v || !ap->n)
         return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the validation split");
     int64_t base = 0, k = 0;
     for (int i = 0; i < n_sources; i++) {
@@ -416,8 +429,8 @@ static kf_status plan_validation(const source *src, int n_sources, const int64_t
             ap->n[(*pos_src)[k]] = (*pos_local)[k] + 1;
     for (int i = 1; i < n_sources; i++)
         if (ap->n[i] > 0) {
-            ap->k[i] = malloc(sizeof(float) * (size_t)L * ap->n[i] * row);
-            ap->v[i] = malloc(sizeof(float) * (size_t)L * ap->n[i] * row);
+            ap->k[i] = malloc(sizeof(float) * (size_t)ap->n[i] * row);
+            ap->v[i] = malloc(sizeof(float) * (size_t)ap->n[i] * row);
             if (!ap->k[i] || !ap->v[i])
                 return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the validation prompts' keys");
         }
@@ -486,9 +499,9 @@ static kf_status check_context(const kf_compact_prep *x, const kf_compact_reuse 
 }
 
 /* src [n_sources]: the document's own queries, the repeat prompt (instruction + document, owned),
- * the probes; *n_cand their total length, *longest the longest source after the context. */
+ * the probes; *n_cand their total length. */
 static kf_status plan_sources(const kf_compact_prep *x, const kf_prompt *doc, source *src, int64_t *n_cand,
-                              int64_t *longest, kf_error *err) {
+                              kf_error *err) {
     const kf_compact_params *p = &x->p;
     if (p->use_context_queries)
         src[0] = (source){doc->ids, x->n_doc, KF_REFQ_CONTEXT, NULL};
@@ -503,43 +516,47 @@ static kf_status plan_sources(const kf_compact_prep *x, const kf_prompt *doc, so
     }
     for (int i = 0; i < p->n_probes; i++)
         src[2 + i] = (source){p->probes[i].ids, p->probes[i].n, KF_REFQ_PROBE, NULL};
-    *n_cand = *longest = 0;
-    for (int i = 0; i < x->n_sources; i++) {
+    *n_cand = 0;
+    for (int i = 0; i < x->n_sources; i++)
         *n_cand += src[i].n;
-        if (i > 0 && src[i].n > *longest)
-            *longest = src[i].n;
-    }
     if (*n_cand == 0)
         return kf_fail(err, KF_ERR_INVALID,
                        "compact: no reference queries: give a repeat instruction, probes or context queries");
     return KF_OK;
 }
 
-/* Capture buffers qbuf[L] [max_rows, nh * d] for the largest per-source count of sample [n_pos]. */
-static kf_status capture_alloc(const kf_compact_prep *x, const source *src, const int64_t *sample, int64_t n_pos,
-                               float **qbuf, kf_error *err) {
-    int64_t max_rows = 0, base = 0, k = 0;
-    for (int i = 0; i < x->n_sources; i++) {
-        int64_t cnt = 0;
-        while (k + cnt < n_pos && sample[k + cnt] < base + src[i].n)
-            cnt++;
-        max_rows = cnt > max_rows ? cnt : max_rows;
-        k += cnt;
-        base += src[i].n;
+/* Where the forward pass captures the rows of sampled positions first .. of one source: straight
+ * into the pool (kf_refq_capture_dst), qdst [L] for an fp32 pool or qdst_h [L] for a bf16 one. */
+typedef struct {
+    float **q;
+    uint16_t **qh;
+} capture_to;
+
+static void capture_dst(const kf_compact_prep *x, int64_t first, capture_to *dst) {
+    for (int l = 0; l < x->L; l++) {
+        if (x->rq.q)
+            dst->q[l] = kf_refq_capture_dst(&x->rq, l, first);
+        else
+            dst->qh[l] = kf_refq_capture_dst_bf16(&x->rq, l, first);
     }
-    for (int l = 0; l < x->L; l++)
-        if (!(qbuf[l] = malloc(sizeof(float) * (size_t)(max_rows ? max_rows : 1) * x->nh * x->d)))
-            return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for query capture");
-    return KF_OK;
 }
 
-/* The forward pass of source i >= 1 on top of the context (QUOKA window for the repeat), its
- * validation prompts' keys and values kept, then the KV rewound to the context. */
+/* fa's capture of n_rows rows into dst at the pool's strides. */
+static void capture_args(const kf_compact_prep *x, kf_forward_args *fa, int n_rows, const capture_to *dst) {
+    fa->queries = n_rows && x->rq.q ? dst->q : NULL;
+    fa->queries_bf16 = n_rows && x->rq.qh ? dst->qh : NULL;
+    fa->queries_row_stride = (size_t)x->d;
+    fa->queries_head_stride = kf_refq_head_stride(&x->rq);
+}
+
+/* The forward pass of source i >= 1 on a fork of the context (QUOKA window for the repeat); the fork
+ * keeps the first n[i] tokens of the source when it holds validation rows (x->ap), else is released. */
 static kf_status run_source(kf_compact_prep *x, const source *src, int i, const int32_t *rows, int n_rows,
-                            float **qbuf, kf_error *err) {
+                            const capture_to *qdst, kf_error *err) {
     const kf_compact_params *p = &x->p;
     kf_forward_args fa = {.ids = src[i].ids, .n_tokens = src[i].n, .chunk = p->chunk, .capture_rows = rows,
-                          .n_capture_rows = n_rows, .queries = n_rows ? qbuf : NULL};
+                          .n_capture_rows = n_rows};
+    capture_args(x, &fa, n_rows, qdst);
     kf_quoka_params rq_quoka;
     if (i == 1 && p->quoka && p->quoka_repeat) {
         /* the copy token at sequence index D + I + j reads document token j at n_pre + j */
@@ -553,20 +570,23 @@ static kf_status run_source(kf_compact_prep *x, const source *src, int i, const 
     }
     if (p->progress)
         p->progress(p->progress_ctx, i == 1 ? "repeat" : "probes", i, x->n_sources);
-    KF_TRY(kf_model_forward(x->m, x->ar, &x->seq, &fa, err));
-    const appended_kv *ap = &x->ap;
-    const size_t row = (size_t)x->kvh * x->d;
-    for (int l = 0; ap->k && ap->k[i] && l < x->L; l++) /* validation rows' prompts */
-        KF_TRY(kf_seq_read_kv(x->ar, &x->seq, l, x->D, ap->n[i], ap->k[i] + (size_t)l * ap->n[i] * row,
-                              ap->v[i] + (size_t)l * ap->n[i] * row, err));
-    return kf_seq_truncate(x->ar, &x->seq, x->D, err); /* KV rewind */
+    const int64_t keep = x->ap.n ? x->ap.n[i] : 0;
+    kf_seq fork;
+    KF_TRY(kf_seq_fork(x->ar, &x->seq, x->D, &fork, err));
+    kf_status rc = kf_model_forward(x->m, x->ar, &fork, &fa, err);
+    if (rc == KF_OK && keep > 0 && (rc = kf_seq_truncate(x->ar, &fork, x->D + keep, err)) == KF_OK) {
+        x->ap.fork[i] = fork; /* the validation rows' prompts, read a layer at a time by the solve */
+        return KF_OK;
+    }
+    kf_seq_release(x->ar, &fork); /* KV rewind: the context's pages are untouched */
+    return rc;
 }
 
 /* Prefill the context (from `shared` on, forking reuse->parent), then each source on top of it;
  * the sampled rows' queries go to x->rq. */
 static kf_status run_forwards(kf_compact_prep *x, const kf_compact_reuse *reuse, int64_t shared,
                               const int32_t *ctx_ids, const source *src, const int64_t *sample, int64_t n_pos,
-                              int32_t *rows, float **qbuf, kf_error *err) {
+                              int32_t *rows, capture_to *qdst, kf_error *err) {
     double t0 = now_s();
     int64_t base = 0, k = 0;
     for (int i = 0; i < x->n_sources; i++) {
@@ -574,12 +594,13 @@ static kf_status run_forwards(kf_compact_prep *x, const kf_compact_reuse *reuse,
         const int64_t first = k;
         while (k < n_pos && sample[k] < base + src[i].n)
             rows[n_rows++] = (int32_t)(sample[k++] - base);
+        capture_dst(x, first, qdst);
         if (i == 0) { /* the context prefill; its document rows are source 0 */
             for (int r = 0; r < n_rows; r++)
                 rows[r] += x->n_pre;
             kf_forward_args fa = {.ids = ctx_ids + shared, .n_tokens = (int)(x->D - shared), .chunk = x->p.chunk,
-                                  .capture_rows = rows, .n_capture_rows = n_rows, .queries = n_rows ? qbuf : NULL,
-                                  .quoka = x->p.quoka};
+                                  .capture_rows = rows, .n_capture_rows = n_rows, .quoka = x->p.quoka};
+            capture_args(x, &fa, n_rows, qdst);
             if (x->p.progress)
                 x->p.progress(x->p.progress_ctx, "prefill", 0, x->D);
             if (shared > 0)
@@ -588,43 +609,66 @@ static kf_status run_forwards(kf_compact_prep *x, const kf_compact_reuse *reuse,
             x->prefill_s = now_s() - t0;
             t0 = now_s();
         } else if (src[i].n > 0) {
-            KF_TRY(run_source(x, src, i, rows, n_rows, qbuf, err));
+            KF_TRY(run_source(x, src, i, rows, n_rows, qdst, err));
         }
-        if (n_rows)
-            kf_refq_store(&x->rq, qbuf, n_rows, first, src[i].kind);
+        memset(x->rq.source + first, src[i].kind, (size_t)n_rows);
         base += src[i].n;
     }
     x->refq_s = now_s() - t0;
     return KF_OK;
 }
 
+/* Pages a source of n tokens run on a fork of the D-token context takes: its own pages past the
+ * context's full ones (a partly filled last context page is copied on write). */
+static int64_t fork_pages(int64_t D, int64_t n) {
+    return kf_pages_for(D + n) - D / KF_PAGE_TOKENS;
+}
+
+int64_t kf_compact_arena_pages(const kf_compact_params *p, int64_t n_ctx, int n_doc) {
+    int64_t pages = kf_pages_for(n_ctx);
+    if (p->repeat_instruction.n > 0)
+        pages += fork_pages(n_ctx, (int64_t)p->repeat_instruction.n + n_doc);
+    for (int i = 0; i < p->n_probes; i++)
+        pages += p->probes[i].n > 0 ? fork_pages(n_ctx, p->probes[i].n) : 0;
+    return pages;
+}
+
+/* The own arena: the context, then at the worst moment (source i running) the kept validation
+ * prompts of the sources before it and source i whole (run_source). */
+static int64_t arena_pages(const kf_compact_prep *x, const source *src) {
+    int64_t kept = 0, peak = 0;
+    for (int i = 1; i < x->n_sources; i++) {
+        if (src[i].n == 0)
+            continue;
+        peak = kept + fork_pages(x->D, src[i].n) > peak ? kept + fork_pages(x->D, src[i].n) : peak;
+        kept += x->ap.n && x->ap.n[i] > 0 ? fork_pages(x->D, x->ap.n[i]) : 0;
+    }
+    return kf_pages_for(x->D) + peak;
+}
+
 /* Sources, subsample, validation plan, arena, then the forward passes. */
 static kf_status prepare_run(kf_compact_prep *x, const kf_compact_reuse *reuse, int64_t shared, const kf_prompt *doc,
                              const int32_t *ctx_ids, int choice, source *src, kf_error *err) {
-    int64_t n_cand = 0, longest = 0;
-    KF_TRY(plan_sources(x, doc, src, &n_cand, &longest, err));
+    int64_t n_cand = 0;
+    KF_TRY(plan_sources(x, doc, src, &n_cand, err));
     const int64_t cap_pos = x->p.max_queries / x->G;
     const int64_t n_pos = n_cand < cap_pos ? n_cand : cap_pos;
     int64_t *sample = malloc(sizeof(int64_t) * (size_t)(n_pos ? n_pos : 1));
     int32_t *rows = malloc(sizeof(int32_t) * (size_t)(n_pos ? n_pos : 1));
-    float **qbuf = calloc((size_t)x->L, sizeof *qbuf);
+    capture_to qdst = {malloc(sizeof(float *) * (size_t)x->L), malloc(sizeof(uint16_t *) * (size_t)x->L)}; /* [L] */
     kf_status rc = KF_OK;
-    if (!sample || !rows || !qbuf || kf_sample_indices(n_cand, n_pos, x->p.seed, sample) != 0)
+    if (!sample || !rows || !qdst.q || !qdst.qh || kf_sample_indices(n_cand, n_pos, x->p.seed, sample) != 0)
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
     if (rc == KF_OK)
-        rc = kf_refq_init(&x->rq, x->L, x->kvh, x->d, x->G, n_pos, err);
+        rc = kf_refq_init(&x->rq, x->L, x->kvh, x->d, x->G, n_pos, x->p.refq_bf16, err);
     if (rc == KF_OK && choice)
-        rc = plan_validation(src, x->n_sources, sample, n_pos, &x->p, x->L, (size_t)x->kvh * x->d, &x->pos_kind,
+        rc = plan_validation(src, x->n_sources, sample, n_pos, &x->p, (size_t)x->kvh * x->d, &x->pos_kind,
                              &x->pos_src, &x->pos_local, &x->is_val, &x->n_val_pos, &x->ap, err);
-    if (rc == KF_OK)
-        rc = capture_alloc(x, src, sample, n_pos, qbuf, err);
     if (rc == KF_OK && x->ar == &x->own_arena)
-        rc = kf_model_arena(x->m, x->ar, x->D + longest + KF_PAGE_TOKENS, err);
+        rc = kf_model_arena(x->m, x->ar, arena_pages(x, src) * KF_PAGE_TOKENS, err);
     if (rc == KF_OK)
-        rc = run_forwards(x, reuse, shared, ctx_ids, src, sample, n_pos, rows, qbuf, err);
-    for (int l = 0; qbuf && l < x->L; l++)
-        free(qbuf[l]);
-    free(qbuf);
+        rc = run_forwards(x, reuse, shared, ctx_ids, src, sample, n_pos, rows, &qdst, err);
+    free(qdst.q), free(qdst.qh);
     free(rows);
     free(sample);
     return rc;
@@ -679,6 +723,7 @@ kf_status kf_compact_prepare(kf_model *m, const kf_compact_reuse *reuse, const k
 void kf_compact_prep_free(kf_compact_prep *x, kf_seq *keep) {
     if (!x)
         return;
+    appended_free(x->ar, &x->ap); /* the validation prompts' forks, before the arena goes */
     if (keep)
         *keep = x->seq; /* the caller now owns these pages */
     else
@@ -690,7 +735,6 @@ void kf_compact_prep_free(kf_compact_prep *x, kf_seq *keep) {
     free(x->is_val);
     free(x->pos_src);
     free(x->pos_local);
-    appended_free(&x->ap);
     free(x);
 }
 
@@ -795,6 +839,7 @@ static void variant_edges(const kf_compact_prep *x, variant_ws *w, int l, const 
 typedef struct {
     int l, g;
     const float *q;      /* [R, d] the head's reference queries */
+    float *q_own;        /* [R, d] q converted from a bf16 pool, or NULL */
     kf_am_head h;
     kf_am_targets tg;
     const head_split *sp; /* NULL: no variant chooses per head */
@@ -807,22 +852,29 @@ static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, 
     const size_t row = (size_t)x->kvh * x->d;
     memset(hs, 0, sizeof *hs);
     hs->l = l, hs->g = g;
-    hs->q = kf_refq_rows(&x->rq, l, g);
+    if (x->rq.qh && !(hs->q_own = malloc(sizeof(float) * (size_t)x->rq.R * x->d)))
+        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for a head's reference queries");
+    hs->q = kf_refq_head(&x->rq, l, g, hs->q_own);
     hs->h = (kf_am_head){.k = K + (size_t)x->n_pre * row + (size_t)g * x->d, .k_stride = row,
                          .v = V + (size_t)x->n_pre * row + (size_t)g * x->d, .v_stride = row,
                          .T = x->n_doc, .q = hs->q, .R = (int)x->rq.R, .d = x->d, .scale = x->scale};
     double ts = now_s();
-    KF_TRY(kf_am_targets_compute(&hs->h, x->p.score, &hs->tg, err));
+    kf_status rc = kf_am_targets_compute(&hs->h, x->p.score, &hs->tg, err);
+    if (rc != KF_OK) {
+        free(hs->q_own);
+        return rc;
+    }
     hs->targets_s = now_s() - ts;
     if (!sp)
         return KF_OK;
     ts = now_s();
-    split_head(sp, &x->rq, hs->q, &hs->tg, x->is_val, x->pos_src, x->pos_local, &x->ap, l, g);
+    split_head(sp, &x->rq, hs->q, &hs->tg, x->is_val, x->pos_src, x->pos_local, &x->ap, g);
     /* the original block's attention on the validation rows is their targets */
-    kf_status rc = kf_val_head_init_targets(&hs->vh, sp->val_q, (int)sp->n_val, x->d, x->scale, sp->val_w, sp->val_m,
-                                            sp->val_y, sp->val_Y, sp->val_app, sp->val_vis, err);
+    rc = kf_val_head_init_targets(&hs->vh, sp->val_q, (int)sp->n_val, x->d, x->scale, sp->val_w, sp->val_m, sp->val_y,
+                                  sp->val_Y, sp->val_app, sp->val_vis, err);
     if (rc != KF_OK) {
         kf_am_targets_free(&hs->tg);
+        free(hs->q_own);
         return rc;
     }
     hs->sp = sp;
@@ -832,6 +884,7 @@ static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, 
 
 static void head_shared_free(head_shared *hs) {
     kf_am_targets_free(&hs->tg);
+    free(hs->q_own);
     if (hs->sp)
         kf_val_head_free(&hs->vh);
 }
@@ -1127,6 +1180,8 @@ static void head_merge(variant_ws *w, const head_add *a) {
 static kf_status solve_layer(kf_compact_prep *x, variant_ws *w, int n, int l, float *K, float *V, layer_job *j,
                              kf_error *err) {
     KF_TRY(kf_seq_read_kv(x->ar, &x->seq, l, 0, x->D, K, V, err));
+    if (j->any_choice)
+        KF_TRY(appended_load(x->ar, x->D, &x->ap, l, err));
     if (x->p.progress)
         x->p.progress(x->p.progress_ctx, "compact", l, x->L);
     for (int i = 0; i < n; i++)

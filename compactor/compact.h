@@ -84,6 +84,8 @@ typedef struct {
     int quoka_repeat;               /* also QUOKA for the repeat prefill, with the aligned window: the
                                        copy's source span +- quoka_margin tokens (-1: no window) */
     int quoka_margin;
+    int refq_bf16;                  /* 1: reference queries stored in bf16 (half the memory; each head's
+                                       rows widened to fp32 for its solve); default 0: fp32 */
     void (*progress)(void *ctx, const char *stage, int64_t done, int64_t total);
     void *progress_ctx;
 } kf_compact_params;
@@ -157,13 +159,21 @@ void kf_compacted_free(kf_compacted *c);
 /* Prefix sharing in batch jobs (compactor/prefix_plan.h): kf_compact on a caller's arena, taking
  * the first `shared` context tokens from a document already there instead of prefilling them. */
 typedef struct {
-    kf_arena *arena;       /* NULL: an arena of kf_compact's own, sized for this document */
+    kf_arena *arena;       /* NULL: an arena of kf_compact's own, sized for this document; else the
+                              caller's, with kf_compact_arena_pages() free pages besides the parent's */
     const kf_seq *parent;  /* NULL, or a document in arena whose first `shared` tokens are this
                               context's first `shared` tokens (the caller guarantees it) */
     int64_t shared;        /* 0 <= shared < D, <= parent->len; the prefill runs on the rest */
     kf_seq *keep;          /* NULL, or receives the context's pages (D tokens) to be a later
                               document's parent; the caller releases it */
 } kf_compact_reuse;
+
+/* Pages kf_compact_prepare may take from a caller's arena for a context of n_ctx tokens (n_doc of
+ * them the document) with p's repeat instruction and probes: the context, and every reference
+ * source run on a fork of it (its own pages from the context's last, partly filled page on); a
+ * source holding validation rows of the per-head choice keeps its pages up to its last such row
+ * until kf_compact_prep_free, so the bound counts every source whole. */
+int64_t kf_compact_arena_pages(const kf_compact_params *p, int64_t n_ctx, int n_doc);
 
 /* kf_compact with reuse (NULL: exactly kf_compact). Context queries (use_context_queries) need
  * the whole context computed and are refused with shared > 0. */
@@ -211,5 +221,67 @@ kf_status kf_compacted_attach(const kf_compacted *c, kf_arena *a, kf_seq *seq, k
  * array must hold n_layers entries. */
 const float *const *kf_compacted_bias(const kf_compacted *c, const float **per_layer);
 int64_t kf_compacted_pos_offset(const kf_compacted *c);
+
+/* ---- memory (issue 14): the peak of one compaction ----
+ *
+ * Resident bytes at the peak of kf_compact (its own arena, one variant; the CPU backend: fp32
+ * weights, fp32 arena, dense prefill), with
+ *   L layers, H hidden, I intermediate, V vocab, d head_dim, kvh KV heads, QD = n_heads d,
+ *   KD = kvh d, pg(n) = ceil(n / 16) (16-token pages);
+ *   D context tokens, T of them the document (the compacted block), S the longest reference
+ *   source run on top of the context (the repeat prompt: instruction + document), N = D + S;
+ *   P, p: the tokens and count of the other sources holding validation rows (probes; 0 without
+ *   the per-head choice); R reference queries per KV head, Rv of them held out for the choice;
+ *   t kept keys per head, C = D - T + t; c the prefill chunk; A the attention pool's threads;
+ *   h the KV heads solved at once (1 today), ws one head's fitting workspace:
+ *
+ *   peak    = weights + arena + queries + forward + solve + output + base
+ *   weights = 4 (V H (2 - tied) + H + L (2 H QD + 2 H KD + 3 H I + 2 H + 2 d qk_norm))
+ *   arena   = 128 L KD (pg(D) + pg(N) - floor(D / 16) + pg(P) + 2 p)
+ *               fp32 K and V pages: the context; the longest source on its fork (the context's
+ *               partly filled last page copied); the other validation prompts kept beside it
+ *   queries = e L kvh R d                         the pool, [L, kvh, R, d], held once: e = 4 (fp32)
+ *                                                 or 2 (refq_bf16)
+ *   forward = kf_forward_plan_bytes(min(c, max(D, S)), 0) + 8 N KD + 512 A N
+ *               the plan's scratch; the attention's gathered K/V and A score tiles over N keys
+ *   solve   = 8 D KD + 8 (S + P) KD [choice]      one layer's K/V, and of the validation prompts
+ *           + h (4 R (d + 2) + 4 T                AM's targets (m, y, Y) and scores
+ *                + [choice] 4 R (2 d + 2) + 12 Rv + 8 Rv d + 16 Rv
+ *                                                 the training/validation split, validation outputs
+ *                + 16 t d + 8 t                   the variant's head buffers
+ *                + [bf16] 4 R d                   the head's rows widened to fp32
+ *                + max(ws, 1032 T))               the fits, or the targets' transient tiles
+ *   output  = L C (8 KD + 8 kvh) + L kvh (4 d + 9) the compacted cache
+ *   base    = 32 MiB                              binary, libraries, OpenBLAS (about 25 MB here)
+ *
+ * ws, as compactor/am.c fits today (the value refit's fp64 normal equations built from the fp32
+ * design matrix, the largest of the fits): 12 R t + 8 R d + 8 t^2 + 8 t d.
+ * Without the per-head choice the [choice] terms are 0. Several variants (kf_compact_solve with
+ * n > 1) add an output and head buffers each. QUOKA prefill, the GPU backend and a caller's arena
+ * are not covered. */
+typedef struct {
+    int64_t D, T, S, P;   /* context, document, longest source, other kept validation prompts (tokens) */
+    int n_p;              /* count of those other sources */
+    int64_t R, Rv, t;     /* reference queries and held-out ones per KV head; kept keys per head */
+    int choice;           /* the per-head choice runs (validation prompts kept, the split built) */
+    int refq_bf16;        /* reference queries stored in bf16 */
+    int chunk;            /* prefill chunk (0: KF_DEFAULT_CHUNK) */
+    int attn_threads;     /* the CPU attention's pool threads */
+    int solve_heads;      /* h: KV heads solved at once */
+    int64_t head_ws;      /* ws: bytes of one head's fits (kf_compact_head_ws_bytes) */
+} kf_mem_shape;
+
+typedef struct {
+    int64_t weights, arena, queries, forward, solve, output, base, total; /* bytes */
+} kf_mem_peak;
+
+/* ws of the formula for R rows, t kept keys, head_dim d. */
+int64_t kf_compact_head_ws_bytes(int64_t R, int64_t t, int d);
+/* The shape kf_compact runs for model c, parameters p (method and budget included) and a context
+ * of n_pre + n_doc + n_suf tokens; Rv estimated for the expected share of non-context rows. */
+void kf_compact_mem_shape(const kf_hfconfig *c, const kf_compact_params *p, int64_t n_pre, int64_t n_doc,
+                          int64_t n_suf, int attn_threads, kf_mem_shape *out);
+/* The formula above: the total in bytes, each term in *terms (may be NULL). */
+int64_t kf_compact_peak_bytes(const kf_hfconfig *c, const kf_mem_shape *s, kf_mem_peak *terms);
 
 #endif

@@ -7,6 +7,7 @@
 #include <xxhash.h>
 
 #include "compactor/fingerprint.h"
+#include "kernels/cpu/cpu_kernels.h"
 #include "formats/safetensors.h"
 
 typedef struct {
@@ -84,6 +85,7 @@ static kf_status load_tensor(kf_model *m, const char *name, int64_t d0, int64_t 
         return kf_fail(err, KF_ERR_NOMEM, "%s: out of memory for tensor '%s' (%zu values)", m->dir, name, n);
     m->allocs[m->n_allocs++] = buf;
     m->b->upload_weight(m->b, buf, t->data, dt, n);
+    kf_st_release_pages(&m->st, t); /* converted: the file's copy need not stay resident */
     m->n_params += (int64_t)n;
     *out = buf;
     return KF_OK;
@@ -226,6 +228,7 @@ static void fingerprint_compute(void *ctx, char out[33]) {
         XXH3_128bits_update(st, kf_st_dtype_name(t->dtype), strlen(kf_st_dtype_name(t->dtype)) + 1);
         XXH3_128bits_update(st, t->shape, sizeof(int64_t) * (size_t)t->ndim);
         XXH3_128bits_update(st, t->data, t->nbytes);
+        kf_st_release_pages(&m->st, t);
     }
     XXH128_hash_t h = XXH3_128bits_digest(st);
     XXH3_freeState(st);
@@ -400,6 +403,40 @@ static void capture(kf_backend *b, float *dst, const float *src, int width, cons
             b->download(b, dst + (size_t)r * width, src + (size_t)(rows[r] - c0) * width, sizeof(float) * width);
 }
 
+/* Layer l's queries q [chunk, nh * hd] of the capture rows in [c0, c0 + n), at the caller's strides. */
+static void capture_queries(kf_backend *b, const kf_forward_args *args, int l, const float *q, int nh, int hd, int c0,
+                            int n) {
+    float *dst = args->queries ? args->queries[l] : NULL;
+    uint16_t *dsth = args->queries_bf16 ? args->queries_bf16[l] : NULL;
+    const size_t hs = args->queries_head_stride ? args->queries_head_stride : (size_t)hd;
+    const size_t rs = args->queries_row_stride ? args->queries_row_stride : (size_t)nh * hd;
+    if (!dst && !dsth)
+        return;
+    float tmp[256];
+    for (int r = 0; r < args->n_capture_rows; r++) {
+        const int row = args->capture_rows[r];
+        if (row < c0 || row >= c0 + n)
+            continue;
+        const float *src = q + (size_t)(row - c0) * nh * hd;
+        if (dsth) { /* through a host buffer, 256 values at a time */
+            for (int h = 0; h < nh; h++)
+                for (int e0 = 0; e0 < hd; e0 += 256) {
+                    const int k = hd - e0 < 256 ? hd - e0 : 256;
+                    b->download(b, tmp, src + (size_t)h * hd + e0, sizeof(float) * k);
+                    for (int e = 0; e < k; e++)
+                        dsth[(size_t)r * rs + (size_t)h * hs + e0 + e] = kf_f32_to_bf16(tmp[e]);
+                }
+            continue;
+        }
+        if (hs == (size_t)hd) {
+            b->download(b, dst + (size_t)r * rs, src, sizeof(float) * nh * hd);
+            continue;
+        }
+        for (int h = 0; h < nh; h++)
+            b->download(b, dst + (size_t)r * rs + (size_t)h * hs, src + (size_t)h * hd, sizeof(float) * hd);
+    }
+}
+
 static kf_status check_args(const kf_model *m, const kf_arena *a, const kf_seq *seq, const kf_forward_args *args,
                             kf_error *err) {
     const kf_hfconfig *c = &m->cfg;
@@ -478,8 +515,8 @@ static void layer_forward(kf_model *m, kf_forward_plan *p, kf_arena *a, const kf
     }
     b->rope(b, p->q, QD, n, nh, hd, p->pos, m->inv_freq);
     b->rope(b, p->k, KD, n, kvh, hd, p->pos, m->inv_freq);
-    if (args->queries)
-        capture(b, args->queries[l], p->q, QD, args->capture_rows, args->n_capture_rows, cs.c0, n);
+    if (args->queries || args->queries_bf16)
+        capture_queries(b, args, l, p->q, nh, hd, cs.c0, n);
 
     const kf_paged_kv kv = kf_arena_layer(a, l);
     b->kv_store(b, &kv, seq->pages, cs.start, n, p->k, p->v);

@@ -65,7 +65,14 @@ typedef struct {
 
     const int32_t *capture_rows;   /* [n_capture_rows] indices into ids */
     int n_capture_rows;
-    float **queries;               /* NULL or [n_layers] (entries may be NULL): [n_capture_rows, n_heads, head_dim] */
+    float **queries;               /* NULL or [n_layers] (entries may be NULL): capture row r, query head h at
+                                      queries[l] + r * queries_row_stride + h * queries_head_stride,
+                                      head_dim floats each (by default [n_capture_rows, n_heads, head_dim]) */
+    size_t queries_row_stride;     /* floats between captured rows; 0: n_heads * head_dim */
+    size_t queries_head_stride;    /* floats between the heads of a row; 0: head_dim (a row is one copy; any
+                                      other stride copies head by head: one download each on a GPU) */
+    uint16_t **queries_bf16;       /* NULL, or instead of queries: the same rows rounded to bf16 (nearest
+                                      even), at the same strides counted in elements */
     float **hidden;                /* NULL or [n_layers + 1] (entries may be NULL): [n_capture_rows, hidden] */
 
     const float *const *key_bias;  /* NULL or [n_layers] (entries may be NULL): [kv_heads, key_bias_len] */

@@ -106,6 +106,8 @@ void kf_recipe_digest(const kf_compact_params *p, kvf_dtype dtype, int64_t n_hea
         put_f(&st, "choice_margin", p->choice_margin);
         put_i(&st, "refit_all", p->refit_all);
     }
+    if (p->refq_bf16) /* only when set: the fp32 default keeps every earlier recipe */
+        put_i(&st, "refq_bf16", 1);
     XXH128_hash_t h = XXH3_128bits_digest(&st);
     snprintf(out, KVF_DIGEST_LEN + 1, "%016llx%016llx", (unsigned long long)h.high64, (unsigned long long)h.low64);
 }

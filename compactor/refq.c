@@ -3,7 +3,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-kf_status kf_refq_init(kf_refq *r, int n_layers, int kv_heads, int head_dim, int group, int64_t n_pos,
+#include "kernels/cpu/cpu_kernels.h"
+
+kf_status kf_refq_init(kf_refq *r, int n_layers, int kv_heads, int head_dim, int group, int64_t n_pos, int bf16,
                        kf_error *err) {
     memset(r, 0, sizeof *r);
     r->n_layers = n_layers;
@@ -13,33 +15,34 @@ kf_status kf_refq_init(kf_refq *r, int n_layers, int kv_heads, int head_dim, int
     r->n_pos = n_pos;
     r->R = (int64_t)group * n_pos;
     const size_t n = (size_t)n_layers * kv_heads * (size_t)r->R * head_dim;
-    r->q = malloc(sizeof(float) * (n ? n : 1));
+    const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
+    if (bf16)
+        r->qh = malloc(elem * (n ? n : 1));
+    else
+        r->q = malloc(elem * (n ? n : 1));
     r->source = calloc((size_t)(n_pos ? n_pos : 1), 1);
-    if (!r->q || !r->source) {
+    if (!(r->q || r->qh) || !r->source) {
         kf_refq_free(r);
-        return kf_fail(err, KF_ERR_NOMEM, "reference queries: out of memory (%.1f MiB)", n * 4.0 / (1 << 20));
+        return kf_fail(err, KF_ERR_NOMEM, "reference queries: out of memory (%.1f MiB)", (double)(n * elem) / (1 << 20));
     }
     return KF_OK;
 }
 
-void kf_refq_free(kf_refq *r) {
-    free(r->q);
-    free(r->source);
-    memset(r, 0, sizeof *r);
+const float *kf_refq_head(const kf_refq *r, int layer, int g, float *scratch) {
+    if (r->q)
+        return kf_refq_rows(r, layer, g);
+    const size_t n = (size_t)r->R * r->head_dim;
+    const uint16_t *h = r->qh + ((size_t)layer * r->kv_heads + g) * n;
+    for (size_t i = 0; i < n; i++)
+        scratch[i] = kf_bf16_to_f32(h[i]);
+    return scratch;
 }
 
-void kf_refq_store(kf_refq *r, float *const *queries, int n, int64_t first_pos, uint8_t source) {
-    const int G = r->group, d = r->head_dim, nh = r->kv_heads * G;
-    for (int l = 0; l < r->n_layers; l++)
-        for (int i = 0; i < n; i++) {
-            const int64_t p = first_pos + i;
-            for (int g = 0; g < r->kv_heads; g++)
-                for (int j = 0; j < G; j++)
-                    memcpy(kf_refq_rows(r, l, g) + ((size_t)j * r->n_pos + p) * d,
-                           queries[l] + ((size_t)i * nh + g * G + j) * d, sizeof(float) * d);
-        }
-    for (int i = 0; i < n; i++)
-        r->source[first_pos + i] = source;
+void kf_refq_free(kf_refq *r) {
+    free(r->q);
+    free(r->qh);
+    free(r->source);
+    memset(r, 0, sizeof *r);
 }
 
 static int cmp_i64(const void *a, const void *b) {

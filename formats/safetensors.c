@@ -375,6 +375,15 @@ kf_status kf_st_open_dir(kf_st_set *set, const char *dir, kf_error *err) {
     return rc;
 }
 
+void kf_st_release_pages(const kf_st_set *set, const kf_st_tensor *t) {
+    const kf_st_file *f = &set->files[t->file];
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    const size_t begin = (size_t)((const char *)t->data - (const char *)f->map) / page * page;
+    const size_t end = (size_t)((const char *)t->data - (const char *)f->map) + t->nbytes;
+    if (t->nbytes > 0 && end <= f->size)
+        madvise((char *)f->map + begin, end - begin, MADV_DONTNEED); /* advice: a failure changes nothing */
+}
+
 void kf_st_close(kf_st_set *set) {
     for (size_t i = 0; i < set->n_tensors; i++)
         free(set->tensors[i].name);

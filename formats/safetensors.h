@@ -72,6 +72,12 @@ kf_status kf_st_open_file(kf_st_set *set, const char *path, kf_error *err);
 kf_status kf_st_open_dir(kf_st_set *set, const char *dir, kf_error *err);
 void kf_st_close(kf_st_set *set);
 
+/* Let the tensor's bytes leave the process's resident memory (madvise MADV_DONTNEED on the pages
+ * that hold them): the mapping stays valid, a later read faults them in again from the file. A
+ * model converted into its own buffers calls it so that the file does not stay resident beside
+ * them (its pages counted in the process's RSS until the set is closed). */
+void kf_st_release_pages(const kf_st_set *set, const kf_st_tensor *t);
+
 /* NULL when absent. */
 const kf_st_tensor *kf_st_find(const kf_st_set *set, const char *name);
 

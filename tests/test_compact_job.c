@@ -285,6 +285,128 @@ static void test_shared_stages_equal_separate(void) {
     CU_ASSERT_PTR_NULL(prep);
 }
 
+/* A caller's arena of exactly kf_compact_arena_pages pages (by hand: a 203-token context takes 13
+ * pages; the repeat prompt of 209 tokens on a fork of it 26 - 12 = 14, its first page a copy of
+ * the context's partly filled last one; the 7-token probe 14 - 12 = 2: 29) is enough: with the
+ * per-head choice the sources holding validation rows keep their forks until kf_compact_prep_free
+ * (used pages above the context's), without it only the context stays; nothing is left after. */
+static void test_prep_arena_pages(void) {
+    kf_error err = {0};
+    kf_compact_params p = params(KF_METHOD_FOLD, 0.25);
+    const kf_prompt probe = {kQuestion, 7}, doc = {g_doc, 203};
+    p.probes = &probe;
+    p.n_probes = 1;
+    const int64_t pages = kf_compact_arena_pages(&p, 203, 203);
+    CU_ASSERT_EQUAL_FATAL(pages, 29);
+    const kf_compact_variant fold = {KF_METHOD_FOLD, 0.25}, keep = {KF_METHOD_KEEP, 0.25};
+    for (int choice = 1; choice >= 0; choice--) {
+        kf_arena a;
+        CU_ASSERT_EQUAL_FATAL(kf_model_arena(g_m, &a, (pages - 1) * KF_PAGE_TOKENS, &err), KF_OK);
+        CU_ASSERT_EQUAL_FATAL(a.n_pages, pages);
+        const kf_compact_reuse r = {.arena = &a};
+        const kf_compact_variant *v = choice ? &fold : &keep;
+        kf_compact_prep *prep = NULL;
+        kf_compacted c;
+        kf_status st = kf_compact_prepare(g_m, &r, NULL, &doc, NULL, &p, v, 1, &prep, &err);
+        if (st != KF_OK)
+            fprintf(stderr, "prepare (choice %d): %s\n", choice, err.msg);
+        CU_ASSERT_EQUAL_FATAL(st, KF_OK);
+        const int used = a.n_pages - a.n_free;
+        if (choice) { /* the repeat's fork (the copied page and beyond) and the probe's */
+            CU_ASSERT(used >= 13 + 2 + 1);
+        } else {
+            CU_ASSERT_EQUAL(used, 13);
+        }
+        CU_ASSERT_EQUAL_FATAL(kf_compact_solve(prep, v, 1, &c, &err), KF_OK);
+        CU_ASSERT_EQUAL(c.stats.n_val_queries > 0, choice);
+        kf_compact_prep_free(prep, NULL);
+        CU_ASSERT_EQUAL(a.n_free, a.n_pages);
+        kf_compacted_free(&c);
+        kf_arena_free(&a);
+    }
+}
+
+/* The memory formula (compact.h) on a hand-computed case: L 2, H 64, I 128, V 100 (tied), 4 heads
+ * over 2 KV heads of d 16 with q/k norms; D 40 (T 32), S 38, one 7-token probe kept, R 100, Rv 20,
+ * t 8, chunk 16, 2 attention threads, ws 50,000 bytes. Every term by hand:
+ *   weights 4 (6,400 + 64 + 2 (8,192 + 4,096 + 24,576 + 128 + 32))             = 322,048
+ *   arena   128 * 2 * 32 * (pg 40 = 3 + pg 78 = 5 - 2 + pg 7 = 1 + 2)            = 73,728
+ *   queries 4 * 2 * 2 * 100 * 16                                               = 25,600
+ *   forward 4 * 16 * 576 + 8 * 16 + 8 * 78 * 32 + 512 * 2 * 78                 = 136,832
+ *   solve   8 * 40 * 32 + 8 * 45 * 32 + 7,200 + 128 + 13,600 + 240 + 2,560 + 320
+ *           + 2,048 + 64 + max(50,000, 1,032 * 32)                             = 97,920
+ *   output  2 * 16 * (256 + 16) + 2 * 2 * 73                                   = 8,996
+ *   base    32 MiB                                                             = 33,554,432
+ * and the weights term against the parameters records-qwen3 really loads. */
+static void test_memory_formula(void) {
+    kf_hfconfig c = {0};
+    c.n_layers = 2, c.hidden_size = 64, c.intermediate_size = 128, c.vocab_size = 100, c.n_heads = 4;
+    c.n_kv_heads = 2, c.head_dim = 16, c.tie_word_embeddings = 1, c.has_qk_norm = 1;
+    const kf_mem_shape sh = {.D = 40, .T = 32, .S = 38, .P = 7, .n_p = 1, .R = 100, .Rv = 20, .t = 8, .choice = 1,
+                             .chunk = 16, .attn_threads = 2, .solve_heads = 1, .head_ws = 50000};
+    kf_mem_peak m;
+    const int64_t total = kf_compact_peak_bytes(&c, &sh, &m);
+    CU_ASSERT_EQUAL(m.weights, 322048);
+    CU_ASSERT_EQUAL(m.arena, 73728);
+    CU_ASSERT_EQUAL(m.queries, 25600);
+    CU_ASSERT_EQUAL(m.forward, 136832);
+    CU_ASSERT_EQUAL(m.solve, 97920);
+    CU_ASSERT_EQUAL(m.output, 8996);
+    CU_ASSERT_EQUAL(m.base, 33554432);
+    CU_ASSERT_EQUAL(total, 34219556);
+    CU_ASSERT_EQUAL(m.total, total);
+    /* ws = 12 R t + 8 R d + 8 t^2 + 8 t d */
+    CU_ASSERT_EQUAL(kf_compact_head_ws_bytes(100, 8, 16), 9600 + 12800 + 512 + 1024);
+    /* bf16 reference queries: half the pool, and each head's rows widened (4 * 100 * 16) */
+    kf_mem_shape sh16 = sh;
+    sh16.refq_bf16 = 1;
+    kf_mem_peak m16;
+    kf_compact_peak_bytes(&c, &sh16, &m16);
+    CU_ASSERT(m16.queries == 12800 && m16.solve == 97920 + 6400 && m16.total == total - 12800 + 6400);
+
+    /* the weights term counts what the model loads */
+    kf_mem_shape real;
+    kf_compact_params p = params(KF_METHOD_FOLD, 0.25);
+    kf_compact_mem_shape(kf_model_config(g_m), &p, 0, 200, 0, 1, &real);
+    kf_compact_peak_bytes(kf_model_config(g_m), &real, &m);
+    CU_ASSERT_EQUAL(m.weights, 4 * kf_model_n_params(g_m));
+    /* and the shape is the one kf_compact runs: 2 x 206 positions, 2 x 41 held out, t 50 */
+    CU_ASSERT(real.R == 412 && real.Rv == 82 && real.t == 50 && real.S == 206 && real.choice == 1);
+    kf_compacted out;
+    kf_error err = {0};
+    const kf_prompt doc = {g_doc, 200};
+    CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &out, &err), KF_OK);
+    CU_ASSERT_EQUAL(out.stats.n_queries, real.R);
+    CU_ASSERT_EQUAL(out.stats.n_val_queries, real.Rv);
+    CU_ASSERT_EQUAL(out.t, real.t);
+    kf_compacted_free(&out);
+}
+
+/* refq_bf16 compacts from the queries rounded to bf16: the same shape and query count, not the
+ * same bytes (the option acts), and close to the fp32 result: most kept positions the same. */
+static void test_refq_bf16_close(void) {
+    kf_error err = {0};
+    const kf_prompt doc = {g_doc, 200};
+    kf_compact_params p = params(KF_METHOD_FOLD, 0.25);
+    kf_compacted a, b;
+    CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &a, &err), KF_OK);
+    p.refq_bf16 = 1;
+    CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &b, &err), KF_OK);
+    CU_ASSERT_FATAL(a.C == b.C && a.stats.n_queries == b.stats.n_queries);
+    CU_ASSERT(!compacted_identical(&a, &b));
+    const size_t np = (size_t)a.n_layers * a.kv_heads * a.C;
+    size_t same = 0;
+    for (size_t i = 0; i < np; i++)
+        same += a.positions[i] == b.positions[i];
+    const size_t n = (size_t)a.n_layers * a.C * a.kv_heads * a.head_dim;
+    const double dv = kf_max_abs_diff(a.values, b.values, n) / kf_max_abs(a.values, n);
+    printf("\n    bf16 reference queries: %zu of %zu kept positions as fp32's, values max diff %.3g (relative)\n",
+           same, np, dv);
+    CU_ASSERT(same >= np * 9 / 10);
+    kf_compacted_free(&a);
+    kf_compacted_free(&b);
+}
+
 /* compact -> kvf -> load -> attach: the question's log-probabilities from the file equal those of
  * the in-memory cache (f32 files exactly; bf16 files equal the in-memory cache rounded to bf16). */
 static void test_round_trip_through_kvf(void) {
@@ -416,6 +538,9 @@ static CU_TestInfo model_tests[] = {
     {"logits with sharing equal logits without", test_sharing_logits_equal},
     {"kf_compact_ex with a shared prefix == kf_compact", test_compact_ex_shared_equals_whole},
     {"one prepare, several variants == kf_compact for each", test_shared_stages_equal_separate},
+    {"a caller's arena of kf_compact_arena_pages; validation forks kept, then released", test_prep_arena_pages},
+    {"the memory formula: a hand-computed case, the loaded weights, kf_compact's shape", test_memory_formula},
+    {"bf16 reference queries: a different, close compaction", test_refq_bf16_close},
     {"round trip compact -> kvf -> engine", test_round_trip_through_kvf},
     {"engine: greedy decoding and rewind", test_engine_greedy_full_context},
     CU_TEST_INFO_NULL,

@@ -664,6 +664,7 @@ static void test_recipe_digest(void) {
     DIFFERS(q.val_frac = 0.3);
     DIFFERS(q.choice_margin = 0.2);
     DIFFERS(q.refit_all = 0);
+    DIFFERS(q.refq_bf16 = 1);
     instr[2] = 7;
     CU_ASSERT_EQUAL(changed, cases);
     /* two QUOKA settings differ from each other */

@@ -9,6 +9,8 @@
 
 #include "compactor/engine.h"
 #include "compactor/model.h"
+#include "compactor/refq.h"
+#include "formats/kvf.h"
 #include "formats/safetensors.h"
 #include "test_util.h"
 
@@ -269,6 +271,98 @@ static void test_fork_reproduces_fresh_prefill(void) {
     kf_arena_free(&a);
 }
 
+/* Queries captured at the pool's strides (kf_refq_capture_dst) land where kf_refq_rows reads them:
+ * row j * n_pos + p of KV head g is query head g * G + j of the p-th captured row, bit for bit the
+ * default [rows, n_heads, head_dim] capture; the pool's other positions are not written. */
+static void test_capture_into_refq_pool(void) {
+    fixture *f = &fx_qwen;
+    const kf_hfconfig *c = kf_model_config(f->m);
+    const int L = c->n_layers, nh = c->n_heads, kvh = c->n_kv_heads, hd = c->head_dim, G = nh / kvh;
+    enum { N_ROWS = 5, N_POS = 9, FIRST = 3 };
+    const int32_t rows[N_ROWS] = {0, 17, 40, 41, 90};
+    kf_error err = {0};
+    kf_refq rq;
+    CU_ASSERT_EQUAL_FATAL(kf_refq_init(&rq, L, kvh, hd, G, N_POS, 0, &err), KF_OK);
+    const size_t pool = (size_t)L * kvh * rq.R * hd;
+    for (size_t i = 0; i < pool; i++)
+        rq.q[i] = -7.0f;
+    float **flat = calloc((size_t)L, sizeof *flat), **dst = calloc((size_t)L, sizeof *dst);
+    for (int l = 0; l < L; l++) {
+        flat[l] = malloc(sizeof(float) * N_ROWS * nh * hd);
+        dst[l] = kf_refq_capture_dst(&rq, l, FIRST);
+    }
+    for (int pass = 0; pass < 2; pass++) {
+        kf_arena a;
+        kf_seq seq;
+        kf_seq_init(&seq);
+        CU_ASSERT_EQUAL_FATAL(kf_model_arena(f->m, &a, 100, &err), KF_OK);
+        kf_forward_args fa = {.ids = f->ids, .n_tokens = 100, .chunk = 32, .capture_rows = rows,
+                              .n_capture_rows = N_ROWS, .queries = pass ? dst : flat};
+        if (pass)
+            fa.queries_row_stride = (size_t)hd, fa.queries_head_stride = kf_refq_head_stride(&rq);
+        CU_ASSERT_EQUAL_FATAL(kf_model_forward(f->m, &a, &seq, &fa, &err), KF_OK);
+        kf_seq_release(&a, &seq);
+        kf_arena_free(&a);
+    }
+    int bad = 0, untouched = 1;
+    for (int l = 0; l < L; l++)
+        for (int g = 0; g < kvh; g++)
+            for (int j = 0; j < G; j++)
+                for (int p = 0; p < N_POS; p++) {
+                    const float *got = kf_refq_rows(&rq, l, g) + ((size_t)j * N_POS + p) * hd;
+                    if (p < FIRST || p >= FIRST + N_ROWS) {
+                        for (int e = 0; e < hd; e++)
+                            untouched &= got[e] == -7.0f;
+                        continue;
+                    }
+                    const float *want = flat[l] + ((size_t)(p - FIRST) * nh + g * G + j) * hd;
+                    bad += memcmp(got, want, sizeof(float) * hd) != 0;
+                }
+    CU_ASSERT_EQUAL(bad, 0);
+    CU_ASSERT(untouched);
+
+    /* a bf16 pool: every value the fp32 capture's rounded to nearest even (formats/kvf's rounding) */
+    kf_refq rh;
+    CU_ASSERT_EQUAL_FATAL(kf_refq_init(&rh, L, kvh, hd, G, N_POS, 1, &err), KF_OK);
+    CU_ASSERT(rh.q == NULL && rh.qh != NULL);
+    uint16_t **dsth = calloc((size_t)L, sizeof *dsth);
+    for (int l = 0; l < L; l++)
+        dsth[l] = kf_refq_capture_dst_bf16(&rh, l, FIRST);
+    kf_arena a;
+    kf_seq seq;
+    kf_seq_init(&seq);
+    CU_ASSERT_EQUAL_FATAL(kf_model_arena(f->m, &a, 100, &err), KF_OK);
+    kf_forward_args fh = {.ids = f->ids, .n_tokens = 100, .chunk = 32, .capture_rows = rows, .n_capture_rows = N_ROWS,
+                          .queries_bf16 = dsth, .queries_row_stride = (size_t)hd,
+                          .queries_head_stride = kf_refq_head_stride(&rh)};
+    CU_ASSERT_EQUAL_FATAL(kf_model_forward(f->m, &a, &seq, &fh, &err), KF_OK);
+    kf_seq_release(&a, &seq);
+    kf_arena_free(&a);
+    float *wide = malloc(sizeof(float) * (size_t)rh.R * hd); /* [R, hd] */
+    int bad_h = 0, exact = 0;
+    for (int l = 0; l < L; l++)
+        for (int g = 0; g < kvh; g++) {
+            const float *got = kf_refq_head(&rh, l, g, wide);
+            for (int j = 0; j < G; j++)
+                for (int p = FIRST; p < FIRST + N_ROWS; p++)
+                    for (int e = 0; e < hd; e++) {
+                        const float want = flat[l][((size_t)(p - FIRST) * nh + g * G + j) * hd + e];
+                        const float r = kvf_bf16_to_f32(kvf_f32_to_bf16(want));
+                        bad_h += memcmp(&got[((size_t)j * N_POS + p) * hd + e], &r, sizeof r) != 0;
+                        exact += r == want;
+                    }
+        }
+    CU_ASSERT_EQUAL(bad_h, 0);
+    CU_ASSERT(exact < L * nh * N_ROWS * hd / 2); /* the rounding did happen */
+    free(wide);
+    free(dsth);
+    kf_refq_free(&rh);
+    for (int l = 0; l < L; l++)
+        free(flat[l]);
+    free(flat), free(dst);
+    kf_refq_free(&rq);
+}
+
 /* Teacher-forced decoding, one token per call through a plan: the logits of a full prefill, and
  * after the prompt not one buffer allocated; a longer chunk and more logit rows grow it once each. */
 static void test_plan_reused_by_decoding(void) {
@@ -490,6 +584,7 @@ static CU_TestInfo qwen_tests[] = {
     {"golden tensors (hf-qwen3-tiny)", test_qwen_golden},
     {"chunk sizes 1, 7, 16, 64, whole", test_qwen_chunks},
     {"fork and rewind reproduce a fresh prefill", test_fork_reproduces_fresh_prefill},
+    {"queries captured straight into the reference-query pool", test_capture_into_refq_pool},
     {"bad forward arguments", test_forward_rejects_bad_input},
     {"decoding through a plan allocates nothing", test_plan_reused_by_decoding},
     {"engine greedy: no allocation per token", test_engine_greedy_allocates_nothing},

@@ -45,6 +45,11 @@ int cli_quality_option(const char *cmd, int opt, const char *arg, kf_compact_par
         if (number(arg, 0, 10, &p->choice_margin))
             return cli_usage_error(cmd, "--choice-margin must be a number in [0, 10], not '%s'", arg), -1;
         return 1;
+    case CLI_OPT_REFQ_DTYPE:
+        if (strcmp(arg, "f32") && strcmp(arg, "bf16"))
+            return cli_usage_error(cmd, "--refq-dtype is f32 or bf16, not '%s'", arg), -1;
+        p->refq_bf16 = strcmp(arg, "bf16") == 0;
+        return 1;
     default: return 0;
     }
 }

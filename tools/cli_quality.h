@@ -8,13 +8,13 @@
 
 #include "compactor/compact.h"
 
-enum { CLI_OPT_HEAD_CHOICE = 0x1100, CLI_OPT_VALUE_RIDGE, CLI_OPT_RIDGE_TO, CLI_OPT_BETA_FIT, CLI_OPT_VAL_FRAC, CLI_OPT_REFIT, CLI_OPT_MARGIN };
+enum { CLI_OPT_HEAD_CHOICE = 0x1100, CLI_OPT_VALUE_RIDGE, CLI_OPT_RIDGE_TO, CLI_OPT_BETA_FIT, CLI_OPT_VAL_FRAC, CLI_OPT_REFIT, CLI_OPT_MARGIN, CLI_OPT_REFQ_DTYPE };
 #define CLI_QUALITY_OPTIONS                                                                                   \
     {"head-choice", required_argument, 0, CLI_OPT_HEAD_CHOICE},                                              \
         {"value-ridge", required_argument, 0, CLI_OPT_VALUE_RIDGE},                                          \
         {"ridge-to", required_argument, 0, CLI_OPT_RIDGE_TO}, {"beta-fit", required_argument, 0, CLI_OPT_BETA_FIT}, \
         {"val-frac", required_argument, 0, CLI_OPT_VAL_FRAC}, {"refit", required_argument, 0, CLI_OPT_REFIT},         \
-        {"choice-margin", required_argument, 0, CLI_OPT_MARGIN}
+        {"choice-margin", required_argument, 0, CLI_OPT_MARGIN}, {"refq-dtype", required_argument, 0, CLI_OPT_REFQ_DTYPE}
 #define CLI_QUALITY_HELP                                                                                      \
     "  --head-choice on|off per (layer, KV head) choose the method, drop or keep (and the fold's\n"           \
     "                       lambda and the refit's Tikhonov alpha from small grids) by output error\n"      \
@@ -28,7 +28,9 @@ enum { CLI_OPT_HEAD_CHOICE = 0x1100, CLI_OPT_VALUE_RIDGE, CLI_OPT_RIDGE_TO, CLI_
     "  --refit all|train    after the choice, refit the winner on all the queries (default) or keep\n"   \
     "                       the fit on the training rows that was validated\n"                         \
     "  --choice-margin M    am or fold is chosen for a head only when its validation error is\n"       \
-    "                       below drop's and keep's by the factor 1 + M (default 0.5)\n"
+    "                       below drop's and keep's by the factor 1 + M (default 0.5)\n"            \
+    "  --refq-dtype f32|bf16 reference queries stored in fp32 (default) or bf16 (half their memory;\n"   \
+    "                       the solve widens each head's rows back to fp32)\n"
 
 /* 1: handled (p updated), 0: not a quality option, -1: bad value (a usage error was printed). */
 int cli_quality_option(const char *cmd, int opt, const char *arg, kf_compact_params *p);

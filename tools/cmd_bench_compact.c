@@ -1,9 +1,11 @@
 /* kvfold bench compact — where the time of one compaction goes. */
+#include <cblas.h>
 #include <getopt.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #include "compactor/compact.h"
 #include "tools/cli.h"
@@ -16,7 +18,10 @@ static const char kHelp[] =
     "records-style JSONL file (fields ids and repeat_instruction_ids), compacts it once, and prints\n"
     "the time of each stage: prefill, repeat prefill (reference queries), selection, beta fit, value\n"
     "fit, fold and the per-head choice, with the ratio of selection + choice + beta + values + fold\n"
-    "to the prefill.\n"
+    "to the prefill; then the peak memory the formula of compactor/compact.h predicts (by term) and\n"
+    "the process's measured peak resident set (getrusage ru_maxrss, the whole process: loading the\n"
+    "model included). With --predict-only only config.json is read: the prediction for a document\n"
+    "of N tokens (the repeat instruction's length from --docs when given, else 8 tokens).\n"
     "\n"
     "Options:\n"
     "  --model DIR      model directory\n"
@@ -25,15 +30,65 @@ static const char kHelp[] =
     "  --budget B       kept fraction (default 0.1)\n"
     "  --method M       keep, drop, am or fold (default fold)\n"
     "  --max-queries N  reference queries per KV head (default 50000)\n"
+    "  --refq-dtype T   reference queries in f32 (default) or bf16\n"
+    "  --predict-only   print the predicted peak only (no weights loaded, nothing compacted)\n"
     "  -h, --help       show this help\n";
+
+/* The formula's prediction for a document of n tokens and an instruction of n_instr, by term. */
+static void print_peak(const kf_hfconfig *c, const kf_compact_params *base, int n, int n_instr) {
+    static const int32_t kNone[8] = {0};
+    kf_compact_params p = *base;
+    if (p.repeat_instruction.n == 0) /* --predict-only without --docs: the length is what counts */
+        p.repeat_instruction = (kf_prompt){kNone, n_instr};
+    kf_mem_shape sh;
+    kf_mem_peak t;
+    kf_compact_mem_shape(c, &p, 0, n, 0, openblas_get_num_threads(), &sh);
+    kf_compact_peak_bytes(c, &sh, &t);
+    printf("  %-34s %8.3f GB (weights %.3f, arena %.3f, queries %.3f, forward %.3f, solve %.3f, output %.3f, "
+           "base %.3f; R %lld, t %lld)\n",
+           "predicted peak", t.total / 1e9, t.weights / 1e9, t.arena / 1e9, t.queries / 1e9, t.forward / 1e9,
+           t.solve / 1e9, t.output / 1e9, t.base / 1e9, (long long)sh.R, (long long)sh.t);
+}
+
+/* --predict-only: config.json and the instruction's length, nothing else. */
+static int predict(const char *dir, const char *docs, int n, const kf_compact_params *p) {
+    int n_instr = 8;
+    FILE *f = docs ? fopen(docs, "r") : NULL;
+    char *line = NULL;
+    size_t cap = 0;
+    if (f && getline(&line, &cap, f) > 0) {
+        json_t *o = json_loads(line, 0, NULL);
+        const json_t *ri = json_object_get(o, "repeat_instruction_ids");
+        n_instr = json_is_array(ri) ? (int)json_array_size(ri) : n_instr;
+        json_decref(o);
+    }
+    free(line);
+    if (f)
+        fclose(f);
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    kf_hfconfig c;
+    kf_error err = {0};
+    if (kf_hfconfig_load(&c, path, &err) != KF_OK) {
+        cli_error("bench compact", "%s", err.msg);
+        return KF_EXIT_FAIL;
+    }
+    printf("predict %d tokens, %s, budget %g, instruction %d tokens, %d threads\n", n, kf_method_name(p->method),
+           p->budget, n_instr, openblas_get_num_threads());
+    print_peak(&c, p, n, n_instr);
+    return KF_EXIT_OK;
+}
 
 int cmd_bench_compact(int argc, char **argv) {
     static const struct option opts[] = {{"help", no_argument, 0, 'h'},          {"model", required_argument, 0, 'm'},
                                          {"docs", required_argument, 0, 'd'},    {"tokens", required_argument, 0, 'n'},
                                          {"budget", required_argument, 0, 'b'},  {"method", required_argument, 0, 'M'},
-                                         {"max-queries", required_argument, 0, 'Q'}, {0, 0, 0, 0}};
+                                         {"max-queries", required_argument, 0, 'Q'},
+                                         {"predict-only", no_argument, 0, 'P'},  {"refq-dtype", required_argument, 0, 'R'},
+                                         {0, 0, 0, 0}};
     const char *dir = NULL, *docs = NULL;
     long long want = 4000, maxq = 50000;
+    int predict_only = 0;
     kf_compact_params p = kf_compact_params_default();
     optind = 1;
     for (int c; (c = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
@@ -56,6 +111,12 @@ int cmd_bench_compact(int argc, char **argv) {
                 return cli_usage_error("bench compact", "--budget must be in (0, 1], not '%s'", optarg);
             break;
         }
+        case 'P': predict_only = 1; break;
+        case 'R':
+            if (strcmp(optarg, "f32") && strcmp(optarg, "bf16"))
+                return cli_usage_error("bench compact", "--refq-dtype is f32 or bf16, not '%s'", optarg);
+            p.refq_bf16 = strcmp(optarg, "bf16") == 0;
+            break;
         case 'M':
             if (kf_method_parse(optarg, &p.method))
                 return cli_usage_error("bench compact", "--method is keep, drop, am or fold, not '%s'", optarg);
@@ -63,9 +124,11 @@ int cmd_bench_compact(int argc, char **argv) {
         default: return cli_usage_error("bench compact", "bad option");
         }
     }
-    if (!dir || !docs || optind != argc)
+    if (!dir || (!docs && !predict_only) || optind != argc)
         return cli_usage_error("bench compact", "--model and --docs are required");
     p.max_queries = maxq;
+    if (predict_only)
+        return predict(dir, docs, (int)want, &p);
     FILE *f = fopen(docs, "r");
     if (!f) {
         cli_error("bench compact", "%s: cannot open", docs);
@@ -128,13 +191,26 @@ int cmd_bench_compact(int argc, char **argv) {
                kf_method_name(p.method), p.budget, (long long)c.C, (long long)s->n_queries);
         printf("  %-34s %8.3f s\n", "prefill (document)", s->prefill_s);
         printf("  %-34s %8.3f s\n", "repeat prefill (reference queries)", s->refq_s);
-        printf("  %-34s %8.3f s\n", "selection (scores + top-t)", s->select_s);
-        printf("  %-34s %8.3f s\n", "beta fit", s->beta_s);
-        printf("  %-34s %8.3f s\n", "value fit", s->values_s);
-        printf("  %-34s %8.3f s\n", "fold (direction, key shift)", s->fold_s);
-        printf("  %-34s %8.3f s\n", "per-head choice (validation)", s->choice_s);
+        /* the solve's stages run on several threads at once (one KV head each): their lines are
+         * thread-seconds; the solve's wall time is what the whole job spends after the forwards */
+        printf("  %-34s %8.3f s (thread-seconds)\n", "selection (scores + top-t)", s->select_s);
+        printf("  %-34s %8.3f s (thread-seconds)\n", "beta fit", s->beta_s);
+        printf("  %-34s %8.3f s (thread-seconds)\n", "value fit", s->values_s);
+        printf("  %-34s %8.3f s (thread-seconds)\n", "fold (direction, key shift)", s->fold_s);
+        printf("  %-34s %8.3f s (thread-seconds)\n", "per-head choice (validation)", s->choice_s);
+        printf("  %-34s %8.3f s\n", "solve (wall)", total - s->prefill_s - s->refq_s);
         printf("  %-34s %8.3f s\n", "total", total);
-        printf("ratio (selection + choice + beta + values + fold) / prefill = %.2f (target <= 0.5)\n", work / s->prefill_s);
+        printf("ratio (selection + choice + beta + values + fold) / prefill = %.2f (thread-seconds)\n",
+               work / s->prefill_s);
+        printf("ratio total / prefill = %.2f (target <= 2.5)\n", total / s->prefill_s);
+        print_peak(kf_model_config(m), &p, n, n_instr);
+        struct rusage ru;
+        getrusage(RUSAGE_SELF, &ru);
+        const double measured = (double)ru.ru_maxrss * 1024;
+        printf("  %-34s %8.3f GB (getrusage ru_maxrss)\n", "measured peak", measured / 1e9);
+        const double w = 4.0 * (double)kf_model_n_params(m);
+        printf("measured peak / fp32 weights (%.3f GB) = %.2f; target 1.5 x weights + 1 GB = %.3f GB\n", w / 1e9,
+               measured / w, (1.5 * w + 1e9) / 1e9);
         kf_compacted_free(&c);
     }
     free(ids);

@@ -42,7 +42,7 @@ static const char kHelp[] =
     "(content-addressed: <recipe> is the first 16 hex digits of the digest of every setting that\n"
     "changes the bytes: method, budget, lambda, dtype, repeat instruction, probes, query cap, seed,\n"
     "QUOKA and prefill chunk, head budgets, the beta fit, value ridge and per-head choice\n"
-    "settings, the file format's version; compactor/recipe.h).\n"
+    "settings, the reference queries' dtype, the file format's version; compactor/recipe.h).\n"
     "A document whose file already exists with the same recipe and whose every checksum and\n"
     "payload digest hold is skipped, so the job can be rerun or resumed.\n"
     "Files appear atomically (temporary name, fsync, rename); several workers may run on the same\n"
@@ -808,17 +808,18 @@ int cmd_compact(int argc, char **argv) {
     }
     const int sharing = share && plan.enabled;
 
-    /* ---- one arena for the run: the kept predecessor plus the current document and its repeat ---- */
+    /* ---- one arena for the run: the kept predecessor plus the current document and its sources ---- */
     kf_arena arena = {0};
     int64_t need = 0, prev_len = 0;
     for (int k = 0; k < n_todo; k++) {
         const job_doc *d = &docs.docs[todo[plan.order[k]]];
-        int64_t longest = (int64_t)(d->instr ? d->n_instr : n_def_instr) + d->n;
-        for (int j = 0; j < d->n_probes; j++)
-            longest = d->probes[j].n > longest ? d->probes[j].n : longest;
-        for (int j = 0; j < n_extra; j++)
-            longest = extra_probes[j].n > longest ? extra_probes[j].n : longest;
-        const int64_t pages = kf_pages_for(sharing ? prev_len : 0) + kf_pages_for(d->n + longest) + 2;
+        kf_compact_params dp;
+        if (doc_params(&base, d, def_instr, n_def_instr, extra_probes, n_extra, &probes, &dp)) {
+            cli_error(CMD, "out of memory");
+            rc = KF_EXIT_FAIL;
+            goto done_plan;
+        }
+        const int64_t pages = kf_pages_for(sharing ? prev_len : 0) + kf_compact_arena_pages(&dp, d->n, d->n) + 1;
         need = pages > need ? pages : need;
         prev_len = d->n;
     }

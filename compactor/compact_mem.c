@@ -1,0 +1,67 @@
+/* compact_mem.c — the memory formula of a compaction (compact.h, "memory"). */
+#include <math.h>
+
+#include "compactor/compact.h"
+
+int64_t kf_compact_head_ws_bytes(int64_t R, int64_t t, int d) {
+    return 12 * R * t + 8 * R * d + 8 * t * t + 8 * t * d;
+}
+
+static int64_t pg(int64_t n) {
+    return (n + KF_PAGE_TOKENS - 1) / KF_PAGE_TOKENS;
+}
+
+void kf_compact_mem_shape(const kf_hfconfig *c, const kf_compact_params *p, int64_t n_pre, int64_t n_doc,
+                          int64_t n_suf, int attn_threads, kf_mem_shape *out) {
+    const int G = c->n_heads / c->n_kv_heads;
+    const int64_t repeat = p->repeat_instruction.n > 0 ? p->repeat_instruction.n + n_doc : 0;
+    const int64_t ctx = p->use_context_queries ? n_doc : 0;
+    int64_t S = repeat, probes = 0, n_cand = ctx + repeat;
+    for (int i = 0; i < p->n_probes; i++) {
+        S = p->probes[i].n > S ? p->probes[i].n : S;
+        probes += p->probes[i].n;
+        n_cand += p->probes[i].n;
+    }
+    const int64_t n_pos = n_cand < p->max_queries / G ? n_cand : p->max_queries / G;
+    const int choice = kf_head_choice_active(p);
+    /* the validation split: val_frac of the sampled positions that are not the context's own */
+    const double elig = n_cand > 0 ? (double)n_pos * (double)(n_cand - ctx) / (double)n_cand : 0;
+    int64_t t = (int64_t)floor(p->budget * (double)n_doc);
+    t = t < 1 ? 1 : (t > n_doc ? n_doc : t);
+    if (p->head_budgets) /* the largest head's count, at most max_head_ratio of the block */
+        t = (int64_t)(p->max_head_ratio * (double)n_doc) > t ? (int64_t)(p->max_head_ratio * (double)n_doc) : t;
+    *out = (kf_mem_shape){.D = n_pre + n_doc + n_suf, .T = n_doc, .S = S, .R = (int64_t)G * n_pos, .t = t,
+                          .choice = choice, .refq_bf16 = p->refq_bf16, .chunk = p->chunk, .attn_threads = attn_threads, .solve_heads = 1};
+    if (choice) {
+        out->P = repeat + probes - S; /* the other sources: all kept in the worst case */
+        out->n_p = p->n_probes + (repeat > 0) > 1 ? p->n_probes + (repeat > 0) - 1 : 0;
+        out->Rv = (int64_t)G * (int64_t)llround(p->val_frac * elig);
+    }
+    out->head_ws = kf_compact_head_ws_bytes(out->R, t, c->head_dim);
+}
+
+int64_t kf_compact_peak_bytes(const kf_hfconfig *c, const kf_mem_shape *s, kf_mem_peak *terms) {
+    const int64_t L = c->n_layers, H = c->hidden_size, I = c->intermediate_size, V = c->vocab_size;
+    const int64_t d = c->head_dim, kvh = c->n_kv_heads, QD = (int64_t)c->n_heads * d, KD = kvh * d;
+    const int64_t N = s->D + s->S, R = s->R, Rv = s->choice ? s->Rv : 0, T = s->T, t = s->t;
+    kf_mem_peak m = {0};
+    m.weights = 4 * (V * H * (c->tie_word_embeddings ? 1 : 2) + H +
+                     L * (2 * H * QD + 2 * H * KD + 3 * H * I + 2 * H + (c->has_qk_norm ? 2 * d : 0)));
+    const int64_t pages = pg(s->D) + pg(N) - s->D / KF_PAGE_TOKENS + (s->choice ? pg(s->P) + 2 * s->n_p : 0);
+    m.arena = 128 * L * KD * pages;
+    m.queries = (s->refq_bf16 ? 2 : 4) * L * kvh * R * d;
+    int64_t chunk = s->chunk > 0 ? s->chunk : KF_DEFAULT_CHUNK, longest = s->D > s->S ? s->D : s->S;
+    chunk = chunk < longest ? chunk : longest;
+    m.forward = (int64_t)kf_forward_plan_bytes(c, (int)chunk, 0) + 8 * N * KD + 512 * (int64_t)s->attn_threads * N;
+    const int64_t fits = s->head_ws > 1032 * T ? s->head_ws : 1032 * T;
+    const int64_t head = 4 * R * (d + 2) + 4 * T + (s->choice ? 4 * R * (2 * d + 2) + 12 * Rv + 8 * Rv * d + 16 * Rv : 0) +
+                         16 * t * d + 8 * t + (s->refq_bf16 ? 4 * R * d : 0) + fits;
+    m.solve = 8 * s->D * KD + (s->choice ? 8 * (s->S + s->P) * KD : 0) + (int64_t)s->solve_heads * head;
+    const int64_t C = s->D - T + t;
+    m.output = L * C * (8 * KD + 8 * kvh) + L * kvh * (4 * d + 9);
+    m.base = 32 << 20;
+    m.total = m.weights + m.arena + m.queries + m.forward + m.solve + m.output + m.base;
+    if (terms)
+        *terms = m;
+    return m.total;
+}
