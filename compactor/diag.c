@@ -9,44 +9,11 @@
 
 #include "kernels/cpu/cpu_kernels.h"
 
-/* Unnormalised attention over one block for one query: returns the block's LSE and adds
- * exp(z - ref) * v into acc (ref a shared shift); *mass += sum exp(z - ref). Done in fp64. */
-static double block_pass(const float *q, int d, float scale, const kf_kv_block *b, int n, double ref, double *acc,
-                         double *mass) {
-    double mx = -INFINITY;
-    double *z = malloc(sizeof(double) * (size_t)(n ? n : 1));
-    if (!z)
-        return NAN;
-    for (int j = 0; j < n; j++) {
-        double dot = 0;
-        const float *k = b->k + (size_t)j * b->stride;
-        for (int c = 0; c < d; c++)
-            dot += (double)q[c] * k[c];
-        z[j] = dot * scale + (b->beta ? b->beta[j] : 0.0);
-        mx = z[j] > mx ? z[j] : mx;
-    }
-    double sum = 0;
-    for (int j = 0; j < n; j++)
-        sum += exp(z[j] - mx);
-    const double lse = mx + log(sum);
-    if (acc)
-        for (int j = 0; j < n; j++) {
-            const double w = exp(z[j] - ref);
-            *mass += w;
-            const float *v = b->v + (size_t)j * b->stride;
-            for (int c = 0; c < d; c++)
-                acc[c] += w * v[c];
-        }
-    free(z);
-    return lse;
-}
-
-/* block_pass twice over the same keys, the scores computed once: the block's LSE, then (acc not
- * NULL) exp(z - ref) * v added into acc and *mass, ref = the LSE itself when own_ref. The same
- * arithmetic as the two calls, so the same bits. */
-static double block_lse_acc(const float *q, int d, float scale, const kf_kv_block *b, int own_ref, double ref,
+/* Unnormalised attention over the first n keys of one block for one query, in fp64: returns the
+ * block's LSE and (acc not NULL) adds exp(z - ref) * v into acc and exp(z - ref) into *mass, ref a
+ * shared shift, or the LSE itself when own_ref. NAN when out of memory. */
+static double block_lse_acc(const float *q, int d, float scale, const kf_kv_block *b, int n, int own_ref, double ref,
                             double *acc, double *mass) {
-    const int n = b->n;
     double mx = -INFINITY;
     double *z = malloc(sizeof(double) * (size_t)(n ? n : 1));
     if (!z)
@@ -100,9 +67,9 @@ kf_status kf_diag_ref_init(kf_diag_ref *ref, const float *q, int R, int d, float
         const float *qi = q + (size_t)i * d;
         const int na = appended ? (visible ? visible[i] : appended->n) : 0;
         double *o1 = ref->o + (size_t)i * d;
-        ref->lse[i] = block_lse_acc(qi, d, scale, orig, 1, 0, o1, &ref->m[i]);
+        ref->lse[i] = block_lse_acc(qi, d, scale, orig, orig->n, 1, 0, o1, &ref->m[i]);
         if (na > 0)
-            block_pass(qi, d, scale, appended, na, ref->lse[i], o1, &ref->m[i]);
+            block_lse_acc(qi, d, scale, appended, na, 0, ref->lse[i], o1, &ref->m[i]);
     }
     return KF_OK;
 }
@@ -123,10 +90,10 @@ kf_status kf_diag_head_vs(const kf_diag_ref *ref, const float *q, float scale, c
         /* outputs over [block | appended], shifted by the original block's LSE for range */
         double m2 = 0;
         memset(o2, 0, sizeof(double) * d);
-        const double lse_c = block_lse_acc(qi, d, scale, comp, 0, lse_o, o2, &m2);
+        const double lse_c = block_lse_acc(qi, d, scale, comp, comp->n, 0, lse_o, o2, &m2);
         lse_sum += fabs(lse_c - lse_o);
         if (na > 0)
-            block_pass(qi, d, scale, appended, na, lse_o, o2, &m2);
+            block_lse_acc(qi, d, scale, appended, na, 0, lse_o, o2, &m2);
         double num = 0, den = 0;
         for (int c = 0; c < d; c++) {
             const double a = o1[c] / m1, b = o2[c] / m2;
