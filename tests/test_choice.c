@@ -56,6 +56,17 @@ typedef struct {
     double w[NV];
 } val_case;
 
+/* Row i's fp64 reference: its appended block (LSE returned, output oa; -inf and zeros without
+ * one), the original block (ob) and the two mixed (of). */
+static double ref_row(const val_case *c, float scale, int i, double *oa, double *ob, double *of) {
+    const float *q = c->Q + (size_t)i * D;
+    const double la = c->app[i] ? ref_attend(q, D, scale, c->app[i], c->vis[i], oa) : -INFINITY;
+    if (!c->app[i])
+        memset(oa, 0, sizeof(double) * D);
+    ref_mix(ref_attend(q, D, scale, &c->orig, T, ob), ob, la, oa, D, of);
+    return la;
+}
+
 /* Rows interleaved over three appended blocks (of 200, 150 and 7 keys: more rows than one tile on
  * the first), every 11th row without one; visible counts from 1 to the whole block. */
 static void make_case(val_case *c) {
@@ -89,12 +100,7 @@ static void test_val_head_appended(void) {
     double oa[D], ob[D], of[D], worst_o = 0, worst_l = 0, worst_f = 0;
     int lse_inf_ok = 1;
     for (int i = 0; i < NV; i++) {
-        const float *q = c->Q + (size_t)i * D;
-        const double la = c->app[i] ? ref_attend(q, D, scale, c->app[i], c->vis[i], oa) : -INFINITY;
-        if (!c->app[i])
-            memset(oa, 0, sizeof oa);
-        const double lb = ref_attend(q, D, scale, &c->orig, T, ob);
-        ref_mix(lb, ob, la, oa, D, of);
+        const double la = ref_row(c, scale, i, oa, ob, of);
         if (isinf(la))
             lse_inf_ok &= isinf(vh.lse_a[i]) && vh.lse_a[i] < 0;
         else
@@ -138,11 +144,7 @@ static double ref_val_err(const val_case *c, float scale, const kf_kv_block *com
         wsum += c->w[i];
     for (int i = 0; i < NV; i++) {
         const float *q = c->Q + (size_t)i * D;
-        const double la = c->app[i] ? ref_attend(q, D, scale, c->app[i], c->vis[i], oa) : -INFINITY;
-        if (!c->app[i])
-            memset(oa, 0, sizeof oa);
-        const double lb = ref_attend(q, D, scale, &c->orig, T, ob);
-        ref_mix(lb, ob, la, oa, D, of);
+        const double la = ref_row(c, scale, i, oa, ob, of);
         const double lc = ref_attend(q, D, scale, comp, comp->n, oc);
         ref_mix(lc, oc, la, oa, D, mc);
         double num = 0, den = 0;
