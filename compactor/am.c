@@ -1,20 +1,16 @@
 #include "compactor/am.h"
 
-#include <cblas.h>
 #include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/cpu/cpu_kernels.h"
-#include "kernels/cpu/fast_exp.h"
-#include "kernels/cpu/linalg.h"
-#include <lapacke.h>
+#include "kernels/backend.h"
 
 #define Q_TILE 256
 
-static float *design(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
-                     const float *beta, int t);
+static float *design(const kf_backend *be, const float *q, int R, int d, float scale, const float *keys,
+                     size_t key_stride, const float *beta, int t);
 
 void kf_am_targets_free(kf_am_targets *t) {
     free(t->m);
@@ -42,16 +38,15 @@ kf_status kf_am_targets_compute(const kf_am_head *h, kf_score_method method, kf_
     float *acc = out->score; /* per-tile column sums in fp32, flushed into fp64 score[] */
     for (int i0 = 0; i0 < R; i0 += Q_TILE) {
         const int n = R - i0 < Q_TILE ? R - i0 : Q_TILE;
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, T, d, h->scale, h->q + (size_t)i0 * d, d, h->k,
-                    (int)h->k_stride, 0.0f, Z, T);
+        double sum[Q_TILE];
+        kf_solve_sgemm(h->be, KF_NO_TRANS, KF_TRANS, n, T, d, h->scale, h->q + (size_t)i0 * d, d, h->k, h->k_stride,
+                       0.0f, Z, T);
+        kf_solve_softmax_rows(h->be, &(kf_softmax_rows_args){.x = Z, .ldx = T, .rows = n, .n = T,
+                                                             .max_out = out->m + i0, .sum_out = sum});
         memset(acc, 0, sizeof(float) * (size_t)T);
         for (int i = 0; i < n; i++) {
             float *z = Z + (size_t)i * T;
-            float mx;
-            double sum;
-            kf_cpu_softmax_row(z, T, &mx, &sum);
-            out->m[i0 + i] = mx;
-            out->y[i0 + i] = (float)sum;
+            out->y[i0 + i] = (float)sum[i];
             if (method == KF_SCORE_RMS) {
 #pragma omp simd
                 for (int j = 0; j < T; j++)
@@ -64,8 +59,8 @@ kf_status kf_am_targets_compute(const kf_am_head *h, kf_score_method method, kf_
         }
         for (int j = 0; j < T; j++)
             score[j] += acc[j];
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, T, 1.0f, Z, T, h->v, (int)h->v_stride, 0.0f,
-                    out->Y + (size_t)i0 * d, d);
+        kf_solve_sgemm(h->be, KF_NO_TRANS, KF_NO_TRANS, n, d, T, 1.0f, Z, T, h->v, h->v_stride, 0.0f,
+                       out->Y + (size_t)i0 * d, d);
     }
     for (int j = 0; j < T; j++)
         out->score[j] = (float)(method == KF_SCORE_RMS ? sqrt(score[j] / R) : score[j] / R);
@@ -173,21 +168,16 @@ static int beta_normal(const kf_am_head *h, const kf_am_targets *tg, const float
     *yy = 0;
     for (int i0 = 0; i0 < R; i0 += BETA_TILE) {
         const int n = R - i0 < BETA_TILE ? R - i0 : BETA_TILE;
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, t, d, h->scale, h->q + (size_t)i0 * d, d, kc, d, 0.0f,
-                    M, t);
+        kf_solve_sgemm(h->be, KF_NO_TRANS, KF_TRANS, n, t, d, h->scale, h->q + (size_t)i0 * d, d, kc, d, 0.0f, M, t);
+        kf_solve_exp_rows(h->be, M, t, n, t, tg->m + i0);
         for (int i = 0; i < n; i++) {
-            float *row = M + (size_t)i * t;
-            const float mi = tg->m[i0 + i];
-#pragma omp simd
-            for (int j = 0; j < t; j++)
-                row[j] = kf_expf(row[j] - mi);
             yd[i] = tg->y[i0 + i];
             *yy += yd[i] * yd[i];
         }
         for (size_t k = 0; k < (size_t)n * t; k++)
             Md[k] = M[k];
-        cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, t, n, 1.0, Md, t, 1.0, G, t);
-        cblas_dgemv(CblasRowMajor, CblasTrans, n, t, 1.0, Md, t, yd, 1, 1.0, b, 1);
+        kf_solve_dsyrk(h->be, KF_TRANS, t, n, 1.0, Md, t, 1.0, G, t);
+        kf_solve_dgemv(h->be, KF_TRANS, n, t, 1.0, Md, t, yd, 1.0, b);
     }
     for (int r = 0; r < t; r++)
         for (int c = 0; c < r; c++)
@@ -211,7 +201,8 @@ static double residual_sq(const double *G, const double *b, double yy, int t, co
 
 /* w = argmin ||M w - y||^2 + rho ||w - 1||^2 with rho = rel * tr(M^T M) / t, from the normal
  * equations (Cholesky in fp64); x [t] scratch. */
-static int ridge_to_one(const double *G, const double *b, int t, double rel, double *x, float *w) {
+static int ridge_to_one(const kf_backend *be, const double *G, const double *b, int t, double rel, double *x,
+                        float *w) {
     double tr = 0;
     for (int j = 0; j < t; j++)
         tr += G[(size_t)j * t + j];
@@ -221,7 +212,7 @@ static int ridge_to_one(const double *G, const double *b, int t, double rel, dou
         return -1;
     for (int j = 0; j < t; j++)
         br[j] = b[j] + rho;
-    const int rc = kf_spd_solve(G, t, rho, br, x) == 0 ? KF_LSTSQ_QR : KF_LSTSQ_FAILED;
+    const int rc = kf_solve_spd(be, G, t, rho, br, x) == 0 ? KF_LSTSQ_QR : KF_LSTSQ_FAILED;
     for (int j = 0; j < t; j++)
         w[j] = rc == KF_LSTSQ_QR ? (float)x[j] : 1.0f;
     free(br);
@@ -229,7 +220,8 @@ static int ridge_to_one(const double *G, const double *b, int t, double rel, dou
 }
 
 /* ||M||_2^2 by power iteration on G = M^T M from kf_spectral_norm_sq's seeded start; v [t] scratch. */
-static double gram_spectral_sq(const double *G, int t, int iters, uint64_t seed, double *v, double *gv) {
+static double gram_spectral_sq(const kf_backend *be, const double *G, int t, int iters, uint64_t seed, double *v,
+                               double *gv) {
     uint64_t s = seed * 0x9E3779B97F4A7C15ULL + 0x632BE59BD9B4E019ULL;
     for (int j = 0; j < t; j++) {
         s ^= s << 13, s ^= s >> 7, s ^= s << 17;
@@ -245,7 +237,7 @@ static double gram_spectral_sq(const double *G, int t, int iters, uint64_t seed,
             break;
         for (int j = 0; j < t; j++)
             v[j] /= nv;
-        cblas_dsymv(CblasRowMajor, CblasUpper, t, 1.0, G, t, v, 1, 0.0, gv, 1); /* G v */
+        kf_solve_dsymv(be, t, 1.0, G, t, v, 0.0, gv); /* G v */
         sigma2 = 0;
         for (int j = 0; j < t; j++)
             sigma2 += v[j] * gv[j]; /* ||M v||^2 */
@@ -270,16 +262,16 @@ static void box_refine(const double *G, const double *b, int t, float lo, float 
 
 /* AM's two projected-gradient steps on ||M w - y||^2 with step 1/L: the gradient M^T (M w - y) =
  * G w - b; v, g [t] scratch. */
-static void pg_steps(const double *G, const double *b, int t, uint64_t seed, float lo, float hi, double *v,
-                     double *g, float *w) {
-    double L = gram_spectral_sq(G, t, 3, seed, v, g);
+static void pg_steps(const kf_backend *be, const double *G, const double *b, int t, uint64_t seed, float lo, float hi,
+                     double *v, double *g, float *w) {
+    double L = gram_spectral_sq(be, G, t, 3, seed, v, g);
     if (!(L > 1e-6))
         L = 1e-6;
     for (int it = 0; it < 2; it++) {
         for (int j = 0; j < t; j++)
             v[j] = w[j];
         memcpy(g, b, sizeof(double) * t);
-        cblas_dsymv(CblasRowMajor, CblasUpper, t, 1.0, G, t, v, 1, -1.0, g, 1); /* g = G w - b */
+        kf_solve_dsymv(be, t, 1.0, G, t, v, -1.0, g); /* g = G w - b */
         for (int j = 0; j < t; j++) {
             float x = w[j] - (float)(g[j] / L);
             w[j] = x < lo ? lo : (x > hi ? hi : x);
@@ -296,7 +288,7 @@ void kf_beta_normal_free(kf_beta_normal *ne) {
 kf_status kf_beta_normal_build(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
                                kf_beta_normal *out, kf_error *err) {
     memset(out, 0, sizeof *out);
-    out->t = t;
+    out->t = t, out->be = h->be;
     const size_t t1 = (size_t)(t ? t : 1);
     out->G = malloc(sizeof(double) * t1 * t1);
     out->b = malloc(sizeof(double) * t1);
@@ -326,7 +318,7 @@ kf_status kf_am_fit_beta_normal(const kf_beta_normal *ne, uint64_t seed, kf_beta
     double *x = calloc((size_t)t, sizeof(double)), *g = calloc((size_t)t, sizeof(double));
     float *w = calloc((size_t)t, sizeof(float));
     kf_status rc = KF_OK;
-    int path = x && g && w ? ridge_to_one(G, b, t, 1e-6, x, w) : -1;
+    int path = x && g && w ? ridge_to_one(ne->be, G, b, t, 1e-6, x, w) : -1;
     /* Least squares on the partition function in fp64 normal equations, with a tiny ridge that
      * pulls towards w = 1 (beta = 0):
      *   min ||M w - y||^2 + rho ||w - 1||^2,   rho = 1e-6 * tr(M^T M) / t.
@@ -352,7 +344,7 @@ kf_status kf_am_fit_beta_normal(const kf_beta_normal *ne, uint64_t seed, kf_beta
     if (fit == KF_BETA_BOX)
         box_refine(G, b, t, lo, hi, x, w);
     else
-        pg_steps(G, b, t, seed, lo, hi, x, g, w);
+        pg_steps(ne->be, G, b, t, seed, lo, hi, x, g, w);
     for (int j = 0; j < t; j++)
         beta[j] = logf(w[j]);
 out:
@@ -376,15 +368,15 @@ kf_status kf_am_fit_beta_ex(const kf_am_head *h, const kf_am_targets *tg, const 
     return rc;
 }
 
-kf_status kf_am_fit_values(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
-                           const float *beta, int t, const float *Y, float *values, kf_am_stats *stats,
+kf_status kf_am_fit_values(const kf_backend *be, const float *q, int R, int d, float scale, const float *keys,
+                           size_t key_stride, const float *beta, int t, const float *Y, float *values, kf_am_stats *stats,
                            kf_error *err) {
     if (t == 0)
         return KF_OK;
-    float *X = design(q, R, d, scale, keys, key_stride, beta, t); /* [R, t] */
+    float *X = design(be, q, R, d, scale, keys, key_stride, beta, t); /* [R, t] */
     if (!X)
         return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the value fit (R %d, t %d)", R, t);
-    int path = kf_lstsq(X, R, t, Y, d, values);
+    int path = kf_solve_lstsq(be, X, R, t, Y, d, values);
     free(X);
     if (path < 0)
         return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory in least squares");
@@ -393,20 +385,13 @@ kf_status kf_am_fit_values(const float *q, int R, int d, float scale, const floa
 }
 
 /* X = softmax_j(s q_i.k_j + beta_j) [R, t]; NULL when out of memory. */
-static float *design(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
-                     const float *beta, int t) {
+static float *design(const kf_backend *be, const float *q, int R, int d, float scale, const float *keys,
+                     size_t key_stride, const float *beta, int t) {
     float *X = malloc(sizeof(float) * (size_t)R * t);
     if (!X)
         return NULL;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, R, t, d, scale, q, d, keys, (int)key_stride, 0.0f, X, t);
-    for (int i = 0; i < R; i++) {
-        float *x = X + (size_t)i * t;
-        if (beta)
-#pragma omp simd
-            for (int j = 0; j < t; j++)
-                x[j] += beta[j];
-        kf_cpu_softmax_row(x, t, NULL, NULL);
-    }
+    kf_solve_sgemm(be, KF_NO_TRANS, KF_TRANS, R, t, d, scale, q, d, keys, key_stride, 0.0f, X, t);
+    kf_solve_softmax_rows(be, &(kf_softmax_rows_args){.x = X, .ldx = t, .rows = R, .n = t, .bias = beta});
     return X;
 }
 
@@ -427,34 +412,28 @@ typedef struct {
     double *Yd; /* [GRAM_TILE, d] */
 } gram_tiles;
 
-static void gram_accumulate(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
-                            const float *beta, int t, const float *Y, const gram_tiles *w, double *G, double *B) {
+static void gram_accumulate(const kf_backend *be, const float *q, int R, int d, float scale, const float *keys,
+                            size_t key_stride, const float *beta, int t, const float *Y, const gram_tiles *w, double *G,
+                            double *B) {
     for (int i0 = 0; i0 < R; i0 += GRAM_TILE) {
         const int n = R - i0 < GRAM_TILE ? R - i0 : GRAM_TILE;
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, t, d, scale, q + (size_t)i0 * d, d, keys,
-                    (int)key_stride, 0.0f, w->X, t);
-        for (int i = 0; i < n; i++) {
-            float *x = w->X + (size_t)i * t;
-            if (beta)
-#pragma omp simd
-                for (int j = 0; j < t; j++)
-                    x[j] += beta[j];
-            kf_cpu_softmax_row(x, t, NULL, NULL);
-        }
+        kf_solve_sgemm(be, KF_NO_TRANS, KF_TRANS, n, t, d, scale, q + (size_t)i0 * d, d, keys, key_stride, 0.0f, w->X, t);
+        kf_solve_softmax_rows(be, &(kf_softmax_rows_args){.x = w->X, .ldx = t, .rows = n, .n = t, .bias = beta});
         for (size_t k = 0; k < (size_t)n * t; k++)
             w->Xd[k] = w->X[k];
         for (size_t k = 0; k < (size_t)n * d; k++)
             w->Yd[k] = Y[(size_t)i0 * d + k];
         const double keep = i0 ? 1.0 : 0.0;
-        cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, t, n, 1.0, w->Xd, t, keep, G, t);
-        cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, t, d, n, 1.0, w->Xd, t, w->Yd, d, keep, B, d);
+        kf_solve_dsyrk(be, KF_TRANS, t, n, 1.0, w->Xd, t, keep, G, t);
+        kf_solve_dgemm(be, KF_TRANS, KF_NO_TRANS, t, d, n, 1.0, w->Xd, t, w->Yd, d, keep, B, d);
     }
 }
 
-kf_status kf_value_gram_build(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
-                              const float *beta, int t, const float *Y, kf_value_gram *out, kf_error *err) {
+kf_status kf_value_gram_build(const kf_backend *be, const float *q, int R, int d, float scale, const float *keys,
+                              size_t key_stride, const float *beta, int t, const float *Y, kf_value_gram *out,
+                              kf_error *err) {
     memset(out, 0, sizeof *out);
-    out->t = t, out->d = d;
+    out->t = t, out->d = d, out->be = be;
     const size_t t1 = (size_t)(t ? t : 1);
     gram_tiles w = {malloc(sizeof(float) * GRAM_TILE * t1), malloc(sizeof(double) * GRAM_TILE * t1),
                     malloc(sizeof(double) * GRAM_TILE * (size_t)d)};
@@ -468,7 +447,7 @@ kf_status kf_value_gram_build(const float *q, int R, int d, float scale, const f
         return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the value refit's normal equations (R %d, t %d)", R, t);
     }
     if (t > 0)
-        gram_accumulate(q, R, d, scale, keys, key_stride, beta, t, Y, &w, out->G, out->B);
+        gram_accumulate(be, q, R, d, scale, keys, key_stride, beta, t, Y, &w, out->G, out->B);
     for (int r = 0; r < t; r++)
         for (int c = 0; c < r; c++)
             out->G[(size_t)r * t + c] = out->G[(size_t)c * t + r];
@@ -495,12 +474,8 @@ kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float 
             for (int c = 0; c < d; c++)
                 B[(size_t)j * d + c] += mu * v0[(size_t)j * v0_stride + c];
     }
-    /* A is symmetric, so its row-major storage is its column-major storage: Cholesky A = U^T U in
-     * place (no transposed copies, no NaN scan), then A X = B as X^T U^T U = B^T: B [t, d] row-major
-     * is B^T [d, t] column-major, solved by two triangular solves from the right */
-    if (LAPACKE_dpotrf_work(LAPACK_COL_MAJOR, 'U', t, A, t) == 0) {
-        cblas_dtrsm(CblasColMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit, d, t, 1.0, A, t, B, d);
-        cblas_dtrsm(CblasColMajor, CblasRight, CblasUpper, CblasTrans, CblasNonUnit, d, t, 1.0, A, t, B, d);
+    /* Cholesky of the (whole, symmetric) A in place, then A X = B for B [t, d] in place */
+    if (kf_solve_dpotrf(g->be, A, t, t) == 0 && kf_solve_dpotrs(g->be, A, t, t, B, d, d) == 0) {
         for (size_t i = 0; i < (size_t)t * d; i++)
             values[i] = (float)B[i];
     } else {
@@ -512,9 +487,9 @@ kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float 
 }
 
 /* gram (t, d set) with G, B zeroed and the solves' scratch; 0 or -1. */
-static int gram_alloc(kf_value_gram *g, int t, int d) {
+static int gram_alloc(kf_value_gram *g, const kf_backend *be, int t, int d) {
     memset(g, 0, sizeof *g);
-    g->t = t, g->d = d;
+    g->t = t, g->d = d, g->be = be;
     const size_t t1 = (size_t)(t ? t : 1);
     g->G = calloc(t1 * t1, sizeof(double));
     g->B = calloc(t1 * d, sizeof(double));
@@ -537,26 +512,24 @@ static void gram_finish(kf_value_gram *g) {
 /* One row tile of kf_kept_normal_build: Z [n, t] the tile's logits over the kept keys. */
 static void kept_tile(const float *m, const float *y, const float *Y, int n, int t, int d, float *Z, float *X,
                       double *Xd, double *Yd, kf_beta_normal *bn, kf_value_gram *drop, int first) {
+    const kf_backend *be = bn->be;
     memcpy(X, Z, sizeof(float) * (size_t)n * t);
+    kf_solve_softmax_rows(be, &(kf_softmax_rows_args){.x = X, .ldx = t, .rows = n, .n = t}); /* drop's design */
+    kf_solve_exp_rows(be, Z, t, n, t, m);                                                   /* beta's M */
     for (int i = 0; i < n; i++) {
-        float *row = Z + (size_t)i * t;
-        kf_cpu_softmax_row(X + (size_t)i * t, t, NULL, NULL); /* drop's design row */
-#pragma omp simd
-        for (int j = 0; j < t; j++)
-            row[j] = kf_expf(row[j] - m[i]); /* beta's M row */
         Yd[i] = y[i];
         bn->yy += Yd[i] * Yd[i];
     }
     for (size_t k = 0; k < (size_t)n * t; k++)
         Xd[k] = Z[k];
-    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, t, n, 1.0, Xd, t, 1.0, bn->G, t);
-    cblas_dgemv(CblasRowMajor, CblasTrans, n, t, 1.0, Xd, t, Yd, 1, 1.0, bn->b, 1);
+    kf_solve_dsyrk(be, KF_TRANS, t, n, 1.0, Xd, t, 1.0, bn->G, t);
+    kf_solve_dgemv(be, KF_TRANS, n, t, 1.0, Xd, t, Yd, 1.0, bn->b);
     for (size_t k = 0; k < (size_t)n * t; k++)
         Xd[k] = X[k];
     for (size_t k = 0; k < (size_t)n * d; k++)
         Yd[k] = Y[k];
-    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, t, n, 1.0, Xd, t, first ? 0.0 : 1.0, drop->G, t);
-    cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, t, d, n, 1.0, Xd, t, Yd, d, first ? 0.0 : 1.0, drop->B, d);
+    kf_solve_dsyrk(be, KF_TRANS, t, n, 1.0, Xd, t, first ? 0.0 : 1.0, drop->G, t);
+    kf_solve_dgemm(be, KF_TRANS, KF_NO_TRANS, t, d, n, 1.0, Xd, t, Yd, d, first ? 0.0 : 1.0, drop->B, d);
 }
 
 kf_status kf_kept_normal_build(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
@@ -564,17 +537,16 @@ kf_status kf_kept_normal_build(const kf_am_head *h, const kf_am_targets *tg, con
     const int R = h->R, d = h->d;
     const size_t t1 = (size_t)(t ? t : 1);
     memset(bn, 0, sizeof *bn);
-    bn->t = t;
+    bn->t = t, bn->be = h->be;
     bn->G = calloc(t1 * t1, sizeof(double));
     bn->b = calloc(t1, sizeof(double));
     float *Z = malloc(sizeof(float) * GRAM_TILE * t1), *X = malloc(sizeof(float) * GRAM_TILE * t1); /* [tile, t] */
     double *Xd = malloc(sizeof(double) * GRAM_TILE * t1);                                          /* [tile, t] */
     double *Yd = malloc(sizeof(double) * GRAM_TILE * (size_t)(d > 1 ? d : 1));                    /* [tile, d] */
-    const int ok = gram_alloc(drop, t, d) == 0 && bn->G && bn->b && Z && X && Xd && Yd;
+    const int ok = gram_alloc(drop, h->be, t, d) == 0 && bn->G && bn->b && Z && X && Xd && Yd;
     for (int i0 = 0; ok && t > 0 && i0 < R; i0 += GRAM_TILE) {
         const int n = R - i0 < GRAM_TILE ? R - i0 : GRAM_TILE;
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, t, d, h->scale, h->q + (size_t)i0 * d, d, kc, d, 0.0f,
-                    Z, t);
+        kf_solve_sgemm(h->be, KF_NO_TRANS, KF_TRANS, n, t, d, h->scale, h->q + (size_t)i0 * d, d, kc, d, 0.0f, Z, t);
         kept_tile(tg->m + i0, tg->y + i0, tg->Y + (size_t)i0 * d, n, t, d, Z, X, Xd, Yd, bn, drop, i0 == 0);
     }
     free(Z), free(X), free(Xd), free(Yd);
@@ -601,11 +573,11 @@ void kf_value_gram_add(kf_value_gram *acc, const kf_value_gram *part) {
         acc->tr += acc->G[(size_t)j * t + j];
 }
 
-kf_status kf_am_fit_values_ridge(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
-                                 const float *beta, int t, const float *Y, double alpha, const float *v0,
-                                 size_t v0_stride, float *values, kf_am_stats *stats, kf_error *err) {
+kf_status kf_am_fit_values_ridge(const kf_backend *be, const float *q, int R, int d, float scale, const float *keys,
+                                 size_t key_stride, const float *beta, int t, const float *Y, double alpha,
+                                 const float *v0, size_t v0_stride, float *values, kf_am_stats *stats, kf_error *err) {
     kf_value_gram g;
-    KF_TRY(kf_value_gram_build(q, R, d, scale, keys, key_stride, beta, t, Y, &g, err));
+    KF_TRY(kf_value_gram_build(be, q, R, d, scale, keys, key_stride, beta, t, Y, &g, err));
     kf_status rc = kf_value_gram_solve(&g, alpha, v0, v0_stride, values, stats, err);
     kf_value_gram_free(&g);
     return rc;

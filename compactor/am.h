@@ -31,6 +31,7 @@
 #include <stdint.h>
 
 #include "formats/error.h"
+#include "kernels/backend.h"
 
 typedef enum { KF_SCORE_RMS = 0, KF_SCORE_MEAN = 1 } kf_score_method;
 
@@ -50,6 +51,7 @@ typedef struct {
     int R;
     int d;
     float scale;
+    const kf_backend *be; /* runs the math (kf_solve_backend: NULL or a backend without the solve's ops = CPU) */
 } kf_am_head;
 
 typedef struct {
@@ -89,6 +91,7 @@ typedef struct {
     double *G, *b;
     double yy;
     int t;
+    const kf_backend *be; /* the builder's h->be: the fit's solves run on it */
 } kf_beta_normal;
 kf_status kf_beta_normal_build(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
                                kf_beta_normal *out, kf_error *err);
@@ -104,9 +107,9 @@ void kf_beta_normal_free(kf_beta_normal *ne);
 int kf_box_lsq(const double *G, const double *b, int t, double lo, double hi, double tol, int max_sweeps, double *w);
 
 /* values[t, d] = argmin ||X values - Y|| for keys[t, d] (row stride key_stride) and an optional
- * bias beta[t] (NULL: no bias). */
-kf_status kf_am_fit_values(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
-                           const float *beta, int t, const float *Y, float *values, kf_am_stats *stats,
+ * bias beta[t] (NULL: no bias). be: as kf_am_head.be (here and below). */
+kf_status kf_am_fit_values(const kf_backend *be, const float *q, int R, int d, float scale, const float *keys,
+                           size_t key_stride, const float *beta, int t, const float *Y, float *values, kf_am_stats *stats,
                            kf_error *err);
 
 /* Tikhonov-regularised value refit (issue 12):
@@ -115,9 +118,9 @@ kf_status kf_am_fit_values(const float *q, int R, int d, float scale, const floa
  * X^T Y + mu V0 in fp64, with mu at least 1e-6 tr(X^T X) / t (kf_value_gram_solve): alpha = 0 is the
  * least-squares fit the per-head choice validated (normal equations with that safety ridge, not
  * kf_am_fit_values' QR: issue 14, one exponential pass and tiles instead of an R x t QR). */
-kf_status kf_am_fit_values_ridge(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
-                                 const float *beta, int t, const float *Y, double alpha, const float *v0,
-                                 size_t v0_stride, float *values, kf_am_stats *stats, kf_error *err);
+kf_status kf_am_fit_values_ridge(const kf_backend *be, const float *q, int R, int d, float scale, const float *keys,
+                                 size_t key_stride, const float *beta, int t, const float *Y, double alpha,
+                                 const float *v0, size_t v0_stride, float *values, kf_am_stats *stats, kf_error *err);
 
 /* The normal equations of one value refit, built once and solved for several alphas (the per-head
  * choice). G = X^T X [t, t] (full), B = X^T Y [t, d], fp64, accumulated over tiles of rows (X is never
@@ -127,10 +130,12 @@ typedef struct {
     double tr; /* tr(G) */
     int t, d;
     double *A, *Bs; /* [t, t], [t, d] the solves' scratch (one solve at a time per gram) */
+    const kf_backend *be; /* the builder's: the solves run on it */
 } kf_value_gram;
 
-kf_status kf_value_gram_build(const float *q, int R, int d, float scale, const float *keys, size_t key_stride,
-                              const float *beta, int t, const float *Y, kf_value_gram *out, kf_error *err);
+kf_status kf_value_gram_build(const kf_backend *be, const float *q, int R, int d, float scale, const float *keys,
+                              size_t key_stride, const float *beta, int t, const float *Y, kf_value_gram *out,
+                              kf_error *err);
 /* mu = max(alpha, 1e-6) * tr / t (the floor is the least-squares fallback's safety ridge). */
 kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float *v0, size_t v0_stride, float *values,
                               kf_am_stats *stats, kf_error *err);

@@ -162,9 +162,10 @@ static int64_t pick_validation(int64_t n_pos, const uint8_t *kind, double frac, 
 }
 
 /* out [t, d] = the kept keys folded along u (fitted on q [R, d] with lambda); fi->ok = 0: none. */
-static kf_status fold_selection(const float *q, int R, int d, float scale, double lambda, const float *kc,
-                                const float *beta, int t, float *u, float *out, kf_fold_info *fi, kf_error *err) {
-    KF_TRY(kf_fold_direction(q, R, d, lambda, u, fi, err));
+static kf_status fold_selection(const kf_backend *be, const float *q, int R, int d, float scale, double lambda,
+                                const float *kc, const float *beta, int t, float *u, float *out, kf_fold_info *fi,
+                                kf_error *err) {
+    KF_TRY(kf_fold_direction(be, q, R, d, lambda, u, fi, err));
     if (fi->ok)
         kf_fold_keys(kc, d, beta, t, d, scale, u, out, d);
     return KF_OK;
@@ -195,7 +196,7 @@ static kf_status try_alphas(const kf_am_head *htr, const float *Ytr, const float
                             const float *v0, kf_method method, double lambda, double penalty, kf_val_head *val,
                             float *vals, kf_head_pick *best, kf_error *err) {
     kf_value_gram gm;
-    KF_TRY(kf_value_gram_build(htr->q, htr->R, htr->d, htr->scale, keys, htr->d, bias, t, Ytr, &gm, err));
+    KF_TRY(kf_value_gram_build(htr->be, htr->q, htr->R, htr->d, htr->scale, keys, htr->d, bias, t, Ytr, &gm, err));
     const kf_status rc = score_alphas(&gm, keys, bias, t, htr->d, v0, method, lambda, penalty, val, vals, best, err);
     kf_value_gram_free(&gm);
     return rc;
@@ -207,7 +208,7 @@ static kf_status try_folds(const kf_compact_params *p, const kf_am_head *htr, co
                            const float *beta, int t, const float *v0, kf_val_head *val, float *u, float *keys,
                            float *vals, kf_head_pick *best, kf_error *err) {
     kf_fold_cov cov;
-    KF_TRY(kf_fold_cov_compute(htr->q, htr->R, htr->d, &cov, err));
+    KF_TRY(kf_fold_cov_compute(htr->be, htr->q, htr->R, htr->d, &cov, err));
     kf_status rc = KF_OK;
     for (size_t li = 0; li < sizeof kLambdaGrid / sizeof *kLambdaGrid && rc == KF_OK; li++) {
         const double lambda = kLambdaGrid[li] * p->lambda_rel;
@@ -240,7 +241,7 @@ static kf_status choose_fits(const kf_compact_params *p, const kf_am_head *htr, 
         else
             KF_TRY(try_folds(p, htr, ttr, kc, beta, t, v0, val, u, keys, vals, best, err));
     } else {
-        KF_TRY(kf_value_gram_build(htr->q, htr->R, d, htr->scale, kc, d, NULL, t, ttr->Y, dg, err));
+        KF_TRY(kf_value_gram_build(htr->be, htr->q, htr->R, d, htr->scale, kc, d, NULL, t, ttr->Y, dg, err));
     }
     return score_alphas(dg, kc, NULL, t, d, v0, KF_METHOD_DROP, p->lambda_rel, 1, val, vals, best, err);
 }
@@ -857,7 +858,8 @@ static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, 
     hs->q = kf_refq_head(&x->rq, l, g, hs->q_own);
     hs->h = (kf_am_head){.k = K + (size_t)x->n_pre * row + (size_t)g * x->d, .k_stride = row,
                          .v = V + (size_t)x->n_pre * row + (size_t)g * x->d, .v_stride = row,
-                         .T = x->n_doc, .q = hs->q, .R = (int)x->rq.R, .d = x->d, .scale = x->scale};
+                         .T = x->n_doc, .q = hs->q, .R = (int)x->rq.R, .d = x->d, .scale = x->scale,
+                         .be = kf_model_backend(x->m)};
     double ts = now_s();
     kf_status rc = kf_am_targets_compute(&hs->h, x->p.score, &hs->tg, err);
     if (rc != KF_OK) {
@@ -870,7 +872,7 @@ static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, 
     ts = now_s();
     split_head(sp, &x->rq, hs->q, &hs->tg, x->is_val, x->pos_src, x->pos_local, &x->ap, g);
     /* the original block's attention on the validation rows is their targets */
-    rc = kf_val_head_init_targets(&hs->vh, sp->val_q, (int)sp->n_val, x->d, x->scale, sp->val_w, sp->val_m, sp->val_y,
+    rc = kf_val_head_init_targets(&hs->vh, hs->h.be, sp->val_q, (int)sp->n_val, x->d, x->scale, sp->val_w, sp->val_m, sp->val_y,
                                   sp->val_Y, sp->val_app, sp->val_vis, err);
     if (rc != KF_OK) {
         kf_am_targets_free(&hs->tg);
@@ -965,12 +967,12 @@ static kf_status fit_values(const kf_compact_prep *x, variant_ws *w, const head_
     const float *v0 = p->ridge_to == KF_RIDGE_TO_ORIG ? w->vo : NULL;
     kf_am_stats *st = &w->out->stats.solver;
     if (method != KF_METHOD_DROP || !fits || !fits->drop.G)
-        return kf_am_fit_values_ridge(hf->q, hf->R, x->d, x->scale, kk, x->d, method == KF_METHOD_AM ? w->beta : NULL,
+        return kf_am_fit_values_ridge(hf->be, hf->q, hf->R, x->d, x->scale, kk, x->d, method == KF_METHOD_AM ? w->beta : NULL,
                                       th, tf->Y, alpha, v0, x->d, w->vals, st, err);
     if (p->refit_all) {
         kf_value_gram part;
         const head_split *sp = hs->sp;
-        KF_TRY(kf_value_gram_build(sp->val_q, (int)sp->n_val, x->d, x->scale, kk, x->d, NULL, th, sp->val_Y, &part,
+        KF_TRY(kf_value_gram_build(hf->be, sp->val_q, (int)sp->n_val, x->d, x->scale, kk, x->d, NULL, th, sp->val_Y, &part,
                                    err));
         kf_value_gram_add(&fits->drop, &part);
         kf_value_gram_free(&part);
@@ -1000,7 +1002,7 @@ static kf_status variant_fit(const kf_compact_prep *x, variant_ws *w, const head
         const int on_probes = p->fold_queries == KF_FOLD_ON_PROBES;
         const int fR = on_probes ? probe_rows(&x->rq, hs->q, d, qsub) : hf->R;
         kf_fold_info fi;
-        KF_TRY(fold_selection(on_probes ? qsub : hf->q, fR, d, x->scale, pick->lambda, w->kc, w->beta, th, u,
+        KF_TRY(fold_selection(hf->be, on_probes ? qsub : hf->q, fR, d, x->scale, pick->lambda, w->kc, w->beta, th, u,
                               w->kfold, &fi, err));
         if (fi.ok) {
             kk = w->kfold;

@@ -5,9 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <cblas.h>
-
-#include "kernels/cpu/cpu_kernels.h"
+#include "kernels/backend.h"
 
 /* Unnormalised attention over the first n keys of one block for one query, in fp64: returns the
  * block's LSE and (acc not NULL) adds exp(z - ref) * v into acc and exp(z - ref) into *mass, ref a
@@ -144,28 +142,20 @@ static int z_reserve(kf_val_head *v, size_t rows, size_t nk) {
 
 /* Softmax attention of rows q [n, d] over one block: lse [n] and output o [n, d]; P [n, b->n]
  * receives the weights. */
-static void block_attend(int n, int d, float scale, const float *q, const kf_kv_block *b, float *P, double *lse,
-                         float *o) {
+static void block_attend(const kf_backend *be, int n, int d, float scale, const float *q, const kf_kv_block *b,
+                         float *P, double *lse, float *o) {
     if (b->n == 0) {
         for (int i = 0; i < n; i++)
             lse[i] = -INFINITY;
-        memset(o, 0, sizeof(float) * (size_t)n * d);
+        if (o) /* kf_val_attend passes none */
+            memset(o, 0, sizeof(float) * (size_t)n * d);
         return;
     }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, b->n, d, scale, q, d, b->k, (int)b->stride, 0.0f, P,
-                b->n);
-    for (int i = 0; i < n; i++) {
-        float *z = P + (size_t)i * b->n, mx;
-        double sum;
-        if (b->beta)
-            for (int j = 0; j < b->n; j++)
-                z[j] += b->beta[j];
-        kf_cpu_softmax_row(z, b->n, &mx, &sum);
-        lse[i] = mx + log(sum);
-    }
+    kf_solve_sgemm(be, KF_NO_TRANS, KF_TRANS, n, b->n, d, scale, q, d, b->k, b->stride, 0.0f, P, b->n);
+    kf_solve_softmax_rows(be, &(kf_softmax_rows_args){.x = P, .ldx = b->n, .rows = n, .n = b->n, .bias = b->beta,
+                                                      .lse_out = lse});
     if (o)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, b->n, 1.0f, P, b->n, b->v, (int)b->stride, 0.0f,
-                    o, d);
+        kf_solve_sgemm(be, KF_NO_TRANS, KF_NO_TRANS, n, d, b->n, 1.0f, P, b->n, b->v, b->stride, 0.0f, o, d);
 }
 
 /* The output over [block | appended] for row i from the block's lse and output. */
@@ -201,20 +191,18 @@ static void appended_attend(kf_val_head *v, const app_row *r, int nr, float *qt,
     const kf_kv_block *a = r[0].a;
     for (int i0 = 0; i0 < nr; i0 += APP_TILE) {
         const int n = nr - i0 < APP_TILE ? nr - i0 : APP_TILE, nk = r[i0 + n - 1].vis;
-        for (int i = 0; i < n; i++)
-            memcpy(qt + (size_t)i * d, v->q + (size_t)r[i0 + i].i * d, sizeof(float) * d);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, nk, d, v->scale, qt, d, a->k, (int)a->stride, 0.0f,
-                    v->Z, nk);
+        int vis[APP_TILE];
+        double lse[APP_TILE];
         for (int i = 0; i < n; i++) {
-            float *z = v->Z + (size_t)i * nk, mx;
-            double sum;
-            const int vis = r[i0 + i].vis;
-            kf_cpu_softmax_row(z, vis, &mx, &sum);
-            memset(z + vis, 0, sizeof(float) * (size_t)(nk - vis));
-            v->lse_a[r[i0 + i].i] = mx + log(sum);
+            memcpy(qt + (size_t)i * d, v->q + (size_t)r[i0 + i].i * d, sizeof(float) * d);
+            vis[i] = r[i0 + i].vis;
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, nk, 1.0f, v->Z, nk, a->v, (int)a->stride, 0.0f, ot,
-                    d);
+        kf_solve_sgemm(v->be, KF_NO_TRANS, KF_TRANS, n, nk, d, v->scale, qt, d, a->k, a->stride, 0.0f, v->Z, nk);
+        kf_solve_softmax_rows(v->be, &(kf_softmax_rows_args){.x = v->Z, .ldx = nk, .rows = n, .n = nk, .len = vis,
+                                                             .lse_out = lse}); /* causal: weights past vis are 0 */
+        for (int i = 0; i < n; i++)
+            v->lse_a[r[i0 + i].i] = lse[i];
+        kf_solve_sgemm(v->be, KF_NO_TRANS, KF_NO_TRANS, n, d, nk, 1.0f, v->Z, nk, a->v, a->stride, 0.0f, ot, d);
         for (int i = 0; i < n; i++)
             memcpy(v->o_a + (size_t)r[i0 + i].i * d, ot + (size_t)i * d, sizeof(float) * d);
     }
@@ -264,16 +252,16 @@ static int original_all(kf_val_head *v, const kf_kv_block *orig) {
         return -1;
     for (int i0 = 0; i0 < n; i0 += ORIG_TILE) {
         const int m = n - i0 < ORIG_TILE ? n - i0 : ORIG_TILE;
-        block_attend(m, d, v->scale, v->q + (size_t)i0 * d, orig, v->Z, v->lse_b + i0, v->o_b + (size_t)i0 * d);
+        block_attend(v->be, m, d, v->scale, v->q + (size_t)i0 * d, orig, v->Z, v->lse_b + i0, v->o_b + (size_t)i0 * d);
     }
     return 0;
 }
 
 /* The head's buffers, weights and appended blocks (what both initialisations share). */
-static int val_head_common(kf_val_head *v, const float *q, int n, int d, float scale, const double *w,
-                           const kf_kv_block *const *app, const int *visible) {
+static int val_head_common(kf_val_head *v, const kf_backend *be, const float *q, int n, int d, float scale,
+                           const double *w, const kf_kv_block *const *app, const int *visible) {
     memset(v, 0, sizeof *v);
-    v->n = n, v->d = d, v->scale = scale, v->q = q;
+    v->n = n, v->d = d, v->scale = scale, v->q = q, v->be = be;
     const size_t n1 = (size_t)(n ? n : 1);
     v->w = malloc(sizeof(double) * n1);
     v->lse_a = malloc(sizeof(double) * n1);
@@ -293,9 +281,10 @@ static int val_head_common(kf_val_head *v, const float *q, int n, int d, float s
     return 0;
 }
 
-kf_status kf_val_head_init(kf_val_head *v, const float *q, int n, int d, float scale, const double *w,
-                           const kf_kv_block *orig, const kf_kv_block *const *app, const int *visible, kf_error *err) {
-    if (val_head_common(v, q, n, d, scale, w, app, visible) != 0 || original_all(v, orig) != 0) {
+kf_status kf_val_head_init(kf_val_head *v, const kf_backend *be, const float *q, int n, int d, float scale,
+                           const double *w, const kf_kv_block *orig, const kf_kv_block *const *app, const int *visible,
+                           kf_error *err) {
+    if (val_head_common(v, be, q, n, d, scale, w, app, visible) != 0 || original_all(v, orig) != 0) {
         kf_val_head_free(v);
         return kf_fail(err, KF_ERR_NOMEM, "validation: out of memory (%d queries, %d keys)", n, orig->n);
     }
@@ -303,10 +292,10 @@ kf_status kf_val_head_init(kf_val_head *v, const float *q, int n, int d, float s
     return KF_OK;
 }
 
-kf_status kf_val_head_init_targets(kf_val_head *v, const float *q, int n, int d, float scale, const double *w,
-                                   const float *m, const float *y, const float *Y, const kf_kv_block *const *app,
-                                   const int *visible, kf_error *err) {
-    if (val_head_common(v, q, n, d, scale, w, app, visible) != 0) {
+kf_status kf_val_head_init_targets(kf_val_head *v, const kf_backend *be, const float *q, int n, int d, float scale,
+                                   const double *w, const float *m, const float *y, const float *Y,
+                                   const kf_kv_block *const *app, const int *visible, kf_error *err) {
+    if (val_head_common(v, be, q, n, d, scale, w, app, visible) != 0) {
         kf_val_head_free(v);
         return kf_fail(err, KF_ERR_NOMEM, "validation: out of memory (%d queries)", n);
     }
@@ -320,7 +309,7 @@ kf_status kf_val_head_init_targets(kf_val_head *v, const float *q, int n, int d,
 int kf_val_attend(kf_val_head *v, const kf_kv_block *keys) {
     if (z_reserve(v, (size_t)v->n, (size_t)keys->n) != 0)
         return -1;
-    block_attend(v->n, v->d, v->scale, v->q, keys, v->Z, v->lse_b, NULL);
+    block_attend(v->be, v->n, v->d, v->scale, v->q, keys, v->Z, v->lse_b, NULL);
     v->z_n = keys->n;
     return 0;
 }
@@ -328,8 +317,7 @@ int kf_val_attend(kf_val_head *v, const kf_kv_block *keys) {
 double kf_val_err_values(kf_val_head *v, const float *values, size_t stride) {
     const int n = v->n, d = v->d, nk = v->z_n;
     if (nk > 0)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, nk, 1.0f, v->Z, nk, values, (int)stride, 0.0f,
-                    v->o_b, d);
+        kf_solve_sgemm(v->be, KF_NO_TRANS, KF_NO_TRANS, n, d, nk, 1.0f, v->Z, nk, values, stride, 0.0f, v->o_b, d);
     else
         memset(v->o_b, 0, sizeof(float) * (size_t)n * d);
     double e = 0;

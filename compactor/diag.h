@@ -15,6 +15,7 @@
 #include <stddef.h>
 
 #include "formats/error.h"
+#include "kernels/backend.h"
 
 typedef struct {
     const float *k;  /* [n, d] row stride */
@@ -58,6 +59,7 @@ void kf_diag_ref_free(kf_diag_ref *ref);
 typedef struct {
     int n, d;
     float scale;
+    const kf_backend *be; /* runs the math (kf_solve_backend: NULL = the CPU's) */
     const float *q;  /* [n, d] (not owned) */
     double *w;       /* [n] weights, summing to 1 */
     double *lse_a;   /* [n] appended block's log-sum-exp (-inf: none) */
@@ -74,13 +76,14 @@ typedef struct {
 
 /* q [n, d]; w [n] (NULL: uniform; normalised here); app[i] the appended block of row i (NULL:
  * none) of which visible[i] keys are seen. */
-kf_status kf_val_head_init(kf_val_head *v, const float *q, int n, int d, float scale, const double *w,
-                           const kf_kv_block *orig, const kf_kv_block *const *app, const int *visible, kf_error *err);
+kf_status kf_val_head_init(kf_val_head *v, const kf_backend *be, const float *q, int n, int d, float scale,
+                           const double *w, const kf_kv_block *orig, const kf_kv_block *const *app, const int *visible,
+                           kf_error *err);
 /* kf_val_head_init with the original block's attention given instead of computed: AM's targets
  * of these rows (m [n], y [n], Y [n, d]: lse = m + ln y, output Y), which the solve has already. */
-kf_status kf_val_head_init_targets(kf_val_head *v, const float *q, int n, int d, float scale, const double *w,
-                                   const float *m, const float *y, const float *Y, const kf_kv_block *const *app,
-                                   const int *visible, kf_error *err);
+kf_status kf_val_head_init_targets(kf_val_head *v, const kf_backend *be, const float *q, int n, int d, float scale,
+                                   const double *w, const float *m, const float *y, const float *Y,
+                                   const kf_kv_block *const *app, const int *visible, kf_error *err);
 /* Weighted mean relative output error of a compacted block (n keys; beta may be NULL); NAN when
  * out of memory. */
 double kf_val_err(kf_val_head *v, const kf_kv_block *comp);

@@ -1,11 +1,9 @@
 #include "compactor/fold.h"
 
-#include <cblas.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/cpu/linalg.h"
 
 #define ROW_TILE 1024
 
@@ -15,9 +13,9 @@ void kf_fold_cov_free(kf_fold_cov *c) {
     memset(c, 0, sizeof *c);
 }
 
-kf_status kf_fold_cov_compute(const float *q, int R, int d, kf_fold_cov *c, kf_error *err) {
+kf_status kf_fold_cov_compute(const kf_backend *be, const float *q, int R, int d, kf_fold_cov *c, kf_error *err) {
     memset(c, 0, sizeof *c);
-    c->R = R, c->d = d;
+    c->R = R, c->d = d, c->be = be;
     if (R <= 0)
         return KF_OK;
     c->mu = calloc((size_t)d, sizeof(double));
@@ -40,7 +38,7 @@ kf_status kf_fold_cov_compute(const float *q, int R, int d, kf_fold_cov *c, kf_e
         for (int i = 0; i < n; i++)
             for (int k = 0; k < d; k++)
                 tile[(size_t)i * d + k] = q[(size_t)(i0 + i) * d + k] - mu[k];
-        cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, d, n, 1.0 / R, tile, d, 1.0, S, d);
+        kf_solve_dsyrk(be, KF_TRANS, d, n, 1.0 / R, tile, d, 1.0, S, d);
     }
     for (int r = 0; r < d; r++) /* mirror the upper triangle */
         for (int k = 0; k < r; k++)
@@ -65,7 +63,7 @@ kf_status kf_fold_direction_cov(const kf_fold_cov *c, double lambda_rel, float *
         tr += S[(size_t)k * d + k];
     const double lambda = lambda_rel * tr / d + 1e-12;
     double mta = 0;
-    if (kf_spd_solve(S, d, lambda, mu, a) == 0)
+    if (kf_solve_spd(c->be, S, d, lambda, mu, a) == 0)
         for (int k = 0; k < d; k++)
             mta += mu[k] * a[k];
     info->mu_dot_a = mta;
@@ -89,12 +87,12 @@ kf_status kf_fold_direction_cov(const kf_fold_cov *c, double lambda_rel, float *
     return KF_OK;
 }
 
-kf_status kf_fold_direction(const float *q, int R, int d, double lambda_rel, float *u, kf_fold_info *info,
-                            kf_error *err) {
+kf_status kf_fold_direction(const kf_backend *be, const float *q, int R, int d, double lambda_rel, float *u,
+                            kf_fold_info *info, kf_error *err) {
     kf_fold_cov c;
     memset(info, 0, sizeof *info);
     memset(u, 0, sizeof(float) * d);
-    KF_TRY(kf_fold_cov_compute(q, R, d, &c, err));
+    KF_TRY(kf_fold_cov_compute(be, q, R, d, &c, err));
     const kf_status rc = kf_fold_direction_cov(&c, lambda_rel, u, info, err);
     kf_fold_cov_free(&c);
     return rc;

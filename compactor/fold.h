@@ -12,6 +12,7 @@
 #define KF_FOLD_H
 
 #include "formats/error.h"
+#include "kernels/backend.h"
 
 typedef struct {
     double mu_dot_a;  /* mu^T a before normalisation (<= 0: no fold) */
@@ -20,9 +21,9 @@ typedef struct {
     int ok;           /* 1 when u was fitted */
 } kf_fold_info;
 
-/* u[d] from the rows of q [R, d]. */
-kf_status kf_fold_direction(const float *q, int R, int d, double lambda_rel, float *u, kf_fold_info *info,
-                            kf_error *err);
+/* u[d] from the rows of q [R, d]; be runs the math (kf_solve_backend: NULL = the CPU's). */
+kf_status kf_fold_direction(const kf_backend *be, const float *q, int R, int d, double lambda_rel, float *u,
+                            kf_fold_info *info, kf_error *err);
 
 /* The queries' mean and covariance, computed once for several lambdas (the per-head choice's
  * grid): kf_fold_direction(q, ...) == kf_fold_cov_compute(q, ...) then kf_fold_direction_cov. */
@@ -30,9 +31,10 @@ typedef struct {
     double *mu; /* [d] */
     double *S;  /* [d, d] Sigma, full */
     int R, d;
+    const kf_backend *be; /* kf_fold_cov_compute's: kf_fold_direction_cov's solve runs on it */
 } kf_fold_cov;
 
-kf_status kf_fold_cov_compute(const float *q, int R, int d, kf_fold_cov *out, kf_error *err);
+kf_status kf_fold_cov_compute(const kf_backend *be, const float *q, int R, int d, kf_fold_cov *out, kf_error *err);
 kf_status kf_fold_direction_cov(const kf_fold_cov *c, double lambda_rel, float *u, kf_fold_info *info,
                                 kf_error *err);
 void kf_fold_cov_free(kf_fold_cov *c);

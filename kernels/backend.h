@@ -130,6 +130,51 @@ typedef struct {
 
 typedef struct kf_backend kf_backend;
 
+/* ---- The solve's operations (the compactor's per-head math: compactor/am.c, diag.c, fold.c) ----
+ *
+ * Memory: HOST memory on every backend (the solve's buffers are malloc'd; nothing here is
+ * uploaded). A backend sets these operations only when it can run them on host memory, and then
+ * all of them; the CPU backend does, the CUDA backend leaves them all NULL. Which backend runs
+ * them is decided in ONE place, kf_solve_backend() below: the model's backend when it has them,
+ * else the CPU's stateless solve ops (kf_backend_cpu_solve()). A model loaded on CUDA therefore
+ * solves on the CPU, as before; a device implementation would set them and take host pointers.
+ *
+ * Threads: unlike the forward pass's operations, these are reentrant: parallel_for items call
+ * them concurrently (no shared scratch, no state). Inside a CPU parallel_for the BLAS underneath
+ * runs on one thread per item (parallel_for's contract); outside it on OpenBLAS's threads.
+ *
+ * Layout: row-major, fp32 or fp64 as named (s..., d...), strides in elements (ld >= the row's
+ * width). The BLAS-shaped ones mean what their BLAS namesakes mean in row-major order (CBLAS);
+ * the CPU backend makes exactly that BLAS call, so that results are those of a direct call, bit
+ * for bit. Status: the operations that can fail return an int (0 = success) and never print. */
+typedef enum { KF_NO_TRANS = 0, KF_TRANS = 1 } kf_trans;
+
+/* kf_backend.lstsq's return values (which path the solve took, so callers count fallbacks). */
+typedef enum {
+    KF_LSTSQ_QR = 0,     /* Householder QR (LAPACK gels): the normal path */
+    KF_LSTSQ_RIDGE = 1,  /* QR failed, or gave non-finite or absurd (|x| > 1e4 max|b|) values:
+                            fp64 normal equations + tiny ridge */
+    KF_LSTSQ_FAILED = 2, /* even the ridge solve failed (X is left zero) */
+} kf_lstsq_path;
+
+/* Row softmax over rows of x [rows, n] (row stride ldx), fp32, in place. Row i:
+ *   x_ij += bias[j] for j < n (fp32 add; bias NULL: none), then over its first len_i entries
+ *   (len_i = len ? len[i] : n, 1 <= len_i <= n) x_ij = exp(x_ij - max_i) / sum_i with
+ *   max_i = max_j x_ij and sum_i = sum_j exp(x_ij - max_i) (the exponentials rounded to fp32, summed
+ *   in fp64 in index order); entries len_i .. n-1 are set to 0 (a causal cut). -inf gets weight 0.
+ * Optional outputs per row (NULL: not written): max_out[i] = max_i (fp32), sum_out[i] = sum_i,
+ * lse_out[i] = max_i + log(sum_i) (the row's log-sum-exp over its len_i entries, fp64). */
+typedef struct {
+    float *x;          /* [rows, ldx] */
+    size_t ldx;
+    int rows, n;
+    const float *bias; /* [n] or NULL */
+    const int *len;    /* [rows] or NULL */
+    float *max_out;    /* [rows] or NULL */
+    double *sum_out;   /* [rows] or NULL */
+    double *lse_out;   /* [rows] or NULL */
+} kf_softmax_rows_args;
+
 /* One item of a parallel_for: thread in [0, kf_backend_threads(b)) names the per-thread scratch
  * the item may use (0 is the calling thread). */
 typedef void (*kf_parallel_fn)(void *ctx, int item, int thread);
@@ -179,7 +224,8 @@ struct kf_backend {
      *     own output slots), so the results cannot depend on the order or the thread count; what
      *     must be summed in order the caller merges after the job, in item order;
      *   - jobs never overlap: one thread of control calls parallel_for at a time, and an item
-     *     calls neither parallel_for nor any other operation of this backend;
+     *     calls neither parallel_for nor any other operation of this backend except the solve's
+     *     operations (reentrant, host memory);
      *   - the CPU backend runs the items on its pool with OpenBLAS held to one thread for the
      *     duration (restored after), so that the items' own BLAS calls run side by side instead
      *     of queueing for OpenBLAS's threads; it does so for any pool size, so that every BLAS
@@ -187,6 +233,47 @@ struct kf_backend {
      * NULL (CUDA, tests' stubs): kf_backend_parallel_for runs the items inline, in order. */
     void (*parallel_for)(kf_backend *b, int n_items, kf_parallel_fn fn, void *ctx);
     int threads; /* parallel_for's threads (0: one) */
+
+    /* ---- the solve's operations (see "The solve's operations" above; NULL on CUDA) ---- */
+    /* C[M, N] = alpha op(A) op(B) + beta C (cblas_sgemm): op(A) [M, K] is A [M, K] (NO_TRANS, row
+     * stride lda >= K) or the transpose of A [K, M] (TRANS, lda >= M); op(B) [K, N] likewise from
+     * B [K, N] or B [N, K]; C [M, N] row stride ldc >= N. beta = 0: C's contents are not read. */
+    void (*sgemm)(const kf_backend *b, kf_trans ta, kf_trans tb, int M, int N, int K, float alpha, const float *A,
+                  size_t lda, const float *B, size_t ldb, float beta, float *C, size_t ldc);
+    /* the same in fp64 (cblas_dgemm) */
+    void (*dgemm)(const kf_backend *b, kf_trans ta, kf_trans tb, int M, int N, int K, double alpha, const double *A,
+                  size_t lda, const double *B, size_t ldb, double beta, double *C, size_t ldc);
+    /* y = alpha op(A) x + beta y (cblas_dgemv, contiguous x and y): A [rows, cols] row stride lda;
+     * op(A) = A (x [cols], y [rows]) or A^T (x [rows], y [cols]). beta = 0: y is not read. */
+    void (*dgemv)(const kf_backend *b, kf_trans ta, int rows, int cols, double alpha, const double *A, size_t lda,
+                  const double *x, double beta, double *y);
+    /* Gram accumulation, fp64 (cblas_dsyrk, upper): C[N, N] = alpha op(A) + beta C on the upper
+     * triangle (j >= i) only; the strict lower triangle is neither read nor written. TRANS:
+     * op(A) = A^T A for A [K, N] (lda >= N); NO_TRANS: A A^T for A [N, K] (lda >= K). ldc >= N. */
+    void (*dsyrk)(const kf_backend *b, kf_trans ta, int N, int K, double alpha, const double *A, size_t lda,
+                  double beta, double *C, size_t ldc);
+    /* y[n] = alpha S x + beta y for a symmetric S [n, n] (row stride lds) of which only the upper
+     * triangle is read (cblas_dsymv, upper); x, y contiguous. beta = 0: y is not read. */
+    void (*dsymv)(const kf_backend *b, int n, double alpha, const double *S, size_t lds, const double *x, double beta,
+                  double *y);
+    /* Cholesky factorization in place of a symmetric positive-definite A [n, n] (row stride lda),
+     * given whole (both triangles: which one is read is the backend's choice). Afterwards A holds
+     * the factor in a layout only dpotrs reads. Returns 0, or nonzero (A's contents then
+     * unspecified) when A is not positive definite or holds a NaN. */
+    int (*dpotrf)(const kf_backend *b, double *A, size_t lda, int n);
+    /* X = A^-1 B in place for B [n, nrhs] (row stride ldb >= nrhs) from dpotrf's factor F of A.
+     * Returns 0, or nonzero when the backend refused (a NaN in F or B where it checks for them). */
+    int (*dpotrs)(const kf_backend *b, const double *F, size_t ldf, int n, double *B, size_t ldb, int nrhs);
+    /* X [n, nrhs] = argmin ||A X - B||_F for A [m, n], B [m, nrhs] (contiguous, not modified), fp32:
+     * Householder QR; when QR fails, or gives non-finite values or |X| > 1e4 max|B| (QR does not
+     * reveal rank), fp64 normal equations (A^T A + delta I) X = A^T B with delta = 1e-6 tr / n
+     * (their dual when m < n). Returns a kf_lstsq_path, or -1 when out of memory. */
+    int (*lstsq)(const kf_backend *b, const float *A, int m, int n, const float *B, int nrhs, float *X);
+    /* kf_softmax_rows_args above */
+    void (*softmax_rows)(const kf_backend *b, const kf_softmax_rows_args *a);
+    /* x_ij = exp(x_ij - shift[i]) for x [rows, n] (row stride ldx), fp32, unnormalised: the
+     * exponentials of AM's mass matching, shifted by each row's own max over the whole block. */
+    void (*exp_rows)(const kf_backend *b, float *x, size_t ldx, int rows, int n, const float *shift);
 
     /* Nonzero when an operation failed since the last call (e.g. scratch memory could not be
      * had); clears the flag. Operations themselves return nothing so that a device backend
@@ -209,6 +296,72 @@ static inline void kf_backend_parallel_for(kf_backend *b, int n_items, kf_parall
     for (int i = 0; i < n_items; i++)
         fn(ctx, i, 0);
 }
+
+/* The CPU's solve operations alone (every other member NULL): stateless, on host memory, usable
+ * from any thread; the CPU backend's own solve operations are these. */
+const kf_backend *kf_backend_cpu_solve(void);
+
+/* THE rule for which backend runs the solve: b when it implements the solve's operations, else
+ * (b NULL, the CUDA backend, tests' stubs) the CPU's. */
+static inline const kf_backend *kf_solve_backend(const kf_backend *b) {
+    return b && b->sgemm ? b : kf_backend_cpu_solve();
+}
+
+/* The solve's operations through kf_solve_backend(be): what the compactor calls. */
+static inline void kf_solve_sgemm(const kf_backend *be, kf_trans ta, kf_trans tb, int M, int N, int K, float alpha,
+                                  const float *A, size_t lda, const float *B, size_t ldb, float beta, float *C,
+                                  size_t ldc) {
+    be = kf_solve_backend(be);
+    be->sgemm(be, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+static inline void kf_solve_dgemm(const kf_backend *be, kf_trans ta, kf_trans tb, int M, int N, int K, double alpha,
+                                  const double *A, size_t lda, const double *B, size_t ldb, double beta, double *C,
+                                  size_t ldc) {
+    be = kf_solve_backend(be);
+    be->dgemm(be, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+static inline void kf_solve_dgemv(const kf_backend *be, kf_trans ta, int rows, int cols, double alpha,
+                                  const double *A, size_t lda, const double *x, double beta, double *y) {
+    be = kf_solve_backend(be);
+    be->dgemv(be, ta, rows, cols, alpha, A, lda, x, beta, y);
+}
+static inline void kf_solve_dsyrk(const kf_backend *be, kf_trans ta, int N, int K, double alpha, const double *A,
+                                  size_t lda, double beta, double *C, size_t ldc) {
+    be = kf_solve_backend(be);
+    be->dsyrk(be, ta, N, K, alpha, A, lda, beta, C, ldc);
+}
+static inline void kf_solve_dsymv(const kf_backend *be, int n, double alpha, const double *S, size_t lds,
+                                  const double *x, double beta, double *y) {
+    be = kf_solve_backend(be);
+    be->dsymv(be, n, alpha, S, lds, x, beta, y);
+}
+static inline int kf_solve_dpotrf(const kf_backend *be, double *A, size_t lda, int n) {
+    be = kf_solve_backend(be);
+    return be->dpotrf(be, A, lda, n);
+}
+static inline int kf_solve_dpotrs(const kf_backend *be, const double *F, size_t ldf, int n, double *B, size_t ldb,
+                                  int nrhs) {
+    be = kf_solve_backend(be);
+    return be->dpotrs(be, F, ldf, n, B, ldb, nrhs);
+}
+static inline int kf_solve_lstsq(const kf_backend *be, const float *A, int m, int n, const float *B, int nrhs,
+                                 float *X) {
+    be = kf_solve_backend(be);
+    return be->lstsq(be, A, m, n, B, nrhs, X);
+}
+static inline void kf_solve_softmax_rows(const kf_backend *be, const kf_softmax_rows_args *a) {
+    be = kf_solve_backend(be);
+    be->softmax_rows(be, a);
+}
+static inline void kf_solve_exp_rows(const kf_backend *be, float *x, size_t ldx, int rows, int n,
+                                     const float *shift) {
+    be = kf_solve_backend(be);
+    be->exp_rows(be, x, ldx, rows, n, shift);
+}
+/* x = (S + lambda I)^-1 rhs for a symmetric positive semi-definite S [d, d] (fp64, whole, row
+ * stride d, not modified) by dpotrf + dpotrs on a copy. Returns 0, 1 when the factorization or
+ * the solve failed, -1 when out of memory. (kernels/solve.c) */
+int kf_solve_spd(const kf_backend *be, const double *S, int d, double lambda, const double *rhs, double *x);
 
 /* The CPU backend (OpenBLAS GEMMs; row kernels and attention on a pthread pool of as many
  * threads as OpenBLAS has). Returns NULL when out of memory. */

@@ -119,7 +119,7 @@ static void free_synth(synth *s) {
 }
 
 static kf_am_head head_of(const synth *s) {
-    return (kf_am_head){s->K, (size_t)s->d, s->V, (size_t)s->d, s->T, s->Q, s->R, s->d, 1.0f / sqrtf((float)s->d)};
+    return (kf_am_head){s->K, (size_t)s->d, s->V, (size_t)s->d, s->T, s->Q, s->R, s->d, 1.0f / sqrtf((float)s->d), NULL};
 }
 
 static void test_targets_partition_function(void) {
@@ -229,7 +229,7 @@ static void test_values_recover_v(void) {
     kf_error err = {0};
     CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
     float *vals = malloc(sizeof(float) * 20 * 8);
-    CU_ASSERT_EQUAL(kf_am_fit_values(s.Q, s.R, s.d, h.scale, s.K, s.d, NULL, 20, tg.Y, vals, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_am_fit_values(NULL, s.Q, s.R, s.d, h.scale, s.K, s.d, NULL, 20, tg.Y, vals, NULL, &err), KF_OK);
     CU_ASSERT(kf_max_abs_diff(vals, s.V, 20 * 8) < 1e-3);
     free(vals);
     kf_am_targets_free(&tg);
@@ -241,7 +241,7 @@ static void test_fold_identities(void) {
     float u[16];
     kf_fold_info fi;
     kf_error err = {0};
-    CU_ASSERT_EQUAL_FATAL(kf_fold_direction(s.Q, s.R, s.d, 1e-2, u, &fi, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_fold_direction(NULL, s.Q, s.R, s.d, 1e-2, u, &fi, &err), KF_OK);
     CU_ASSERT_FATAL(fi.ok);
     double mu[16] = {0}, mtu = 0, mean_gain = 0;
     for (int i = 0; i < s.R; i++)
@@ -277,7 +277,7 @@ static void test_fold_identities(void) {
     for (int i = 0; i < 4; i++)
         for (int c = 0; c < 16; c++)
             zq[i * 16 + c] = (i % 2 ? -1.0f : 1.0f) * (c + 1);
-    CU_ASSERT_EQUAL(kf_fold_direction(zq, 4, 16, 1e-2, u, &fi, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_fold_direction(NULL, zq, 4, 16, 1e-2, u, &fi, &err), KF_OK);
     CU_ASSERT_FALSE(fi.ok);
     free_synth(&s);
 }
@@ -301,11 +301,11 @@ static void test_synthetic_ordering(void) {
     for (int j = 0; j < t; j++)
         memcpy(ks + j * d, s.K + sel[j] * d, sizeof(float) * d);
     kf_fold_info fi;
-    CU_ASSERT_EQUAL(kf_fold_direction(s.Q, s.R, d, 1e-2, u, &fi, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_fold_direction(NULL, s.Q, s.R, d, 1e-2, u, &fi, &err), KF_OK);
     kf_fold_keys(ks, d, beta, t, d, h.scale, u, kfold, d);
-    CU_ASSERT_EQUAL(kf_am_fit_values(s.Q, s.R, d, h.scale, ks, d, beta, t, tg.Y, v_am, NULL, &err), KF_OK);
-    CU_ASSERT_EQUAL(kf_am_fit_values(s.Q, s.R, d, h.scale, ks, d, NULL, t, tg.Y, v_drop, NULL, &err), KF_OK);
-    CU_ASSERT_EQUAL(kf_am_fit_values(s.Q, s.R, d, h.scale, kfold, d, NULL, t, tg.Y, v_fold, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_am_fit_values(NULL, s.Q, s.R, d, h.scale, ks, d, beta, t, tg.Y, v_am, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_am_fit_values(NULL, s.Q, s.R, d, h.scale, ks, d, NULL, t, tg.Y, v_drop, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_am_fit_values(NULL, s.Q, s.R, d, h.scale, kfold, d, NULL, t, tg.Y, v_fold, NULL, &err), KF_OK);
     float app_k[60 * 16], app_v[60 * 16];
     kf_test_fill_uniform(app_k, 60 * 16, 83, -1.5f, 1.5f);
     kf_test_fill_uniform(app_v, 60 * 16, 84, -1, 1);
@@ -400,7 +400,7 @@ static void check_tikhonov(int R, double alpha, int towards_orig) {
     }
     gauss_solve(G, t, B, d);
     kf_error err = {0};
-    CU_ASSERT_EQUAL(kf_am_fit_values_ridge(Q, R, d, scale, K, d, beta, t, Y, alpha, towards_orig ? V0 : NULL, d, C,
+    CU_ASSERT_EQUAL(kf_am_fit_values_ridge(NULL, Q, R, d, scale, K, d, beta, t, Y, alpha, towards_orig ? V0 : NULL, d, C,
                                            NULL, &err),
                     KF_OK);
     double worst = 0, moved = 0;
@@ -519,7 +519,7 @@ static void test_beta_restart_counted(void) {
     const int R = 40, d = 4;
     float K[3 * 4] = {1.0f, 0.2f, 0.0f, 0.1f, 0.9f, 0.35f, 0.05f, 0.0f, -1, 0, 1, 0}, Q[40 * 4];
     kf_test_fill_uniform(Q, R * d, 421, -1, 1);
-    kf_am_head h = {K, 4, K, 4, 3, Q, R, d, 1.0f};
+    kf_am_head h = {K, 4, K, 4, 3, Q, R, d, 1.0f, NULL};
     kf_am_targets tg;
     kf_error err = {0};
     CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
@@ -576,7 +576,7 @@ static kf_head_pick planted_choice(int dup, float val_sign, kf_ridge_target to, 
     for (int i = 0; i < Rv; i++)
         for (int c = 0; c < d; c++)
             Qv[i * d + c] += val_sign * mu[c];
-    kf_am_head h = {K, d, V, d, T, Qtr, Rtr, d, 1.0f};
+    kf_am_head h = {K, d, V, d, T, Qtr, Rtr, d, 1.0f, NULL};
     kf_am_targets tg;
     kf_error err = {0};
     kf_head_pick pick = {KF_METHOD_KEEP, 0, 0, NAN};
@@ -589,7 +589,7 @@ static kf_head_pick planted_choice(int dup, float val_sign, kf_ridge_target to, 
     for (int i = 0; i < Rv; i++)
         apps[i] = &app;
     kf_val_head vh;
-    CU_ASSERT_EQUAL_FATAL(kf_val_head_init(&vh, Qv, Rv, d, 1.0f, NULL, &orig, apps, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_val_head_init(&vh, NULL, Qv, Rv, d, 1.0f, NULL, &orig, apps, NULL, &err), KF_OK);
     kf_compact_params p = kf_compact_params_default();
     p.method = KF_METHOD_FOLD;
     p.ridge_to = to;

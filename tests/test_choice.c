@@ -96,7 +96,7 @@ static void test_val_head_appended(void) {
     const float scale = 0.35f;
     kf_val_head vh;
     kf_error err = {0};
-    CU_ASSERT_EQUAL_FATAL(kf_val_head_init(&vh, c->Q, NV, D, scale, c->w, &c->orig, c->app, c->vis, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_val_head_init(&vh, NULL, c->Q, NV, D, scale, c->w, &c->orig, c->app, c->vis, &err), KF_OK);
     double oa[D], ob[D], of[D], worst_o = 0, worst_l = 0, worst_f = 0;
     int lse_inf_ok = 1;
     for (int i = 0; i < NV; i++) {
@@ -120,11 +120,11 @@ static void test_val_head_appended(void) {
         ws += vh.w[i];
     CU_ASSERT(fabs(ws - 1) < 1e-12);
     /* the same head from AM's targets of these rows instead of the original block's attention */
-    kf_am_head h = {c->K, D, c->V, D, T, c->Q, NV, D, scale};
+    kf_am_head h = {c->K, D, c->V, D, T, c->Q, NV, D, scale, NULL};
     kf_am_targets tg;
     kf_val_head vt;
     CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
-    CU_ASSERT_EQUAL_FATAL(kf_val_head_init_targets(&vt, c->Q, NV, D, scale, c->w, tg.m, tg.y, tg.Y, c->app, c->vis, &err),
+    CU_ASSERT_EQUAL_FATAL(kf_val_head_init_targets(&vt, NULL, c->Q, NV, D, scale, c->w, tg.m, tg.y, tg.Y, c->app, c->vis, &err),
                           KF_OK);
     double worst_t = 0;
     for (size_t k = 0; k < (size_t)NV * D; k++)
@@ -166,7 +166,7 @@ static void test_val_err_reference(void) {
     kf_test_fill_uniform(v2, t * 4 * D, 1433, -1, 1);
     kf_val_head vh;
     kf_error err = {0};
-    CU_ASSERT_EQUAL_FATAL(kf_val_head_init(&vh, c->Q, NV, D, scale, c->w, &c->orig, c->app, c->vis, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_val_head_init(&vh, NULL, c->Q, NV, D, scale, c->w, &c->orig, c->app, c->vis, &err), KF_OK);
     /* keys: every fourth original key; two value sets on the same keys and bias */
     const kf_kv_block c1 = {c->K, v1, 4 * D, beta, t}, c2 = {c->K, v2, 4 * D, beta, t};
     const double r1 = ref_val_err(c, scale, &c1), r2 = ref_val_err(c, scale, &c2);
@@ -233,7 +233,7 @@ static void test_normal_equations_add(void) {
     for (int i = 0; i < NR; i++)
         Q[i * ND] += 1.0f; /* a common direction: a peaked, uneven attention */
     const float scale = 0.6f;
-    kf_am_head h = {K, ND, V, ND, NT, Q, NR, ND, scale};
+    kf_am_head h = {K, ND, V, ND, NT, Q, NR, ND, scale, NULL};
     kf_am_targets tg;
     kf_error err = {0};
     CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
@@ -250,8 +250,8 @@ static void test_normal_equations_add(void) {
     CU_ASSERT_EQUAL_FATAL(kf_beta_normal_build(&htr, &tg, kc, NK, &bn, &err), KF_OK);
     CU_ASSERT_EQUAL_FATAL(kf_beta_normal_build(&hv, &tv, kc, NK, &part, &err), KF_OK);
     kf_beta_normal_add(&bn, &part);
-    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(Q, NTR, ND, scale, kc, ND, NULL, NK, tg.Y, &gm, &err), KF_OK);
-    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(hv.q, hv.R, ND, scale, kc, ND, NULL, NK, tv.Y, &gpart, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(NULL, Q, NTR, ND, scale, kc, ND, NULL, NK, tg.Y, &gm, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(NULL, hv.q, hv.R, ND, scale, kc, ND, NULL, NK, tv.Y, &gpart, &err), KF_OK);
     kf_value_gram_add(&gm, &gpart);
     double GM[NK * NK], bM[NK], yy, GX[NK * NK], BX[NK * ND], tr = 0;
     ref_normal(Q, &tg, 0, NR, kc, scale, GM, bM, &yy, GX, BX);
@@ -267,7 +267,7 @@ static void test_normal_equations_add(void) {
     CU_ASSERT_EQUAL(kf_am_fit_beta_normal(&bn, 7, KF_BETA_AM, beta_sum, NULL, &err), KF_OK);
     CU_ASSERT_EQUAL(kf_am_fit_beta(&h, &tg, sel, NK, 7, beta_all, NULL, &err), KF_OK);
     CU_ASSERT_EQUAL(kf_value_gram_solve(&gm, 1e-3, V, ND, v_sum, NULL, &err), KF_OK);
-    CU_ASSERT_EQUAL(kf_am_fit_values_ridge(Q, NR, ND, scale, kc, ND, NULL, NK, tg.Y, 1e-3, V, ND, v_all, NULL, &err),
+    CU_ASSERT_EQUAL(kf_am_fit_values_ridge(NULL, Q, NR, ND, scale, kc, ND, NULL, NK, tg.Y, 1e-3, V, ND, v_all, NULL, &err),
                     KF_OK);
     double db = 0, dv = 0, mb = 0;
     for (int j = 0; j < NK; j++)
@@ -284,7 +284,7 @@ static void test_normal_equations_add(void) {
     kf_value_gram g1, g2;
     CU_ASSERT_EQUAL_FATAL(kf_kept_normal_build(&h, &tg, kc, NK, &b1, &g1, &err), KF_OK);
     CU_ASSERT_EQUAL_FATAL(kf_beta_normal_build(&h, &tg, kc, NK, &b2, &err), KF_OK);
-    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(Q, NR, ND, scale, kc, ND, NULL, NK, tg.Y, &g2, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(NULL, Q, NR, ND, scale, kc, ND, NULL, NK, tg.Y, &g2, &err), KF_OK);
     const double e1 = rel_diff(b1.G, b2.G, NK * NK), e2 = rel_diff(b1.b, b2.b, NK);
     const double e3 = rel_diff(g1.G, g2.G, NK * NK), e4 = rel_diff(g1.B, g2.B, NK * ND);
     printf("    one pass vs two builds: %.1e %.1e %.1e %.1e, yy %.1e tr %.1e\n", e1, e2, e3, e4, b1.yy - b2.yy,

@@ -8,6 +8,7 @@
 
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/pool.h"
+#include "kernels/cpu/solve_ops.h"
 
 /* Row kernels run inline below this many elements: waking the workers costs more. */
 #define PAR_MIN_ELEMS 16384
@@ -214,6 +215,7 @@ kf_backend *kf_backend_cpu_create_threads(int threads) {
     b->attention = cpu_attention;
     b->quoka_select = cpu_quoka_select;
     b->sparse_attention = cpu_sparse_attention;
+    kf_cpu_solve_ops_install(b);
     b->parallel_for = cpu_parallel_for;
     b->threads = kf_pool_threads(impl->pool);
     b->take_error = cpu_take_error;

@@ -104,22 +104,6 @@ int kf_lstsq(const float *A, int m, int n, const float *B, int nrhs, float *X) {
     return rc;
 }
 
-int kf_spd_solve(const double *S, int d, double lambda, const double *b, double *x) {
-    double *G = malloc(sizeof(double) * (size_t)d * d);
-    if (!G)
-        return -1;
-    memcpy(G, S, sizeof(double) * (size_t)d * d);
-    for (int i = 0; i < d; i++)
-        G[(size_t)i * d + i] += lambda;
-    memcpy(x, b, sizeof(double) * d);
-    int rc = (LAPACKE_dpotrf(LAPACK_ROW_MAJOR, 'U', d, G, d) != 0 ||
-              LAPACKE_dpotrs(LAPACK_ROW_MAJOR, 'U', d, 1, G, d, x, 1) != 0)
-                 ? 1
-                 : 0;
-    free(G);
-    return rc;
-}
-
 double kf_spectral_norm_sq(const float *A, int m, int n, int iters, uint64_t seed) {
     double *v = malloc(sizeof(double) * n), *w = malloc(sizeof(double) * m);
     if (!v || !w) {

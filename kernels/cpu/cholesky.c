@@ -1,0 +1,29 @@
+/* The solve's Cholesky operations on the CPU (kernels/backend.h: dpotrf, dpotrs).
+ *
+ * The matrix is symmetric and given whole, so its row-major storage is also its column-major
+ * storage: LAPACK factors it in place, column-major, as A = U^T U (U upper in column-major order),
+ * without the transposed copies LAPACKE makes for row-major input. */
+#include <cblas.h>
+#include <lapacke.h>
+
+#include "kernels/cpu/solve_ops.h"
+
+/* LAPACKE's high-level call: it scans the (column-major upper) triangle for NaN first. */
+int kf_cpu_dpotrf(const kf_backend *b, double *A, size_t lda, int n) {
+    (void)b;
+    return LAPACKE_dpotrf(LAPACK_COL_MAJOR, 'U', n, A, (lapack_int)lda) != 0;
+}
+
+/* One right-hand side (B [n, 1] contiguous is the same column in either layout): LAPACK's potrs,
+ * which also refuses NaN. Several: B [n, nrhs] row-major is B^T [nrhs, n] column-major, so
+ * X^T U^T U = B^T is two triangular solves from the right, in place. */
+int kf_cpu_dpotrs(const kf_backend *b, const double *F, size_t ldf, int n, double *B, size_t ldb, int nrhs) {
+    (void)b;
+    if (nrhs == 1 && ldb == 1)
+        return LAPACKE_dpotrs(LAPACK_COL_MAJOR, 'U', n, 1, F, (lapack_int)ldf, B, n > 1 ? n : 1) != 0;
+    cblas_dtrsm(CblasColMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit, nrhs, n, 1.0, F, (int)ldf, B,
+                (int)ldb);
+    cblas_dtrsm(CblasColMajor, CblasRight, CblasUpper, CblasTrans, CblasNonUnit, nrhs, n, 1.0, F, (int)ldf, B,
+                (int)ldb);
+    return 0;
+}
