@@ -1,0 +1,389 @@
+/* The solve's backend operations (kernels/backend.h) against naive fp64 references: transposes,
+ * strides, alpha/beta, the upper triangles, Cholesky failures, ragged softmax rows; the rule
+ * that picks the backend; the operations called concurrently from parallel_for items. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/backend.h"
+#include "test_util.h"
+
+static void fill_d(double *x, size_t n, uint64_t seed) {
+    float *f = malloc(sizeof(float) * n);
+    kf_test_fill_uniform(f, n, seed, -1.0f, 1.0f);
+    for (size_t i = 0; i < n; i++)
+        x[i] = f[i];
+    free(f);
+}
+
+/* element (i, j) of op(X) for X row-major with stride ld */
+static double at_f(const float *X, size_t ld, kf_trans t, int i, int j) {
+    return t == KF_TRANS ? X[(size_t)j * ld + i] : X[(size_t)i * ld + j];
+}
+static double at_d(const double *X, size_t ld, kf_trans t, int i, int j) {
+    return t == KF_TRANS ? X[(size_t)j * ld + i] : X[(size_t)i * ld + j];
+}
+
+/* sgemm and dgemm, every transpose pair, padded strides, alpha and beta; beta = 0 with NaN in C. */
+static void test_gemm(void) {
+    const kf_backend *be = kf_solve_backend(NULL);
+    enum { M = 5, N = 4, K = 7, LD = 11 };
+    float A[LD * LD], B[LD * LD], C[M * 6], C0[M * 6];
+    double Ad[LD * LD], Bd[LD * LD], Cd[M * 6], Cd0[M * 6];
+    kf_test_fill_uniform(A, LD * LD, 1, -1, 1);
+    kf_test_fill_uniform(B, LD * LD, 2, -1, 1);
+    kf_test_fill_uniform(C0, M * 6, 3, -1, 1);
+    fill_d(Ad, LD * LD, 4), fill_d(Bd, LD * LD, 5), fill_d(Cd0, M * 6, 6);
+    for (int c = 0; c < 4; c++) {
+        const kf_trans ta = c & 1 ? KF_TRANS : KF_NO_TRANS, tb = c & 2 ? KF_TRANS : KF_NO_TRANS;
+        for (int zero = 0; zero < 2; zero++) {
+            const float beta = zero ? 0.0f : 0.3f;
+            memcpy(C, C0, sizeof C), memcpy(Cd, Cd0, sizeof Cd);
+            if (zero)
+                for (int k = 0; k < M * 6; k++)
+                    C[k] = Cd[k] = NAN;
+            kf_solve_sgemm(be, ta, tb, M, N, K, 0.7f, A, 9, B, 10, beta, C, 6);
+            kf_solve_dgemm(be, ta, tb, M, N, K, 0.7, Ad, 9, Bd, 10, zero ? 0.0 : 0.3, Cd, 6);
+            double es = 0, ed = 0;
+            for (int i = 0; i < M; i++)
+                for (int j = 0; j < N; j++) {
+                    double rs = zero ? 0 : 0.3 * C0[i * 6 + j], rd = zero ? 0 : 0.3 * Cd0[i * 6 + j];
+                    for (int k = 0; k < K; k++) {
+                        rs += 0.7 * at_f(A, 9, ta, i, k) * at_f(B, 10, tb, k, j);
+                        rd += 0.7 * at_d(Ad, 9, ta, i, k) * at_d(Bd, 10, tb, k, j);
+                    }
+                    es = fmax(es, fabs(C[i * 6 + j] - rs)), ed = fmax(ed, fabs(Cd[i * 6 + j] - rd));
+                }
+            CU_ASSERT(es < 1e-5);
+            CU_ASSERT(ed < 1e-13);
+            for (int i = 0; i < M; i++) /* the padding column of C is left alone */
+                CU_ASSERT(zero ? isnan(Cd[i * 6 + 5]) : Cd[i * 6 + 5] == Cd0[i * 6 + 5]);
+        }
+    }
+}
+
+/* dgemv both ways with a padded stride; dsymv reads only the upper triangle. */
+static void test_gemv_symv(void) {
+    const kf_backend *be = kf_solve_backend(NULL);
+    enum { R = 6, C = 4, LD = 7 };
+    double A[R * LD], x[R], y[R], y0[R];
+    fill_d(A, R * LD, 7), fill_d(x, R, 8), fill_d(y0, R, 9);
+    for (int t = 0; t < 2; t++) {
+        const kf_trans ta = t ? KF_TRANS : KF_NO_TRANS;
+        const int ny = t ? C : R, nx = t ? R : C;
+        memcpy(y, y0, sizeof y);
+        kf_solve_dgemv(be, ta, R, C, 1.5, A, LD, x, -0.5, y);
+        double e = 0;
+        for (int i = 0; i < ny; i++) {
+            double r = -0.5 * y0[i];
+            for (int k = 0; k < nx; k++)
+                r += 1.5 * (t ? A[k * LD + i] : A[i * LD + k]) * x[k];
+            e = fmax(e, fabs(y[i] - r));
+        }
+        CU_ASSERT(e < 1e-13);
+    }
+    enum { n = 5 };
+    double S[n * 6], v[n], w[n];
+    fill_d(S, n * 6, 10), fill_d(v, n, 11);
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < i; j++)
+            S[i * 6 + j] = 1e300; /* the lower triangle must not be read */
+    for (int i = 0; i < n; i++)
+        w[i] = NAN; /* beta = 0: y not read */
+    kf_solve_dsymv(be, n, 2.0, S, 6, v, 0.0, w);
+    double e = 0;
+    for (int i = 0; i < n; i++) {
+        double r = 0;
+        for (int k = 0; k < n; k++)
+            r += 2.0 * (k >= i ? S[i * 6 + k] : S[k * 6 + i]) * v[k];
+        e = fmax(e, fabs(w[i] - r));
+    }
+    CU_ASSERT(e < 1e-13);
+}
+
+/* dsyrk: C = alpha op(A) + beta C on the upper triangle only, both ways, padded strides. */
+static void test_syrk(void) {
+    const kf_backend *be = kf_solve_backend(NULL);
+    enum { N = 5, K = 8, LD = 9, LC = 6 };
+    double A[K * LD], Cm[N * LC], C0[N * LC];
+    fill_d(A, K * LD, 12), fill_d(C0, N * LC, 13);
+    for (int t = 0; t < 2; t++) {
+        const kf_trans ta = t ? KF_TRANS : KF_NO_TRANS;
+        memcpy(Cm, C0, sizeof Cm);
+        kf_solve_dsyrk(be, ta, N, K, 0.25, A, LD, 2.0, Cm, LC);
+        double e = 0;
+        int lower_kept = 1;
+        for (int i = 0; i < N; i++)
+            for (int j = 0; j < LC; j++) {
+                if (j < i || j >= N) {
+                    lower_kept &= Cm[i * LC + j] == C0[i * LC + j];
+                    continue;
+                }
+                double r = 2.0 * C0[i * LC + j];
+                for (int k = 0; k < K; k++) /* TRANS: A [K, N]; NO_TRANS: A [N, K] */
+                    r += 0.25 * (t ? A[k * LD + i] * A[k * LD + j] : A[i * LD + k] * A[j * LD + k]);
+                e = fmax(e, fabs(Cm[i * LC + j] - r));
+            }
+        CU_ASSERT(e < 1e-13);
+        CU_ASSERT(lower_kept);
+    }
+}
+
+/* naive Gaussian elimination with partial pivoting: x = A^-1 b for one column (n <= 8) */
+static void naive_solve(const double *A, int n, const double *b, double *x) {
+    double M[8][9];
+    for (int i = 0; i < n; i++) {
+        for (int j = 0; j < n; j++)
+            M[i][j] = A[i * n + j];
+        M[i][n] = b[i];
+    }
+    for (int c = 0; c < n; c++) {
+        int p = c;
+        for (int r = c + 1; r < n; r++)
+            p = fabs(M[r][c]) > fabs(M[p][c]) ? r : p;
+        for (int j = 0; j <= n; j++) {
+            const double tmp = M[c][j];
+            M[c][j] = M[p][j], M[p][j] = tmp;
+        }
+        for (int r = c + 1; r < n; r++) {
+            const double f = M[r][c] / M[c][c];
+            for (int j = c; j <= n; j++)
+                M[r][j] -= f * M[c][j];
+        }
+    }
+    for (int i = n - 1; i >= 0; i--) {
+        double s = M[i][n];
+        for (int j = i + 1; j < n; j++)
+            s -= M[i][j] * x[j];
+        x[i] = s / M[i][i];
+    }
+}
+
+/* an SPD matrix A = G^T G + n I [n, n], whole */
+static void spd(double *A, int n, uint64_t seed) {
+    double G[64];
+    fill_d(G, (size_t)n * n, seed);
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < n; j++) {
+            double s = i == j ? n : 0;
+            for (int k = 0; k < n; k++)
+                s += G[k * n + i] * G[k * n + j];
+            A[i * n + j] = s;
+        }
+}
+
+/* dpotrf + dpotrs for one and for several right-hand sides (padded ldb), against elimination;
+ * kf_solve_spd; failures reported for an indefinite matrix and for NaN. */
+static void test_cholesky(void) {
+    const kf_backend *be = kf_solve_backend(NULL);
+    enum { n = 7, NR = 3, LB = 5 };
+    double A[n * n], F[n * n], b[n], x[n], ref[n], B[n * LB], col[n];
+    spd(A, n, 14);
+    fill_d(b, n, 15), fill_d(B, n * LB, 16);
+    memcpy(F, A, sizeof F);
+    CU_ASSERT_EQUAL_FATAL(kf_solve_dpotrf(be, F, n, n), 0);
+    memcpy(x, b, sizeof x);
+    CU_ASSERT_EQUAL(kf_solve_dpotrs(be, F, n, n, x, 1, 1), 0);
+    naive_solve(A, n, b, ref);
+    double e = 0;
+    for (int i = 0; i < n; i++)
+        e = fmax(e, fabs(x[i] - ref[i]));
+    CU_ASSERT(e < 1e-12);
+    double Bx[n * LB];
+    memcpy(Bx, B, sizeof Bx);
+    CU_ASSERT_EQUAL(kf_solve_dpotrs(be, F, n, n, Bx, LB, NR), 0);
+    e = 0;
+    for (int c = 0; c < NR; c++) {
+        for (int i = 0; i < n; i++)
+            col[i] = B[i * LB + c];
+        naive_solve(A, n, col, ref);
+        for (int i = 0; i < n; i++)
+            e = fmax(e, fabs(Bx[i * LB + c] - ref[i]));
+    }
+    CU_ASSERT(e < 1e-12);
+    for (int i = 0; i < n; i++) /* columns past nrhs untouched */
+        CU_ASSERT(Bx[i * LB + 3] == B[i * LB + 3] && Bx[i * LB + 4] == B[i * LB + 4]);
+    /* kf_solve_spd: (S + lambda I) x = b with S = A - 2 I, lambda = 2 */
+    double S[n * n];
+    memcpy(S, A, sizeof S);
+    for (int i = 0; i < n; i++)
+        S[i * n + i] -= 2.0;
+    CU_ASSERT_EQUAL(kf_solve_spd(be, S, n, 2.0, b, x), 0);
+    naive_solve(A, n, b, ref);
+    e = 0;
+    for (int i = 0; i < n; i++)
+        e = fmax(e, fabs(x[i] - ref[i]));
+    CU_ASSERT(e < 1e-12);
+    /* indefinite: eigenvalues 3 and -1 */
+    double I2[4] = {1, 2, 2, 1};
+    CU_ASSERT_NOT_EQUAL(kf_solve_dpotrf(be, I2, 2, 2), 0);
+    double I2b[4] = {1, 2, 2, 1}, r2[2] = {1, 1}, x2[2];
+    CU_ASSERT_EQUAL(kf_solve_spd(be, I2b, 2, 0.0, r2, x2), 1);
+    CU_ASSERT_EQUAL(kf_solve_spd(be, I2b, 2, 1.5, r2, x2), 0); /* shifted: eigenvalues 4.5, 0.5 */
+    CU_ASSERT(fabs(x2[0] - 1 / 4.5) < 1e-14 && fabs(x2[1] - 1 / 4.5) < 1e-14);
+    /* singular PSD (rank 1) and NaN */
+    double P[4] = {1, 1, 1, 1};
+    CU_ASSERT_NOT_EQUAL(kf_solve_dpotrf(be, P, 2, 2), 0);
+    memcpy(F, A, sizeof F);
+    F[1 * n + 3] = F[3 * n + 1] = NAN;
+    CU_ASSERT_NOT_EQUAL(kf_solve_dpotrf(be, F, n, n), 0);
+}
+
+/* lstsq: an overdetermined full-rank problem takes the QR path and matches the normal equations. */
+static void test_lstsq(void) {
+    const kf_backend *be = kf_solve_backend(NULL);
+    enum { m = 12, n = 4, r = 2 };
+    float A[m * n], B[m * r], X[n * r];
+    kf_test_fill_uniform(A, m * n, 17, -1, 1);
+    kf_test_fill_uniform(B, m * r, 18, -1, 1);
+    CU_ASSERT_EQUAL(kf_solve_lstsq(be, A, m, n, B, r, X), KF_LSTSQ_QR);
+    double G[n * n], g[n], x[n];
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < n; j++) {
+            G[i * n + j] = 0;
+            for (int k = 0; k < m; k++)
+                G[i * n + j] += (double)A[k * n + i] * A[k * n + j];
+        }
+    double e = 0;
+    for (int c = 0; c < r; c++) {
+        for (int i = 0; i < n; i++) {
+            g[i] = 0;
+            for (int k = 0; k < m; k++)
+                g[i] += (double)A[k * n + i] * B[k * r + c];
+        }
+        naive_solve(G, n, g, x);
+        for (int i = 0; i < n; i++)
+            e = fmax(e, fabs(X[i * r + c] - x[i]));
+    }
+    CU_ASSERT(e < 1e-4);
+}
+
+/* softmax_rows: bias, ragged lengths, max/sum/lse, padded rows; exp_rows. */
+static void test_rows(void) {
+    const kf_backend *be = kf_solve_backend(NULL);
+    enum { R = 3, N = 6, LD = 8 };
+    float x[R * LD], x0[R * LD], bias[N], mx[R];
+    double sum[R], lse[R];
+    const int len[R] = {6, 3, 1};
+    kf_test_fill_uniform(x0, R * LD, 19, -4, 4);
+    kf_test_fill_uniform(bias, N, 20, -1, 1);
+    x0[1 * LD + 1] = -INFINITY; /* gets weight 0 */
+    memcpy(x, x0, sizeof x);
+    kf_solve_softmax_rows(be, &(kf_softmax_rows_args){.x = x, .ldx = LD, .rows = R, .n = N, .bias = bias, .len = len,
+                                                      .max_out = mx, .sum_out = sum, .lse_out = lse});
+    double e = 0;
+    for (int i = 0; i < R; i++) {
+        double z[N], m = -INFINITY, s = 0;
+        for (int j = 0; j < len[i]; j++)
+            m = fmax(m, z[j] = (double)x0[i * LD + j] + bias[j]);
+        for (int j = 0; j < len[i]; j++)
+            s += exp(z[j] - m);
+        CU_ASSERT(fabs(mx[i] - m) < 1e-6);
+        CU_ASSERT(fabs(sum[i] - s) < 1e-6 * s);
+        CU_ASSERT(fabs(lse[i] - (m + log(s))) < 1e-6);
+        for (int j = 0; j < len[i]; j++)
+            e = fmax(e, fabs(x[i * LD + j] - exp(z[j] - m) / s));
+        for (int j = len[i]; j < N; j++)
+            CU_ASSERT(x[i * LD + j] == 0.0f);
+        CU_ASSERT(x[i * LD + 6] == x0[i * LD + 6] && x[i * LD + 7] == x0[i * LD + 7]);
+    }
+    CU_ASSERT(e < 1e-6);
+    CU_ASSERT(x[1 * LD + 1] == 0.0f);
+    /* exp_rows */
+    const float shift[R] = {0.5f, -1.0f, 3.0f};
+    memcpy(x, x0, sizeof x);
+    kf_solve_exp_rows(be, x, LD, R, N, shift);
+    e = 0;
+    for (int i = 0; i < R; i++) {
+        for (int j = 0; j < N; j++) {
+            const double ref = exp((double)x0[i * LD + j] - shift[i]);
+            e = fmax(e, fabs(x[i * LD + j] - ref) / (ref > 1e-30 ? ref : 1));
+        }
+        CU_ASSERT(x[i * LD + 6] == x0[i * LD + 6]);
+    }
+    CU_ASSERT(e < 1e-6);
+}
+
+/* The rule: the CPU backend runs its own; NULL and a backend without the ops get the CPU's. */
+static void test_rule(void) {
+    const kf_backend *cs = kf_backend_cpu_solve();
+    CU_ASSERT_PTR_NOT_NULL_FATAL(cs);
+    CU_ASSERT_PTR_EQUAL(kf_solve_backend(NULL), cs);
+    kf_backend stub = {0}; /* the CUDA backend sets none of them */
+    CU_ASSERT_PTR_EQUAL(kf_solve_backend(&stub), cs);
+    CU_ASSERT(cs->matmul == NULL && cs->attention == NULL && cs->parallel_for == NULL);
+    kf_backend *cpu = kf_backend_cpu_create_threads(1);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(cpu);
+    CU_ASSERT_PTR_EQUAL(kf_solve_backend(cpu), cpu);
+    CU_ASSERT(cpu->sgemm == cs->sgemm && cpu->dgemm == cs->dgemm && cpu->dgemv == cs->dgemv &&
+              cpu->dsyrk == cs->dsyrk && cpu->dsymv == cs->dsymv && cpu->dpotrf == cs->dpotrf &&
+              cpu->dpotrs == cs->dpotrs && cpu->lstsq == cs->lstsq && cpu->softmax_rows == cs->softmax_rows &&
+              cpu->exp_rows == cs->exp_rows);
+    cpu->destroy(cpu);
+}
+
+/* Reentrant: items of a 3-thread parallel_for calling the operations give the bytes of a
+ * sequential run. Each item: a Gram of its own rows, its Cholesky solve, a softmax of a GEMM. */
+enum { ITEMS = 8, IR = 40, ID = 16 };
+typedef struct {
+    const kf_backend *be;
+    float q[ITEMS][IR * ID], z[ITEMS][IR * IR];
+    double g[ITEMS][ID * ID], x[ITEMS][ID];
+    int rc[ITEMS];
+} reent;
+
+static void reent_item(void *ctx, int i, int thread) {
+    (void)thread;
+    reent *r = ctx;
+    double qd[IR * ID], rhs[ID];
+    for (int k = 0; k < IR * ID; k++)
+        qd[k] = r->q[i][k];
+    for (int k = 0; k < ID; k++)
+        rhs[k] = 1.0 + k;
+    memset(r->g[i], 0, sizeof r->g[i]);
+    kf_solve_dsyrk(r->be, KF_TRANS, ID, IR, 1.0, qd, ID, 0.0, r->g[i], ID);
+    for (int a = 0; a < ID; a++)
+        for (int c = 0; c < a; c++)
+            r->g[i][a * ID + c] = r->g[i][c * ID + a];
+    r->rc[i] = kf_solve_spd(r->be, r->g[i], ID, 1e-3, rhs, r->x[i]);
+    kf_solve_sgemm(r->be, KF_NO_TRANS, KF_TRANS, IR, IR, ID, 0.25f, r->q[i], ID, r->q[i], ID, 0.0f, r->z[i], IR);
+    kf_solve_softmax_rows(r->be, &(kf_softmax_rows_args){.x = r->z[i], .ldx = IR, .rows = IR, .n = IR});
+}
+
+static void test_reentrant(void) {
+    reent *seq = calloc(1, sizeof *seq), *par = calloc(1, sizeof *par);
+    kf_backend *cpu = kf_backend_cpu_create_threads(3);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(seq && par && cpu);
+    for (int i = 0; i < ITEMS; i++)
+        kf_test_fill_uniform(seq->q[i], IR * ID, 30 + (uint64_t)i, -1, 1);
+    memcpy(par->q, seq->q, sizeof seq->q);
+    seq->be = NULL, par->be = cpu;
+    for (int i = 0; i < ITEMS; i++)
+        reent_item(seq, i, 0);
+    kf_backend_parallel_for(cpu, ITEMS, reent_item, par);
+    CU_ASSERT(memcmp(seq->x, par->x, sizeof seq->x) == 0);
+    CU_ASSERT(memcmp(seq->z, par->z, sizeof seq->z) == 0);
+    for (int i = 0; i < ITEMS; i++)
+        CU_ASSERT(seq->rc[i] == 0 && par->rc[i] == 0);
+    cpu->destroy(cpu);
+    free(seq), free(par);
+}
+
+static CU_TestInfo tests[] = {
+    {"sgemm, dgemm: transposes, strides, alpha, beta", test_gemm},
+    {"dgemv both ways; dsymv reads the upper triangle", test_gemv_symv},
+    {"dsyrk: upper triangle only, both ways", test_syrk},
+    {"Cholesky: solves, kf_solve_spd, not positive definite, NaN", test_cholesky},
+    {"lstsq: QR path against the normal equations", test_lstsq},
+    {"softmax_rows (bias, ragged, max/sum/lse) and exp_rows", test_rows},
+    {"kf_solve_backend: the CPU's unless the backend has the ops", test_rule},
+    {"ops from parallel_for items == sequential", test_reentrant},
+    CU_TEST_INFO_NULL,
+};
+
+static CU_SuiteInfo suites[] = {
+    {"solve ops", NULL, NULL, NULL, NULL, tests},
+    CU_SUITE_INFO_NULL,
+};
+
+int main(void) { return kf_test_main(suites); }
