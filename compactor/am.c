@@ -369,8 +369,8 @@ kf_status kf_am_fit_beta_ex(const kf_am_head *h, const kf_am_targets *tg, const 
 }
 
 kf_status kf_am_fit_values(const kf_backend *be, const float *q, int R, int d, float scale, const float *keys,
-                           size_t key_stride, const float *beta, int t, const float *Y, float *values, kf_am_stats *stats,
-                           kf_error *err) {
+                           size_t key_stride, const float *beta, int t, const float *Y, float *values,
+                           kf_am_stats *stats, kf_error *err) {
     if (t == 0)
         return KF_OK;
     float *X = design(be, q, R, d, scale, keys, key_stride, beta, t); /* [R, t] */
@@ -417,7 +417,8 @@ static void gram_accumulate(const kf_backend *be, const float *q, int R, int d, 
                             double *B) {
     for (int i0 = 0; i0 < R; i0 += GRAM_TILE) {
         const int n = R - i0 < GRAM_TILE ? R - i0 : GRAM_TILE;
-        kf_solve_sgemm(be, KF_NO_TRANS, KF_TRANS, n, t, d, scale, q + (size_t)i0 * d, d, keys, key_stride, 0.0f, w->X, t);
+        kf_solve_sgemm(be, KF_NO_TRANS, KF_TRANS, n, t, d, scale, q + (size_t)i0 * d, d, keys, key_stride, 0.0f, w->X,
+                       t);
         kf_solve_softmax_rows(be, &(kf_softmax_rows_args){.x = w->X, .ldx = t, .rows = n, .n = t, .bias = beta});
         for (size_t k = 0; k < (size_t)n * t; k++)
             w->Xd[k] = w->X[k];
@@ -515,7 +516,7 @@ static void kept_tile(const float *m, const float *y, const float *Y, int n, int
     const kf_backend *be = bn->be;
     memcpy(X, Z, sizeof(float) * (size_t)n * t);
     kf_solve_softmax_rows(be, &(kf_softmax_rows_args){.x = X, .ldx = t, .rows = n, .n = t}); /* drop's design */
-    kf_solve_exp_rows(be, Z, t, n, t, m);                                                   /* beta's M */
+    kf_solve_exp_rows(be, Z, t, n, t, m);                                                    /* beta's M */
     for (int i = 0; i < n; i++) {
         Yd[i] = y[i];
         bn->yy += Yd[i] * Yd[i];

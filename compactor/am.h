@@ -109,8 +109,8 @@ int kf_box_lsq(const double *G, const double *b, int t, double lo, double hi, do
 /* values[t, d] = argmin ||X values - Y|| for keys[t, d] (row stride key_stride) and an optional
  * bias beta[t] (NULL: no bias). be: as kf_am_head.be (here and below). */
 kf_status kf_am_fit_values(const kf_backend *be, const float *q, int R, int d, float scale, const float *keys,
-                           size_t key_stride, const float *beta, int t, const float *Y, float *values, kf_am_stats *stats,
-                           kf_error *err);
+                           size_t key_stride, const float *beta, int t, const float *Y, float *values,
+                           kf_am_stats *stats, kf_error *err);
 
 /* Tikhonov-regularised value refit (issue 12):
  *   values = argmin ||X values - Y||_F^2 + mu ||values - V0||_F^2,   mu = alpha * tr(X^T X) / t

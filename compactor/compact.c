@@ -872,8 +872,8 @@ static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, 
     ts = now_s();
     split_head(sp, &x->rq, hs->q, &hs->tg, x->is_val, x->pos_src, x->pos_local, &x->ap, g);
     /* the original block's attention on the validation rows is their targets */
-    rc = kf_val_head_init_targets(&hs->vh, hs->h.be, sp->val_q, (int)sp->n_val, x->d, x->scale, sp->val_w, sp->val_m, sp->val_y,
-                                  sp->val_Y, sp->val_app, sp->val_vis, err);
+    rc = kf_val_head_init_targets(&hs->vh, hs->h.be, sp->val_q, (int)sp->n_val, x->d, x->scale, sp->val_w, sp->val_m,
+                                  sp->val_y, sp->val_Y, sp->val_app, sp->val_vis, err);
     if (rc != KF_OK) {
         kf_am_targets_free(&hs->tg);
         free(hs->q_own);
@@ -967,13 +967,14 @@ static kf_status fit_values(const kf_compact_prep *x, variant_ws *w, const head_
     const float *v0 = p->ridge_to == KF_RIDGE_TO_ORIG ? w->vo : NULL;
     kf_am_stats *st = &w->out->stats.solver;
     if (method != KF_METHOD_DROP || !fits || !fits->drop.G)
-        return kf_am_fit_values_ridge(hf->be, hf->q, hf->R, x->d, x->scale, kk, x->d, method == KF_METHOD_AM ? w->beta : NULL,
-                                      th, tf->Y, alpha, v0, x->d, w->vals, st, err);
+        return kf_am_fit_values_ridge(hf->be, hf->q, hf->R, x->d, x->scale, kk, x->d,
+                                      method == KF_METHOD_AM ? w->beta : NULL, th, tf->Y, alpha, v0, x->d, w->vals, st,
+                                      err);
     if (p->refit_all) {
         kf_value_gram part;
         const head_split *sp = hs->sp;
-        KF_TRY(kf_value_gram_build(hf->be, sp->val_q, (int)sp->n_val, x->d, x->scale, kk, x->d, NULL, th, sp->val_Y, &part,
-                                   err));
+        KF_TRY(kf_value_gram_build(hf->be, sp->val_q, (int)sp->n_val, x->d, x->scale, kk, x->d, NULL, th, sp->val_Y,
+                                   &part, err));
         kf_value_gram_add(&fits->drop, &part);
         kf_value_gram_free(&part);
     }

@@ -4,7 +4,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-
 #define ROW_TILE 1024
 
 void kf_fold_cov_free(kf_fold_cov *c) {

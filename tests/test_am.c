@@ -119,7 +119,8 @@ static void free_synth(synth *s) {
 }
 
 static kf_am_head head_of(const synth *s) {
-    return (kf_am_head){s->K, (size_t)s->d, s->V, (size_t)s->d, s->T, s->Q, s->R, s->d, 1.0f / sqrtf((float)s->d), NULL};
+    return (kf_am_head){s->K, (size_t)s->d, s->V, (size_t)s->d, s->T, s->Q, s->R, s->d, 1.0f / sqrtf((float)s->d),
+                        NULL};
 }
 
 static void test_targets_partition_function(void) {
@@ -400,8 +401,8 @@ static void check_tikhonov(int R, double alpha, int towards_orig) {
     }
     gauss_solve(G, t, B, d);
     kf_error err = {0};
-    CU_ASSERT_EQUAL(kf_am_fit_values_ridge(NULL, Q, R, d, scale, K, d, beta, t, Y, alpha, towards_orig ? V0 : NULL, d, C,
-                                           NULL, &err),
+    CU_ASSERT_EQUAL(kf_am_fit_values_ridge(NULL, Q, R, d, scale, K, d, beta, t, Y, alpha, towards_orig ? V0 : NULL, d,
+                                           C, NULL, &err),
                     KF_OK);
     double worst = 0, moved = 0;
     for (int k = 0; k < t * d; k++) {

@@ -124,8 +124,8 @@ static void test_val_head_appended(void) {
     kf_am_targets tg;
     kf_val_head vt;
     CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
-    CU_ASSERT_EQUAL_FATAL(kf_val_head_init_targets(&vt, NULL, c->Q, NV, D, scale, c->w, tg.m, tg.y, tg.Y, c->app, c->vis, &err),
-                          KF_OK);
+    CU_ASSERT_EQUAL_FATAL(
+        kf_val_head_init_targets(&vt, NULL, c->Q, NV, D, scale, c->w, tg.m, tg.y, tg.Y, c->app, c->vis, &err), KF_OK);
     double worst_t = 0;
     for (size_t k = 0; k < (size_t)NV * D; k++)
         worst_t = fmax(worst_t, fabs(vt.o_full[k] - vh.o_full[k]));
@@ -251,7 +251,8 @@ static void test_normal_equations_add(void) {
     CU_ASSERT_EQUAL_FATAL(kf_beta_normal_build(&hv, &tv, kc, NK, &part, &err), KF_OK);
     kf_beta_normal_add(&bn, &part);
     CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(NULL, Q, NTR, ND, scale, kc, ND, NULL, NK, tg.Y, &gm, &err), KF_OK);
-    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(NULL, hv.q, hv.R, ND, scale, kc, ND, NULL, NK, tv.Y, &gpart, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(NULL, hv.q, hv.R, ND, scale, kc, ND, NULL, NK, tv.Y, &gpart, &err),
+                          KF_OK);
     kf_value_gram_add(&gm, &gpart);
     double GM[NK * NK], bM[NK], yy, GX[NK * NK], BX[NK * ND], tr = 0;
     ref_normal(Q, &tg, 0, NR, kc, scale, GM, bM, &yy, GX, BX);
@@ -267,8 +268,8 @@ static void test_normal_equations_add(void) {
     CU_ASSERT_EQUAL(kf_am_fit_beta_normal(&bn, 7, KF_BETA_AM, beta_sum, NULL, &err), KF_OK);
     CU_ASSERT_EQUAL(kf_am_fit_beta(&h, &tg, sel, NK, 7, beta_all, NULL, &err), KF_OK);
     CU_ASSERT_EQUAL(kf_value_gram_solve(&gm, 1e-3, V, ND, v_sum, NULL, &err), KF_OK);
-    CU_ASSERT_EQUAL(kf_am_fit_values_ridge(NULL, Q, NR, ND, scale, kc, ND, NULL, NK, tg.Y, 1e-3, V, ND, v_all, NULL, &err),
-                    KF_OK);
+    CU_ASSERT_EQUAL(
+        kf_am_fit_values_ridge(NULL, Q, NR, ND, scale, kc, ND, NULL, NK, tg.Y, 1e-3, V, ND, v_all, NULL, &err), KF_OK);
     double db = 0, dv = 0, mb = 0;
     for (int j = 0; j < NK; j++)
         db = fmax(db, fabs(beta_sum[j] - beta_all[j])), mb = fmax(mb, fabs(beta_all[j]));

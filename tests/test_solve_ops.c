@@ -269,8 +269,15 @@ static void test_rows(void) {
     kf_test_fill_uniform(bias, N, 20, -1, 1);
     x0[1 * LD + 1] = -INFINITY; /* gets weight 0 */
     memcpy(x, x0, sizeof x);
-    kf_solve_softmax_rows(be, &(kf_softmax_rows_args){.x = x, .ldx = LD, .rows = R, .n = N, .bias = bias, .len = len,
-                                                      .max_out = mx, .sum_out = sum, .lse_out = lse});
+    kf_solve_softmax_rows(be, &(kf_softmax_rows_args){.x = x,
+                                                      .ldx = LD,
+                                                      .rows = R,
+                                                      .n = N,
+                                                      .bias = bias,
+                                                      .len = len,
+                                                      .max_out = mx,
+                                                      .sum_out = sum,
+                                                      .lse_out = lse});
     double e = 0;
     for (int i = 0; i < R; i++) {
         double z[N], m = -INFINITY, s = 0;
@@ -386,4 +393,6 @@ static CU_SuiteInfo suites[] = {
     CU_SUITE_INFO_NULL,
 };
 
-int main(void) { return kf_test_main(suites); }
+int main(void) {
+    return kf_test_main(suites);
+}
