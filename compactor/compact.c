@@ -847,6 +847,49 @@ typedef struct {
     double targets_s, split_s;
 } head_shared;
 
+/* The first of n rows of d floats (row stride) holding a NaN or an infinity: its row, or -1. */
+static int64_t first_nonfinite(const float *a, int64_t n, int d, size_t stride) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *row = a + (size_t)r * stride;
+        int bad = 0; /* the exponent bits all ones: NaN or infinity */
+#pragma omp simd reduction(| : bad)
+        for (int c = 0; c < d; c++) {
+            uint32_t u;
+            memcpy(&u, row + c, sizeof u);
+            bad |= (u & 0x7f800000u) == 0x7f800000u;
+        }
+        if (bad)
+            return r;
+    }
+    return -1;
+}
+
+/* Head g of layer l's inputs are finite: the context's keys and values (prefix, document, suffix:
+ * written or copied into the cache), its reference queries q [R, d] and, when the choice runs
+ * (choice), the kept validation prompts' keys and values. Attention over a NaN or an infinity is
+ * NaN, so a non-finite input (an overflowing activation, a corrupt parent's pages) would
+ * otherwise be written silently into the cache; the error names the layer, the head and the row. */
+static kf_status head_check_finite(const kf_compact_prep *x, int l, int g, const float *K, const float *V,
+                                   const float *q, int choice, kf_error *err) {
+    const size_t row = (size_t)x->kvh * x->d, off = (size_t)g * x->d;
+    const char *what = NULL;
+    int64_t at = -1;
+    if ((at = first_nonfinite(K + off, x->D, x->d, row)) >= 0)
+        what = "key at context position";
+    else if ((at = first_nonfinite(V + off, x->D, x->d, row)) >= 0)
+        what = "value at context position";
+    else if ((at = first_nonfinite(q, x->rq.R, x->d, (size_t)x->d)) >= 0)
+        what = "reference query at row";
+    for (int i = 1; !what && choice && i < x->ap.n_src; i++)
+        if (x->ap.k[i] && ((at = first_nonfinite(x->ap.k[i] + off, x->ap.n[i], x->d, row)) >= 0 ||
+                           (at = first_nonfinite(x->ap.v[i] + off, x->ap.n[i], x->d, row)) >= 0))
+            what = "key or value of a validation prompt at position";
+    if (!what)
+        return KF_OK;
+    return kf_fail(err, KF_ERR_INVALID, "compact: layer %d KV head %d: non-finite %s %lld (NaN or infinity)", l, g,
+                   what, (long long)at);
+}
+
 static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, const float *V, head_split *sp,
                               head_shared *hs, kf_error *err) {
     const size_t row = (size_t)x->kvh * x->d;
@@ -855,11 +898,16 @@ static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, 
     if (x->rq.qh && !(hs->q_own = malloc(sizeof(float) * (size_t)x->rq.R * x->d)))
         return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for a head's reference queries");
     hs->q = kf_refq_head(&x->rq, l, g, hs->q_own);
+    kf_status rc = head_check_finite(x, l, g, K, V, hs->q, sp != NULL, err);
+    if (rc != KF_OK) {
+        free(hs->q_own);
+        return rc;
+    }
     hs->h = (kf_am_head){.k = K + (size_t)x->n_pre * row + (size_t)g * x->d, .k_stride = row,
                          .v = V + (size_t)x->n_pre * row + (size_t)g * x->d, .v_stride = row,
                          .T = x->n_doc, .q = hs->q, .R = (int)x->rq.R, .d = x->d, .scale = x->scale};
     double ts = now_s();
-    kf_status rc = kf_am_targets_compute(&hs->h, x->p.score, &hs->tg, err);
+    rc = kf_am_targets_compute(&hs->h, x->p.score, &hs->tg, err);
     if (rc != KF_OK) {
         free(hs->q_own);
         return rc;
