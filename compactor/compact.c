@@ -848,6 +848,70 @@ typedef struct {
     double targets_s, split_s;
 } head_shared;
 
+/* The first of n rows of d floats (row stride) holding a NaN or an infinity: its row, or -1. */
+static int64_t first_nonfinite(const float *a, int64_t n, int d, size_t stride) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *row = a + (size_t)r * stride;
+        int bad = 0; /* the exponent bits all ones: NaN or infinity */
+#pragma omp simd reduction(| : bad)
+        for (int c = 0; c < d; c++) {
+            uint32_t u;
+            memcpy(&u, row + c, sizeof u);
+            bad |= (u & 0x7f800000u) == 0x7f800000u;
+        }
+        if (bad)
+            return r;
+    }
+    return -1;
+}
+
+/* Why head g of layer l met a NaN or an infinity: the first non-finite input (the context's keys
+ * and values, its reference queries q [R, d], with the choice (choice) the kept validation
+ * prompts' keys and values), or, all finite, an overflow in the attention. Scans every input:
+ * called on the failure path only. */
+static kf_status head_nonfinite_cause(const kf_compact_prep *x, int l, int g, const float *K, const float *V,
+                                      const float *q, int choice, kf_error *err) {
+    const size_t row = (size_t)x->kvh * x->d, off = (size_t)g * x->d;
+    const char *what = NULL;
+    int64_t at = -1;
+    if ((at = first_nonfinite(K + off, x->D, x->d, row)) >= 0)
+        what = "key at context position";
+    else if ((at = first_nonfinite(V + off, x->D, x->d, row)) >= 0)
+        what = "value at context position";
+    else if ((at = first_nonfinite(q, x->rq.R, x->d, (size_t)x->d)) >= 0)
+        what = "reference query at row";
+    for (int i = 1; !what && choice && i < x->ap.n_src; i++)
+        if (x->ap.k[i] && ((at = first_nonfinite(x->ap.k[i] + off, x->ap.n[i], x->d, row)) >= 0 ||
+                           (at = first_nonfinite(x->ap.v[i] + off, x->ap.n[i], x->d, row)) >= 0))
+            what = "key or value of a validation prompt at position";
+    if (!what)
+        return kf_fail(err, KF_ERR_INVALID, "compact: layer %d KV head %d: non-finite attention (the logits of "
+                       "finite keys and queries overflowed)", l, g);
+    return kf_fail(err, KF_ERR_INVALID, "compact: layer %d KV head %d: non-finite %s %lld (NaN or infinity)", l, g,
+                   what, (long long)at);
+}
+
+/* Non-finite input is refused, naming (layer, head) and the cause: attention over a NaN or an
+ * infinity is NaN, and the fits would turn it into a cache that looks valid (a failed solve gives
+ * zeros) or NaN. Checked cheaply on what the head computes from its inputs, while hot: AM's targets
+ * (m, y, Y: a non-finite query, document key or value makes them non-finite), the validation rows'
+ * outputs (vh, NULL without the choice: the validation prompts' keys and values), and the prefix
+ * and suffix rows that go into the cache verbatim. The kept keys and fitted values are checked as
+ * written (head_output_check). */
+static kf_status head_check_finite(const kf_compact_prep *x, int l, int g, const float *K, const float *V,
+                                   const float *q, const kf_am_targets *tg, const kf_val_head *vh, kf_error *err) {
+    const size_t row = (size_t)x->kvh * x->d, off = (size_t)g * x->d;
+    const int64_t tail = x->n_pre + x->n_doc;
+    if (first_nonfinite(tg->m, x->rq.R, 1, 1) >= 0 || first_nonfinite(tg->y, x->rq.R, 1, 1) >= 0 ||
+        first_nonfinite(tg->Y, x->rq.R, x->d, (size_t)x->d) >= 0 ||
+        (vh && first_nonfinite(vh->o_full, vh->n, x->d, (size_t)x->d) >= 0) ||
+        first_nonfinite(K + off, x->n_pre, x->d, row) >= 0 || first_nonfinite(V + off, x->n_pre, x->d, row) >= 0 ||
+        first_nonfinite(K + tail * row + off, x->n_suf, x->d, row) >= 0 ||
+        first_nonfinite(V + tail * row + off, x->n_suf, x->d, row) >= 0)
+        return head_nonfinite_cause(x, l, g, K, V, q, vh != NULL, err);
+    return KF_OK;
+}
+
 static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, const float *V, head_split *sp,
                               head_shared *hs, kf_error *err) {
     const size_t row = (size_t)x->kvh * x->d;
@@ -862,6 +926,8 @@ static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, 
                          .be = kf_model_backend(x->m)};
     double ts = now_s();
     kf_status rc = kf_am_targets_compute(&hs->h, x->p.score, &hs->tg, err);
+    if (rc == KF_OK && !sp && (rc = head_check_finite(x, l, g, K, V, hs->q, &hs->tg, NULL, err)) != KF_OK)
+        kf_am_targets_free(&hs->tg);
     if (rc != KF_OK) {
         free(hs->q_own);
         return rc;
@@ -874,6 +940,8 @@ static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, 
     /* the original block's attention on the validation rows is their targets */
     rc = kf_val_head_init_targets(&hs->vh, hs->h.be, sp->val_q, (int)sp->n_val, x->d, x->scale, sp->val_w, sp->val_m,
                                   sp->val_y, sp->val_Y, sp->val_app, sp->val_vis, err);
+    if (rc == KF_OK && (rc = head_check_finite(x, l, g, K, V, hs->q, &hs->tg, &hs->vh, err)) != KF_OK)
+        kf_val_head_free(&hs->vh);
     if (rc != KF_OK) {
         kf_am_targets_free(&hs->tg);
         free(hs->q_own);
@@ -1028,6 +1096,22 @@ static kf_status variant_fit(const kf_compact_prep *x, variant_ws *w, const head
     return KF_OK;
 }
 
+/* The head's th written slots of one variant (keys and values [th, d] at the cache's row stride)
+ * are finite: a fit that overflows (a fold along a huge u, a diverging solve) is refused, not
+ * shipped. */
+static kf_status head_output_check(const kf_compact_prep *x, const variant_ws *w, const head_shared *hs, int th,
+                                   kf_error *err) {
+    const kf_compacted *out = w->out;
+    const size_t row = (size_t)x->kvh * x->d, at = ((size_t)hs->l * out->C + x->n_pre) * row + (size_t)hs->g * x->d;
+    const int64_t bad_k = first_nonfinite(out->keys + at, th, x->d, row);
+    const int64_t bad = bad_k >= 0 ? bad_k : first_nonfinite(out->values + at, th, x->d, row);
+    if (bad < 0)
+        return KF_OK;
+    return kf_fail(err, KF_ERR_INVALID, "compact: layer %d KV head %d: %s %g gave a non-finite %s in kept slot %lld",
+                   hs->l, hs->g, kf_method_name(out->head_method[hs->l * x->kvh + hs->g]), w->p.budget,
+                   bad_k >= 0 ? "key" : "value", (long long)bad);
+}
+
 /* One variant on one head: its selection, the per-head choice when on, then the fits. */
 static kf_status variant_head(const kf_compact_prep *x, variant_ws *w, head_shared *hs, float *qsub,
                               kf_error *err) {
@@ -1060,8 +1144,10 @@ static kf_status variant_head(const kf_compact_prep *x, variant_ws *w, head_shar
             hf = htr, tf = ttr;
         out->stats.choice_s += hs->split_s + (now_s() - ts);
     }
-    const kf_status rc = variant_fit(x, w, hs, &hf, &tf, &pick, w->choice ? &fits : NULL, th, qsub, err);
+    kf_status rc = variant_fit(x, w, hs, &hf, &tf, &pick, w->choice ? &fits : NULL, th, qsub, err);
     kf_choice_fits_free(&fits);
+    if (rc == KF_OK)
+        rc = head_output_check(x, w, hs, th, err);
     return rc;
 }
 

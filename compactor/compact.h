@@ -233,7 +233,8 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *   P, p: the tokens and count of the other sources holding validation rows (probes; 0 without
  *   the per-head choice); R reference queries per KV head, Rv of them held out for the choice;
  *   t kept keys per head, C = D - T + t; c the prefill chunk; A the attention pool's threads;
- *   h the KV heads solved at once (1 today), ws one head's fitting workspace:
+ *   n the solve's threads (the backend's parallel_for; the CPU backend's pool, n = A), each with
+ *   its own buffers; h = min(n, kvh) the KV heads solved at once; ws one head's fitting workspace:
  *
  *   peak    = weights + arena + queries + forward + solve + output + base
  *   weights = 4 (V H (2 - tied) + H + L (2 H QD + 2 H KD + 3 H I + 2 H + 2 d qk_norm))
@@ -245,19 +246,29 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *   forward = kf_forward_plan_bytes(min(c, max(D, S)), 0) + 8 N KD + 512 A N
  *               the plan's scratch; the attention's gathered K/V and A score tiles over N keys
  *   solve   = 8 D KD + 8 (S + P) KD [choice]      one layer's K/V, and of the validation prompts
- *           + h (4 R (d + 2) + 4 T                AM's targets (m, y, Y) and scores
- *                + [choice] 4 R (2 d + 2) + 12 Rv + 8 Rv d + 16 Rv
- *                                                 the training/validation split, validation outputs
- *                + 16 t d + 8 t                   the variant's head buffers
+ *           + n (8 t + 16 t d                      per thread (thread_init): the kept keys' buffers
+ *                + [probes] 4 R d                 the probe rows (fold_queries on probes)
+ *                + [choice] 8 R (d + 1) + 20 Rv)  the training/validation split
+ *           + h (4 R (d + 2) + 4 T                per head in flight: AM's targets (m, y, Y), scores
  *                + [bf16] 4 R d                   the head's rows widened to fp32
- *                + max(ws, 1032 T))               the fits, or the targets' transient tiles
+ *                + [choice] 24 Rv + 12 Rv d + 8 d + 4 max(Rv t, 64 S)
+ *                                                 the validation head: outputs, weights, and the
+ *                                                 attention weights of a candidate (or appended tile)
+ *                + max(ws, 1032 T, [choice] 16 Rv + 512 d))
+ *                                                 the fits, the targets' or the appended blocks' tiles
  *   output  = L C (8 KD + 8 kvh) + L kvh (4 d + 9) the compacted cache
  *   base    = 32 MiB                              binary, libraries, OpenBLAS (about 25 MB here)
  *
- * ws, as compactor/am.c fits today (the value refit's fp64 normal equations built from the fp32
- * design matrix, the largest of the fits): 12 R t + 8 R d + 8 t^2 + 8 t d.
- * Without the per-head choice the [choice] terms are 0. Several variants (kf_compact_solve with
- * n > 1) add an output and head buffers each. QUOKA prefill, the GPU backend and a caller's arena
+ * ws, the fits' peak (fp64 normal equations of t x t and t x d, built in 256-row tiles: no term in
+ * R): with the choice, max(40 t^2 + 40 t d + 3084 t + 2060 d + 8 d^2, 24 t^2 + 16 t d + 8 t +
+ * 8200 d + 16 d^2) (kf_choose_head's fold candidate: beta's and drop's normal equations kept for
+ * the refit, the fold's covariance, the candidate's value normal equations and their tiles; or the
+ * final fold direction over all R rows beside the kept ones); without it,
+ * max(16 t^2 + 16 t d + 3080 t + 2048 d, 16 d^2 + 8200 d) (one refit's normal equations, or the
+ * fold direction).
+ * Without the per-head choice the [choice] terms are 0. Several variants in one kf_compact_solve
+ * add an output each (a thread's buffers are sized for the largest t; a head runs its variants in
+ * turn). QUOKA prefill, the GPU backend and a caller's arena
  * are not covered. */
 typedef struct {
     int64_t D, T, S, P;   /* context, document, longest source, other kept validation prompts (tokens) */
@@ -267,7 +278,9 @@ typedef struct {
     int refq_bf16;        /* reference queries stored in bf16 */
     int chunk;            /* prefill chunk (0: KF_DEFAULT_CHUNK) */
     int attn_threads;     /* the CPU attention's pool threads */
-    int solve_heads;      /* h: KV heads solved at once */
+    int solve_threads;    /* n: the solve's threads (the backend's; per-thread buffers) */
+    int solve_heads;      /* h: KV heads solved at once, min(n, kvh) */
+    int fold_on_probes;   /* fold_queries = KF_FOLD_ON_PROBES (a probe-row buffer per thread) */
     int64_t head_ws;      /* ws: bytes of one head's fits (kf_compact_head_ws_bytes) */
 } kf_mem_shape;
 
@@ -275,10 +288,11 @@ typedef struct {
     int64_t weights, arena, queries, forward, solve, output, base, total; /* bytes */
 } kf_mem_peak;
 
-/* ws of the formula for R rows, t kept keys, head_dim d. */
-int64_t kf_compact_head_ws_bytes(int64_t R, int64_t t, int d);
+/* ws of the formula for t kept keys, head_dim d, with (choice 1) or without the per-head choice. */
+int64_t kf_compact_head_ws_bytes(int64_t t, int d, int choice);
 /* The shape kf_compact runs for model c, parameters p (method and budget included) and a context
- * of n_pre + n_doc + n_suf tokens; Rv estimated for the expected share of non-context rows. */
+ * of n_pre + n_doc + n_suf tokens; Rv estimated for the expected share of non-context rows. The
+ * CPU backend's pool of attn_threads threads also runs the solve: n = attn_threads. */
 void kf_compact_mem_shape(const kf_hfconfig *c, const kf_compact_params *p, int64_t n_pre, int64_t n_doc,
                           int64_t n_suf, int attn_threads, kf_mem_shape *out);
 /* The formula above: the total in bytes, each term in *terms (may be NULL). */

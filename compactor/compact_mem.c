@@ -3,8 +3,16 @@
 
 #include "compactor/compact.h"
 
-int64_t kf_compact_head_ws_bytes(int64_t R, int64_t t, int d) {
-    return 12 * R * t + 8 * R * d + 8 * t * t + 8 * t * d;
+static int64_t max64(int64_t a, int64_t b) {
+    return a > b ? a : b;
+}
+
+int64_t kf_compact_head_ws_bytes(int64_t t, int d64, int choice) {
+    const int64_t d = d64;
+    if (choice) /* try_folds' (or am's try_alphas) peak; the fold direction on all rows beside the kept fits */
+        return max64(40 * t * t + 40 * t * d + 3084 * t + 2060 * d + 8 * d * d,
+                     24 * t * t + 16 * t * d + 8 * t + 8200 * d + 16 * d * d);
+    return max64(16 * t * t + 16 * t * d + 3080 * t + 2048 * d, 16 * d * d + 8200 * d);
 }
 
 static int64_t pg(int64_t n) {
@@ -31,13 +39,15 @@ void kf_compact_mem_shape(const kf_hfconfig *c, const kf_compact_params *p, int6
     if (p->head_budgets) /* the largest head's count, at most max_head_ratio of the block */
         t = (int64_t)(p->max_head_ratio * (double)n_doc) > t ? (int64_t)(p->max_head_ratio * (double)n_doc) : t;
     *out = (kf_mem_shape){.D = n_pre + n_doc + n_suf, .T = n_doc, .S = S, .R = (int64_t)G * n_pos, .t = t,
-                          .choice = choice, .refq_bf16 = p->refq_bf16, .chunk = p->chunk, .attn_threads = attn_threads, .solve_heads = 1};
+                          .choice = choice, .refq_bf16 = p->refq_bf16, .chunk = p->chunk, .attn_threads = attn_threads,
+                          .solve_threads = attn_threads, .fold_on_probes = p->fold_queries == KF_FOLD_ON_PROBES};
     if (choice) {
         out->P = repeat + probes - S; /* the other sources: all kept in the worst case */
         out->n_p = p->n_probes + (repeat > 0) > 1 ? p->n_probes + (repeat > 0) - 1 : 0;
         out->Rv = (int64_t)G * (int64_t)llround(p->val_frac * elig);
     }
-    out->head_ws = kf_compact_head_ws_bytes(out->R, t, c->head_dim);
+    out->solve_heads = attn_threads < c->n_kv_heads ? attn_threads : c->n_kv_heads;
+    out->head_ws = kf_compact_head_ws_bytes(t, c->head_dim, choice);
 }
 
 int64_t kf_compact_peak_bytes(const kf_hfconfig *c, const kf_mem_shape *s, kf_mem_peak *terms) {
@@ -53,10 +63,13 @@ int64_t kf_compact_peak_bytes(const kf_hfconfig *c, const kf_mem_shape *s, kf_me
     int64_t chunk = s->chunk > 0 ? s->chunk : KF_DEFAULT_CHUNK, longest = s->D > s->S ? s->D : s->S;
     chunk = chunk < longest ? chunk : longest;
     m.forward = (int64_t)kf_forward_plan_bytes(c, (int)chunk, 0) + 8 * N * KD + 512 * (int64_t)s->attn_threads * N;
-    const int64_t fits = s->head_ws > 1032 * T ? s->head_ws : 1032 * T;
-    const int64_t head = 4 * R * (d + 2) + 4 * T + (s->choice ? 4 * R * (2 * d + 2) + 12 * Rv + 8 * Rv * d + 16 * Rv : 0) +
-                         16 * t * d + 8 * t + (s->refq_bf16 ? 4 * R * d : 0) + fits;
-    m.solve = 8 * s->D * KD + (s->choice ? 8 * (s->S + s->P) * KD : 0) + (int64_t)s->solve_heads * head;
+    const int64_t thread = 8 * t + 16 * t * d + (s->fold_on_probes ? 4 * R * d : 0) +
+                           (s->choice ? 8 * R * (d + 1) + 20 * Rv : 0);
+    const int64_t fits = max64(max64(s->head_ws, 1032 * T), s->choice ? 16 * Rv + 512 * d : 0);
+    const int64_t head = 4 * R * (d + 2) + 4 * T + (s->refq_bf16 ? 4 * R * d : 0) +
+                         (s->choice ? 24 * Rv + 12 * Rv * d + 8 * d + 4 * max64(Rv * t, 64 * s->S) : 0) + fits;
+    m.solve = 8 * s->D * KD + (s->choice ? 8 * (s->S + s->P) * KD : 0) + (int64_t)s->solve_threads * thread +
+              (int64_t)s->solve_heads * head;
     const int64_t C = s->D - T + t;
     m.output = L * C * (8 * KD + 8 * kvh) + L * kvh * (4 * d + 9);
     m.base = 32 << 20;

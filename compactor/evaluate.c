@@ -310,14 +310,15 @@ kf_status kf_quality_measure(kf_model *m, const kf_reference *r, kf_compacted *c
             out->fact_acc += hit;
             out->n_facts++;
         }
-        /* greedy answer of the gold answer's length */
+        /* greedy answer of the gold answer's length, stopped at its first wrong token (exact
+         * match is all or nothing: the rest cannot change it) */
         int32_t last = qa->question.n - 1;
         kf_forward_args fa = {.ids = qa->question.ids, .n_tokens = qa->question.n, .pos_offset = off,
                               .logit_rows = &last, .n_logit_rows = 1, .logits = lq, .key_bias = bias,
                               .key_bias_len = (int)c->C};
         int match = 1;
         int32_t tok = 0;
-        for (int j = 0; j < qa->answer.n && rc == KF_OK; j++) {
+        for (int j = 0; j < qa->answer.n && rc == KF_OK && match; j++) {
             rc = kf_model_forward(m, &a, &seq, &fa, err);
             int32_t arg = 0;
             for (int v = 1; v < V; v++)

@@ -5,6 +5,7 @@
  * One prepare is solved three times: the prefill is not under test here (a 1-thread CPU
  * backend's attention leaves OpenBLAS its threads, a pooled one holds it to one, and OpenBLAS's
  * sgemm rounds differently with its thread count). */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -145,6 +146,98 @@ static void test_threads_same_bytes(void) {
 }
 
 
+/* ---- the first failing head (non-finite input in some heads only) ----
+ * A parent document is prefilled into the caller's arena and NaN is written into layer 1's
+ * keys (and values) of the chosen KV heads at one document position; a context that shares the
+ * parent's first 200 tokens (kf_compact_reuse) then has non-finite input in layer 1 at exactly
+ * those heads (layer 0 is clean; from layer 2 on every head is NaN, but the solve stops at layer
+ * 1). The solve must refuse with the first failing head's own error in head order, whatever the
+ * order the heads ran in, free every output, and leave the arena's pages as they were. */
+enum { kBadLayer = 1, kBadPos = 150, kShared = 200 };
+
+/* NaN at kBadPos of layer kBadLayer: in the keys of head key_head and the values of head val_head
+ * (-1: none). */
+static void poison(kf_model *m, kf_arena *a, const kf_seq *s, int key_head, int val_head) {
+    const kf_hfconfig *c = kf_model_config(m);
+    const int d = c->head_dim, row = c->n_kv_heads * d;
+    float *k = malloc(sizeof(float) * row), *v = malloc(sizeof(float) * row); /* [1, kvh * d] */
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_seq_read_kv(a, s, kBadLayer, kBadPos, 1, k, v, &err), KF_OK);
+    if (key_head >= 0)
+        k[key_head * d + 7] = NAN;
+    if (val_head >= 0)
+        v[val_head * d + 3] = -INFINITY;
+    CU_ASSERT_EQUAL_FATAL(kf_seq_write_kv(a, s, kBadLayer, kBadPos, 1, k, v, &err), KF_OK);
+    free(k), free(v);
+}
+
+/* The three solves (1 thread in order, the 3-thread pool, reverse order) of one poisoned prepare
+ * each fail with `want` in the message; every output is freed. */
+static void solve_fails(kf_backend *b, kf_model *m, int key_head, int val_head, const char *want) {
+    kf_error err = {0};
+    kf_arena a;
+    CU_ASSERT_EQUAL_FATAL(kf_model_arena(m, &a, 4 * 320, &err), KF_OK);
+    kf_seq parent;
+    kf_seq_init(&parent);
+    kf_forward_args fa = {.ids = g_doc, .n_tokens = kShared};
+    CU_ASSERT_EQUAL_FATAL(kf_model_forward(m, &a, &parent, &fa, &err), KF_OK);
+    poison(m, &a, &parent, key_head, val_head);
+    kf_compact_params p = kf_compact_params_default();
+    static const kf_prompt probe = {kQuestion, 7};
+    const kf_prompt doc = {g_doc, 240};
+    p.repeat_instruction = (kf_prompt){kInstr, 6};
+    p.max_queries = 2000;
+    p.probes = &probe;
+    p.n_probes = 1;
+    const kf_compact_reuse reuse = {.arena = &a, .parent = &parent, .shared = kShared};
+    kf_compact_prep *prep = NULL;
+    CU_ASSERT_EQUAL_FATAL(kf_compact_prepare(m, &reuse, NULL, &doc, NULL, &p, kVariants, 2, &prep, &err), KF_OK);
+    g_pool_for = b->parallel_for;
+    for (int run = 0; run < 3; run++) {
+        b->parallel_for = run == 1 ? g_pool_for : (run == 0 ? in_order_for : reverse_for);
+        b->threads = run == 0 ? 1 : 3, g_rotate = run == 2;
+        kf_compacted outs[2];
+        memset(&err, 0, sizeof err);
+        memset(outs, 0x5a, sizeof outs); /* the solve must zero them on failure */
+        const kf_status rc = kf_compact_solve(prep, kVariants, 2, outs, &err);
+        CU_ASSERT_EQUAL(rc, KF_ERR_INVALID);
+        CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, want));
+        if (rc != KF_ERR_INVALID || !strstr(err.msg, want))
+            fprintf(stderr, "\n  run %d: status %d \"%s\", want \"%s\"\n", run, (int)rc, err.msg, want);
+        for (int i = 0; i < 2; i++) {
+            CU_ASSERT(outs[i].keys == NULL && outs[i].values == NULL && outs[i].beta == NULL && outs[i].C == 0);
+            if (rc == KF_OK)
+                kf_compacted_free(&outs[i]);
+        }
+    }
+    b->parallel_for = g_pool_for, b->threads = 3, g_rotate = 0;
+    kf_compact_prep_free(prep, NULL);
+    /* kf_compact_ex: the same error, no output, no page of the caller's arena kept */
+    kf_compacted out;
+    memset(&err, 0, sizeof err);
+    CU_ASSERT_EQUAL(kf_compact_ex(m, &reuse, NULL, &doc, NULL, &p, &out, &err), KF_ERR_INVALID);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, want));
+    CU_ASSERT_PTR_NULL(out.keys);
+    kf_seq_release(&a, &parent);
+    CU_ASSERT_EQUAL(a.n_free, a.n_pages);
+    kf_arena_free(&a);
+}
+
+static void test_first_failing_head(void) {
+    kf_backend *b = kf_backend_cpu_create_threads(3);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(b);
+    kf_model *m = NULL;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_model_load(&m, kf_test_data("records-qwen3"), b, &err), KF_OK);
+    /* one head of two: head 1's keys (head 0 solves fine) */
+    solve_fails(b, m, 1, -1, "layer 1 KV head 1: non-finite key at context position 150");
+    /* both heads: head 0's values, head 1's keys; head 1 runs first in reverse order */
+    solve_fails(b, m, 1, 0, "layer 1 KV head 0: non-finite value at context position 150");
+    kf_model_free(m);
+    b->destroy(b);
+}
+
+
 /* A backend without parallel_for runs the items inline, in order, on thread 0; so does a 1-thread
  * CPU backend. */
 static int g_order[8], g_seen;
@@ -173,6 +266,7 @@ static void test_inline_without_parallel_for(void) {
 static CU_TestInfo tests[] = {
     {"solve over heads: 1 thread == 3 threads == reverse order", test_threads_same_bytes},
     {"no parallel_for or 1 thread: items inline in order", test_inline_without_parallel_for},
+    {"non-finite input in some heads: the first failing head's error, nothing kept", test_first_failing_head},
     CU_TEST_INFO_NULL,
 };
 static CU_SuiteInfo suites[] = {
