@@ -287,9 +287,10 @@ static void test_shared_stages_equal_separate(void) {
 
 /* A caller's arena of exactly kf_compact_arena_pages pages (by hand: a 203-token context takes 13
  * pages; the repeat prompt of 209 tokens on a fork of it 26 - 12 = 14, its first page a copy of
- * the context's partly filled last one; the 7-token probe 14 - 12 = 2: 29) is enough: with the
- * per-head choice the sources holding validation rows keep their forks until kf_compact_prep_free
- * (used pages above the context's), without it only the context stays; nothing is left after. */
+ * the context's partly filled last one; the 7-token probe 14 - 12 = 2: 29) is enough, and one page
+ * less is not: the sources run layer by layer together, each on its fork, inside kf_compact_solve
+ * (with or without the per-head choice); after kf_compact_prepare only the context is held, after
+ * the solve nothing but the context, after kf_compact_prep_free nothing. */
 static void test_prep_arena_pages(void) {
     kf_error err = {0};
     kf_compact_params p = params(KF_METHOD_FOLD, 0.25);
@@ -299,10 +300,11 @@ static void test_prep_arena_pages(void) {
     const int64_t pages = kf_compact_arena_pages(&p, 203, 203);
     CU_ASSERT_EQUAL_FATAL(pages, 29);
     const kf_compact_variant fold = {KF_METHOD_FOLD, 0.25}, keep = {KF_METHOD_KEEP, 0.25};
-    for (int choice = 1; choice >= 0; choice--) {
+    for (int run = 0; run < 4; run++) {
+        const int choice = run % 2 == 0, short_by_one = run >= 2;
         kf_arena a;
-        CU_ASSERT_EQUAL_FATAL(kf_model_arena(g_m, &a, (pages - 1) * KF_PAGE_TOKENS, &err), KF_OK);
-        CU_ASSERT_EQUAL_FATAL(a.n_pages, pages);
+        CU_ASSERT_EQUAL_FATAL(kf_model_arena(g_m, &a, (pages - 1 - short_by_one) * KF_PAGE_TOKENS, &err), KF_OK);
+        CU_ASSERT_EQUAL_FATAL(a.n_pages, pages - short_by_one);
         const kf_compact_reuse r = {.arena = &a};
         const kf_compact_variant *v = choice ? &fold : &keep;
         kf_compact_prep *prep = NULL;
@@ -311,17 +313,16 @@ static void test_prep_arena_pages(void) {
         if (st != KF_OK)
             fprintf(stderr, "prepare (choice %d): %s\n", choice, err.msg);
         CU_ASSERT_EQUAL_FATAL(st, KF_OK);
-        const int used = a.n_pages - a.n_free;
-        if (choice) { /* the repeat's fork (the copied page and beyond) and the probe's */
-            CU_ASSERT(used >= 13 + 2 + 1);
-        } else {
-            CU_ASSERT_EQUAL(used, 13);
-        }
-        CU_ASSERT_EQUAL_FATAL(kf_compact_solve(prep, v, 1, &c, &err), KF_OK);
-        CU_ASSERT_EQUAL(c.stats.n_val_queries > 0, choice);
+        CU_ASSERT_EQUAL(a.n_pages - a.n_free, 13);
+        st = kf_compact_solve(prep, v, 1, &c, &err);
+        CU_ASSERT_EQUAL(st, short_by_one ? KF_ERR_NOSPACE : KF_OK);
+        CU_ASSERT_EQUAL(a.n_pages - a.n_free, 13);
         kf_compact_prep_free(prep, NULL);
         CU_ASSERT_EQUAL(a.n_free, a.n_pages);
-        kf_compacted_free(&c);
+        if (st == KF_OK) {
+            CU_ASSERT_EQUAL(c.stats.n_val_queries > 0, choice);
+            kf_compacted_free(&c);
+        }
         kf_arena_free(&a);
     }
 }
@@ -538,7 +539,7 @@ static CU_TestInfo model_tests[] = {
     {"logits with sharing equal logits without", test_sharing_logits_equal},
     {"kf_compact_ex with a shared prefix == kf_compact", test_compact_ex_shared_equals_whole},
     {"one prepare, several variants == kf_compact for each", test_shared_stages_equal_separate},
-    {"a caller's arena of kf_compact_arena_pages; validation forks kept, then released", test_prep_arena_pages},
+    {"a caller's arena of kf_compact_arena_pages; the sources held together only while they run", test_prep_arena_pages},
     {"the memory formula: a hand-computed case, the loaded weights, kf_compact's shape", test_memory_formula},
     {"bf16 reference queries: a different, close compaction", test_refq_bf16_close},
     {"round trip compact -> kvf -> engine", test_round_trip_through_kvf},
