@@ -455,7 +455,8 @@ struct kf_compact_prep {
                                   the context's) */
     int64_t *first;            /* [n_sources + 1] source i's sampled positions are first[i] .. first[i + 1] - 1 */
     kf_seq *forks;             /* [n_sources] source i >= 1's fork of the context while the sources run */
-    kf_refq rq;                /* reference queries, [L][kvh][R, d] */
+    kf_refq rq;                /* reference queries, one layer at a time: [kvh][R, d] */
+    kf_refq ctxq;              /* the context's own rows (use_context_queries), every layer: [L][kvh][G n_ctx, d] */
     uint8_t *pos_kind, *is_val; /* validation plan, [n_pos] each (NULL: no variant needs it) */
     int *pos_src;
     int64_t *pos_local, n_val_pos;
@@ -534,21 +535,32 @@ typedef struct {
     uint16_t **qh;
 } capture_to;
 
-static void capture_dst(const kf_compact_prep *x, int64_t first, capture_to *dst) {
-    for (int l = 0; l < x->L; l++) {
-        if (x->rq.q)
-            dst->q[l] = kf_refq_capture_dst(&x->rq, l, first);
+static void capture_dst(const kf_refq *rq, int64_t first, capture_to *dst) {
+    for (int l = 0; l < rq->n_layers; l++) {
+        if (rq->q)
+            dst->q[l] = kf_refq_capture_dst(rq, l, first);
         else
-            dst->qh[l] = kf_refq_capture_dst_bf16(&x->rq, l, first);
+            dst->qh[l] = kf_refq_capture_dst_bf16(rq, l, first);
     }
 }
 
-/* fa's capture of n_rows rows into dst at the pool's strides. */
-static void capture_args(const kf_compact_prep *x, kf_forward_args *fa, int n_rows, const capture_to *dst) {
-    fa->queries = n_rows && x->rq.q ? dst->q : NULL;
-    fa->queries_bf16 = n_rows && x->rq.qh ? dst->qh : NULL;
-    fa->queries_row_stride = (size_t)x->d;
-    fa->queries_head_stride = kf_refq_head_stride(&x->rq);
+/* fa's capture of n_rows rows into dst at rq's strides. */
+static void capture_args(const kf_refq *rq, kf_forward_args *fa, int n_rows, const capture_to *dst) {
+    fa->queries = n_rows && rq->q ? dst->q : NULL;
+    fa->queries_bf16 = n_rows && rq->qh ? dst->qh : NULL;
+    fa->queries_row_stride = (size_t)rq->head_dim;
+    fa->queries_head_stride = kf_refq_head_stride(rq);
+}
+
+/* Layer l of the context's own rows (x->ctxq, captured by the prefill) into the pool's positions
+ * 0 .. n - 1, which are theirs (source 0 comes first), before the layer is solved. */
+static void context_rows_load(kf_compact_prep *x, int l) {
+    const kf_refq *c = &x->ctxq;
+    const size_t elem = x->rq.q ? sizeof(float) : sizeof(uint16_t), n = (size_t)c->n_pos * x->d;
+    char *dst = x->rq.q ? (char *)kf_refq_capture_dst(&x->rq, l, 0) : (char *)kf_refq_capture_dst_bf16(&x->rq, l, 0);
+    const char *src = c->q ? (const char *)kf_refq_capture_dst(c, l, 0) : (const char *)kf_refq_capture_dst_bf16(c, l, 0);
+    for (int h = 0; h < x->nh; h++) /* [n_heads, n_pos, d] both, n_pos differing */
+        memcpy(dst + (size_t)h * kf_refq_head_stride(&x->rq) * elem, src + (size_t)h * n * elem, n * elem);
 }
 
 /* Every source's capture rows (x->rows, x->first) from the sorted sample [n_pos], and the pool's
@@ -566,15 +578,15 @@ static void plan_rows(kf_compact_prep *x, const int64_t *sample, int64_t n_pos) 
 }
 
 /* Prefill the context (from `shared` on, forking reuse->parent), capturing the document's sampled
- * rows (source 0) into x->rq. */
+ * rows (source 0) into x->ctxq, all layers (the pool holds one). */
 static kf_status run_prefill(kf_compact_prep *x, const kf_compact_reuse *reuse, int64_t shared,
                              const int32_t *ctx_ids, capture_to *qdst, kf_error *err) {
     const double t0 = now_s();
     const int n_rows = (int)(x->first[1] - x->first[0]);
-    capture_dst(x, 0, qdst);
+    capture_dst(&x->ctxq, 0, qdst);
     kf_forward_args fa = {.ids = ctx_ids + shared, .n_tokens = (int)(x->D - shared), .chunk = x->p.chunk,
                           .capture_rows = x->rows, .n_capture_rows = n_rows, .quoka = x->p.quoka};
-    capture_args(x, &fa, n_rows, qdst);
+    capture_args(&x->ctxq, &fa, n_rows, qdst);
     if (x->p.progress)
         x->p.progress(x->p.progress_ctx, "prefill", 0, x->D);
     if (shared > 0)
@@ -592,8 +604,8 @@ static void source_args(const kf_compact_prep *x, int i, capture_to *dst, kf_quo
     const int n_rows = (int)(x->first[i + 1] - x->first[i]);
     *fa = (kf_forward_args){.ids = x->src[i].ids, .n_tokens = x->src[i].n, .chunk = p->chunk,
                             .capture_rows = x->rows + x->first[i], .n_capture_rows = n_rows};
-    capture_dst(x, x->first[i], dst);
-    capture_args(x, fa, n_rows, dst);
+    capture_dst(&x->rq, x->first[i], dst);
+    capture_args(&x->rq, fa, n_rows, dst);
     if (i == 1 && p->quoka && p->quoka_repeat) {
         /* the copy token at sequence index D + I + j reads document token j at n_pre + j */
         *qk = *p->quoka;
@@ -680,13 +692,15 @@ static kf_status prepare_run(kf_compact_prep *x, const kf_compact_reuse *reuse, 
     if (!sample || !x->rows || !qdst.q || !qdst.qh || kf_sample_indices(n_cand, n_pos, x->p.seed, sample) != 0)
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
     if (rc == KF_OK)
-        rc = kf_refq_init(&x->rq, x->L, x->kvh, x->d, x->G, n_pos, x->p.refq_bf16, err);
+        rc = kf_refq_init_held(&x->rq, x->L, 1, x->kvh, x->d, x->G, n_pos, x->p.refq_bf16, err);
     if (rc == KF_OK) {
         plan_rows(x, sample, n_pos);
-        if (choice)
-            rc = plan_validation(x->src, x->n_sources, sample, n_pos, &x->p, (size_t)x->kvh * x->d, &x->pos_kind,
-                                 &x->pos_src, &x->pos_local, &x->is_val, &x->n_val_pos, &x->ap, err);
+        if (x->first[1] > 0) /* the context's own rows, every layer: captured before the sources run */
+            rc = kf_refq_init(&x->ctxq, x->L, x->kvh, x->d, x->G, x->first[1], x->p.refq_bf16, err);
     }
+    if (rc == KF_OK && choice)
+        rc = plan_validation(x->src, x->n_sources, sample, n_pos, &x->p, (size_t)x->kvh * x->d, &x->pos_kind,
+                             &x->pos_src, &x->pos_local, &x->is_val, &x->n_val_pos, &x->ap, err);
     x->ap.fork = x->forks;
     if (rc == KF_OK && x->ar == &x->own_arena)
         rc = kf_model_arena(x->m, x->ar, arena_pages(x, x->src) * KF_PAGE_TOKENS, err);
@@ -755,6 +769,7 @@ void kf_compact_prep_free(kf_compact_prep *x, kf_seq *keep) {
     if (x->own_arena.storage)
         kf_arena_free(&x->own_arena);
     kf_refq_free(&x->rq);
+    kf_refq_free(&x->ctxq);
     if (x->src)
         free(x->src[1].ids_owned);
     free(x->src), free(x->rows), free(x->first), free(x->forks);
@@ -1240,6 +1255,8 @@ typedef struct {
  * pool; solve the layer's heads for every variant. */
 static kf_status solve_on_layer(void *ctx, int l, kf_error *err) {
     solve_hook *h = ctx;
+    if (h->x->ctxq.n_pos > 0)
+        context_rows_load(h->x, l);
     return solve_layer(h->x, h->w, h->n, l, h->K, h->V, h->j, err);
 }
 

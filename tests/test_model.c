@@ -321,6 +321,38 @@ static void test_capture_into_refq_pool(void) {
     CU_ASSERT_EQUAL(bad, 0);
     CU_ASSERT(untouched);
 
+    /* a pool holding one layer (the compaction's): every layer captures into the same slot, so
+     * after the forward it holds the last layer's rows, read with the model's layer index */
+    kf_refq r1;
+    CU_ASSERT_EQUAL(kf_refq_init_held(&r1, L, 0, kvh, hd, G, N_POS, 0, &err), KF_ERR_INVALID);
+    CU_ASSERT_EQUAL_FATAL(kf_refq_init_held(&r1, L, 1, kvh, hd, G, N_POS, 0, &err), KF_OK);
+    float **dst1 = calloc((size_t)L, sizeof *dst1);
+    for (int l = 0; l < L; l++)
+        dst1[l] = kf_refq_capture_dst(&r1, l, FIRST);
+    CU_ASSERT_PTR_EQUAL(dst1[0], dst1[L - 1]);
+    {
+        kf_arena a1;
+        kf_seq s1;
+        kf_seq_init(&s1);
+        CU_ASSERT_EQUAL_FATAL(kf_model_arena(f->m, &a1, 100, &err), KF_OK);
+        kf_forward_args f1 = {.ids = f->ids, .n_tokens = 100, .chunk = 32, .capture_rows = rows,
+                              .n_capture_rows = N_ROWS, .queries = dst1, .queries_row_stride = (size_t)hd,
+                              .queries_head_stride = kf_refq_head_stride(&r1)};
+        CU_ASSERT_EQUAL_FATAL(kf_model_forward(f->m, &a1, &s1, &f1, &err), KF_OK);
+        kf_seq_release(&a1, &s1);
+        kf_arena_free(&a1);
+    }
+    int bad1 = 0;
+    for (int g = 0; g < kvh; g++)
+        for (int j = 0; j < G; j++)
+            for (int p = FIRST; p < FIRST + N_ROWS; p++)
+                bad1 += memcmp(kf_refq_rows(&r1, L - 1, g) + ((size_t)j * N_POS + p) * hd,
+                               flat[L - 1] + ((size_t)(p - FIRST) * nh + g * G + j) * hd, sizeof(float) * hd) != 0;
+    CU_ASSERT_EQUAL(bad1, 0);
+    CU_ASSERT_PTR_EQUAL(kf_refq_rows(&r1, 0, 1), kf_refq_rows(&r1, L - 1, 1));
+    free(dst1);
+    kf_refq_free(&r1);
+
     /* a bf16 pool: every value the fp32 capture's rounded to nearest even (formats/kvf's rounding) */
     kf_refq rh;
     CU_ASSERT_EQUAL_FATAL(kf_refq_init(&rh, L, kvh, hd, G, N_POS, 1, &err), KF_OK);
@@ -779,7 +811,7 @@ static CU_TestInfo qwen_tests[] = {
     {"golden tensors (hf-qwen3-tiny)", test_qwen_golden},
     {"chunk sizes 1, 7, 16, 64, whole", test_qwen_chunks},
     {"fork and rewind reproduce a fresh prefill", test_fork_reproduces_fresh_prefill},
-    {"queries captured straight into the reference-query pool", test_capture_into_refq_pool},
+    {"queries captured straight into the reference-query pool (all layers, one layer)", test_capture_into_refq_pool},
     {"layer-major forward: bit-identical to kf_model_forward", test_layer_major_forward},
     {"bad forward arguments", test_forward_rejects_bad_input},
     {"decoding through a plan allocates nothing", test_plan_reused_by_decoding},
