@@ -230,21 +230,25 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *   KD = kvh d, pg(n) = ceil(n / 16) (16-token pages);
  *   D context tokens, T of them the document (the compacted block), S the longest reference
  *   source run on top of the context (the repeat prompt: instruction + document), N = D + S;
- *   P, p: the tokens and count of the other sources holding validation rows (probes; 0 without
- *   the per-head choice); R reference queries per KV head, Rv of them held out for the choice;
+ *   P, p: the tokens and count of the other sources (probes); R reference queries per KV head,
+ *   Rv of them held out for the choice, Rc of them the context's own (use_context_queries);
  *   t kept keys per head, C = D - T + t; c the prefill chunk; A the attention pool's threads;
- *   h the KV heads solved at once (1 today), ws one head's fitting workspace:
+ *   h the KV heads solved at once (1 today), ws one head's fitting workspace.
+ *   The sources run layer by layer, all of them together (kf_compact_solve), each layer solved
+ *   before the next runs:
  *
  *   peak    = weights + arena + queries + forward + solve + output + base
  *   weights = 4 (V H (2 - tied) + H + L (2 H QD + 2 H KD + 3 H I + 2 H + 2 d qk_norm))
  *   arena   = 128 L KD (pg(D) + pg(N) - floor(D / 16) + pg(P) + 2 p)
- *               fp32 K and V pages: the context; the longest source on its fork (the context's
- *               partly filled last page copied); the other validation prompts kept beside it
- *   queries = e L kvh R d                         the pool, [L, kvh, R, d], held once: e = 4 (fp32)
- *                                                 or 2 (refq_bf16)
- *   forward = kf_forward_plan_bytes(min(c, max(D, S)), 0) + 8 N KD + 512 A N
- *               the plan's scratch; the attention's gathered K/V and A score tiles over N keys
- *   solve   = 8 D KD + 8 (S + P) KD [choice]      one layer's K/V, and of the validation prompts
+ *               fp32 K and V pages, every layer: the context; each source on its fork (the
+ *               context's partly filled last page copied), all of them at once
+ *   queries = e kvh R d + e L kvh Rc d            the pool, one layer [kvh, R, d], reused layer after
+ *                                                 layer; the context's own rows, every layer (captured
+ *                                                 by the prefill): e = 4 (fp32) or 2 (refq_bf16)
+ *   forward = kf_forward_plan_bytes(min(c, max(D, S)), 0) + 8 N KD + 512 A N + 4 H (S + P)
+ *               the plan's scratch; the attention's gathered K/V and A score tiles over N keys;
+ *               the sources' residual streams between layers
+ *   solve   = 8 D KD + 8 (S + P) KD [choice]      one layer's K/V, and of the sources' validation prompts
  *           + h (4 R (d + 2) + 4 T                AM's targets (m, y, Y) and scores
  *                + [choice] 4 R (2 d + 2) + 12 Rv + 8 Rv d + 16 Rv
  *                                                 the training/validation split, validation outputs
@@ -260,9 +264,10 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  * n > 1) add an output and head buffers each. QUOKA prefill, the GPU backend and a caller's arena
  * are not covered. */
 typedef struct {
-    int64_t D, T, S, P;   /* context, document, longest source, other kept validation prompts (tokens) */
+    int64_t D, T, S, P;   /* context, document, longest source, the other sources (tokens) */
     int n_p;              /* count of those other sources */
-    int64_t R, Rv, t;     /* reference queries and held-out ones per KV head; kept keys per head */
+    int64_t R, Rv, Rc, t; /* reference queries, held-out ones and the context's own per KV head; kept keys
+                             per head */
     int choice;           /* the per-head choice runs (validation prompts kept, the split built) */
     int refq_bf16;        /* reference queries stored in bf16 */
     int chunk;            /* prefill chunk (0: KF_DEFAULT_CHUNK) */
@@ -278,7 +283,7 @@ typedef struct {
 /* ws of the formula for R rows, t kept keys, head_dim d. */
 int64_t kf_compact_head_ws_bytes(int64_t R, int64_t t, int d);
 /* The shape kf_compact runs for model c, parameters p (method and budget included) and a context
- * of n_pre + n_doc + n_suf tokens; Rv estimated for the expected share of non-context rows. */
+ * of n_pre + n_doc + n_suf tokens; Rv and Rc estimated for the expected shares of the sampled rows. */
 void kf_compact_mem_shape(const kf_hfconfig *c, const kf_compact_params *p, int64_t n_pre, int64_t n_doc,
                           int64_t n_suf, int attn_threads, kf_mem_shape *out);
 /* The formula above: the total in bytes, each term in *terms (may be NULL). */

@@ -328,12 +328,12 @@ static void test_prep_arena_pages(void) {
 }
 
 /* The memory formula (compact.h) on a hand-computed case: L 2, H 64, I 128, V 100 (tied), 4 heads
- * over 2 KV heads of d 16 with q/k norms; D 40 (T 32), S 38, one 7-token probe kept, R 100, Rv 20,
+ * over 2 KV heads of d 16 with q/k norms; D 40 (T 32), S 38, one 7-token probe, R 100, Rv 20, Rc 20,
  * t 8, chunk 16, 2 attention threads, ws 50,000 bytes. Every term by hand:
  *   weights 4 (6,400 + 64 + 2 (8,192 + 4,096 + 24,576 + 128 + 32))             = 322,048
  *   arena   128 * 2 * 32 * (pg 40 = 3 + pg 78 = 5 - 2 + pg 7 = 1 + 2)            = 73,728
- *   queries 4 * 2 * 2 * 100 * 16                                               = 25,600
- *   forward 4 * 16 * 576 + 8 * 16 + 8 * 78 * 32 + 512 * 2 * 78                 = 136,832
+ *   queries 4 * 2 * 100 * 16 (one layer) + 4 * 2 * 2 * 20 * 16 (context rows)   = 17,920
+ *   forward 4 * 16 * 576 + 8 * 16 + 8 * 78 * 32 + 512 * 2 * 78 + 4 * 64 * 45     = 148,352
  *   solve   8 * 40 * 32 + 8 * 45 * 32 + 7,200 + 128 + 13,600 + 240 + 2,560 + 320
  *           + 2,048 + 64 + max(50,000, 1,032 * 32)                             = 97,920
  *   output  2 * 16 * (256 + 16) + 2 * 2 * 73                                   = 8,996
@@ -343,18 +343,18 @@ static void test_memory_formula(void) {
     kf_hfconfig c = {0};
     c.n_layers = 2, c.hidden_size = 64, c.intermediate_size = 128, c.vocab_size = 100, c.n_heads = 4;
     c.n_kv_heads = 2, c.head_dim = 16, c.tie_word_embeddings = 1, c.has_qk_norm = 1;
-    const kf_mem_shape sh = {.D = 40, .T = 32, .S = 38, .P = 7, .n_p = 1, .R = 100, .Rv = 20, .t = 8, .choice = 1,
+    const kf_mem_shape sh = {.D = 40, .T = 32, .S = 38, .P = 7, .n_p = 1, .R = 100, .Rv = 20, .Rc = 20, .t = 8, .choice = 1,
                              .chunk = 16, .attn_threads = 2, .solve_heads = 1, .head_ws = 50000};
     kf_mem_peak m;
     const int64_t total = kf_compact_peak_bytes(&c, &sh, &m);
     CU_ASSERT_EQUAL(m.weights, 322048);
     CU_ASSERT_EQUAL(m.arena, 73728);
-    CU_ASSERT_EQUAL(m.queries, 25600);
-    CU_ASSERT_EQUAL(m.forward, 136832);
+    CU_ASSERT_EQUAL(m.queries, 17920);
+    CU_ASSERT_EQUAL(m.forward, 148352);
     CU_ASSERT_EQUAL(m.solve, 97920);
     CU_ASSERT_EQUAL(m.output, 8996);
     CU_ASSERT_EQUAL(m.base, 33554432);
-    CU_ASSERT_EQUAL(total, 34219556);
+    CU_ASSERT_EQUAL(total, 34223396);
     CU_ASSERT_EQUAL(m.total, total);
     /* ws = 12 R t + 8 R d + 8 t^2 + 8 t d */
     CU_ASSERT_EQUAL(kf_compact_head_ws_bytes(100, 8, 16), 9600 + 12800 + 512 + 1024);
@@ -363,7 +363,7 @@ static void test_memory_formula(void) {
     sh16.refq_bf16 = 1;
     kf_mem_peak m16;
     kf_compact_peak_bytes(&c, &sh16, &m16);
-    CU_ASSERT(m16.queries == 12800 && m16.solve == 97920 + 6400 && m16.total == total - 12800 + 6400);
+    CU_ASSERT(m16.queries == 8960 && m16.solve == 97920 + 6400 && m16.total == total - 8960 + 6400);
 
     /* the weights term counts what the model loads */
     kf_mem_shape real;
@@ -372,7 +372,7 @@ static void test_memory_formula(void) {
     kf_compact_peak_bytes(kf_model_config(g_m), &real, &m);
     CU_ASSERT_EQUAL(m.weights, 4 * kf_model_n_params(g_m));
     /* and the shape is the one kf_compact runs: 2 x 206 positions, 2 x 41 held out, t 50 */
-    CU_ASSERT(real.R == 412 && real.Rv == 82 && real.t == 50 && real.S == 206 && real.choice == 1);
+    CU_ASSERT(real.R == 412 && real.Rv == 82 && real.t == 50 && real.S == 206 && real.choice == 1 && real.Rc == 0);
     kf_compacted out;
     kf_error err = {0};
     const kf_prompt doc = {g_doc, 200};
