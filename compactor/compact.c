@@ -454,7 +454,9 @@ struct kf_compact_prep {
     int32_t *rows;             /* [n_pos] each sampled position's row in its source's forward (source 0: in
                                   the context's) */
     int64_t *first;            /* [n_sources + 1] source i's sampled positions are first[i] .. first[i + 1] - 1 */
-    kf_seq *forks;             /* [n_sources] source i >= 1's fork of the context while the sources run */
+    kf_arena src_ar;           /* while the sources run: one layer of the context (src_ctx) and of their forks */
+    kf_seq src_ctx;            /* the context's pages in src_ar (D tokens, the layer being run) */
+    kf_seq *forks;             /* [n_sources] source i >= 1's fork of src_ctx in src_ar while the sources run */
     kf_refq rq;                /* reference queries, one layer at a time: [kvh][R, d] */
     kf_refq ctxq;              /* the context's own rows (use_context_queries), every layer: [L][kvh][G n_ctx, d] */
     uint8_t *pos_kind, *is_val; /* validation plan, [n_pos] each (NULL: no variant needs it) */
@@ -618,9 +620,77 @@ static void source_args(const kf_compact_prep *x, int i, capture_to *dst, kf_quo
     }
 }
 
-/* Every source i >= 1 on its own fork of the context (KV rewind: the context's pages are never
- * written), layer-major through kf_model_forward_layers with hook (the per-layer solve); the forks
- * are released afterwards. x->refq_s: the sources' forward seconds summed over the layers. */
+/* Pages a source of n tokens run on a fork of the D-token context takes: its own pages past the
+ * context's full ones (a partly filled last context page is copied on write). */
+static int64_t fork_pages(int64_t D, int64_t n) {
+    return kf_pages_for(D + n) - D / KF_PAGE_TOKENS;
+}
+
+/* The sources' own arena: pages of one layer (kf_arena_init_held), holding the context's layer
+ * being run (x->src_ctx) and every source's fork of it; the sources never write the context's arena. */
+static kf_status sources_arena(kf_compact_prep *x, kf_error *err) {
+    int64_t pages = kf_pages_for(x->D);
+    for (int i = 1; i < x->n_sources; i++)
+        pages += x->src[i].n > 0 ? fork_pages(x->D, x->src[i].n) : 0;
+    KF_TRY(kf_arena_init_held(&x->src_ar, kf_model_backend(x->m), x->L, 1, x->kvh, x->d, (int)pages, err));
+    KF_TRY(kf_seq_reserve(&x->src_ar, &x->src_ctx, x->D, err));
+    x->src_ctx.len = x->D;
+    return KF_OK;
+}
+
+static void sources_arena_free(kf_compact_prep *x) {
+    for (int i = 0; x->forks && i < x->n_sources; i++)
+        kf_seq_release(&x->src_ar, &x->forks[i]);
+    if (x->src_ar.storage) {
+        kf_seq_release(&x->src_ar, &x->src_ctx);
+        kf_arena_free(&x->src_ar);
+    }
+}
+
+/* K and V of page sp, layer slot of src, to page dp of dst (16 tokens). */
+static void copy_page_layer(kf_backend *b, const kf_paged_kv *src, int32_t sp, const kf_paged_kv *dst, int32_t dp,
+                            size_t floats) {
+    b->copy(b, dst->k + (size_t)dp * dst->page_stride, src->k + (size_t)sp * src->page_stride, sizeof(float) * floats);
+    b->copy(b, dst->v + (size_t)dp * dst->page_stride, src->v + (size_t)sp * src->page_stride, sizeof(float) * floats);
+}
+
+/* Before the sources' layer l: the context's layer l into the sources' arena, its pages and each
+ * fork's own copy of the context's partly filled last page (whose other slots the source rewrites
+ * in layer l before reading them: they still hold layer l - 1). */
+static void context_layer_copy(kf_compact_prep *x, int l) {
+    kf_backend *b = kf_model_backend(x->m);
+    const kf_paged_kv src = kf_arena_layer(x->ar, l), dst = kf_arena_layer(&x->src_ar, l);
+    const int np = kf_pages_for(x->D);
+    for (int i = 0; i < np; i++)
+        copy_page_layer(b, &src, x->seq.pages[i], &dst, x->src_ctx.pages[i], x->ar->block);
+    for (int i = 1; x->D % KF_PAGE_TOKENS && i < x->n_sources; i++)
+        if (x->forks[i].n_pages >= np && x->forks[i].pages[np - 1] != x->src_ctx.pages[np - 1])
+            copy_page_layer(b, &src, x->seq.pages[np - 1], &dst, x->forks[i].pages[np - 1], x->ar->block);
+}
+
+/* kf_model_forward_layers' hook for the sources: the context's layer copied in before, the
+ * caller's on_layer after. */
+typedef struct {
+    kf_compact_prep *x;
+    const kf_layer_hook *inner;
+} sources_hook;
+
+static kf_status sources_before(void *ctx, int l, kf_error *err) {
+    (void)err;
+    const sources_hook *h = ctx;
+    context_layer_copy(h->x, l);
+    return KF_OK;
+}
+
+static kf_status sources_after(void *ctx, int l, kf_error *err) {
+    const sources_hook *h = ctx;
+    return h->inner->on_layer ? h->inner->on_layer(h->inner->ctx, l, err) : KF_OK;
+}
+
+/* Every source i >= 1 on its own fork of the context in the sources' one-layer arena (KV rewind:
+ * the context's pages are never written), layer-major through kf_model_forward_layers, hook's
+ * on_layer after each layer (the per-layer solve); the sources' arena is freed afterwards.
+ * x->refq_s: the sources' forward seconds summed over the layers. */
 static kf_status run_sources(kf_compact_prep *x, const kf_layer_hook *hook, kf_error *err) {
     const int n = x->n_sources, L = x->L;
     kf_forward_pass *passes = calloc((size_t)n, sizeof *passes);
@@ -632,50 +702,34 @@ static kf_status run_sources(kf_compact_prep *x, const kf_layer_hook *hook, kf_e
     kf_quoka_params qk;
     kf_status rc = !passes || !fa || !dst || !qp || !hp || !pass_s ? kf_fail(err, KF_ERR_NOMEM, "compact: out of memory")
                                                                    : KF_OK;
+    if (rc == KF_OK)
+        rc = sources_arena(x, err);
     int np = 0;
     for (int i = 1; i < n && rc == KF_OK; i++) {
         if (x->src[i].n == 0)
             continue;
         dst[i] = (capture_to){qp + (size_t)i * L, hp + (size_t)i * L};
         source_args(x, i, &dst[i], &qk, &fa[i]);
-        rc = kf_seq_fork(x->ar, &x->seq, x->D, &x->forks[i], err);
+        rc = kf_seq_fork(&x->src_ar, &x->src_ctx, x->D, &x->forks[i], err);
         passes[np++] = (kf_forward_pass){&x->forks[i], &fa[i]};
     }
     if (rc == KF_OK && x->p.progress)
         x->p.progress(x->p.progress_ctx, "repeat", 1, x->n_sources);
-    const kf_layer_hook h = {hook->on_layer, hook->ctx, pass_s};
+    sources_hook sh = {x, hook};
+    const kf_layer_hook h = {.before_layer = sources_before, .on_layer = sources_after, .ctx = &sh, .pass_s = pass_s};
     if (rc == KF_OK)
-        rc = kf_model_forward_layers(x->m, x->ar, passes, np, &h, err);
+        rc = kf_model_forward_layers(x->m, &x->src_ar, passes, np, &h, err);
     x->refq_s = 0;
     for (int i = 0; pass_s && i < np; i++)
         x->refq_s += pass_s[i];
-    for (int i = 0; i < n; i++)
-        kf_seq_release(x->ar, &x->forks[i]);
+    sources_arena_free(x);
     free(passes), free(fa), free(dst), free(qp), free(hp), free(pass_s);
     return rc;
 }
 
-/* Pages a source of n tokens run on a fork of the D-token context takes: its own pages past the
- * context's full ones (a partly filled last context page is copied on write). */
-static int64_t fork_pages(int64_t D, int64_t n) {
-    return kf_pages_for(D + n) - D / KF_PAGE_TOKENS;
-}
-
 int64_t kf_compact_arena_pages(const kf_compact_params *p, int64_t n_ctx, int n_doc) {
-    int64_t pages = kf_pages_for(n_ctx);
-    if (p->repeat_instruction.n > 0)
-        pages += fork_pages(n_ctx, (int64_t)p->repeat_instruction.n + n_doc);
-    for (int i = 0; i < p->n_probes; i++)
-        pages += p->probes[i].n > 0 ? fork_pages(n_ctx, p->probes[i].n) : 0;
-    return pages;
-}
-
-/* The own arena: the context, and every source whole on its fork (they run layer by layer together). */
-static int64_t arena_pages(const kf_compact_prep *x, const source *src) {
-    int64_t pages = kf_pages_for(x->D);
-    for (int i = 1; i < x->n_sources; i++)
-        pages += src[i].n > 0 ? fork_pages(x->D, src[i].n) : 0;
-    return pages;
+    (void)p, (void)n_doc; /* the sources run in an arena of their own */
+    return kf_pages_for(n_ctx);
 }
 
 /* Sources, subsample, validation plan, arena, then the context's prefill. */
@@ -703,7 +757,7 @@ static kf_status prepare_run(kf_compact_prep *x, const kf_compact_reuse *reuse, 
                              &x->pos_src, &x->pos_local, &x->is_val, &x->n_val_pos, &x->ap, err);
     x->ap.fork = x->forks;
     if (rc == KF_OK && x->ar == &x->own_arena)
-        rc = kf_model_arena(x->m, x->ar, arena_pages(x, x->src) * KF_PAGE_TOKENS, err);
+        rc = kf_model_arena(x->m, x->ar, kf_pages_for(x->D) * KF_PAGE_TOKENS, err);
     if (rc == KF_OK)
         rc = run_prefill(x, reuse, shared, ctx_ids, &qdst, err);
     free(qdst.q), free(qdst.qh);
@@ -760,8 +814,6 @@ void kf_compact_prep_free(kf_compact_prep *x, kf_seq *keep) {
     if (!x)
         return;
     appended_free(&x->ap);
-    for (int i = 0; x->forks && i < x->n_sources; i++) /* a run stopped by a failure */
-        kf_seq_release(x->ar, &x->forks[i]);
     if (keep)
         *keep = x->seq; /* the caller now owns these pages */
     else
@@ -1223,7 +1275,7 @@ static kf_status solve_layer(kf_compact_prep *x, variant_ws *w, int n, int l, fl
                              kf_error *err) {
     KF_TRY(kf_seq_read_kv(x->ar, &x->seq, l, 0, x->D, K, V, err));
     if (j->any_choice)
-        KF_TRY(appended_load(x->ar, x->D, &x->ap, l, err));
+        KF_TRY(appended_load(&x->src_ar, x->D, &x->ap, l, err));
     if (x->p.progress)
         x->p.progress(x->p.progress_ctx, "compact", l, x->L);
     for (int i = 0; i < n; i++)
@@ -1299,7 +1351,7 @@ kf_status kf_compact_solve(kf_compact_prep *x, const kf_compact_variant *v, int 
     if (rc == KF_OK)
         rc = job_init(x, w, n, any_choice, threads, &j, err);
     solve_hook sh = {x, w, n, K, V, &j};
-    const kf_layer_hook hook = {solve_on_layer, &sh, NULL};
+    const kf_layer_hook hook = {.on_layer = solve_on_layer, .ctx = &sh};
     if (rc == KF_OK)
         rc = run_sources(x, &hook, err);
     for (int i = 0; i < n; i++) {

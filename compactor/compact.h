@@ -239,8 +239,9 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *
  *   peak    = weights + arena + queries + forward + solve + output + base
  *   weights = 4 (V H (2 - tied) + H + L (2 H QD + 2 H KD + 3 H I + 2 H + 2 d qk_norm))
- *   arena   = 128 L KD (pg(D) + pg(N) - floor(D / 16) + pg(P) + 2 p)
- *               fp32 K and V pages, every layer: the context; each source on its fork (the
+ *   arena   = 128 L KD pg(D) + 128 KD (pg(D) + pg(N) - floor(D / 16) + pg(P) + 2 p)
+ *               fp32 K and V pages: the context, every layer; the sources' own arena of one
+ *               layer: the context's layer being run and each source on its fork of it (the
  *               context's partly filled last page copied), all of them at once
  *   queries = e kvh R d + e L kvh Rc d            the pool, one layer [kvh, R, d], reused layer after
  *                                                 layer; the context's own rows, every layer (captured

@@ -47,8 +47,8 @@ int64_t kf_compact_peak_bytes(const kf_hfconfig *c, const kf_mem_shape *s, kf_me
     kf_mem_peak m = {0};
     m.weights = 4 * (V * H * (c->tie_word_embeddings ? 1 : 2) + H +
                      L * (2 * H * QD + 2 * H * KD + 3 * H * I + 2 * H + (c->has_qk_norm ? 2 * d : 0)));
-    const int64_t pages = pg(s->D) + pg(N) - s->D / KF_PAGE_TOKENS + pg(s->P) + 2 * s->n_p;
-    m.arena = 128 * L * KD * pages;
+    const int64_t src_pages = pg(s->D) + pg(N) - s->D / KF_PAGE_TOKENS + pg(s->P) + 2 * s->n_p;
+    m.arena = 128 * L * KD * pg(s->D) + 128 * KD * src_pages;
     m.queries = (s->refq_bf16 ? 2 : 4) * (kvh * R * d + L * kvh * s->Rc * d);
     int64_t chunk = s->chunk > 0 ? s->chunk : KF_DEFAULT_CHUNK, longest = s->D > s->S ? s->D : s->S;
     chunk = chunk < longest ? chunk : longest;

@@ -692,6 +692,8 @@ static double wall_s(void) {
 static kf_status run_layer(kf_model *m, kf_forward_plan *p, kf_arena *a, const kf_forward_pass *passes, int n,
                            pass_state *st, int l, const kf_layer_hook *hook, kf_error *err) {
     kf_backend *b = m->b;
+    if (hook && hook->before_layer)
+        KF_TRY(hook->before_layer(hook->ctx, l, err));
     for (int i = 0; i < n; i++) {
         const kf_forward_args *args = passes[i].args;
         if (args->n_tokens == 0)

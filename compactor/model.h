@@ -116,8 +116,10 @@ kf_status kf_model_forward(kf_model *m, kf_arena *a, kf_seq *seq, const kf_forwa
  * are fine: each reserves its own copy of a shared partial page) and share one plan (the first
  * pass's args->plan, NULL: the model's own). In on_layer(l), every pass's layers <= l are in the
  * arena (read them with kf_seq_read_kv; seq->len advances only when the whole call succeeds), and
- * its queries of layer l are captured: a capture buffer may be reused from one layer to the next.
- * A status other than KF_OK from on_layer stops the forward and is returned. args->progress is
+ * its queries of layer l are captured: a capture buffer may be reused from one layer to the next;
+ * before_layer(l) runs before any pass's layer l (an arena of fewer layers, kf_arena_init_held,
+ * can be given the keys its passes read there). A status other than KF_OK from either stops the
+ * forward and is returned. args->progress is
  * called after each layer with (tokens * (l + 1) / n_layers, tokens). */
 typedef struct {
     kf_seq *seq;
@@ -125,6 +127,7 @@ typedef struct {
 } kf_forward_pass;
 
 typedef struct {
+    kf_status (*before_layer)(void *ctx, int layer, kf_error *err); /* NULL, or called before layer l runs */
     kf_status (*on_layer)(void *ctx, int layer, kf_error *err); /* NULL: none */
     void *ctx;
     double *pass_s; /* NULL or [n passes]: each pass's forward seconds are added to it */

@@ -285,12 +285,11 @@ static void test_shared_stages_equal_separate(void) {
     CU_ASSERT_PTR_NULL(prep);
 }
 
-/* A caller's arena of exactly kf_compact_arena_pages pages (by hand: a 203-token context takes 13
- * pages; the repeat prompt of 209 tokens on a fork of it 26 - 12 = 14, its first page a copy of
- * the context's partly filled last one; the 7-token probe 14 - 12 = 2: 29) is enough, and one page
- * less is not: the sources run layer by layer together, each on its fork, inside kf_compact_solve
- * (with or without the per-head choice); after kf_compact_prepare only the context is held, after
- * the solve nothing but the context, after kf_compact_prep_free nothing. */
+/* A caller's arena of exactly kf_compact_arena_pages pages (a 203-token context: 13 pages) is
+ * enough and one page less is not: the reference sources (a 209-token repeat prompt, a 7-token
+ * probe) run layer by layer in an arena of their own inside kf_compact_solve (with or without the
+ * per-head choice), so the caller's holds the context alone, from kf_compact_prepare to
+ * kf_compact_prep_free, and nothing after. */
 static void test_prep_arena_pages(void) {
     kf_error err = {0};
     kf_compact_params p = params(KF_METHOD_FOLD, 0.25);
@@ -298,31 +297,29 @@ static void test_prep_arena_pages(void) {
     p.probes = &probe;
     p.n_probes = 1;
     const int64_t pages = kf_compact_arena_pages(&p, 203, 203);
-    CU_ASSERT_EQUAL_FATAL(pages, 29);
+    CU_ASSERT_EQUAL_FATAL(pages, 13);
     const kf_compact_variant fold = {KF_METHOD_FOLD, 0.25}, keep = {KF_METHOD_KEEP, 0.25};
-    for (int run = 0; run < 4; run++) {
-        const int choice = run % 2 == 0, short_by_one = run >= 2;
+    for (int run = 0; run < 3; run++) {
+        const int choice = run != 1, short_by_one = run == 2;
         kf_arena a;
-        CU_ASSERT_EQUAL_FATAL(kf_model_arena(g_m, &a, (pages - 1 - short_by_one) * KF_PAGE_TOKENS, &err), KF_OK);
-        CU_ASSERT_EQUAL_FATAL(a.n_pages, pages - short_by_one);
+        const kf_hfconfig *mc = kf_model_config(g_m);
+        CU_ASSERT_EQUAL_FATAL(kf_arena_init(&a, kf_model_backend(g_m), mc->n_layers, mc->n_kv_heads, mc->head_dim,
+                                            (int)pages - short_by_one, &err), KF_OK);
         const kf_compact_reuse r = {.arena = &a};
         const kf_compact_variant *v = choice ? &fold : &keep;
         kf_compact_prep *prep = NULL;
         kf_compacted c;
         kf_status st = kf_compact_prepare(g_m, &r, NULL, &doc, NULL, &p, v, 1, &prep, &err);
-        if (st != KF_OK)
-            fprintf(stderr, "prepare (choice %d): %s\n", choice, err.msg);
-        CU_ASSERT_EQUAL_FATAL(st, KF_OK);
-        CU_ASSERT_EQUAL(a.n_pages - a.n_free, 13);
-        st = kf_compact_solve(prep, v, 1, &c, &err);
         CU_ASSERT_EQUAL(st, short_by_one ? KF_ERR_NOSPACE : KF_OK);
-        CU_ASSERT_EQUAL(a.n_pages - a.n_free, 13);
-        kf_compact_prep_free(prep, NULL);
-        CU_ASSERT_EQUAL(a.n_free, a.n_pages);
         if (st == KF_OK) {
+            CU_ASSERT_EQUAL(a.n_pages - a.n_free, 13);
+            CU_ASSERT_EQUAL_FATAL(kf_compact_solve(prep, v, 1, &c, &err), KF_OK);
+            CU_ASSERT_EQUAL(a.n_pages - a.n_free, 13);
             CU_ASSERT_EQUAL(c.stats.n_val_queries > 0, choice);
             kf_compacted_free(&c);
         }
+        kf_compact_prep_free(prep, NULL);
+        CU_ASSERT_EQUAL(a.n_free, a.n_pages);
         kf_arena_free(&a);
     }
 }
@@ -331,7 +328,7 @@ static void test_prep_arena_pages(void) {
  * over 2 KV heads of d 16 with q/k norms; D 40 (T 32), S 38, one 7-token probe, R 100, Rv 20, Rc 20,
  * t 8, chunk 16, 2 attention threads, ws 50,000 bytes. Every term by hand:
  *   weights 4 (6,400 + 64 + 2 (8,192 + 4,096 + 24,576 + 128 + 32))             = 322,048
- *   arena   128 * 2 * 32 * (pg 40 = 3 + pg 78 = 5 - 2 + pg 7 = 1 + 2)            = 73,728
+ *   arena   128 * 2 * 32 * pg 40 = 3 + 128 * 32 * (3 + pg 78 = 5 - 2 + pg 7 = 1 + 2) = 61,440
  *   queries 4 * 2 * 100 * 16 (one layer) + 4 * 2 * 2 * 20 * 16 (context rows)   = 17,920
  *   forward 4 * 16 * 576 + 8 * 16 + 8 * 78 * 32 + 512 * 2 * 78 + 4 * 64 * 45     = 148,352
  *   solve   8 * 40 * 32 + 8 * 45 * 32 + 7,200 + 128 + 13,600 + 240 + 2,560 + 320
@@ -348,13 +345,13 @@ static void test_memory_formula(void) {
     kf_mem_peak m;
     const int64_t total = kf_compact_peak_bytes(&c, &sh, &m);
     CU_ASSERT_EQUAL(m.weights, 322048);
-    CU_ASSERT_EQUAL(m.arena, 73728);
+    CU_ASSERT_EQUAL(m.arena, 61440);
     CU_ASSERT_EQUAL(m.queries, 17920);
     CU_ASSERT_EQUAL(m.forward, 148352);
     CU_ASSERT_EQUAL(m.solve, 97920);
     CU_ASSERT_EQUAL(m.output, 8996);
     CU_ASSERT_EQUAL(m.base, 33554432);
-    CU_ASSERT_EQUAL(total, 34223396);
+    CU_ASSERT_EQUAL(total, 34211108);
     CU_ASSERT_EQUAL(m.total, total);
     /* ws = 12 R t + 8 R d + 8 t^2 + 8 t d */
     CU_ASSERT_EQUAL(kf_compact_head_ws_bytes(100, 8, 16), 9600 + 12800 + 512 + 1024);

@@ -546,7 +546,7 @@ static void test_layer_major_forward(void) {
     }
     lm_hook_ctx hc = {f, &a, &ra, seq, rseq, 0, 0, -1};
     double pass_s[LM_PASSES] = {0};
-    const kf_layer_hook hook = {lm_on_layer, &hc, pass_s};
+    const kf_layer_hook hook = {.on_layer = lm_on_layer, .ctx = &hc, .pass_s = pass_s};
     CU_ASSERT_EQUAL_FATAL(kf_model_forward_layers(f->m, &a, passes, LM_PASSES, &hook, &err), KF_OK);
     CU_ASSERT_EQUAL(hc.calls, L);
     CU_ASSERT_EQUAL(hc.kv_bad, 0);
@@ -571,7 +571,7 @@ static void test_layer_major_forward(void) {
         passes[i].seq = &more[i];
     }
     lm_hook_ctx stop = {f, &a, &a, more, more, 0, 0, 1};
-    const kf_layer_hook hs = {lm_on_layer, &stop, NULL};
+    const kf_layer_hook hs = {.on_layer = lm_on_layer, .ctx = &stop};
     CU_ASSERT_EQUAL(kf_model_forward_layers(f->m, &a, passes, LM_PASSES, &hs, &err), KF_ERR_INVALID);
     CU_ASSERT_STRING_EQUAL(err.msg, "stop at layer 1");
     CU_ASSERT_EQUAL(stop.calls, 2);
