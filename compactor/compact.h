@@ -4,7 +4,8 @@
  *   1. prefill [prefix | document | suffix] into the paged arena (the context);
  *   2. reference queries (compactor/refq): the repeat prompt (instruction + document again),
  *      optionally the document's own queries and probe prompts, each run on top of the context's
- *      pages and rewound afterwards (the document is prefilled once);
+ *      pages and rewound afterwards (the document is prefilled once), layer by layer: each layer
+ *      of step 3 runs as soon as the sources have passed it;
  *   3. per layer and KV head: AM targets and key selection over the document block, then by method
  *        keep  top-t keys, original values, no bias
  *        drop  top-t keys, values refit without bias
@@ -169,10 +170,8 @@ typedef struct {
 } kf_compact_reuse;
 
 /* Pages kf_compact_prepare may take from a caller's arena for a context of n_ctx tokens (n_doc of
- * them the document) with p's repeat instruction and probes: the context, and every reference
- * source run on a fork of it (its own pages from the context's last, partly filled page on); a
- * source holding validation rows of the per-head choice keeps its pages up to its last such row
- * until kf_compact_prep_free, so the bound counts every source whole. */
+ * them the document) with p's repeat instruction and probes: the context's alone (the reference
+ * sources run in an arena of their own that holds one layer, see kf_compact_solve). */
 int64_t kf_compact_arena_pages(const kf_compact_params *p, int64_t n_ctx, int n_doc);
 
 /* kf_compact with reuse (NULL: exactly kf_compact). Context queries (use_context_queries) need
@@ -182,12 +181,17 @@ kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_pro
 
 /* The stages of kf_compact_ex (issue 14), for work shared between several (method, budget)
  * variants of one document: kf_compact_prepare plans the reference-query sources and their
- * subsample, prefills the context and runs every source on top of it (steps 1-2 above, with
- * kf_compact_ex's reuse rules); kf_compact_solve then reads each layer's K/V once, computes each
- * (layer, KV head)'s AM targets (and the per-head choice's validation split) once, and runs every
- * variant's selection and fits on them (steps 3-4), the KV heads of a layer in parallel on the
- * model's backend (parallel_for; the same bytes for any thread count). Each outs[i] is bit-identical to kf_compact_ex
- * with p's method and budget replaced by v[i]'s. */
+ * subsample and prefills the context (step 1 above, with kf_compact_ex's reuse rules; the
+ * document's own rows, use_context_queries, captured for every layer); kf_compact_solve runs the
+ * sources (step 2) layer by layer, all of them together, each on a fork of the context in an arena
+ * of its own that holds one layer (the context's layer copied in before the sources run it;
+ * kf_model_forward_layers: the chunks of a plain forward, the same bytes), and as soon as they have
+ * passed layer l it solves layer l (steps 3-4): reads its K/V once, computes each KV head's AM
+ * targets (and the per-head choice's validation split, the validation prompts' keys read from the
+ * sources' forks) once, and runs every variant's selection and fits on them, the KV heads in
+ * parallel on the model's backend (parallel_for; the same bytes for any thread count); so one
+ * layer of reference queries exists at a time. Each outs[i] is bit-identical to kf_compact_ex
+ * with p's method and budget replaced by v[i]'s; every kf_compact_solve runs the sources again. */
 typedef struct {
     kf_method method;
     double budget;
@@ -201,8 +205,8 @@ kf_status kf_compact_prepare(kf_model *m, const kf_compact_reuse *reuse, const k
                              const kf_prompt *doc, const kf_prompt *suffix, const kf_compact_params *p,
                              const kf_compact_variant *v, int n, kf_compact_prep **out, kf_error *err);
 /* outs [n], in the compacted frame; on failure every outs[i] is freed (zeroed). The shared work's
- * times (prefill, reference queries, the targets inside select_s, the validation split inside
- * choice_s) appear in every output's stats. */
+ * times (prefill, reference queries: the sources' forwards summed over the layers, the targets
+ * inside select_s, the validation split inside choice_s) appear in every output's stats. */
 kf_status kf_compact_solve(kf_compact_prep *prep, const kf_compact_variant *v, int n, kf_compacted *outs,
                            kf_error *err);
 /* keep: NULL (the context's pages are released), or receives them (reuse->keep). */
