@@ -5,16 +5,24 @@
 
 kf_status kf_arena_init(kf_arena *a, kf_backend *b, int n_layers, int kv_heads, int head_dim, int n_pages,
                         kf_error *err) {
+    return kf_arena_init_held(a, b, n_layers, n_layers, kv_heads, head_dim, n_pages, err);
+}
+
+kf_status kf_arena_init_held(kf_arena *a, kf_backend *b, int n_layers, int n_held, int kv_heads, int head_dim,
+                             int n_pages, kf_error *err) {
     memset(a, 0, sizeof *a);
     if (n_layers <= 0 || kv_heads <= 0 || head_dim <= 0 || n_pages <= 0)
         return kf_fail(err, KF_ERR_INVALID, "KV arena: layers, heads, head_dim and pages must be positive");
+    if (n_held < 1 || n_held > n_layers)
+        return kf_fail(err, KF_ERR_INVALID, "KV arena: %d layers held of %d", n_held, n_layers);
     a->backend = b;
     a->n_layers = n_layers;
+    a->n_held = n_held;
     a->kv_heads = kv_heads;
     a->head_dim = head_dim;
     a->n_pages = n_pages;
     a->block = (size_t)KF_PAGE_TOKENS * kv_heads * head_dim;
-    a->page_stride = (size_t)n_layers * 2 * a->block;
+    a->page_stride = (size_t)n_held * 2 * a->block;
     size_t bytes = (size_t)n_pages * a->page_stride * sizeof(float);
     a->storage = b->alloc(b, bytes);
     a->refcount = calloc((size_t)n_pages, sizeof *a->refcount);
@@ -41,7 +49,7 @@ void kf_arena_free(kf_arena *a) {
 
 kf_paged_kv kf_arena_layer(const kf_arena *a, int layer) {
     kf_paged_kv kv;
-    kv.k = a->storage + (size_t)layer * 2 * a->block;
+    kv.k = a->storage + (size_t)(layer % a->n_held) * 2 * a->block;
     kv.v = kv.k + a->block;
     kv.page_stride = a->page_stride;
     kv.kv_heads = a->kv_heads;

@@ -32,10 +32,12 @@
 typedef struct {
     kf_backend *backend;
     int n_layers;
+    int n_held;           /* layers a page holds: n_layers, or fewer (kf_arena_init_held): layer l in slot
+                             l % n_held, overwritten by layer l + n_held */
     int kv_heads;
     int head_dim;
     int n_pages;
-    float *storage;       /* [n_pages, n_layers, 2, 16, kv_heads, head_dim] backend memory */
+    float *storage;       /* [n_pages, n_held, 2, 16, kv_heads, head_dim] backend memory */
     size_t page_stride;   /* floats per page */
     size_t block;         /* floats per (page, layer, K or V): 16 * kv_heads * head_dim */
     int32_t *refcount;    /* [n_pages] */
@@ -52,6 +54,11 @@ typedef struct {
 
 kf_status kf_arena_init(kf_arena *a, kf_backend *b, int n_layers, int kv_heads, int head_dim, int n_pages,
                         kf_error *err);
+/* An arena whose pages hold n_held (1 .. n_layers) layers, for a model of n_layers: a forward that
+ * runs layer by layer (kf_model_forward_layers) keeps only the layers it still reads (the
+ * compaction's reference sources hold one). */
+kf_status kf_arena_init_held(kf_arena *a, kf_backend *b, int n_layers, int n_held, int kv_heads, int head_dim,
+                             int n_pages, kf_error *err);
 void kf_arena_free(kf_arena *a);
 
 /* Pages needed to hold n tokens. */
@@ -59,7 +66,7 @@ static inline int kf_pages_for(int64_t n_tokens) {
     return (int)((n_tokens + KF_PAGE_TOKENS - 1) / KF_PAGE_TOKENS);
 }
 
-/* The paged view of one layer, for kernels. */
+/* The paged view of one layer (its slot, layer % n_held), for kernels. */
 kf_paged_kv kf_arena_layer(const kf_arena *a, int layer);
 
 void kf_seq_init(kf_seq *s);

@@ -282,25 +282,23 @@ kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, cons
     return rc;
 }
 
-/* The appended prompts of the validation rows: a source i >= 1 holding validation rows keeps the
- * pages of the forward pass that produced its queries, fork[i] (the context's D tokens shared, then
- * the first n[i] tokens of the source), until kf_compact_prep_free; k[i], v[i] [n[i], kv_heads * d]
- * hold one layer of those n[i] tokens (appended_load, before the layer's heads). */
+/* The appended prompts of the validation rows: a source i >= 1 holding validation rows has its
+ * tokens on its fork of the context, fork[i] (the context's D tokens shared, then the source's),
+ * while the sources run layer by layer; k[i], v[i] [n[i], kv_heads * d] hold layer l of its first
+ * n[i] tokens (appended_load, in the layer's hook, before the layer's heads). */
 typedef struct {
-    kf_seq *fork;    /* [n_src], empty where n[i] = 0 */
-    float **k, **v;  /* [n_src] -> [n[i], kv_heads * d], NULL where n[i] = 0 */
-    int64_t *n;      /* [n_src] */
+    const kf_seq *fork; /* [n_src] the prep's forks (x->forks), not owned */
+    float **k, **v;     /* [n_src] -> [n[i], kv_heads * d], NULL where n[i] = 0 */
+    int64_t *n;         /* [n_src] */
     int n_src;
 } appended_kv;
 
-static void appended_free(kf_arena *a, appended_kv *ap) {
+static void appended_free(appended_kv *ap) {
     for (int i = 0; ap->k && i < ap->n_src; i++) {
         free(ap->k[i]);
         free(ap->v[i]);
     }
-    for (int i = 0; ap->fork && i < ap->n_src; i++)
-        kf_seq_release(a, &ap->fork[i]);
-    free(ap->fork), free(ap->k), free(ap->v), free(ap->n);
+    free(ap->k), free(ap->v), free(ap->n);
     memset(ap, 0, sizeof *ap);
 }
 
@@ -407,11 +405,10 @@ static kf_status plan_validation(const source *src, int n_sources, const int64_t
     *pos_src = malloc(sizeof(int) * (size_t)(n_pos ? n_pos : 1));
     *pos_local = malloc(sizeof(int64_t) * (size_t)(n_pos ? n_pos : 1));
     ap->n_src = n_sources;
-    ap->fork = calloc((size_t)n_sources, sizeof *ap->fork);
     ap->k = calloc((size_t)n_sources, sizeof *ap->k);
     ap->v = calloc((size_t)n_sources, sizeof *ap->v);
     ap->n = calloc((size_t)n_sources, sizeof *ap->n);
-    if (!*kind || !*is_val || !*pos_src || !*pos_local || !ap->fork || !ap->k || !ap->v || !ap->n)
+    if (!*kind || !*is_val || !*pos_src || !*pos_local || !ap->k || !ap->v || !ap->n)
         return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the validation split");
     int64_t base = 0, k = 0;
     for (int i = 0; i < n_sources; i++) {
@@ -443,7 +440,7 @@ kf_status kf_compact(kf_model *m, const kf_prompt *prefix, const kf_prompt *doc,
     return kf_compact_ex(m, NULL, prefix, doc, suffix, p, out, err);
 }
 
-/* ---- stages 1-2: plan, prefill, reference queries (kf_compact_prepare) ---- */
+/* ---- stage 1: plan and context prefill (kf_compact_prepare) ---- */
 
 struct kf_compact_prep {
     kf_model *m;
@@ -454,7 +451,15 @@ struct kf_compact_prep {
     kf_arena own_arena;
     kf_arena *ar;              /* own_arena or the caller's */
     kf_seq seq;                /* the context's pages (D tokens) */
-    kf_refq rq;                /* reference queries, [L][kvh][R, d] */
+    source *src;               /* [n_sources] the reference sources (src[1].ids_owned: the repeat prompt) */
+    int32_t *rows;             /* [n_pos] each sampled position's row in its source's forward (source 0: in
+                                  the context's) */
+    int64_t *first;            /* [n_sources + 1] source i's sampled positions are first[i] .. first[i + 1] - 1 */
+    kf_arena src_ar;           /* while the sources run: one layer of the context (src_ctx) and of their forks */
+    kf_seq src_ctx;            /* the context's pages in src_ar (D tokens, the layer being run) */
+    kf_seq *forks;             /* [n_sources] source i >= 1's fork of src_ctx in src_ar while the sources run */
+    kf_refq rq;                /* reference queries, one layer at a time: [kvh][R, d] */
+    kf_refq ctxq;              /* the context's own rows (use_context_queries), every layer: [L][kvh][G n_ctx, d] */
     uint8_t *pos_kind, *is_val; /* validation plan, [n_pos] each (NULL: no variant needs it) */
     int *pos_src;
     int64_t *pos_local, n_val_pos;
@@ -533,90 +538,87 @@ typedef struct {
     uint16_t **qh;
 } capture_to;
 
-static void capture_dst(const kf_compact_prep *x, int64_t first, capture_to *dst) {
-    for (int l = 0; l < x->L; l++) {
-        if (x->rq.q)
-            dst->q[l] = kf_refq_capture_dst(&x->rq, l, first);
+static void capture_dst(const kf_refq *rq, int64_t first, capture_to *dst) {
+    for (int l = 0; l < rq->n_layers; l++) {
+        if (rq->q)
+            dst->q[l] = kf_refq_capture_dst(rq, l, first);
         else
-            dst->qh[l] = kf_refq_capture_dst_bf16(&x->rq, l, first);
+            dst->qh[l] = kf_refq_capture_dst_bf16(rq, l, first);
     }
 }
 
-/* fa's capture of n_rows rows into dst at the pool's strides. */
-static void capture_args(const kf_compact_prep *x, kf_forward_args *fa, int n_rows, const capture_to *dst) {
-    fa->queries = n_rows && x->rq.q ? dst->q : NULL;
-    fa->queries_bf16 = n_rows && x->rq.qh ? dst->qh : NULL;
-    fa->queries_row_stride = (size_t)x->d;
-    fa->queries_head_stride = kf_refq_head_stride(&x->rq);
+/* fa's capture of n_rows rows into dst at rq's strides. */
+static void capture_args(const kf_refq *rq, kf_forward_args *fa, int n_rows, const capture_to *dst) {
+    fa->queries = n_rows && rq->q ? dst->q : NULL;
+    fa->queries_bf16 = n_rows && rq->qh ? dst->qh : NULL;
+    fa->queries_row_stride = (size_t)rq->head_dim;
+    fa->queries_head_stride = kf_refq_head_stride(rq);
 }
 
-/* The forward pass of source i >= 1 on a fork of the context (QUOKA window for the repeat); the fork
- * keeps the first n[i] tokens of the source when it holds validation rows (x->ap), else is released. */
-static kf_status run_source(kf_compact_prep *x, const source *src, int i, const int32_t *rows, int n_rows,
-                            const capture_to *qdst, kf_error *err) {
-    const kf_compact_params *p = &x->p;
-    kf_forward_args fa = {.ids = src[i].ids, .n_tokens = src[i].n, .chunk = p->chunk, .capture_rows = rows,
-                          .n_capture_rows = n_rows};
-    capture_args(x, &fa, n_rows, qdst);
-    kf_quoka_params rq_quoka;
-    if (i == 1 && p->quoka && p->quoka_repeat) {
-        /* the copy token at sequence index D + I + j reads document token j at n_pre + j */
-        rq_quoka = *p->quoka;
-        if (p->quoka_margin >= 0) {
-            rq_quoka.align_start = x->D + p->repeat_instruction.n;
-            rq_quoka.align_shift = x->D + p->repeat_instruction.n - x->n_pre;
-            rq_quoka.align_margin = p->quoka_margin;
-        }
-        fa.quoka = &rq_quoka;
-    }
-    if (p->progress)
-        p->progress(p->progress_ctx, i == 1 ? "repeat" : "probes", i, x->n_sources);
-    const int64_t keep = x->ap.n ? x->ap.n[i] : 0;
-    kf_seq fork;
-    KF_TRY(kf_seq_fork(x->ar, &x->seq, x->D, &fork, err));
-    kf_status rc = kf_model_forward(x->m, x->ar, &fork, &fa, err);
-    if (rc == KF_OK && keep > 0 && (rc = kf_seq_truncate(x->ar, &fork, x->D + keep, err)) == KF_OK) {
-        x->ap.fork[i] = fork; /* the validation rows' prompts, read a layer at a time by the solve */
-        return KF_OK;
-    }
-    kf_seq_release(x->ar, &fork); /* KV rewind: the context's pages are untouched */
-    return rc;
+/* Layer l of the context's own rows (x->ctxq, captured by the prefill) into the pool's positions
+ * 0 .. n - 1, which are theirs (source 0 comes first), before the layer is solved. */
+static void context_rows_load(kf_compact_prep *x, int l) {
+    const kf_refq *c = &x->ctxq;
+    const size_t elem = x->rq.q ? sizeof(float) : sizeof(uint16_t), n = (size_t)c->n_pos * x->d;
+    char *dst = x->rq.q ? (char *)kf_refq_capture_dst(&x->rq, l, 0) : (char *)kf_refq_capture_dst_bf16(&x->rq, l, 0);
+    const char *src = c->q ? (const char *)kf_refq_capture_dst(c, l, 0) : (const char *)kf_refq_capture_dst_bf16(c, l, 0);
+    for (int h = 0; h < x->nh; h++) /* [n_heads, n_pos, d] both, n_pos differing */
+        memcpy(dst + (size_t)h * kf_refq_head_stride(&x->rq) * elem, src + (size_t)h * n * elem, n * elem);
 }
 
-/* Prefill the context (from `shared` on, forking reuse->parent), then each source on top of it;
- * the sampled rows' queries go to x->rq. */
-static kf_status run_forwards(kf_compact_prep *x, const kf_compact_reuse *reuse, int64_t shared,
-                              const int32_t *ctx_ids, const source *src, const int64_t *sample, int64_t n_pos,
-                              int32_t *rows, capture_to *qdst, kf_error *err) {
-    double t0 = now_s();
+/* Every source's capture rows (x->rows, x->first) from the sorted sample [n_pos], and the pool's
+ * source kinds. */
+static void plan_rows(kf_compact_prep *x, const int64_t *sample, int64_t n_pos) {
     int64_t base = 0, k = 0;
     for (int i = 0; i < x->n_sources; i++) {
-        int n_rows = 0;
-        const int64_t first = k;
-        while (k < n_pos && sample[k] < base + src[i].n)
-            rows[n_rows++] = (int32_t)(sample[k++] - base);
-        capture_dst(x, first, qdst);
-        if (i == 0) { /* the context prefill; its document rows are source 0 */
-            for (int r = 0; r < n_rows; r++)
-                rows[r] += x->n_pre;
-            kf_forward_args fa = {.ids = ctx_ids + shared, .n_tokens = (int)(x->D - shared), .chunk = x->p.chunk,
-                                  .capture_rows = rows, .n_capture_rows = n_rows, .quoka = x->p.quoka};
-            capture_args(x, &fa, n_rows, qdst);
-            if (x->p.progress)
-                x->p.progress(x->p.progress_ctx, "prefill", 0, x->D);
-            if (shared > 0)
-                KF_TRY(kf_seq_fork(x->ar, reuse->parent, shared, &x->seq, err));
-            KF_TRY(kf_model_forward(x->m, x->ar, &x->seq, &fa, err));
-            x->prefill_s = now_s() - t0;
-            t0 = now_s();
-        } else if (src[i].n > 0) {
-            KF_TRY(run_source(x, src, i, rows, n_rows, qdst, err));
-        }
-        memset(x->rq.source + first, src[i].kind, (size_t)n_rows);
-        base += src[i].n;
+        x->first[i] = k;
+        for (; k < n_pos && sample[k] < base + x->src[i].n; k++) /* the context's rows: after its prefix */
+            x->rows[k] = (int32_t)(sample[k] - base) + (i == 0 ? x->n_pre : 0);
+        memset(x->rq.source + x->first[i], x->src[i].kind, (size_t)(k - x->first[i]));
+        base += x->src[i].n;
     }
-    x->refq_s = now_s() - t0;
+    x->first[x->n_sources] = k;
+}
+
+/* Prefill the context (from `shared` on, forking reuse->parent), capturing the document's sampled
+ * rows (source 0) into x->ctxq, all layers (the pool holds one). */
+static kf_status run_prefill(kf_compact_prep *x, const kf_compact_reuse *reuse, int64_t shared,
+                             const int32_t *ctx_ids, capture_to *qdst, kf_error *err) {
+    const double t0 = now_s();
+    const int n_rows = (int)(x->first[1] - x->first[0]);
+    capture_dst(&x->ctxq, 0, qdst);
+    kf_forward_args fa = {.ids = ctx_ids + shared, .n_tokens = (int)(x->D - shared), .chunk = x->p.chunk,
+                          .capture_rows = x->rows, .n_capture_rows = n_rows, .quoka = x->p.quoka};
+    capture_args(&x->ctxq, &fa, n_rows, qdst);
+    if (x->p.progress)
+        x->p.progress(x->p.progress_ctx, "prefill", 0, x->D);
+    if (shared > 0)
+        KF_TRY(kf_seq_fork(x->ar, reuse->parent, shared, &x->seq, err));
+    KF_TRY(kf_model_forward(x->m, x->ar, &x->seq, &fa, err));
+    x->prefill_s = now_s() - t0;
     return KF_OK;
+}
+
+/* ---- stage 2: the sources layer by layer, each layer solved (kf_compact_solve) ---- */
+
+/* The forward arguments of source i >= 1 (QUOKA window for the repeat), capturing into dst. */
+static void source_args(const kf_compact_prep *x, int i, capture_to *dst, kf_quoka_params *qk, kf_forward_args *fa) {
+    const kf_compact_params *p = &x->p;
+    const int n_rows = (int)(x->first[i + 1] - x->first[i]);
+    *fa = (kf_forward_args){.ids = x->src[i].ids, .n_tokens = x->src[i].n, .chunk = p->chunk,
+                            .capture_rows = x->rows + x->first[i], .n_capture_rows = n_rows};
+    capture_dst(&x->rq, x->first[i], dst);
+    capture_args(&x->rq, fa, n_rows, dst);
+    if (i == 1 && p->quoka && p->quoka_repeat) {
+        /* the copy token at sequence index D + I + j reads document token j at n_pre + j */
+        *qk = *p->quoka;
+        if (p->quoka_margin >= 0) {
+            qk->align_start = x->D + p->repeat_instruction.n;
+            qk->align_shift = x->D + p->repeat_instruction.n - x->n_pre;
+            qk->align_margin = p->quoka_margin;
+        }
+        fa->quoka = qk;
+    }
 }
 
 /* Pages a source of n tokens run on a fork of the D-token context takes: its own pages past the
@@ -625,52 +627,141 @@ static int64_t fork_pages(int64_t D, int64_t n) {
     return kf_pages_for(D + n) - D / KF_PAGE_TOKENS;
 }
 
-int64_t kf_compact_arena_pages(const kf_compact_params *p, int64_t n_ctx, int n_doc) {
-    int64_t pages = kf_pages_for(n_ctx);
-    if (p->repeat_instruction.n > 0)
-        pages += fork_pages(n_ctx, (int64_t)p->repeat_instruction.n + n_doc);
-    for (int i = 0; i < p->n_probes; i++)
-        pages += p->probes[i].n > 0 ? fork_pages(n_ctx, p->probes[i].n) : 0;
-    return pages;
+/* The sources' own arena: pages of one layer (kf_arena_init_held), holding the context's layer
+ * being run (x->src_ctx) and every source's fork of it; the sources never write the context's arena. */
+static kf_status sources_arena(kf_compact_prep *x, kf_error *err) {
+    int64_t pages = kf_pages_for(x->D);
+    for (int i = 1; i < x->n_sources; i++)
+        pages += x->src[i].n > 0 ? fork_pages(x->D, x->src[i].n) : 0;
+    KF_TRY(kf_arena_init_held(&x->src_ar, kf_model_backend(x->m), x->L, 1, x->kvh, x->d, (int)pages, err));
+    KF_TRY(kf_seq_reserve(&x->src_ar, &x->src_ctx, x->D, err));
+    x->src_ctx.len = x->D;
+    return KF_OK;
 }
 
-/* The own arena: the context, then at the worst moment (source i running) the kept validation
- * prompts of the sources before it and source i whole (run_source). */
-static int64_t arena_pages(const kf_compact_prep *x, const source *src) {
-    int64_t kept = 0, peak = 0;
-    for (int i = 1; i < x->n_sources; i++) {
-        if (src[i].n == 0)
-            continue;
-        peak = kept + fork_pages(x->D, src[i].n) > peak ? kept + fork_pages(x->D, src[i].n) : peak;
-        kept += x->ap.n && x->ap.n[i] > 0 ? fork_pages(x->D, x->ap.n[i]) : 0;
+static void sources_arena_free(kf_compact_prep *x) {
+    for (int i = 0; x->forks && i < x->n_sources; i++)
+        kf_seq_release(&x->src_ar, &x->forks[i]);
+    if (x->src_ar.storage) {
+        kf_seq_release(&x->src_ar, &x->src_ctx);
+        kf_arena_free(&x->src_ar);
     }
-    return kf_pages_for(x->D) + peak;
 }
 
-/* Sources, subsample, validation plan, arena, then the forward passes. */
+/* K and V of page sp, layer slot of src, to page dp of dst (16 tokens). */
+static void copy_page_layer(kf_backend *b, const kf_paged_kv *src, int32_t sp, const kf_paged_kv *dst, int32_t dp,
+                            size_t floats) {
+    b->copy(b, dst->k + (size_t)dp * dst->page_stride, src->k + (size_t)sp * src->page_stride, sizeof(float) * floats);
+    b->copy(b, dst->v + (size_t)dp * dst->page_stride, src->v + (size_t)sp * src->page_stride, sizeof(float) * floats);
+}
+
+/* Before the sources' layer l: the context's layer l into the sources' arena, its pages and each
+ * fork's own copy of the context's partly filled last page (whose other slots the source rewrites
+ * in layer l before reading them: they still hold layer l - 1). */
+static void context_layer_copy(kf_compact_prep *x, int l) {
+    kf_backend *b = kf_model_backend(x->m);
+    const kf_paged_kv src = kf_arena_layer(x->ar, l), dst = kf_arena_layer(&x->src_ar, l);
+    const int np = kf_pages_for(x->D);
+    for (int i = 0; i < np; i++)
+        copy_page_layer(b, &src, x->seq.pages[i], &dst, x->src_ctx.pages[i], x->ar->block);
+    for (int i = 1; x->D % KF_PAGE_TOKENS && i < x->n_sources; i++)
+        if (x->forks[i].n_pages >= np && x->forks[i].pages[np - 1] != x->src_ctx.pages[np - 1])
+            copy_page_layer(b, &src, x->seq.pages[np - 1], &dst, x->forks[i].pages[np - 1], x->ar->block);
+}
+
+/* kf_model_forward_layers' hook for the sources: the context's layer copied in before, the
+ * caller's on_layer after. */
+typedef struct {
+    kf_compact_prep *x;
+    const kf_layer_hook *inner;
+} sources_hook;
+
+static kf_status sources_before(void *ctx, int l, kf_error *err) {
+    (void)err;
+    const sources_hook *h = ctx;
+    context_layer_copy(h->x, l);
+    return KF_OK;
+}
+
+static kf_status sources_after(void *ctx, int l, kf_error *err) {
+    const sources_hook *h = ctx;
+    return h->inner->on_layer ? h->inner->on_layer(h->inner->ctx, l, err) : KF_OK;
+}
+
+/* Every source i >= 1 on its own fork of the context in the sources' one-layer arena (KV rewind:
+ * the context's pages are never written), layer-major through kf_model_forward_layers, hook's
+ * on_layer after each layer (the per-layer solve); the sources' arena is freed afterwards.
+ * x->refq_s: the sources' forward seconds summed over the layers. */
+static kf_status run_sources(kf_compact_prep *x, const kf_layer_hook *hook, kf_error *err) {
+    const int n = x->n_sources, L = x->L;
+    kf_forward_pass *passes = calloc((size_t)n, sizeof *passes);
+    kf_forward_args *fa = calloc((size_t)n, sizeof *fa);
+    capture_to *dst = calloc((size_t)n, sizeof *dst);
+    float **qp = calloc((size_t)n * L, sizeof *qp);    /* [n, L] */
+    uint16_t **hp = calloc((size_t)n * L, sizeof *hp); /* [n, L] */
+    double *pass_s = calloc((size_t)n, sizeof *pass_s);
+    kf_quoka_params qk;
+    kf_status rc = !passes || !fa || !dst || !qp || !hp || !pass_s ? kf_fail(err, KF_ERR_NOMEM, "compact: out of memory")
+                                                                   : KF_OK;
+    if (rc == KF_OK)
+        rc = sources_arena(x, err);
+    int np = 0;
+    for (int i = 1; i < n && rc == KF_OK; i++) {
+        if (x->src[i].n == 0)
+            continue;
+        dst[i] = (capture_to){qp + (size_t)i * L, hp + (size_t)i * L};
+        source_args(x, i, &dst[i], &qk, &fa[i]);
+        rc = kf_seq_fork(&x->src_ar, &x->src_ctx, x->D, &x->forks[i], err);
+        passes[np++] = (kf_forward_pass){&x->forks[i], &fa[i]};
+    }
+    if (rc == KF_OK && x->p.progress)
+        x->p.progress(x->p.progress_ctx, "repeat", 1, x->n_sources);
+    sources_hook sh = {x, hook};
+    const kf_layer_hook h = {.before_layer = sources_before, .on_layer = sources_after, .ctx = &sh, .pass_s = pass_s};
+    if (rc == KF_OK)
+        rc = kf_model_forward_layers(x->m, &x->src_ar, passes, np, &h, err);
+    x->refq_s = 0;
+    for (int i = 0; pass_s && i < np; i++)
+        x->refq_s += pass_s[i];
+    sources_arena_free(x);
+    free(passes), free(fa), free(dst), free(qp), free(hp), free(pass_s);
+    return rc;
+}
+
+int64_t kf_compact_arena_pages(const kf_compact_params *p, int64_t n_ctx, int n_doc) {
+    (void)p, (void)n_doc; /* the sources run in an arena of their own */
+    return kf_pages_for(n_ctx);
+}
+
+/* Sources, subsample, validation plan, arena, then the context's prefill. */
 static kf_status prepare_run(kf_compact_prep *x, const kf_compact_reuse *reuse, int64_t shared, const kf_prompt *doc,
-                             const int32_t *ctx_ids, int choice, source *src, kf_error *err) {
+                             const int32_t *ctx_ids, int choice, kf_error *err) {
     int64_t n_cand = 0;
-    KF_TRY(plan_sources(x, doc, src, &n_cand, err));
+    KF_TRY(plan_sources(x, doc, x->src, &n_cand, err));
     const int64_t cap_pos = x->p.max_queries / x->G;
     const int64_t n_pos = n_cand < cap_pos ? n_cand : cap_pos;
     int64_t *sample = malloc(sizeof(int64_t) * (size_t)(n_pos ? n_pos : 1));
-    int32_t *rows = malloc(sizeof(int32_t) * (size_t)(n_pos ? n_pos : 1));
+    x->rows = malloc(sizeof(int32_t) * (size_t)(n_pos ? n_pos : 1));
     capture_to qdst = {malloc(sizeof(float *) * (size_t)x->L), malloc(sizeof(uint16_t *) * (size_t)x->L)}; /* [L] */
     kf_status rc = KF_OK;
-    if (!sample || !rows || !qdst.q || !qdst.qh || kf_sample_indices(n_cand, n_pos, x->p.seed, sample) != 0)
+    if (!sample || !x->rows || !qdst.q || !qdst.qh || kf_sample_indices(n_cand, n_pos, x->p.seed, sample) != 0)
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
     if (rc == KF_OK)
-        rc = kf_refq_init(&x->rq, x->L, x->kvh, x->d, x->G, n_pos, x->p.refq_bf16, err);
+        rc = kf_refq_init_held(&x->rq, x->L, 1, x->kvh, x->d, x->G, n_pos, x->p.refq_bf16, err);
+    if (rc == KF_OK) {
+        plan_rows(x, sample, n_pos);
+        if (x->first[1] > 0) /* the context's own rows, every layer: captured before the sources run */
+            rc = kf_refq_init(&x->ctxq, x->L, x->kvh, x->d, x->G, x->first[1], x->p.refq_bf16, err);
+    }
     if (rc == KF_OK && choice)
-        rc = plan_validation(src, x->n_sources, sample, n_pos, &x->p, (size_t)x->kvh * x->d, &x->pos_kind,
+        rc = plan_validation(x->src, x->n_sources, sample, n_pos, &x->p, (size_t)x->kvh * x->d, &x->pos_kind,
                              &x->pos_src, &x->pos_local, &x->is_val, &x->n_val_pos, &x->ap, err);
+    x->ap.fork = x->forks;
     if (rc == KF_OK && x->ar == &x->own_arena)
-        rc = kf_model_arena(x->m, x->ar, arena_pages(x, src) * KF_PAGE_TOKENS, err);
+        rc = kf_model_arena(x->m, x->ar, kf_pages_for(x->D) * KF_PAGE_TOKENS, err);
     if (rc == KF_OK)
-        rc = run_forwards(x, reuse, shared, ctx_ids, src, sample, n_pos, rows, &qdst, err);
+        rc = run_prefill(x, reuse, shared, ctx_ids, &qdst, err);
     free(qdst.q), free(qdst.qh);
-    free(rows);
     free(sample);
     return rc;
 }
@@ -698,9 +789,11 @@ kf_status kf_compact_prepare(kf_model *m, const kf_compact_reuse *reuse, const k
         rc = check_variant(&v[i], err);
         choice |= kf_head_choice_active(&vp);
     }
-    source *src = calloc((size_t)x->n_sources, sizeof *src);
+    x->src = calloc((size_t)x->n_sources, sizeof *x->src);
+    x->first = calloc((size_t)x->n_sources + 1, sizeof *x->first);
+    x->forks = calloc((size_t)x->n_sources, sizeof *x->forks);
     int32_t *ctx_ids = malloc(sizeof(int32_t) * (size_t)(x->D ? x->D : 1));
-    if (rc == KF_OK && (!src || !ctx_ids))
+    if (rc == KF_OK && (!x->src || !x->first || !x->forks || !ctx_ids))
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
     if (rc == KF_OK) {
         if (x->n_pre)
@@ -708,11 +801,8 @@ kf_status kf_compact_prepare(kf_model *m, const kf_compact_reuse *reuse, const k
         memcpy(ctx_ids + x->n_pre, doc->ids, sizeof(int32_t) * x->n_doc);
         if (x->n_suf)
             memcpy(ctx_ids + x->n_pre + x->n_doc, suffix->ids, sizeof(int32_t) * x->n_suf);
-        rc = prepare_run(x, reuse, shared, doc, ctx_ids, choice, src, err);
+        rc = prepare_run(x, reuse, shared, doc, ctx_ids, choice, err);
     }
-    if (src)
-        free(src[1].ids_owned);
-    free(src);
     free(ctx_ids);
     if (rc != KF_OK)
         kf_compact_prep_free(x, NULL);
@@ -724,7 +814,7 @@ kf_status kf_compact_prepare(kf_model *m, const kf_compact_reuse *reuse, const k
 void kf_compact_prep_free(kf_compact_prep *x, kf_seq *keep) {
     if (!x)
         return;
-    appended_free(x->ar, &x->ap); /* the validation prompts' forks, before the arena goes */
+    appended_free(&x->ap);
     if (keep)
         *keep = x->seq; /* the caller now owns these pages */
     else
@@ -732,6 +822,10 @@ void kf_compact_prep_free(kf_compact_prep *x, kf_seq *keep) {
     if (x->own_arena.storage)
         kf_arena_free(&x->own_arena);
     kf_refq_free(&x->rq);
+    kf_refq_free(&x->ctxq);
+    if (x->src)
+        free(x->src[1].ids_owned);
+    free(x->src), free(x->rows), free(x->first), free(x->forks);
     free(x->pos_kind);
     free(x->is_val);
     free(x->pos_src);
@@ -1270,7 +1364,7 @@ static kf_status solve_layer(kf_compact_prep *x, variant_ws *w, int n, int l, fl
                              kf_error *err) {
     KF_TRY(kf_seq_read_kv(x->ar, &x->seq, l, 0, x->D, K, V, err));
     if (j->any_choice)
-        KF_TRY(appended_load(x->ar, x->D, &x->ap, l, err));
+        KF_TRY(appended_load(&x->src_ar, x->D, &x->ap, l, err));
     if (x->p.progress)
         x->p.progress(x->p.progress_ctx, "compact", l, x->L);
     for (int i = 0; i < n; i++)
@@ -1287,6 +1381,24 @@ static kf_status solve_layer(kf_compact_prep *x, variant_ws *w, int n, int l, fl
             head_merge(&w[i], &j->add[(size_t)g * n + i]);
     }
     return KF_OK;
+}
+
+/* What the per-layer hook of the sources' forward solves with. */
+typedef struct {
+    kf_compact_prep *x;
+    variant_ws *w;
+    int n;
+    float *K, *V; /* [D, kvh * d] */
+    layer_job *j;
+} solve_hook;
+
+/* kf_model_forward_layers' on_layer: every source's layer l is in the arena and its queries in the
+ * pool; solve the layer's heads for every variant. */
+static kf_status solve_on_layer(void *ctx, int l, kf_error *err) {
+    solve_hook *h = ctx;
+    if (h->x->ctxq.n_pos > 0)
+        context_rows_load(h->x, l);
+    return solve_layer(h->x, h->w, h->n, l, h->K, h->V, h->j, err);
 }
 
 /* The job's per-head results and every thread's scratch (tw [threads], zeroed by the caller). */
@@ -1327,10 +1439,13 @@ kf_status kf_compact_solve(kf_compact_prep *x, const kf_compact_variant *v, int 
     }
     if (rc == KF_OK)
         rc = job_init(x, w, n, any_choice, threads, &j, err);
-    for (int l = 0; l < x->L && rc == KF_OK; l++)
-        rc = solve_layer(x, w, n, l, K, V, &j, err);
+    solve_hook sh = {x, w, n, K, V, &j};
+    const kf_layer_hook hook = {.on_layer = solve_on_layer, .ctx = &sh};
+    if (rc == KF_OK)
+        rc = run_sources(x, &hook, err);
     for (int i = 0; i < n; i++) {
         if (rc == KF_OK) { /* the compacted frame: questions at C, C+1, ... see what they would at D, D+1, ... */
+            outs[i].stats.refq_s = x->refq_s;
             outs[i].stats.mean_var_gain = w[i].folded ? w[i].var_sum / w[i].folded : 0;
             kf_compacted_set_frame(&outs[i], x->m, 1);
         } else {

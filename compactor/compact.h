@@ -4,7 +4,8 @@
  *   1. prefill [prefix | document | suffix] into the paged arena (the context);
  *   2. reference queries (compactor/refq): the repeat prompt (instruction + document again),
  *      optionally the document's own queries and probe prompts, each run on top of the context's
- *      pages and rewound afterwards (the document is prefilled once);
+ *      pages and rewound afterwards (the document is prefilled once), layer by layer: each layer
+ *      of step 3 runs as soon as the sources have passed it;
  *   3. per layer and KV head: AM targets and key selection over the document block, then by method
  *        keep  top-t keys, original values, no bias
  *        drop  top-t keys, values refit without bias
@@ -169,10 +170,8 @@ typedef struct {
 } kf_compact_reuse;
 
 /* Pages kf_compact_prepare may take from a caller's arena for a context of n_ctx tokens (n_doc of
- * them the document) with p's repeat instruction and probes: the context, and every reference
- * source run on a fork of it (its own pages from the context's last, partly filled page on); a
- * source holding validation rows of the per-head choice keeps its pages up to its last such row
- * until kf_compact_prep_free, so the bound counts every source whole. */
+ * them the document) with p's repeat instruction and probes: the context's alone (the reference
+ * sources run in an arena of their own that holds one layer, see kf_compact_solve). */
 int64_t kf_compact_arena_pages(const kf_compact_params *p, int64_t n_ctx, int n_doc);
 
 /* kf_compact with reuse (NULL: exactly kf_compact). Context queries (use_context_queries) need
@@ -182,12 +181,17 @@ kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_pro
 
 /* The stages of kf_compact_ex (issue 14), for work shared between several (method, budget)
  * variants of one document: kf_compact_prepare plans the reference-query sources and their
- * subsample, prefills the context and runs every source on top of it (steps 1-2 above, with
- * kf_compact_ex's reuse rules); kf_compact_solve then reads each layer's K/V once, computes each
- * (layer, KV head)'s AM targets (and the per-head choice's validation split) once, and runs every
- * variant's selection and fits on them (steps 3-4), the KV heads of a layer in parallel on the
- * model's backend (parallel_for; the same bytes for any thread count). Each outs[i] is bit-identical to kf_compact_ex
- * with p's method and budget replaced by v[i]'s. */
+ * subsample and prefills the context (step 1 above, with kf_compact_ex's reuse rules; the
+ * document's own rows, use_context_queries, captured for every layer); kf_compact_solve runs the
+ * sources (step 2) layer by layer, all of them together, each on a fork of the context in an arena
+ * of its own that holds one layer (the context's layer copied in before the sources run it;
+ * kf_model_forward_layers: the chunks of a plain forward, the same bytes), and as soon as they have
+ * passed layer l it solves layer l (steps 3-4): reads its K/V once, computes each KV head's AM
+ * targets (and the per-head choice's validation split, the validation prompts' keys read from the
+ * sources' forks) once, and runs every variant's selection and fits on them, the KV heads in
+ * parallel on the model's backend (parallel_for; the same bytes for any thread count); so one
+ * layer of reference queries exists at a time. Each outs[i] is bit-identical to kf_compact_ex
+ * with p's method and budget replaced by v[i]'s; every kf_compact_solve runs the sources again. */
 typedef struct {
     kf_method method;
     double budget;
@@ -201,8 +205,8 @@ kf_status kf_compact_prepare(kf_model *m, const kf_compact_reuse *reuse, const k
                              const kf_prompt *doc, const kf_prompt *suffix, const kf_compact_params *p,
                              const kf_compact_variant *v, int n, kf_compact_prep **out, kf_error *err);
 /* outs [n], in the compacted frame; on failure every outs[i] is freed (zeroed). The shared work's
- * times (prefill, reference queries, the targets inside select_s, the validation split inside
- * choice_s) appear in every output's stats. */
+ * times (prefill, reference queries: the sources' forwards summed over the layers, the targets
+ * inside select_s, the validation split inside choice_s) appear in every output's stats. */
 kf_status kf_compact_solve(kf_compact_prep *prep, const kf_compact_variant *v, int n, kf_compacted *outs,
                            kf_error *err);
 /* keep: NULL (the context's pages are released), or receives them (reuse->keep). */
@@ -230,22 +234,27 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *   KD = kvh d, pg(n) = ceil(n / 16) (16-token pages);
  *   D context tokens, T of them the document (the compacted block), S the longest reference
  *   source run on top of the context (the repeat prompt: instruction + document), N = D + S;
- *   P, p: the tokens and count of the other sources holding validation rows (probes; 0 without
- *   the per-head choice); R reference queries per KV head, Rv of them held out for the choice;
+ *   P, p: the tokens and count of the other sources (probes); R reference queries per KV head,
+ *   Rv of them held out for the choice, Rc of them the context's own (use_context_queries);
  *   t kept keys per head, C = D - T + t; c the prefill chunk; A the attention pool's threads;
  *   n the solve's threads (the backend's parallel_for; the CPU backend's pool, n = A), each with
- *   its own buffers; h = min(n, kvh) the KV heads solved at once; ws one head's fitting workspace:
+ *   its own buffers; h = min(n, kvh) the KV heads solved at once; ws one head's fitting workspace.
+ *   The sources run layer by layer, all of them together (kf_compact_solve), each layer solved
+ *   before the next runs:
  *
  *   peak    = weights + arena + queries + forward + solve + output + base
  *   weights = 4 (V H (2 - tied) + H + L (2 H QD + 2 H KD + 3 H I + 2 H + 2 d qk_norm))
- *   arena   = 128 L KD (pg(D) + pg(N) - floor(D / 16) + pg(P) + 2 p)
- *               fp32 K and V pages: the context; the longest source on its fork (the context's
- *               partly filled last page copied); the other validation prompts kept beside it
- *   queries = e L kvh R d                         the pool, [L, kvh, R, d], held once: e = 4 (fp32)
- *                                                 or 2 (refq_bf16)
- *   forward = kf_forward_plan_bytes(min(c, max(D, S)), 0) + 8 N KD + 512 A N
- *               the plan's scratch; the attention's gathered K/V and A score tiles over N keys
- *   solve   = 8 D KD + 8 (S + P) KD [choice]      one layer's K/V, and of the validation prompts
+ *   arena   = 128 L KD pg(D) + 128 KD (pg(D) + pg(N) - floor(D / 16) + pg(P) + 2 p)
+ *               fp32 K and V pages: the context, every layer; the sources' own arena of one
+ *               layer: the context's layer being run and each source on its fork of it (the
+ *               context's partly filled last page copied), all of them at once
+ *   queries = e kvh R d + e L kvh Rc d            the pool, one layer [kvh, R, d], reused layer after
+ *                                                 layer; the context's own rows, every layer (captured
+ *                                                 by the prefill): e = 4 (fp32) or 2 (refq_bf16)
+ *   forward = kf_forward_plan_bytes(min(c, max(D, S)), 0) + 8 N KD + 512 A N + 4 H (S + P)
+ *               the plan's scratch; the attention's gathered K/V and A score tiles over N keys;
+ *               the sources' residual streams between layers
+ *   solve   = 8 D KD + 8 (S + P) KD [choice]      one layer's K/V, and of the sources' validation prompts
  *           + n (8 t + 16 t d                      per thread (thread_init): the kept keys' buffers
  *                + [probes] 4 R d                 the probe rows (fold_queries on probes)
  *                + [choice] 8 R (d + 1) + 20 Rv)  the training/validation split
@@ -271,9 +280,10 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  * turn). QUOKA prefill, the GPU backend and a caller's arena
  * are not covered. */
 typedef struct {
-    int64_t D, T, S, P;   /* context, document, longest source, other kept validation prompts (tokens) */
+    int64_t D, T, S, P;   /* context, document, longest source, the other sources (tokens) */
     int n_p;              /* count of those other sources */
-    int64_t R, Rv, t;     /* reference queries and held-out ones per KV head; kept keys per head */
+    int64_t R, Rv, Rc, t; /* reference queries, held-out ones and the context's own per KV head; kept keys
+                             per head */
     int choice;           /* the per-head choice runs (validation prompts kept, the split built) */
     int refq_bf16;        /* reference queries stored in bf16 */
     int chunk;            /* prefill chunk (0: KF_DEFAULT_CHUNK) */
@@ -291,8 +301,8 @@ typedef struct {
 /* ws of the formula for t kept keys, head_dim d, with (choice 1) or without the per-head choice. */
 int64_t kf_compact_head_ws_bytes(int64_t t, int d, int choice);
 /* The shape kf_compact runs for model c, parameters p (method and budget included) and a context
- * of n_pre + n_doc + n_suf tokens; Rv estimated for the expected share of non-context rows. The
- * CPU backend's pool of attn_threads threads also runs the solve: n = attn_threads. */
+ * of n_pre + n_doc + n_suf tokens; Rv and Rc estimated for the expected shares of the sampled rows.
+ * The CPU backend's pool of attn_threads threads also runs the solve: n = attn_threads. */
 void kf_compact_mem_shape(const kf_hfconfig *c, const kf_compact_params *p, int64_t n_pre, int64_t n_doc,
                           int64_t n_suf, int attn_threads, kf_mem_shape *out);
 /* The formula above: the total in bytes, each term in *terms (may be NULL). */

@@ -41,11 +41,11 @@ void kf_compact_mem_shape(const kf_hfconfig *c, const kf_compact_params *p, int6
     *out = (kf_mem_shape){.D = n_pre + n_doc + n_suf, .T = n_doc, .S = S, .R = (int64_t)G * n_pos, .t = t,
                           .choice = choice, .refq_bf16 = p->refq_bf16, .chunk = p->chunk, .attn_threads = attn_threads,
                           .solve_threads = attn_threads, .fold_on_probes = p->fold_queries == KF_FOLD_ON_PROBES};
-    if (choice) {
-        out->P = repeat + probes - S; /* the other sources: all kept in the worst case */
-        out->n_p = p->n_probes + (repeat > 0) > 1 ? p->n_probes + (repeat > 0) - 1 : 0;
+    out->P = repeat + probes - S; /* the other sources, run beside the longest */
+    out->n_p = p->n_probes + (repeat > 0) > 1 ? p->n_probes + (repeat > 0) - 1 : 0;
+    out->Rc = n_cand > 0 ? (int64_t)G * (int64_t)llround((double)n_pos * (double)ctx / (double)n_cand) : 0;
+    if (choice)
         out->Rv = (int64_t)G * (int64_t)llround(p->val_frac * elig);
-    }
     out->solve_heads = attn_threads < c->n_kv_heads ? attn_threads : c->n_kv_heads;
     out->head_ws = kf_compact_head_ws_bytes(t, c->head_dim, choice);
 }
@@ -57,12 +57,13 @@ int64_t kf_compact_peak_bytes(const kf_hfconfig *c, const kf_mem_shape *s, kf_me
     kf_mem_peak m = {0};
     m.weights = 4 * (V * H * (c->tie_word_embeddings ? 1 : 2) + H +
                      L * (2 * H * QD + 2 * H * KD + 3 * H * I + 2 * H + (c->has_qk_norm ? 2 * d : 0)));
-    const int64_t pages = pg(s->D) + pg(N) - s->D / KF_PAGE_TOKENS + (s->choice ? pg(s->P) + 2 * s->n_p : 0);
-    m.arena = 128 * L * KD * pages;
-    m.queries = (s->refq_bf16 ? 2 : 4) * L * kvh * R * d;
+    const int64_t src_pages = pg(s->D) + pg(N) - s->D / KF_PAGE_TOKENS + pg(s->P) + 2 * s->n_p;
+    m.arena = 128 * L * KD * pg(s->D) + 128 * KD * src_pages;
+    m.queries = (s->refq_bf16 ? 2 : 4) * (kvh * R * d + L * kvh * s->Rc * d);
     int64_t chunk = s->chunk > 0 ? s->chunk : KF_DEFAULT_CHUNK, longest = s->D > s->S ? s->D : s->S;
     chunk = chunk < longest ? chunk : longest;
-    m.forward = (int64_t)kf_forward_plan_bytes(c, (int)chunk, 0) + 8 * N * KD + 512 * (int64_t)s->attn_threads * N;
+    m.forward = (int64_t)kf_forward_plan_bytes(c, (int)chunk, 0) + 8 * N * KD + 512 * (int64_t)s->attn_threads * N +
+                4 * H * (s->S + s->P);
     const int64_t thread = 8 * t + 16 * t * d + (s->fold_on_probes ? 4 * R * d : 0) +
                            (s->choice ? 8 * R * (d + 1) + 20 * Rv : 0);
     const int64_t fits = max64(max64(s->head_ws, 1032 * T), s->choice ? 16 * Rv + 512 * d : 0);

@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <xxhash.h>
 
 #include "compactor/fingerprint.h"
@@ -540,6 +541,19 @@ static void layer_forward(kf_model *m, kf_forward_plan *p, kf_arena *a, const kf
     b->matmul(b, p->x, H, p->gate, I, w->w_down, n, H, I, 1); /* x += mlp */
 }
 
+/* After the last layer, the chunk's residual stream in p->x: the final-norm hidden capture and logits. */
+static void chunk_finish(kf_model *m, kf_forward_plan *p, const kf_forward_args *args, chunk_span cs) {
+    kf_backend *b = m->b;
+    const kf_hfconfig *c = &m->cfg;
+    const int H = c->hidden_size, L = c->n_layers;
+    if (args->hidden && args->hidden[L]) {
+        b->rmsnorm(b, p->xn, H, p->x, H, m->final_norm, cs.n, H, (float)c->rms_eps);
+        capture(b, args->hidden[L], p->xn, H, args->capture_rows, args->n_capture_rows, cs.c0, cs.n);
+    }
+    if (args->n_logit_rows > 0)
+        chunk_logits(m, p, args, cs.c0, cs.n);
+}
+
 /* One chunk through every layer, its captures and logits. */
 static void chunk_forward(kf_model *m, kf_forward_plan *p, kf_arena *a, const kf_seq *seq,
                           const kf_forward_args *args, kf_quoka_ws *qws, chunk_span cs) {
@@ -557,12 +571,23 @@ static void chunk_forward(kf_model *m, kf_forward_plan *p, kf_arena *a, const kf
         if (args->hidden && l + 1 < L)
             capture(b, args->hidden[l + 1], p->x, H, cr, nc, cs.c0, cs.n);
     }
-    if (args->hidden && args->hidden[L]) {
-        b->rmsnorm(b, p->xn, H, p->x, H, m->final_norm, cs.n, H, (float)c->rms_eps);
-        capture(b, args->hidden[L], p->xn, H, cr, nc, cs.c0, cs.n);
-    }
-    if (args->n_logit_rows > 0)
-        chunk_logits(m, p, args, cs.c0, cs.n);
+    chunk_finish(m, p, args, cs);
+}
+
+/* The plan a forward runs with: the caller's, else the model's own (made at its first use). */
+static kf_status forward_plan(kf_model *m, kf_forward_plan *given, kf_forward_plan **out, kf_error *err) {
+    if (!given && !m->plan)
+        KF_TRY(kf_forward_plan_create(&m->plan, m, 0, 0, err));
+    *out = given ? given : m->plan;
+    if ((*out)->m != m)
+        return kf_fail(err, KF_ERR_INVALID, "forward: the plan was made for another model");
+    return KF_OK;
+}
+
+/* Tokens per chunk of a call. */
+static int forward_chunk(const kf_forward_args *args) {
+    const int want = args->chunk > 0 ? args->chunk : KF_DEFAULT_CHUNK;
+    return want < args->n_tokens ? want : args->n_tokens;
 }
 
 kf_status kf_model_forward(kf_model *m, kf_arena *a, kf_seq *seq, const kf_forward_args *args, kf_error *err) {
@@ -570,14 +595,9 @@ kf_status kf_model_forward(kf_model *m, kf_arena *a, kf_seq *seq, const kf_forwa
     if (args->n_tokens == 0)
         return KF_OK;
     kf_backend *b = m->b;
-    const int want = args->chunk > 0 ? args->chunk : KF_DEFAULT_CHUNK;
-    const int chunk = want < args->n_tokens ? want : args->n_tokens;
-    kf_forward_plan *p = args->plan;
-    if (!p && !m->plan)
-        KF_TRY(kf_forward_plan_create(&m->plan, m, 0, 0, err));
-    p = p ? p : m->plan;
-    if (p->m != m)
-        return kf_fail(err, KF_ERR_INVALID, "forward: the plan was made for another model");
+    const int chunk = forward_chunk(args);
+    kf_forward_plan *p;
+    KF_TRY(forward_plan(m, args->plan, &p, err));
     KF_TRY(plan_reserve(p, &m->cfg, chunk, args->n_logit_rows, err));
     KF_TRY(kf_seq_reserve(a, seq, args->n_tokens, err));
     kf_quoka_ws qws;
@@ -597,5 +617,125 @@ kf_status kf_model_forward(kf_model *m, kf_arena *a, kf_seq *seq, const kf_forwa
             args->progress(args->progress_ctx, c0 + cs.n, args->n_tokens);
     }
     kf_quoka_ws_free(&qws);
+    return rc;
+}
+
+/* ---- layer-major forward (kf_model_forward_layers) ----------------------- */
+
+/* One pass's state between layers. */
+typedef struct {
+    float *x;          /* [n_tokens, hidden] backend memory: the pass's residual stream after the last layer run */
+    kf_quoka_ws qws;
+    int chunk;
+    int64_t start;     /* seq->len before the call */
+    int ready;         /* qws initialised */
+} pass_state;
+
+static void pass_state_free(kf_backend *b, pass_state *st) {
+    if (st->x)
+        b->free(b, st->x);
+    if (st->ready)
+        kf_quoka_ws_free(&st->qws);
+    memset(st, 0, sizeof *st);
+}
+
+/* Pages, residual stream (the embeddings, hidden[0] captured) and QUOKA workspace of one pass. */
+static kf_status pass_init(kf_model *m, kf_arena *a, const kf_forward_pass *ps, pass_state *st, kf_error *err) {
+    kf_backend *b = m->b;
+    const kf_forward_args *args = ps->args;
+    const int H = m->cfg.hidden_size;
+    st->chunk = forward_chunk(args);
+    st->start = ps->seq->len;
+    KF_TRY(kf_seq_reserve(a, ps->seq, args->n_tokens, err));
+    KF_TRY(kf_quoka_ws_init(&st->qws, b, args->quoka, m->cfg.n_kv_heads, st->start + args->n_tokens, err));
+    st->ready = 1;
+    if (!(st->x = b->alloc(b, sizeof(float) * (size_t)args->n_tokens * H)))
+        return kf_fail(err, KF_ERR_NOMEM, "forward: out of memory for the residual stream of %d tokens",
+                       args->n_tokens);
+    b->embed(b, st->x, m->embed, args->ids, args->n_tokens, H);
+    if (args->hidden)
+        capture(b, args->hidden[0], st->x, H, args->capture_rows, args->n_capture_rows, 0, args->n_tokens);
+    return KF_OK;
+}
+
+/* Layer l on every chunk of one pass, exactly the chunks kf_model_forward runs: each chunk's rows of
+ * the residual stream through the plan's p->x, its captures, after the last layer its logits. */
+static void pass_layer(kf_model *m, kf_forward_plan *p, kf_arena *a, const kf_forward_pass *ps, pass_state *st,
+                       int l) {
+    kf_backend *b = m->b;
+    const kf_forward_args *args = ps->args;
+    const int H = m->cfg.hidden_size, L = m->cfg.n_layers;
+    for (int c0 = 0; c0 < args->n_tokens; c0 += st->chunk) {
+        const chunk_span cs = {.c0 = c0, .n = args->n_tokens - c0 < st->chunk ? args->n_tokens - c0 : st->chunk,
+                               .start = st->start + c0};
+        float *xs = st->x + (size_t)c0 * H; /* [cs.n, H] */
+        for (int i = 0; i < cs.n; i++)
+            p->pos[i] = cs.start + i + args->pos_offset;
+        b->copy(b, p->x, xs, sizeof(float) * (size_t)cs.n * H);
+        layer_forward(m, p, a, ps->seq, args, &st->qws, l, cs);
+        if (args->hidden && l + 1 < L)
+            capture(b, args->hidden[l + 1], p->x, H, args->capture_rows, args->n_capture_rows, cs.c0, cs.n);
+        if (l + 1 == L)
+            chunk_finish(m, p, args, cs);
+        else
+            b->copy(b, xs, p->x, sizeof(float) * (size_t)cs.n * H);
+    }
+}
+
+static double wall_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Layer l of every pass in turn, then the caller's hook. */
+static kf_status run_layer(kf_model *m, kf_forward_plan *p, kf_arena *a, const kf_forward_pass *passes, int n,
+                           pass_state *st, int l, const kf_layer_hook *hook, kf_error *err) {
+    kf_backend *b = m->b;
+    if (hook && hook->before_layer)
+        KF_TRY(hook->before_layer(hook->ctx, l, err));
+    for (int i = 0; i < n; i++) {
+        const kf_forward_args *args = passes[i].args;
+        if (args->n_tokens == 0)
+            continue;
+        const double t0 = wall_s();
+        pass_layer(m, p, a, &passes[i], &st[i], l);
+        if (b->take_error(b))
+            return kf_fail(err, KF_ERR_NOMEM, "forward: the %s backend ran out of memory at layer %d of pass %d",
+                           b->name, l, i);
+        if (hook && hook->pass_s)
+            hook->pass_s[i] += wall_s() - t0;
+        if (args->progress)
+            args->progress(args->progress_ctx, (int64_t)args->n_tokens * (l + 1) / m->cfg.n_layers, args->n_tokens);
+    }
+    return hook && hook->on_layer ? hook->on_layer(hook->ctx, l, err) : KF_OK;
+}
+
+kf_status kf_model_forward_layers(kf_model *m, kf_arena *a, const kf_forward_pass *passes, int n,
+                                  const kf_layer_hook *hook, kf_error *err) {
+    int chunk = 0, logit_rows = 0;
+    for (int i = 0; i < n; i++) {
+        KF_TRY(check_args(m, a, passes[i].seq, passes[i].args, err));
+        if (passes[i].args->plan != passes[0].args->plan)
+            return kf_fail(err, KF_ERR_INVALID, "forward: the passes of a layer-major forward share one plan");
+        chunk = forward_chunk(passes[i].args) > chunk ? forward_chunk(passes[i].args) : chunk;
+        logit_rows = passes[i].args->n_logit_rows > logit_rows ? passes[i].args->n_logit_rows : logit_rows;
+    }
+    kf_forward_plan *p;
+    KF_TRY(forward_plan(m, n > 0 ? passes[0].args->plan : NULL, &p, err));
+    KF_TRY(plan_reserve(p, &m->cfg, chunk, logit_rows, err));
+    pass_state *st = calloc((size_t)(n ? n : 1), sizeof *st);
+    kf_status rc = st ? KF_OK : kf_fail(err, KF_ERR_NOMEM, "forward: out of memory");
+    for (int i = 0; i < n && rc == KF_OK; i++)
+        if (passes[i].args->n_tokens > 0)
+            rc = pass_init(m, a, &passes[i], &st[i], err);
+    for (int l = 0; l < m->cfg.n_layers && rc == KF_OK; l++)
+        rc = run_layer(m, p, a, passes, n, st, l, hook, err);
+    for (int i = 0; i < n && st; i++) {
+        if (rc == KF_OK)
+            passes[i].seq->len += passes[i].args->n_tokens;
+        pass_state_free(m->b, &st[i]);
+    }
+    free(st);
     return rc;
 }

@@ -106,6 +106,36 @@ kf_status kf_model_arena(const kf_model *m, kf_arena *a, int64_t n_tokens, kf_er
 
 kf_status kf_model_forward(kf_model *m, kf_arena *a, kf_seq *seq, const kf_forward_args *args, kf_error *err);
 
+/* The layer-major forward (issue 14, bounded memory): several passes, each a document and what to
+ * append to it, run layer by layer: layer l on every chunk of pass 0, then of pass 1, ..., then the
+ * hook's on_layer(ctx, l), then layer l + 1. Each pass's chunks are exactly the ones
+ * kf_model_forward runs with its args (the same boundaries, kernels and keys visible), so its K/V,
+ * captures and logits are bit-identical to kf_model_forward's; between layers each pass keeps its
+ * residual stream, [n_tokens, hidden] fp32 in backend memory, and nothing else that grows with its
+ * tokens (QUOKA's index aside). The passes must not write each other's pages (forks of one document
+ * are fine: each reserves its own copy of a shared partial page) and share one plan (the first
+ * pass's args->plan, NULL: the model's own). In on_layer(l), every pass's layers <= l are in the
+ * arena (read them with kf_seq_read_kv; seq->len advances only when the whole call succeeds), and
+ * its queries of layer l are captured: a capture buffer may be reused from one layer to the next;
+ * before_layer(l) runs before any pass's layer l (an arena of fewer layers, kf_arena_init_held,
+ * can be given the keys its passes read there). A status other than KF_OK from either stops the
+ * forward and is returned. args->progress is
+ * called after each layer with (tokens * (l + 1) / n_layers, tokens). */
+typedef struct {
+    kf_seq *seq;
+    const kf_forward_args *args;
+} kf_forward_pass;
+
+typedef struct {
+    kf_status (*before_layer)(void *ctx, int layer, kf_error *err); /* NULL, or called before layer l runs */
+    kf_status (*on_layer)(void *ctx, int layer, kf_error *err); /* NULL: none */
+    void *ctx;
+    double *pass_s; /* NULL or [n passes]: each pass's forward seconds are added to it */
+} kf_layer_hook;
+
+kf_status kf_model_forward_layers(kf_model *m, kf_arena *a, const kf_forward_pass *passes, int n,
+                                  const kf_layer_hook *hook, kf_error *err);
+
 /* A plan for model m with room for chunks of `chunk` tokens and `logit_rows` logit rows per call
  * (0, 0: empty, grown by the first forward). */
 kf_status kf_forward_plan_create(kf_forward_plan **out, kf_model *m, int chunk, int logit_rows, kf_error *err);

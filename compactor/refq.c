@@ -7,14 +7,22 @@
 
 kf_status kf_refq_init(kf_refq *r, int n_layers, int kv_heads, int head_dim, int group, int64_t n_pos, int bf16,
                        kf_error *err) {
+    return kf_refq_init_held(r, n_layers, n_layers, kv_heads, head_dim, group, n_pos, bf16, err);
+}
+
+kf_status kf_refq_init_held(kf_refq *r, int n_layers, int n_held, int kv_heads, int head_dim, int group, int64_t n_pos,
+                            int bf16, kf_error *err) {
     memset(r, 0, sizeof *r);
+    if (n_held < 1 || n_held > n_layers)
+        return kf_fail(err, KF_ERR_INVALID, "reference queries: %d layers held of %d", n_held, n_layers);
     r->n_layers = n_layers;
+    r->n_held = n_held;
     r->kv_heads = kv_heads;
     r->head_dim = head_dim;
     r->group = group;
     r->n_pos = n_pos;
     r->R = (int64_t)group * n_pos;
-    const size_t n = (size_t)n_layers * kv_heads * (size_t)r->R * head_dim;
+    const size_t n = (size_t)n_held * kv_heads * (size_t)r->R * head_dim;
     const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
     if (bf16)
         r->qh = malloc(elem * (n ? n : 1));
@@ -32,7 +40,7 @@ const float *kf_refq_head(const kf_refq *r, int layer, int g, float *scratch) {
     if (r->q)
         return kf_refq_rows(r, layer, g);
     const size_t n = (size_t)r->R * r->head_dim;
-    const uint16_t *h = r->qh + ((size_t)layer * r->kv_heads + g) * n;
+    const uint16_t *h = r->qh + ((size_t)(layer % r->n_held) * r->kv_heads + g) * n;
     for (size_t i = 0; i < n; i++)
         scratch[i] = kf_bf16_to_f32(h[i]);
     return scratch;

@@ -253,12 +253,41 @@ static void test_random_operations_keep_invariants(void) {
     kf_arena_free(&a);
 }
 
+/* An arena holding one layer of four (kf_arena_init_held): every layer maps to the one slot (a
+ * page is a quarter of a full one), a write of layer 1 reads back as layer 3, and held counts
+ * outside 1 .. n_layers are refused. */
+static void test_one_layer_held(void) {
+    kf_error err = {0};
+    kf_arena full, one;
+    CU_ASSERT_EQUAL(kf_arena_init_held(&one, g_b, 4, 0, KVH, HD, 4, &err), KF_ERR_INVALID);
+    CU_ASSERT_EQUAL(kf_arena_init_held(&one, g_b, 4, 5, KVH, HD, 4, &err), KF_ERR_INVALID);
+    CU_ASSERT_EQUAL_FATAL(kf_arena_init(&full, g_b, 4, KVH, HD, 4, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_arena_init_held(&one, g_b, 4, 1, KVH, HD, 4, &err), KF_OK);
+    CU_ASSERT_EQUAL(full.n_held, 4);
+    CU_ASSERT_EQUAL(one.page_stride * 4, full.page_stride);
+    CU_ASSERT_PTR_EQUAL(kf_arena_layer(&one, 0).k, kf_arena_layer(&one, 3).k);
+    CU_ASSERT_PTR_NOT_EQUAL(kf_arena_layer(&full, 0).k, kf_arena_layer(&full, 3).k);
+    kf_seq s;
+    kf_seq_init(&s);
+    CU_ASSERT_EQUAL_FATAL(kf_seq_reserve(&one, &s, 20, &err), KF_OK);
+    float k[20 * ROW], v[20 * ROW], rk[20 * ROW], rv[20 * ROW];
+    for (int i = 0; i < 20 * ROW; i++)
+        k[i] = (float)i, v[i] = -(float)i;
+    CU_ASSERT_EQUAL(kf_seq_write_kv(&one, &s, 1, 0, 20, k, v, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_seq_read_kv(&one, &s, 3, 0, 20, rk, rv, &err), KF_OK);
+    CU_ASSERT(memcmp(k, rk, sizeof k) == 0 && memcmp(v, rv, sizeof v) == 0);
+    kf_seq_release(&one, &s);
+    kf_arena_free(&one);
+    kf_arena_free(&full);
+}
+
 static CU_TestInfo tests[] = {
     {"append and read back", test_append_and_read},
     {"fork shares pages, copy-on-write", test_fork_shares_and_copies_on_write},
     {"truncate inside a page, then continue", test_truncate_inside_a_page_then_continue},
     {"out of pages is a status", test_out_of_pages_is_a_status},
     {"2000 random operations keep the invariants", test_random_operations_keep_invariants},
+    {"one layer held of four", test_one_layer_held},
     CU_TEST_INFO_NULL,
 };
 static CU_SuiteInfo suites[] = {{"arena", init, clean, NULL, NULL, tests}, CU_SUITE_INFO_NULL};

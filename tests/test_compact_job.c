@@ -285,11 +285,11 @@ static void test_shared_stages_equal_separate(void) {
     CU_ASSERT_PTR_NULL(prep);
 }
 
-/* A caller's arena of exactly kf_compact_arena_pages pages (by hand: a 203-token context takes 13
- * pages; the repeat prompt of 209 tokens on a fork of it 26 - 12 = 14, its first page a copy of
- * the context's partly filled last one; the 7-token probe 14 - 12 = 2: 29) is enough: with the
- * per-head choice the sources holding validation rows keep their forks until kf_compact_prep_free
- * (used pages above the context's), without it only the context stays; nothing is left after. */
+/* A caller's arena of exactly kf_compact_arena_pages pages (a 203-token context: 13 pages) is
+ * enough and one page less is not: the reference sources (a 209-token repeat prompt, a 7-token
+ * probe) run layer by layer in an arena of their own inside kf_compact_solve (with or without the
+ * per-head choice), so the caller's holds the context alone, from kf_compact_prepare to
+ * kf_compact_prep_free, and nothing after. */
 static void test_prep_arena_pages(void) {
     kf_error err = {0};
     kf_compact_params p = params(KF_METHOD_FOLD, 0.25);
@@ -297,43 +297,41 @@ static void test_prep_arena_pages(void) {
     p.probes = &probe;
     p.n_probes = 1;
     const int64_t pages = kf_compact_arena_pages(&p, 203, 203);
-    CU_ASSERT_EQUAL_FATAL(pages, 29);
+    CU_ASSERT_EQUAL_FATAL(pages, 13);
     const kf_compact_variant fold = {KF_METHOD_FOLD, 0.25}, keep = {KF_METHOD_KEEP, 0.25};
-    for (int choice = 1; choice >= 0; choice--) {
+    for (int run = 0; run < 3; run++) {
+        const int choice = run != 1, short_by_one = run == 2;
         kf_arena a;
-        CU_ASSERT_EQUAL_FATAL(kf_model_arena(g_m, &a, (pages - 1) * KF_PAGE_TOKENS, &err), KF_OK);
-        CU_ASSERT_EQUAL_FATAL(a.n_pages, pages);
+        const kf_hfconfig *mc = kf_model_config(g_m);
+        CU_ASSERT_EQUAL_FATAL(kf_arena_init(&a, kf_model_backend(g_m), mc->n_layers, mc->n_kv_heads, mc->head_dim,
+                                            (int)pages - short_by_one, &err), KF_OK);
         const kf_compact_reuse r = {.arena = &a};
         const kf_compact_variant *v = choice ? &fold : &keep;
         kf_compact_prep *prep = NULL;
         kf_compacted c;
         kf_status st = kf_compact_prepare(g_m, &r, NULL, &doc, NULL, &p, v, 1, &prep, &err);
-        if (st != KF_OK)
-            fprintf(stderr, "prepare (choice %d): %s\n", choice, err.msg);
-        CU_ASSERT_EQUAL_FATAL(st, KF_OK);
-        const int used = a.n_pages - a.n_free;
-        if (choice) { /* the repeat's fork (the copied page and beyond) and the probe's */
-            CU_ASSERT(used >= 13 + 2 + 1);
-        } else {
-            CU_ASSERT_EQUAL(used, 13);
+        CU_ASSERT_EQUAL(st, short_by_one ? KF_ERR_NOSPACE : KF_OK);
+        if (st == KF_OK) {
+            CU_ASSERT_EQUAL(a.n_pages - a.n_free, 13);
+            CU_ASSERT_EQUAL_FATAL(kf_compact_solve(prep, v, 1, &c, &err), KF_OK);
+            CU_ASSERT_EQUAL(a.n_pages - a.n_free, 13);
+            CU_ASSERT_EQUAL(c.stats.n_val_queries > 0, choice);
+            kf_compacted_free(&c);
         }
-        CU_ASSERT_EQUAL_FATAL(kf_compact_solve(prep, v, 1, &c, &err), KF_OK);
-        CU_ASSERT_EQUAL(c.stats.n_val_queries > 0, choice);
         kf_compact_prep_free(prep, NULL);
         CU_ASSERT_EQUAL(a.n_free, a.n_pages);
-        kf_compacted_free(&c);
         kf_arena_free(&a);
     }
 }
 
 /* The memory formula (compact.h) on a hand-computed case: L 2, H 64, I 128, V 100 (tied), 4 heads
- * over 2 KV heads of d 16 with q/k norms; D 40 (T 32), S 38, one 7-token probe kept, R 100, Rv 20,
+ * over 2 KV heads of d 16 with q/k norms; D 40 (T 32), S 38, one 7-token probe, R 100, Rv 20, Rc 20,
  * t 8, chunk 16, 2 attention threads, the solve on 2 threads (2 heads at once), ws 50,000 bytes.
  * Every term by hand:
  *   weights 4 (6,400 + 64 + 2 (8,192 + 4,096 + 24,576 + 128 + 32))             = 322,048
- *   arena   128 * 2 * 32 * (pg 40 = 3 + pg 78 = 5 - 2 + pg 7 = 1 + 2)            = 73,728
- *   queries 4 * 2 * 2 * 100 * 16                                               = 25,600
- *   forward 4 * 16 * 576 + 8 * 16 + 8 * 78 * 32 + 512 * 2 * 78                 = 136,832
+ *   arena   128 * 2 * 32 * pg 40 = 3 + 128 * 32 * (3 + pg 78 = 5 - 2 + pg 7 = 1 + 2) = 61,440
+ *   queries 4 * 2 * 100 * 16 (one layer) + 4 * 2 * 2 * 20 * 16 (context rows)   = 17,920
+ *   forward 4 * 16 * 576 + 8 * 16 + 8 * 78 * 32 + 512 * 2 * 78 + 4 * 64 * 45     = 148,352
  *   solve   8 * 40 * 32 + 8 * 45 * 32
  *           + 2 (8 * 8 + 16 * 8 * 16 + 8 * 100 * 17 + 20 * 20)                 per thread
  *           + 2 (4 * 100 * 18 + 4 * 32 + 24 * 20 + 12 * 20 * 16 + 8 * 16 + 4 * max(160, 64 * 38)
@@ -346,19 +344,19 @@ static void test_memory_formula(void) {
     kf_hfconfig c = {0};
     c.n_layers = 2, c.hidden_size = 64, c.intermediate_size = 128, c.vocab_size = 100, c.n_heads = 4;
     c.n_kv_heads = 2, c.head_dim = 16, c.tie_word_embeddings = 1, c.has_qk_norm = 1;
-    const kf_mem_shape sh = {.D = 40, .T = 32, .S = 38, .P = 7, .n_p = 1, .R = 100, .Rv = 20, .t = 8, .choice = 1,
-                             .chunk = 16, .attn_threads = 2, .solve_threads = 2, .solve_heads = 2,
+    const kf_mem_shape sh = {.D = 40, .T = 32, .S = 38, .P = 7, .n_p = 1, .R = 100, .Rv = 20, .Rc = 20, .t = 8,
+                             .choice = 1, .chunk = 16, .attn_threads = 2, .solve_threads = 2, .solve_heads = 2,
                              .head_ws = 50000};
     kf_mem_peak m;
     const int64_t total = kf_compact_peak_bytes(&c, &sh, &m);
     CU_ASSERT_EQUAL(m.weights, 322048);
-    CU_ASSERT_EQUAL(m.arena, 73728);
-    CU_ASSERT_EQUAL(m.queries, 25600);
-    CU_ASSERT_EQUAL(m.forward, 136832);
+    CU_ASSERT_EQUAL(m.arena, 61440);
+    CU_ASSERT_EQUAL(m.queries, 17920);
+    CU_ASSERT_EQUAL(m.forward, 148352);
     CU_ASSERT_EQUAL(m.solve, 196992);
     CU_ASSERT_EQUAL(m.output, 8996);
     CU_ASSERT_EQUAL(m.base, 33554432);
-    CU_ASSERT_EQUAL(total, 34318628);
+    CU_ASSERT_EQUAL(total, 34310180);
     CU_ASSERT_EQUAL(m.total, total);
     /* ws with the choice: max(40 t^2 + 40 t d + 3084 t + 2060 d + 8 d^2, 24 t^2 + 16 t d + 8 t + 8200 d + 16 d^2);
      * without: max(16 t^2 + 16 t d + 3080 t + 2048 d, 16 d^2 + 8200 d) */
@@ -371,7 +369,7 @@ static void test_memory_formula(void) {
     sh16.refq_bf16 = 1;
     kf_mem_peak m16;
     kf_compact_peak_bytes(&c, &sh16, &m16);
-    CU_ASSERT(m16.queries == 12800 && m16.solve == 196992 + 12800 && m16.total == total);
+    CU_ASSERT(m16.queries == 8960 && m16.solve == 196992 + 12800 && m16.total == total - 17920 + 8960 + 12800);
     /* one thread: one thread's buffers and one head in flight */
     kf_mem_shape sh1 = sh;
     sh1.solve_threads = 1, sh1.solve_heads = 1;
@@ -386,7 +384,7 @@ static void test_memory_formula(void) {
     CU_ASSERT_EQUAL(m.weights, 4 * kf_model_n_params(g_m));
     /* and the shape is the one kf_compact runs: 2 x 206 positions, 2 x 41 held out, t 50; the solve
      * on the pool's threads, min(threads, kv heads) heads at once */
-    CU_ASSERT(real.R == 412 && real.Rv == 82 && real.t == 50 && real.S == 206 && real.choice == 1);
+    CU_ASSERT(real.R == 412 && real.Rv == 82 && real.t == 50 && real.S == 206 && real.choice == 1 && real.Rc == 0);
     CU_ASSERT(real.solve_threads == 1 && real.solve_heads == 1);
     CU_ASSERT_EQUAL(real.head_ws, kf_compact_head_ws_bytes(50, 64, 1));
     kf_mem_shape three;
@@ -558,7 +556,7 @@ static CU_TestInfo model_tests[] = {
     {"logits with sharing equal logits without", test_sharing_logits_equal},
     {"kf_compact_ex with a shared prefix == kf_compact", test_compact_ex_shared_equals_whole},
     {"one prepare, several variants == kf_compact for each", test_shared_stages_equal_separate},
-    {"a caller's arena of kf_compact_arena_pages; validation forks kept, then released", test_prep_arena_pages},
+    {"a caller's arena of kf_compact_arena_pages; the sources held together only while they run", test_prep_arena_pages},
     {"the memory formula: a hand-computed case, the loaded weights, kf_compact's shape", test_memory_formula},
     {"bf16 reference queries: a different, close compaction", test_refq_bf16_close},
     {"round trip compact -> kvf -> engine", test_round_trip_through_kvf},

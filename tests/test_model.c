@@ -321,6 +321,38 @@ static void test_capture_into_refq_pool(void) {
     CU_ASSERT_EQUAL(bad, 0);
     CU_ASSERT(untouched);
 
+    /* a pool holding one layer (the compaction's): every layer captures into the same slot, so
+     * after the forward it holds the last layer's rows, read with the model's layer index */
+    kf_refq r1;
+    CU_ASSERT_EQUAL(kf_refq_init_held(&r1, L, 0, kvh, hd, G, N_POS, 0, &err), KF_ERR_INVALID);
+    CU_ASSERT_EQUAL_FATAL(kf_refq_init_held(&r1, L, 1, kvh, hd, G, N_POS, 0, &err), KF_OK);
+    float **dst1 = calloc((size_t)L, sizeof *dst1);
+    for (int l = 0; l < L; l++)
+        dst1[l] = kf_refq_capture_dst(&r1, l, FIRST);
+    CU_ASSERT_PTR_EQUAL(dst1[0], dst1[L - 1]);
+    {
+        kf_arena a1;
+        kf_seq s1;
+        kf_seq_init(&s1);
+        CU_ASSERT_EQUAL_FATAL(kf_model_arena(f->m, &a1, 100, &err), KF_OK);
+        kf_forward_args f1 = {.ids = f->ids, .n_tokens = 100, .chunk = 32, .capture_rows = rows,
+                              .n_capture_rows = N_ROWS, .queries = dst1, .queries_row_stride = (size_t)hd,
+                              .queries_head_stride = kf_refq_head_stride(&r1)};
+        CU_ASSERT_EQUAL_FATAL(kf_model_forward(f->m, &a1, &s1, &f1, &err), KF_OK);
+        kf_seq_release(&a1, &s1);
+        kf_arena_free(&a1);
+    }
+    int bad1 = 0;
+    for (int g = 0; g < kvh; g++)
+        for (int j = 0; j < G; j++)
+            for (int p = FIRST; p < FIRST + N_ROWS; p++)
+                bad1 += memcmp(kf_refq_rows(&r1, L - 1, g) + ((size_t)j * N_POS + p) * hd,
+                               flat[L - 1] + ((size_t)(p - FIRST) * nh + g * G + j) * hd, sizeof(float) * hd) != 0;
+    CU_ASSERT_EQUAL(bad1, 0);
+    CU_ASSERT_PTR_EQUAL(kf_refq_rows(&r1, 0, 1), kf_refq_rows(&r1, L - 1, 1));
+    free(dst1);
+    kf_refq_free(&r1);
+
     /* a bf16 pool: every value the fp32 capture's rounded to nearest even (formats/kvf's rounding) */
     kf_refq rh;
     CU_ASSERT_EQUAL_FATAL(kf_refq_init(&rh, L, kvh, hd, G, N_POS, 1, &err), KF_OK);
@@ -361,6 +393,201 @@ static void test_capture_into_refq_pool(void) {
         free(flat[l]);
     free(flat), free(dst);
     kf_refq_free(&rq);
+}
+
+/* ---- the layer-major forward (kf_model_forward_layers) ---- */
+
+enum { LM_CTX = 70, LM_PASSES = 3 };
+
+/* What one pass produced: logits of every row, hidden states and queries at its capture rows. */
+typedef struct {
+    float *logits;    /* [n, V] */
+    float **hidden;   /* [L + 1] -> [n_rows, H] */
+    float **q;        /* [L] -> [n_rows, nh * hd] (pass 1: NULL, bf16 instead) */
+    uint16_t **qh;    /* [L] -> [n_rows, nh * hd] */
+    kf_forward_args args;
+} lm_out;
+
+static const int32_t kLmRows[] = {0, 5, 16, 17, 23};
+enum { LM_ROWS = 5 };
+
+/* Pass i's arguments: 0 on a fork of the context (chunk 16, fp32 queries, hidden, logits), 1 on
+ * another fork (other tokens, chunk 7, bf16 queries, QUOKA with a small budget), 2 a fresh document
+ * (chunk 32). */
+static void lm_args(const fixture *f, int i, int32_t *other, int32_t *logit_rows, kf_quoka_params *qk, lm_out *o) {
+    const kf_hfconfig *c = kf_model_config(f->m);
+    const size_t L = (size_t)c->n_layers, H = (size_t)c->hidden_size, QD = (size_t)c->n_heads * c->head_dim;
+    const int V = c->vocab_size;
+    const int n = i == 0 ? 60 : i == 1 ? 25 : 50;
+    memset(o, 0, sizeof *o);
+    o->logits = malloc(sizeof(float) * (size_t)n * V);
+    o->hidden = calloc(L + 1, sizeof *o->hidden);
+    for (size_t l = 0; l <= L; l++)
+        o->hidden[l] = malloc(sizeof(float) * LM_ROWS * H);
+    if (i == 1) {
+        o->qh = calloc(L, sizeof *o->qh);
+        for (size_t l = 0; l < L; l++)
+            o->qh[l] = malloc(sizeof(uint16_t) * LM_ROWS * QD);
+    } else {
+        o->q = calloc(L, sizeof *o->q);
+        for (size_t l = 0; l < L; l++)
+            o->q[l] = malloc(sizeof(float) * LM_ROWS * QD);
+    }
+    for (int r = 0; r < n; r++)
+        logit_rows[r] = r;
+    for (int t = 0; t < 25; t++)
+        other[t] = (f->ids[t] + 31) % V;
+    o->args = (kf_forward_args){.ids = i == 0 ? f->ids + LM_CTX : i == 1 ? other : f->ids + 100, .n_tokens = n,
+                                .chunk = i == 0 ? 16 : i == 1 ? 7 : 32, .logit_rows = logit_rows, .n_logit_rows = n,
+                                .logits = o->logits, .capture_rows = kLmRows, .n_capture_rows = LM_ROWS,
+                                .queries = o->q, .queries_bf16 = o->qh, .hidden = o->hidden};
+    if (i == 1) {
+        *qk = kf_quoka_params_default();
+        qk->budget = 12, qk->n_q = 4;
+        o->args.quoka = qk;
+    }
+}
+
+static void lm_free(const fixture *f, lm_out *o) {
+    const int L = kf_model_config(f->m)->n_layers;
+    for (int l = 0; l <= L; l++) {
+        free(o->hidden[l]);
+        if (l < L && o->q)
+            free(o->q[l]);
+        if (l < L && o->qh)
+            free(o->qh[l]);
+    }
+    free(o->hidden), free(o->q), free(o->qh), free(o->logits);
+}
+
+/* The context (chunk-major), and the passes' documents: forks of it for 0 and 1, a fresh one for 2. */
+static void lm_docs(const fixture *f, kf_arena *a, kf_seq *ctx, kf_seq *seqs) {
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_model_arena(f->m, a, 800, &err), KF_OK);
+    kf_seq_init(ctx);
+    kf_forward_args fa = {.ids = f->ids, .n_tokens = LM_CTX, .chunk = 32};
+    CU_ASSERT_EQUAL_FATAL(kf_model_forward(f->m, a, ctx, &fa, &err), KF_OK);
+    for (int i = 0; i < LM_PASSES; i++) {
+        kf_seq_init(&seqs[i]);
+        if (i < 2)
+            CU_ASSERT_EQUAL_FATAL(kf_seq_fork(a, ctx, LM_CTX, &seqs[i], &err), KF_OK);
+    }
+}
+
+/* One layer of a document's keys and values, [len, kvh * hd] each, side by side. */
+static float *lm_layer_kv(const fixture *f, const kf_arena *a, const kf_seq *s, int l, int64_t len) {
+    const kf_hfconfig *c = kf_model_config(f->m);
+    const size_t row = (size_t)c->n_kv_heads * c->head_dim;
+    float *kv = malloc(sizeof(float) * 2 * (size_t)len * row);
+    kf_error err = {0};
+    CU_ASSERT_EQUAL(kf_seq_read_kv(a, s, l, 0, len, kv, kv + (size_t)len * row, &err), KF_OK);
+    return kv;
+}
+
+typedef struct {
+    const fixture *f;
+    const kf_arena *a, *ref_a;
+    const kf_seq *seqs, *ref_seqs;
+    int calls, kv_bad, stop_at;
+} lm_hook_ctx;
+
+/* In on_layer(l) every pass's layer l is in the arena, equal to the chunk-major forward's. */
+static kf_status lm_on_layer(void *ctx, int l, kf_error *err) {
+    lm_hook_ctx *h = ctx;
+    const kf_hfconfig *c = kf_model_config(h->f->m);
+    const size_t row = (size_t)c->n_kv_heads * c->head_dim;
+    h->kv_bad += l != h->calls++;
+    for (int i = 0; i < LM_PASSES; i++) {
+        const int64_t len = h->ref_seqs[i].len;
+        float *got = lm_layer_kv(h->f, h->a, &h->seqs[i], l, len), *want = lm_layer_kv(h->f, h->ref_a, &h->ref_seqs[i], l, len);
+        h->kv_bad += memcmp(got, want, sizeof(float) * 2 * (size_t)len * row) != 0;
+        free(got), free(want);
+    }
+    if (l == h->stop_at)
+        return kf_fail(err, KF_ERR_INVALID, "stop at layer %d", l);
+    return KF_OK;
+}
+
+static int lm_same(const fixture *f, const lm_out *x, const lm_out *y) {
+    const kf_hfconfig *c = kf_model_config(f->m);
+    const int L = c->n_layers, H = c->hidden_size, QD = c->n_heads * c->head_dim;
+    int bad = memcmp(x->logits, y->logits, sizeof(float) * (size_t)x->args.n_tokens * c->vocab_size) != 0;
+    for (int l = 0; l <= L; l++) {
+        bad += memcmp(x->hidden[l], y->hidden[l], sizeof(float) * LM_ROWS * H) != 0;
+        if (l < L && x->q)
+            bad += memcmp(x->q[l], y->q[l], sizeof(float) * LM_ROWS * QD) != 0;
+        if (l < L && x->qh)
+            bad += memcmp(x->qh[l], y->qh[l], sizeof(uint16_t) * LM_ROWS * QD) != 0;
+    }
+    return bad;
+}
+
+/* Three passes run layer-major (two forks of a context, one fresh document; chunks 16, 7 and 32;
+ * fp32 and bf16 query captures, hidden states, logits, QUOKA on one) give bit for bit the K/V,
+ * captures and logits of kf_model_forward run on each in turn; the hook sees each layer once, in
+ * order, already in the arena; a hook's failure stops the forward with its status. */
+static void test_layer_major_forward(void) {
+    fixture *f = &fx_qwen;
+    const int L = kf_model_config(f->m)->n_layers;
+    int32_t other[2][25], lrows[2][LM_PASSES][60];
+    kf_quoka_params qk[2];
+    lm_out ref[LM_PASSES], got[LM_PASSES];
+    kf_arena ra, a;
+    kf_seq rctx, ctx, rseq[LM_PASSES], seq[LM_PASSES];
+    kf_error err = {0};
+    lm_docs(f, &ra, &rctx, rseq);
+    lm_docs(f, &a, &ctx, seq);
+    kf_forward_pass passes[LM_PASSES];
+    for (int i = 0; i < LM_PASSES; i++) {
+        lm_args(f, i, other[0], lrows[0][i], &qk[0], &ref[i]);
+        lm_args(f, i, other[1], lrows[1][i], &qk[1], &got[i]);
+        CU_ASSERT_EQUAL_FATAL(kf_model_forward(f->m, &ra, &rseq[i], &ref[i].args, &err), KF_OK);
+        passes[i] = (kf_forward_pass){&seq[i], &got[i].args};
+    }
+    lm_hook_ctx hc = {f, &a, &ra, seq, rseq, 0, 0, -1};
+    double pass_s[LM_PASSES] = {0};
+    const kf_layer_hook hook = {.on_layer = lm_on_layer, .ctx = &hc, .pass_s = pass_s};
+    CU_ASSERT_EQUAL_FATAL(kf_model_forward_layers(f->m, &a, passes, LM_PASSES, &hook, &err), KF_OK);
+    CU_ASSERT_EQUAL(hc.calls, L);
+    CU_ASSERT_EQUAL(hc.kv_bad, 0);
+    for (int i = 0; i < LM_PASSES; i++) {
+        CU_ASSERT_EQUAL(seq[i].len, rseq[i].len);
+        CU_ASSERT_EQUAL(lm_same(f, &ref[i], &got[i]), 0);
+        CU_ASSERT(pass_s[i] > 0);
+    }
+    int kv_bad = 0; /* the context is untouched by its forks */
+    for (int l = 0; l < L; l++) {
+        float *x = lm_layer_kv(f, &a, &ctx, l, LM_CTX), *y = lm_layer_kv(f, &ra, &rctx, l, LM_CTX);
+        kv_bad += memcmp(x, y, sizeof(float) * 2 * LM_CTX * kf_model_config(f->m)->n_kv_heads *
+                                    kf_model_config(f->m)->head_dim) != 0;
+        free(x), free(y);
+    }
+    CU_ASSERT_EQUAL(kv_bad, 0);
+
+    /* a hook failing at layer 1: its status, no layer after it, the documents' lengths unchanged */
+    kf_seq more[LM_PASSES];
+    for (int i = 0; i < LM_PASSES; i++) {
+        CU_ASSERT_EQUAL_FATAL(kf_seq_fork(&a, &seq[i], seq[i].len, &more[i], &err), KF_OK);
+        passes[i].seq = &more[i];
+    }
+    lm_hook_ctx stop = {f, &a, &a, more, more, 0, 0, 1};
+    const kf_layer_hook hs = {.on_layer = lm_on_layer, .ctx = &stop};
+    CU_ASSERT_EQUAL(kf_model_forward_layers(f->m, &a, passes, LM_PASSES, &hs, &err), KF_ERR_INVALID);
+    CU_ASSERT_STRING_EQUAL(err.msg, "stop at layer 1");
+    CU_ASSERT_EQUAL(stop.calls, 2);
+    for (int i = 0; i < LM_PASSES; i++) {
+        CU_ASSERT_EQUAL(more[i].len, seq[i].len);
+        kf_seq_release(&a, &more[i]);
+        kf_seq_release(&a, &seq[i]);
+        kf_seq_release(&ra, &rseq[i]);
+        lm_free(f, &ref[i]);
+        lm_free(f, &got[i]);
+    }
+    kf_seq_release(&a, &ctx);
+    kf_seq_release(&ra, &rctx);
+    CU_ASSERT_EQUAL(a.n_free, a.n_pages);
+    kf_arena_free(&a);
+    kf_arena_free(&ra);
 }
 
 /* Teacher-forced decoding, one token per call through a plan: the logits of a full prefill, and
@@ -584,7 +811,8 @@ static CU_TestInfo qwen_tests[] = {
     {"golden tensors (hf-qwen3-tiny)", test_qwen_golden},
     {"chunk sizes 1, 7, 16, 64, whole", test_qwen_chunks},
     {"fork and rewind reproduce a fresh prefill", test_fork_reproduces_fresh_prefill},
-    {"queries captured straight into the reference-query pool", test_capture_into_refq_pool},
+    {"queries captured straight into the reference-query pool (all layers, one layer)", test_capture_into_refq_pool},
+    {"layer-major forward: bit-identical to kf_model_forward", test_layer_major_forward},
     {"bad forward arguments", test_forward_rejects_bad_input},
     {"decoding through a plan allocates nothing", test_plan_reused_by_decoding},
     {"engine greedy: no allocation per token", test_engine_greedy_allocates_nothing},
