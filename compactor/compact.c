@@ -8,6 +8,7 @@
 #include "compactor/diag.h"
 #include "compactor/fold.h"
 #include "compactor/refq.h"
+#include "compactor/refq_targets.h"
 #include "kernels/cpu/cpu_kernels.h"
 
 static const char *const kMethodNames[] = {"keep", "drop", "am", "fold"};
@@ -454,6 +455,8 @@ struct kf_compact_prep {
     kf_arena *ar;              /* own_arena or the caller's */
     kf_seq seq;                /* the context's pages (D tokens) */
     kf_refq rq;                /* reference queries, [L][kvh][R, d] */
+    kf_refq_targets tg;        /* AM's targets of the rows the source forwards fused (m NULL: none) */
+    kf_refq_targets_dst tdst;  /* a forward's per-layer destinations of them */
     uint8_t *pos_kind, *is_val; /* validation plan, [n_pos] each (NULL: no variant needs it) */
     int *pos_src;
     int64_t *pos_local, n_val_pos;
@@ -530,9 +533,11 @@ static kf_status plan_sources(const kf_compact_prep *x, const kf_prompt *doc, so
 typedef struct {
     float **q;
     uint16_t **qh;
+    int64_t first; /* the first sampled position of the source */
 } capture_to;
 
 static void capture_dst(const kf_compact_prep *x, int64_t first, capture_to *dst) {
+    dst->first = first;
     for (int l = 0; l < x->L; l++) {
         if (x->rq.q)
             dst->q[l] = kf_refq_capture_dst(&x->rq, l, first);
@@ -547,6 +552,18 @@ static void capture_args(const kf_compact_prep *x, kf_forward_args *fa, int n_ro
     fa->queries_bf16 = n_rows && x->rq.qh ? dst->qh : NULL;
     fa->queries_row_stride = (size_t)x->d;
     fa->queries_head_stride = kf_refq_head_stride(&x->rq);
+}
+
+/* Where the attention is to be AM's targets of a source's n_rows captured rows (*fa is complete,
+ * quoka included; it sees the whole document block): into the pool x->tg at sampled positions
+ * first, ..., which are then marked fused; nothing when the model cannot make them. */
+static void source_targets(kf_compact_prep *x, kf_forward_args *fa, int n_rows, int64_t first,
+                           kf_forward_targets *ft) {
+    if (!x->tg.m || n_rows == 0 || !kf_model_targets_supported(x->m, fa))
+        return;
+    kf_refq_targets_capture(&x->tg, first, x->n_pre, &x->tdst, ft);
+    fa->targets = ft;
+    memset(x->tg.fused + first, 1, (size_t)n_rows);
 }
 
 /* The forward pass of source i >= 1 on a fork of the context (QUOKA window for the repeat); the fork
@@ -568,6 +585,8 @@ static kf_status run_source(kf_compact_prep *x, const source *src, int i, const 
         }
         fa.quoka = &rq_quoka;
     }
+    kf_forward_targets ft;
+    source_targets(x, &fa, n_rows, qdst->first, &ft);
     if (p->progress)
         p->progress(p->progress_ctx, i == 1 ? "repeat" : "probes", i, x->n_sources);
     const int64_t keep = x->ap.n ? x->ap.n[i] : 0;
@@ -646,6 +665,21 @@ static int64_t arena_pages(const kf_compact_prep *x, const source *src) {
     return kf_pages_for(x->D) + peak;
 }
 
+/* The pool of fused targets (x->tg) when a source past the context can have them: the repeat
+ * (unless QUOKA runs it) or a probe, on a backend whose attention makes them. */
+static kf_status targets_init(kf_compact_prep *x, const source *src, kf_error *err) {
+    const kf_compact_params *p = &x->p;
+    const kf_forward_args dense = {0};
+    const int quoka_repeat = p->quoka && p->quoka_repeat && p->quoka->mode == KF_PREFILL_QUOKA;
+    int any = 0;
+    for (int i = 1; i < x->n_sources; i++)
+        any |= src[i].n > 0 && !(i == 1 && quoka_repeat);
+    if (!any || !kf_model_targets_supported(x->m, &dense))
+        return KF_OK;
+    KF_TRY(kf_refq_targets_init(&x->tg, &x->rq, x->n_doc, p->score == KF_SCORE_RMS, err));
+    return kf_refq_targets_dst_init(&x->tdst, x->L, err);
+}
+
 /* Sources, subsample, validation plan, arena, then the forward passes. */
 static kf_status prepare_run(kf_compact_prep *x, const kf_compact_reuse *reuse, int64_t shared, const kf_prompt *doc,
                              const int32_t *ctx_ids, int choice, source *src, kf_error *err) {
@@ -655,12 +689,14 @@ static kf_status prepare_run(kf_compact_prep *x, const kf_compact_reuse *reuse, 
     const int64_t n_pos = n_cand < cap_pos ? n_cand : cap_pos;
     int64_t *sample = malloc(sizeof(int64_t) * (size_t)(n_pos ? n_pos : 1));
     int32_t *rows = malloc(sizeof(int32_t) * (size_t)(n_pos ? n_pos : 1));
-    capture_to qdst = {malloc(sizeof(float *) * (size_t)x->L), malloc(sizeof(uint16_t *) * (size_t)x->L)}; /* [L] */
+    capture_to qdst = {malloc(sizeof(float *) * (size_t)x->L), malloc(sizeof(uint16_t *) * (size_t)x->L), 0}; /* [L] */
     kf_status rc = KF_OK;
     if (!sample || !rows || !qdst.q || !qdst.qh || kf_sample_indices(n_cand, n_pos, x->p.seed, sample) != 0)
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
     if (rc == KF_OK)
         rc = kf_refq_init(&x->rq, x->L, x->kvh, x->d, x->G, n_pos, x->p.refq_bf16, err);
+    if (rc == KF_OK)
+        rc = targets_init(x, src, err);
     if (rc == KF_OK && choice)
         rc = plan_validation(src, x->n_sources, sample, n_pos, &x->p, (size_t)x->kvh * x->d, &x->pos_kind,
                              &x->pos_src, &x->pos_local, &x->is_val, &x->n_val_pos, &x->ap, err);
@@ -731,6 +767,8 @@ void kf_compact_prep_free(kf_compact_prep *x, kf_seq *keep) {
     if (x->own_arena.storage)
         kf_arena_free(&x->own_arena);
     kf_refq_free(&x->rq);
+    kf_refq_targets_free(&x->tg);
+    kf_refq_targets_dst_free(&x->tdst);
     free(x->pos_kind);
     free(x->is_val);
     free(x->pos_src);
@@ -841,11 +879,83 @@ typedef struct {
     const float *q;      /* [R, d] the head's reference queries */
     float *q_own;        /* [R, d] q converted from a bf16 pool, or NULL */
     kf_am_head h;
-    kf_am_targets tg;
+    kf_am_targets tg;    /* m, y, Y point into the prep's pool of fused targets when tg_view */
+    int tg_view;
     const head_split *sp; /* NULL: no variant chooses per head */
     kf_val_head vh;
     double targets_s, split_s;
 } head_shared;
+
+static void head_targets_free(head_shared *hs) {
+    if (hs->tg_view)
+        free(hs->tg.score);
+    else
+        kf_am_targets_free(&hs->tg);
+    memset(&hs->tg, 0, sizeof hs->tg);
+}
+
+/* The targets of the rows the forwards did not fuse (n_un positions): computed on those rows
+ * alone, written into hs->tg's rows (the pool's), their score sums added to sum [T]. */
+static kf_status unfused_targets(const kf_compact_prep *x, head_shared *hs, int64_t n_un, double *sum,
+                                 kf_error *err) {
+    const int d = x->d, G = x->G;
+    const int64_t n_pos = x->rq.n_pos, Rs = (int64_t)G * n_un;
+    float *qs = malloc(sizeof(float) * (size_t)Rs * d); /* [Rs, d] */
+    if (!qs)
+        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for a head's reference queries");
+    for (int j = 0, i = 0; j < G; j++)
+        for (int64_t p = 0; p < n_pos; p++)
+            if (!x->tg.fused[p])
+                memcpy(qs + (size_t)i++ * d, hs->q + ((size_t)j * n_pos + p) * d, sizeof(float) * d);
+    kf_am_head h = hs->h;
+    h.q = qs, h.R = (int)Rs;
+    kf_am_targets ts;
+    kf_status rc = kf_am_targets_compute(&h, x->p.score, &ts, err);
+    free(qs);
+    if (rc != KF_OK)
+        return rc;
+    for (int j = 0, i = 0; j < G; j++)
+        for (int64_t p = 0; p < n_pos; p++) {
+            if (x->tg.fused[p])
+                continue;
+            const size_t r = (size_t)j * n_pos + p;
+            hs->tg.m[r] = ts.m[i], hs->tg.y[r] = ts.y[i];
+            memcpy(hs->tg.Y + r * d, ts.Y + (size_t)i++ * d, sizeof(float) * d);
+        }
+    for (int c = 0; c < x->n_doc; c++) /* back from RMS or mean to the sum over the Rs rows */
+        sum[c] += x->p.score == KF_SCORE_RMS ? (double)ts.score[c] * ts.score[c] * Rs : (double)ts.score[c] * Rs;
+    kf_am_targets_free(&ts);
+    return KF_OK;
+}
+
+/* AM's targets of head hs (kf_am_targets_compute's results, by summation order only): the fused
+ * rows' from the pool x->tg, the others' computed, the score over all R rows. */
+static kf_status head_targets(kf_compact_prep *x, head_shared *hs, kf_error *err) {
+    if (!x->tg.m)
+        return kf_am_targets_compute(&hs->h, x->p.score, &hs->tg, err);
+    const int d = x->d, T = x->n_doc;
+    const int64_t R = x->rq.R;
+    const size_t r0 = kf_refq_targets_row0(&x->tg, hs->l, hs->g);
+    hs->tg = (kf_am_targets){x->tg.m + r0, x->tg.y + r0, x->tg.Y + r0 * d, malloc(sizeof(float) * T)};
+    hs->tg_view = 1;
+    double *sum = malloc(sizeof(double) * T); /* [T] */
+    if (!hs->tg.score || !sum) {
+        free(sum);
+        head_targets_free(hs);
+        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for a head's scores");
+    }
+    memcpy(sum, kf_refq_targets_score(&x->tg, hs->l, hs->g), sizeof(double) * T);
+    int64_t n_un = 0;
+    for (int64_t p = 0; p < x->rq.n_pos; p++)
+        n_un += !x->tg.fused[p];
+    kf_status rc = n_un > 0 ? unfused_targets(x, hs, n_un, sum, err) : KF_OK;
+    for (int c = 0; c < T; c++)
+        hs->tg.score[c] = (float)(x->p.score == KF_SCORE_RMS ? sqrt(sum[c] / R) : sum[c] / R);
+    free(sum);
+    if (rc != KF_OK)
+        head_targets_free(hs);
+    return rc;
+}
 
 static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, const float *V, head_split *sp,
                               head_shared *hs, kf_error *err) {
@@ -859,7 +969,7 @@ static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, 
                          .v = V + (size_t)x->n_pre * row + (size_t)g * x->d, .v_stride = row,
                          .T = x->n_doc, .q = hs->q, .R = (int)x->rq.R, .d = x->d, .scale = x->scale};
     double ts = now_s();
-    kf_status rc = kf_am_targets_compute(&hs->h, x->p.score, &hs->tg, err);
+    kf_status rc = head_targets(x, hs, err);
     if (rc != KF_OK) {
         free(hs->q_own);
         return rc;
@@ -873,7 +983,7 @@ static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, 
     rc = kf_val_head_init_targets(&hs->vh, sp->val_q, (int)sp->n_val, x->d, x->scale, sp->val_w, sp->val_m, sp->val_y,
                                   sp->val_Y, sp->val_app, sp->val_vis, err);
     if (rc != KF_OK) {
-        kf_am_targets_free(&hs->tg);
+        head_targets_free(hs);
         free(hs->q_own);
         return rc;
     }
@@ -883,7 +993,7 @@ static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, 
 }
 
 static void head_shared_free(head_shared *hs) {
-    kf_am_targets_free(&hs->tg);
+    head_targets_free(hs);
     free(hs->q_own);
     if (hs->sp)
         kf_val_head_free(&hs->vh);

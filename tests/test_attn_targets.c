@@ -21,7 +21,9 @@ static double worse(double e, double v) {
     return isnan(v) ? INFINITY : fmax(e, fabs(v));
 }
 
-enum { KVH = 2, REP = 3, NH = KVH * REP, HD = 16, N_PRE = 37, N_BLK = 600, N_PAST = 700, N_Q = 230, CHUNK = 180 }; /* chunks of 180 (two tiles of 170 + 10 queries) and 50 */
+/* a block of 600 keys after 37 (three key blocks of the kernel, partial pages at both ends), then
+ * 63 more history keys; 230 queries in chunks of 180 (two tiles of 170 + 10 queries) and 50 */
+enum { KVH = 2, REP = 3, NH = KVH * REP, HD = 16, N_PRE = 37, N_BLK = 600, N_PAST = 700, N_Q = 230, CHUNK = 180 };
 
 /* The case: keys/values in token order [N_PAST + N_Q, KVH, HD] and in a scrambled paged pool. */
 typedef struct {
