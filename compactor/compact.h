@@ -235,13 +235,23 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *   t kept keys per head, C = D - T + t; c the prefill chunk; A the attention pool's threads;
  *   h the KV heads solved at once (1 today), ws one head's fitting workspace:
  *
- *   peak    = weights + arena + queries + forward + solve + output + base
+ *   peak    = weights + arena + queries + targets + forward + solve + output + base
  *   weights = 4 (V H (2 - tied) + H + L (2 H QD + 2 H KD + 3 H I + 2 H + 2 d qk_norm))
  *   arena   = 128 L KD (pg(D) + pg(N) - floor(D / 16) + pg(P) + 2 p)
  *               fp32 K and V pages: the context; the longest source on its fork (the context's
  *               partly filled last page copied); the other validation prompts kept beside it
  *   queries = e L kvh R d                         the pool, [L, kvh, R, d], held once: e = 4 (fp32)
  *                                                 or 2 (refq_bf16)
+ *   targets = [fused] L kvh (4 R (d + 2) + 8 T)   AM's targets the source forwards fuse
+ *                                                 (compactor/refq_targets.h): m, y, Y and the
+ *                                                 score sums, [L, kvh] of each
+ *             + 4 A r T + 8 kvh T ceil(c' / (r / G))  the attention's kept block logits per
+ *                                                 thread and score parts per item, with c' =
+ *                                                 min(c, max(D, S)), G = n_heads / kvh,
+ *                                                 r = G min(floor(r_max / G), c'),
+ *                                                 r_max = min(512, max(64, floor(2^21 / T)))
+ *             [fused]: a source past the context runs dense on the CPU backend (the repeat
+ *             without QUOKA, or a probe); else 0 and the solve computes all the targets
  *   forward = kf_forward_plan_bytes(min(c, max(D, S)), 0) + 8 N KD + 512 A N
  *               the plan's scratch; the attention's gathered K/V and A score tiles over N keys
  *   solve   = 8 D KD + 8 (S + P) KD [choice]      one layer's K/V, and of the validation prompts
@@ -269,10 +279,12 @@ typedef struct {
     int attn_threads;     /* the CPU attention's pool threads */
     int solve_heads;      /* h: KV heads solved at once */
     int64_t head_ws;      /* ws: bytes of one head's fits (kf_compact_head_ws_bytes) */
+    int fused;            /* the source forwards fuse AM's targets (the targets term) */
 } kf_mem_shape;
 
 typedef struct {
     int64_t weights, arena, queries, forward, solve, output, base, total; /* bytes */
+    int64_t targets;
 } kf_mem_peak;
 
 /* ws of the formula for R rows, t kept keys, head_dim d. */

@@ -2,6 +2,7 @@
 #include <math.h>
 
 #include "compactor/compact.h"
+#include "compactor/refq_targets.h"
 
 int64_t kf_compact_head_ws_bytes(int64_t R, int64_t t, int d) {
     return 12 * R * t + 8 * R * d + 8 * t * t + 8 * t * d;
@@ -38,6 +39,20 @@ void kf_compact_mem_shape(const kf_hfconfig *c, const kf_compact_params *p, int6
         out->Rv = (int64_t)G * (int64_t)llround(p->val_frac * elig);
     }
     out->head_ws = kf_compact_head_ws_bytes(out->R, t, c->head_dim);
+    const int quoka_repeat = p->quoka && p->quoka_repeat && p->quoka->mode == KF_PREFILL_QUOKA;
+    out->fused = probes > 0 || (repeat > 0 && !quoka_repeat); /* compact.c's targets_init */
+}
+
+/* The targets term (compact.h). */
+static int64_t targets_bytes(const kf_hfconfig *c, const kf_mem_shape *s, int64_t chunk) {
+    if (!s->fused)
+        return 0;
+    const int64_t G = c->n_heads / c->n_kv_heads, kvh = c->n_kv_heads, T = s->T > 0 ? s->T : 1;
+    int64_t r_max = ((int64_t)1 << 21) / T;
+    r_max = r_max < 64 ? 64 : (r_max > 512 ? 512 : r_max);
+    const int64_t tq = r_max / G < chunk ? (r_max / G > 0 ? r_max / G : 1) : chunk;
+    return kf_refq_targets_bytes(c->n_layers, kvh, s->R, c->head_dim, s->T) + 4 * s->attn_threads * G * tq * s->T +
+           8 * kvh * s->T * ((chunk + tq - 1) / tq);
 }
 
 int64_t kf_compact_peak_bytes(const kf_hfconfig *c, const kf_mem_shape *s, kf_mem_peak *terms) {
@@ -52,6 +67,7 @@ int64_t kf_compact_peak_bytes(const kf_hfconfig *c, const kf_mem_shape *s, kf_me
     m.queries = (s->refq_bf16 ? 2 : 4) * L * kvh * R * d;
     int64_t chunk = s->chunk > 0 ? s->chunk : KF_DEFAULT_CHUNK, longest = s->D > s->S ? s->D : s->S;
     chunk = chunk < longest ? chunk : longest;
+    m.targets = targets_bytes(c, s, chunk);
     m.forward = (int64_t)kf_forward_plan_bytes(c, (int)chunk, 0) + 8 * N * KD + 512 * (int64_t)s->attn_threads * N;
     const int64_t fits = s->head_ws > 1032 * T ? s->head_ws : 1032 * T;
     const int64_t head = 4 * R * (d + 2) + 4 * T + (s->choice ? 4 * R * (2 * d + 2) + 12 * Rv + 8 * Rv * d + 16 * Rv : 0) +
@@ -60,7 +76,7 @@ int64_t kf_compact_peak_bytes(const kf_hfconfig *c, const kf_mem_shape *s, kf_me
     const int64_t C = s->D - T + t;
     m.output = L * C * (8 * KD + 8 * kvh) + L * kvh * (4 * d + 9);
     m.base = 32 << 20;
-    m.total = m.weights + m.arena + m.queries + m.forward + m.solve + m.output + m.base;
+    m.total = m.weights + m.arena + m.queries + m.targets + m.forward + m.solve + m.output + m.base;
     if (terms)
         *terms = m;
     return m.total;

@@ -363,6 +363,15 @@ static void test_memory_formula(void) {
     kf_mem_peak m16;
     kf_compact_peak_bytes(&c, &sh16, &m16);
     CU_ASSERT(m16.queries == 12800 && m16.solve == 97920 + 6400 && m16.total == total - 12800 + 6400);
+    /* fused targets: 2 * 2 * (4 * 100 * 18 + 8 * 32) = 29,824 in the pool; the attention's logits
+     * of r = 2 min(floor(512 / 2), 16) = 32 rows per thread, 4 * 2 * 32 * 32 = 8,192; parts of
+     * ceil(16 / 16) = 1 tile per KV head, 8 * 2 * 32 = 512 */
+    kf_mem_shape shf = sh;
+    shf.fused = 1;
+    kf_mem_peak mf;
+    CU_ASSERT_EQUAL(m.targets, 0);
+    CU_ASSERT_EQUAL(kf_compact_peak_bytes(&c, &shf, &mf), total + 29824 + 8192 + 512);
+    CU_ASSERT_EQUAL(mf.targets, 29824 + 8192 + 512);
 
     /* the weights term counts what the model loads */
     kf_mem_shape real;
