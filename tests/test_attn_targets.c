@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "compactor/am.h"
+#include "compactor/compact.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/pool.h"
 #include "test_util.h"
@@ -283,12 +284,84 @@ static int suite_clean(void) {
     return 0;
 }
 
+/* ---- through the compactor: fused targets (the CPU backend) against the solve computing them all
+ * (the backend's attn_targets cleared, as on CUDA), on records-qwen3 with a prefix, a probe and
+ * the context's own queries (rows that are never fused: the mixed path) ---- */
+
+static kf_backend *g_b;
+static kf_model *g_m;
+static int32_t g_doc[4096];
+static int g_doc_n;
+
+static int init_model(void) {
+    kf_error err = {0};
+    g_b = kf_backend_cpu_create();
+    if (!g_b || kf_model_load(&g_m, kf_test_data("records-qwen3"), g_b, &err) != KF_OK) {
+        fprintf(stderr, "%s\n", err.msg);
+        return -1;
+    }
+    g_doc_n = kf_test_records_ids(2, g_doc, 4096); /* doc1-1 of records-dev.jsonl */
+    return g_doc_n > 300 ? 0 : -1;
+}
+
+static int clean_model(void) {
+    kf_model_free(g_m);
+    g_b->destroy(g_b);
+    return 0;
+}
+
+static void compare_compactions(int context_queries) {
+    static const int32_t kInstr[] = {260, 263, 270, 275, 46, 10}; /* "Repeat the records above.\n" */
+    static const int32_t kQuestion[] = {81, 58, 1541, 63, 10, 65, 58}; /* "Q: rake?\nA:" */
+    kf_error err = {0};
+    const kf_prompt pre = {g_doc, 5}, doc = {g_doc + 5, 250}, probe = {kQuestion, 7};
+    kf_compact_params p = kf_compact_params_default();
+    p.method = KF_METHOD_FOLD, p.budget = 0.25, p.max_queries = 2000;
+    p.repeat_instruction = (kf_prompt){kInstr, 6};
+    p.probes = &probe, p.n_probes = 1;
+    p.use_context_queries = context_queries;
+    kf_compacted fused, computed;
+    CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, &pre, &doc, NULL, &p, &fused, &err), KF_OK);
+    g_b->attn_targets = 0;
+    const kf_status rc = kf_compact(g_m, &pre, &doc, NULL, &p, &computed, &err);
+    g_b->attn_targets = 1;
+    CU_ASSERT_EQUAL_FATAL(rc, KF_OK);
+    CU_ASSERT_FATAL(fused.C == computed.C && fused.stats.n_queries == computed.stats.n_queries);
+    const size_t np = (size_t)fused.n_layers * fused.kv_heads * fused.C;
+    const size_t n = (size_t)fused.n_layers * fused.C * fused.kv_heads * fused.head_dim;
+    size_t same = 0;
+    for (size_t i = 0; i < np; i++)
+        same += fused.positions[i] == computed.positions[i];
+    const double dk = kf_max_abs_diff(fused.keys, computed.keys, n) / kf_max_abs(computed.keys, n);
+    const double dv = kf_max_abs_diff(fused.values, computed.values, n) / kf_max_abs(computed.values, n);
+    /* the same compaction but for the order of sums: not bit for bit (else the fused path did
+     * not run), the same keys kept, keys and values within 1e-3 of their largest */
+    CU_ASSERT(memcmp(fused.values, computed.values, sizeof(float) * n) != 0);
+    CU_ASSERT_EQUAL(same, np);
+    CU_ASSERT(dk < 1e-3 && dv < 1e-3);
+    printf("\n    context queries %d: %zu of %zu kept positions equal, keys %.2e values %.2e (relative)\n",
+           context_queries, same, np, dk, dv);
+    kf_compacted_free(&fused);
+    kf_compacted_free(&computed);
+}
+
+static void test_compaction_fused_vs_computed(void) {
+    compare_compactions(0);
+    compare_compactions(1);
+}
+
+static CU_TestInfo model_tests[] = {
+    {"kf_compact: fused targets = computed ones (but for the order of sums)", test_compaction_fused_vs_computed},
+    CU_TEST_INFO_NULL,
+};
+
 static CU_TestInfo tests[] = {
     {"fused targets = kf_am_targets_compute = fp64 (chunks, GQA, prefix, pool)", test_fused_targets},
     {"targets the kernel cannot give are refused", test_bad_targets_refused},
     CU_TEST_INFO_NULL,
 };
 static CU_SuiteInfo suites[] = {{"attention targets", suite_init, suite_clean, NULL, NULL, tests},
+                                {"compaction on records-qwen3", init_model, clean_model, NULL, NULL, model_tests},
                                 CU_SUITE_INFO_NULL};
 
 int main(void) { return kf_test_main(suites); }
