@@ -45,7 +45,9 @@
 #ifndef KEY_BLOCK
 #define KEY_BLOCK 256 /* keys per block: a multiple of KF_PAGE_TOKENS */
 #endif
+#ifndef BLOCK_FLOATS
 #define BLOCK_FLOATS ((size_t)1 << 21) /* a tile's kept block logits (targets), at most (8 MB) */
+#endif
 
 /* Grows a scratch buffer to hold n elements of elem bytes; 0, or -1 when out of memory (the
  * buffer is then unchanged). Shared by the kernels that keep scratch between calls. */
