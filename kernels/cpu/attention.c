@@ -18,8 +18,9 @@
  * AM's targets (kf_attn_targets, backend.h): the tile's queries first take the whole document block
  * [blk0, blk1) (all of it visible: it lies before the chunk) as one softmax, as kf_am_targets_compute
  * does: the block's logits of every row are kept [rows, n_blk] (at most BLOCK_FLOATS floats, which
- * bounds the tile's rows), kf_cpu_softmax_row gives m, y and the probabilities p, Y = p V_blk by
- * sgemm, the score rows are summed into the item's fp64 part [n_blk]; then O = y Y, l = y and the
+ * bounds the tile's rows), a row softmax gives m, y and the probabilities p (the target rows' p,
+ * or p^2, summed into the item's fp64 part [n_blk] while the row is in cache), Y = p V_blk by
+ * sgemm; then O = y Y, l = y and the
  * other keys ([0, blk0), then [blk1, ...)) go on online as above. The parts are added to the
  * caller's score after the job, per KV head in tile order; with targets the tiles' size depends on
  * the arguments only, so the score has the same bits for any thread count. Keeping the logits beats
@@ -185,40 +186,82 @@ static void key_range(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int k
         key_block(j, b, t, k0, k1 - k0 < KEY_BLOCK ? k1 - k0 : KEY_BLOCK);
 }
 
-/* The targets of the tile's target rows: m, y, Y out, their probabilities summed into part [n_blk]. */
-static void emit_targets(const attn_job *j, const attn_bufs *b, tile_pos t, double *part, uint8_t *has) {
-    const kf_attn_args *a = j->a;
-    const kf_attn_targets *tg = a->targets;
-    const int hd = a->kv.head_dim, rep = j->rep, nb = j->n_blk;
-    int k = 0, lo = 0, hi = tg->n_rows; /* first target row at or after the tile's first query */
+/* The first of the target rows (tg->rows) whose query is at or after the tile's first. */
+static int first_target(const kf_attn_targets *tg, int q0) {
+    int lo = 0, hi = tg->n_rows;
     while (lo < hi) {
         const int mid = (lo + hi) / 2;
-        if (tg->rows[mid] - tg->row_base < t.q0)
+        if (tg->rows[mid] - tg->row_base < q0)
             lo = mid + 1;
         else
             hi = mid;
     }
-    for (k = lo; k < tg->n_rows && tg->rows[k] - tg->row_base < t.q0 + t.tq; k++) {
-        const int i = tg->rows[k] - tg->row_base - t.q0;
-        if (!*has)
+    return lo;
+}
+
+/* One row of the block's logits z [n]: the probabilities p = exp(z - m) / y in place (m the max,
+ * y the sum of the exponentials, in fp64), and for a target row (part not NULL) part += p, or
+ * p^2 with rms, while the row is in cache. */
+KF_ROW_CLONES static void block_row(float *z, int n, float *m, double *y, double *part, int rms) {
+    float mx = -FLT_MAX;
+#pragma omp simd reduction(max : mx)
+    for (int c = 0; c < n; c++)
+        mx = z[c] > mx ? z[c] : mx;
+#pragma omp simd
+    for (int c = 0; c < n; c++)
+        z[c] = kf_expf(z[c] - mx);
+    double sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int c = 0; c < n; c++)
+        sum += z[c];
+    const float inv = (float)(1.0 / sum);
+#pragma omp simd
+    for (int c = 0; c < n; c++)
+        z[c] *= inv;
+    if (part && rms) {
+#pragma omp simd
+        for (int c = 0; c < n; c++)
+            part[c] += (double)z[c] * z[c];
+    } else if (part) {
+#pragma omp simd
+        for (int c = 0; c < n; c++)
+            part[c] += z[c];
+    }
+    *m = mx;
+    *y = sum;
+}
+
+/* The tile's rows through block_row, in row order; the target rows' sums into the item's part. */
+static void block_rows(const attn_job *j, attn_bufs *b, tile_pos t, int item) {
+    const kf_attn_targets *tg = j->a->targets;
+    const int nb = j->n_blk;
+    double *part = j->part + (size_t)item * nb;
+    j->has[item] = 0;
+    for (int r = 0, k = first_target(tg, t.q0); r < t.rows; r++) {
+        const int q = t.q0 + r / j->rep;
+        while (k < tg->n_rows && tg->rows[k] - tg->row_base < q)
+            k++;
+        const int target = k < tg->n_rows && tg->rows[k] - tg->row_base == q;
+        if (target && !j->has[item]) {
             memset(part, 0, sizeof(double) * nb);
-        *has = 1;
+            j->has[item] = 1;
+        }
+        block_row(b->sb + (size_t)r * nb, nb, &b->m[r], &b->l[r], target ? part : NULL, tg->score_rms);
+    }
+}
+
+/* m, y and Y (= O, normalized) of the tile's target rows to the caller. */
+static void emit_targets(const attn_job *j, const attn_bufs *b, tile_pos t) {
+    const kf_attn_targets *tg = j->a->targets;
+    const int hd = j->a->kv.head_dim, rep = j->rep;
+    for (int k = first_target(tg, t.q0); k < tg->n_rows && tg->rows[k] - tg->row_base < t.q0 + t.tq; k++) {
+        const int i = tg->rows[k] - tg->row_base - t.q0;
         for (int jh = 0; jh < rep; jh++) {
             const int r = i * rep + jh;
             const size_t at = (size_t)k * tg->row_stride + (size_t)(t.g * rep + jh) * tg->head_stride;
             tg->m[at] = b->m[r];
             tg->y[at] = (float)b->l[r];
             memcpy(tg->Y + at * hd, b->o + (size_t)r * hd, sizeof(float) * hd);
-            const float *p = b->sb + (size_t)r * nb;
-            if (tg->score_rms) {
-#pragma omp simd
-                for (int c = 0; c < nb; c++)
-                    part[c] += (double)p[c] * p[c];
-            } else {
-#pragma omp simd
-                for (int c = 0; c < nb; c++)
-                    part[c] += p[c];
-            }
         }
     }
 }
@@ -234,16 +277,14 @@ static void block_first(const attn_job *j, attn_bufs *b, tile_pos t, int item) {
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, t.rows, kb, hd, a->scale, b->qp, hd, b->kb, hd, 0.0f,
                     b->sb + c0, nb);
     }
-    for (int r = 0; r < t.rows; r++)
-        kf_cpu_softmax_row(b->sb + (size_t)r * nb, nb, &b->m[r], &b->l[r]);
+    block_rows(j, b, t, item);
     for (int c0 = 0; c0 < nb; c0 += KEY_BLOCK) {
         const int kb = nb - c0 < KEY_BLOCK ? nb - c0 : KEY_BLOCK;
         gather_block(a, t.g, blk0 + c0, kb, NULL, b->vb);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, t.rows, hd, kb, 1.0f, b->sb + c0, nb, b->vb, hd,
                     c0 ? 1.0f : 0.0f, b->o, hd);
     }
-    j->has[item] = 0;
-    emit_targets(j, b, t, j->part + (size_t)item * nb, &j->has[item]);
+    emit_targets(j, b, t);
     for (int r = 0; r < t.rows; r++) {
         const float y = (float)b->l[r];
         for (int d = 0; d < hd; d++)
