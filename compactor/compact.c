@@ -8,6 +8,7 @@
 #include "compactor/diag.h"
 #include "compactor/fold.h"
 #include "compactor/refq.h"
+#include "compactor/refq_targets.h"
 #include "kernels/cpu/cpu_kernels.h"
 
 static const char *const kMethodNames[] = {"keep", "drop", "am", "fold"};
@@ -460,6 +461,9 @@ struct kf_compact_prep {
     kf_seq *forks;             /* [n_sources] source i >= 1's fork of src_ctx in src_ar while the sources run */
     kf_refq rq;                /* reference queries, one layer at a time: [kvh][R, d] */
     kf_refq ctxq;              /* the context's own rows (use_context_queries), every layer: [L][kvh][G n_ctx, d] */
+    kf_refq_targets tg;        /* AM's targets of the rows the source forwards fused, one layer at a time like
+                                  rq (m NULL: none) */
+    kf_refq_targets_dst *tdst; /* [n_sources] source i's per-layer destinations of them (NULL: no pool) */
     uint8_t *pos_kind, *is_val; /* validation plan, [n_pos] each (NULL: no variant needs it) */
     int *pos_src;
     int64_t *pos_local, n_val_pos;
@@ -601,8 +605,22 @@ static kf_status run_prefill(kf_compact_prep *x, const kf_compact_reuse *reuse, 
 
 /* ---- stage 2: the sources layer by layer, each layer solved (kf_compact_solve) ---- */
 
-/* The forward arguments of source i >= 1 (QUOKA window for the repeat), capturing into dst. */
-static void source_args(const kf_compact_prep *x, int i, capture_to *dst, kf_quoka_params *qk, kf_forward_args *fa) {
+/* Where the attention is to be AM's targets of source i's captured rows (*fa is complete, quoka
+ * included; it sees the whole document block): into the pool x->tg at the source's sampled
+ * positions, which are then marked fused; nothing when the model cannot make them. */
+static void source_targets(kf_compact_prep *x, int i, kf_forward_args *fa, kf_forward_targets *ft) {
+    const int64_t first = x->first[i], n_rows = x->first[i + 1] - first;
+    if (!x->tg.m || n_rows == 0 || !kf_model_targets_supported(x->m, fa))
+        return;
+    kf_refq_targets_capture(&x->tg, first, x->n_pre, &x->tdst[i], ft);
+    fa->targets = ft;
+    memset(x->tg.fused + first, 1, (size_t)n_rows);
+}
+
+/* The forward arguments of source i >= 1 (QUOKA window for the repeat), capturing into dst and,
+ * where the model can, AM's targets through *ft. */
+static void source_args(kf_compact_prep *x, int i, capture_to *dst, kf_quoka_params *qk, kf_forward_args *fa,
+                        kf_forward_targets *ft) {
     const kf_compact_params *p = &x->p;
     const int n_rows = (int)(x->first[i + 1] - x->first[i]);
     *fa = (kf_forward_args){.ids = x->src[i].ids, .n_tokens = x->src[i].n, .chunk = p->chunk,
@@ -619,6 +637,7 @@ static void source_args(const kf_compact_prep *x, int i, capture_to *dst, kf_quo
         }
         fa->quoka = qk;
     }
+    source_targets(x, i, fa, ft);
 }
 
 /* Pages a source of n tokens run on a fork of the D-token context takes: its own pages past the
@@ -680,6 +699,8 @@ static kf_status sources_before(void *ctx, int l, kf_error *err) {
     (void)err;
     const sources_hook *h = ctx;
     context_layer_copy(h->x, l);
+    if (h->x->tg.m) /* the attention adds layer l's score sums into the held slot */
+        kf_refq_targets_layer_reset(&h->x->tg, l);
     return KF_OK;
 }
 
@@ -700,9 +721,11 @@ static kf_status run_sources(kf_compact_prep *x, const kf_layer_hook *hook, kf_e
     float **qp = calloc((size_t)n * L, sizeof *qp);    /* [n, L] */
     uint16_t **hp = calloc((size_t)n * L, sizeof *hp); /* [n, L] */
     double *pass_s = calloc((size_t)n, sizeof *pass_s);
+    kf_forward_targets *ft = calloc((size_t)n, sizeof *ft);
     kf_quoka_params qk;
-    kf_status rc = !passes || !fa || !dst || !qp || !hp || !pass_s ? kf_fail(err, KF_ERR_NOMEM, "compact: out of memory")
-                                                                   : KF_OK;
+    kf_status rc = !passes || !fa || !dst || !qp || !hp || !pass_s || !ft
+                       ? kf_fail(err, KF_ERR_NOMEM, "compact: out of memory")
+                       : KF_OK;
     if (rc == KF_OK)
         rc = sources_arena(x, err);
     int np = 0;
@@ -710,7 +733,7 @@ static kf_status run_sources(kf_compact_prep *x, const kf_layer_hook *hook, kf_e
         if (x->src[i].n == 0)
             continue;
         dst[i] = (capture_to){qp + (size_t)i * L, hp + (size_t)i * L};
-        source_args(x, i, &dst[i], &qk, &fa[i]);
+        source_args(x, i, &dst[i], &qk, &fa[i], &ft[i]);
         rc = kf_seq_fork(&x->src_ar, &x->src_ctx, x->D, &x->forks[i], err);
         passes[np++] = (kf_forward_pass){&x->forks[i], &fa[i]};
     }
@@ -724,8 +747,27 @@ static kf_status run_sources(kf_compact_prep *x, const kf_layer_hook *hook, kf_e
     for (int i = 0; pass_s && i < np; i++)
         x->refq_s += pass_s[i];
     sources_arena_free(x);
-    free(passes), free(fa), free(dst), free(qp), free(hp), free(pass_s);
+    free(passes), free(fa), free(dst), free(qp), free(hp), free(pass_s), free(ft);
     return rc;
+}
+
+/* The pool of fused targets (x->tg, one layer held like x->rq) when a source past the context can
+ * have them: the repeat (unless QUOKA runs it) or a probe, on a backend whose attention makes them. */
+static kf_status targets_init(kf_compact_prep *x, kf_error *err) {
+    const kf_compact_params *p = &x->p;
+    const kf_forward_args dense = {0};
+    const int quoka_repeat = p->quoka && p->quoka_repeat && p->quoka->mode == KF_PREFILL_QUOKA;
+    int any = 0;
+    for (int i = 1; i < x->n_sources; i++)
+        any |= x->src[i].n > 0 && !(i == 1 && quoka_repeat);
+    if (!any || !kf_model_targets_supported(x->m, &dense))
+        return KF_OK;
+    KF_TRY(kf_refq_targets_init(&x->tg, &x->rq, x->n_doc, p->score == KF_SCORE_RMS, err));
+    if (!(x->tdst = calloc((size_t)x->n_sources, sizeof *x->tdst)))
+        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
+    for (int i = 1; i < x->n_sources; i++)
+        KF_TRY(kf_refq_targets_dst_init(&x->tdst[i], x->L, err));
+    return KF_OK;
 }
 
 int64_t kf_compact_arena_pages(const kf_compact_params *p, int64_t n_ctx, int n_doc) {
@@ -748,6 +790,8 @@ static kf_status prepare_run(kf_compact_prep *x, const kf_compact_reuse *reuse, 
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
     if (rc == KF_OK)
         rc = kf_refq_init_held(&x->rq, x->L, 1, x->kvh, x->d, x->G, n_pos, x->p.refq_bf16, err);
+    if (rc == KF_OK)
+        rc = targets_init(x, err);
     if (rc == KF_OK) {
         plan_rows(x, sample, n_pos);
         if (x->first[1] > 0) /* the context's own rows, every layer: captured before the sources run */
@@ -823,6 +867,10 @@ void kf_compact_prep_free(kf_compact_prep *x, kf_seq *keep) {
         kf_arena_free(&x->own_arena);
     kf_refq_free(&x->rq);
     kf_refq_free(&x->ctxq);
+    kf_refq_targets_free(&x->tg);
+    for (int i = 0; x->tdst && i < x->n_sources; i++)
+        kf_refq_targets_dst_free(&x->tdst[i]);
+    free(x->tdst);
     if (x->src)
         free(x->src[1].ids_owned);
     free(x->src), free(x->rows), free(x->first), free(x->forks);
@@ -936,7 +984,8 @@ typedef struct {
     const float *q;      /* [R, d] the head's reference queries */
     float *q_own;        /* [R, d] q converted from a bf16 pool, or NULL */
     kf_am_head h;
-    kf_am_targets tg;
+    kf_am_targets tg;    /* m, y, Y point into the prep's pool of fused targets when tg_view */
+    int tg_view;
     const head_split *sp; /* NULL: no variant chooses per head */
     kf_val_head vh;
     double targets_s, split_s;
@@ -1006,6 +1055,79 @@ static kf_status head_check_finite(const kf_compact_prep *x, int l, int g, const
     return KF_OK;
 }
 
+static void head_targets_free(head_shared *hs) {
+    if (hs->tg_view)
+        free(hs->tg.score);
+    else
+        kf_am_targets_free(&hs->tg);
+    memset(&hs->tg, 0, sizeof hs->tg);
+    hs->tg_view = 0;
+}
+
+/* The targets of the rows the forwards did not fuse (n_un positions): computed on those rows
+ * alone, written into hs->tg's rows (the pool's), their score sums added to sum [T]. */
+static kf_status unfused_targets(const kf_compact_prep *x, head_shared *hs, int64_t n_un, double *sum,
+                                 kf_error *err) {
+    const int d = x->d, G = x->G;
+    const int64_t n_pos = x->rq.n_pos, Rs = (int64_t)G * n_un;
+    float *qs = malloc(sizeof(float) * (size_t)Rs * d); /* [Rs, d] */
+    if (!qs)
+        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for a head's reference queries");
+    for (int j = 0, i = 0; j < G; j++)
+        for (int64_t p = 0; p < n_pos; p++)
+            if (!x->tg.fused[p])
+                memcpy(qs + (size_t)i++ * d, hs->q + ((size_t)j * n_pos + p) * d, sizeof(float) * d);
+    kf_am_head h = hs->h;
+    h.q = qs, h.R = (int)Rs;
+    kf_am_targets ts;
+    kf_status rc = kf_am_targets_compute(&h, x->p.score, &ts, err);
+    free(qs);
+    if (rc != KF_OK)
+        return rc;
+    for (int j = 0, i = 0; j < G; j++)
+        for (int64_t p = 0; p < n_pos; p++) {
+            if (x->tg.fused[p])
+                continue;
+            const size_t r = (size_t)j * n_pos + p;
+            hs->tg.m[r] = ts.m[i], hs->tg.y[r] = ts.y[i];
+            memcpy(hs->tg.Y + r * d, ts.Y + (size_t)i++ * d, sizeof(float) * d);
+        }
+    for (int c = 0; c < x->n_doc; c++) /* back from RMS or mean to the sum over the Rs rows */
+        sum[c] += x->p.score == KF_SCORE_RMS ? (double)ts.score[c] * ts.score[c] * Rs : (double)ts.score[c] * Rs;
+    kf_am_targets_free(&ts);
+    return KF_OK;
+}
+
+/* AM's targets of head hs (kf_am_targets_compute's results, by summation order only): the fused
+ * rows' from the pool x->tg (layer hs->l is the one held), the others' computed, the score over
+ * all R rows. */
+static kf_status head_targets(kf_compact_prep *x, head_shared *hs, kf_error *err) {
+    if (!x->tg.m)
+        return kf_am_targets_compute(&hs->h, x->p.score, &hs->tg, err);
+    const int d = x->d, T = x->n_doc;
+    const int64_t R = x->rq.R;
+    const size_t r0 = kf_refq_targets_row0(&x->tg, hs->l, hs->g);
+    hs->tg = (kf_am_targets){x->tg.m + r0, x->tg.y + r0, x->tg.Y + r0 * d, malloc(sizeof(float) * T)};
+    hs->tg_view = 1;
+    double *sum = malloc(sizeof(double) * T); /* [T] */
+    if (!hs->tg.score || !sum) {
+        free(sum);
+        head_targets_free(hs);
+        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for a head's scores");
+    }
+    memcpy(sum, kf_refq_targets_score(&x->tg, hs->l, hs->g), sizeof(double) * T);
+    int64_t n_un = 0;
+    for (int64_t p = 0; p < x->rq.n_pos; p++)
+        n_un += !x->tg.fused[p];
+    kf_status rc = n_un > 0 ? unfused_targets(x, hs, n_un, sum, err) : KF_OK;
+    for (int c = 0; c < T; c++)
+        hs->tg.score[c] = (float)(x->p.score == KF_SCORE_RMS ? sqrt(sum[c] / R) : sum[c] / R);
+    free(sum);
+    if (rc != KF_OK)
+        head_targets_free(hs);
+    return rc;
+}
+
 static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, const float *V, head_split *sp,
                               head_shared *hs, kf_error *err) {
     const size_t row = (size_t)x->kvh * x->d;
@@ -1019,9 +1141,9 @@ static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, 
                          .T = x->n_doc, .q = hs->q, .R = (int)x->rq.R, .d = x->d, .scale = x->scale,
                          .be = kf_model_backend(x->m)};
     double ts = now_s();
-    kf_status rc = kf_am_targets_compute(&hs->h, x->p.score, &hs->tg, err);
+    kf_status rc = head_targets(x, hs, err);
     if (rc == KF_OK && !sp && (rc = head_check_finite(x, l, g, K, V, hs->q, &hs->tg, NULL, err)) != KF_OK)
-        kf_am_targets_free(&hs->tg);
+        head_targets_free(hs);
     if (rc != KF_OK) {
         free(hs->q_own);
         return rc;
@@ -1037,7 +1159,7 @@ static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, 
     if (rc == KF_OK && (rc = head_check_finite(x, l, g, K, V, hs->q, &hs->tg, &hs->vh, err)) != KF_OK)
         kf_val_head_free(&hs->vh);
     if (rc != KF_OK) {
-        kf_am_targets_free(&hs->tg);
+        head_targets_free(hs);
         free(hs->q_own);
         return rc;
     }
@@ -1047,7 +1169,7 @@ static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, 
 }
 
 static void head_shared_free(head_shared *hs) {
-    kf_am_targets_free(&hs->tg);
+    head_targets_free(hs);
     free(hs->q_own);
     if (hs->sp)
         kf_val_head_free(&hs->vh);

@@ -235,14 +235,16 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *   D context tokens, T of them the document (the compacted block), S the longest reference
  *   source run on top of the context (the repeat prompt: instruction + document), N = D + S;
  *   P, p: the tokens and count of the other sources (probes); R reference queries per KV head,
- *   Rv of them held out for the choice, Rc of them the context's own (use_context_queries);
+ *   Rv of them held out for the choice, Rc of them the context's own (use_context_queries), Ru
+ *   of them (fused targets) the rows whose targets the solve still computes (Rc, plus a QUOKA
+ *   repeat's);
  *   t kept keys per head, C = D - T + t; c the prefill chunk; A the attention pool's threads;
  *   n the solve's threads (the backend's parallel_for; the CPU backend's pool, n = A), each with
  *   its own buffers; h = min(n, kvh) the KV heads solved at once; ws one head's fitting workspace.
  *   The sources run layer by layer, all of them together (kf_compact_solve), each layer solved
  *   before the next runs:
  *
- *   peak    = weights + arena + queries + forward + solve + output + base
+ *   peak    = weights + arena + queries + targets + forward + solve + output + base
  *   weights = 4 (V H (2 - tied) + H + L (2 H QD + 2 H KD + 3 H I + 2 H + 2 d qk_norm))
  *   arena   = 128 L KD pg(D) + 128 KD (pg(D) + pg(N) - floor(D / 16) + pg(P) + 2 p)
  *               fp32 K and V pages: the context, every layer; the sources' own arena of one
@@ -251,6 +253,19 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *   queries = e kvh R d + e L kvh Rc d            the pool, one layer [kvh, R, d], reused layer after
  *                                                 layer; the context's own rows, every layer (captured
  *                                                 by the prefill): e = 4 (fp32) or 2 (refq_bf16)
+ *   targets = [fused] kvh (4 R (d + 2) + 8 T)     AM's targets the source forwards fuse
+ *                                                 (compactor/refq_targets.h): m, y, Y and the
+ *                                                 score sums, one layer [kvh] like the queries' pool
+ *             + 4 A (r T + max(0, r - r') (2 d + 259))  the attention's kept block logits per
+ *               + 8 kvh T ceil(c' / (r / G))      thread, its wider tiles' buffers, the score parts
+ *                                                 per item, with c' = min(c, max(D, S)),
+ *                                                 G = n_heads / kvh, r = G min(floor(r_max / G), c'),
+ *                                                 r_max = min(512, max(64, floor(2^21 / T))), r' the
+ *                                                 rows of a tile without targets: G q', q' halved
+ *                                                 from min(floor(512 / G), c') while kvh ceil(c' / q')
+ *                                                 < 2 A, q' G > 64 and q' > 1
+ *             [fused]: a source past the context runs dense on the CPU backend (the repeat
+ *             without QUOKA, or a probe); else 0 and the solve computes all the targets
  *   forward = kf_forward_plan_bytes(min(c, max(D, S)), 0) + 8 N KD + 512 A N + 4 H (S + P)
  *               the plan's scratch; the attention's gathered K/V and A score tiles over N keys;
  *               the sources' residual streams between layers
@@ -259,12 +274,16 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *                + [probes] 4 R d                 the probe rows (fold_queries on probes)
  *                + [choice] 8 R (d + 1) + 20 Rv)  the training/validation split
  *           + h (4 R (d + 2) + 4 T                per head in flight: AM's targets (m, y, Y), scores
+ *                                                 ([fused]: 4 T, the scores; m, y, Y are the pool's)
  *                + [bf16] 4 R d                   the head's rows widened to fp32
  *                + [choice] 24 Rv + 12 Rv d + 8 d + 4 max(Rv t, 64 S)
  *                                                 the validation head: outputs, weights, and the
  *                                                 attention weights of a candidate (or appended tile)
- *                + max(ws, 1032 T, [choice] 16 Rv + 512 d))
- *                                                 the fits, the targets' or the appended blocks' tiles
+ *                + max(ws, 1032 T, [choice] 16 Rv + 512 d,
+ *                      [fused] 8 T + [Ru > 0] (4 Ru (2 d + 2) + 1036 T))
+ *                                                 the fits, the targets' or the appended blocks' tiles;
+ *                                                 fused: the score sums, the Ru unfused rows' queries,
+ *                                                 targets and tiles
  *   output  = L C (8 KD + 8 kvh) + L kvh (4 d + 9) the compacted cache
  *   base    = 32 MiB                              binary, libraries, OpenBLAS (about 25 MB here)
  *
@@ -292,10 +311,14 @@ typedef struct {
     int solve_heads;      /* h: KV heads solved at once, min(n, kvh) */
     int fold_on_probes;   /* fold_queries = KF_FOLD_ON_PROBES (a probe-row buffer per thread) */
     int64_t head_ws;      /* ws: bytes of one head's fits (kf_compact_head_ws_bytes) */
+    int fused;            /* the source forwards fuse AM's targets (the targets term) */
+    int64_t Ru;           /* fused: the rows per KV head whose targets the solve computes (the context's own,
+                             a QUOKA repeat's) */
 } kf_mem_shape;
 
 typedef struct {
     int64_t weights, arena, queries, forward, solve, output, base, total; /* bytes */
+    int64_t targets;
 } kf_mem_peak;
 
 /* ws of the formula for t kept keys, head_dim d, with (choice 1) or without the per-head choice. */

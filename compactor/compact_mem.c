@@ -2,6 +2,7 @@
 #include <math.h>
 
 #include "compactor/compact.h"
+#include "compactor/refq_targets.h"
 
 static int64_t max64(int64_t a, int64_t b) {
     return a > b ? a : b;
@@ -48,6 +49,30 @@ void kf_compact_mem_shape(const kf_hfconfig *c, const kf_compact_params *p, int6
         out->Rv = (int64_t)G * (int64_t)llround(p->val_frac * elig);
     out->solve_heads = attn_threads < c->n_kv_heads ? attn_threads : c->n_kv_heads;
     out->head_ws = kf_compact_head_ws_bytes(t, c->head_dim, choice);
+    const int quoka_repeat = p->quoka && p->quoka_repeat && p->quoka->mode == KF_PREFILL_QUOKA;
+    out->fused = probes > 0 || (repeat > 0 && !quoka_repeat); /* compact.c's targets_init */
+    if (out->fused) /* the rows the solve still computes targets for: the context's, a QUOKA repeat's */
+        out->Ru = out->Rc + (quoka_repeat && n_cand > 0
+                                 ? (int64_t)G * (int64_t)llround((double)n_pos * (double)repeat / (double)n_cand)
+                                 : 0);
+}
+
+/* The targets term (compact.h): one layer of the pool, the attention's block logits and parts. */
+static int64_t targets_bytes(const kf_hfconfig *c, const kf_mem_shape *s, int64_t chunk) {
+    if (!s->fused)
+        return 0;
+    const int64_t G = c->n_heads / c->n_kv_heads, kvh = c->n_kv_heads, T = s->T > 0 ? s->T : 1;
+    int64_t r_max = ((int64_t)1 << 21) / T;
+    r_max = r_max < 64 ? 64 : (r_max > 512 ? 512 : r_max);
+    const int64_t tq = r_max / G < chunk ? (r_max / G > 0 ? r_max / G : 1) : chunk;
+    /* the tile the attention takes without targets (kernels/cpu/attention.c's tile_queries): smaller
+     * while there would be fewer than two items per thread */
+    int64_t tf = 512 / G < chunk ? (512 / G > 0 ? 512 / G : 1) : chunk;
+    while (kvh * ((chunk + tf - 1) / tf) < 2 * s->attn_threads && tf * G > 64 && tf > 1)
+        tf = (tf + 1) / 2;
+    const int64_t wider = tq > tf ? G * (tq - tf) * (2 * c->head_dim + 259) : 0;
+    return kf_refq_targets_bytes(1, kvh, s->R, c->head_dim, s->T) + 4 * s->attn_threads * (G * tq * s->T + wider) +
+           8 * kvh * s->T * ((chunk + tq - 1) / tq);
 }
 
 int64_t kf_compact_peak_bytes(const kf_hfconfig *c, const kf_mem_shape *s, kf_mem_peak *terms) {
@@ -62,19 +87,21 @@ int64_t kf_compact_peak_bytes(const kf_hfconfig *c, const kf_mem_shape *s, kf_me
     m.queries = (s->refq_bf16 ? 2 : 4) * (kvh * R * d + L * kvh * s->Rc * d);
     int64_t chunk = s->chunk > 0 ? s->chunk : KF_DEFAULT_CHUNK, longest = s->D > s->S ? s->D : s->S;
     chunk = chunk < longest ? chunk : longest;
+    m.targets = targets_bytes(c, s, chunk);
     m.forward = (int64_t)kf_forward_plan_bytes(c, (int)chunk, 0) + 8 * N * KD + 512 * (int64_t)s->attn_threads * N +
                 4 * H * (s->S + s->P);
     const int64_t thread = 8 * t + 16 * t * d + (s->fold_on_probes ? 4 * R * d : 0) +
                            (s->choice ? 8 * R * (d + 1) + 20 * Rv : 0);
-    const int64_t fits = max64(max64(s->head_ws, 1032 * T), s->choice ? 16 * Rv + 512 * d : 0);
-    const int64_t head = 4 * R * (d + 2) + 4 * T + (s->refq_bf16 ? 4 * R * d : 0) +
+    const int64_t Ru = s->Ru, unfused = s->fused ? 8 * T + (Ru > 0 ? 4 * Ru * (2 * d + 2) + 1036 * T : 0) : 0;
+    const int64_t fits = max64(max64(max64(s->head_ws, 1032 * T), s->choice ? 16 * Rv + 512 * d : 0), unfused);
+    const int64_t head = (s->fused ? 4 * T : 4 * R * (d + 2) + 4 * T) + (s->refq_bf16 ? 4 * R * d : 0) +
                          (s->choice ? 24 * Rv + 12 * Rv * d + 8 * d + 4 * max64(Rv * t, 64 * s->S) : 0) + fits;
     m.solve = 8 * s->D * KD + (s->choice ? 8 * (s->S + s->P) * KD : 0) + (int64_t)s->solve_threads * thread +
               (int64_t)s->solve_heads * head;
     const int64_t C = s->D - T + t;
     m.output = L * C * (8 * KD + 8 * kvh) + L * kvh * (4 * d + 9);
     m.base = 32 << 20;
-    m.total = m.weights + m.arena + m.queries + m.forward + m.solve + m.output + m.base;
+    m.total = m.weights + m.arena + m.queries + m.targets + m.forward + m.solve + m.output + m.base;
     if (terms)
         *terms = m;
     return m.total;

@@ -438,6 +438,49 @@ static void capture_queries(kf_backend *b, const kf_forward_args *args, int l, c
     }
 }
 
+int kf_model_targets_supported(const kf_model *m, const kf_forward_args *args) {
+    const int quoka = args->quoka && args->quoka->mode == KF_PREFILL_QUOKA;
+    return m->b->attn_targets && !quoka && !args->key_bias;
+}
+
+static kf_status check_targets(const kf_model *m, const kf_seq *seq, const kf_forward_args *args, kf_error *err) {
+    const kf_forward_targets *t = args->targets;
+    if (!kf_model_targets_supported(m, args))
+        return kf_fail(err, KF_ERR_UNSUPPORTED,
+                       "forward: the %s backend cannot give AM's targets with these arguments (QUOKA or key bias)",
+                       m->b->name);
+    if (t->blk0 < 0 || t->blk1 <= t->blk0 || t->blk1 > seq->len)
+        return kf_fail(err, KF_ERR_INVALID,
+                       "forward: the targets' block [%d, %d) is not within the %lld keys before the call", t->blk0,
+                       t->blk1, (long long)seq->len);
+    if (!t->m || !t->y || !t->Y || !t->score)
+        return kf_fail(err, KF_ERR_INVALID, "forward: targets requested without their buffers");
+    for (int i = 1; i < args->n_capture_rows; i++)
+        if (args->capture_rows[i] <= args->capture_rows[i - 1])
+            return kf_fail(err, KF_ERR_INVALID, "forward: targets need ascending capture rows (row %d)", i);
+    return KF_OK;
+}
+
+/* Layer l's targets of the captured rows in the chunk's tokens [c0, c0 + n), into *t; NULL when
+ * the call asks for none. */
+static const kf_attn_targets *chunk_targets(const kf_forward_args *args, int l, int c0, int n, int hd,
+                                           kf_attn_targets *t) {
+    const kf_forward_targets *ft = args->targets;
+    if (!ft)
+        return NULL;
+    int k0 = 0, k1;
+    while (k0 < args->n_capture_rows && args->capture_rows[k0] < c0)
+        k0++;
+    for (k1 = k0; k1 < args->n_capture_rows && args->capture_rows[k1] < c0 + n;)
+        k1++;
+    const size_t at = (size_t)k0 * ft->row_stride;
+    *t = (kf_attn_targets){.blk0 = ft->blk0, .blk1 = ft->blk1, .rows = args->capture_rows + k0, .n_rows = k1 - k0,
+                           .row_base = c0, .m = ft->m[l] + at, .y = ft->y[l] + at, .Y = ft->Y[l] + at * hd,
+                           .row_stride = ft->row_stride, .head_stride = ft->head_stride, .score = ft->score[l],
+                           .score_stride = ft->score_stride, .score_rms = ft->score_rms};
+    return t;
+}
+
 static kf_status check_args(const kf_model *m, const kf_arena *a, const kf_seq *seq, const kf_forward_args *args,
                             kf_error *err) {
     const kf_hfconfig *c = &m->cfg;
@@ -465,6 +508,8 @@ static kf_status check_args(const kf_model *m, const kf_arena *a, const kf_seq *
         return kf_fail(err, KF_ERR_INVALID, "forward: negative chunk size");
     if (args->quoka)
         KF_TRY(kf_quoka_params_check(args->quoka, err));
+    if (args->targets)
+        KF_TRY(check_targets(m, seq, args, err));
     return KF_OK;
 }
 
@@ -528,6 +573,8 @@ static void layer_forward(kf_model *m, kf_forward_plan *p, kf_arena *a, const kf
         .bias = args->key_bias ? args->key_bias[l] : NULL,
         .bias_stride = (size_t)args->key_bias_len, .bias_len = args->key_bias_len,
     };
+    kf_attn_targets tg;
+    at.targets = chunk_targets(args, l, cs.c0, n, hd, &tg);
     if (qws->idx)
         kf_quoka_attention(qws, &at);
     else

@@ -53,6 +53,28 @@ typedef struct kf_forward_plan kf_forward_plan;
 
 #define KF_PLAN_LOGIT_ROWS 32 /* lm_head rows per batch, at most */
 
+/* AM's targets of the captured rows (kf_attn_targets in kernels/backend.h), made by the attention
+ * itself: for every layer l, capture row r and query head h (query head h reads KV head
+ * h / (n_heads / kv_heads)), over the keys [blk0, blk1) of the sequence (the document block; all of
+ * them before the call's first token, blk1 <= seq->len), without bias:
+ *   m[l][r * row_stride + h * head_stride]  the row max of the block's scaled logits (fp32 queries:
+ *                                           with queries_bf16 the targets still come from fp32)
+ *   y[l][same]                              sum of exp(logit - m) over the block
+ *   Y[l] + (same) * head_dim                the block's normalized attention output [head_dim]
+ *   score[l][g * score_stride + j - blk0]   += the rows' probabilities (score_rms: squared) of
+ *                                           key j, summed over every captured row and query head of
+ *                                           KV head g, in fp64, in an order fixed by the arguments
+ * Only where kf_model_targets_supported says so (the CPU backend, dense attention, no key bias);
+ * capture_rows must then be ascending. */
+typedef struct {
+    int blk0, blk1;
+    float **m, **y, **Y;           /* [n_layers] each */
+    size_t row_stride, head_stride;
+    double **score;                /* [n_layers]: [kv_heads, score_stride] */
+    size_t score_stride;
+    int score_rms;
+} kf_forward_targets;
+
 typedef struct {
     const int32_t *ids;            /* [n_tokens] tokens to append */
     int n_tokens;
@@ -74,6 +96,7 @@ typedef struct {
     uint16_t **queries_bf16;       /* NULL, or instead of queries: the same rows rounded to bf16 (nearest
                                       even), at the same strides counted in elements */
     float **hidden;                /* NULL or [n_layers + 1] (entries may be NULL): [n_capture_rows, hidden] */
+    const kf_forward_targets *targets; /* NULL, or AM's targets of the captured rows (above) */
 
     const float *const *key_bias;  /* NULL or [n_layers] (entries may be NULL): [kv_heads, key_bias_len] */
     int key_bias_len;
@@ -116,7 +139,8 @@ kf_status kf_model_forward(kf_model *m, kf_arena *a, kf_seq *seq, const kf_forwa
  * are fine: each reserves its own copy of a shared partial page) and share one plan (the first
  * pass's args->plan, NULL: the model's own). In on_layer(l), every pass's layers <= l are in the
  * arena (read them with kf_seq_read_kv; seq->len advances only when the whole call succeeds), and
- * its queries of layer l are captured: a capture buffer may be reused from one layer to the next;
+ * its queries of layer l are captured: a capture buffer may be reused from one layer to the next
+ * (targets too: their score sums are added to, so zero a reused one in before_layer);
  * before_layer(l) runs before any pass's layer l (an arena of fewer layers, kf_arena_init_held,
  * can be given the keys its passes read there). A status other than KF_OK from either stops the
  * forward and is returned. args->progress is
@@ -135,6 +159,11 @@ typedef struct {
 
 kf_status kf_model_forward_layers(kf_model *m, kf_arena *a, const kf_forward_pass *passes, int n,
                                   const kf_layer_hook *hook, kf_error *err);
+
+/* 1 when a forward with args (its quoka and key_bias; targets ignored) can fill args->targets:
+ * the backend's attention makes them (kf_backend.attn_targets), dense attention, no key bias.
+ * 0: the caller computes the targets itself (kf_am_targets_compute). */
+int kf_model_targets_supported(const kf_model *m, const kf_forward_args *args);
 
 /* A plan for model m with room for chunks of `chunk` tokens and `logit_rows` logit rows per call
  * (0, 0: empty, grown by the first forward). */

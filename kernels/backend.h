@@ -75,7 +75,34 @@ typedef struct {
     const float *bias;       /* [kv_heads, bias_stride] or NULL */
     size_t bias_stride;
     int bias_len;
+    const struct kf_attn_targets *targets; /* NULL; else also AM's targets of some rows (below) */
 } kf_attn_args;
+
+/* AM's targets of a key block (compactor/am.h), emitted by `attention` for some query rows
+ * (only where kf_backend.attn_targets is set; a caller of another backend computes them itself).
+ *
+ * The block is keys [blk0, blk1), entirely before the chunk: 0 <= blk0 < blk1 <= n_keys - n_q, so
+ * every query sees all of it; bias must be NULL. For target row k (0 <= k < n_rows), query
+ * i = rows[k] - row_base of the chunk (0 <= i < n_q; rows ascending), and each query head h:
+ *   z_j = scale * q.k_j for the block's keys j (no bias); m = max_j z_j (fp32);
+ *   y = sum_j exp(z_j - m) (summed in fp64, stored as fp32); Y = sum_j exp(z_j - m) v_j / y [head_dim];
+ *   p_j = exp(z_j - m) / y, and score[g, j - blk0] += p_j (score_rms: p_j^2) in fp64, g = h's KV head.
+ * m of (k, h) goes to m[k * row_stride + h * head_stride], y likewise, Y to
+ * Y[(k * row_stride + h * head_stride) * head_dim ...] (head_dim floats). The score is summed over
+ * the call's rows in an order fixed by the arguments (never by the thread count), added to what
+ * score holds. The attention output itself is unchanged but for the order of its sums. */
+typedef struct kf_attn_targets {
+    int blk0, blk1;
+    const int32_t *rows;     /* [n_rows] ascending */
+    int n_rows;
+    int row_base;
+    float *m, *y;            /* element (k, h) at k * row_stride + h * head_stride */
+    float *Y;                /* row (k, h) at (k * row_stride + h * head_stride) * head_dim */
+    size_t row_stride, head_stride;
+    double *score;           /* [kv_heads, score_stride] */
+    size_t score_stride;
+    int score_rms;           /* 1: sum of p^2 (AM's RMS score), 0: sum of p (mean) */
+} kf_attn_targets;
 
 /* QUOKA key selection (arXiv 2602.08722, Algorithm 1) for one chunk of queries over a paged
  * history: keys 0 .. n_hist-1 of the page table.
@@ -214,6 +241,7 @@ struct kf_backend {
     void (*kv_store)(kf_backend *b, const kf_paged_kv *kv, const int32_t *pages, int64_t first_slot, int n,
                      const float *k, const float *v);
     void (*attention)(kf_backend *b, const kf_attn_args *args);
+    int attn_targets; /* nonzero: attention fills args->targets; 0 (CUDA): it must be NULL */
     void (*quoka_select)(kf_backend *b, const kf_quoka_select_args *args);
     void (*sparse_attention)(kf_backend *b, const kf_sparse_attn_args *args);
 

@@ -338,6 +338,7 @@ static void test_prep_arena_pages(void) {
  *                + max(50,000, 1,032 * 32, 16 * 20 + 512 * 16))                per head
  *           = 10,240 + 11,520 + 2 * 16,112 + 2 * 71,504                         = 196,992
  *   output  2 * 16 * (256 + 16) + 2 * 2 * 73                                   = 8,996
+ *   targets 0 (sh: no fused targets; the fused case below)
  *   base    32 MiB                                                             = 33,554,432
  * and the weights term against the parameters records-qwen3 really loads. */
 static void test_memory_formula(void) {
@@ -375,6 +376,27 @@ static void test_memory_formula(void) {
     sh1.solve_threads = 1, sh1.solve_heads = 1;
     kf_compact_peak_bytes(&c, &sh1, &m16);
     CU_ASSERT_EQUAL(m16.solve, 196992 - 16112 - 71504);
+    /* fused targets (0 above: sh is not fused), one layer held: 2 * (4 * 100 * 18 + 8 * 32) = 14,912
+     * in the pool; the attention's logits of r = 2 min(floor(512 / 2), 16) = 32 rows per thread,
+     * 4 * 2 * 32 * 32 = 8,192; parts of ceil(16 / 16) = 1 tile per KV head, 8 * 2 * 32 = 512 */
+    kf_mem_shape shf = sh;
+    shf.fused = 1;
+    kf_mem_peak mf;
+    CU_ASSERT_EQUAL(m.targets, 0);
+    /* and each head in flight holds its scores alone (4 * 32), m, y, Y being the pool's: 4 * 100 * 18
+     * = 7,200 less per head; the unfused rows' transient (8 * 32 with Ru 0) stays below ws */
+    CU_ASSERT_EQUAL(kf_compact_peak_bytes(&c, &shf, &mf), total + 14912 + 8192 + 512 - 2 * 7200);
+    CU_ASSERT_EQUAL(mf.targets, 14912 + 8192 + 512);
+    CU_ASSERT_EQUAL(mf.solve, 196992 - 2 * 7200);
+    /* Ru 600 unfused rows: 8 * 32 + 4 * 600 * 34 + 1,036 * 32 = 115,008 > ws 50,000 */
+    shf.Ru = 600;
+    kf_compact_peak_bytes(&c, &shf, &mf);
+    CU_ASSERT_EQUAL(mf.solve, 196992 - 2 * 7200 + 2 * (115008 - 50000));
+    /* and it does not grow with the layers: the pool is one layer whatever L */
+    kf_hfconfig c4 = c;
+    c4.n_layers = 4;
+    kf_compact_peak_bytes(&c4, &shf, &mf);
+    CU_ASSERT_EQUAL(mf.targets, 14912 + 8192 + 512);
 
     /* the weights term counts what the model loads */
     kf_mem_shape real;

@@ -44,10 +44,10 @@ static void print_peak(const kf_hfconfig *c, const kf_compact_params *base, int 
     kf_mem_peak t;
     kf_compact_mem_shape(c, &p, 0, n, 0, openblas_get_num_threads(), &sh);
     kf_compact_peak_bytes(c, &sh, &t);
-    printf("  %-34s %8.3f GB (weights %.3f, arena %.3f, queries %.3f, forward %.3f, solve %.3f, output %.3f, "
-           "base %.3f; R %lld, t %lld)\n",
-           "predicted peak", t.total / 1e9, t.weights / 1e9, t.arena / 1e9, t.queries / 1e9, t.forward / 1e9,
-           t.solve / 1e9, t.output / 1e9, t.base / 1e9, (long long)sh.R, (long long)sh.t);
+    printf("  %-34s %8.3f GB (weights %.3f, arena %.3f, queries %.3f, targets %.3f, forward %.3f, solve %.3f, "
+           "output %.3f, base %.3f; R %lld, t %lld)\n",
+           "predicted peak", t.total / 1e9, t.weights / 1e9, t.arena / 1e9, t.queries / 1e9, t.targets / 1e9,
+           t.forward / 1e9, t.solve / 1e9, t.output / 1e9, t.base / 1e9, (long long)sh.R, (long long)sh.t);
 }
 
 /* --predict-only: config.json and the instruction's length, nothing else. */

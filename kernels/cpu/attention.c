@@ -15,6 +15,17 @@
  * The sum l is kept in fp64. Against a whole-row softmax the result moves by float rounding only
  * (the order of the sums changes; tests/test_kernels.c holds it to 1e-5 of an fp64 reference).
  *
+ * AM's targets (kf_attn_targets, backend.h): the tile's queries first take the whole document block
+ * [blk0, blk1) (all of it visible: it lies before the chunk) as one softmax, as kf_am_targets_compute
+ * does: the block's logits of every row are kept [rows, n_blk] (at most BLOCK_FLOATS floats, which
+ * bounds the tile's rows), a row softmax gives m, y and the probabilities p (the target rows' p,
+ * or p^2, summed into the item's fp64 part [n_blk] while the row is in cache), Y = p V_blk by
+ * sgemm; then O = y Y, l = y and the
+ * other keys ([0, blk0), then [blk1, ...)) go on online as above. The parts are added to the
+ * caller's score after the job, per KV head in tile order; with targets the tiles' size depends on
+ * the arguments only, so the score has the same bits for any thread count. Keeping the logits beats
+ * a second QK^T pass for the score (a second sgemm of the same size as the first).
+ *
  * With a pool in the scratch, the items are spread over its threads, each with its own buffers;
  * OpenBLAS is held to one thread meanwhile so that the sgemms of the items run side by side
  * instead of queueing for its pool (the previous thread count is restored before returning).
@@ -35,6 +46,9 @@
 #ifndef KEY_BLOCK
 #define KEY_BLOCK 256 /* keys per block: a multiple of KF_PAGE_TOKENS */
 #endif
+#ifndef BLOCK_FLOATS
+#define BLOCK_FLOATS ((size_t)1 << 21) /* a tile's kept block logits (targets), at most (8 MB) */
+#endif
 
 /* Grows a scratch buffer to hold n elements of elem bytes; 0, or -1 when out of memory (the
  * buffer is then unchanged). Shared by the kernels that keep scratch between calls. */
@@ -51,6 +65,8 @@ int kf_cpu_grow(void **buf, size_t *cap, size_t n, size_t elem) {
 
 void kf_cpu_attn_scratch_free(kf_cpu_attn_scratch *s) {
     free(s->work);
+    free(s->part);
+    free(s->has);
     kf_pool *pool = s->pool;
     memset(s, 0, sizeof *s);
     s->pool = pool; /* not owned */
@@ -61,6 +77,9 @@ typedef struct {
     float *work;         /* [threads, per_thread] */
     size_t per_thread;   /* floats */
     int rep, tq, n_tiles;
+    int n_blk;           /* targets: blk1 - blk0, else 0 */
+    double *part;        /* targets: [items, n_blk] */
+    uint8_t *has;        /* targets: [items] */
 } attn_job;
 
 /* One thread's buffers inside the job's work area. */
@@ -70,10 +89,11 @@ typedef struct {
     float *kb, *vb; /* [KEY_BLOCK, hd] one block of the group's keys and values */
     float *m;       /* [rows] running max */
     double *l;      /* [rows] running sum */
+    float *sb;      /* [rows, n_blk] the block's logits, then probabilities (targets only) */
 } attn_bufs;
 
-static size_t bufs_floats(int rows, int hd) {
-    return (size_t)rows * (2 * hd + KEY_BLOCK + 1 + 2) + (size_t)2 * KEY_BLOCK * hd + 16;
+static size_t bufs_floats(int rows, int hd, int n_blk) {
+    return (size_t)rows * (2 * hd + KEY_BLOCK + 1 + 2) + (size_t)2 * KEY_BLOCK * hd + 16 + (size_t)rows * n_blk;
 }
 
 static attn_bufs bufs_at(float *w, int rows, int hd) {
@@ -85,18 +105,21 @@ static attn_bufs bufs_at(float *w, int rows, int hd) {
     b.kb = b.s + (size_t)rows * KEY_BLOCK;
     b.vb = b.kb + (size_t)KEY_BLOCK * hd;
     b.m = b.vb + (size_t)KEY_BLOCK * hd;
+    b.sb = b.m + rows;
     return b;
 }
 
-/* Keys [k0, k0 + kb) of KV head g from their pages into kb/vb [kb, hd]. */
+/* Keys [k0, k0 + kb) of KV head g from their pages into kb/vb [kb, hd] (either may be NULL). */
 static void gather_block(const kf_attn_args *a, int g, int k0, int kb, float *kdst, float *vdst) {
     const int hd = a->kv.head_dim;
     const size_t row = (size_t)a->kv.kv_heads * hd;
     for (int t = k0; t < k0 + kb; t++) {
         const size_t src = (size_t)a->pages[t / KF_PAGE_TOKENS] * a->kv.page_stride +
                            (size_t)(t % KF_PAGE_TOKENS) * row + (size_t)g * hd;
-        memcpy(kdst + (size_t)(t - k0) * hd, a->kv.k + src, sizeof(float) * hd);
-        memcpy(vdst + (size_t)(t - k0) * hd, a->kv.v + src, sizeof(float) * hd);
+        if (kdst)
+            memcpy(kdst + (size_t)(t - k0) * hd, a->kv.k + src, sizeof(float) * hd);
+        if (vdst)
+            memcpy(vdst + (size_t)(t - k0) * hd, a->kv.v + src, sizeof(float) * hd);
     }
 }
 
@@ -126,49 +149,227 @@ KF_ROW_CLONES static float online_row(float *s, int kb, int nv, const float *bia
     return corr;
 }
 
+/* Where a tile sits: KV head g, queries [q0, q0 + tq), rows = tq * rep stacked query rows. */
+typedef struct {
+    int g, q0, tq, rows;
+} tile_pos;
+
+/* Keys [k0, k0 + kb) for the tile's rows, online (the header's step). */
+static void key_block(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int kb) {
+    const kf_attn_args *a = j->a;
+    const int hd = a->kv.head_dim, rep = j->rep, n_past = a->n_keys - a->n_q, rows = t.rows;
+    const float *bias = a->bias ? a->bias + (size_t)t.g * a->bias_stride : NULL;
+    /* rows before r0 belong to queries that see no key of this block */
+    const int i0 = k0 - n_past - t.q0 > 0 ? k0 - n_past - t.q0 : 0, r0 = i0 * rep, ra = rows - r0;
+    if (ra <= 0)
+        return;
+    gather_block(a, t.g, k0, kb, b->kb, b->vb);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, ra, kb, hd, a->scale, b->qp + (size_t)r0 * hd, hd, b->kb, hd,
+                0.0f, b->s + (size_t)r0 * KEY_BLOCK, KEY_BLOCK);
+    for (int r = r0; r < rows; r++) {
+        const int valid = n_past + t.q0 + r / rep + 1 - k0; /* keys of the block this row sees */
+        const int nv = valid < kb ? valid : kb;
+        const int nb = !bias || a->bias_len <= k0 ? 0 : (a->bias_len - k0 < nv ? a->bias_len - k0 : nv);
+        const float corr =
+            online_row(b->s + (size_t)r * KEY_BLOCK, kb, nv, bias ? bias + k0 : NULL, nb, &b->m[r], &b->l[r]);
+        if (corr != 1.0f)
+            for (int d = 0; d < hd; d++)
+                b->o[(size_t)r * hd + d] *= corr;
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, ra, hd, kb, 1.0f, b->s + (size_t)r0 * KEY_BLOCK, KEY_BLOCK,
+                b->vb, hd, 1.0f, b->o + (size_t)r0 * hd, hd);
+}
+
+/* Keys [k0, k1) block by block. */
+static void key_range(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int k1) {
+    for (; k0 < k1; k0 += KEY_BLOCK)
+        key_block(j, b, t, k0, k1 - k0 < KEY_BLOCK ? k1 - k0 : KEY_BLOCK);
+}
+
+/* The first of the target rows (tg->rows) whose query is at or after the tile's first. */
+static int first_target(const kf_attn_targets *tg, int q0) {
+    int lo = 0, hi = tg->n_rows;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (tg->rows[mid] - tg->row_base < q0)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* One row of the block's logits z [n]: the probabilities p = exp(z - m) / y in place (m the max,
+ * y the sum of the exponentials, in fp64), and for a target row (part not NULL) part += p, or
+ * p^2 with rms, while the row is in cache. */
+KF_ROW_CLONES static void block_row(float *z, int n, float *m, double *y, double *part, int rms) {
+    float mx = -FLT_MAX;
+#pragma omp simd reduction(max : mx)
+    for (int c = 0; c < n; c++)
+        mx = z[c] > mx ? z[c] : mx;
+#pragma omp simd
+    for (int c = 0; c < n; c++)
+        z[c] = kf_expf(z[c] - mx);
+    double sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int c = 0; c < n; c++)
+        sum += z[c];
+    const float inv = (float)(1.0 / sum);
+#pragma omp simd
+    for (int c = 0; c < n; c++)
+        z[c] *= inv;
+    if (part && rms) {
+#pragma omp simd
+        for (int c = 0; c < n; c++)
+            part[c] += (double)z[c] * z[c];
+    } else if (part) {
+#pragma omp simd
+        for (int c = 0; c < n; c++)
+            part[c] += z[c];
+    }
+    *m = mx;
+    *y = sum;
+}
+
+/* The tile's rows through block_row, in row order; the target rows' sums into the item's part. */
+static void block_rows(const attn_job *j, attn_bufs *b, tile_pos t, int item) {
+    const kf_attn_targets *tg = j->a->targets;
+    const int nb = j->n_blk;
+    double *part = j->part + (size_t)item * nb;
+    j->has[item] = 0;
+    for (int r = 0, k = first_target(tg, t.q0); r < t.rows; r++) {
+        const int q = t.q0 + r / j->rep;
+        while (k < tg->n_rows && tg->rows[k] - tg->row_base < q)
+            k++;
+        const int target = k < tg->n_rows && tg->rows[k] - tg->row_base == q;
+        if (target && !j->has[item]) {
+            memset(part, 0, sizeof(double) * nb);
+            j->has[item] = 1;
+        }
+        block_row(b->sb + (size_t)r * nb, nb, &b->m[r], &b->l[r], target ? part : NULL, tg->score_rms);
+    }
+}
+
+/* m, y and Y (= O, normalized) of the tile's target rows to the caller. */
+static void emit_targets(const attn_job *j, const attn_bufs *b, tile_pos t) {
+    const kf_attn_targets *tg = j->a->targets;
+    const int hd = j->a->kv.head_dim, rep = j->rep;
+    for (int k = first_target(tg, t.q0); k < tg->n_rows && tg->rows[k] - tg->row_base < t.q0 + t.tq; k++) {
+        const int i = tg->rows[k] - tg->row_base - t.q0;
+        for (int jh = 0; jh < rep; jh++) {
+            const int r = i * rep + jh;
+            const size_t at = (size_t)k * tg->row_stride + (size_t)(t.g * rep + jh) * tg->head_stride;
+            tg->m[at] = b->m[r];
+            tg->y[at] = (float)b->l[r];
+            memcpy(tg->Y + at * hd, b->o + (size_t)r * hd, sizeof(float) * hd);
+        }
+    }
+}
+
+/* The whole block [blk0, blk1) as one softmax per row (targets), leaving the online state
+ * m = the block's max, l = y, O = y Y for the other keys. */
+static void block_first(const attn_job *j, attn_bufs *b, tile_pos t, int item) {
+    const kf_attn_args *a = j->a;
+    const int hd = a->kv.head_dim, nb = j->n_blk, blk0 = a->targets->blk0;
+    for (int c0 = 0; c0 < nb; c0 += KEY_BLOCK) {
+        const int kb = nb - c0 < KEY_BLOCK ? nb - c0 : KEY_BLOCK;
+        gather_block(a, t.g, blk0 + c0, kb, b->kb, NULL);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, t.rows, kb, hd, a->scale, b->qp, hd, b->kb, hd, 0.0f,
+                    b->sb + c0, nb);
+    }
+    block_rows(j, b, t, item);
+    for (int c0 = 0; c0 < nb; c0 += KEY_BLOCK) {
+        const int kb = nb - c0 < KEY_BLOCK ? nb - c0 : KEY_BLOCK;
+        gather_block(a, t.g, blk0 + c0, kb, NULL, b->vb);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, t.rows, hd, kb, 1.0f, b->sb + c0, nb, b->vb, hd,
+                    c0 ? 1.0f : 0.0f, b->o, hd);
+    }
+    emit_targets(j, b, t);
+    for (int r = 0; r < t.rows; r++) {
+        const float y = (float)b->l[r];
+        for (int d = 0; d < hd; d++)
+            b->o[(size_t)r * hd + d] *= y;
+    }
+}
+
 /* One (KV head, query tile) item. */
 static void tile_item(void *ctx, int item, int thread) {
     const attn_job *j = ctx;
     const kf_attn_args *a = j->a;
-    const int hd = a->kv.head_dim, rep = j->rep, g = item / j->n_tiles, q0 = (item % j->n_tiles) * j->tq;
-    const int n_past = a->n_keys - a->n_q;
-    const int tq = a->n_q - q0 < j->tq ? a->n_q - q0 : j->tq, rows = tq * rep;
-    const int kmax = n_past + q0 + tq; /* keys visible to the tile's last query */
-    const float *bias = a->bias ? a->bias + (size_t)g * a->bias_stride : NULL;
-    attn_bufs b = bufs_at(j->work + (size_t)thread * j->per_thread, rows, hd);
+    const int hd = a->kv.head_dim, rep = j->rep, q0 = (item % j->n_tiles) * j->tq;
+    const int tq = a->n_q - q0 < j->tq ? a->n_q - q0 : j->tq;
+    const tile_pos t = {.g = item / j->n_tiles, .q0 = q0, .tq = tq, .rows = tq * rep};
+    const int kmax = a->n_keys - a->n_q + q0 + tq; /* keys visible to the tile's last query */
+    attn_bufs b = bufs_at(j->work + (size_t)thread * j->per_thread, t.rows, hd);
     for (int i = 0; i < tq; i++) /* the group's heads of query i are adjacent in q */
-        memcpy(b.qp + (size_t)i * rep * hd, a->q + (size_t)(q0 + i) * a->q_stride + (size_t)g * rep * hd,
+        memcpy(b.qp + (size_t)i * rep * hd, a->q + (size_t)(q0 + i) * a->q_stride + (size_t)t.g * rep * hd,
                sizeof(float) * rep * hd);
-    memset(b.o, 0, sizeof(float) * (size_t)rows * hd);
-    for (int r = 0; r < rows; r++) {
+    for (int r = 0; r < t.rows; r++) {
         b.m[r] = -INFINITY;
         b.l[r] = 0;
     }
-    for (int k0 = 0; k0 < kmax; k0 += KEY_BLOCK) {
-        const int kb = kmax - k0 < KEY_BLOCK ? kmax - k0 : KEY_BLOCK;
-        /* rows before r0 belong to queries that see no key of this block */
-        const int i0 = k0 - n_past - q0 > 0 ? k0 - n_past - q0 : 0, r0 = i0 * rep, ra = rows - r0;
-        gather_block(a, g, k0, kb, b.kb, b.vb);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, ra, kb, hd, a->scale, b.qp + (size_t)r0 * hd, hd, b.kb,
-                    hd, 0.0f, b.s + (size_t)r0 * KEY_BLOCK, KEY_BLOCK);
-        for (int r = r0; r < rows; r++) {
-            const int valid = n_past + q0 + r / rep + 1 - k0; /* keys of the block this row sees */
-            const int nv = valid < kb ? valid : kb;
-            const int nb = !bias || a->bias_len <= k0 ? 0 : (a->bias_len - k0 < nv ? a->bias_len - k0 : nv);
-            const float corr = online_row(b.s + (size_t)r * KEY_BLOCK, kb, nv, bias ? bias + k0 : NULL, nb, &b.m[r],
-                                          &b.l[r]);
-            if (corr != 1.0f)
-                for (int d = 0; d < hd; d++)
-                    b.o[(size_t)r * hd + d] *= corr;
-        }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, ra, hd, kb, 1.0f, b.s + (size_t)r0 * KEY_BLOCK,
-                    KEY_BLOCK, b.vb, hd, 1.0f, b.o + (size_t)r0 * hd, hd);
+    if (a->targets) {
+        block_first(j, &b, t, item);
+        key_range(j, &b, t, 0, a->targets->blk0);
+        key_range(j, &b, t, a->targets->blk1, kmax);
+    } else {
+        memset(b.o, 0, sizeof(float) * (size_t)t.rows * hd);
+        key_range(j, &b, t, 0, kmax);
     }
-    for (int r = 0; r < rows; r++) {
+    for (int r = 0; r < t.rows; r++) {
         const float inv = (float)(1.0 / b.l[r]);
-        float *dst = a->out + (size_t)(q0 + r / rep) * a->out_stride + (size_t)(g * rep + r % rep) * hd;
+        float *dst = a->out + (size_t)(q0 + r / rep) * a->out_stride + (size_t)(t.g * rep + r % rep) * hd;
         for (int d = 0; d < hd; d++)
             dst[d] = b.o[(size_t)r * hd + d] * inv;
+    }
+}
+
+/* The tiles' size: at most TILE_ROWS rows; without targets smaller while there would be fewer
+ * than two items per thread (down to 64 rows); with targets fixed by the arguments alone (the
+ * block's logits of a tile within BLOCK_FLOATS), so that the score's sums never depend on the
+ * thread count. */
+static int tile_queries(const kf_attn_args *a, int rep, int n_blk, int threads) {
+    const int nq = a->n_q;
+    int rows = TILE_ROWS;
+    if (n_blk > 0 && (size_t)rows * n_blk > BLOCK_FLOATS)
+        rows = BLOCK_FLOATS / (size_t)n_blk > 64 ? (int)(BLOCK_FLOATS / (size_t)n_blk) : 64;
+    int tq = rows / rep > 0 ? rows / rep : 1;
+    tq = tq < nq ? tq : nq;
+    while (!n_blk && a->kv.kv_heads * ((nq + tq - 1) / tq) < 2 * threads && tq * rep > 64 && tq > 1)
+        tq = (tq + 1) / 2;
+    return tq;
+}
+
+/* The targets' argument checks (backend.h) and the per-item parts; 0 or -1. */
+static int targets_setup(kf_cpu_attn_scratch *s, const kf_attn_args *a, attn_job *j, int n_items) {
+    const kf_attn_targets *t = a->targets;
+    if (t->blk0 < 0 || t->blk1 <= t->blk0 || t->blk1 > a->n_keys - a->n_q || a->bias || !t->m || !t->y || !t->Y ||
+        !t->score || (t->n_rows > 0 && !t->rows))
+        return -1;
+    for (int k = 0; k < t->n_rows; k++)
+        if (t->rows[k] - t->row_base < 0 || t->rows[k] - t->row_base >= a->n_q ||
+            (k > 0 && t->rows[k] <= t->rows[k - 1]))
+            return -1;
+    if (kf_cpu_grow((void **)&s->part, &s->part_cap, (size_t)n_items * j->n_blk, sizeof(double)) != 0 ||
+        kf_cpu_grow((void **)&s->has, &s->has_cap, (size_t)n_items, 1) != 0)
+        return -1;
+    j->part = s->part;
+    j->has = s->has;
+    return 0;
+}
+
+/* The items' score parts into the caller's score, per KV head in tile order. */
+static void targets_merge(const kf_attn_args *a, const attn_job *j) {
+    const kf_attn_targets *t = a->targets;
+    for (int g = 0; g < a->kv.kv_heads; g++) {
+        double *dst = t->score + (size_t)g * t->score_stride;
+        for (int it = g * j->n_tiles; it < (g + 1) * j->n_tiles; it++) {
+            if (!j->has[it])
+                continue;
+            const double *p = j->part + (size_t)it * j->n_blk;
+            for (int c = 0; c < j->n_blk; c++)
+                dst[c] += p[c];
+        }
     }
 }
 
@@ -177,23 +378,26 @@ int kf_cpu_attention(kf_cpu_attn_scratch *s, const kf_attn_args *a) {
     if (nq <= 0)
         return 0;
     const int threads = kf_pool_threads(s->pool);
-    attn_job j = {.a = a, .rep = rep, .tq = TILE_ROWS / rep > 0 ? TILE_ROWS / rep : 1};
-    j.tq = j.tq < nq ? j.tq : nq;
-    /* smaller tiles while there would be fewer than two items per thread (down to 64 rows) */
-    while (a->kv.kv_heads * ((nq + j.tq - 1) / j.tq) < 2 * threads && j.tq * rep > 64 && j.tq > 1)
-        j.tq = (j.tq + 1) / 2;
+    attn_job j = {.a = a, .rep = rep, .n_blk = a->targets ? a->targets->blk1 - a->targets->blk0 : 0};
+    if (a->targets && j.n_blk <= 0)
+        return -1;
+    j.tq = tile_queries(a, rep, j.n_blk, threads);
     j.n_tiles = (nq + j.tq - 1) / j.tq;
-    j.per_thread = bufs_floats(j.tq * rep, hd);
+    j.per_thread = bufs_floats(j.tq * rep, hd, j.n_blk);
     j.per_thread = (j.per_thread + 15) & ~(size_t)15; /* 64-byte steps between threads */
     if (kf_cpu_grow((void **)&s->work, &s->work_cap, (size_t)threads * j.per_thread, sizeof(float)) != 0)
         return -1;
     j.work = s->work;
     const int n_items = a->kv.kv_heads * j.n_tiles;
+    if (a->targets && targets_setup(s, a, &j, n_items) != 0)
+        return -1;
     const int blas_threads = threads > 1 && n_items > 1 ? openblas_get_num_threads() : 1;
     if (blas_threads > 1)
         openblas_set_num_threads(1);
     kf_pool_run(s->pool, n_items, tile_item, &j);
     if (blas_threads > 1)
         openblas_set_num_threads(blas_threads);
+    if (a->targets)
+        targets_merge(a, &j);
     return 0;
 }

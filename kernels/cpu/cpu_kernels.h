@@ -52,7 +52,11 @@ typedef struct kf_pool kf_pool;
 /* Scratch memory the attention kernel reuses between calls (one per thread of control). */
 typedef struct {
     float *work;         /* [threads, per-thread] each thread's query tile, key block and scores */
-    size_t work_cap;     /* floats; independent of the number of keys */
+    size_t work_cap;     /* floats; independent of the number of keys (but for AM's targets) */
+    double *part;        /* [items, block keys] per item score sums of AM's targets (kf_attn_targets) */
+    size_t part_cap;
+    uint8_t *has;        /* [items] 1: the item's part holds target rows */
+    size_t has_cap;
     kf_pool *pool;       /* NULL: one thread; else the (KV head, tile) items run on it (not owned) */
 } kf_cpu_attn_scratch;
 

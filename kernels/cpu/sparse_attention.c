@@ -72,6 +72,7 @@ int kf_cpu_sparse_attention(kf_cpu_sparse_scratch *s, const kf_sparse_attn_args 
     d.kv.k = s->k;
     d.kv.v = s->v;
     d.kv.page_stride = (size_t)KF_PAGE_TOKENS * row;
+    d.targets = NULL; /* sparse attention emits no AM targets (backend.h): the caller computes them */
     if (a->bias) {
         d.bias = s->bias;
         d.bias_stride = (size_t)nk;
