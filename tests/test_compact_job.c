@@ -392,6 +392,14 @@ static void test_memory_formula(void) {
     shf.Ru = 600;
     kf_compact_peak_bytes(&c, &shf, &mf);
     CU_ASSERT_EQUAL(mf.solve, 196992 - 2 * 7200 + 2 * (115008 - 50000));
+    /* chunk 64, so c' = min(64, max(40, 38)) = 40: the target tiles have q = min(256, 40) = 40 queries,
+     * those without targets q' = 40 halved once to 20 (2 ceil(40 / 40) = 2 < 2 A = 4 and 80 > 64;
+     * then 2 ceil(40 / 20) = 4 is not < 4): logits 4 * 2 * 80 * 32 = 20,480, the wider tiles
+     * 4 * 2 * 2 * 20 * (2 * 16 + 259) = 93,120, parts 8 * 2 * 32 * ceil(40 / 40) = 512 */
+    kf_mem_shape shc = shf;
+    shc.chunk = 64;
+    kf_compact_peak_bytes(&c, &shc, &mf);
+    CU_ASSERT_EQUAL(mf.targets, 14912 + 20480 + 93120 + 512);
     /* and it does not grow with the layers: the pool is one layer whatever L */
     kf_hfconfig c4 = c;
     c4.n_layers = 4;
@@ -407,6 +415,7 @@ static void test_memory_formula(void) {
     /* and the shape is the one kf_compact runs: 2 x 206 positions, 2 x 41 held out, t 50; the solve
      * on the pool's threads, min(threads, kv heads) heads at once */
     CU_ASSERT(real.R == 412 && real.Rv == 82 && real.t == 50 && real.S == 206 && real.choice == 1 && real.Rc == 0);
+    CU_ASSERT(real.fused == 1 && real.Ru == 0); /* the repeat fuses its targets; no context rows */
     CU_ASSERT(real.solve_threads == 1 && real.solve_heads == 1);
     CU_ASSERT_EQUAL(real.head_ws, kf_compact_head_ws_bytes(50, 64, 1));
     kf_mem_shape three;
