@@ -2,7 +2,9 @@
  * executable counts every live heap byte (malloc, calloc, realloc, free interposed; the bytes
  * malloc_usable_size reports) and kf_compact_solve's peak above what existed before it must be
  * the formula's solve + output terms, less the validation prompts' keys and values that the
- * prepare allocates, within 2% - on 1 thread and on 3 (3 threads' buffers, min(3, 2 KV heads)
+ * prepare allocates, plus the targets term less its pool (the sources' forwards run inside the
+ * solve: the attention's targets scratch grows there), within 2% - on 1 thread and on 3 (3
+ * threads' buffers, min(3, 2 KV heads)
  * heads in flight), at two document lengths. Not built with the sanitizers (they own malloc). */
 #include <malloc.h>
 #include <stdatomic.h>
