@@ -201,7 +201,9 @@ static int first_target(const kf_attn_targets *tg, int q0) {
 
 /* One row of the block's logits z [n]: the probabilities p = exp(z - m) / y in place (m the max,
  * y the sum of the exponentials, in fp64), and for a target row (part not NULL) part += p, or
- * p^2 with rms, while the row is in cache. */
+ * p^2 with rms, while the row is in cache. Not kf_cpu_softmax_row: that one sums in index order
+ * to keep AM's and the diagnostics' bits; here the sum is vectorized and the score is added in the
+ * same pass (the repeat prefill's hot loop). */
 KF_ROW_CLONES static void block_row(float *z, int n, float *m, double *y, double *part, int rms) {
     float mx = -FLT_MAX;
 #pragma omp simd reduction(max : mx)
