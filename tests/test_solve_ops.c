@@ -311,6 +311,34 @@ static void test_rows(void) {
     CU_ASSERT(e < 1e-6);
 }
 
+/* softmax_rows on full rows (no len) takes them eight at a time with the fp64 sums interleaved
+ * (kernels/cpu/softmax.c): every row, outputs included, must be bit for bit what one row at a
+ * time gives (the solve's results keep their bits), for the groups and the rows after them. */
+static void test_rows_grouped(void) {
+    const kf_backend *be = kf_solve_backend(NULL);
+    enum { R = 19, N = 203, LD = 205 };
+    float *x = malloc(sizeof(float) * R * LD), *y = malloc(sizeof(float) * R * LD), bias[N], mx[R], my[R];
+    double sx[R], sy[R], lx[R], ly[R];
+    kf_test_fill_uniform(x, R * LD, 31, -70, 6); /* weights over 2^-110 .. 1: an fp64 sum that rounds */
+    kf_test_fill_uniform(bias, N, 32, -2, 2);
+    for (int i = 0; i < R; i++)
+        x[i * LD + (i * 7) % N] = -INFINITY; /* a no-weight slot in every row */
+    memcpy(y, x, sizeof(float) * R * LD);
+    kf_solve_softmax_rows(be, &(kf_softmax_rows_args){.x = x, .ldx = LD, .rows = R, .n = N, .bias = bias,
+                                                      .max_out = mx, .sum_out = sx, .lse_out = lx});
+    for (int i = 0; i < R; i++) /* one row per call: the single-row path */
+        kf_solve_softmax_rows(be, &(kf_softmax_rows_args){.x = y + (size_t)i * LD, .ldx = LD, .rows = 1, .n = N,
+                                                          .bias = bias, .max_out = my + i, .sum_out = sy + i,
+                                                          .lse_out = ly + i});
+    int same = 1;
+    for (int i = 0; i < R; i++) {
+        same &= mx[i] == my[i] && sx[i] == sy[i] && lx[i] == ly[i];
+        same &= memcmp(x + (size_t)i * LD, y + (size_t)i * LD, sizeof(float) * LD) == 0;
+    }
+    CU_ASSERT(same); /* (test_rows checks the single-row path against fp64) */
+    free(x), free(y);
+}
+
 /* The rule: the CPU backend runs its own; NULL and a backend without the ops get the CPU's. */
 static void test_rule(void) {
     const kf_backend *cs = kf_backend_cpu_solve();
@@ -383,6 +411,7 @@ static CU_TestInfo tests[] = {
     {"Cholesky: solves, kf_solve_spd, not positive definite, NaN", test_cholesky},
     {"lstsq: QR path against the normal equations", test_lstsq},
     {"softmax_rows (bias, ragged, max/sum/lse) and exp_rows", test_rows},
+    {"softmax_rows: eight rows at a time == one at a time, bit for bit", test_rows_grouped},
     {"kf_solve_backend: the CPU's unless the backend has the ops", test_rule},
     {"ops from parallel_for items == sequential", test_reentrant},
     CU_TEST_INFO_NULL,
