@@ -123,6 +123,8 @@ void kf_val_head_free(kf_val_head *v) {
     free(v->o_full);
     free(v->Z);
     free(v->lse_b);
+    free(v->wa);
+    free(v->den);
     free(v->o_b);
     free(v->tmp);
     memset(v, 0, sizeof *v);
@@ -158,13 +160,24 @@ static void block_attend(const kf_backend *be, int n, int d, float scale, const 
         kf_solve_sgemm(be, KF_NO_TRANS, KF_NO_TRANS, n, d, b->n, 1.0f, P, b->n, b->v, b->stride, 0.0f, o, d);
 }
 
-/* The output over [block | appended] for row i from the block's lse and output. */
-static void mix(const kf_val_head *v, int i, double lse_b, const float *o_b, double *out) {
+/* Row i's weights of the block (lse_b) and of its appended block. */
+static void mix_weights(const kf_val_head *v, int i, double lse_b, double *wb, double *wa) {
     const double la = v->lse_a[i], m = lse_b > la ? lse_b : la;
-    const double wb = exp(lse_b - m), wa = isinf(la) ? 0 : exp(la - m);
+    *wb = exp(lse_b - m), *wa = isinf(la) ? 0 : exp(la - m);
+}
+
+/* The output over [block | appended] for row i from the two blocks' weights and the block's output. */
+static void mix_with(const kf_val_head *v, int i, double wb, double wa, const float *o_b, double *out) {
     const float *oa = v->o_a + (size_t)i * v->d;
     for (int c = 0; c < v->d; c++)
         out[c] = (wb * o_b[c] + wa * oa[c]) / (wb + wa);
+}
+
+/* The output over [block | appended] for row i from the block's lse and output. */
+static void mix(const kf_val_head *v, int i, double lse_b, const float *o_b, double *out) {
+    double wb, wa;
+    mix_weights(v, i, lse_b, &wb, &wa);
+    mix_with(v, i, wb, wa, o_b, out);
 }
 
 /* A validation row in the order the appended blocks are attended in. */
@@ -239,8 +252,12 @@ static void mix_full(kf_val_head *v) {
     const int d = v->d;
     for (int i = 0; i < v->n; i++) {
         mix(v, i, v->lse_b[i], v->o_b + (size_t)i * d, v->tmp);
-        for (int c = 0; c < d; c++)
-            v->o_full[(size_t)i * d + c] = (float)v->tmp[c];
+        double den = 0;
+        for (int c = 0; c < d; c++) {
+            const double ref = v->o_full[(size_t)i * d + c] = (float)v->tmp[c];
+            den += ref * ref;
+        }
+        v->den[i] = den;
     }
 }
 
@@ -268,9 +285,11 @@ static int val_head_common(kf_val_head *v, const kf_backend *be, const float *q,
     v->o_a = calloc(n1 * d, sizeof(float));
     v->o_full = malloc(sizeof(float) * n1 * d);
     v->lse_b = malloc(sizeof(double) * n1);
+    v->wa = malloc(sizeof(double) * n1);
+    v->den = malloc(sizeof(double) * n1);
     v->o_b = malloc(sizeof(float) * n1 * d);
     v->tmp = malloc(sizeof(double) * (size_t)d);
-    if (!v->w || !v->lse_a || !v->o_a || !v->o_full || !v->lse_b || !v->o_b || !v->tmp ||
+    if (!v->w || !v->lse_a || !v->o_a || !v->o_full || !v->lse_b || !v->wa || !v->den || !v->o_b || !v->tmp ||
         appended_all(v, app, visible) != 0)
         return -1;
     double wsum = 0;
@@ -311,6 +330,8 @@ int kf_val_attend(kf_val_head *v, const kf_kv_block *keys) {
         return -1;
     block_attend(v->be, v->n, v->d, v->scale, v->q, keys, v->Z, v->lse_b, NULL);
     v->z_n = keys->n;
+    for (int i = 0; i < v->n; i++) /* the mixing weights, once for every value set scored */
+        mix_weights(v, i, v->lse_b[i], &v->lse_b[i], &v->wa[i]);
     return 0;
 }
 
@@ -322,14 +343,13 @@ double kf_val_err_values(kf_val_head *v, const float *values, size_t stride) {
         memset(v->o_b, 0, sizeof(float) * (size_t)n * d);
     double e = 0;
     for (int i = 0; i < n; i++) {
-        mix(v, i, v->lse_b[i], v->o_b + (size_t)i * d, v->tmp);
-        double num = 0, den = 0;
+        mix_with(v, i, v->lse_b[i], v->wa[i], v->o_b + (size_t)i * d, v->tmp);
+        double num = 0;
         for (int c = 0; c < d; c++) {
-            const double ref = v->o_full[(size_t)i * d + c], diff = v->tmp[c] - ref;
+            const double diff = v->tmp[c] - v->o_full[(size_t)i * d + c];
             num += diff * diff;
-            den += ref * ref;
         }
-        e += v->w[i] * (den > 0 ? sqrt(num / den) : 0);
+        e += v->w[i] * (v->den[i] > 0 ? sqrt(num / v->den[i]) : 0);
     }
     return e;
 }

@@ -69,7 +69,10 @@ typedef struct {
     float *Z;        /* [n, z_n] the last attended candidate's weights (scratch in init) */
     size_t z_cap;    /* floats in Z */
     int z_n;
-    double *lse_b;   /* [n] the last attended candidate's log-sum-exp */
+    double *lse_b;   /* [n] the last attended candidate's log-sum-exp (in init), then its mixing
+                        weight exp(lse_b - max(lse_b, lse_a)) (kf_val_attend) */
+    double *wa;      /* [n] the appended block's weight beside it, exp(lse_a - max(..)) or 0 */
+    double *den;     /* [n] ||o_full_i||^2, summed in index order (the error's denominator) */
     float *o_b;      /* [n, d] its output */
     double *tmp;     /* [d] */
 } kf_val_head;

@@ -183,6 +183,56 @@ static void test_val_err_reference(void) {
 }
 
 
+/* kf_val_attend keeps each row's mixing weights and the head its rows' ||o_full||^2 for every value
+ * set scored after it (issue 14): scoring a second candidate on a head that scored another must
+ * give the bits a fresh head gives it, and what is cached must be what it replaces. */
+static void test_val_cache_fresh(void) {
+    val_case *c = malloc(sizeof *c);
+    make_case(c);
+    const float scale = 0.35f;
+    enum { t = 20 };
+    float b1[t], b2[t], v1[t * D], v2[t * D];
+    kf_test_fill_uniform(b1, t, 1441, -1, 1);
+    kf_test_fill_uniform(b2, t, 1442, -3, 1);
+    kf_test_fill_uniform(v1, t * D, 1443, -1, 1);
+    kf_test_fill_uniform(v2, t * D, 1444, -1, 1);
+    kf_val_head used, fresh;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_val_head_init(&used, NULL, c->Q, NV, D, scale, c->w, &c->orig, c->app, c->vis, &err),
+                          KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_val_head_init(&fresh, NULL, c->Q, NV, D, scale, c->w, &c->orig, c->app, c->vis, &err),
+                          KF_OK);
+    const kf_kv_block c1 = {c->K, NULL, D, b1, t}, c2 = {c->K + 30 * D, NULL, D, b2, t};
+    CU_ASSERT_EQUAL_FATAL(kf_val_attend(&used, &c1), 0);
+    const double e1 = kf_val_err_values(&used, v1, D);
+    CU_ASSERT_EQUAL_FATAL(kf_val_attend(&used, &c2), 0);
+    const double e2 = kf_val_err_values(&used, v2, D), e2b = kf_val_err_values(&used, v1, D);
+    CU_ASSERT_EQUAL_FATAL(kf_val_attend(&fresh, &c2), 0);
+    const double f2 = kf_val_err_values(&fresh, v2, D), f2b = kf_val_err_values(&fresh, v1, D);
+    printf("\n    second candidate %.17g (fresh head %.17g), first %.17g\n", e2, f2, e1);
+    CU_ASSERT(e2 == f2 && e2b == f2b);
+    CU_ASSERT(e1 != e2);
+    /* the cached weights and norms are the ones mix() computed: exp(lse - max) and ||o_full||^2 */
+    double worst_w = 0, worst_d = 0, ob[D];
+    for (int i = 0; i < NV; i++) {
+        const double lb = ref_attend(c->Q + (size_t)i * D, D, scale,
+                                     &(kf_kv_block){c2.k, v2, D, b2, t}, t, ob), la = used.lse_a[i];
+        const double m = fmax(lb, la), wb = exp(lb - m), wa = isinf(la) ? 0 : exp(la - m);
+        worst_w = fmax(worst_w, fmax(fabs(used.lse_b[i] - wb), fabs(used.wa[i] - wa)));
+        double den = 0;
+        for (int k = 0; k < D; k++)
+            den += (double)used.o_full[(size_t)i * D + k] * used.o_full[(size_t)i * D + k];
+        worst_d = fmax(worst_d, fabs(used.den[i] - den) / den);
+    }
+    printf("    cached mixing weights vs fp64 %.1e, norms %.1e\n", worst_w, worst_d);
+    CU_ASSERT(worst_w < 1e-5);
+    CU_ASSERT(worst_d < 1e-12);
+    kf_val_head_free(&used);
+    kf_val_head_free(&fresh);
+    free(c);
+}
+
+
 /* ---- normal equations of disjoint row sets add up (the refit reuses the choice's) ---- */
 
 enum { NT = 60, ND = 8, NR = 150, NTR = 100, NK = 12 };
@@ -302,6 +352,7 @@ static void test_normal_equations_add(void) {
 static CU_TestInfo val_tests[] = {
     {"validation head: appended and original attention == fp64", test_val_head_appended},
     {"validation error == fp64; weights shared between value sets", test_val_err_reference},
+    {"validation: what attend caches == a fresh head's, bit for bit", test_val_cache_fresh},
     {"normal equations: training + validation == all rows (fp64)", test_normal_equations_add},
     CU_TEST_INFO_NULL,
 };
