@@ -406,15 +406,29 @@ void kf_value_gram_free(kf_value_gram *g) {
 /* Rows of the design matrix in tiles of GRAM_TILE: X [n, t] in fp32 (as design()), then G += X^T X
  * and B += X^T Y in fp64 from the tile's fp64 copy: no R x t fp64 copy of X is ever held. */
 #define GRAM_TILE 256
-typedef struct {
-    float *X;   /* [GRAM_TILE, t] */
-    double *Xd; /* [GRAM_TILE, t] */
-    double *Yd; /* [GRAM_TILE, d] */
-} gram_tiles;
+
+void kf_gram_tiles_free(kf_gram_tiles *w) {
+    free(w->Z), free(w->X), free(w->Xd), free(w->Yd);
+    memset(w, 0, sizeof *w);
+}
+
+int kf_gram_tiles_alloc(kf_gram_tiles *w, int t, int d, int logits) {
+    const size_t t1 = (size_t)(t ? t : 1), d1 = (size_t)(d > 1 ? d : 1);
+    memset(w, 0, sizeof *w);
+    w->Z = logits ? malloc(sizeof(float) * GRAM_TILE * t1) : NULL;
+    w->X = malloc(sizeof(float) * GRAM_TILE * t1);
+    w->Xd = malloc(sizeof(double) * GRAM_TILE * t1);
+    w->Yd = malloc(sizeof(double) * GRAM_TILE * d1);
+    w->t = t, w->d = d;
+    if ((w->Z || !logits) && w->X && w->Xd && w->Yd)
+        return 0;
+    kf_gram_tiles_free(w);
+    return -1;
+}
 
 static void gram_accumulate(const kf_backend *be, const float *q, int R, int d, float scale, const float *keys,
-                            size_t key_stride, const float *beta, int t, const float *Y, const gram_tiles *w, double *G,
-                            double *B) {
+                            size_t key_stride, const float *beta, int t, const float *Y, const kf_gram_tiles *w,
+                            double *G, double *B) {
     for (int i0 = 0; i0 < R; i0 += GRAM_TILE) {
         const int n = R - i0 < GRAM_TILE ? R - i0 : GRAM_TILE;
         kf_solve_sgemm(be, KF_NO_TRANS, KF_TRANS, n, t, d, scale, q + (size_t)i0 * d, d, keys, key_stride, 0.0f, w->X,
@@ -424,39 +438,38 @@ static void gram_accumulate(const kf_backend *be, const float *q, int R, int d, 
             w->Xd[k] = w->X[k];
         for (size_t k = 0; k < (size_t)n * d; k++)
             w->Yd[k] = Y[(size_t)i0 * d + k];
-        const double keep = i0 ? 1.0 : 0.0;
+        const double keep = i0 ? 1.0 : 0.0; /* the first tile overwrites G and B (beta 0: not read) */
         kf_solve_dsyrk(be, KF_TRANS, t, n, 1.0, w->Xd, t, keep, G, t);
         kf_solve_dgemm(be, KF_TRANS, KF_NO_TRANS, t, d, n, 1.0, w->Xd, t, w->Yd, d, keep, B, d);
     }
 }
 
+static void gram_finish(kf_value_gram *g);
+
+void kf_value_gram_rebuild(const float *q, int R, float scale, const float *keys, size_t key_stride,
+                           const float *beta, const float *Y, kf_gram_tiles *w, kf_value_gram *g) {
+    const int t = g->t, d = g->d;
+    if (t > 0 && R > 0)
+        gram_accumulate(g->be, q, R, d, scale, keys, key_stride, beta, t, Y, w, g->G, g->B);
+    else { /* no rows: the zero normal equations a fresh build has */
+        memset(g->G, 0, sizeof(double) * (size_t)t * t);
+        memset(g->B, 0, sizeof(double) * (size_t)t * d);
+    }
+    gram_finish(g);
+}
+
 kf_status kf_value_gram_build(const kf_backend *be, const float *q, int R, int d, float scale, const float *keys,
                               size_t key_stride, const float *beta, int t, const float *Y, kf_value_gram *out,
                               kf_error *err) {
-    memset(out, 0, sizeof *out);
-    out->t = t, out->d = d, out->be = be;
-    const size_t t1 = (size_t)(t ? t : 1);
-    gram_tiles w = {malloc(sizeof(float) * GRAM_TILE * t1), malloc(sizeof(double) * GRAM_TILE * t1),
-                    malloc(sizeof(double) * GRAM_TILE * (size_t)d)};
-    out->G = calloc(t1 * t1, sizeof(double));
-    out->B = calloc(t1 * d, sizeof(double));
-    out->A = malloc(sizeof(double) * t1 * t1);
-    out->Bs = malloc(sizeof(double) * t1 * d);
-    if (!w.X || !w.Xd || !w.Yd || !out->G || !out->B || !out->A || !out->Bs) {
-        free(w.X), free(w.Xd), free(w.Yd);
-        kf_value_gram_free(out);
-        return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the value refit's normal equations (R %d, t %d)", R, t);
-    }
-    if (t > 0)
-        gram_accumulate(be, q, R, d, scale, keys, key_stride, beta, t, Y, &w, out->G, out->B);
-    for (int r = 0; r < t; r++)
-        for (int c = 0; c < r; c++)
-            out->G[(size_t)r * t + c] = out->G[(size_t)c * t + r];
-    out->tr = 0;
-    for (int j = 0; j < t; j++)
-        out->tr += out->G[(size_t)j * t + j];
-    free(w.X), free(w.Xd), free(w.Yd);
-    return KF_OK;
+    kf_gram_tiles w = {0};
+    const int ok = kf_value_gram_alloc(out, be, t, d) == 0 && kf_gram_tiles_alloc(&w, t, d, 0) == 0;
+    if (ok)
+        kf_value_gram_rebuild(q, R, scale, keys, key_stride, beta, Y, &w, out);
+    kf_gram_tiles_free(&w);
+    if (ok)
+        return KF_OK;
+    kf_value_gram_free(out);
+    return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the value refit's normal equations (R %d, t %d)", R, t);
 }
 
 kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float *v0, size_t v0_stride, float *values,
@@ -487,8 +500,7 @@ kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float 
     return KF_OK;
 }
 
-/* gram (t, d set) with G, B zeroed and the solves' scratch; 0 or -1. */
-static int gram_alloc(kf_value_gram *g, const kf_backend *be, int t, int d) {
+int kf_value_gram_alloc(kf_value_gram *g, const kf_backend *be, int t, int d) {
     memset(g, 0, sizeof *g);
     g->t = t, g->d = d, g->be = be;
     const size_t t1 = (size_t)(t ? t : 1);
@@ -496,7 +508,10 @@ static int gram_alloc(kf_value_gram *g, const kf_backend *be, int t, int d) {
     g->B = calloc(t1 * d, sizeof(double));
     g->A = malloc(sizeof(double) * t1 * t1);
     g->Bs = malloc(sizeof(double) * t1 * d);
-    return g->G && g->B && g->A && g->Bs ? 0 : -1;
+    if (g->G && g->B && g->A && g->Bs)
+        return 0;
+    kf_value_gram_free(g);
+    return -1;
 }
 
 /* Mirror G's upper triangle and take its trace. */
@@ -510,10 +525,12 @@ static void gram_finish(kf_value_gram *g) {
         g->tr += g->G[(size_t)j * t + j];
 }
 
-/* One row tile of kf_kept_normal_build: Z [n, t] the tile's logits over the kept keys. */
-static void kept_tile(const float *m, const float *y, const float *Y, int n, int t, int d, float *Z, float *X,
-                      double *Xd, double *Yd, kf_beta_normal *bn, kf_value_gram *drop, int first) {
+/* One row tile of kf_kept_normal_build: w->Z [n, t] the tile's logits over the kept keys. */
+static void kept_tile(const float *m, const float *y, const float *Y, int n, int t, int d, const kf_gram_tiles *w,
+                      kf_beta_normal *bn, kf_value_gram *drop, int first) {
     const kf_backend *be = bn->be;
+    float *Z = w->Z, *X = w->X;
+    double *Xd = w->Xd, *Yd = w->Yd;
     memcpy(X, Z, sizeof(float) * (size_t)n * t);
     kf_solve_softmax_rows(be, &(kf_softmax_rows_args){.x = X, .ldx = t, .rows = n, .n = t}); /* drop's design */
     kf_solve_exp_rows(be, Z, t, n, t, m);                                                    /* beta's M */
@@ -534,23 +551,23 @@ static void kept_tile(const float *m, const float *y, const float *Y, int n, int
 }
 
 kf_status kf_kept_normal_build(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
-                               kf_beta_normal *bn, kf_value_gram *drop, kf_error *err) {
+                               kf_gram_tiles *tiles, kf_beta_normal *bn, kf_value_gram *drop, kf_error *err) {
     const int R = h->R, d = h->d;
     const size_t t1 = (size_t)(t ? t : 1);
     memset(bn, 0, sizeof *bn);
     bn->t = t, bn->be = h->be;
     bn->G = calloc(t1 * t1, sizeof(double));
     bn->b = calloc(t1, sizeof(double));
-    float *Z = malloc(sizeof(float) * GRAM_TILE * t1), *X = malloc(sizeof(float) * GRAM_TILE * t1); /* [tile, t] */
-    double *Xd = malloc(sizeof(double) * GRAM_TILE * t1);                                          /* [tile, t] */
-    double *Yd = malloc(sizeof(double) * GRAM_TILE * (size_t)(d > 1 ? d : 1));                    /* [tile, d] */
-    const int ok = gram_alloc(drop, h->be, t, d) == 0 && bn->G && bn->b && Z && X && Xd && Yd;
+    kf_gram_tiles own = {0}, *w = tiles ? tiles : &own; /* tiles [GRAM_TILE, t] */
+    const int ok = kf_value_gram_alloc(drop, h->be, t, d) == 0 && bn->G && bn->b &&
+                   (tiles || kf_gram_tiles_alloc(&own, t, d, 1) == 0);
     for (int i0 = 0; ok && t > 0 && i0 < R; i0 += GRAM_TILE) {
         const int n = R - i0 < GRAM_TILE ? R - i0 : GRAM_TILE;
-        kf_solve_sgemm(h->be, KF_NO_TRANS, KF_TRANS, n, t, d, h->scale, h->q + (size_t)i0 * d, d, kc, d, 0.0f, Z, t);
-        kept_tile(tg->m + i0, tg->y + i0, tg->Y + (size_t)i0 * d, n, t, d, Z, X, Xd, Yd, bn, drop, i0 == 0);
+        kf_solve_sgemm(h->be, KF_NO_TRANS, KF_TRANS, n, t, d, h->scale, h->q + (size_t)i0 * d, d, kc, d, 0.0f, w->Z,
+                       t);
+        kept_tile(tg->m + i0, tg->y + i0, tg->Y + (size_t)i0 * d, n, t, d, w, bn, drop, i0 == 0);
     }
-    free(Z), free(X), free(Xd), free(Yd);
+    kf_gram_tiles_free(&own);
     if (!ok) {
         kf_beta_normal_free(bn);
         kf_value_gram_free(drop);

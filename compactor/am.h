@@ -133,6 +133,24 @@ typedef struct {
     const kf_backend *be; /* the builder's: the solves run on it */
 } kf_value_gram;
 
+/* The row tiles the normal equations are built over, allocated once for up to t keys and reused
+ * by every build (the per-head choice's candidates): GRAM_TILE (256) rows at a time. */
+typedef struct {
+    float *Z;        /* [256, t] the logits (kf_kept_normal_build only; NULL unless asked for) */
+    float *X;        /* [256, t] the weights */
+    double *Xd, *Yd; /* [256, t], [256, max(d, 1)] their fp64 copies, and the targets' */
+    int t, d;
+} kf_gram_tiles;
+/* 0, or -1 when out of memory (nothing left allocated); logits: also Z. */
+int kf_gram_tiles_alloc(kf_gram_tiles *w, int t, int d, int logits);
+void kf_gram_tiles_free(kf_gram_tiles *w);
+
+/* g's buffers for t keys, head_dim d: G, B zeroed, the solves' scratch; 0, or -1 when out of memory. */
+int kf_value_gram_alloc(kf_value_gram *g, const kf_backend *be, int t, int d);
+/* kf_value_gram_build into g (allocated for t = g->t keys, its contents replaced) with the tiles w
+ * (for at least t keys): the same bits, nothing allocated. */
+void kf_value_gram_rebuild(const float *q, int R, float scale, const float *keys, size_t key_stride,
+                           const float *beta, const float *Y, kf_gram_tiles *w, kf_value_gram *g);
 kf_status kf_value_gram_build(const kf_backend *be, const float *q, int R, int d, float scale, const float *keys,
                               size_t key_stride, const float *beta, int t, const float *Y, kf_value_gram *out,
                               kf_error *err);
@@ -141,9 +159,10 @@ kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float 
                               kf_am_stats *stats, kf_error *err);
 /* Beta's normal equations and drop's value refit (the kept keys without bias) in one pass over
  * the rows: one logit GEMM per row tile for both; each equal to its own build
- * (kf_beta_normal_build, kf_value_gram_build with beta NULL). */
+ * (kf_beta_normal_build, kf_value_gram_build with beta NULL). tiles: with logits, for at least t
+ * keys, or NULL (its own). */
 kf_status kf_kept_normal_build(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
-                               kf_beta_normal *bn, kf_value_gram *drop, kf_error *err);
+                               kf_gram_tiles *tiles, kf_beta_normal *bn, kf_value_gram *drop, kf_error *err);
 /* acc += part (the same keys and bias on another set of rows: training + validation = all). */
 void kf_value_gram_add(kf_value_gram *acc, const kf_value_gram *part);
 void kf_value_gram_free(kf_value_gram *g);

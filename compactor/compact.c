@@ -172,6 +172,32 @@ static kf_status fold_selection(const kf_backend *be, const float *q, int R, int
     return KF_OK;
 }
 
+/* kf_choose_head's buffers, allocated once per head and reused by every candidate. */
+typedef struct {
+    float *beta, *u;     /* [t], [d] */
+    float *keys, *vals;  /* [t, d] a candidate's keys (folded) and values */
+    kf_gram_tiles tiles; /* [256, t] the normal equations' row tiles (logits included) */
+    kf_value_gram gm;    /* [t, t], [t, d] a candidate's value normal equations (G NULL: none) */
+} choice_ws;
+
+static void choice_ws_free(choice_ws *w) {
+    free(w->beta), free(w->u), free(w->keys), free(w->vals);
+    kf_gram_tiles_free(&w->tiles);
+    kf_value_gram_free(&w->gm);
+}
+
+/* gram: also the candidates' normal equations (am, fold). 0, or -1 when out of memory. */
+static int choice_ws_alloc(choice_ws *w, const kf_backend *be, int t, int d, int gram) {
+    const size_t t1 = (size_t)(t ? t : 1);
+    memset(w, 0, sizeof *w);
+    w->beta = malloc(sizeof(float) * t1), w->u = malloc(sizeof(float) * (size_t)d);
+    w->keys = malloc(sizeof(float) * t1 * d), w->vals = malloc(sizeof(float) * t1 * d);
+    if (!w->beta || !w->u || !w->keys || !w->vals || kf_gram_tiles_alloc(&w->tiles, t, d, 1) != 0 ||
+        (gram && kf_value_gram_alloc(&w->gm, be, t, d) != 0))
+        return -1;
+    return 0;
+}
+
 /* Score every value refit alpha of one (keys, bias) candidate from its normal equations gm;
  * updates best. The candidate's attention weights on the validation rows are computed once for
  * the whole grid (they do not depend on the values) and stay in val for the caller (keep reuses
@@ -192,59 +218,67 @@ static kf_status score_alphas(const kf_value_gram *gm, const float *keys, const 
     return rc;
 }
 
-/* score_alphas with the candidate's normal equations built on the training rows. */
-static kf_status try_alphas(const kf_am_head *htr, const float *Ytr, const float *keys, const float *bias, int t,
+/* score_alphas with the candidate's normal equations built on the training rows (into w->gm). */
+static kf_status try_alphas(const kf_am_head *htr, const float *Ytr, const float *keys, const float *bias,
                             const float *v0, kf_method method, double lambda, double penalty, kf_val_head *val,
-                            float *vals, kf_head_pick *best, kf_error *err) {
-    kf_value_gram gm;
-    KF_TRY(kf_value_gram_build(htr->be, htr->q, htr->R, htr->d, htr->scale, keys, htr->d, bias, t, Ytr, &gm, err));
-    const kf_status rc = score_alphas(&gm, keys, bias, t, htr->d, v0, method, lambda, penalty, val, vals, best, err);
-    kf_value_gram_free(&gm);
-    return rc;
+                            choice_ws *w, kf_head_pick *best, kf_error *err) {
+    kf_value_gram_rebuild(htr->q, htr->R, htr->scale, keys, htr->d, bias, Ytr, &w->tiles, &w->gm);
+    return score_alphas(&w->gm, keys, bias, w->gm.t, htr->d, v0, method, lambda, penalty, val, w->vals, best, err);
 }
 
-/* The fold candidates: u fitted on the training rows for each lambda of the grid (the queries'
- * mean and covariance computed once), the kept keys folded along it, every alpha scored. */
-static kf_status try_folds(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr, const float *kc,
-                           const float *beta, int t, const float *v0, kf_val_head *val, float *u, float *keys,
-                           float *vals, kf_head_pick *best, kf_error *err) {
-    kf_fold_cov cov;
-    KF_TRY(kf_fold_cov_compute(htr->be, htr->q, htr->R, htr->d, &cov, err));
+/* The fold candidates: u fitted on the training rows (their mean and covariance cov) for each
+ * lambda of the grid, the kept keys folded along it (w->beta), every alpha scored. */
+static kf_status try_folds(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr,
+                           const kf_fold_cov *cov, const float *kc, int t, const float *v0, kf_val_head *val,
+                           choice_ws *w, kf_head_pick *best, kf_error *err) {
     kf_status rc = KF_OK;
     for (size_t li = 0; li < sizeof kLambdaGrid / sizeof *kLambdaGrid && rc == KF_OK; li++) {
         const double lambda = kLambdaGrid[li] * p->lambda_rel;
         kf_fold_info fi;
-        rc = kf_fold_direction_cov(&cov, lambda, u, &fi, err);
+        rc = kf_fold_direction_cov(cov, lambda, w->u, &fi, err);
         if (rc == KF_OK && fi.ok) {
-            kf_fold_keys(kc, htr->d, beta, t, htr->d, htr->scale, u, keys, htr->d);
-            rc = try_alphas(htr, ttr->Y, keys, NULL, t, v0, KF_METHOD_FOLD, lambda, 1 + p->choice_margin, val, vals,
-                            best, err);
+            kf_fold_keys(kc, htr->d, w->beta, t, htr->d, htr->scale, w->u, w->keys, htr->d);
+            rc = try_alphas(htr, ttr->Y, w->keys, NULL, v0, KF_METHOD_FOLD, lambda, 1 + p->choice_margin, val, w, best,
+                            err);
         }
     }
+    return rc;
+}
+
+/* The method's candidates (am, fold): beta fitted on the training rows from one pass that also
+ * builds drop's normal equations (bn, dg, kept for the refit); fold's covariance first, while the
+ * least is held (the memory formula's P1). */
+static kf_status method_fits(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr, int t,
+                             const float *kc, const float *v0, kf_val_head *val, uint64_t seed, choice_ws *w,
+                             kf_beta_normal *bn, kf_value_gram *dg, kf_head_pick *best, kf_error *err) {
+    kf_fold_cov cov = {0};
+    if (p->method == KF_METHOD_FOLD)
+        KF_TRY(kf_fold_cov_compute(htr->be, htr->q, htr->R, htr->d, &cov, err));
+    kf_status rc = kf_kept_normal_build(htr, ttr, kc, t, &w->tiles, bn, dg, err);
+    if (rc == KF_OK)
+        rc = kf_am_fit_beta_normal(bn, seed, p->beta_fit, w->beta, NULL, err);
+    if (rc == KF_OK && p->method == KF_METHOD_AM)
+        rc = try_alphas(htr, ttr->Y, kc, w->beta, v0, KF_METHOD_AM, 0, 1 + p->choice_margin, val, w, best, err);
+    else if (rc == KF_OK)
+        rc = try_folds(p, htr, ttr, &cov, kc, t, v0, val, w, best, err);
     kf_fold_cov_free(&cov);
     return rc;
 }
 
-/* The choice's candidates other than keep: the method's (am, fold: beta fitted on the training
- * rows, from one pass that also builds drop's normal equations) and drop; keep's weights are
- * drop's, left in val. bn, dg: the training rows' normal equations (for the refit). */
+/* The choice's candidates other than keep: the method's and drop; keep's weights are drop's, left
+ * in val. bn, dg: the training rows' normal equations (for the refit). */
 static kf_status choose_fits(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr, int t,
-                             const float *kc, const float *v0, kf_val_head *val, uint64_t seed, float *beta, float *u,
-                             float *keys, float *vals, kf_beta_normal *bn, kf_value_gram *dg, kf_head_pick *best,
-                             kf_error *err) {
+                             const float *kc, const float *v0, kf_val_head *val, uint64_t seed, choice_ws *w,
+                             kf_beta_normal *bn, kf_value_gram *dg, kf_head_pick *best, kf_error *err) {
     const int d = htr->d;
     if (p->method == KF_METHOD_AM || p->method == KF_METHOD_FOLD) {
-        KF_TRY(kf_kept_normal_build(htr, ttr, kc, t, bn, dg, err));
-        KF_TRY(kf_am_fit_beta_normal(bn, seed, p->beta_fit, beta, NULL, err));
-        if (p->method == KF_METHOD_AM)
-            KF_TRY(try_alphas(htr, ttr->Y, kc, beta, t, v0, KF_METHOD_AM, 0, 1 + p->choice_margin, val, vals, best,
-                              err));
-        else
-            KF_TRY(try_folds(p, htr, ttr, kc, beta, t, v0, val, u, keys, vals, best, err));
+        KF_TRY(method_fits(p, htr, ttr, t, kc, v0, val, seed, w, bn, dg, best, err));
     } else {
-        KF_TRY(kf_value_gram_build(htr->be, htr->q, htr->R, d, htr->scale, kc, d, NULL, t, ttr->Y, dg, err));
+        if (kf_value_gram_alloc(dg, htr->be, t, d) != 0)
+            return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for drop's normal equations (t %d)", t);
+        kf_value_gram_rebuild(htr->q, htr->R, htr->scale, kc, d, NULL, ttr->Y, &w->tiles, dg);
     }
-    return score_alphas(dg, kc, NULL, t, d, v0, KF_METHOD_DROP, p->lambda_rel, 1, val, vals, best, err);
+    return score_alphas(dg, kc, NULL, t, d, v0, KF_METHOD_DROP, p->lambda_rel, 1, val, w->vals, best, err);
 }
 
 void kf_choice_fits_free(kf_choice_fits *f) {
@@ -257,17 +291,16 @@ kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, cons
                          kf_head_pick *best, kf_choice_fits *keep, kf_error *err) {
     (void)sel; /* the kept keys are kc */
     const int d = htr->d;
-    float *beta = malloc(sizeof(float) * (size_t)(t ? t : 1)), *u = malloc(sizeof(float) * (size_t)d);
-    float *keys = malloc(sizeof(float) * (size_t)(t ? t : 1) * d), *vals = malloc(sizeof(float) * (size_t)(t ? t : 1) * d);
     const float *v0 = p->ridge_to == KF_RIDGE_TO_ORIG ? vo : NULL;
     kf_choice_fits f = {0};
+    choice_ws w;
     *best = (kf_head_pick){KF_METHOD_KEEP, p->lambda_rel, 0, INFINITY};
     kf_status rc = KF_OK;
     const kf_kv_block kb = {kc, vo, (size_t)d, NULL, t};
-    if (!beta || !u || !keys || !vals)
+    if (choice_ws_alloc(&w, htr->be, t, d, p->method == KF_METHOD_AM || p->method == KF_METHOD_FOLD) != 0)
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the per-head choice (t %d)", t);
     else if (p->method != KF_METHOD_KEEP)
-        rc = choose_fits(p, htr, ttr, t, kc, v0, val, seed, beta, u, keys, vals, &f.beta, &f.drop, best, err);
+        rc = choose_fits(p, htr, ttr, t, kc, v0, val, seed, &w, &f.beta, &f.drop, best, err);
     else if (kf_val_attend(val, &kb) != 0) /* keep alone: the kept keys' weights */
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory in the per-head validation");
     if (rc == KF_OK) {
@@ -279,7 +312,7 @@ kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, cons
         *keep = f; /* the refit adds the validation rows' part */
     else
         kf_choice_fits_free(&f);
-    free(beta), free(u), free(keys), free(vals);
+    choice_ws_free(&w);
     return rc;
 }
 

@@ -288,9 +288,11 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *   base    = 32 MiB                              binary, libraries, OpenBLAS (about 25 MB here)
  *
  * ws, the fits' peak (fp64 normal equations of t x t and t x d, built in 256-row tiles: no term in
- * R): with the choice, max(40 t^2 + 40 t d + 3084 t + 2060 d + 8 d^2, 24 t^2 + 16 t d + 8 t +
- * 8200 d + 16 d^2) (kf_choose_head's fold candidate: beta's and drop's normal equations kept for
- * the refit, the fold's covariance, the candidate's value normal equations and their tiles; or the
+ * R): with the choice, max(40 t^2 + 40 t d + 4108 t + 2060 d + 8 d^2, 16 t^2 + 24 t d + 4100 t +
+ * 10252 d + 8 d^2, 24 t^2 + 16 t d + 8 t + 8200 d + 16 d^2) (kf_choose_head's fold candidate: its
+ * buffers for the head (the candidates' value normal equations and row tiles, logits included,
+ * reused by every candidate), beta's and drop's normal equations kept for the refit, the fold's
+ * covariance; or those buffers while the covariance is computed, before the kept ones; or the
  * final fold direction over all R rows beside the kept ones); without it,
  * max(16 t^2 + 16 t d + 3080 t + 2048 d, 16 d^2 + 8200 d) (one refit's normal equations, or the
  * fold direction).

@@ -10,8 +10,10 @@ static int64_t max64(int64_t a, int64_t b) {
 
 int64_t kf_compact_head_ws_bytes(int64_t t, int d64, int choice) {
     const int64_t d = d64;
-    if (choice) /* try_folds' (or am's try_alphas) peak; the fold direction on all rows beside the kept fits */
-        return max64(40 * t * t + 40 * t * d + 3084 * t + 2060 * d + 8 * d * d,
+    if (choice) /* try_folds' (or am's try_alphas) peak; the choice's fold covariance before the kept fits;
+                 * the fold direction on all rows beside the kept fits */
+        return max64(max64(40 * t * t + 40 * t * d + 4108 * t + 2060 * d + 8 * d * d,
+                           16 * t * t + 24 * t * d + 4100 * t + 10252 * d + 8 * d * d),
                      24 * t * t + 16 * t * d + 8 * t + 8200 * d + 16 * d * d);
     return max64(16 * t * t + 16 * t * d + 3080 * t + 2048 * d, 16 * d * d + 8200 * d);
 }

@@ -333,7 +333,7 @@ static void test_normal_equations_add(void) {
     /* one pass for both (the choice's) == the two builds, over all the rows */
     kf_beta_normal b1, b2;
     kf_value_gram g1, g2;
-    CU_ASSERT_EQUAL_FATAL(kf_kept_normal_build(&h, &tg, kc, NK, &b1, &g1, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_kept_normal_build(&h, &tg, kc, NK, NULL, &b1, &g1, &err), KF_OK);
     CU_ASSERT_EQUAL_FATAL(kf_beta_normal_build(&h, &tg, kc, NK, &b2, &err), KF_OK);
     CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(NULL, Q, NR, ND, scale, kc, ND, NULL, NK, tg.Y, &g2, &err), KF_OK);
     const double e1 = rel_diff(b1.G, b2.G, NK * NK), e2 = rel_diff(b1.b, b2.b, NK);
