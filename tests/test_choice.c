@@ -349,11 +349,60 @@ static void test_normal_equations_add(void) {
     kf_am_targets_free(&tg);
 }
 
+/* The choice's candidates share one gram and one set of row tiles per head (issue 14): a gram
+ * rebuilt in place for other keys, after another candidate, must hold what a fresh build holds,
+ * bit for bit (also on no rows), and the kept keys' one pass with the shared tiles what it gives
+ * with its own. */
+static void test_gram_rebuild_fresh(void) {
+    enum { R = 600, d = 8, t = 12 }; /* R: three row tiles, the last one partial */
+    float *Q = malloc(sizeof(float) * R * d), *Y = malloc(sizeof(float) * R * d), k1[t * d], k2[t * d], b1[t];
+    kf_test_fill_uniform(Q, R * d, 1601, -1.5f, 1.5f);
+    kf_test_fill_uniform(Y, R * d, 1602, -1, 1);
+    kf_test_fill_uniform(k1, t * d, 1603, -1, 1);
+    kf_test_fill_uniform(k2, t * d, 1604, -1, 1);
+    kf_test_fill_uniform(b1, t, 1605, -2, 2);
+    const float scale = 0.7f;
+    kf_error err = {0};
+    kf_gram_tiles w;
+    kf_value_gram g, fresh, zero;
+    CU_ASSERT_EQUAL_FATAL(kf_gram_tiles_alloc(&w, t, d, 1), 0);
+    CU_ASSERT_EQUAL_FATAL(kf_value_gram_alloc(&g, NULL, t, d), 0);
+    kf_value_gram_rebuild(Q, R, scale, k1, d, b1, Y, &w, &g); /* the first candidate */
+    const double tr1 = g.tr;
+    kf_value_gram_rebuild(Q, R, scale, k2, d, NULL, Y, &w, &g); /* the second, in place */
+    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(NULL, Q, R, d, scale, k2, d, NULL, t, Y, &fresh, &err), KF_OK);
+    int same = memcmp(g.G, fresh.G, sizeof(double) * t * t) == 0 && memcmp(g.B, fresh.B, sizeof(double) * t * d) == 0;
+    printf("\n    rebuilt gram == fresh build: %s (tr %.17g, the first candidate's %.17g)\n", same ? "yes" : "NO",
+           g.tr, tr1);
+    CU_ASSERT(same && g.tr == fresh.tr);
+    CU_ASSERT(tr1 != fresh.tr);
+    kf_value_gram_rebuild(Q, 0, scale, k1, d, b1, Y, &w, &g); /* no rows: zero, as a fresh build */
+    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(NULL, Q, 0, d, scale, k1, d, b1, t, Y, &zero, &err), KF_OK);
+    CU_ASSERT(memcmp(g.G, zero.G, sizeof(double) * t * t) == 0 && memcmp(g.B, zero.B, sizeof(double) * t * d) == 0);
+    /* the kept keys' one pass with the tiles the candidates used == with its own */
+    kf_am_head h = {k1, d, k1, d, t, Q, R, d, scale, NULL};
+    kf_am_targets tg;
+    CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
+    kf_beta_normal bw, bo;
+    kf_value_gram dw, dn;
+    CU_ASSERT_EQUAL_FATAL(kf_kept_normal_build(&h, &tg, k2, t, &w, &bw, &dw, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_kept_normal_build(&h, &tg, k2, t, NULL, &bo, &dn, &err), KF_OK);
+    CU_ASSERT(memcmp(bw.G, bo.G, sizeof(double) * t * t) == 0 && memcmp(bw.b, bo.b, sizeof(double) * t) == 0);
+    CU_ASSERT(memcmp(dw.G, dn.G, sizeof(double) * t * t) == 0 && memcmp(dw.B, dn.B, sizeof(double) * t * d) == 0);
+    kf_beta_normal_free(&bw), kf_beta_normal_free(&bo);
+    kf_value_gram_free(&dw), kf_value_gram_free(&dn);
+    kf_am_targets_free(&tg);
+    kf_value_gram_free(&g), kf_value_gram_free(&fresh), kf_value_gram_free(&zero);
+    kf_gram_tiles_free(&w);
+    free(Q), free(Y);
+}
+
 static CU_TestInfo val_tests[] = {
     {"validation head: appended and original attention == fp64", test_val_head_appended},
     {"validation error == fp64; weights shared between value sets", test_val_err_reference},
     {"validation: what attend caches == a fresh head's, bit for bit", test_val_cache_fresh},
     {"normal equations: training + validation == all rows (fp64)", test_normal_equations_add},
+    {"normal equations rebuilt in place == a fresh build, bit for bit", test_gram_rebuild_fresh},
     CU_TEST_INFO_NULL,
 };
 static CU_SuiteInfo suites[] = {
