@@ -1,4 +1,5 @@
-/* Causal GQA attention over the paged KV pool (CPU reference, fp32), blocked over keys.
+/* Causal GQA attention over the paged KV pool (CPU reference, fp32; a bf16 pool is widened to fp32
+ * as its key blocks are gathered), blocked over keys.
  *
  * An item is one KV head g and one tile of tq queries: the rep = n_heads / kv_heads query heads
  * that read g are stacked into one matrix Qp [tq * rep, head_dim] (row i * rep + j: query i,
@@ -109,6 +110,15 @@ static attn_bufs bufs_at(float *w, int rows, int hd) {
     return b;
 }
 
+/* Element src of a pool (K or V base) into dst [hd] fp32: copied, or a bf16 pool's widened (the
+ * whole block is widened as it is gathered, so the sgemms below read fp32 only). */
+static void gather_row(float *dst, const void *base, kf_dtype dt, size_t src, int hd) {
+    if (dt == KF_DTYPE_BF16)
+        kf_bf16_to_f32_n(dst, (const uint16_t *)base + src, (size_t)hd);
+    else
+        memcpy(dst, (const float *)base + src, sizeof(float) * hd);
+}
+
 /* Keys [k0, k0 + kb) of KV head g from their pages into kb/vb [kb, hd] (either may be NULL). */
 static void gather_block(const kf_attn_args *a, int g, int k0, int kb, float *kdst, float *vdst) {
     const int hd = a->kv.head_dim;
@@ -117,9 +127,9 @@ static void gather_block(const kf_attn_args *a, int g, int k0, int kb, float *kd
         const size_t src = (size_t)a->pages[t / KF_PAGE_TOKENS] * a->kv.page_stride +
                            (size_t)(t % KF_PAGE_TOKENS) * row + (size_t)g * hd;
         if (kdst)
-            memcpy(kdst + (size_t)(t - k0) * hd, a->kv.k + src, sizeof(float) * hd);
+            gather_row(kdst + (size_t)(t - k0) * hd, a->kv.k, a->kv.dtype, src, hd);
         if (vdst)
-            memcpy(vdst + (size_t)(t - k0) * hd, a->kv.v + src, sizeof(float) * hd);
+            gather_row(vdst + (size_t)(t - k0) * hd, a->kv.v, a->kv.dtype, src, hd);
     }
 }
 

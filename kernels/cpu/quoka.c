@@ -1,4 +1,5 @@
-/* QUOKA key selection (CPU reference, fp32 with fp64 query means).
+/* QUOKA key selection (CPU reference, fp32 with fp64 query means; a bf16 pool's keys widened one
+ * key at a time, once for all the kept queries).
  *
  * Per chunk and layer (see kf_quoka_select_args in kernels/backend.h):
  *   query side   O(n_q * n_heads * head_dim): means, cosines, a radix select of n_keep per head;
@@ -106,7 +107,8 @@ static void keep_queries(kf_cpu_quoka_scratch *s, const kf_quoka_select_args *a,
 
 int kf_cpu_quoka_select(kf_cpu_quoka_scratch *s, const kf_quoka_select_args *a) {
     const int hd = a->kv.head_dim, kvh = a->kv.kv_heads, nh = a->n_heads, nq = a->n_q, nt = a->n_hist;
-    if (nq <= 0 || nt <= 0 || a->budget < 1 || a->n_keep < 1 || kvh <= 0 || nh % kvh != 0)
+    if (nq <= 0 || nt <= 0 || a->budget < 1 || a->n_keep < 1 || kvh <= 0 || nh % kvh != 0 ||
+        (a->kv.dtype == KF_DTYPE_BF16 && hd > KF_MAX_HEAD_DIM))
         return -1;
     const int rep = nh / kvh;
     /* a chunk no longer than N_Q keeps every query, in position order (Algorithm 1, step 1) */
@@ -145,11 +147,17 @@ int kf_cpu_quoka_select(kf_cpu_quoka_scratch *s, const kf_quoka_select_args *a) 
 #pragma omp parallel for schedule(static) if (nt > 2048)
     for (int p = 0; p < n_pages; p++) {
         const int ntok = (p + 1) * KF_PAGE_TOKENS <= nt ? KF_PAGE_TOKENS : nt - p * KF_PAGE_TOKENS;
-        const float *page = a->kv.k + (size_t)a->pages[p] * a->kv.page_stride;
+        const size_t page = (size_t)a->pages[p] * a->kv.page_stride;
         for (int slot = 0; slot < ntok; slot++) {
             const int t = p * KF_PAGE_TOKENS + slot;
+            float wide[KF_MAX_HEAD_DIM]; /* a bf16 pool's key widened once for all the kept queries */
             for (int g = 0; g < kvh; g++) {
-                const float *k = page + (size_t)slot * row + (size_t)g * hd;
+                const size_t at = page + (size_t)slot * row + (size_t)g * hd;
+                const float *k = wide;
+                if (a->kv.dtype == KF_DTYPE_BF16)
+                    kf_bf16_to_f32_n(wide, (const uint16_t *)a->kv.k + at, (size_t)hd);
+                else
+                    k = (const float *)a->kv.k + at;
                 const float *qb = s->qbar + (size_t)g * n_keep * hd;
                 float kn = 0;
 #pragma omp simd reduction(+ : kn)
