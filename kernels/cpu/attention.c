@@ -110,26 +110,44 @@ static attn_bufs bufs_at(float *w, int rows, int hd) {
     return b;
 }
 
-/* Element src of a pool (K or V base) into dst [hd] fp32: copied, or a bf16 pool's widened (the
- * whole block is widened as it is gathered, so the sgemms below read fp32 only). */
-static void gather_row(float *dst, const void *base, kf_dtype dt, size_t src, int hd) {
-    if (dt == KF_DTYPE_BF16)
-        kf_bf16_to_f32_n(dst, (const uint16_t *)base + src, (size_t)hd);
-    else
-        memcpy(dst, (const float *)base + src, sizeof(float) * hd);
+/* gather_block over a bf16 pool: each row widened as it is gathered (kf_bf16_to_f32, inline: a row
+ * is short, a call per row shows), so the sgemms below read fp32 only. */
+static void gather_block_bf16(const kf_attn_args *a, int g, int k0, int kb, float *kdst, float *vdst) {
+    const int hd = a->kv.head_dim;
+    const size_t row = (size_t)a->kv.kv_heads * hd;
+    for (int t = k0; t < k0 + kb; t++) {
+        const size_t src = (size_t)a->pages[t / KF_PAGE_TOKENS] * a->kv.page_stride +
+                           (size_t)(t % KF_PAGE_TOKENS) * row + (size_t)g * hd;
+        for (int pass = 0; pass < 2; pass++) {
+            float *dst = pass ? vdst : kdst;
+            if (!dst)
+                continue;
+            const uint16_t *h = (const uint16_t *)(pass ? a->kv.v : a->kv.k) + src;
+            dst += (size_t)(t - k0) * hd;
+            for (int e = 0; e < hd; e++) {
+                const uint32_t u = (uint32_t)h[e] << 16;
+                memcpy(dst + e, &u, sizeof u);
+            }
+        }
+    }
 }
 
-/* Keys [k0, k0 + kb) of KV head g from their pages into kb/vb [kb, hd] (either may be NULL). */
+/* Keys [k0, k0 + kb) of KV head g from their pages into kb/vb [kb, hd] (either may be NULL). The
+ * fp32 pool's loop is the one it always was (a bf16 pool goes apart). */
 static void gather_block(const kf_attn_args *a, int g, int k0, int kb, float *kdst, float *vdst) {
+    if (a->kv.dtype == KF_DTYPE_BF16) {
+        gather_block_bf16(a, g, k0, kb, kdst, vdst);
+        return;
+    }
     const int hd = a->kv.head_dim;
     const size_t row = (size_t)a->kv.kv_heads * hd;
     for (int t = k0; t < k0 + kb; t++) {
         const size_t src = (size_t)a->pages[t / KF_PAGE_TOKENS] * a->kv.page_stride +
                            (size_t)(t % KF_PAGE_TOKENS) * row + (size_t)g * hd;
         if (kdst)
-            gather_row(kdst + (size_t)(t - k0) * hd, a->kv.k, a->kv.dtype, src, hd);
+            memcpy(kdst + (size_t)(t - k0) * hd, (const float *)a->kv.k + src, sizeof(float) * hd);
         if (vdst)
-            gather_row(vdst + (size_t)(t - k0) * hd, a->kv.v, a->kv.dtype, src, hd);
+            memcpy(vdst + (size_t)(t - k0) * hd, (const float *)a->kv.v + src, sizeof(float) * hd);
     }
 }
 
