@@ -3,19 +3,43 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/cpu/cpu_kernels.h"
+
+int kf_arena_dtype_parse(const char *name, kf_dtype *out) {
+    if (strcmp(name, "f32") == 0)
+        *out = KF_DTYPE_F32;
+    else if (strcmp(name, "bf16") == 0)
+        *out = KF_DTYPE_BF16;
+    else
+        return -1;
+    return 0;
+}
+
+const char *kf_arena_dtype_name(kf_dtype dtype) {
+    return dtype == KF_DTYPE_BF16 ? "bf16" : "f32";
+}
+
 kf_status kf_arena_init(kf_arena *a, kf_backend *b, int n_layers, int kv_heads, int head_dim, int n_pages,
-                        kf_error *err) {
-    return kf_arena_init_held(a, b, n_layers, n_layers, kv_heads, head_dim, n_pages, err);
+                        kf_dtype dtype, kf_error *err) {
+    return kf_arena_init_held(a, b, n_layers, n_layers, kv_heads, head_dim, n_pages, dtype, err);
 }
 
 kf_status kf_arena_init_held(kf_arena *a, kf_backend *b, int n_layers, int n_held, int kv_heads, int head_dim,
-                             int n_pages, kf_error *err) {
+                             int n_pages, kf_dtype dtype, kf_error *err) {
     memset(a, 0, sizeof *a);
     if (n_layers <= 0 || kv_heads <= 0 || head_dim <= 0 || n_pages <= 0)
         return kf_fail(err, KF_ERR_INVALID, "KV arena: layers, heads, head_dim and pages must be positive");
     if (n_held < 1 || n_held > n_layers)
         return kf_fail(err, KF_ERR_INVALID, "KV arena: %d layers held of %d", n_held, n_layers);
+    if (dtype != KF_DTYPE_F32 && dtype != KF_DTYPE_BF16)
+        return kf_fail(err, KF_ERR_INVALID, "KV arena: dtype %d is neither f32 nor bf16", (int)dtype);
+    if (dtype == KF_DTYPE_BF16 && !b->kv_bf16)
+        return kf_fail(err, KF_ERR_UNSUPPORTED,
+                       "KV arena: the %s backend has no bf16 arena (its kernels read fp32 K/V only); use f32",
+                       b->name ? b->name : "model's");
     a->backend = b;
+    a->dtype = dtype;
+    a->elem = kf_arena_elem(dtype);
     a->n_layers = n_layers;
     a->n_held = n_held;
     a->kv_heads = kv_heads;
@@ -23,7 +47,7 @@ kf_status kf_arena_init_held(kf_arena *a, kf_backend *b, int n_layers, int n_hel
     a->n_pages = n_pages;
     a->block = (size_t)KF_PAGE_TOKENS * kv_heads * head_dim;
     a->page_stride = (size_t)n_held * 2 * a->block;
-    size_t bytes = (size_t)n_pages * a->page_stride * sizeof(float);
+    size_t bytes = (size_t)n_pages * a->page_stride * a->elem;
     a->storage = b->alloc(b, bytes);
     a->refcount = calloc((size_t)n_pages, sizeof *a->refcount);
     a->free_list = malloc((size_t)n_pages * sizeof *a->free_list);
@@ -49,11 +73,12 @@ void kf_arena_free(kf_arena *a) {
 
 kf_paged_kv kf_arena_layer(const kf_arena *a, int layer) {
     kf_paged_kv kv;
-    kv.k = a->storage + (size_t)(layer % a->n_held) * 2 * a->block;
-    kv.v = kv.k + a->block;
+    kv.k = (char *)a->storage + (size_t)(layer % a->n_held) * 2 * a->block * a->elem;
+    kv.v = (char *)kv.k + a->block * a->elem;
     kv.page_stride = a->page_stride;
     kv.kv_heads = a->kv_heads;
     kv.head_dim = a->head_dim;
+    kv.dtype = a->dtype;
     return kv;
 }
 
@@ -110,8 +135,9 @@ kf_status kf_seq_reserve(kf_arena *a, kf_seq *s, int64_t n, kf_error *err) {
     if (cow) {
         int32_t old = s->pages[used_pages - 1];
         int32_t p = page_take(a);
-        a->backend->copy(a->backend, a->storage + (size_t)p * a->page_stride,
-                         a->storage + (size_t)old * a->page_stride, a->page_stride * sizeof(float));
+        char *base = a->storage;
+        a->backend->copy(a->backend, base + (size_t)p * a->page_stride * a->elem,
+                         base + (size_t)old * a->page_stride * a->elem, a->page_stride * a->elem);
         page_decref(a, old);
         s->pages[used_pages - 1] = p;
     }
@@ -157,37 +183,75 @@ static kf_status check_range(const kf_arena *a, const kf_seq *s, int layer, int6
     return KF_OK;
 }
 
+/* One run of n <= 16 tokens of a layer's pool at element off: to host fp32 (read) or from it (write);
+ * a bf16 pool goes through tmp [16 * row] bf16. */
+static void run_read(const kf_arena *a, const void *src, size_t off, size_t count, float *dst, uint16_t *tmp) {
+    const char *at = (const char *)src + off * a->elem;
+    if (a->dtype == KF_DTYPE_F32) {
+        a->backend->download(a->backend, dst, at, count * sizeof(float));
+        return;
+    }
+    a->backend->download(a->backend, tmp, at, count * sizeof(uint16_t));
+    kf_bf16_to_f32_n(dst, tmp, count);
+}
+
+static void run_write(const kf_arena *a, void *dst, size_t off, size_t count, const float *src, uint16_t *tmp) {
+    char *at = (char *)dst + off * a->elem;
+    if (a->dtype == KF_DTYPE_F32) {
+        a->backend->upload(a->backend, at, src, count * sizeof(float));
+        return;
+    }
+    kf_f32_to_bf16_n(tmp, src, count);
+    a->backend->upload(a->backend, at, tmp, count * sizeof(uint16_t));
+}
+
+/* A bf16 arena's conversion buffer of one page's row block; NULL for fp32 (none needed). */
+static kf_status conv_tmp(const kf_arena *a, uint16_t **tmp, kf_error *err) {
+    *tmp = NULL;
+    if (a->dtype == KF_DTYPE_F32)
+        return KF_OK;
+    *tmp = malloc((size_t)KF_PAGE_TOKENS * a->kv_heads * a->head_dim * sizeof(uint16_t));
+    return *tmp ? KF_OK : kf_fail(err, KF_ERR_NOMEM, "KV arena: out of memory for a bf16 conversion buffer");
+}
+
 kf_status kf_seq_read_kv(const kf_arena *a, const kf_seq *s, int layer, int64_t t0, int64_t n, float *k, float *v,
                          kf_error *err) {
     KF_TRY(check_range(a, s, layer, t0, n, err));
     const kf_paged_kv kv = kf_arena_layer(a, layer);
     const size_t row = (size_t)a->kv_heads * a->head_dim;
+    uint16_t *tmp;
+    KF_TRY(conv_tmp(a, &tmp, err));
     for (int64_t t = t0; t < t0 + n;) {
         const int64_t slot = t % KF_PAGE_TOKENS;
         const int64_t run = (KF_PAGE_TOKENS - slot) < (t0 + n - t) ? KF_PAGE_TOKENS - slot : t0 + n - t;
         const size_t off = (size_t)s->pages[t / KF_PAGE_TOKENS] * kv.page_stride + (size_t)slot * row;
-        a->backend->download(a->backend, k + (size_t)(t - t0) * row, kv.k + off, (size_t)run * row * sizeof(float));
-        a->backend->download(a->backend, v + (size_t)(t - t0) * row, kv.v + off, (size_t)run * row * sizeof(float));
+        run_read(a, kv.k, off, (size_t)run * row, k + (size_t)(t - t0) * row, tmp);
+        run_read(a, kv.v, off, (size_t)run * row, v + (size_t)(t - t0) * row, tmp);
         t += run;
     }
+    free(tmp);
     return KF_OK;
 }
 
 kf_status kf_seq_write_kv(kf_arena *a, const kf_seq *s, int layer, int64_t t0, int64_t n, const float *k,
                           const float *v, kf_error *err) {
     KF_TRY(check_range(a, s, layer, t0, n, err));
+    for (int64_t t = t0; t < t0 + n; t += KF_PAGE_TOKENS - t % KF_PAGE_TOKENS)
+        if (a->refcount[s->pages[t / KF_PAGE_TOKENS]] > 1)
+            return kf_fail(err, KF_ERR_INVALID, "KV arena: page %d is shared and cannot be written",
+                           s->pages[t / KF_PAGE_TOKENS]);
     const kf_paged_kv kv = kf_arena_layer(a, layer);
     const size_t row = (size_t)a->kv_heads * a->head_dim;
+    uint16_t *tmp;
+    KF_TRY(conv_tmp(a, &tmp, err));
     for (int64_t t = t0; t < t0 + n;) {
-        const int32_t page = s->pages[t / KF_PAGE_TOKENS];
-        if (a->refcount[page] > 1)
-            return kf_fail(err, KF_ERR_INVALID, "KV arena: page %d is shared and cannot be written", page);
         const int64_t slot = t % KF_PAGE_TOKENS;
         const int64_t run = (KF_PAGE_TOKENS - slot) < (t0 + n - t) ? KF_PAGE_TOKENS - slot : t0 + n - t;
-        const size_t off = (size_t)page * kv.page_stride + (size_t)slot * row;
-        a->backend->upload(a->backend, kv.k + off, k + (size_t)(t - t0) * row, (size_t)run * row * sizeof(float));
-        a->backend->upload(a->backend, kv.v + off, v + (size_t)(t - t0) * row, (size_t)run * row * sizeof(float));
+        const size_t off = (size_t)s->pages[t / KF_PAGE_TOKENS] * kv.page_stride + (size_t)slot * row;
+        run_write(a, kv.k, off, (size_t)run * row, k + (size_t)(t - t0) * row, tmp);
+        run_write(a, kv.v, off, (size_t)run * row, v + (size_t)(t - t0) * row, tmp);
         t += run;
     }
+    free(tmp);
     return KF_OK;
 }

@@ -685,7 +685,8 @@ static kf_status sources_arena(kf_compact_prep *x, kf_error *err) {
     int64_t pages = kf_pages_for(x->D);
     for (int i = 1; i < x->n_sources; i++)
         pages += x->src[i].n > 0 ? fork_pages(x->D, x->src[i].n) : 0;
-    KF_TRY(kf_arena_init_held(&x->src_ar, kf_model_backend(x->m), x->L, 1, x->kvh, x->d, (int)pages, err));
+    KF_TRY(kf_arena_init_held(&x->src_ar, kf_model_backend(x->m), x->L, 1, x->kvh, x->d, (int)pages, x->ar->dtype,
+                              err)); /* the context's dtype: its pages are copied in byte for byte */
     KF_TRY(kf_seq_reserve(&x->src_ar, &x->src_ctx, x->D, err));
     x->src_ctx.len = x->D;
     return KF_OK;
@@ -700,11 +701,13 @@ static void sources_arena_free(kf_compact_prep *x) {
     }
 }
 
-/* K and V of page sp, layer slot of src, to page dp of dst (16 tokens). */
+/* K and V of page sp, layer slot of src, to page dp of dst (16 tokens: n elements of elem bytes each;
+ * src and dst of the same dtype). */
 static void copy_page_layer(kf_backend *b, const kf_paged_kv *src, int32_t sp, const kf_paged_kv *dst, int32_t dp,
-                            size_t floats) {
-    b->copy(b, dst->k + (size_t)dp * dst->page_stride, src->k + (size_t)sp * src->page_stride, sizeof(float) * floats);
-    b->copy(b, dst->v + (size_t)dp * dst->page_stride, src->v + (size_t)sp * src->page_stride, sizeof(float) * floats);
+                            size_t n, size_t elem) {
+    const size_t so = (size_t)sp * src->page_stride * elem, dof = (size_t)dp * dst->page_stride * elem;
+    b->copy(b, (char *)dst->k + dof, (const char *)src->k + so, elem * n);
+    b->copy(b, (char *)dst->v + dof, (const char *)src->v + so, elem * n);
 }
 
 /* Before the sources' layer l: the context's layer l into the sources' arena, its pages and each
@@ -715,10 +718,11 @@ static void context_layer_copy(kf_compact_prep *x, int l) {
     const kf_paged_kv src = kf_arena_layer(x->ar, l), dst = kf_arena_layer(&x->src_ar, l);
     const int np = kf_pages_for(x->D);
     for (int i = 0; i < np; i++)
-        copy_page_layer(b, &src, x->seq.pages[i], &dst, x->src_ctx.pages[i], x->ar->block);
+        copy_page_layer(b, &src, x->seq.pages[i], &dst, x->src_ctx.pages[i], x->ar->block, x->ar->elem);
     for (int i = 1; x->D % KF_PAGE_TOKENS && i < x->n_sources; i++)
         if (x->forks[i].n_pages >= np && x->forks[i].pages[np - 1] != x->src_ctx.pages[np - 1])
-            copy_page_layer(b, &src, x->seq.pages[np - 1], &dst, x->forks[i].pages[np - 1], x->ar->block);
+            copy_page_layer(b, &src, x->seq.pages[np - 1], &dst, x->forks[i].pages[np - 1], x->ar->block,
+                            x->ar->elem);
 }
 
 /* kf_model_forward_layers' hook for the sources: the context's layer copied in before, the
@@ -835,7 +839,10 @@ static kf_status prepare_run(kf_compact_prep *x, const kf_compact_reuse *reuse, 
                              &x->pos_src, &x->pos_local, &x->is_val, &x->n_val_pos, &x->ap, err);
     x->ap.fork = x->forks;
     if (rc == KF_OK && x->ar == &x->own_arena)
-        rc = kf_model_arena(x->m, x->ar, kf_pages_for(x->D) * KF_PAGE_TOKENS, err);
+        rc = kf_model_arena_dtype(x->m, x->ar, kf_pages_for(x->D) * KF_PAGE_TOKENS, x->p.arena_dtype, err);
+    else if (rc == KF_OK && x->ar->dtype != x->p.arena_dtype)
+        rc = kf_fail(err, KF_ERR_MISMATCH, "compact: the caller's KV arena is %s, the parameters ask for %s",
+                     kf_arena_dtype_name(x->ar->dtype), kf_arena_dtype_name(x->p.arena_dtype));
     if (rc == KF_OK)
         rc = run_prefill(x, reuse, shared, ctx_ids, &qdst, err);
     free(qdst.q), free(qdst.qh);

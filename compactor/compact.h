@@ -87,6 +87,8 @@ typedef struct {
     int quoka_margin;
     int refq_bf16;                  /* 1: reference queries stored in bf16 (half the memory; each head's
                                        rows widened to fp32 for its solve); default 0: fp32 */
+    kf_dtype arena_dtype;           /* the KV arena's (the context's and the sources'): KF_DTYPE_F32
+                                       (default) or KF_DTYPE_BF16 (half the bytes; the CPU backend only) */
     void (*progress)(void *ctx, const char *stage, int64_t done, int64_t total);
     void *progress_ctx;
 } kf_compact_params;
@@ -229,7 +231,7 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
 /* ---- memory (issue 14): the peak of one compaction ----
  *
  * Resident bytes at the peak of kf_compact (its own arena, one variant; the CPU backend: fp32
- * weights, fp32 arena, dense prefill), with
+ * weights, an fp32 or bf16 arena, dense prefill), with
  *   L layers, H hidden, I intermediate, V vocab, d head_dim, kvh KV heads, QD = n_heads d,
  *   KD = kvh d, pg(n) = ceil(n / 16) (16-token pages);
  *   D context tokens, T of them the document (the compacted block), S the longest reference
@@ -246,8 +248,9 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *
  *   peak    = weights + arena + queries + targets + forward + solve + output + base
  *   weights = 4 (V H (2 - tied) + H + L (2 H QD + 2 H KD + 3 H I + 2 H + 2 d qk_norm))
- *   arena   = 128 L KD pg(D) + 128 KD (pg(D) + pg(N) - floor(D / 16) + pg(P) + 2 p)
- *               fp32 K and V pages: the context, every layer; the sources' own arena of one
+ *   arena   = a L KD pg(D) + a KD (pg(D) + pg(N) - floor(D / 16) + pg(P) + 2 p)
+ *               K and V pages, a = 32 e bytes per page and KD (e = 4, or 2 with arena_dtype bf16:
+ *               a = 128 or 64): the context, every layer; the sources' own arena of one
  *               layer: the context's layer being run and each source on its fork of it (the
  *               context's partly filled last page copied), all of them at once
  *   queries = e kvh R d + e L kvh Rc d            the pool, one layer [kvh, R, d], reused layer after
@@ -307,6 +310,7 @@ typedef struct {
                              per head */
     int choice;           /* the per-head choice runs (validation prompts kept, the split built) */
     int refq_bf16;        /* reference queries stored in bf16 */
+    int arena_bf16;       /* the KV arena in bf16 (arena_dtype) */
     int chunk;            /* prefill chunk (0: KF_DEFAULT_CHUNK) */
     int attn_threads;     /* the CPU attention's pool threads */
     int solve_threads;    /* n: the solve's threads (the backend's; per-thread buffers) */

@@ -42,7 +42,8 @@ void kf_compact_mem_shape(const kf_hfconfig *c, const kf_compact_params *p, int6
     if (p->head_budgets) /* the largest head's count, at most max_head_ratio of the block */
         t = (int64_t)(p->max_head_ratio * (double)n_doc) > t ? (int64_t)(p->max_head_ratio * (double)n_doc) : t;
     *out = (kf_mem_shape){.D = n_pre + n_doc + n_suf, .T = n_doc, .S = S, .R = (int64_t)G * n_pos, .t = t,
-                          .choice = choice, .refq_bf16 = p->refq_bf16, .chunk = p->chunk, .attn_threads = attn_threads,
+                          .choice = choice, .refq_bf16 = p->refq_bf16, .arena_bf16 = p->arena_dtype == KF_DTYPE_BF16,
+                          .chunk = p->chunk, .attn_threads = attn_threads,
                           .solve_threads = attn_threads, .fold_on_probes = p->fold_queries == KF_FOLD_ON_PROBES};
     out->P = repeat + probes - S; /* the other sources, run beside the longest */
     out->n_p = p->n_probes + (repeat > 0) > 1 ? p->n_probes + (repeat > 0) - 1 : 0;
@@ -85,7 +86,8 @@ int64_t kf_compact_peak_bytes(const kf_hfconfig *c, const kf_mem_shape *s, kf_me
     m.weights = 4 * (V * H * (c->tie_word_embeddings ? 1 : 2) + H +
                      L * (2 * H * QD + 2 * H * KD + 3 * H * I + 2 * H + (c->has_qk_norm ? 2 * d : 0)));
     const int64_t src_pages = pg(s->D) + pg(N) - s->D / KF_PAGE_TOKENS + pg(s->P) + 2 * s->n_p;
-    m.arena = 128 * L * KD * pg(s->D) + 128 * KD * src_pages;
+    const int64_t page_kv = (s->arena_bf16 ? 2 : 4) * 2 * KF_PAGE_TOKENS; /* K and V bytes of a page per KD */
+    m.arena = page_kv * L * KD * pg(s->D) + page_kv * KD * src_pages;
     m.queries = (s->refq_bf16 ? 2 : 4) * (kvh * R * d + L * kvh * s->Rc * d);
     int64_t chunk = s->chunk > 0 ? s->chunk : KF_DEFAULT_CHUNK, longest = s->D > s->S ? s->D : s->S;
     chunk = chunk < longest ? chunk : longest;

@@ -253,8 +253,12 @@ const char *kf_model_fingerprint(kf_model *m) {
 }
 
 kf_status kf_model_arena(const kf_model *m, kf_arena *a, int64_t n_tokens, kf_error *err) {
+    return kf_model_arena_dtype(m, a, n_tokens, KF_DTYPE_F32, err);
+}
+
+kf_status kf_model_arena_dtype(const kf_model *m, kf_arena *a, int64_t n_tokens, kf_dtype dtype, kf_error *err) {
     return kf_arena_init(a, m->b, m->cfg.n_layers, m->cfg.n_kv_heads, m->cfg.head_dim, kf_pages_for(n_tokens) + 1,
-                         err);
+                         dtype, err);
 }
 
 /* ---- forward plan --------------------------------------------------------- */

@@ -124,8 +124,11 @@ kf_backend *kf_model_backend(const kf_model *m);
 /* RoPE inverse frequencies [head_dim / 2] of this model. */
 const double *kf_model_inv_freq(const kf_model *m);
 
-/* An arena shaped for this model with room for n_tokens tokens. */
+/* An fp32 arena shaped for this model with room for n_tokens tokens. */
 kf_status kf_model_arena(const kf_model *m, kf_arena *a, int64_t n_tokens, kf_error *err);
+/* The same of dtype KF_DTYPE_F32 or KF_DTYPE_BF16 (kf_arena_init: bf16 where the backend has kv_bf16,
+ * else KF_ERR_UNSUPPORTED). */
+kf_status kf_model_arena_dtype(const kf_model *m, kf_arena *a, int64_t n_tokens, kf_dtype dtype, kf_error *err);
 
 kf_status kf_model_forward(kf_model *m, kf_arena *a, kf_seq *seq, const kf_forward_args *args, kf_error *err);
 

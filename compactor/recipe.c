@@ -108,6 +108,8 @@ void kf_recipe_digest(const kf_compact_params *p, kvf_dtype dtype, int64_t n_hea
     }
     if (p->refq_bf16) /* only when set: the fp32 default keeps every earlier recipe */
         put_i(&st, "refq_bf16", 1);
+    if (p->arena_dtype != KF_DTYPE_F32) /* likewise: a bf16 arena rounds the prefill's K/V */
+        put_i(&st, "arena_dtype", (int)p->arena_dtype);
     XXH128_hash_t h = XXH3_128bits_digest(&st);
     snprintf(out, KVF_DIGEST_LEN + 1, "%016llx%016llx", (unsigned long long)h.high64, (unsigned long long)h.low64);
 }

@@ -45,13 +45,17 @@ typedef struct {
 void kf_rope_inv_freq(const kf_rope_spec *spec, int head_dim, double *inv_freq /* [head_dim/2] */);
 
 /* One layer's view of the paged KV pool. Element (page p, slot s, head h, dim d) of K is
- * k[p * page_stride + s * kv_heads * head_dim + h * head_dim + d]; the same for V. */
+ * k[p * page_stride + s * kv_heads * head_dim + h * head_dim + d] in elements of dtype; the same
+ * for V. dtype is KF_DTYPE_F32 (0: float, every backend) or KF_DTYPE_BF16 (uint16_t bf16 bits;
+ * only where kf_backend.kv_bf16 is set, the CPU): kv_store rounds fp32 to bf16 (nearest even),
+ * attention and quoka_select widen the pool's bf16 back to fp32 key block by key block. */
 typedef struct {
-    float *k;
-    float *v;
-    size_t page_stride;
+    void *k;            /* float (F32) or uint16_t (BF16) */
+    void *v;
+    size_t page_stride; /* elements of dtype */
     int kv_heads;
     int head_dim;
+    kf_dtype dtype;     /* KF_DTYPE_F32 or KF_DTYPE_BF16 */
 } kf_paged_kv;
 
 /* Causal GQA attention of one chunk of queries over paged keys.
@@ -240,6 +244,8 @@ struct kf_backend {
      * first_slot .. first_slot+n-1 of the page table */
     void (*kv_store)(kf_backend *b, const kf_paged_kv *kv, const int32_t *pages, int64_t first_slot, int n,
                      const float *k, const float *v);
+    int kv_bf16; /* nonzero: kv_store, attention, quoka_select and sparse_attention take a bf16 pool
+                    (kf_paged_kv.dtype); 0 (CUDA): fp32 pools only, a bf16 arena is refused */
     void (*attention)(kf_backend *b, const kf_attn_args *args);
     int attn_targets; /* nonzero: attention fills args->targets; 0 (CUDA): it must be NULL */
     void (*quoka_select)(kf_backend *b, const kf_quoka_select_args *args);

@@ -81,7 +81,7 @@ static void check_invariants(kf_arena *a, kf_seq **seqs, int n) {
 static void test_append_and_read(void) {
     kf_arena a;
     kf_error err = {0};
-    CU_ASSERT_EQUAL_FATAL(kf_arena_init(&a, g_b, LAYERS, KVH, HD, 8, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_arena_init(&a, g_b, LAYERS, KVH, HD, 8, KF_DTYPE_F32, &err), KF_OK);
     kf_seq s;
     kf_seq_init(&s);
     CU_ASSERT_EQUAL(append(&a, &s, 1, 5), KF_OK);
@@ -99,7 +99,7 @@ static void test_append_and_read(void) {
 static void test_fork_shares_and_copies_on_write(void) {
     kf_arena a;
     kf_error err = {0};
-    CU_ASSERT_EQUAL_FATAL(kf_arena_init(&a, g_b, LAYERS, KVH, HD, 16, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_arena_init(&a, g_b, LAYERS, KVH, HD, 16, KF_DTYPE_F32, &err), KF_OK);
     kf_seq parent, child;
     kf_seq_init(&parent);
     CU_ASSERT_EQUAL(append(&a, &parent, 1, 40), KF_OK); /* pages 0,1 full, page 2 holds 8 */
@@ -147,7 +147,7 @@ static void test_fork_shares_and_copies_on_write(void) {
 static void test_truncate_inside_a_page_then_continue(void) {
     kf_arena a;
     kf_error err = {0};
-    CU_ASSERT_EQUAL_FATAL(kf_arena_init(&a, g_b, LAYERS, KVH, HD, 16, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_arena_init(&a, g_b, LAYERS, KVH, HD, 16, KF_DTYPE_F32, &err), KF_OK);
     kf_seq s;
     kf_seq_init(&s);
     CU_ASSERT_EQUAL(append(&a, &s, 1, 70), KF_OK); /* 5 pages */
@@ -180,7 +180,7 @@ static void test_truncate_inside_a_page_then_continue(void) {
 static void test_out_of_pages_is_a_status(void) {
     kf_arena a;
     kf_error err = {0};
-    CU_ASSERT_EQUAL_FATAL(kf_arena_init(&a, g_b, LAYERS, KVH, HD, 4, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_arena_init(&a, g_b, LAYERS, KVH, HD, 4, KF_DTYPE_F32, &err), KF_OK);
     kf_seq s, t;
     kf_seq_init(&s);
     CU_ASSERT_EQUAL(append(&a, &s, 1, 40), KF_OK); /* 3 pages */
@@ -202,7 +202,7 @@ static void test_out_of_pages_is_a_status(void) {
     kf_seq_release(&a, &t);
     CU_ASSERT_EQUAL(a.n_free, 4);
     kf_arena_free(&a);
-    CU_ASSERT_EQUAL(kf_arena_init(&a, g_b, LAYERS, KVH, HD, 0, &err), KF_ERR_INVALID);
+    CU_ASSERT_EQUAL(kf_arena_init(&a, g_b, LAYERS, KVH, HD, 0, KF_DTYPE_F32, &err), KF_ERR_INVALID);
 }
 
 /* Many random operations against a simple model of who holds which token values. */
@@ -210,7 +210,7 @@ static void test_random_operations_keep_invariants(void) {
     enum { DOCS = 6 };
     kf_arena a;
     kf_error err = {0};
-    CU_ASSERT_EQUAL_FATAL(kf_arena_init(&a, g_b, LAYERS, KVH, HD, 40, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_arena_init(&a, g_b, LAYERS, KVH, HD, 40, KF_DTYPE_F32, &err), KF_OK);
     kf_seq docs[DOCS];
     int64_t written_by[DOCS][256]; /* tag that wrote each token of each document */
     for (int i = 0; i < DOCS; i++)
@@ -259,10 +259,10 @@ static void test_random_operations_keep_invariants(void) {
 static void test_one_layer_held(void) {
     kf_error err = {0};
     kf_arena full, one;
-    CU_ASSERT_EQUAL(kf_arena_init_held(&one, g_b, 4, 0, KVH, HD, 4, &err), KF_ERR_INVALID);
-    CU_ASSERT_EQUAL(kf_arena_init_held(&one, g_b, 4, 5, KVH, HD, 4, &err), KF_ERR_INVALID);
-    CU_ASSERT_EQUAL_FATAL(kf_arena_init(&full, g_b, 4, KVH, HD, 4, &err), KF_OK);
-    CU_ASSERT_EQUAL_FATAL(kf_arena_init_held(&one, g_b, 4, 1, KVH, HD, 4, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_arena_init_held(&one, g_b, 4, 0, KVH, HD, 4, KF_DTYPE_F32, &err), KF_ERR_INVALID);
+    CU_ASSERT_EQUAL(kf_arena_init_held(&one, g_b, 4, 5, KVH, HD, 4, KF_DTYPE_F32, &err), KF_ERR_INVALID);
+    CU_ASSERT_EQUAL_FATAL(kf_arena_init(&full, g_b, 4, KVH, HD, 4, KF_DTYPE_F32, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_arena_init_held(&one, g_b, 4, 1, KVH, HD, 4, KF_DTYPE_F32, &err), KF_OK);
     CU_ASSERT_EQUAL(full.n_held, 4);
     CU_ASSERT_EQUAL(one.page_stride * 4, full.page_stride);
     CU_ASSERT_PTR_EQUAL(kf_arena_layer(&one, 0).k, kf_arena_layer(&one, 3).k);

@@ -304,7 +304,7 @@ static void test_prep_arena_pages(void) {
         kf_arena a;
         const kf_hfconfig *mc = kf_model_config(g_m);
         CU_ASSERT_EQUAL_FATAL(kf_arena_init(&a, kf_model_backend(g_m), mc->n_layers, mc->n_kv_heads, mc->head_dim,
-                                            (int)pages - short_by_one, &err), KF_OK);
+                                            (int)pages - short_by_one, KF_DTYPE_F32, &err), KF_OK);
         const kf_compact_reuse r = {.arena = &a};
         const kf_compact_variant *v = choice ? &fold : &keep;
         kf_compact_prep *prep = NULL;

@@ -50,6 +50,10 @@ int cli_quality_option(const char *cmd, int opt, const char *arg, kf_compact_par
             return cli_usage_error(cmd, "--refq-dtype is f32 or bf16, not '%s'", arg), -1;
         p->refq_bf16 = strcmp(arg, "bf16") == 0;
         return 1;
+    case CLI_OPT_ARENA_DTYPE:
+        if (kf_arena_dtype_parse(arg, &p->arena_dtype))
+            return cli_usage_error(cmd, "--arena-dtype is f32 or bf16, not '%s'", arg), -1;
+        return 1;
     default: return 0;
     }
 }

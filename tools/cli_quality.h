@@ -8,13 +8,15 @@
 
 #include "compactor/compact.h"
 
-enum { CLI_OPT_HEAD_CHOICE = 0x1100, CLI_OPT_VALUE_RIDGE, CLI_OPT_RIDGE_TO, CLI_OPT_BETA_FIT, CLI_OPT_VAL_FRAC, CLI_OPT_REFIT, CLI_OPT_MARGIN, CLI_OPT_REFQ_DTYPE };
+enum { CLI_OPT_HEAD_CHOICE = 0x1100, CLI_OPT_VALUE_RIDGE, CLI_OPT_RIDGE_TO, CLI_OPT_BETA_FIT, CLI_OPT_VAL_FRAC, CLI_OPT_REFIT, CLI_OPT_MARGIN, CLI_OPT_REFQ_DTYPE,
+       CLI_OPT_ARENA_DTYPE };
 #define CLI_QUALITY_OPTIONS                                                                                   \
     {"head-choice", required_argument, 0, CLI_OPT_HEAD_CHOICE},                                              \
         {"value-ridge", required_argument, 0, CLI_OPT_VALUE_RIDGE},                                          \
         {"ridge-to", required_argument, 0, CLI_OPT_RIDGE_TO}, {"beta-fit", required_argument, 0, CLI_OPT_BETA_FIT}, \
         {"val-frac", required_argument, 0, CLI_OPT_VAL_FRAC}, {"refit", required_argument, 0, CLI_OPT_REFIT},         \
-        {"choice-margin", required_argument, 0, CLI_OPT_MARGIN}, {"refq-dtype", required_argument, 0, CLI_OPT_REFQ_DTYPE}
+        {"choice-margin", required_argument, 0, CLI_OPT_MARGIN}, {"refq-dtype", required_argument, 0, CLI_OPT_REFQ_DTYPE}, \
+        {"arena-dtype", required_argument, 0, CLI_OPT_ARENA_DTYPE}
 #define CLI_QUALITY_HELP                                                                                      \
     "  --head-choice on|off per (layer, KV head) choose the method, drop or keep (and the fold's\n"           \
     "                       lambda and the refit's Tikhonov alpha from small grids) by output error\n"      \
@@ -30,7 +32,13 @@ enum { CLI_OPT_HEAD_CHOICE = 0x1100, CLI_OPT_VALUE_RIDGE, CLI_OPT_RIDGE_TO, CLI_
     "  --choice-margin M    am or fold is chosen for a head only when its validation error is\n"       \
     "                       below drop's and keep's by the factor 1 + M (default 0.5)\n"            \
     "  --refq-dtype f32|bf16 reference queries stored in fp32 (default) or bf16 (half their memory;\n"   \
-    "                       the solve widens each head's rows back to fp32)\n"
+    "                       the solve widens each head's rows back to fp32)\n"                        \
+    CLI_ARENA_DTYPE_HELP
+/* --arena-dtype's help (also bench compact's) */
+#define CLI_ARENA_DTYPE_HELP                                                                                  \
+    "  --arena-dtype f32|bf16 the paged KV arena of the compaction (the context's K/V, the sources')\n"      \
+    "                       in fp32 (default) or bf16 (half its memory; K/V rounded to bf16 as the\n"     \
+    "                       prefill stores them, widened to fp32 by the attention; CPU backend only)\n"
 
 /* 1: handled (p updated), 0: not a quality option, -1: bad value (a usage error was printed). */
 int cli_quality_option(const char *cmd, int opt, const char *arg, kf_compact_params *p);

@@ -31,6 +31,8 @@ static const char kHelp[] =
     "  --method M       keep, drop, am or fold (default fold)\n"
     "  --max-queries N  reference queries per KV head (default 50000)\n"
     "  --refq-dtype T   reference queries in f32 (default) or bf16\n"
+    "  --arena-dtype T  the paged KV arena in f32 (default) or bf16 (half its bytes, CPU backend only;\n"
+    "                   --predict-only counts it too)\n"
     "  --predict-only   print the predicted peak only (no weights loaded, nothing compacted)\n"
     "  -h, --help       show this help\n";
 
@@ -73,8 +75,8 @@ static int predict(const char *dir, const char *docs, int n, const kf_compact_pa
         cli_error("bench compact", "%s", err.msg);
         return KF_EXIT_FAIL;
     }
-    printf("predict %d tokens, %s, budget %g, instruction %d tokens, %d threads\n", n, kf_method_name(p->method),
-           p->budget, n_instr, openblas_get_num_threads());
+    printf("predict %d tokens, %s, budget %g, instruction %d tokens, %d threads%s\n", n, kf_method_name(p->method),
+           p->budget, n_instr, openblas_get_num_threads(), p->arena_dtype == KF_DTYPE_BF16 ? ", bf16 arena" : "");
     print_peak(&c, p, n, n_instr);
     return KF_EXIT_OK;
 }
@@ -85,7 +87,7 @@ int cmd_bench_compact(int argc, char **argv) {
                                          {"budget", required_argument, 0, 'b'},  {"method", required_argument, 0, 'M'},
                                          {"max-queries", required_argument, 0, 'Q'},
                                          {"predict-only", no_argument, 0, 'P'},  {"refq-dtype", required_argument, 0, 'R'},
-                                         {0, 0, 0, 0}};
+                                         {"arena-dtype", required_argument, 0, 'A'}, {0, 0, 0, 0}};
     const char *dir = NULL, *docs = NULL;
     long long want = 4000, maxq = 50000;
     int predict_only = 0;
@@ -116,6 +118,10 @@ int cmd_bench_compact(int argc, char **argv) {
             if (strcmp(optarg, "f32") && strcmp(optarg, "bf16"))
                 return cli_usage_error("bench compact", "--refq-dtype is f32 or bf16, not '%s'", optarg);
             p.refq_bf16 = strcmp(optarg, "bf16") == 0;
+            break;
+        case 'A':
+            if (kf_arena_dtype_parse(optarg, &p.arena_dtype))
+                return cli_usage_error("bench compact", "--arena-dtype is f32 or bf16, not '%s'", optarg);
             break;
         case 'M':
             if (kf_method_parse(optarg, &p.method))
@@ -187,8 +193,9 @@ int cmd_bench_compact(int argc, char **argv) {
         const double total = cli_now() - t0;
         const kf_compact_stats *s = &c.stats;
         const double work = s->select_s + s->choice_s + s->beta_s + s->values_s + s->fold_s;
-        printf("compact %d tokens, %s, budget %g -> C = %lld, %lld queries per KV head\n", n,
-               kf_method_name(p.method), p.budget, (long long)c.C, (long long)s->n_queries);
+        printf("compact %d tokens, %s, budget %g -> C = %lld, %lld queries per KV head%s\n", n,
+               kf_method_name(p.method), p.budget, (long long)c.C, (long long)s->n_queries,
+               p.arena_dtype == KF_DTYPE_BF16 ? ", bf16 arena" : "");
         printf("  %-34s %8.3f s\n", "prefill (document)", s->prefill_s);
         printf("  %-34s %8.3f s\n", "repeat prefill (reference queries)", s->refq_s);
         /* the solve's stages run on several threads at once (one KV head each): their lines are

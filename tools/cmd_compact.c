@@ -823,7 +823,7 @@ int cmd_compact(int argc, char **argv) {
         need = pages > need ? pages : need;
         prev_len = d->n;
     }
-    if (n_todo > 0 && kf_model_arena(m, &arena, need * KF_PAGE_TOKENS, &e) != KF_OK) {
+    if (n_todo > 0 && kf_model_arena_dtype(m, &arena, need * KF_PAGE_TOKENS, base.arena_dtype, &e) != KF_OK) {
         cli_error(CMD, "%s", e.msg);
         rc = KF_EXIT_FAIL;
         goto done_plan;

@@ -1,4 +1,5 @@
-/* Causal GQA attention over the paged KV pool (CPU reference, fp32), blocked over keys.
+/* Causal GQA attention over the paged KV pool (CPU reference, fp32; a bf16 pool is widened to fp32
+ * as its key blocks are gathered), blocked over keys.
  *
  * An item is one KV head g and one tile of tq queries: the rep = n_heads / kv_heads query heads
  * that read g are stacked into one matrix Qp [tq * rep, head_dim] (row i * rep + j: query i,
@@ -109,17 +110,44 @@ static attn_bufs bufs_at(float *w, int rows, int hd) {
     return b;
 }
 
-/* Keys [k0, k0 + kb) of KV head g from their pages into kb/vb [kb, hd] (either may be NULL). */
+/* gather_block over a bf16 pool: each row widened as it is gathered (kf_bf16_to_f32, inline: a row
+ * is short, a call per row shows), so the sgemms below read fp32 only. */
+static void gather_block_bf16(const kf_attn_args *a, int g, int k0, int kb, float *kdst, float *vdst) {
+    const int hd = a->kv.head_dim;
+    const size_t row = (size_t)a->kv.kv_heads * hd;
+    for (int t = k0; t < k0 + kb; t++) {
+        const size_t src = (size_t)a->pages[t / KF_PAGE_TOKENS] * a->kv.page_stride +
+                           (size_t)(t % KF_PAGE_TOKENS) * row + (size_t)g * hd;
+        for (int pass = 0; pass < 2; pass++) {
+            float *dst = pass ? vdst : kdst;
+            if (!dst)
+                continue;
+            const uint16_t *h = (const uint16_t *)(pass ? a->kv.v : a->kv.k) + src;
+            dst += (size_t)(t - k0) * hd;
+            for (int e = 0; e < hd; e++) {
+                const uint32_t u = (uint32_t)h[e] << 16;
+                memcpy(dst + e, &u, sizeof u);
+            }
+        }
+    }
+}
+
+/* Keys [k0, k0 + kb) of KV head g from their pages into kb/vb [kb, hd] (either may be NULL). The
+ * fp32 pool's loop is the one it always was (a bf16 pool goes apart). */
 static void gather_block(const kf_attn_args *a, int g, int k0, int kb, float *kdst, float *vdst) {
+    if (a->kv.dtype == KF_DTYPE_BF16) {
+        gather_block_bf16(a, g, k0, kb, kdst, vdst);
+        return;
+    }
     const int hd = a->kv.head_dim;
     const size_t row = (size_t)a->kv.kv_heads * hd;
     for (int t = k0; t < k0 + kb; t++) {
         const size_t src = (size_t)a->pages[t / KF_PAGE_TOKENS] * a->kv.page_stride +
                            (size_t)(t % KF_PAGE_TOKENS) * row + (size_t)g * hd;
         if (kdst)
-            memcpy(kdst + (size_t)(t - k0) * hd, a->kv.k + src, sizeof(float) * hd);
+            memcpy(kdst + (size_t)(t - k0) * hd, (const float *)a->kv.k + src, sizeof(float) * hd);
         if (vdst)
-            memcpy(vdst + (size_t)(t - k0) * hd, a->kv.v + src, sizeof(float) * hd);
+            memcpy(vdst + (size_t)(t - k0) * hd, (const float *)a->kv.v + src, sizeof(float) * hd);
     }
 }
 

@@ -214,6 +214,7 @@ kf_backend *kf_backend_cpu_create_threads(int threads) {
     b->kv_store = cpu_kv_store;
     b->attention = cpu_attention;
     b->attn_targets = 1;
+    b->kv_bf16 = 1;
     b->quoka_select = cpu_quoka_select;
     b->sparse_attention = cpu_sparse_attention;
     kf_cpu_solve_ops_install(b);

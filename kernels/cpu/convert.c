@@ -19,6 +19,22 @@ uint16_t kf_f32_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+/* Rows of the bf16 KV pool: one loop per row (vectorized, on the clones' widest vectors), each
+ * element exactly kf_bf16_to_f32 / kf_f32_to_bf16 above. */
+KF_ROW_CLONES void kf_bf16_to_f32_n(float *dst, const uint16_t *src, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        dst[i] = kf_bf16_to_f32(src[i]);
+}
+
+KF_ROW_CLONES void kf_f32_to_bf16_n(uint16_t *dst, const float *src, size_t n) {
+    for (size_t i = 0; i < n; i++) { /* kf_f32_to_bf16 without its branch, so that it vectorizes */
+        uint32_t bits;
+        memcpy(&bits, src + i, sizeof bits);
+        const uint32_t nan = (bits >> 16) | 0x40u, even = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+        dst[i] = (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? nan : even);
+    }
+}
+
 float kf_f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t exp = (h >> 10) & 0x1fu;

@@ -30,6 +30,9 @@ uint16_t kf_f32_to_bf16(float f); /* round to nearest even; NaN stays NaN */
 float kf_f16_to_f32(uint16_t h);
 uint16_t kf_f32_to_f16(float f);  /* round to nearest even */
 void kf_convert_to_f32(float *dst, const void *src, kf_dtype src_dtype, size_t n);
+/* n values, aligned: bf16 widened to fp32 (exact), fp32 rounded to bf16 (nearest even) */
+void kf_bf16_to_f32_n(float *dst, const uint16_t *src, size_t n);
+void kf_f32_to_bf16_n(uint16_t *dst, const float *src, size_t n);
 
 void kf_cpu_matmul(float *y, size_t ldy, const float *x, size_t ldx, const float *w, int M, int N, int K,
                    int accumulate);

@@ -64,7 +64,12 @@ void kf_cpu_kv_store(const kf_paged_kv *kv, const int32_t *pages, int64_t first_
     for (int i = 0; i < n; i++) {
         const int64_t slot = first_slot + i;
         const size_t off = (size_t)pages[slot / KF_PAGE_TOKENS] * kv->page_stride + (size_t)(slot % KF_PAGE_TOKENS) * row;
-        memcpy(kv->k + off, k + (size_t)i * row, row * sizeof(float));
-        memcpy(kv->v + off, v + (size_t)i * row, row * sizeof(float));
+        if (kv->dtype == KF_DTYPE_BF16) { /* rounded to nearest even as they are stored */
+            kf_f32_to_bf16_n((uint16_t *)kv->k + off, k + (size_t)i * row, row);
+            kf_f32_to_bf16_n((uint16_t *)kv->v + off, v + (size_t)i * row, row);
+        } else {
+            memcpy((float *)kv->k + off, k + (size_t)i * row, row * sizeof(float));
+            memcpy((float *)kv->v + off, v + (size_t)i * row, row * sizeof(float));
+        }
     }
 }

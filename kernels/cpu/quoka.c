@@ -1,4 +1,5 @@
-/* QUOKA key selection (CPU reference, fp32 with fp64 query means).
+/* QUOKA key selection (CPU reference, fp32 with fp64 query means; a bf16 pool's keys widened one
+ * key at a time, once for all the kept queries).
  *
  * Per chunk and layer (see kf_quoka_select_args in kernels/backend.h):
  *   query side   O(n_q * n_heads * head_dim): means, cosines, a radix select of n_keep per head;
@@ -104,9 +105,45 @@ static void keep_queries(kf_cpu_quoka_scratch *s, const kf_quoka_select_args *a,
     sort_by_rank(kept, n, s->keys);
 }
 
+/* Step 3 for one key k [hd]: max over the kept queries qb [n_keep, hd] of qb_j . k / |k| (the loop
+ * of the fp32 pool below, the same sums). */
+static float key_score(const float *k, const float *qb, int n_keep, int hd) {
+    float kn = 0;
+#pragma omp simd reduction(+ : kn)
+    for (int d = 0; d < hd; d++)
+        kn += k[d] * k[d];
+    float best = -INFINITY;
+    for (int j = 0; j < n_keep; j++) {
+        const float *qj = qb + (size_t)j * hd;
+        float dot = 0;
+#pragma omp simd reduction(+ : dot)
+        for (int d = 0; d < hd; d++)
+            dot += qj[d] * k[d];
+        best = dot > best ? dot : best;
+    }
+    /* dividing the max by |k| > 0 equals the max of the cosines */
+    return best / fmaxf(sqrtf(kn), QK_EPS);
+}
+
+/* Step 3 over a bf16 pool: each key widened once for all the kept queries, then key_score (the
+ * fp32 pool's loop below is kept apart, as it was, so that its bits do not move). */
+static void bf16_scores(kf_cpu_quoka_scratch *s, const kf_quoka_select_args *a, int n_keep) {
+    const int hd = a->kv.head_dim, kvh = a->kv.kv_heads, nt = a->n_hist;
+    const size_t row = (size_t)kvh * hd;
+    for (int t = 0; t < nt; t++) {
+        const size_t at = (size_t)a->pages[t / KF_PAGE_TOKENS] * a->kv.page_stride + (size_t)(t % KF_PAGE_TOKENS) * row;
+        for (int g = 0; g < kvh; g++) {
+            float wide[KF_MAX_HEAD_DIM];
+            kf_bf16_to_f32_n(wide, (const uint16_t *)a->kv.k + at + (size_t)g * hd, (size_t)hd);
+            s->score[(size_t)g * nt + t] = key_score(wide, s->qbar + (size_t)g * n_keep * hd, n_keep, hd);
+        }
+    }
+}
+
 int kf_cpu_quoka_select(kf_cpu_quoka_scratch *s, const kf_quoka_select_args *a) {
     const int hd = a->kv.head_dim, kvh = a->kv.kv_heads, nh = a->n_heads, nq = a->n_q, nt = a->n_hist;
-    if (nq <= 0 || nt <= 0 || a->budget < 1 || a->n_keep < 1 || kvh <= 0 || nh % kvh != 0)
+    if (nq <= 0 || nt <= 0 || a->budget < 1 || a->n_keep < 1 || kvh <= 0 || nh % kvh != 0 ||
+        (a->kv.dtype == KF_DTYPE_BF16 && hd > KF_MAX_HEAD_DIM))
         return -1;
     const int rep = nh / kvh;
     /* a chunk no longer than N_Q keeps every query, in position order (Algorithm 1, step 1) */
@@ -142,30 +179,34 @@ int kf_cpu_quoka_select(kf_cpu_quoka_scratch *s, const kf_quoka_select_args *a) 
 
     /* step 3: cosine scores of every history key, max over the kept queries */
     const int n_pages = (nt + KF_PAGE_TOKENS - 1) / KF_PAGE_TOKENS;
+    if (a->kv.dtype == KF_DTYPE_BF16)
+        bf16_scores(s, a, n_keep);
+    else {
 #pragma omp parallel for schedule(static) if (nt > 2048)
-    for (int p = 0; p < n_pages; p++) {
-        const int ntok = (p + 1) * KF_PAGE_TOKENS <= nt ? KF_PAGE_TOKENS : nt - p * KF_PAGE_TOKENS;
-        const float *page = a->kv.k + (size_t)a->pages[p] * a->kv.page_stride;
-        for (int slot = 0; slot < ntok; slot++) {
-            const int t = p * KF_PAGE_TOKENS + slot;
-            for (int g = 0; g < kvh; g++) {
-                const float *k = page + (size_t)slot * row + (size_t)g * hd;
-                const float *qb = s->qbar + (size_t)g * n_keep * hd;
-                float kn = 0;
+        for (int p = 0; p < n_pages; p++) {
+            const int ntok = (p + 1) * KF_PAGE_TOKENS <= nt ? KF_PAGE_TOKENS : nt - p * KF_PAGE_TOKENS;
+            const float *page = (const float *)a->kv.k + (size_t)a->pages[p] * a->kv.page_stride;
+            for (int slot = 0; slot < ntok; slot++) {
+                const int t = p * KF_PAGE_TOKENS + slot;
+                for (int g = 0; g < kvh; g++) {
+                    const float *k = page + (size_t)slot * row + (size_t)g * hd;
+                    const float *qb = s->qbar + (size_t)g * n_keep * hd;
+                    float kn = 0;
 #pragma omp simd reduction(+ : kn)
-                for (int d = 0; d < hd; d++)
-                    kn += k[d] * k[d];
-                float best = -INFINITY;
-                for (int j = 0; j < n_keep; j++) {
-                    const float *qj = qb + (size_t)j * hd;
-                    float dot = 0;
-#pragma omp simd reduction(+ : dot)
                     for (int d = 0; d < hd; d++)
-                        dot += qj[d] * k[d];
-                    best = dot > best ? dot : best;
+                        kn += k[d] * k[d];
+                    float best = -INFINITY;
+                    for (int j = 0; j < n_keep; j++) {
+                        const float *qj = qb + (size_t)j * hd;
+                        float dot = 0;
+#pragma omp simd reduction(+ : dot)
+                        for (int d = 0; d < hd; d++)
+                            dot += qj[d] * k[d];
+                        best = dot > best ? dot : best;
+                    }
+                    /* dividing the max by |k| > 0 equals the max of the cosines */
+                    s->score[(size_t)g * nt + t] = best / fmaxf(sqrtf(kn), QK_EPS);
                 }
-                /* dividing the max by |k| > 0 equals the max of the cosines */
-                s->score[(size_t)g * nt + t] = best / fmaxf(sqrtf(kn), QK_EPS);
             }
         }
     }

@@ -1,4 +1,5 @@
-/* Attention over a per-KV-head subset of the history plus the chunk's own keys (CPU, fp32).
+/* Attention over a per-KV-head subset of the history plus the chunk's own keys (CPU, fp32; a bf16
+ * pool is widened as it is gathered).
  *
  * The selected keys/values are gathered into contiguous 16-token "pages"
  *   slot j < n_sel:   history key hist_idx[g, j] in KV head g's lane (heads may differ per slot)
@@ -21,6 +22,14 @@ void kf_cpu_sparse_scratch_free(kf_cpu_sparse_scratch *s) {
     free(s->pages);
     kf_cpu_attn_scratch_free(&s->attn);
     memset(s, 0, sizeof *s);
+}
+
+/* n elements at src of a pool (K or V base) into dst fp32: copied, or a bf16 pool's widened. */
+static void gather(float *dst, const void *base, kf_dtype dt, size_t src, size_t n) {
+    if (dt == KF_DTYPE_BF16)
+        kf_bf16_to_f32_n(dst, (const uint16_t *)base + src, n);
+    else
+        memcpy(dst, (const float *)base + src, sizeof(float) * n);
 }
 
 int kf_cpu_sparse_attention(kf_cpu_sparse_scratch *s, const kf_sparse_attn_args *sa) {
@@ -49,15 +58,15 @@ int kf_cpu_sparse_attention(kf_cpu_sparse_scratch *s, const kf_sparse_attn_args 
             const int t = sa->hist_idx[(size_t)g * sa->idx_stride + j];
             const size_t src = (size_t)a->pages[t / KF_PAGE_TOKENS] * a->kv.page_stride +
                                (size_t)(t % KF_PAGE_TOKENS) * row + (size_t)g * hd;
-            memcpy(s->k + (size_t)j * row + (size_t)g * hd, a->kv.k + src, sizeof(float) * hd);
-            memcpy(s->v + (size_t)j * row + (size_t)g * hd, a->kv.v + src, sizeof(float) * hd);
+            gather(s->k + (size_t)j * row + (size_t)g * hd, a->kv.k, a->kv.dtype, src, (size_t)hd);
+            gather(s->v + (size_t)j * row + (size_t)g * hd, a->kv.v, a->kv.dtype, src, (size_t)hd);
         }
     /* the chunk's own keys, whole rows */
     for (int i = 0; i < nq; i++) {
         const int t = n_hist + i;
         const size_t src = (size_t)a->pages[t / KF_PAGE_TOKENS] * a->kv.page_stride + (size_t)(t % KF_PAGE_TOKENS) * row;
-        memcpy(s->k + (size_t)(ns + i) * row, a->kv.k + src, sizeof(float) * row);
-        memcpy(s->v + (size_t)(ns + i) * row, a->kv.v + src, sizeof(float) * row);
+        gather(s->k + (size_t)(ns + i) * row, a->kv.k, a->kv.dtype, src, row);
+        gather(s->v + (size_t)(ns + i) * row, a->kv.v, a->kv.dtype, src, row);
     }
     if (a->bias)
         for (int g = 0; g < kvh; g++)
@@ -72,6 +81,7 @@ int kf_cpu_sparse_attention(kf_cpu_sparse_scratch *s, const kf_sparse_attn_args 
     d.kv.k = s->k;
     d.kv.v = s->v;
     d.kv.page_stride = (size_t)KF_PAGE_TOKENS * row;
+    d.kv.dtype = KF_DTYPE_F32; /* gathered (a bf16 pool widened) */
     d.targets = NULL; /* sparse attention emits no AM targets (backend.h): the caller computes them */
     if (a->bias) {
         d.bias = s->bias;

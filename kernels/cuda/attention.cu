@@ -167,8 +167,8 @@ static void launch(kf_cuda_ctx *c, const kf_attn_args *a, int n_pre, const int32
     p.hd = hd;
     p.n_past = a->n_keys - a->n_q;
     p.n_pre = n_pre;
-    p.k = a->kv.k;
-    p.v = a->kv.v;
+    p.k = (const float *)a->kv.k; /* fp32: the CUDA backend has no bf16 pool (kv_bf16 = 0) */
+    p.v = (const float *)a->kv.v;
     p.page_stride = a->kv.page_stride;
     p.row = (size_t)kvh * hd;
     p.pages = pages;

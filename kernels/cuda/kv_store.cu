@@ -25,6 +25,6 @@ void kf_cuda_kv_store(kf_cuda_ctx *c, const kf_paged_kv *kv, const int32_t *page
         return;
     const int row = kv->kv_heads * kv->head_dim;
     kf_kv_store_kernel<<<kf_cuda_blocks((size_t)n * row, 256), 256, 0, c->stream>>>(
-        kv->k, kv->v, kv->page_stride, d, (int)(first_slot % KF_PAGE_TOKENS), n, row, k, v);
+        (float *)kv->k, (float *)kv->v, kv->page_stride, d, (int)(first_slot % KF_PAGE_TOKENS), n, row, k, v);
     KF_CUDA_LAUNCHED(c);
 }

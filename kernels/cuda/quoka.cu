@@ -324,7 +324,7 @@ void kf_cuda_quoka_select(kf_cuda_ctx *c, const kf_quoka_select_args *a) {
     const size_t qb_bytes = sizeof(float) * (size_t)n_keep * hd;
     const int in_smem = qb_bytes <= 32768;
     kf_quoka_score<<<dim3((unsigned)((nt + QK_THREADS / 32 - 1) / (QK_THREADS / 32)), (unsigned)kvh), QK_THREADS,
-                     in_smem ? qb_bytes : 0, c->stream>>>(a->kv.k, a->kv.page_stride, row, pages, nt, hd, n_keep, qbar,
+                     in_smem ? qb_bytes : 0, c->stream>>>((const float *)a->kv.k, a->kv.page_stride, row, pages, nt, hd, n_keep, qbar,
                                                           in_smem, score);
     KF_CUDA_LAUNCHED(c);
     const int w_lo = a->win_lo < 0 ? 0 : (a->win_lo > nt ? nt : a->win_lo);
