@@ -711,7 +711,8 @@ static kf_status sources_after(void *ctx, int l, kf_error *err) {
 
 /* Every source i >= 1 on its own fork of the context in the sources' one-layer arena (KV rewind:
  * the context's pages are never written), layer-major through kf_model_forward_layers, hook's
- * on_layer after each layer (the per-layer solve); the sources' arena is freed afterwards.
+ * on_layer after each layer (the per-layer solve); the sources' arena is made at the first call and
+ * kept for the next (freed with the prep), the forks' pages released after each.
  * x->refq_s: the sources' forward seconds summed over the layers. */
 static kf_status run_sources(kf_compact_prep *x, const kf_layer_hook *hook, kf_error *err) {
     const int n = x->n_sources, L = x->L;
@@ -726,7 +727,7 @@ static kf_status run_sources(kf_compact_prep *x, const kf_layer_hook *hook, kf_e
     kf_status rc = !passes || !fa || !dst || !qp || !hp || !pass_s || !ft
                        ? kf_fail(err, KF_ERR_NOMEM, "compact: out of memory")
                        : KF_OK;
-    if (rc == KF_OK)
+    if (rc == KF_OK && !x->src_ar.storage) /* once per prep: every kf_compact_solve reuses it */
         rc = sources_arena(x, err);
     int np = 0;
     for (int i = 1; i < n && rc == KF_OK; i++) {
@@ -746,7 +747,8 @@ static kf_status run_sources(kf_compact_prep *x, const kf_layer_hook *hook, kf_e
     x->refq_s = 0;
     for (int i = 0; pass_s && i < np; i++)
         x->refq_s += pass_s[i];
-    sources_arena_free(x);
+    for (int i = 0; i < n; i++) /* the forks' pages back; the context's layer stays for the next solve */
+        kf_seq_release(&x->src_ar, &x->forks[i]);
     free(passes), free(fa), free(dst), free(qp), free(hp), free(pass_s), free(ft);
     return rc;
 }
@@ -859,6 +861,7 @@ void kf_compact_prep_free(kf_compact_prep *x, kf_seq *keep) {
     if (!x)
         return;
     appended_free(&x->ap);
+    sources_arena_free(x);
     if (keep)
         *keep = x->seq; /* the caller now owns these pages */
     else
