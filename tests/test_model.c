@@ -640,6 +640,8 @@ static void test_unread_output_skipped(void) {
     kf_arena a;
     kf_seq ctx, s[3];
     lm_docs(f, &a, &ctx, s);
+    for (int i = 0; i < 3; i++) /* lm_docs' forks: unread_pass makes its own */
+        kf_seq_release(&a, &s[i]);
     real_matmul = f->b->matmul, real_attention = f->b->attention;
     f->b->matmul = counted_matmul, f->b->attention = counted_attention;
     float *q[3][8], *hid = malloc(sizeof(float) * LM_ROWS * c->hidden_size);
