@@ -46,6 +46,34 @@ kf_compact_params kf_compact_params_default(void) {
     return p;
 }
 
+static uint64_t span_mix(uint64_t z) { /* splitmix64's finalizer */
+    z += 0x9e3779b97f4a7c15ULL;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+int kf_repeat_spans(const kf_compact_params *p, int n_doc, int *off, int *len) {
+    if (p->no_repeat || p->repeat_instruction.n <= 0 || n_doc <= 0)
+        return 0;
+    const double F = p->repeat_fraction;
+    if (!(F > 0 && F < 1)) { /* 0 (unset), 1, or out of range: the whole document */
+        off[0] = 0, len[0] = n_doc;
+        return 1;
+    }
+    int K = p->repeat_spans > 0 ? p->repeat_spans : KF_REPEAT_SPANS_DEFAULT;
+    K = K > KF_REPEAT_SPANS_MAX ? KF_REPEAT_SPANS_MAX : K;
+    K = K > n_doc ? n_doc : K;
+    for (int k = 0; k < K; k++) {
+        const int b0 = (int)((int64_t)k * n_doc / K), seg = (int)((int64_t)(k + 1) * n_doc / K) - b0;
+        int n = (int)llround(F * seg);
+        n = n < 1 ? 1 : (n > seg ? seg : n);
+        off[k] = b0 + (int)(span_mix(p->seed ^ span_mix((uint64_t)k + 0x5ba5)) % (uint64_t)(seg - n + 1));
+        len[k] = n;
+    }
+    return K;
+}
+
 static double now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -424,7 +452,9 @@ typedef struct {
     const int32_t *ids;
     int n;
     uint8_t kind;
-    int32_t *ids_owned; /* repeat prompt = instruction + document */
+    int32_t *ids_owned; /* repeat prompt = instruction + document (or a span of it) */
+    int64_t pos_offset; /* a repeat span's RoPE shift: the positions it has in the whole repeat */
+    int doc_off;        /* a repeat span's first document token */
 } source;
 
 /* The per-head choice's validation plan: every sampled position's source, index inside it and
@@ -480,12 +510,14 @@ struct kf_compact_prep {
     kf_model *m;
     kf_compact_params p;       /* the caller's; method and budget come from each variant */
     int L, kvh, d, G, nh, n_pre, n_doc, n_suf, n_sources;
+    int n_rep;                 /* repeat sources src[1 .. n_rep] (at least one slot, empty without a repeat) */
     int64_t D;
     float scale;
     kf_arena own_arena;
     kf_arena *ar;              /* own_arena or the caller's */
     kf_seq seq;                /* the context's pages (D tokens) */
-    source *src;               /* [n_sources] the reference sources (src[1].ids_owned: the repeat prompt) */
+    source *src;               /* [n_sources] the reference sources: the context's rows, the repeat's spans
+                                  (src[1 .. n_rep], ids owned), the probes */
     int32_t *rows;             /* [n_pos] each sampled position's row in its source's forward (source 0: in
                                   the context's) */
     int64_t *first;            /* [n_sources + 1] source i's sampled positions are first[i] .. first[i + 1] - 1 */
@@ -541,24 +573,36 @@ static kf_status check_context(const kf_compact_prep *x, const kf_compact_reuse 
     return KF_OK;
 }
 
-/* src [n_sources]: the document's own queries, the repeat prompt (instruction + document, owned),
- * the probes; *n_cand their total length. */
+static kf_status check_repeat(const kf_compact_params *p, kf_error *err) {
+    if (!(p->repeat_fraction >= 0 && p->repeat_fraction <= 1))
+        return kf_fail(err, KF_ERR_INVALID, "compact: repeat_fraction %g must be in [0, 1]", p->repeat_fraction);
+    if (p->repeat_spans < 0 || p->repeat_spans > KF_REPEAT_SPANS_MAX)
+        return kf_fail(err, KF_ERR_INVALID, "compact: repeat_spans %d must be in [0, %d]", p->repeat_spans,
+                       KF_REPEAT_SPANS_MAX);
+    return KF_OK;
+}
+
+/* src [n_sources]: the document's own queries, the repeat's spans (instruction + span, owned; the
+ * whole document by default), the probes; *n_cand their total length. */
 static kf_status plan_sources(const kf_compact_prep *x, const kf_prompt *doc, source *src, int64_t *n_cand,
                               kf_error *err) {
     const kf_compact_params *p = &x->p;
+    const int I = p->repeat_instruction.n;
+    int off[KF_REPEAT_SPANS_MAX], len[KF_REPEAT_SPANS_MAX];
     if (p->use_context_queries)
-        src[0] = (source){doc->ids, x->n_doc, KF_REFQ_CONTEXT, NULL};
-    if (p->repeat_instruction.n > 0) {
-        const int n = p->repeat_instruction.n + x->n_doc;
+        src[0] = (source){doc->ids, x->n_doc, KF_REFQ_CONTEXT, NULL, 0, 0};
+    const int n_spans = kf_repeat_spans(p, x->n_doc, off, len);
+    for (int k = 0; k < n_spans; k++) {
+        const int n = I + len[k];
         int32_t *ids = malloc(sizeof(int32_t) * (size_t)n);
         if (!ids)
             return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
-        memcpy(ids, p->repeat_instruction.ids, sizeof(int32_t) * p->repeat_instruction.n);
-        memcpy(ids + p->repeat_instruction.n, doc->ids, sizeof(int32_t) * x->n_doc);
-        src[1] = (source){ids, n, KF_REFQ_REPEAT, ids};
+        memcpy(ids, p->repeat_instruction.ids, sizeof(int32_t) * I);
+        memcpy(ids + I, doc->ids + off[k], sizeof(int32_t) * len[k]);
+        src[1 + k] = (source){ids, n, KF_REFQ_REPEAT, ids, off[k], off[k]};
     }
     for (int i = 0; i < p->n_probes; i++)
-        src[2 + i] = (source){p->probes[i].ids, p->probes[i].n, KF_REFQ_PROBE, NULL};
+        src[1 + x->n_rep + i] = (source){p->probes[i].ids, p->probes[i].n, KF_REFQ_PROBE, NULL, 0, 0};
     *n_cand = 0;
     for (int i = 0; i < x->n_sources; i++)
         *n_cand += src[i].n;
@@ -650,6 +694,11 @@ static void source_targets(kf_compact_prep *x, int i, kf_forward_args *fa, kf_fo
     memset(x->tg.fused + first, 1, (size_t)n_rows);
 }
 
+/* 1 when source i is one of the repeat's spans. */
+static int is_repeat(const kf_compact_prep *x, int i) {
+    return i >= 1 && i <= x->n_rep;
+}
+
 /* The forward arguments of source i >= 1 (QUOKA window for the repeat), capturing into dst and,
  * where the model can, AM's targets through *ft. */
 static void source_args(kf_compact_prep *x, int i, capture_to *dst, kf_quoka_params *qk, kf_forward_args *fa,
@@ -657,15 +706,17 @@ static void source_args(kf_compact_prep *x, int i, capture_to *dst, kf_quoka_par
     const kf_compact_params *p = &x->p;
     const int n_rows = (int)(x->first[i + 1] - x->first[i]);
     *fa = (kf_forward_args){.ids = x->src[i].ids, .n_tokens = x->src[i].n, .chunk = p->chunk,
-                            .capture_rows = x->rows + x->first[i], .n_capture_rows = n_rows};
+                            .capture_rows = x->rows + x->first[i], .n_capture_rows = n_rows,
+                            .pos_offset = x->src[i].pos_offset};
     capture_dst(&x->rq, x->first[i], dst);
     capture_args(&x->rq, fa, n_rows, dst);
-    if (i == 1 && p->quoka && p->quoka_repeat) {
-        /* the copy token at sequence index D + I + j reads document token j at n_pre + j */
+    if (is_repeat(x, i) && p->quoka && p->quoka_repeat) {
+        /* the copy token at sequence index D + I + j reads document token o + j at n_pre + o + j
+         * (o: the span's first document token, 0 for the whole repeat) */
         *qk = *p->quoka;
         if (p->quoka_margin >= 0) {
             qk->align_start = x->D + p->repeat_instruction.n;
-            qk->align_shift = x->D + p->repeat_instruction.n - x->n_pre;
+            qk->align_shift = x->D + p->repeat_instruction.n - x->n_pre - x->src[i].doc_off;
             qk->align_margin = p->quoka_margin;
         }
         fa->quoka = qk;
@@ -748,7 +799,8 @@ static kf_status sources_after(void *ctx, int l, kf_error *err) {
 
 /* Every source i >= 1 on its own fork of the context in the sources' one-layer arena (KV rewind:
  * the context's pages are never written), layer-major through kf_model_forward_layers, hook's
- * on_layer after each layer (the per-layer solve); the sources' arena is freed afterwards.
+ * on_layer after each layer (the per-layer solve); the sources' arena is made at the first call and
+ * kept for the next (freed with the prep), the forks' pages released after each.
  * x->refq_s: the sources' forward seconds summed over the layers. */
 static kf_status run_sources(kf_compact_prep *x, const kf_layer_hook *hook, kf_error *err) {
     const int n = x->n_sources, L = x->L;
@@ -763,7 +815,7 @@ static kf_status run_sources(kf_compact_prep *x, const kf_layer_hook *hook, kf_e
     kf_status rc = !passes || !fa || !dst || !qp || !hp || !pass_s || !ft
                        ? kf_fail(err, KF_ERR_NOMEM, "compact: out of memory")
                        : KF_OK;
-    if (rc == KF_OK)
+    if (rc == KF_OK && !x->src_ar.storage) /* once per prep: every kf_compact_solve reuses it */
         rc = sources_arena(x, err);
     int np = 0;
     for (int i = 1; i < n && rc == KF_OK; i++) {
@@ -783,7 +835,8 @@ static kf_status run_sources(kf_compact_prep *x, const kf_layer_hook *hook, kf_e
     x->refq_s = 0;
     for (int i = 0; pass_s && i < np; i++)
         x->refq_s += pass_s[i];
-    sources_arena_free(x);
+    for (int i = 0; i < n; i++) /* the forks' pages back; the context's layer stays for the next solve */
+        kf_seq_release(&x->src_ar, &x->forks[i]);
     free(passes), free(fa), free(dst), free(qp), free(hp), free(pass_s), free(ft);
     return rc;
 }
@@ -796,7 +849,7 @@ static kf_status targets_init(kf_compact_prep *x, kf_error *err) {
     const int quoka_repeat = p->quoka && p->quoka_repeat && p->quoka->mode == KF_PREFILL_QUOKA;
     int any = 0;
     for (int i = 1; i < x->n_sources; i++)
-        any |= x->src[i].n > 0 && !(i == 1 && quoka_repeat);
+        any |= x->src[i].n > 0 && !(is_repeat(x, i) && quoka_repeat);
     if (!any || !kf_model_targets_supported(x->m, &dense))
         return KF_OK;
     KF_TRY(kf_refq_targets_init(&x->tg, &x->rq, x->n_doc, p->score == KF_SCORE_RMS, err));
@@ -860,7 +913,11 @@ kf_status kf_compact_prepare(kf_model *m, const kf_compact_reuse *reuse, const k
         return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
     *x = (kf_compact_prep){.m = m, .p = *p, .L = c->n_layers, .kvh = c->n_kv_heads, .d = c->head_dim,
                            .nh = c->n_heads, .G = c->n_heads / c->n_kv_heads, .n_pre = prefix ? prefix->n : 0,
-                           .n_doc = doc->n, .n_suf = suffix ? suffix->n : 0, .n_sources = 2 + p->n_probes};
+                           .n_doc = doc->n, .n_suf = suffix ? suffix->n : 0};
+    int off[KF_REPEAT_SPANS_MAX], len[KF_REPEAT_SPANS_MAX];
+    const int n_spans = kf_repeat_spans(p, doc->n, off, len);
+    x->n_rep = n_spans > 1 ? n_spans : 1;
+    x->n_sources = 1 + x->n_rep + p->n_probes;
     x->D = (int64_t)x->n_pre + x->n_doc + x->n_suf;
     x->scale = 1.0f / sqrtf((float)x->d);
     x->ar = reuse && reuse->arena ? reuse->arena : &x->own_arena;
@@ -868,6 +925,8 @@ kf_status kf_compact_prepare(kf_model *m, const kf_compact_reuse *reuse, const k
     const int64_t shared = reuse && reuse->parent ? reuse->shared : 0;
     int choice = 0; /* the validation split is planned when a variant needs it */
     kf_status rc = check_context(x, reuse, shared, err);
+    if (rc == KF_OK)
+        rc = check_repeat(p, err);
     for (int i = 0; rc == KF_OK && i < n_variants; i++) {
         const kf_compact_params vp = variant_params(p, &v[i]);
         rc = check_variant(&v[i], err);
@@ -899,6 +958,7 @@ void kf_compact_prep_free(kf_compact_prep *x, kf_seq *keep) {
     if (!x)
         return;
     appended_free(&x->ap);
+    sources_arena_free(x);
     if (keep)
         *keep = x->seq; /* the caller now owns these pages */
     else
@@ -911,8 +971,8 @@ void kf_compact_prep_free(kf_compact_prep *x, kf_seq *keep) {
     for (int i = 0; x->tdst && i < x->n_sources; i++)
         kf_refq_targets_dst_free(&x->tdst[i]);
     free(x->tdst);
-    if (x->src)
-        free(x->src[1].ids_owned);
+    for (int i = 1; x->src && i <= x->n_rep; i++)
+        free(x->src[i].ids_owned);
     free(x->src), free(x->rows), free(x->first), free(x->forks);
     free(x->pos_kind);
     free(x->is_val);

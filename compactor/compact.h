@@ -76,6 +76,13 @@ typedef struct {
     kf_prompt repeat_instruction;   /* ids between the context and the repeated document; n = 0
                                        disables the repeat source */
     int use_context_queries;        /* pool the document's own queries (default 0) */
+    int no_repeat;                  /* 1: no repeat source whatever the instruction (the context's
+                                       queries and the probes alone); default 0 */
+    double repeat_fraction;         /* share of the document the repeat covers, in [0, 1]; 0 or 1
+                                       (default): the whole document once; below 1: repeat_spans
+                                       spans (kf_repeat_spans), each a source of its own */
+    int repeat_spans;               /* spans of a partial repeat (0: KF_REPEAT_SPANS_DEFAULT), at
+                                       most KF_REPEAT_SPANS_MAX */
     const kf_prompt *probes;        /* question-like prompts run on top of the document */
     int n_probes;
     const float *head_budgets;      /* NULL (uniform) or [n_layers, kv_heads] shares summing to 1 */
@@ -94,6 +101,16 @@ typedef struct {
 } kf_compact_params;
 
 kf_compact_params kf_compact_params_default(void);
+
+enum { KF_REPEAT_SPANS_DEFAULT = 4, KF_REPEAT_SPANS_MAX = 64 };
+/* The repeat's spans over a document of n_doc tokens under p: how many (0: no repeat source:
+ * no instruction or no_repeat), span k being document tokens off[k] .. off[k] + len[k] - 1 (off,
+ * len: [KF_REPEAT_SPANS_MAX]). The whole document is one span; a fraction F < 1 splits the
+ * document into K = min(repeat_spans, n_doc) equal strata and takes from stratum k a run of
+ * round(F * its length) tokens (at least 1) at an offset drawn from p->seed. Each span is a
+ * source forked on the context: the instruction, then the span, placed at the RoPE positions it
+ * has in the whole repeat. Values outside their ranges are clamped (kf_compact_prepare rejects them). */
+int kf_repeat_spans(const kf_compact_params *p, int n_doc, int *off, int *len);
 /* 1 when p compacts with the per-head choice (KF_CHOICE_DEFAULT resolved by method). */
 int kf_head_choice_active(const kf_compact_params *p);
 
@@ -235,8 +252,9 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *   L layers, H hidden, I intermediate, V vocab, d head_dim, kvh KV heads, QD = n_heads d,
  *   KD = kvh d, pg(n) = ceil(n / 16) (16-token pages);
  *   D context tokens, T of them the document (the compacted block), S the longest reference
- *   source run on top of the context (the repeat prompt: instruction + document), N = D + S;
- *   P, p: the tokens and count of the other sources (probes); R reference queries per KV head,
+ *   source run on top of the context (the repeat prompt: instruction + document, or the longest
+ *   span of a partial repeat: instruction + span), N = D + S;
+ *   P, p: the tokens and count of the other sources (probes, the partial repeat's other spans); R reference queries per KV head,
  *   Rv of them held out for the choice, Rc of them the context's own (use_context_queries), Ru
  *   of them (fused targets) the rows whose targets the solve still computes (Rc, plus a QUOKA
  *   repeat's);

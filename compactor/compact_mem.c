@@ -25,9 +25,16 @@ static int64_t pg(int64_t n) {
 void kf_compact_mem_shape(const kf_hfconfig *c, const kf_compact_params *p, int64_t n_pre, int64_t n_doc,
                           int64_t n_suf, int attn_threads, kf_mem_shape *out) {
     const int G = c->n_heads / c->n_kv_heads;
-    const int64_t repeat = p->repeat_instruction.n > 0 ? p->repeat_instruction.n + n_doc : 0;
+    int off[KF_REPEAT_SPANS_MAX], len[KF_REPEAT_SPANS_MAX];
+    const int n_spans = kf_repeat_spans(p, (int)n_doc, off, len);
+    int64_t repeat = 0, S = 0; /* the repeat's tokens (every span), the longest source */
+    for (int k = 0; k < n_spans; k++) {
+        const int64_t n = p->repeat_instruction.n + len[k];
+        repeat += n;
+        S = n > S ? n : S;
+    }
     const int64_t ctx = p->use_context_queries ? n_doc : 0;
-    int64_t S = repeat, probes = 0, n_cand = ctx + repeat;
+    int64_t probes = 0, n_cand = ctx + repeat;
     for (int i = 0; i < p->n_probes; i++) {
         S = p->probes[i].n > S ? p->probes[i].n : S;
         probes += p->probes[i].n;
@@ -46,7 +53,7 @@ void kf_compact_mem_shape(const kf_hfconfig *c, const kf_compact_params *p, int6
                           .chunk = p->chunk, .attn_threads = attn_threads,
                           .solve_threads = attn_threads, .fold_on_probes = p->fold_queries == KF_FOLD_ON_PROBES};
     out->P = repeat + probes - S; /* the other sources, run beside the longest */
-    out->n_p = p->n_probes + (repeat > 0) > 1 ? p->n_probes + (repeat > 0) - 1 : 0;
+    out->n_p = p->n_probes + n_spans > 1 ? p->n_probes + n_spans - 1 : 0;
     out->Rc = n_cand > 0 ? (int64_t)G * (int64_t)llround((double)n_pos * (double)ctx / (double)n_cand) : 0;
     if (choice)
         out->Rv = (int64_t)G * (int64_t)llround(p->val_frac * elig);

@@ -546,7 +546,17 @@ typedef struct {
     int64_t start;
 } chunk_span;
 
-/* One decoder layer on the chunk in p->x (residual stream, updated in place). */
+/* 1 when layer l's output (the residual stream after it) is read: by a later layer, the final
+ * hidden capture or the logits. Else only its queries, K/V and attention targets are (the
+ * sources of reference queries, a prefill that returns no logits). */
+static int layer_output_read(const kf_model *m, const kf_forward_args *args, int l) {
+    const int L = m->cfg.n_layers;
+    return l + 1 < L || (args->hidden && args->hidden[L]) || args->n_logit_rows > 0;
+}
+
+/* One decoder layer on the chunk in p->x (residual stream, updated in place; left as it was when
+ * the layer's output is never read: no attention output, o_proj or MLP then, only the queries'
+ * capture, the K/V store and, when asked, the attention's targets). */
 static void layer_forward(kf_model *m, kf_forward_plan *p, kf_arena *a, const kf_seq *seq, const kf_forward_args *args,
                           kf_quoka_ws *qws, int l, chunk_span cs) {
     kf_backend *b = m->b;
@@ -579,10 +589,15 @@ static void layer_forward(kf_model *m, kf_forward_plan *p, kf_arena *a, const kf
     };
     kf_attn_targets tg;
     at.targets = chunk_targets(args, l, cs.c0, n, hd, &tg);
+    const int out_read = layer_output_read(m, args, l);
+    if (!out_read && !at.targets)
+        return;
     if (qws->idx)
         kf_quoka_attention(qws, &at);
     else
         b->attention(b, &at);
+    if (!out_read)
+        return;
     b->matmul(b, p->x, H, p->att, QD, w->wo, n, H, QD, 1); /* x += att Wo^T */
 
     b->rmsnorm(b, p->xn, H, p->x, H, w->mlp_norm, n, H, eps);

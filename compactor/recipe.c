@@ -110,6 +110,12 @@ void kf_recipe_digest(const kf_compact_params *p, kvf_dtype dtype, int64_t n_hea
         put_i(&st, "refq_bf16", 1);
     if (p->arena_dtype != KF_DTYPE_F32) /* likewise: a bf16 arena rounds the prefill's K/V */
         put_i(&st, "arena_dtype", (int)p->arena_dtype);
+    if (p->no_repeat) /* likewise: only a repeat other than the whole document's */
+        put_i(&st, "no_repeat", 1);
+    if (p->repeat_fraction > 0 && p->repeat_fraction < 1) {
+        put_f(&st, "repeat_fraction", p->repeat_fraction);
+        put_i(&st, "repeat_spans", p->repeat_spans > 0 ? p->repeat_spans : KF_REPEAT_SPANS_DEFAULT);
+    }
     XXH128_hash_t h = XXH3_128bits_digest(&st);
     snprintf(out, KVF_DIGEST_LEN + 1, "%016llx%016llx", (unsigned long long)h.high64, (unsigned long long)h.low64);
 }

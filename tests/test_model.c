@@ -590,6 +590,94 @@ static void test_layer_major_forward(void) {
     kf_arena_free(&ra);
 }
 
+/* ---- the last layer's unread output is not computed ---- */
+
+/* The backend's matmul and attention, counted (the fixture's backend, wrapped for one test). */
+static void (*real_matmul)(kf_backend *, float *, size_t, const float *, size_t, const void *, int, int, int, int);
+static void (*real_attention)(kf_backend *, const kf_attn_args *);
+static int n_matmul, n_attention;
+
+static void counted_matmul(kf_backend *b, float *y, size_t ldy, const float *x, size_t ldx, const void *w, int M,
+                           int N, int K, int acc) {
+    n_matmul++;
+    real_matmul(b, y, ldy, x, ldx, w, M, N, K, acc);
+}
+
+static void counted_attention(kf_backend *b, const kf_attn_args *a) {
+    n_attention++;
+    real_attention(b, a);
+}
+
+/* One 40-token fork of the context (chunk 16: 3 chunks), layer-major or chunk-major, capturing every
+ * layer's queries at kLmRows and, when last_hidden, the final-norm hidden state there; the matmuls
+ * and attentions it ran in *mm and *at, its queries into q [L][LM_ROWS * QD]. */
+static void unread_pass(fixture *f, kf_arena *a, const kf_seq *ctx, kf_seq *s, int layer_major, float *last_hidden,
+                        float **q, int *mm, int *at) {
+    const int L = kf_model_config(f->m)->n_layers;
+    float **hidden = calloc((size_t)L + 1, sizeof *hidden);
+    hidden[L] = last_hidden;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_seq_fork(a, ctx, LM_CTX, s, &err), KF_OK);
+    const kf_forward_args fa = {.ids = f->ids + 100, .n_tokens = 40, .chunk = 16, .capture_rows = kLmRows,
+                                .n_capture_rows = LM_ROWS, .queries = q, .hidden = last_hidden ? hidden : NULL};
+    const kf_forward_pass ps = {s, &fa};
+    n_matmul = n_attention = 0;
+    const kf_status rc = layer_major ? kf_model_forward_layers(f->m, a, &ps, 1, NULL, &err)
+                                     : kf_model_forward(f->m, a, s, &fa, &err);
+    CU_ASSERT_EQUAL(rc, KF_OK);
+    *mm = n_matmul, *at = n_attention;
+    free(hidden);
+}
+
+/* A forward whose last layer's output nobody reads (no final hidden state, no logits: the sources
+ * of reference queries, a prefill) runs no o_proj, MLP or attention there (7 matmuls a layer: q, k,
+ * v, o, gate, up, down), layer-major or not; its queries and K/V are those of a forward that reads
+ * the output. */
+static void test_unread_output_skipped(void) {
+    fixture *f = &fx_qwen;
+    const kf_hfconfig *c = kf_model_config(f->m);
+    const int L = c->n_layers, QD = c->n_heads * c->head_dim, chunks = 3;
+    kf_arena a;
+    kf_seq ctx, s[3];
+    lm_docs(f, &a, &ctx, s);
+    for (int i = 0; i < 3; i++) /* lm_docs' forks: unread_pass makes its own */
+        kf_seq_release(&a, &s[i]);
+    real_matmul = f->b->matmul, real_attention = f->b->attention;
+    f->b->matmul = counted_matmul, f->b->attention = counted_attention;
+    float *q[3][8], *hid = malloc(sizeof(float) * LM_ROWS * c->hidden_size);
+    CU_ASSERT_FATAL(L <= 8);
+    for (int i = 0; i < 3; i++)
+        for (int l = 0; l < L; l++)
+            q[i][l] = malloc(sizeof(float) * LM_ROWS * QD);
+    int mm[3], at[3];
+    unread_pass(f, &a, &ctx, &s[0], 1, hid, q[0], &mm[0], &at[0]);
+    unread_pass(f, &a, &ctx, &s[1], 1, NULL, q[1], &mm[1], &at[1]);
+    unread_pass(f, &a, &ctx, &s[2], 0, NULL, q[2], &mm[2], &at[2]);
+    f->b->matmul = real_matmul, f->b->attention = real_attention;
+    CU_ASSERT_EQUAL(mm[0], chunks * 7 * L);
+    CU_ASSERT_EQUAL(at[0], chunks * L);
+    for (int i = 1; i < 3; i++) {
+        CU_ASSERT_EQUAL(mm[i], chunks * (7 * L - 4));
+        CU_ASSERT_EQUAL(at[i], chunks * (L - 1));
+        int bad = 0;
+        for (int l = 0; l < L; l++) {
+            bad += memcmp(q[i][l], q[0][l], sizeof(float) * LM_ROWS * QD) != 0;
+            float *x = lm_layer_kv(f, &a, &s[i], l, s[0].len), *y = lm_layer_kv(f, &a, &s[0], l, s[0].len);
+            bad += memcmp(x, y, sizeof(float) * 2 * (size_t)s[0].len * c->n_kv_heads * c->head_dim) != 0;
+            free(x), free(y);
+        }
+        CU_ASSERT_EQUAL(bad, 0);
+    }
+    for (int i = 0; i < 3; i++) {
+        for (int l = 0; l < L; l++)
+            free(q[i][l]);
+        kf_seq_release(&a, &s[i]);
+    }
+    free(hid);
+    kf_seq_release(&a, &ctx);
+    kf_arena_free(&a);
+}
+
 /* Teacher-forced decoding, one token per call through a plan: the logits of a full prefill, and
  * after the prompt not one buffer allocated; a longer chunk and more logit rows grow it once each. */
 static void test_plan_reused_by_decoding(void) {
@@ -813,6 +901,7 @@ static CU_TestInfo qwen_tests[] = {
     {"fork and rewind reproduce a fresh prefill", test_fork_reproduces_fresh_prefill},
     {"queries captured straight into the reference-query pool (all layers, one layer)", test_capture_into_refq_pool},
     {"layer-major forward: bit-identical to kf_model_forward", test_layer_major_forward},
+    {"the last layer's unread output is not computed", test_unread_output_skipped},
     {"bad forward arguments", test_forward_rejects_bad_input},
     {"decoding through a plan allocates nothing", test_plan_reused_by_decoding},
     {"engine greedy: no allocation per token", test_engine_greedy_allocates_nothing},

@@ -11,6 +11,36 @@ static int number(const char *arg, double lo, double hi, double *out) {
     return end != arg && !*end && *out >= lo && *out <= hi ? 0 : -1;
 }
 
+/* --queries, --repeat-fraction, --repeat-spans; a partial repeat with no repeat is refused
+ * whichever comes first. */
+static int refq_source_option(const char *cmd, int opt, const char *arg, kf_compact_params *p) {
+    const int partial = p->repeat_fraction > 0 && p->repeat_fraction < 1;
+    if (opt == CLI_OPT_QUERIES) {
+        if (strcmp(arg, "repeat") && strcmp(arg, "context") && strcmp(arg, "both"))
+            return cli_usage_error(cmd, "--queries is repeat, context or both, not '%s'", arg), -1;
+        p->no_repeat = strcmp(arg, "context") == 0;
+        p->use_context_queries = strcmp(arg, "repeat") != 0;
+        if (p->no_repeat && (partial || p->repeat_spans))
+            return cli_usage_error(cmd, "--queries context has no repeat: --repeat-fraction and --repeat-spans "
+                                        "do not apply"), -1;
+        return 1;
+    }
+    double x;
+    if (opt == CLI_OPT_REPEAT_FRACTION && (number(arg, 0, 1, &x) || !(x > 0)))
+        return cli_usage_error(cmd, "--repeat-fraction must be a fraction in (0, 1], not '%s'", arg), -1;
+    if (opt == CLI_OPT_REPEAT_SPANS && (number(arg, 1, KF_REPEAT_SPANS_MAX, &x) || x != (int)x))
+        return cli_usage_error(cmd, "--repeat-spans must be a whole number from 1 to %d, not '%s'",
+                               KF_REPEAT_SPANS_MAX, arg), -1;
+    if (p->no_repeat)
+        return cli_usage_error(cmd, "%s does not apply: --queries context has no repeat",
+                               opt == CLI_OPT_REPEAT_SPANS ? "--repeat-spans" : "--repeat-fraction"), -1;
+    if (opt == CLI_OPT_REPEAT_FRACTION)
+        p->repeat_fraction = x;
+    else
+        p->repeat_spans = (int)x;
+    return 1;
+}
+
 int cli_quality_option(const char *cmd, int opt, const char *arg, kf_compact_params *p) {
     switch (opt) {
     case CLI_OPT_HEAD_CHOICE:
@@ -54,6 +84,9 @@ int cli_quality_option(const char *cmd, int opt, const char *arg, kf_compact_par
         if (kf_arena_dtype_parse(arg, &p->arena_dtype))
             return cli_usage_error(cmd, "--arena-dtype is f32 or bf16, not '%s'", arg), -1;
         return 1;
+    case CLI_OPT_REPEAT_FRACTION:
+    case CLI_OPT_REPEAT_SPANS:
+    case CLI_OPT_QUERIES: return refq_source_option(cmd, opt, arg, p);
     default: return 0;
     }
 }

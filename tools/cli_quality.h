@@ -9,14 +9,29 @@
 #include "compactor/compact.h"
 
 enum { CLI_OPT_HEAD_CHOICE = 0x1100, CLI_OPT_VALUE_RIDGE, CLI_OPT_RIDGE_TO, CLI_OPT_BETA_FIT, CLI_OPT_VAL_FRAC, CLI_OPT_REFIT, CLI_OPT_MARGIN, CLI_OPT_REFQ_DTYPE,
-       CLI_OPT_ARENA_DTYPE };
+       CLI_OPT_ARENA_DTYPE, CLI_OPT_REPEAT_FRACTION, CLI_OPT_REPEAT_SPANS, CLI_OPT_QUERIES };
+/* The reference queries' sources (also in `bench compact`, which has no other quality option). */
+#define CLI_REFQ_SOURCE_OPTIONS                                                                              \
+    {"repeat-fraction", required_argument, 0, CLI_OPT_REPEAT_FRACTION},                                      \
+        {"repeat-spans", required_argument, 0, CLI_OPT_REPEAT_SPANS}, {"queries", required_argument, 0, CLI_OPT_QUERIES}
+#define CLI_REFQ_SOURCE_HELP                                                                                 \
+    "  --queries S          the reference queries' source: repeat (the document repeated after the\n"     \
+    "                       instruction; default), context (the document's own queries from its\n"       \
+    "                       prefill, no repeat: cheapest, all of them held for every layer) or both\n"    \
+    "                       (probes, when given, are added to each)\n"                                    \
+    "  --repeat-fraction F  the repeat covers a share F in (0, 1] of the document (default 1): F below\n"  \
+    "                       1 takes --repeat-spans runs of the document, one per equal stratum, at\n"     \
+    "                       offsets drawn from the seed, each after the instruction (its cost scales\n"   \
+    "                       about with F, but it loses facts outside the spans: see README)\n"              \
+    "  --repeat-spans K     how many runs a partial repeat takes, 1 to 64 (default 4)\n"
 #define CLI_QUALITY_OPTIONS                                                                                   \
     {"head-choice", required_argument, 0, CLI_OPT_HEAD_CHOICE},                                              \
         {"value-ridge", required_argument, 0, CLI_OPT_VALUE_RIDGE},                                          \
         {"ridge-to", required_argument, 0, CLI_OPT_RIDGE_TO}, {"beta-fit", required_argument, 0, CLI_OPT_BETA_FIT}, \
         {"val-frac", required_argument, 0, CLI_OPT_VAL_FRAC}, {"refit", required_argument, 0, CLI_OPT_REFIT},         \
         {"choice-margin", required_argument, 0, CLI_OPT_MARGIN}, {"refq-dtype", required_argument, 0, CLI_OPT_REFQ_DTYPE}, \
-        {"arena-dtype", required_argument, 0, CLI_OPT_ARENA_DTYPE}
+        {"arena-dtype", required_argument, 0, CLI_OPT_ARENA_DTYPE}, \
+        CLI_REFQ_SOURCE_OPTIONS
 #define CLI_QUALITY_HELP                                                                                      \
     "  --head-choice on|off per (layer, KV head) choose the method, drop or keep (and the fold's\n"           \
     "                       lambda and the refit's Tikhonov alpha from small grids) by output error\n"      \
@@ -33,7 +48,7 @@ enum { CLI_OPT_HEAD_CHOICE = 0x1100, CLI_OPT_VALUE_RIDGE, CLI_OPT_RIDGE_TO, CLI_
     "                       below drop's and keep's by the factor 1 + M (default 0.5)\n"            \
     "  --refq-dtype f32|bf16 reference queries stored in fp32 (default) or bf16 (half their memory;\n"   \
     "                       the solve widens each head's rows back to fp32)\n"                        \
-    CLI_ARENA_DTYPE_HELP
+    CLI_ARENA_DTYPE_HELP CLI_REFQ_SOURCE_HELP
 /* --arena-dtype's help (also bench compact's) */
 #define CLI_ARENA_DTYPE_HELP                                                                                  \
     "  --arena-dtype f32|bf16 the paged KV arena of the compaction (the context's K/V, the sources')\n"      \

@@ -9,6 +9,7 @@
 
 #include "compactor/compact.h"
 #include "tools/cli.h"
+#include "tools/cli_quality.h"
 #include "tools/commands.h"
 
 static const char kHelp[] =
@@ -34,6 +35,7 @@ static const char kHelp[] =
     "  --arena-dtype T  the paged KV arena in f32 (default) or bf16 (half its bytes, CPU backend only;\n"
     "                   --predict-only counts it too)\n"
     "  --predict-only   print the predicted peak only (no weights loaded, nothing compacted)\n"
+    CLI_REFQ_SOURCE_HELP
     "  -h, --help       show this help\n";
 
 /* The formula's prediction for a document of n tokens and an instruction of n_instr, by term. */
@@ -87,7 +89,7 @@ int cmd_bench_compact(int argc, char **argv) {
                                          {"budget", required_argument, 0, 'b'},  {"method", required_argument, 0, 'M'},
                                          {"max-queries", required_argument, 0, 'Q'},
                                          {"predict-only", no_argument, 0, 'P'},  {"refq-dtype", required_argument, 0, 'R'},
-                                         {"arena-dtype", required_argument, 0, 'A'}, {0, 0, 0, 0}};
+                                         {"arena-dtype", required_argument, 0, 'A'}, CLI_REFQ_SOURCE_OPTIONS, {0, 0, 0, 0}};
     const char *dir = NULL, *docs = NULL;
     long long want = 4000, maxq = 50000;
     int predict_only = 0;
@@ -127,7 +129,13 @@ int cmd_bench_compact(int argc, char **argv) {
             if (kf_method_parse(optarg, &p.method))
                 return cli_usage_error("bench compact", "--method is keep, drop, am or fold, not '%s'", optarg);
             break;
-        default: return cli_usage_error("bench compact", "bad option");
+        default: {
+            const int qr = cli_quality_option("bench compact", c, optarg, &p);
+            if (qr < 0)
+                return KF_EXIT_USAGE;
+            if (qr == 0)
+                return cli_usage_error("bench compact", "bad option");
+        }
         }
     }
     if (!dir || (!docs && !predict_only) || optind != argc)

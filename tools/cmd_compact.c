@@ -806,7 +806,7 @@ int cmd_compact(int argc, char **argv) {
         rc = KF_EXIT_FAIL;
         goto done_plan;
     }
-    const int sharing = share && plan.enabled;
+    const int sharing = share && plan.enabled && !base.use_context_queries; /* those need the whole context */
 
     /* ---- one arena for the run: the kept predecessor plus the current document and its sources ---- */
     kf_arena arena = {0};
