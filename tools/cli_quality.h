@@ -17,7 +17,8 @@ enum { CLI_OPT_HEAD_CHOICE = 0x1100, CLI_OPT_VALUE_RIDGE, CLI_OPT_RIDGE_TO, CLI_
 #define CLI_REFQ_SOURCE_HELP                                                                                 \
     "  --queries S          the reference queries' source: repeat (the document repeated after the\n"     \
     "                       instruction; default), context (the document's own queries from its\n"       \
-    "                       prefill, no repeat: cheapest, all of them held for every layer) or both\n"    \
+    "                       prefill, no repeat: cheapest, all of them held for every layer; no rows\n"   \
+    "                       are held out, so no per-head choice: every head uses the method) or both\n" \
     "                       (probes, when given, are added to each)\n"                                    \
     "  --repeat-fraction F  the repeat covers a share F in (0, 1] of the document (default 1): F below\n"  \
     "                       1 takes --repeat-spans runs of the document, one per equal stratum, at\n"     \
