@@ -106,7 +106,7 @@ static void keep_queries(kf_cpu_quoka_scratch *s, const kf_quoka_select_args *a,
 }
 
 /* Step 3 for one key k [hd]: max over the kept queries qb [n_keep, hd] of qb_j . k / |k| (the loop
- * of the fp32 pool below, the same sums). */
+ * for both pools: the same sums). */
 static float key_score(const float *k, const float *qb, int n_keep, int hd) {
     float kn = 0;
 #pragma omp simd reduction(+ : kn)
@@ -190,22 +190,7 @@ int kf_cpu_quoka_select(kf_cpu_quoka_scratch *s, const kf_quoka_select_args *a) 
                 const int t = p * KF_PAGE_TOKENS + slot;
                 for (int g = 0; g < kvh; g++) {
                     const float *k = page + (size_t)slot * row + (size_t)g * hd;
-                    const float *qb = s->qbar + (size_t)g * n_keep * hd;
-                    float kn = 0;
-#pragma omp simd reduction(+ : kn)
-                    for (int d = 0; d < hd; d++)
-                        kn += k[d] * k[d];
-                    float best = -INFINITY;
-                    for (int j = 0; j < n_keep; j++) {
-                        const float *qj = qb + (size_t)j * hd;
-                        float dot = 0;
-#pragma omp simd reduction(+ : dot)
-                        for (int d = 0; d < hd; d++)
-                            dot += qj[d] * k[d];
-                        best = dot > best ? dot : best;
-                    }
-                    /* dividing the max by |k| > 0 equals the max of the cosines */
-                    s->score[(size_t)g * nt + t] = best / fmaxf(sqrtf(kn), QK_EPS);
+                    s->score[(size_t)g * nt + t] = key_score(k, s->qbar + (size_t)g * n_keep * hd, n_keep, hd);
                 }
             }
         }
