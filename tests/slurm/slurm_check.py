@@ -184,7 +184,8 @@ def cmd_reader(root, model, docs_path, workdir, name):
     while True:
         last = os.path.exists(stop)
         if fp is None:
-            subdirs = os.listdir(root) if os.path.isdir(root) else []
+            # directories only: a stray file in the root must not be taken for the fingerprint
+            subdirs = [s for s in os.listdir(root) if os.path.isdir(os.path.join(root, s))] if os.path.isdir(root) else []
             fp = subdirs[0] if len(subdirs) == 1 else None
         d = os.path.join(root, fp) if fp else None
         names = sorted(n for n in os.listdir(d) if n.endswith(".kvf")) if d and os.path.isdir(d) else []
