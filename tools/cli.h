@@ -9,6 +9,8 @@
 #include "formats/error.h"
 
 enum { KF_EXIT_OK = 0, KF_EXIT_FAIL = 1, KF_EXIT_USAGE = 2 };
+/* A stage's result when the command goes on (the others are exit statuses). */
+enum { CLI_CONTINUE = -1 };
 
 /* "kvfold <cmd>: message" on stderr. */
 void cli_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));

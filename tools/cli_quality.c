@@ -1,5 +1,6 @@
 #include "tools/cli_quality.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -89,4 +90,39 @@ int cli_quality_option(const char *cmd, int opt, const char *arg, kf_compact_par
     case CLI_OPT_QUERIES: return refq_source_option(cmd, opt, arg, p);
     default: return 0;
     }
+}
+
+void cli_compact_opts_init(cli_compact_opts *o) {
+    o->p = kf_compact_params_default();
+    o->prefill = cli_prefill_defaults();
+}
+
+int cli_compact_option(const char *cmd, int opt, const char *arg, cli_compact_opts *o) {
+    long long v;
+    switch (opt) {
+    case CLI_OPT_LAMBDA:
+        if (number(arg, 0, HUGE_VAL, &o->p.lambda_rel))
+            return cli_usage_error(cmd, "--lambda must be a non-negative number, not '%s'", arg), -1;
+        return 1;
+    case CLI_OPT_MAX_QUERIES:
+        if (cli_parse_int(arg, 1, 1LL << 40, &v))
+            return cli_usage_error(cmd, "--max-queries must be a positive count, not '%s'", arg), -1;
+        o->p.max_queries = v;
+        return 1;
+    case CLI_OPT_CHUNK:
+        if (cli_parse_int(arg, 1, 1 << 24, &v))
+            return cli_usage_error(cmd, "--chunk must be a positive count, not '%s'", arg), -1;
+        o->p.chunk = (int)v;
+        return 1;
+    default: {
+        const int r = cli_quality_option(cmd, opt, arg, &o->p);
+        return r ? r : cli_prefill_option(cmd, opt, arg, &o->prefill);
+    }
+    }
+}
+
+kf_compact_params cli_compact_params(const cli_compact_opts *o) {
+    kf_compact_params p = o->p;
+    p.quoka = cli_prefill_params(&o->prefill);
+    return p;
 }

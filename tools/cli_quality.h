@@ -9,7 +9,8 @@
 #include "compactor/compact.h"
 
 enum { CLI_OPT_HEAD_CHOICE = 0x1100, CLI_OPT_VALUE_RIDGE, CLI_OPT_RIDGE_TO, CLI_OPT_BETA_FIT, CLI_OPT_VAL_FRAC, CLI_OPT_REFIT, CLI_OPT_MARGIN, CLI_OPT_REFQ_DTYPE,
-       CLI_OPT_ARENA_DTYPE, CLI_OPT_REPEAT_FRACTION, CLI_OPT_REPEAT_SPANS, CLI_OPT_QUERIES };
+       CLI_OPT_ARENA_DTYPE, CLI_OPT_REPEAT_FRACTION, CLI_OPT_REPEAT_SPANS, CLI_OPT_QUERIES, CLI_OPT_LAMBDA,
+       CLI_OPT_MAX_QUERIES, CLI_OPT_CHUNK };
 /* The reference queries' sources (also in `bench compact`, which has no other quality option). */
 #define CLI_REFQ_SOURCE_OPTIONS                                                                              \
     {"repeat-fraction", required_argument, 0, CLI_OPT_REPEAT_FRACTION},                                      \
@@ -58,5 +59,33 @@ enum { CLI_OPT_HEAD_CHOICE = 0x1100, CLI_OPT_VALUE_RIDGE, CLI_OPT_RIDGE_TO, CLI_
 
 /* 1: handled (p updated), 0: not a quality option, -1: bad value (a usage error was printed). */
 int cli_quality_option(const char *cmd, int opt, const char *arg, kf_compact_params *p);
+
+/* Single rows for the commands that take some of the options only (bench compact). */
+#define CLI_OPTION_REFQ_DTYPE {"refq-dtype", required_argument, 0, CLI_OPT_REFQ_DTYPE}
+#define CLI_OPTION_ARENA_DTYPE {"arena-dtype", required_argument, 0, CLI_OPT_ARENA_DTYPE}
+#define CLI_OPTION_LAMBDA {"lambda", required_argument, 0, CLI_OPT_LAMBDA}
+#define CLI_OPTION_MAX_QUERIES {"max-queries", required_argument, 0, CLI_OPT_MAX_QUERIES}
+#define CLI_OPTION_CHUNK {"chunk", required_argument, 0, CLI_OPT_CHUNK}
+
+/* Every option that sets the compaction's parameters, as `compact` and `eval quality` take them:
+ * the quality options, --lambda, --max-queries, --chunk and the prefill options (tools/cli.h).
+ * A new compaction flag is a row here and a case in cli_compact_option: every command that lists
+ * the row takes it. Each command's --help still lists its flags itself. */
+#define CLI_COMPACT_OPTIONS                                                                                  \
+    CLI_QUALITY_OPTIONS, CLI_OPTION_LAMBDA, CLI_OPTION_MAX_QUERIES, CLI_OPTION_CHUNK, CLI_PREFILL_OPTIONS
+
+/* The compaction's parameters as the command line sets them. */
+typedef struct {
+    kf_compact_params p;     /* p.quoka is set by cli_compact_params */
+    kf_quoka_params prefill; /* --prefill and the QUOKA options */
+} cli_compact_opts;
+
+/* kf_compact_params_default() and cli_prefill_defaults(). */
+void cli_compact_opts_init(cli_compact_opts *o);
+/* Any option of CLI_COMPACT_OPTIONS: 1 handled, 0 not one of them, -1 bad value (a usage error
+ * naming the flag was printed). */
+int cli_compact_option(const char *cmd, int opt, const char *arg, cli_compact_opts *o);
+/* The parameters to compact with (quoka points into o: o must outlive them). */
+kf_compact_params cli_compact_params(const cli_compact_opts *o);
 
 #endif

@@ -12,6 +12,8 @@
 #include "tools/cli_quality.h"
 #include "tools/commands.h"
 
+#define CMD "bench compact"
+
 static const char kHelp[] =
     "Usage: kvfold bench compact --model DIR --docs FILE.jsonl [--tokens N] [--budget B] [--method M]\n"
     "\n"
@@ -74,7 +76,7 @@ static int predict(const char *dir, const char *docs, int n, const kf_compact_pa
     kf_hfconfig c;
     kf_error err = {0};
     if (kf_hfconfig_load(&c, path, &err) != KF_OK) {
-        cli_error("bench compact", "%s", err.msg);
+        cli_error(CMD, "%s", err.msg);
         return KF_EXIT_FAIL;
     }
     printf("predict %d tokens, %s, budget %g, instruction %d tokens, %d threads%s\n", n, kf_method_name(p->method),
@@ -83,82 +85,86 @@ static int predict(const char *dir, const char *docs, int n, const kf_compact_pa
     return KF_EXIT_OK;
 }
 
-int cmd_bench_compact(int argc, char **argv) {
-    static const struct option opts[] = {{"help", no_argument, 0, 'h'},          {"model", required_argument, 0, 'm'},
-                                         {"docs", required_argument, 0, 'd'},    {"tokens", required_argument, 0, 'n'},
-                                         {"budget", required_argument, 0, 'b'},  {"method", required_argument, 0, 'M'},
-                                         {"max-queries", required_argument, 0, 'Q'},
-                                         {"predict-only", no_argument, 0, 'P'},  {"refq-dtype", required_argument, 0, 'R'},
-                                         {"arena-dtype", required_argument, 0, 'A'}, CLI_REFQ_SOURCE_OPTIONS, {0, 0, 0, 0}};
-    const char *dir = NULL, *docs = NULL;
-    long long want = 4000, maxq = 50000;
-    int predict_only = 0;
-    kf_compact_params p = kf_compact_params_default();
-    optind = 1;
-    for (int c; (c = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
-        switch (c) {
-        case 'h': fputs(kHelp, stdout); return KF_EXIT_OK;
-        case 'm': dir = optarg; break;
-        case 'd': docs = optarg; break;
-        case 'n':
-            if (cli_parse_int(optarg, 16, 1 << 24, &want))
-                return cli_usage_error("bench compact", "--tokens must be at least 16, not '%s'", optarg);
-            break;
-        case 'Q':
-            if (cli_parse_int(optarg, 1, 1LL << 40, &maxq))
-                return cli_usage_error("bench compact", "--max-queries must be positive, not '%s'", optarg);
-            break;
-        case 'b': {
-            char *end;
-            p.budget = strtod(optarg, &end);
-            if (*end || !(p.budget > 0 && p.budget <= 1))
-                return cli_usage_error("bench compact", "--budget must be in (0, 1], not '%s'", optarg);
-            break;
-        }
-        case 'P': predict_only = 1; break;
-        case 'R':
-            if (strcmp(optarg, "f32") && strcmp(optarg, "bf16"))
-                return cli_usage_error("bench compact", "--refq-dtype is f32 or bf16, not '%s'", optarg);
-            p.refq_bf16 = strcmp(optarg, "bf16") == 0;
-            break;
-        case 'A':
-            if (kf_arena_dtype_parse(optarg, &p.arena_dtype))
-                return cli_usage_error("bench compact", "--arena-dtype is f32 or bf16, not '%s'", optarg);
-            break;
-        case 'M':
-            if (kf_method_parse(optarg, &p.method))
-                return cli_usage_error("bench compact", "--method is keep, drop, am or fold, not '%s'", optarg);
-            break;
-        default: {
-            const int qr = cli_quality_option("bench compact", c, optarg, &p);
-            if (qr < 0)
-                return KF_EXIT_USAGE;
-            if (qr == 0)
-                return cli_usage_error("bench compact", "bad option");
-        }
-        }
+typedef struct {
+    const char *dir, *docs;
+    long long want; /* document tokens */
+    int predict_only;
+    cli_compact_opts q; /* the compaction's parameters (shared with compact and eval quality) */
+} bench_opts;
+
+static const struct option kOpts[] = {
+    {"help", no_argument, 0, 'h'},       {"model", required_argument, 0, 'm'},  {"docs", required_argument, 0, 'd'},
+    {"tokens", required_argument, 0, 'n'}, {"budget", required_argument, 0, 'b'}, {"method", required_argument, 0, 'M'},
+    {"predict-only", no_argument, 0, 'P'}, CLI_OPTION_MAX_QUERIES, CLI_OPTION_REFQ_DTYPE, CLI_OPTION_ARENA_DTYPE,
+    CLI_REFQ_SOURCE_OPTIONS,             {0, 0, 0, 0}};
+
+/* One option into o: CLI_CONTINUE, or the exit status (--help, a bad value). */
+static int bench_option(bench_opts *o, int c, const char *arg) {
+    kf_compact_params *p = &o->q.p;
+    switch (c) {
+    case 'h': fputs(kHelp, stdout); return KF_EXIT_OK;
+    case 'm': o->dir = arg; break;
+    case 'd': o->docs = arg; break;
+    case 'n':
+        if (cli_parse_int(arg, 16, 1 << 24, &o->want))
+            return cli_usage_error(CMD, "--tokens must be at least 16, not '%s'", arg);
+        break;
+    case 'b': {
+        char *end;
+        p->budget = strtod(arg, &end);
+        if (*end || !(p->budget > 0 && p->budget <= 1))
+            return cli_usage_error(CMD, "--budget must be in (0, 1], not '%s'", arg);
+        break;
     }
-    if (!dir || (!docs && !predict_only) || optind != argc)
-        return cli_usage_error("bench compact", "--model and --docs are required");
-    p.max_queries = maxq;
-    if (predict_only)
-        return predict(dir, docs, (int)want, &p);
+    case 'P': o->predict_only = 1; break;
+    case 'M':
+        if (kf_method_parse(arg, &p->method))
+            return cli_usage_error(CMD, "--method is keep, drop, am or fold, not '%s'", arg);
+        break;
+    default: {
+        const int r = cli_compact_option(CMD, c, arg, &o->q);
+        if (r < 0)
+            return KF_EXIT_USAGE;
+        if (r == 0)
+            return cli_usage_error(CMD, "bad option");
+    }
+    }
+    return CLI_CONTINUE;
+}
+
+static int bench_parse(int argc, char **argv, bench_opts *o) {
+    *o = (bench_opts){.want = 4000};
+    cli_compact_opts_init(&o->q);
+    optind = 1;
+    for (int c; (c = getopt_long(argc, argv, "h", kOpts, NULL)) != -1;) {
+        const int rc = bench_option(o, c, optarg);
+        if (rc != CLI_CONTINUE)
+            return rc;
+    }
+    if (!o->dir || (!o->docs && !o->predict_only) || optind != argc)
+        return cli_usage_error(CMD, "--model and --docs are required");
+    return CLI_CONTINUE;
+}
+
+/* The document: the first `want` ids of the JSONL lines in turn, and the first line's repeat
+ * instruction (instr [64]); -1 when there are not enough (reported). */
+static int read_doc(const char *docs, long long want, int32_t **ids_out, int *n_out, int32_t *instr, int *n_instr) {
     FILE *f = fopen(docs, "r");
     if (!f) {
-        cli_error("bench compact", "%s: cannot open", docs);
-        return KF_EXIT_FAIL;
+        cli_error(CMD, "%s: cannot open", docs);
+        return -1;
     }
-    int32_t *ids = malloc(sizeof(int32_t) * (size_t)want);
-    int32_t instr[64];
-    int n = 0, n_instr = 0, lineno = 0;
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)want); /* [want] */
+    int n = 0, lineno = 0;
     char *line = NULL;
     size_t cap = 0;
+    *n_instr = 0;
     while (n < want && ids && getline(&line, &cap, f) > 0) {
         lineno++;
         json_t *o = json_loads(line, 0, NULL);
         json_t *arr = json_object_get(o, "ids"), *ri = json_object_get(o, "repeat_instruction_ids");
         if (!json_is_array(arr)) {
-            cli_error("bench compact", "%s:%d: no ids array", docs, lineno);
+            cli_error(CMD, "%s:%d: no ids array", docs, lineno);
             json_decref(o);
             continue;
         }
@@ -168,68 +174,96 @@ int cmd_bench_compact(int argc, char **argv) {
             if (n < want && json_is_integer(v))
                 ids[n++] = (int32_t)json_integer_value(v);
         }
-        if (!n_instr && json_is_array(ri))
+        if (!*n_instr && json_is_array(ri))
             json_array_foreach(ri, i, v) {
-                if (n_instr < 64 && json_is_integer(v))
-                    instr[n_instr++] = (int32_t)json_integer_value(v);
+                if (*n_instr < 64 && json_is_integer(v))
+                    instr[(*n_instr)++] = (int32_t)json_integer_value(v);
             }
         json_decref(o);
     }
     free(line);
     fclose(f);
-    if (!ids || n < want || !n_instr) {
-        cli_error("bench compact", "%s: only %d tokens (need %lld) or no repeat_instruction_ids", docs, n, want);
+    if (!ids || n < want || !*n_instr) {
+        cli_error(CMD, "%s: only %d tokens (need %lld) or no repeat_instruction_ids", docs, n, want);
         free(ids);
-        return KF_EXIT_FAIL;
+        return -1;
     }
+    *ids_out = ids;
+    *n_out = n;
+    return 0;
+}
+
+/* The stage times of one compaction that took total seconds. */
+static void print_stages(const kf_compacted *c, const kf_compact_params *p, int n, double total) {
+    const kf_compact_stats *s = &c->stats;
+    const double work = s->select_s + s->choice_s + s->beta_s + s->values_s + s->fold_s;
+    printf("compact %d tokens, %s, budget %g -> C = %lld, %lld queries per KV head%s\n", n, kf_method_name(p->method),
+           p->budget, (long long)c->C, (long long)s->n_queries, p->arena_dtype == KF_DTYPE_BF16 ? ", bf16 arena" : "");
+    printf("  %-34s %8.3f s\n", "prefill (document)", s->prefill_s);
+    printf("  %-34s %8.3f s\n", "repeat prefill (reference queries)", s->refq_s);
+    /* the solve's stages run on several threads at once (one KV head each): their lines are
+     * thread-seconds; the solve's wall time is what the whole job spends after the forwards */
+    printf("  %-34s %8.3f s (thread-seconds)\n", "selection (scores + top-t)", s->select_s);
+    printf("  %-34s %8.3f s (thread-seconds)\n", "beta fit", s->beta_s);
+    printf("  %-34s %8.3f s (thread-seconds)\n", "value fit", s->values_s);
+    printf("  %-34s %8.3f s (thread-seconds)\n", "fold (direction, key shift)", s->fold_s);
+    printf("  %-34s %8.3f s (thread-seconds)\n", "per-head choice (validation)", s->choice_s);
+    printf("  %-34s %8.3f s\n", "solve (wall)", total - s->prefill_s - s->refq_s);
+    printf("  %-34s %8.3f s\n", "total", total);
+    printf("ratio (selection + choice + beta + values + fold) / prefill = %.2f (thread-seconds)\n",
+           work / s->prefill_s);
+    printf("ratio total / prefill = %.2f (target <= 2.5)\n", total / s->prefill_s);
+}
+
+/* The process's measured peak against the model's fp32 weights. */
+static void print_measured_peak(kf_model *m) {
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    const double measured = (double)ru.ru_maxrss * 1024;
+    printf("  %-34s %8.3f GB (getrusage ru_maxrss)\n", "measured peak", measured / 1e9);
+    const double w = 4.0 * (double)kf_model_n_params(m);
+    printf("measured peak / fp32 weights (%.3f GB) = %.2f; target 1.5 x weights + 1 GB = %.3f GB\n", w / 1e9,
+           measured / w, (1.5 * w + 1e9) / 1e9);
+}
+
+/* Loads the model, compacts the document once and reports. */
+static int bench_run(const bench_opts *o, kf_compact_params *p) {
+    int32_t *ids = NULL, instr[64]; /* [n] the document, [n_instr] its repeat instruction */
+    int n = 0, n_instr = 0;
+    if (read_doc(o->docs, o->want, &ids, &n, instr, &n_instr))
+        return KF_EXIT_FAIL;
     kf_backend *b;
-    kf_model *m = cli_load_model("bench compact", dir, &b);
+    kf_model *m = cli_load_model(CMD, o->dir, &b);
     if (!m) {
         free(ids);
         return KF_EXIT_FAIL;
     }
-    p.repeat_instruction = (kf_prompt){instr, n_instr};
+    p->repeat_instruction = (kf_prompt){instr, n_instr};
     kf_prompt doc = {ids, n};
     kf_compacted c;
     kf_error err = {0};
     const double t0 = cli_now();
     int rc = KF_EXIT_OK;
-    if (kf_compact(m, NULL, &doc, NULL, &p, &c, &err) != KF_OK) {
-        cli_error("bench compact", "%s", err.msg);
+    if (kf_compact(m, NULL, &doc, NULL, p, &c, &err) != KF_OK) {
+        cli_error(CMD, "%s", err.msg);
         rc = KF_EXIT_FAIL;
     } else {
-        const double total = cli_now() - t0;
-        const kf_compact_stats *s = &c.stats;
-        const double work = s->select_s + s->choice_s + s->beta_s + s->values_s + s->fold_s;
-        printf("compact %d tokens, %s, budget %g -> C = %lld, %lld queries per KV head%s\n", n,
-               kf_method_name(p.method), p.budget, (long long)c.C, (long long)s->n_queries,
-               p.arena_dtype == KF_DTYPE_BF16 ? ", bf16 arena" : "");
-        printf("  %-34s %8.3f s\n", "prefill (document)", s->prefill_s);
-        printf("  %-34s %8.3f s\n", "repeat prefill (reference queries)", s->refq_s);
-        /* the solve's stages run on several threads at once (one KV head each): their lines are
-         * thread-seconds; the solve's wall time is what the whole job spends after the forwards */
-        printf("  %-34s %8.3f s (thread-seconds)\n", "selection (scores + top-t)", s->select_s);
-        printf("  %-34s %8.3f s (thread-seconds)\n", "beta fit", s->beta_s);
-        printf("  %-34s %8.3f s (thread-seconds)\n", "value fit", s->values_s);
-        printf("  %-34s %8.3f s (thread-seconds)\n", "fold (direction, key shift)", s->fold_s);
-        printf("  %-34s %8.3f s (thread-seconds)\n", "per-head choice (validation)", s->choice_s);
-        printf("  %-34s %8.3f s\n", "solve (wall)", total - s->prefill_s - s->refq_s);
-        printf("  %-34s %8.3f s\n", "total", total);
-        printf("ratio (selection + choice + beta + values + fold) / prefill = %.2f (thread-seconds)\n",
-               work / s->prefill_s);
-        printf("ratio total / prefill = %.2f (target <= 2.5)\n", total / s->prefill_s);
-        print_peak(kf_model_config(m), &p, n, n_instr);
-        struct rusage ru;
-        getrusage(RUSAGE_SELF, &ru);
-        const double measured = (double)ru.ru_maxrss * 1024;
-        printf("  %-34s %8.3f GB (getrusage ru_maxrss)\n", "measured peak", measured / 1e9);
-        const double w = 4.0 * (double)kf_model_n_params(m);
-        printf("measured peak / fp32 weights (%.3f GB) = %.2f; target 1.5 x weights + 1 GB = %.3f GB\n", w / 1e9,
-               measured / w, (1.5 * w + 1e9) / 1e9);
+        print_stages(&c, p, n, cli_now() - t0);
+        print_peak(kf_model_config(m), p, n, n_instr);
+        print_measured_peak(m);
         kf_compacted_free(&c);
     }
     free(ids);
     kf_model_free(m);
     b->destroy(b);
     return rc;
+}
+
+int cmd_bench_compact(int argc, char **argv) {
+    bench_opts o;
+    const int rc = bench_parse(argc, argv, &o);
+    if (rc != CLI_CONTINUE)
+        return rc;
+    kf_compact_params p = cli_compact_params(&o.q);
+    return o.predict_only ? predict(o.dir, o.docs, (int)o.want, &p) : bench_run(&o, &p);
 }

@@ -338,25 +338,6 @@ static void clean_stale_temps(const char *dir, int quiet) {
         cli_error(CMD, "warning: %s", e.msg);
 }
 
-/* base with this document's repeat instruction and probes (its own, then --probes-from's) in
- * *probes (grown as needed); -1 when out of memory. */
-static int doc_params(const kf_compact_params *base, const job_doc *d, const int32_t *def_instr, int n_def_instr,
-                      const kf_prompt *extra, int n_extra, kf_prompt **probes, kf_compact_params *p) {
-    *p = *base;
-    p->repeat_instruction = d->instr ? (kf_prompt){d->instr, d->n_instr} : (kf_prompt){def_instr, n_def_instr};
-    kf_prompt *g = realloc(*probes, sizeof *g * (size_t)(d->n_probes + n_extra + 1));
-    if (!g)
-        return -1;
-    *probes = g;
-    for (int j = 0; j < d->n_probes; j++)
-        g[j] = d->probes[j];
-    for (int j = 0; j < n_extra; j++)
-        g[d->n_probes + j] = extra[j];
-    p->probes = g;
-    p->n_probes = d->n_probes + n_extra;
-    return 0;
-}
-
 /* One comma-separated list item of --method or --budget (0), or -1 (reported). */
 static int parse_method(const char *tok, kf_method *m) {
     return kf_method_parse(tok, m) ? (cli_usage_error(CMD, "--method is keep, drop, am or fold, not '%s'", tok), -1) : 0;
@@ -516,466 +497,585 @@ static kf_status write_files(job_doc *d, int n_vars, kf_compacted *cc, kf_status
     return first;
 }
 
-int cmd_compact(int argc, char **argv) {
-    static const struct option opts[] = {
-        {"help", no_argument, 0, 'h'},
-        {"model", required_argument, 0, 'm'},
-        {"method", required_argument, 0, 'M'},
-        {"budget", required_argument, 0, 'b'},
-        {"out", required_argument, 0, 'o'},
-        {"manifest", required_argument, 0, 'f'},
-        {"shard", required_argument, 0, 's'},
-        {"repeat-instruction", required_argument, 0, 'r'},
-        {"probes-from", required_argument, 0, 'p'},
-        {"lambda", required_argument, 0, 'L'},
-        {"max-queries", required_argument, 0, 'Q'},
-        {"chunk", required_argument, 0, 'c'},
-        {"dtype", required_argument, 0, 't'},
-        {"no-share", no_argument, 0, 'S'},
-        {"quiet", no_argument, 0, 'q'},
-        CLI_PREFILL_OPTIONS, CLI_QUALITY_OPTIONS,
-        {0, 0, 0, 0}};
-    const char *model_dir = NULL, *root = DEFAULT_ROOT, *manifest = NULL, *probes_from = NULL;
-    const char *instruction = DEFAULT_INSTRUCTION;
-    long long shard_i = 0, shard_n = 1, maxq = 50000, chunk = 0;
-    int share = 1, quiet = 0, dtype_given = 0;
-    kvf_dtype dtype = KVF_BF16;
-    const char *methods_s = "fold", *budgets_s = "0.1";
-    kf_compact_variant vars[MAX_VARIANTS]; /* [n_vars] (method, budget) pairs, methods outer */
-    kf_compact_params base = kf_compact_params_default();
-    kf_quoka_params prefill = cli_prefill_defaults();
-    optind = 1;
-    for (int c; (c = getopt_long(argc, argv, "hq", opts, NULL)) != -1;) {
-        switch (c) {
-        case 'h': fputs(kHelp, stdout); return KF_EXIT_OK;
-        case 'm': model_dir = optarg; break;
-        case 'M': methods_s = optarg; break;
-        case 'b': budgets_s = optarg; break;
-        case 'o': root = optarg; break;
-        case 'f': manifest = optarg; break;
-        case 's':
-            if (parse_shard(optarg, &shard_i, &shard_n))
-                return cli_usage_error(CMD, "--shard is i/N with 0 <= i < N, not '%s'", optarg);
-            break;
-        case 'r':
-            if (!*optarg) /* checked here: documents with their own instruction never tokenize it */
-                return cli_usage_error(CMD, "--repeat-instruction must not be empty");
-            instruction = optarg;
-            break;
-        case 'p': probes_from = optarg; break;
-        case 'L': {
-            char *end;
-            base.lambda_rel = strtod(optarg, &end);
-            if (end == optarg || *end || !(base.lambda_rel >= 0))
-                return cli_usage_error(CMD, "--lambda must be a non-negative number, not '%s'", optarg);
-            break;
-        }
-        case 'Q':
-            if (cli_parse_int(optarg, 1, 1LL << 40, &maxq))
-                return cli_usage_error(CMD, "--max-queries must be a positive count, not '%s'", optarg);
-            break;
-        case 'c':
-            if (cli_parse_int(optarg, 1, 1 << 24, &chunk))
-                return cli_usage_error(CMD, "--chunk must be a positive count, not '%s'", optarg);
-            break;
-        case 't':
-            if (kvf_dtype_parse(optarg, &dtype))
-                return cli_usage_error(CMD, "--dtype is bf16, f16 or f32, not '%s'", optarg);
-            dtype_given = 1;
-            break;
-        case 'S': share = 0; break;
-        case 'q': quiet = 1; break;
-        default: {
-            const int qr = cli_quality_option(CMD, c, optarg, &base);
-            if (qr < 0)
-                return KF_EXIT_USAGE;
-            if (qr > 0)
-                break;
-            const int r = cli_prefill_option(CMD, c, optarg, &prefill);
-            if (r < 0)
-                return KF_EXIT_USAGE;
-            if (r == 0)
-                return cli_usage_error(CMD, "unknown option");
-        }
-        }
-    }
-    const int n_vars = parse_variants(methods_s, budgets_s, vars);
-    if (n_vars < 0)
-        return KF_EXIT_USAGE;
-    base.method = vars[0].method;
-    base.budget = vars[0].budget;
-    if (!model_dir)
-        return cli_usage_error(CMD, "--model DIR is required");
-    if (!manifest && optind == argc)
-        return cli_usage_error(CMD, "no documents: give text FILEs or --manifest DOCS.jsonl");
-    if (manifest && optind != argc)
-        return cli_usage_error(CMD, "give text FILEs or --manifest, not both");
-    base.quoka = cli_prefill_params(&prefill);
-    base.chunk = (int)chunk;
-    base.max_queries = maxq;
-    g_tty = isatty(2) && !quiet;
+/* ---- the command line ---- */
 
-    /* inputs that cannot be read are usage errors, found before any work */
-    FILE *mf = NULL, *pf = NULL;
-    if (manifest && !(mf = open_input("--manifest", manifest)))
-        return KF_EXIT_USAGE;
-    if (probes_from && !(pf = open_input("--probes-from", probes_from))) {
-        if (mf)
-            fclose(mf);
-        return KF_EXIT_USAGE;
+/* kvfold compact's options as given. */
+typedef struct {
+    const char *model_dir, *root, *manifest, *probes_from, *instruction, *methods_s, *budgets_s;
+    long long shard_i, shard_n;
+    int share, quiet, dtype_given;
+    kvf_dtype dtype;
+    cli_compact_opts q;                    /* the compaction's parameters (shared with eval quality) */
+    kf_compact_variant vars[MAX_VARIANTS]; /* [n_vars] (method, budget) pairs, methods outer */
+    int n_vars;
+    char **files;                          /* [n_files] the FILE arguments */
+    int n_files;
+} compact_opts;
+
+static const struct option kOpts[] = {
+    {"help", no_argument, 0, 'h'},
+    {"model", required_argument, 0, 'm'},
+    {"method", required_argument, 0, 'M'},
+    {"budget", required_argument, 0, 'b'},
+    {"out", required_argument, 0, 'o'},
+    {"manifest", required_argument, 0, 'f'},
+    {"shard", required_argument, 0, 's'},
+    {"repeat-instruction", required_argument, 0, 'r'},
+    {"probes-from", required_argument, 0, 'p'},
+    {"dtype", required_argument, 0, 't'},
+    {"no-share", no_argument, 0, 'S'},
+    {"quiet", no_argument, 0, 'q'},
+    CLI_COMPACT_OPTIONS,
+    {0, 0, 0, 0}};
+
+/* One option into o: CLI_CONTINUE, or the exit status (--help, a bad value). */
+static int compact_option(compact_opts *o, int c, const char *arg) {
+    switch (c) {
+    case 'h': fputs(kHelp, stdout); return KF_EXIT_OK;
+    case 'm': o->model_dir = arg; break;
+    case 'M': o->methods_s = arg; break;
+    case 'b': o->budgets_s = arg; break;
+    case 'o': o->root = arg; break;
+    case 'f': o->manifest = arg; break;
+    case 's':
+        if (parse_shard(arg, &o->shard_i, &o->shard_n))
+            return cli_usage_error(CMD, "--shard is i/N with 0 <= i < N, not '%s'", arg);
+        break;
+    case 'r':
+        if (!*arg) /* checked here: documents with their own instruction never tokenize it */
+            return cli_usage_error(CMD, "--repeat-instruction must not be empty");
+        o->instruction = arg;
+        break;
+    case 'p': o->probes_from = arg; break;
+    case 't':
+        if (kvf_dtype_parse(arg, &o->dtype))
+            return cli_usage_error(CMD, "--dtype is bf16, f16 or f32, not '%s'", arg);
+        o->dtype_given = 1;
+        break;
+    case 'S': o->share = 0; break;
+    case 'q': o->quiet = 1; break;
+    default: {
+        const int r = cli_compact_option(CMD, c, arg, &o->q);
+        if (r < 0)
+            return KF_EXIT_USAGE;
+        if (r == 0)
+            return cli_usage_error(CMD, "unknown option");
     }
+    }
+    return CLI_CONTINUE;
+}
+
+/* After the options: the variants, then what is required; CLI_CONTINUE or the usage status. */
+static int compact_validate(compact_opts *o) {
+    if ((o->n_vars = parse_variants(o->methods_s, o->budgets_s, o->vars)) < 0)
+        return KF_EXIT_USAGE;
+    o->q.p.method = o->vars[0].method;
+    o->q.p.budget = o->vars[0].budget;
+    if (!o->model_dir)
+        return cli_usage_error(CMD, "--model DIR is required");
+    if (!o->manifest && o->n_files == 0)
+        return cli_usage_error(CMD, "no documents: give text FILEs or --manifest DOCS.jsonl");
+    if (o->manifest && o->n_files)
+        return cli_usage_error(CMD, "give text FILEs or --manifest, not both");
+    return CLI_CONTINUE;
+}
+
+static int compact_parse(int argc, char **argv, compact_opts *o) {
+    *o = (compact_opts){.root = DEFAULT_ROOT, .instruction = DEFAULT_INSTRUCTION, .methods_s = "fold",
+                        .budgets_s = "0.1", .shard_n = 1, .share = 1, .dtype = KVF_BF16};
+    cli_compact_opts_init(&o->q);
+    optind = 1;
+    for (int c; (c = getopt_long(argc, argv, "hq", kOpts, NULL)) != -1;) {
+        const int rc = compact_option(o, c, optarg);
+        if (rc != CLI_CONTINUE)
+            return rc;
+    }
+    o->files = argv + optind;
+    o->n_files = argc - optind;
+    return compact_validate(o);
+}
+
+/* ---- the job ---- */
+
+/* One run: what the options opened and loaded, the documents, the plan, the tallies. The stages
+ * return CLI_CONTINUE or the exit status to stop with; rc is the status of a run that goes on. */
+typedef struct {
+    const compact_opts *o;
+    kf_compact_params base;  /* the options' parameters, the first variant's method and budget */
+    int rc;
+    FILE *mf, *pf;           /* --manifest, --probes-from until read */
+    kf_backend *backend;
+    kf_model *m;
+    const kf_hfconfig *cfg;
+    const char *fp;          /* the model's fingerprint */
+    kvf_dtype dtype;         /* of the files */
+    doc_text text;
+    double t_start;
+    doc_list docs;
+    kf_prompt *extra_probes; /* [n_extra] --probes-from's (ids owned) */
+    int n_extra;
+    kf_prompt *probes;       /* one document's probes (not owned; grown as needed) */
+    int32_t *def_instr;      /* [n_def_instr] --repeat-instruction, tokenized when first needed */
+    int n_def_instr;
+    int n_todo;              /* documents with a file to compute */
+    int64_t todo_tokens;
+    int32_t *todo;           /* [n_todo] -> docs index */
+    kf_prefix_plan plan;     /* over todo */
+    int sharing;
+    kf_arena arena;          /* one for the run: the kept predecessor, the document, its sources */
+    progress pg;
+    kf_seq prev;             /* the predecessor's pages, kept when the next document shares them */
+    int prev_k;              /* plan index whose pages prev holds, or -1 */
+    int64_t computed, c_total, d_total, doc_tokens; /* d_total: over files */
+    int n_done, n_busy;
+} compact_job;
+
+static void job_free(compact_job *j) {
+    kf_prefix_plan_free(&j->plan);
+    free(j->todo);
+    free(j->def_instr);
+    for (int i = 0; i < j->docs.n; i++)
+        job_doc_free(&j->docs.docs[i]);
+    free(j->docs.docs);
+    for (int i = 0; i < j->n_extra; i++)
+        free((void *)j->extra_probes[i].ids);
+    free(j->extra_probes);
+    free(j->probes);
+    doc_text_free(&j->text);
+    if (j->mf)
+        fclose(j->mf);
+    if (j->pf)
+        fclose(j->pf);
+    kf_model_free(j->m);
+    if (j->backend)
+        j->backend->destroy(j->backend);
+}
+
+/* base with d's repeat instruction and probes (its own, then --probes-from's) in j->probes;
+ * -1 when out of memory. */
+static int doc_params(compact_job *j, const job_doc *d, kf_compact_params *p) {
+    *p = j->base;
+    p->repeat_instruction =
+        d->instr ? (kf_prompt){d->instr, d->n_instr} : (kf_prompt){j->def_instr, j->n_def_instr};
+    kf_prompt *g = realloc(j->probes, sizeof *g * (size_t)(d->n_probes + j->n_extra + 1));
+    if (!g)
+        return -1;
+    j->probes = g;
+    for (int i = 0; i < d->n_probes; i++)
+        g[i] = d->probes[i];
+    for (int i = 0; i < j->n_extra; i++)
+        g[d->n_probes + i] = j->extra_probes[i];
+    p->probes = g;
+    p->n_probes = d->n_probes + j->n_extra;
+    return 0;
+}
+
+/* Inputs that cannot be read are usage errors, found before any work; then the root (one that
+ * cannot take files stops the job before any work), the model, stale temporary files. */
+static int job_open(compact_job *j) {
+    const compact_opts *o = j->o;
+    if (o->manifest && !(j->mf = open_input("--manifest", o->manifest)))
+        return KF_EXIT_USAGE;
+    if (o->probes_from && !(j->pf = open_input("--probes-from", o->probes_from)))
+        return KF_EXIT_USAGE;
     /* a file size limit (RLIMIT_FSIZE) fails the write with EFBIG like a full disk, instead of
      * killing the job with SIGXFSZ before its summary */
     signal(SIGXFSZ, SIG_IGN);
-    /* the root first: a root that cannot take files stops the job before any work */
-    kf_backend *backend = NULL;
-    kf_model *m = check_root(root) ? NULL : cli_load_model(CMD, model_dir, &backend);
-    if (!m) {
-        if (mf)
-            fclose(mf);
-        if (pf)
-            fclose(pf);
+    if (check_root(o->root) || !(j->m = cli_load_model(CMD, o->model_dir, &j->backend)))
         return KF_EXIT_FAIL;
-    }
-    const kf_hfconfig *cfg = kf_model_config(m);
-    if (!dtype_given)
-        dtype = model_dtype(cfg);
-    doc_text text;
-    doc_text_init(&text, model_dir, cfg->vocab_size);
-    const double t_start = cli_now();
-    int rc = KF_EXIT_OK;
+    j->cfg = kf_model_config(j->m);
+    j->fp = kf_model_fingerprint(j->m);
+    j->dtype = o->dtype_given ? o->dtype : model_dtype(j->cfg);
+    doc_text_init(&j->text, o->model_dir, j->cfg->vocab_size);
+    j->t_start = cli_now();
+    char model_root[PATH_MAX];
+    snprintf(model_root, sizeof model_root, "%s/%s", o->root, j->fp);
+    clean_stale_temps(model_root, o->quiet);
+    return CLI_CONTINUE;
+}
+
+/* ---- this shard's documents ---- */
+
+/* One line of --probes-from into j->extra_probes; -1 when it is not a probe (reported). */
+static int add_extra_probe(compact_job *j, const char *line, int lineno) {
+    json_error_t jerr;
+    json_t *v = json_loads(line, JSON_DECODE_ANY, &jerr);
+    int32_t *ids = NULL;
+    int n = 0, rc = 0;
     char err[1024];
-    {
-        char model_root[PATH_MAX];
-        snprintf(model_root, sizeof model_root, "%s/%s", root, kf_model_fingerprint(m));
-        clean_stale_temps(model_root, quiet);
-    }
-
-    /* ---- read this shard's documents ---- */
-    doc_list docs = {0};
-    kf_prompt *probes = NULL; /* [n_probes] one document's probes (not owned) */
-    kf_prompt *extra_probes = NULL;
-    int n_extra = 0;
-    if (pf) {
-        char *line = NULL;
-        size_t cap = 0;
-        int lineno = 0, ok = 1;
-        while (ok && getline(&line, &cap, pf) > 0) {
-            lineno++;
-            if (line[strspn(line, " \t\r\n")] == 0)
-                continue;
-            json_error_t jerr;
-            json_t *v = json_loads(line, JSON_DECODE_ANY, &jerr);
-            int32_t *ids = NULL;
-            int n = 0;
-            kf_prompt *g = realloc(extra_probes, sizeof *g * (size_t)(n_extra + 1));
-            if (g)
-                extra_probes = g;
-            if (!v || !g || doc_json_prompt(&text, v, &ids, &n, err, sizeof err)) {
-                cli_error(CMD, "%s:%d: %s", probes_from, lineno, v ? err : "not JSON (a string or a list of ids)");
-                ok = 0;
-            } else {
-                extra_probes[n_extra++] = (kf_prompt){ids, n};
-            }
-            json_decref(v);
-        }
-        if (ok && ferror(pf)) {
-            cli_error(CMD, "--probes-from %s: cannot read: %s", probes_from, strerror(errno));
-            ok = 0;
-        }
-        free(line);
-        fclose(pf);
-        pf = NULL;
-        if (!ok) {
-            rc = KF_EXIT_USAGE; /* the option's file is unusable: nothing is compacted */
-            goto done;
-        }
-    }
-    int32_t *def_instr = NULL;
-    int n_def_instr = 0;
-    if (manifest) {
-        char *line = NULL;
-        size_t cap = 0;
-        ssize_t got;
-        for (long long lineno = 1; (got = getline(&line, &cap, mf)) > 0; lineno++) {
-            if ((lineno - 1) % shard_n != shard_i || line[strspn(line, " \t\r\n")] == 0)
-                continue;
-            job_doc *d = doc_list_add(&docs);
-            if (!d) {
-                cli_error(CMD, "out of memory");
-                rc = KF_EXIT_FAIL;
-                break;
-            }
-            snprintf(d->source, sizeof d->source, "%s:%lld", manifest, lineno);
-            if (parse_line(&text, line, d, err, sizeof err) || check_doc(cfg, d, err, sizeof err)) {
-                doc_fail(d->source, d->name, err);
-                d->state = ST_FAILED;
-            }
-        }
-        free(line);
-        if (rc == KF_EXIT_OK && ferror(mf)) { /* an I/O error is not the end of the manifest */
-            cli_error(CMD, "--manifest %s: cannot read: %s", manifest, strerror(errno));
-            rc = KF_EXIT_FAIL;
-        }
-        fclose(mf);
-        mf = NULL;
-        if (rc != KF_EXIT_OK)
-            goto done;
+    kf_prompt *g = realloc(j->extra_probes, sizeof *g * (size_t)(j->n_extra + 1));
+    if (g)
+        j->extra_probes = g;
+    if (!v || !g || doc_json_prompt(&j->text, v, &ids, &n, err, sizeof err)) {
+        cli_error(CMD, "%s:%d: %s", j->o->probes_from, lineno, v ? err : "not JSON (a string or a list of ids)");
+        rc = -1;
     } else {
-        for (int a = optind; a < argc; a++) {
-            if ((a - optind) % shard_n != shard_i)
-                continue;
-            job_doc *d = doc_list_add(&docs);
-            if (!d) {
-                cli_error(CMD, "out of memory");
-                rc = KF_EXIT_FAIL;
-                break;
-            }
-            snprintf(d->source, sizeof d->source, "%s", argv[a]);
-            const char *base_name = strrchr(argv[a], '/');
-            snprintf(d->name, sizeof d->name, "%s", base_name ? base_name + 1 : argv[a]);
-            if (doc_read_file(&text, argv[a], &d->ids, &d->n, err, sizeof err) ||
-                check_doc(cfg, d, err, sizeof err)) {
-                clear_line();
-                cli_error(CMD, "%s", err);
-                d->state = ST_FAILED;
-            }
+        j->extra_probes[j->n_extra++] = (kf_prompt){ids, n};
+    }
+    json_decref(v);
+    return rc;
+}
+
+/* --probes-from: the probes added to every document. */
+static int read_extra_probes(compact_job *j) {
+    char *line = NULL;
+    size_t cap = 0;
+    int lineno = 0, ok = 1;
+    while (ok && getline(&line, &cap, j->pf) > 0) {
+        lineno++;
+        if (line[strspn(line, " \t\r\n")] != 0)
+            ok = add_extra_probe(j, line, lineno) == 0;
+    }
+    if (ok && ferror(j->pf)) {
+        cli_error(CMD, "--probes-from %s: cannot read: %s", j->o->probes_from, strerror(errno));
+        ok = 0;
+    }
+    free(line);
+    fclose(j->pf);
+    j->pf = NULL;
+    return ok ? CLI_CONTINUE : KF_EXIT_USAGE; /* the option's file is unusable: nothing is compacted */
+}
+
+/* --manifest: this shard's lines; a bad line fails its document (reported), the job goes on. */
+static int read_manifest(compact_job *j) {
+    const compact_opts *o = j->o;
+    char *line = NULL, err[1024];
+    size_t cap = 0;
+    int rc = CLI_CONTINUE;
+    for (long long lineno = 1; getline(&line, &cap, j->mf) > 0; lineno++) {
+        if ((lineno - 1) % o->shard_n != o->shard_i || line[strspn(line, " \t\r\n")] == 0)
+            continue;
+        job_doc *d = doc_list_add(&j->docs);
+        if (!d) {
+            cli_error(CMD, "out of memory");
+            rc = KF_EXIT_FAIL;
+            break;
+        }
+        snprintf(d->source, sizeof d->source, "%s:%lld", o->manifest, lineno);
+        if (parse_line(&j->text, line, d, err, sizeof err) || check_doc(j->cfg, d, err, sizeof err)) {
+            doc_fail(d->source, d->name, err);
+            d->state = ST_FAILED;
         }
     }
+    free(line);
+    if (rc == CLI_CONTINUE && ferror(j->mf)) { /* an I/O error is not the end of the manifest */
+        cli_error(CMD, "--manifest %s: cannot read: %s", o->manifest, strerror(errno));
+        rc = KF_EXIT_FAIL;
+    }
+    fclose(j->mf);
+    j->mf = NULL;
+    return rc;
+}
 
-    /* ---- identity and existing files ---- */
-    const char *fp = kf_model_fingerprint(m);
-    int n_todo = 0;
-    int64_t todo_tokens = 0;
-    for (int i = 0; i < docs.n; i++) {
-        job_doc *d = &docs.docs[i];
+/* The FILE arguments of this shard; one that cannot be read fails its document (reported). */
+static int read_files(compact_job *j) {
+    const compact_opts *o = j->o;
+    char err[1024];
+    for (int a = 0; a < o->n_files; a++) {
+        if (a % o->shard_n != o->shard_i)
+            continue;
+        job_doc *d = doc_list_add(&j->docs);
+        if (!d) { /* the documents read so far are still compacted */
+            cli_error(CMD, "out of memory");
+            j->rc = KF_EXIT_FAIL;
+            break;
+        }
+        const char *path = o->files[a], *base_name = strrchr(path, '/');
+        snprintf(d->source, sizeof d->source, "%s", path);
+        snprintf(d->name, sizeof d->name, "%s", base_name ? base_name + 1 : path);
+        if (doc_read_file(&j->text, path, &d->ids, &d->n, err, sizeof err) || check_doc(j->cfg, d, err, sizeof err)) {
+            clear_line();
+            cli_error(CMD, "%s", err);
+            d->state = ST_FAILED;
+        }
+    }
+    return CLI_CONTINUE;
+}
+
+/* ---- the plan ---- */
+
+/* Identity and existing files: each document's files (recipe, path, a valid one already there);
+ * counts the documents left to compute. */
+static int plan_files(compact_job *j) {
+    const compact_opts *o = j->o;
+    char err[1024];
+    for (int i = 0; i < j->docs.n; i++) {
+        job_doc *d = &j->docs.docs[i];
         if (d->state != ST_TODO)
             continue;
-        if (!d->instr && !def_instr) {
-            if (doc_tokenize(&text, instruction, strlen(instruction), 0, &def_instr, &n_def_instr, err, sizeof err)) {
-                cli_error(CMD, "--repeat-instruction: %s", err);
-                rc = KF_EXIT_USAGE;
-                goto done;
-            }
+        if (!d->instr && !j->def_instr &&
+            doc_tokenize(&j->text, o->instruction, strlen(o->instruction), 0, &j->def_instr, &j->n_def_instr, err,
+                         sizeof err)) {
+            cli_error(CMD, "--repeat-instruction: %s", err);
+            return KF_EXIT_USAGE;
         }
         char digest[KVF_DIGEST_LEN + 1];
         kvf_document_digest(d->ids, d->n, digest);
         kf_compact_params dp;
-        if (!(d->files = calloc((size_t)n_vars, sizeof *d->files)) ||
-            doc_params(&base, d, def_instr, n_def_instr, extra_probes, n_extra, &probes, &dp)) {
+        if (!(d->files = calloc((size_t)o->n_vars, sizeof *d->files)) || doc_params(j, d, &dp)) {
             cli_error(CMD, "out of memory");
-            rc = KF_EXIT_FAIL;
-            goto done;
+            return KF_EXIT_FAIL;
         }
-        const file_ids ids = {root, fp, digest, dtype, (int64_t)cfg->n_layers * cfg->n_kv_heads};
-        if (doc_files(d, &dp, vars, n_vars, &ids) == 0) {
-            n_todo++;
-            todo_tokens += d->n;
+        const file_ids ids = {o->root, j->fp, digest, j->dtype, (int64_t)j->cfg->n_layers * j->cfg->n_kv_heads};
+        if (doc_files(d, &dp, o->vars, o->n_vars, &ids) == 0) {
+            j->n_todo++;
+            j->todo_tokens += d->n;
         }
     }
+    return CLI_CONTINUE;
+}
 
-    /* ---- the sharing plan over the documents to compute ---- */
-    int32_t *todo = malloc(sizeof(int32_t) * (size_t)(n_todo + 1));   /* [n_todo] -> docs index */
-    const int32_t **seqs = malloc(sizeof *seqs * (size_t)(n_todo + 1)); /* [n_todo] */
-    int64_t *lens = malloc(sizeof(int64_t) * (size_t)(n_todo + 1));   /* [n_todo] */
-    kf_prefix_plan plan = {0};
-    if (!todo || !seqs || !lens) {
+/* The prefix-sharing plan over the documents to compute (j->todo in its order). */
+static int plan_sharing(compact_job *j) {
+    const int32_t **seqs = malloc(sizeof *seqs * (size_t)(j->n_todo + 1)); /* [n_todo] */
+    int64_t *lens = malloc(sizeof(int64_t) * (size_t)(j->n_todo + 1));   /* [n_todo] */
+    j->todo = malloc(sizeof(int32_t) * (size_t)(j->n_todo + 1));
+    int rc = CLI_CONTINUE;
+    if (!j->todo || !seqs || !lens) {
         cli_error(CMD, "out of memory");
         rc = KF_EXIT_FAIL;
-        goto done_plan;
-    }
-    n_todo = 0;
-    for (int i = 0; i < docs.n; i++)
-        if (docs.docs[i].state == ST_TODO) {
-            seqs[n_todo] = docs.docs[i].ids;
-            lens[n_todo] = docs.docs[i].n;
-            todo[n_todo++] = i;
-        }
-    const int chunk_eff = base.chunk > 0 ? base.chunk : KF_DEFAULT_CHUNK;
-    /* QUOKA chooses keys per chunk: share whole chunks so every chunk starts where it would */
-    const int granule = base.quoka ? chunk_eff : KF_PAGE_TOKENS;
-    const double kv_bytes = 2.0 * cfg->n_layers * cfg->n_kv_heads * cfg->head_dim * sizeof(float);
-    /* CPU estimates; the decision is not sensitive to them (compute saved per token is ~1,000x the
-     * bandwidth cost of keeping its KV for any transformer) */
-    const kf_prefix_cost cost = {.flops_per_token = 2.0 * (double)kf_model_n_params(m), .flops_per_s = 5e10,
-                                 .kv_bytes_per_token = kv_bytes, .bytes_per_s = 1e10, .writes_kv = 1};
-    kf_error e = {0};
-    if (kf_prefix_plan_build(seqs, lens, n_todo, share && granule % KF_PAGE_TOKENS == 0 ? granule : KF_PAGE_TOKENS,
-                             &cost, &plan, &e) != KF_OK) {
-        cli_error(CMD, "%s", e.msg);
-        rc = KF_EXIT_FAIL;
-        goto done_plan;
-    }
-    const int sharing = share && plan.enabled && !base.use_context_queries; /* those need the whole context */
-
-    /* ---- one arena for the run: the kept predecessor plus the current document and its sources ---- */
-    kf_arena arena = {0};
-    int64_t need = 0, prev_len = 0;
-    for (int k = 0; k < n_todo; k++) {
-        const job_doc *d = &docs.docs[todo[plan.order[k]]];
-        kf_compact_params dp;
-        if (doc_params(&base, d, def_instr, n_def_instr, extra_probes, n_extra, &probes, &dp)) {
-            cli_error(CMD, "out of memory");
+    } else {
+        j->n_todo = 0;
+        for (int i = 0; i < j->docs.n; i++)
+            if (j->docs.docs[i].state == ST_TODO) {
+                seqs[j->n_todo] = j->docs.docs[i].ids;
+                lens[j->n_todo] = j->docs.docs[i].n;
+                j->todo[j->n_todo++] = i;
+            }
+        const int chunk_eff = j->base.chunk > 0 ? j->base.chunk : KF_DEFAULT_CHUNK;
+        /* QUOKA chooses keys per chunk: share whole chunks so every chunk starts where it would */
+        const int granule = j->base.quoka ? chunk_eff : KF_PAGE_TOKENS;
+        const kf_hfconfig *cfg = j->cfg;
+        const double kv_bytes = 2.0 * cfg->n_layers * cfg->n_kv_heads * cfg->head_dim * sizeof(float);
+        /* CPU estimates; the decision is not sensitive to them (compute saved per token is ~1,000x the
+         * bandwidth cost of keeping its KV for any transformer) */
+        const kf_prefix_cost cost = {.flops_per_token = 2.0 * (double)kf_model_n_params(j->m), .flops_per_s = 5e10,
+                                     .kv_bytes_per_token = kv_bytes, .bytes_per_s = 1e10, .writes_kv = 1};
+        kf_error e = {0};
+        if (kf_prefix_plan_build(seqs, lens, j->n_todo,
+                                 j->o->share && granule % KF_PAGE_TOKENS == 0 ? granule : KF_PAGE_TOKENS, &cost,
+                                 &j->plan, &e) != KF_OK) {
+            cli_error(CMD, "%s", e.msg);
             rc = KF_EXIT_FAIL;
-            goto done_plan;
         }
-        const int64_t pages = kf_pages_for(sharing ? prev_len : 0) + kf_compact_arena_pages(&dp, d->n, d->n) + 1;
+        j->sharing = j->o->share && j->plan.enabled && !j->base.use_context_queries; /* those need the whole context */
+    }
+    free(seqs);
+    free(lens);
+    return rc;
+}
+
+/* One arena for the run, as large as the largest (kept predecessor, document and its sources). */
+static int plan_arena(compact_job *j) {
+    int64_t need = 0, prev_len = 0;
+    for (int k = 0; k < j->n_todo; k++) {
+        const job_doc *d = &j->docs.docs[j->todo[j->plan.order[k]]];
+        kf_compact_params dp;
+        if (doc_params(j, d, &dp)) {
+            cli_error(CMD, "out of memory");
+            return KF_EXIT_FAIL;
+        }
+        const int64_t pages = kf_pages_for(j->sharing ? prev_len : 0) + kf_compact_arena_pages(&dp, d->n, d->n) + 1;
         need = pages > need ? pages : need;
         prev_len = d->n;
     }
-    if (n_todo > 0 && kf_model_arena_dtype(m, &arena, need * KF_PAGE_TOKENS, base.arena_dtype, &e) != KF_OK) {
+    kf_error e = {0};
+    if (j->n_todo > 0 && kf_model_arena_dtype(j->m, &j->arena, need * KF_PAGE_TOKENS, j->base.arena_dtype, &e) != KF_OK) {
         cli_error(CMD, "%s", e.msg);
-        rc = KF_EXIT_FAIL;
-        goto done_plan;
+        return KF_EXIT_FAIL;
     }
+    return CLI_CONTINUE;
+}
 
-    /* ---- compact ---- */
-    progress pg = {.total = n_todo, .tokens_total = todo_tokens, .t0 = cli_now(), .quiet = quiet};
-    kf_seq prev;
-    kf_seq_init(&prev);
-    int prev_k = -1; /* plan index whose pages prev holds */
-    int64_t computed = 0, c_total = 0, d_total = 0, doc_tokens = 0; /* d_total: over files */
-    int n_done = 0, n_busy = 0, n_failed = 0;
-    for (int k = 0; k < n_todo; k++) {
-        const int pi = plan.order[k];
-        job_doc *d = &docs.docs[todo[pi]];
-        progress_draw(&pg, d->name[0] ? d->name : d->source);
-        const double t_doc = cli_now();
-        const int claimed = claim_files(d, n_vars, fp, err, sizeof err);
-        int64_t shared = 0;
-        kf_seq cur;
-        kf_seq_init(&cur);
-        if (claimed <= 0) {
-            if (claimed < 0) {
-                doc_fail(d->source, d->name, err);
-                d->state = ST_FAILED;
-                n_failed++;
-            } else { /* done or being done by another worker */
-                const int busy = any_file(d, n_vars, ST_BUSY);
-                d->state = busy ? ST_BUSY : ST_SKIPPED;
-                n_busy += busy;
-            }
-            kf_seq_release(&arena, &prev);
-            prev_k = -1;
-            pg.finished++;
-            pg.tokens_total -= d->n;
+/* ---- one document ---- */
+
+/* A document none of whose files this worker claimed: failed (err), or skipped / busy. */
+static void doc_passed_by(compact_job *j, job_doc *d, int claimed, const char *err) {
+    if (claimed < 0) {
+        doc_fail(d->source, d->name, err);
+        d->state = ST_FAILED;
+    } else { /* done or being done by another worker */
+        const int busy = any_file(d, j->o->n_vars, ST_BUSY);
+        d->state = busy ? ST_BUSY : ST_SKIPPED;
+        j->n_busy += busy;
+    }
+    kf_seq_release(&j->arena, &j->prev);
+    j->prev_k = -1;
+    j->pg.finished++;
+    j->pg.tokens_total -= d->n;
+}
+
+/* Prepares the document at plan position k once (on its predecessor's pages when they are still
+ * held) and solves every claimed variant into cc; keeps its pages in j->prev when the next
+ * document shares them. *shared: the tokens taken from the predecessor. */
+static kf_status doc_solve(compact_job *j, int k, const job_doc *d, const kf_compact_params *p, kf_compacted *cc,
+                           int64_t *shared, kf_error *e) {
+    const kf_prefix_plan *plan = &j->plan;
+    const int pi = plan->order[k], pred = plan->pred[pi];
+    const int parent_ok = j->sharing && plan->shared[pi] > 0 && pred >= 0 && pred == j->prev_k;
+    const int next_shares = j->sharing && k + 1 < j->n_todo && plan->shared[plan->order[k + 1]] > 0;
+    *shared = parent_ok ? plan->shared[pi] : 0;
+    kf_seq cur;
+    kf_seq_init(&cur);
+    kf_compact_reuse reuse = {.arena = &j->arena, .parent = parent_ok ? &j->prev : NULL, .shared = *shared,
+                              .keep = next_shares ? &cur : NULL};
+    kf_prompt doc = {d->ids, d->n};
+    kf_compact_variant cv[MAX_VARIANTS]; /* [nv] the claimed files' variants */
+    int nv = 0;
+    for (int v = 0; v < j->o->n_vars; v++)
+        if (d->files[v].state == ST_TODO)
+            cv[nv++] = j->o->vars[v];
+    kf_compact_prep *prep = NULL; /* one prefill, one set of queries and targets for every file */
+    kf_status st = kf_compact_prepare(j->m, &reuse, NULL, &doc, NULL, p, cv, nv, &prep, e);
+    if (st == KF_OK)
+        st = kf_compact_solve(prep, cv, nv, cc, e);
+    kf_compact_prep_free(prep, st == KF_OK ? reuse.keep : NULL);
+    kf_seq_release(&j->arena, &j->prev); /* the child holds what it took */
+    j->prev_k = -1;
+    if (st == KF_OK && next_shares) {
+        j->prev = cur;
+        j->prev_k = pi;
+    }
+    return st;
+}
+
+/* A document whose files are written: its counts, and a log line per file off a terminal. */
+static void doc_done(compact_job *j, job_doc *d, int64_t shared, double t_doc) {
+    d->state = ST_DONE;
+    j->n_done++;
+    j->computed += d->n - shared;
+    j->doc_tokens += d->n;
+    j->pg.tokens_done += d->n;
+    for (int v = 0; v < j->o->n_vars; v++) {
+        const job_file *f = &d->files[v];
+        if (f->state != ST_DONE)
             continue;
-        }
-        /* take the shared prefix from the predecessor when it is still held */
-        const int pred = plan.pred[pi];
-        const int parent_ok = sharing && plan.shared[pi] > 0 && pred >= 0 && pred == prev_k;
-        shared = parent_ok ? plan.shared[pi] : 0;
-        const int next_shares = sharing && k + 1 < n_todo && plan.shared[plan.order[k + 1]] > 0;
-        kf_compact_params p;
-        if (doc_params(&base, d, def_instr, n_def_instr, extra_probes, n_extra, &probes, &p)) {
-            cli_error(CMD, "out of memory");
-            rc = KF_EXIT_FAIL;
+        j->d_total += d->n;
+        j->c_total += f->C;
+        if (!g_tty && !j->o->quiet)
+            fprintf(stderr, "[compact] %d/%d %s%s%s%s: %d -> %lld tokens, shared %lld, %.2f s -> %s\n",
+                    j->pg.finished, j->pg.total, d->source, d->name[0] ? " (" : "", d->name, d->name[0] ? ")" : "",
+                    d->n, (long long)f->C, (long long)shared, cli_now() - t_doc, f->path);
+    }
+}
+
+/* The document at plan position k: claim its files, prepare once, solve every claimed variant,
+ * write the files. CLI_CONTINUE, or KF_EXIT_FAIL when the run cannot go on. */
+static int compact_doc(compact_job *j, int k) {
+    job_doc *d = &j->docs.docs[j->todo[j->plan.order[k]]];
+    progress_draw(&j->pg, d->name[0] ? d->name : d->source);
+    const double t_doc = cli_now();
+    char err[1024];
+    const int claimed = claim_files(d, j->o->n_vars, j->fp, err, sizeof err);
+    if (claimed <= 0) {
+        doc_passed_by(j, d, claimed, err);
+        return CLI_CONTINUE;
+    }
+    kf_compact_params p;
+    if (doc_params(j, d, &p)) {
+        cli_error(CMD, "out of memory");
+        return KF_EXIT_FAIL;
+    }
+    kf_compacted cc[MAX_VARIANTS]; /* the claimed files' caches, in variant order */
+    kf_error e = {0};
+    int64_t shared = 0;
+    kf_status st = doc_solve(j, k, d, &p, cc, &shared, &e);
+    const file_ids ids = {j->o->root, j->fp, NULL, j->dtype, 0};
+    st = write_files(d, j->o->n_vars, cc, st, &ids, j->text.digest, &e);
+    j->pg.finished++;
+    if (st != KF_OK) {
+        doc_fail(d->source, d->name, e.msg);
+        d->state = ST_FAILED;
+        j->pg.tokens_total -= d->n;
+        return CLI_CONTINUE;
+    }
+    doc_done(j, d, shared, t_doc);
+    return CLI_CONTINUE;
+}
+
+/* Every document of the plan, in its order. */
+static void compact_all(compact_job *j) {
+    j->pg = (progress){.total = j->n_todo, .tokens_total = j->todo_tokens, .t0 = cli_now(), .quiet = j->o->quiet};
+    kf_seq_init(&j->prev);
+    j->prev_k = -1;
+    for (int k = 0; k < j->n_todo; k++)
+        if (compact_doc(j, k) != CLI_CONTINUE) {
+            j->rc = KF_EXIT_FAIL;
             break;
         }
-        kf_compact_reuse reuse = {.arena = &arena, .parent = parent_ok ? &prev : NULL, .shared = shared,
-                                  .keep = next_shares ? &cur : NULL};
-        kf_prompt doc = {d->ids, d->n};
-        kf_compacted cc[MAX_VARIANTS]; /* [nv] the claimed files' caches */
-        kf_compact_variant cv[MAX_VARIANTS];
-        int nv = 0;
-        for (int v = 0; v < n_vars; v++)
-            if (d->files[v].state == ST_TODO)
-                cv[nv++] = vars[v];
-        kf_compact_prep *prep = NULL; /* one prefill, one set of queries and targets for every file */
-        kf_status st = kf_compact_prepare(m, &reuse, NULL, &doc, NULL, &p, cv, nv, &prep, &e);
-        if (st == KF_OK)
-            st = kf_compact_solve(prep, cv, nv, cc, &e);
-        kf_compact_prep_free(prep, st == KF_OK ? reuse.keep : NULL);
-        kf_seq_release(&arena, &prev); /* the child holds what it took */
-        prev_k = -1;
-        if (st == KF_OK && next_shares) {
-            prev = cur;
-            prev_k = pi;
-        }
-        const file_ids ids = {root, fp, NULL, dtype, 0};
-        st = write_files(d, n_vars, cc, st, &ids, text.digest, &e);
-        pg.finished++;
-        if (st != KF_OK) {
-            doc_fail(d->source, d->name, e.msg);
-            d->state = ST_FAILED;
-            n_failed++;
-            pg.tokens_total -= d->n;
-            continue;
-        }
-        d->state = ST_DONE;
-        n_done++;
-        computed += d->n - shared;
-        doc_tokens += d->n;
-        pg.tokens_done += d->n;
-        for (int v = 0; v < n_vars; v++) {
-            const job_file *f = &d->files[v];
-            if (f->state != ST_DONE)
-                continue;
-            d_total += d->n;
-            c_total += f->C;
-            if (!g_tty && !quiet)
-                fprintf(stderr, "[compact] %d/%d %s%s%s%s: %d -> %lld tokens, shared %lld, %.2f s -> %s\n",
-                        pg.finished, pg.total, d->source, d->name[0] ? " (" : "", d->name, d->name[0] ? ")" : "", d->n,
-                        (long long)f->C, (long long)shared, cli_now() - t_doc, f->path);
-        }
-    }
-    kf_seq_release(&arena, &prev);
-    if (arena.storage)
-        kf_arena_free(&arena);
+    kf_seq_release(&j->arena, &j->prev);
+    if (j->arena.storage)
+        kf_arena_free(&j->arena);
     clear_line();
+}
 
-    /* ---- summary ---- */
-    {
-        int n_skipped = 0, n_bad = 0;
-        for (int i = 0; i < docs.n; i++) {
-            n_skipped += docs.docs[i].state == ST_SKIPPED;
-            n_bad += docs.docs[i].state == ST_FAILED;
-        }
-        const double el = cli_now() - t_start;
-        printf("compact: %d documents (shard %lld/%lld): %d done, %d skipped (valid file exists), %d busy (another "
-               "worker), %d failed\n",
-               docs.n, shard_i, shard_n, n_done, n_skipped, n_busy, n_bad);
-        if (n_done > 0) {
-            if (n_vars == 1)
-                printf("tokens: %lld document tokens -> %lld cached (C/D %.3f, %.2fx smaller), %s %s, budget %g\n",
-                       (long long)d_total, (long long)c_total, (double)c_total / (double)d_total,
-                       (double)d_total / (double)c_total, kf_method_name(base.method), kvf_dtype_name(dtype),
-                       base.budget);
-            else
-                printf("tokens: %lld document tokens -> %lld cached over %d files per document (C/D %.3f), "
-                       "methods %s, budgets %s, %s\n",
-                       (long long)d_total, (long long)c_total, n_vars, (double)c_total / (double)d_total, methods_s,
-                       budgets_s, kvf_dtype_name(dtype));
-            printf("prefix sharing: %lld tokens computed, %lld without sharing (%s)\n", (long long)computed,
-                   (long long)doc_tokens,
-                   !share ? "off: --no-share" : sharing ? "on" : plan.saved_s > 0 ? "off: does not pay" : "nothing shared");
-        }
-        printf("time: %.2f s (%.0f document tokens/s), files under %s\n", el, el > 0 ? doc_tokens / el : 0, root);
-        if (fflush(stdout) != 0) /* now: the summary must not wait for exit (nor fail silently) */
-            cli_error(CMD, "cannot write the summary: %s", strerror(errno));
-        if (n_bad > 0 || ferror(stdout))
-            rc = KF_EXIT_FAIL;
+/* ---- the summary ---- */
+
+static void print_tokens(const compact_job *j) {
+    const compact_opts *o = j->o;
+    const double d_total = (double)j->d_total, c_total = (double)j->c_total;
+    if (o->n_vars == 1)
+        printf("tokens: %lld document tokens -> %lld cached (C/D %.3f, %.2fx smaller), %s %s, budget %g\n",
+               (long long)j->d_total, (long long)j->c_total, c_total / d_total, d_total / c_total,
+               kf_method_name(j->base.method), kvf_dtype_name(j->dtype), j->base.budget);
+    else
+        printf("tokens: %lld document tokens -> %lld cached over %d files per document (C/D %.3f), "
+               "methods %s, budgets %s, %s\n",
+               (long long)j->d_total, (long long)j->c_total, o->n_vars, c_total / d_total, o->methods_s,
+               o->budgets_s, kvf_dtype_name(j->dtype));
+    printf("prefix sharing: %lld tokens computed, %lld without sharing (%s)\n", (long long)j->computed,
+           (long long)j->doc_tokens,
+           !o->share ? "off: --no-share" : j->sharing ? "on" : j->plan.saved_s > 0 ? "off: does not pay" : "nothing shared");
+}
+
+static void print_summary(compact_job *j) {
+    const compact_opts *o = j->o;
+    int n_skipped = 0, n_bad = 0;
+    for (int i = 0; i < j->docs.n; i++) {
+        n_skipped += j->docs.docs[i].state == ST_SKIPPED;
+        n_bad += j->docs.docs[i].state == ST_FAILED;
     }
-done_plan:
-    kf_prefix_plan_free(&plan);
-    free(todo);
-    free(seqs);
-    free(lens);
-    free(def_instr);
-done:
-    for (int i = 0; i < docs.n; i++)
-        job_doc_free(&docs.docs[i]);
-    free(docs.docs);
-    for (int j = 0; j < n_extra; j++)
-        free((void *)extra_probes[j].ids);
-    free(extra_probes);
-    free(probes);
-    doc_text_free(&text);
-    if (mf)
-        fclose(mf);
-    if (pf)
-        fclose(pf);
-    kf_model_free(m);
-    backend->destroy(backend);
-    return rc;
+    const double el = cli_now() - j->t_start;
+    printf("compact: %d documents (shard %lld/%lld): %d done, %d skipped (valid file exists), %d busy (another "
+           "worker), %d failed\n",
+           j->docs.n, o->shard_i, o->shard_n, j->n_done, n_skipped, j->n_busy, n_bad);
+    if (j->n_done > 0)
+        print_tokens(j);
+    printf("time: %.2f s (%.0f document tokens/s), files under %s\n", el, el > 0 ? j->doc_tokens / el : 0, o->root);
+    if (fflush(stdout) != 0) /* now: the summary must not wait for exit (nor fail silently) */
+        cli_error(CMD, "cannot write the summary: %s", strerror(errno));
+    if (n_bad > 0 || ferror(stdout))
+        j->rc = KF_EXIT_FAIL;
+}
+
+/* The stages in order; the exit status. */
+static int compact_run(compact_job *j) {
+    int rc = job_open(j);
+    if (rc == CLI_CONTINUE && j->pf)
+        rc = read_extra_probes(j);
+    if (rc == CLI_CONTINUE)
+        rc = j->mf ? read_manifest(j) : read_files(j);
+    if (rc == CLI_CONTINUE)
+        rc = plan_files(j);
+    if (rc == CLI_CONTINUE)
+        rc = plan_sharing(j);
+    if (rc == CLI_CONTINUE)
+        rc = plan_arena(j);
+    if (rc != CLI_CONTINUE)
+        return rc;
+    compact_all(j);
+    print_summary(j);
+    return j->rc;
+}
+
+int cmd_compact(int argc, char **argv) {
+    compact_opts o;
+    const int rc = compact_parse(argc, argv, &o);
+    if (rc != CLI_CONTINUE)
+        return rc;
+    g_tty = isatty(2) && !o.quiet;
+    compact_job j = {.o = &o, .base = cli_compact_params(&o.q), .rc = KF_EXIT_OK};
+    const int status = compact_run(&j);
+    job_free(&j);
+    return status;
 }

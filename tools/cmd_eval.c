@@ -568,19 +568,17 @@ int cmd_eval(int argc, char **argv) {
         {"docs", required_argument, 0, 'd'},    {"budgets", required_argument, 0, 'b'},
         {"methods", required_argument, 0, 'M'}, {"probes", required_argument, 0, 'p'},
         {"format", required_argument, 0, 'f'},  {"limit", required_argument, 0, 'l'},
-        {"fold-queries", required_argument, 0, 'F'}, {"lambda", required_argument, 0, 'L'},
-        {"max-queries", required_argument, 0, 'Q'}, {"chunk", required_argument, 0, 'c'},
+        {"fold-queries", required_argument, 0, 'F'},
         {"head-budgets", required_argument, 0, 'H'}, {"per-head", required_argument, 0, 'P'},
         {"probe-form", required_argument, 0, 'A'}, {"probes-out", required_argument, 0, 'O'},
-        CLI_PREFILL_OPTIONS, CLI_QUALITY_OPTIONS, {0, 0, 0, 0}};
+        CLI_COMPACT_OPTIONS, {0, 0, 0, 0}};
     const char *head_budgets = NULL, *per_head_path = NULL, *probes_out = NULL;
     const char *model_dir = NULL, *docs = NULL, *methods_s = "full,keep,drop,am,fold", *budgets_s = "0.25,0.1";
-    long long probes = 0, limit = 1 << 30, maxq = 50000;
+    long long probes = 0, limit = 1 << 30;
     int tsv = 0;
     probe_form form = PROBE_QA;
-    kf_compact_params base = kf_compact_params_default();
-    kf_quoka_params prefill = cli_prefill_defaults();
-    long long chunk = 0;
+    cli_compact_opts q;
+    cli_compact_opts_init(&q);
     optind = 1;
     for (int c; (c = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
         switch (c) {
@@ -603,10 +601,6 @@ int cmd_eval(int argc, char **argv) {
             if (cli_parse_int(optarg, 1, 1 << 30, &limit))
                 return cli_usage_error("eval quality", "--limit must be a positive count, not '%s'", optarg);
             break;
-        case 'Q':
-            if (cli_parse_int(optarg, 1, 1LL << 40, &maxq))
-                return cli_usage_error("eval quality", "--max-queries must be a positive count, not '%s'", optarg);
-            break;
         case 'f':
             if (strcmp(optarg, "tsv") && strcmp(optarg, "table"))
                 return cli_usage_error("eval quality", "--format is tsv or table, not '%s'", optarg);
@@ -615,28 +609,12 @@ int cmd_eval(int argc, char **argv) {
         case 'F':
             if (strcmp(optarg, "all") && strcmp(optarg, "probes"))
                 return cli_usage_error("eval quality", "--fold-queries is all or probes, not '%s'", optarg);
-            base.fold_queries = strcmp(optarg, "probes") == 0 ? KF_FOLD_ON_PROBES : KF_FOLD_ON_ALL;
+            q.p.fold_queries = strcmp(optarg, "probes") == 0 ? KF_FOLD_ON_PROBES : KF_FOLD_ON_ALL;
             break;
-        case 'L': {
-            char *end;
-            base.lambda_rel = strtod(optarg, &end);
-            if (*end || !(base.lambda_rel >= 0))
-                return cli_usage_error("eval quality", "--lambda must be a non-negative number, not '%s'", optarg);
-            break;
-        }
         case 'H': head_budgets = optarg; break;
         case 'P': per_head_path = optarg; break;
-        case 'c':
-            if (cli_parse_int(optarg, 1, 1 << 24, &chunk))
-                return cli_usage_error("eval quality", "--chunk must be a positive count, not '%s'", optarg);
-            break;
         default: {
-            const int qr = cli_quality_option("eval quality", c, optarg, &base);
-            if (qr < 0)
-                return KF_EXIT_USAGE;
-            if (qr > 0)
-                break;
-            const int r = cli_prefill_option("eval quality", c, optarg, &prefill);
+            const int r = cli_compact_option("eval quality", c, optarg, &q);
             if (r < 0)
                 return KF_EXIT_USAGE;
             if (r == 0)
@@ -644,11 +622,9 @@ int cmd_eval(int argc, char **argv) {
         }
         }
     }
-    base.quoka = cli_prefill_params(&prefill); /* the compaction's document prefill */
-    base.chunk = (int)chunk;
+    const kf_compact_params base = cli_compact_params(&q); /* QUOKA: the compaction's document prefill */
     if (!model_dir || !docs || optind != argc)
         return cli_usage_error("eval quality", "--model and --docs are required");
-    base.max_queries = maxq;
     double budgets[16];
     const int n_budgets = parse_list(budgets_s, budgets, 16);
     if (n_budgets <= 0)
