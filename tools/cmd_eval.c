@@ -494,64 +494,171 @@ static int eval_documents(const eval_ctx *x, FILE *f, FILE *probes_f, eval_row *
     return rc;
 }
 
-static int eval_run(const char *model_dir, const char *docs, const char *head_budgets, const char *per_head_path,
-                    const char *probes_out, const kf_compact_params *base, eval_row *rows, int n_rows, int limit,
-                    int probes, probe_form form, int tsv) {
-    eval_ctx x = {.docs = docs, .base = *base};
-    FILE *f = fopen(docs, "r");
-    if (!f) {
-        cli_error("eval quality", "%s: cannot open", docs);
-        return KF_EXIT_FAIL;
+/* ---- the command line ---- */
+
+/* kvfold eval quality's options as given. */
+typedef struct {
+    const char *model_dir, *docs, *methods_s, *budgets_s, *head_budgets, *per_head_path, *probes_out;
+    long long probes, limit;
+    int tsv;
+    probe_form form;
+    cli_compact_opts q; /* the compaction's parameters (shared with compact); QUOKA: its document prefill */
+} eval_opts;
+
+static const struct option kOpts[] = {
+    {"help", no_argument, 0, 'h'},               {"model", required_argument, 0, 'm'},
+    {"docs", required_argument, 0, 'd'},         {"budgets", required_argument, 0, 'b'},
+    {"methods", required_argument, 0, 'M'},      {"probes", required_argument, 0, 'p'},
+    {"format", required_argument, 0, 'f'},       {"limit", required_argument, 0, 'l'},
+    {"fold-queries", required_argument, 0, 'F'}, {"head-budgets", required_argument, 0, 'H'},
+    {"per-head", required_argument, 0, 'P'},     {"probe-form", required_argument, 0, 'A'},
+    {"probes-out", required_argument, 0, 'O'},   CLI_COMPACT_OPTIONS,
+    {0, 0, 0, 0}};
+
+/* One option into o: CLI_CONTINUE, or the exit status (--help, a bad value). */
+static int eval_option(eval_opts *o, int c, const char *arg) {
+    switch (c) {
+    case 'h': fputs(kHelp, stdout); return KF_EXIT_OK;
+    case 'm': o->model_dir = arg; break;
+    case 'd': o->docs = arg; break;
+    case 'b': o->budgets_s = arg; break;
+    case 'M': o->methods_s = arg; break;
+    case 'O': o->probes_out = arg; break;
+    case 'H': o->head_budgets = arg; break;
+    case 'P': o->per_head_path = arg; break;
+    case 'p':
+        if (cli_parse_int(arg, 0, 100000, &o->probes))
+            return cli_usage_error("eval quality", "--probes must be a count, not '%s'", arg);
+        break;
+    case 'A':
+        if (strcmp(arg, "qa") && strcmp(arg, "question"))
+            return cli_usage_error("eval quality", "--probe-form is qa or question, not '%s'", arg);
+        o->form = strcmp(arg, "question") == 0 ? PROBE_QUESTION : PROBE_QA;
+        break;
+    case 'l':
+        if (cli_parse_int(arg, 1, 1 << 30, &o->limit))
+            return cli_usage_error("eval quality", "--limit must be a positive count, not '%s'", arg);
+        break;
+    case 'f':
+        if (strcmp(arg, "tsv") && strcmp(arg, "table"))
+            return cli_usage_error("eval quality", "--format is tsv or table, not '%s'", arg);
+        o->tsv = strcmp(arg, "tsv") == 0;
+        break;
+    case 'F':
+        if (strcmp(arg, "all") && strcmp(arg, "probes"))
+            return cli_usage_error("eval quality", "--fold-queries is all or probes, not '%s'", arg);
+        o->q.p.fold_queries = strcmp(arg, "probes") == 0 ? KF_FOLD_ON_PROBES : KF_FOLD_ON_ALL;
+        break;
+    default: {
+        const int r = cli_compact_option("eval quality", c, arg, &o->q);
+        if (r < 0)
+            return KF_EXIT_USAGE;
+        if (r == 0)
+            return cli_usage_error("eval quality", "bad option");
     }
-    kf_backend *b = NULL;
-    float *shares = NULL;
-    FILE *probes_f = NULL;
-    int rc = KF_EXIT_FAIL;
-    if (!(x.m = cli_load_model("eval quality", model_dir, &b)))
-        goto out;
-    const kf_hfconfig *cfg = kf_model_config(x.m);
+    }
+    return CLI_CONTINUE;
+}
+
+/* The options, then the required ones and the rows (*rows, *n_rows: every (method, budget) and
+ * full); CLI_CONTINUE or the exit status. */
+static int eval_parse(int argc, char **argv, eval_opts *o, eval_row **rows, int *n_rows) {
+    *o = (eval_opts){.methods_s = "full,keep,drop,am,fold", .budgets_s = "0.25,0.1", .limit = 1 << 30,
+                     .form = PROBE_QA};
+    cli_compact_opts_init(&o->q);
+    optind = 1;
+    for (int c; (c = getopt_long(argc, argv, "h", kOpts, NULL)) != -1;) {
+        const int rc = eval_option(o, c, optarg);
+        if (rc != CLI_CONTINUE)
+            return rc;
+    }
+    if (!o->model_dir || !o->docs || optind != argc)
+        return cli_usage_error("eval quality", "--model and --docs are required");
+    double budgets[16];
+    const int n_budgets = parse_list(o->budgets_s, budgets, 16);
+    if (n_budgets <= 0)
+        return cli_usage_error("eval quality", "--budgets: fractions in (0, 1] separated by commas, not '%s'",
+                               o->budgets_s);
+    *n_rows = parse_rows(o->methods_s, budgets, n_budgets, rows);
+    return *n_rows < 0 ? KF_EXIT_USAGE : CLI_CONTINUE;
+}
+
+/* ---- the run ---- */
+
+/* What a run opens: the documents, the model, the head budgets, the outputs. */
+typedef struct {
+    eval_ctx x;
+    FILE *f, *probes_f;
+    kf_backend *b;
+    float *shares; /* [n_layers, kv_heads] --head-budgets */
+} eval_files;
+
+static void eval_close(eval_files *r) {
+    if (r->x.per_head)
+        fclose(r->x.per_head);
+    if (r->probes_f)
+        fclose(r->probes_f);
+    free(r->x.head_lse);
+    free(r->x.head_out);
+    free(r->shares);
+    if (r->f)
+        fclose(r->f);
+    kf_model_free(r->x.m);
+    if (r->b)
+        r->b->destroy(r->b);
+}
+
+/* Opens everything o names; 0, or -1 (reported). */
+static int eval_open(const eval_opts *o, eval_files *r) {
+    eval_ctx *x = &r->x;
+    *r = (eval_files){.x = {.docs = o->docs, .base = cli_compact_params(&o->q)}};
+    if (!(r->f = fopen(o->docs, "r"))) {
+        cli_error("eval quality", "%s: cannot open", o->docs);
+        return -1;
+    }
+    if (!(x->m = cli_load_model("eval quality", o->model_dir, &r->b)))
+        return -1;
+    const kf_hfconfig *cfg = kf_model_config(x->m);
     const int n_heads = cfg->n_layers * cfg->n_kv_heads;
-    if (head_budgets) {
+    if (o->head_budgets) {
         kf_error berr = {0};
-        shares = malloc(sizeof(float) * (size_t)n_heads); /* [n_layers, kv_heads] */
-        if (!shares || kf_head_budgets_load(head_budgets, cfg->n_layers, cfg->n_kv_heads, shares, &berr) != KF_OK) {
-            cli_error("eval quality", "%s", shares ? berr.msg : "out of memory");
-            goto out;
+        r->shares = malloc(sizeof(float) * (size_t)n_heads);
+        if (!r->shares || kf_head_budgets_load(o->head_budgets, cfg->n_layers, cfg->n_kv_heads, r->shares, &berr) != KF_OK) {
+            cli_error("eval quality", "%s", r->shares ? berr.msg : "out of memory");
+            return -1;
         }
-        x.base.head_budgets = shares;
+        x->base.head_budgets = r->shares;
     }
-    x.head_lse = calloc((size_t)n_heads, sizeof(double));
-    x.head_out = calloc((size_t)n_heads, sizeof(double));
-    if ((per_head_path && !(x.per_head = fopen(per_head_path, "w"))) ||
-        (probes_out && !(probes_f = fopen(probes_out, "w")))) {
-        cli_error("eval quality", "%s: cannot write", x.per_head || !per_head_path ? probes_out : per_head_path);
-        goto out;
+    x->head_lse = calloc((size_t)n_heads, sizeof(double));
+    x->head_out = calloc((size_t)n_heads, sizeof(double));
+    if ((o->per_head_path && !(x->per_head = fopen(o->per_head_path, "w"))) ||
+        (o->probes_out && !(r->probes_f = fopen(o->probes_out, "w")))) {
+        cli_error("eval quality", "%s: cannot write", x->per_head || !o->per_head_path ? o->probes_out : o->per_head_path);
+        return -1;
     }
-    if (x.per_head)
-        fprintf(x.per_head, "line\tmethod\tbudget\tlayer\tkv_head\tlse_err\tout_err\tvar_gain\n");
-    eval_counts n = {0};
-    const double t0 = cli_now();
-    rc = eval_documents(&x, f, probes_f, rows, n_rows, limit, probes, form, &n);
-    if (n.n_read == 0) {
-        cli_error("eval quality", "%s: no documents", docs);
-        rc = KF_EXIT_FAIL;
-    } else {
-        print_table(rows, n_rows, tsv, &n);
-        if (!tsv)
-            print_footer(&n, probes, form, cli_now() - t0);
+    if (x->per_head)
+        fprintf(x->per_head, "line\tmethod\tbudget\tlayer\tkv_head\tlse_err\tout_err\tvar_gain\n");
+    return 0;
+}
+
+/* Evaluates every document and prints the table; the exit status. */
+static int eval_run(const eval_opts *o, eval_row *rows, int n_rows) {
+    eval_files r;
+    int rc = KF_EXIT_FAIL;
+    if (eval_open(o, &r) == 0) {
+        eval_counts n = {0};
+        const double t0 = cli_now();
+        rc = eval_documents(&r.x, r.f, r.probes_f, rows, n_rows, (int)o->limit, (int)o->probes, o->form, &n);
+        if (n.n_read == 0) {
+            cli_error("eval quality", "%s: no documents", o->docs);
+            rc = KF_EXIT_FAIL;
+        } else {
+            print_table(rows, n_rows, o->tsv, &n);
+            if (!o->tsv)
+                print_footer(&n, o->probes, o->form, cli_now() - t0);
+        }
     }
-out:
-    if (x.per_head)
-        fclose(x.per_head);
-    if (probes_f)
-        fclose(probes_f);
-    free(x.head_lse);
-    free(x.head_out);
-    free(shares);
-    fclose(f);
-    kf_model_free(x.m);
-    if (b)
-        b->destroy(b);
+    eval_close(&r);
     return rc;
 }
 
@@ -562,79 +669,12 @@ int cmd_eval(int argc, char **argv) {
     }
     if (strcmp(argv[1], "quality") != 0)
         return cli_usage_error("eval", "unknown evaluation '%s' (try 'kvfold eval quality')", argv[1]);
-    argc--, argv++;
-    static const struct option opts[] = {
-        {"help", no_argument, 0, 'h'},          {"model", required_argument, 0, 'm'},
-        {"docs", required_argument, 0, 'd'},    {"budgets", required_argument, 0, 'b'},
-        {"methods", required_argument, 0, 'M'}, {"probes", required_argument, 0, 'p'},
-        {"format", required_argument, 0, 'f'},  {"limit", required_argument, 0, 'l'},
-        {"fold-queries", required_argument, 0, 'F'},
-        {"head-budgets", required_argument, 0, 'H'}, {"per-head", required_argument, 0, 'P'},
-        {"probe-form", required_argument, 0, 'A'}, {"probes-out", required_argument, 0, 'O'},
-        CLI_COMPACT_OPTIONS, {0, 0, 0, 0}};
-    const char *head_budgets = NULL, *per_head_path = NULL, *probes_out = NULL;
-    const char *model_dir = NULL, *docs = NULL, *methods_s = "full,keep,drop,am,fold", *budgets_s = "0.25,0.1";
-    long long probes = 0, limit = 1 << 30;
-    int tsv = 0;
-    probe_form form = PROBE_QA;
-    cli_compact_opts q;
-    cli_compact_opts_init(&q);
-    optind = 1;
-    for (int c; (c = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
-        switch (c) {
-        case 'h': fputs(kHelp, stdout); return KF_EXIT_OK;
-        case 'm': model_dir = optarg; break;
-        case 'd': docs = optarg; break;
-        case 'b': budgets_s = optarg; break;
-        case 'M': methods_s = optarg; break;
-        case 'p':
-            if (cli_parse_int(optarg, 0, 100000, &probes))
-                return cli_usage_error("eval quality", "--probes must be a count, not '%s'", optarg);
-            break;
-        case 'A':
-            if (strcmp(optarg, "qa") && strcmp(optarg, "question"))
-                return cli_usage_error("eval quality", "--probe-form is qa or question, not '%s'", optarg);
-            form = strcmp(optarg, "question") == 0 ? PROBE_QUESTION : PROBE_QA;
-            break;
-        case 'O': probes_out = optarg; break;
-        case 'l':
-            if (cli_parse_int(optarg, 1, 1 << 30, &limit))
-                return cli_usage_error("eval quality", "--limit must be a positive count, not '%s'", optarg);
-            break;
-        case 'f':
-            if (strcmp(optarg, "tsv") && strcmp(optarg, "table"))
-                return cli_usage_error("eval quality", "--format is tsv or table, not '%s'", optarg);
-            tsv = strcmp(optarg, "tsv") == 0;
-            break;
-        case 'F':
-            if (strcmp(optarg, "all") && strcmp(optarg, "probes"))
-                return cli_usage_error("eval quality", "--fold-queries is all or probes, not '%s'", optarg);
-            q.p.fold_queries = strcmp(optarg, "probes") == 0 ? KF_FOLD_ON_PROBES : KF_FOLD_ON_ALL;
-            break;
-        case 'H': head_budgets = optarg; break;
-        case 'P': per_head_path = optarg; break;
-        default: {
-            const int r = cli_compact_option("eval quality", c, optarg, &q);
-            if (r < 0)
-                return KF_EXIT_USAGE;
-            if (r == 0)
-                return cli_usage_error("eval quality", "bad option");
-        }
-        }
-    }
-    const kf_compact_params base = cli_compact_params(&q); /* QUOKA: the compaction's document prefill */
-    if (!model_dir || !docs || optind != argc)
-        return cli_usage_error("eval quality", "--model and --docs are required");
-    double budgets[16];
-    const int n_budgets = parse_list(budgets_s, budgets, 16);
-    if (n_budgets <= 0)
-        return cli_usage_error("eval quality", "--budgets: fractions in (0, 1] separated by commas, not '%s'", budgets_s);
+    eval_opts o;
     eval_row *rows = NULL;
-    const int n_rows = parse_rows(methods_s, budgets, n_budgets, &rows);
-    if (n_rows < 0)
-        return KF_EXIT_USAGE;
-    const int rc = eval_run(model_dir, docs, head_budgets, per_head_path, probes_out, &base, rows, n_rows,
-                            (int)limit, (int)probes, form, tsv);
+    int n_rows = 0;
+    int rc = eval_parse(argc - 1, argv + 1, &o, &rows, &n_rows);
+    if (rc == CLI_CONTINUE)
+        rc = eval_run(&o, rows, n_rows);
     free(rows);
     return rc;
 }
