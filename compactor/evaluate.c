@@ -263,84 +263,126 @@ static double kl_rows(const float *lp, const float *lq, int rows, int V, const i
     return total;
 }
 
-kf_status kf_quality_measure(kf_model *m, const kf_reference *r, kf_compacted *c, kf_quality *out,
-                             double *head_lse, double *head_out, kf_error *err) {
-    memset(out, 0, sizeof *out);
-    const int V = r->V, L = r->L, kvh = r->kvh, d = r->d;
-    const size_t row = (size_t)kvh * d;
-    if (c->n_prefix || c->n_suffix || c->D != r->doc.n)
-        return kf_fail(err, KF_ERR_INVALID, "evaluate: the cache is not of this document");
-    int longest = r->instruction.n + r->doc.n;
-    for (int i = 0; i < r->n_qa; i++)
-        longest = r->qa[i].question.n + r->qa[i].answer.n > longest ? r->qa[i].question.n + r->qa[i].answer.n : longest;
-    kf_arena a = {0};
+/* One compacted cache attached for measuring: its arena and sequence, its key bias, the logits of
+ * one teacher-forced pass. */
+typedef struct {
+    kf_model *m;
+    const kf_reference *r;
+    kf_compacted *c;
+    kf_arena a;
     kf_seq seq;
-    kf_seq_init(&seq);
-    /* lq holds the rows of one teacher-forced pass: the repeat (doc.n rows) or an answer */
-    int lq_rows = r->doc.n;
-    for (int i = 0; i < r->n_qa; i++)
+    const float **bias_l;     /* [L] */
+    const float *const *bias; /* kf_compacted_bias */
+    int64_t off;              /* kf_compacted_pos_offset */
+    float *lq;                /* [lq_rows, vocab] the repeat (doc.n rows) or an answer */
+} measure_ctx;
+
+/* Attaches x->c in an arena of its own, large enough for the longest pass. */
+static kf_status measure_open(measure_ctx *x, kf_error *err) {
+    const kf_reference *r = x->r;
+    int longest = r->instruction.n + r->doc.n, lq_rows = r->doc.n;
+    for (int i = 0; i < r->n_qa; i++) {
+        const int n = r->qa[i].question.n + r->qa[i].answer.n;
+        longest = n > longest ? n : longest;
         lq_rows = r->qa[i].answer.n > lq_rows ? r->qa[i].answer.n : lq_rows;
-    const float **bias_l = calloc((size_t)L, sizeof *bias_l);
-    float *lq = malloc(sizeof(float) * (size_t)lq_rows * V); /* [lq_rows, vocab] */
-    kf_status rc = bias_l && lq ? kf_model_arena(m, &a, c->C + longest + KF_PAGE_TOKENS, err)
-                                : kf_fail(err, KF_ERR_NOMEM, "evaluate: out of memory");
+    }
+    kf_seq_init(&x->seq);
+    x->bias_l = calloc((size_t)r->L, sizeof *x->bias_l);
+    x->lq = malloc(sizeof(float) * (size_t)lq_rows * r->V);
+    kf_status rc = x->bias_l && x->lq ? kf_model_arena(x->m, &x->a, x->c->C + longest + KF_PAGE_TOKENS, err)
+                                      : kf_fail(err, KF_ERR_NOMEM, "evaluate: out of memory");
     if (rc == KF_OK)
-        rc = kf_compacted_attach(c, &a, &seq, err);
-    const float *const *bias = kf_compacted_bias(c, bias_l);
-    const int64_t off = kf_compacted_pos_offset(c);
-    if (rc == KF_OK)
-        rc = teacher_force(m, &a, &seq, &r->instruction, &r->doc, bias, (int)c->C, off, lq, NULL, err);
+        rc = kf_compacted_attach(x->c, &x->a, &x->seq, err);
+    x->bias = kf_compacted_bias(x->c, x->bias_l);
+    x->off = kf_compacted_pos_offset(x->c);
+    return rc;
+}
+
+static void measure_close(measure_ctx *x) {
+    kf_seq_release(&x->a, &x->seq);
+    if (x->a.storage)
+        kf_arena_free(&x->a);
+    free(x->bias_l);
+    free(x->lq);
+}
+
+/* The repeat teacher-forced on the cache: KL against the full context's, copy accuracy (sums). */
+static kf_status measure_repeat(measure_ctx *x, kf_quality *out, kf_error *err) {
+    const kf_reference *r = x->r;
+    const kf_status rc = teacher_force(x->m, &x->a, &x->seq, &r->instruction, &r->doc, x->bias, (int)x->c->C, x->off,
+                                       x->lq, NULL, err);
     if (rc == KF_OK) {
         int hits = 0;
-        out->kl_repeat = kl_rows(r->repeat_logp, lq, r->doc.n, V, r->doc.ids, &hits);
+        out->kl_repeat = kl_rows(r->repeat_logp, x->lq, r->doc.n, r->V, r->doc.ids, &hits);
         out->copy_acc = hits;
         out->n_repeat = r->doc.n;
     }
-    for (int i = 0; i < r->n_qa && rc == KF_OK; i++) {
-        const kf_qa *qa = &r->qa[i];
-        rc = teacher_force(m, &a, &seq, &qa->question, &qa->answer, bias, (int)c->C, off, lq, NULL, err);
-        if (rc != KF_OK)
-            break;
-        out->kl_answer += kl_rows(r->refs[i].logp, lq, qa->answer.n, V, NULL, NULL);
-        out->n_answer += qa->answer.n;
-        const int fr = kf_qa_fact_row(qa);
-        if (fr >= 0) {
-            int hit = 0;
-            kl_rows(r->refs[i].logp + (size_t)fr * V, lq + (size_t)fr * V, 1, V, qa->answer.ids + fr, &hit);
-            out->fact_acc += hit;
-            out->n_facts++;
-        }
-        /* greedy answer of the gold answer's length, stopped at its first wrong token (exact
-         * match is all or nothing: the rest cannot change it) */
-        int32_t last = qa->question.n - 1;
-        kf_forward_args fa = {.ids = qa->question.ids, .n_tokens = qa->question.n, .pos_offset = off,
-                              .logit_rows = &last, .n_logit_rows = 1, .logits = lq, .key_bias = bias,
-                              .key_bias_len = (int)c->C};
-        int match = 1;
-        int32_t tok = 0;
-        for (int j = 0; j < qa->answer.n && rc == KF_OK && match; j++) {
-            rc = kf_model_forward(m, &a, &seq, &fa, err);
-            int32_t arg = 0;
-            for (int v = 1; v < V; v++)
-                arg = lq[v] > lq[arg] ? v : arg;
-            match &= arg == qa->answer.ids[j];
-            tok = arg;
-            last = 0;
-            fa.ids = &tok;
-            fa.n_tokens = 1;
-        }
-        out->qa_em += match;
-        out->n_questions++;
-        if (rc == KF_OK)
-            rc = kf_seq_truncate(&a, &seq, c->C, err);
+    return rc;
+}
+
+/* Greedy answer of the gold answer's length, stopped at its first wrong token (exact match is
+ * all or nothing: the rest cannot change it); *match 1 when every token matched. */
+static kf_status greedy_match(measure_ctx *x, const kf_qa *qa, int *match, kf_error *err) {
+    const int V = x->r->V;
+    int32_t last = qa->question.n - 1;
+    kf_forward_args fa = {.ids = qa->question.ids, .n_tokens = qa->question.n, .pos_offset = x->off,
+                          .logit_rows = &last, .n_logit_rows = 1, .logits = x->lq, .key_bias = x->bias,
+                          .key_bias_len = (int)x->c->C};
+    kf_status rc = KF_OK;
+    int32_t tok = 0;
+    *match = 1;
+    for (int j = 0; j < qa->answer.n && rc == KF_OK && *match; j++) {
+        rc = kf_model_forward(x->m, &x->a, &x->seq, &fa, err);
+        int32_t arg = 0;
+        for (int v = 1; v < V; v++)
+            arg = x->lq[v] > x->lq[arg] ? v : arg;
+        *match &= arg == qa->answer.ids[j];
+        tok = arg;
+        last = 0;
+        fa.ids = &tok;
+        fa.n_tokens = 1;
     }
-    /* per-head diagnostics in AM's frame, on the held-out question/answer queries */
-    const int was_rotated = c->rotated;
+    return rc;
+}
+
+/* Question i on the cache: the answer's KL and fact accuracy teacher-forced, then the greedy
+ * answer's exact match (sums); the cache is truncated back to itself. */
+static kf_status measure_answer(measure_ctx *x, int i, kf_quality *out, kf_error *err) {
+    const kf_reference *r = x->r;
+    const kf_qa *qa = &r->qa[i];
+    const int V = r->V;
+    kf_status rc = teacher_force(x->m, &x->a, &x->seq, &qa->question, &qa->answer, x->bias, (int)x->c->C, x->off,
+                                 x->lq, NULL, err);
+    if (rc != KF_OK)
+        return rc;
+    out->kl_answer += kl_rows(r->refs[i].logp, x->lq, qa->answer.n, V, NULL, NULL);
+    out->n_answer += qa->answer.n;
+    const int fr = kf_qa_fact_row(qa);
+    if (fr >= 0) {
+        int hit = 0;
+        kl_rows(r->refs[i].logp + (size_t)fr * V, x->lq + (size_t)fr * V, 1, V, qa->answer.ids + fr, &hit);
+        out->fact_acc += hit;
+        out->n_facts++;
+    }
+    int match = 1;
+    rc = greedy_match(x, qa, &match, err);
+    out->qa_em += match;
+    out->n_questions++;
     if (rc == KF_OK)
-        kf_compacted_set_frame(c, m, 0);
+        rc = kf_seq_truncate(&x->a, &x->seq, x->c->C, err);
+    return rc;
+}
+
+/* Per-head diagnostics in AM's frame, on the held-out question/answer queries: the mean over
+ * heads of each head's mean over questions (head_lse, head_out [L, kvh] when not NULL). */
+static kf_status measure_heads(kf_model *m, const kf_reference *r, kf_compacted *c, kf_quality *out,
+                               double *head_lse, double *head_out, kf_error *err) {
+    const int L = r->L, kvh = r->kvh, d = r->d;
+    const size_t row = (size_t)kvh * d;
+    const int was_rotated = c->rotated;
+    kf_compacted_set_frame(c, m, 0);
     diag_rows w = {0};
-    if (rc == KF_OK && diag_rows_alloc(&w, r) != 0)
-        rc = kf_fail(err, KF_ERR_NOMEM, "evaluate: out of memory");
+    kf_status rc = diag_rows_alloc(&w, r) == 0 ? KF_OK : kf_fail(err, KF_ERR_NOMEM, "evaluate: out of memory");
     const float scale = 1.0f / sqrtf((float)d);
     for (int l = 0; l < L && rc == KF_OK; l++)
         for (int g = 0; g < kvh && rc == KF_OK; g++) {
@@ -372,7 +414,11 @@ kf_status kf_quality_measure(kf_model *m, const kf_reference *r, kf_compacted *c
     }
     kf_compacted_set_frame(c, m, was_rotated);
     diag_rows_free(&w);
-    /* turn sums into means */
+    return rc;
+}
+
+/* Sums into means. */
+static void quality_means(kf_quality *out) {
     if (out->n_repeat)
         out->kl_repeat /= (double)out->n_repeat, out->copy_acc /= (double)out->n_repeat;
     if (out->n_answer)
@@ -381,11 +427,23 @@ kf_status kf_quality_measure(kf_model *m, const kf_reference *r, kf_compacted *c
         out->qa_em /= (double)out->n_questions;
     if (out->n_facts)
         out->fact_acc /= (double)out->n_facts;
-    kf_seq_release(&a, &seq);
-    if (a.storage)
-        kf_arena_free(&a);
-    free(bias_l);
-    free(lq);
+}
+
+kf_status kf_quality_measure(kf_model *m, const kf_reference *r, kf_compacted *c, kf_quality *out,
+                             double *head_lse, double *head_out, kf_error *err) {
+    memset(out, 0, sizeof *out);
+    if (c->n_prefix || c->n_suffix || c->D != r->doc.n)
+        return kf_fail(err, KF_ERR_INVALID, "evaluate: the cache is not of this document");
+    measure_ctx x = {.m = m, .r = r, .c = c};
+    kf_status rc = measure_open(&x, err);
+    if (rc == KF_OK)
+        rc = measure_repeat(&x, out, err);
+    for (int i = 0; i < r->n_qa && rc == KF_OK; i++)
+        rc = measure_answer(&x, i, out, err);
+    if (rc == KF_OK)
+        rc = measure_heads(m, r, c, out, head_lse, head_out, err);
+    quality_means(out);
+    measure_close(&x);
     return rc;
 }
 
