@@ -168,6 +168,62 @@ static kf_status reference_diag(kf_reference *r, kf_error *err) {
     return rc;
 }
 
+/* Question i of r on the document's cache in seq: its answer's log-probabilities, its rows' queries
+ * and K/V (held for the diagnostics); the cache is truncated back to the document. */
+static kf_status reference_question(kf_model *m, kf_arena *a, kf_seq *seq, kf_reference *r, int i, kf_error *err) {
+    const kf_qa *qa = &r->qa[i];
+    const size_t row = (size_t)r->kvh * r->d;
+    qa_ref *x = &r->refs[i];
+    x->n_tok = qa->question.n + qa->answer.n;
+    x->logp = malloc(sizeof(float) * (size_t)qa->answer.n * r->V);
+    x->q = calloc((size_t)r->L, sizeof(float *));
+    x->k = calloc((size_t)r->L, sizeof(float *));
+    x->v = calloc((size_t)r->L, sizeof(float *));
+    if (!x->logp || !x->q || !x->k || !x->v)
+        return kf_fail(err, KF_ERR_NOMEM, "evaluate: out of memory");
+    kf_status rc = KF_OK;
+    for (int l = 0; l < r->L; l++) {
+        x->q[l] = malloc(sizeof(float) * (size_t)x->n_tok * r->nh * r->d);
+        x->k[l] = malloc(sizeof(float) * (size_t)x->n_tok * row);
+        x->v[l] = malloc(sizeof(float) * (size_t)x->n_tok * row);
+        if (!x->q[l] || !x->k[l] || !x->v[l])
+            rc = kf_fail(err, KF_ERR_NOMEM, "evaluate: out of memory");
+    }
+    if (rc != KF_OK)
+        return rc;
+    rc = teacher_force(m, a, seq, &qa->question, &qa->answer, NULL, 0, 0, x->logp, x->q, err);
+    for (int l = 0; l < r->L && rc == KF_OK; l++)
+        rc = kf_seq_read_kv(a, seq, l, r->doc.n, x->n_tok, x->k[l], x->v[l], err);
+    if (rc == KF_OK)
+        rc = kf_seq_truncate(a, seq, r->doc.n, err);
+    return rc;
+}
+
+/* The full context's passes in a: the document (its K/V kept), the repeat, every question. */
+static kf_status reference_passes(kf_model *m, kf_arena *a, kf_reference *r, kf_error *err) {
+    const kf_prompt *doc = &r->doc;
+    const size_t row = (size_t)r->kvh * r->d;
+    kf_seq seq;
+    kf_seq_init(&seq);
+    r->repeat_logp = malloc(sizeof(float) * (size_t)doc->n * r->V);
+    r->K = malloc(sizeof(float) * (size_t)r->L * doc->n * row);
+    r->Vv = malloc(sizeof(float) * (size_t)r->L * doc->n * row);
+    r->refs = calloc((size_t)(r->n_qa ? r->n_qa : 1), sizeof *r->refs);
+    if (!r->repeat_logp || !r->K || !r->Vv || !r->refs)
+        return kf_fail(err, KF_ERR_NOMEM, "evaluate: out of memory");
+    kf_forward_args fa = {.ids = doc->ids, .n_tokens = doc->n};
+    kf_status rc = kf_model_forward(m, a, &seq, &fa, err);
+    for (int l = 0; l < r->L && rc == KF_OK; l++)
+        rc = kf_seq_read_kv(a, &seq, l, 0, doc->n, r->K + (size_t)l * doc->n * row, r->Vv + (size_t)l * doc->n * row,
+                            err);
+    if (rc == KF_OK)
+        rc = teacher_force(m, a, &seq, &r->instruction, doc, NULL, 0, 0, r->repeat_logp, NULL, err);
+    for (int i = 0; i < r->n_qa && rc == KF_OK; i++)
+        rc = reference_question(m, a, &seq, r, i, err);
+    kf_seq_release(a, &seq);
+    return rc;
+}
+
 kf_status kf_reference_build(kf_model *m, const kf_prompt *doc, const kf_prompt *instruction, const kf_qa *qa,
                              int n_qa, kf_reference **out, kf_error *err) {
     *out = NULL;
@@ -177,72 +233,23 @@ kf_status kf_reference_build(kf_model *m, const kf_prompt *doc, const kf_prompt 
         return kf_fail(err, KF_ERR_NOMEM, "evaluate: out of memory");
     r->L = c->n_layers, r->nh = c->n_heads, r->kvh = c->n_kv_heads, r->d = c->head_dim, r->V = c->vocab_size;
     r->doc = *doc, r->instruction = *instruction, r->qa = qa, r->n_qa = n_qa;
-    const size_t row = (size_t)r->kvh * r->d;
     int longest = instruction->n + doc->n;
     for (int i = 0; i < n_qa; i++)
         longest = qa[i].question.n + qa[i].answer.n > longest ? qa[i].question.n + qa[i].answer.n : longest;
     kf_arena a = {0};
-    kf_seq seq;
-    kf_seq_init(&seq);
     kf_status rc = kf_model_arena(m, &a, (int64_t)doc->n + longest + KF_PAGE_TOKENS, err);
-    if (rc != KF_OK)
-        goto fail;
-    r->repeat_logp = malloc(sizeof(float) * (size_t)doc->n * r->V);
-    r->K = malloc(sizeof(float) * (size_t)r->L * doc->n * row);
-    r->Vv = malloc(sizeof(float) * (size_t)r->L * doc->n * row);
-    r->refs = calloc((size_t)(n_qa ? n_qa : 1), sizeof *r->refs);
-    if (!r->repeat_logp || !r->K || !r->Vv || !r->refs) {
-        rc = kf_fail(err, KF_ERR_NOMEM, "evaluate: out of memory");
-        goto fail;
-    }
-    kf_forward_args fa = {.ids = doc->ids, .n_tokens = doc->n};
-    if ((rc = kf_model_forward(m, &a, &seq, &fa, err)) != KF_OK)
-        goto fail;
-    for (int l = 0; l < r->L && rc == KF_OK; l++)
-        rc = kf_seq_read_kv(&a, &seq, l, 0, doc->n, r->K + (size_t)l * doc->n * row, r->Vv + (size_t)l * doc->n * row,
-                            err);
     if (rc == KF_OK)
-        rc = teacher_force(m, &a, &seq, instruction, doc, NULL, 0, 0, r->repeat_logp, NULL, err);
-    for (int i = 0; i < n_qa && rc == KF_OK; i++) {
-        qa_ref *x = &r->refs[i];
-        x->n_tok = qa[i].question.n + qa[i].answer.n;
-        x->logp = malloc(sizeof(float) * (size_t)qa[i].answer.n * r->V);
-        x->q = calloc((size_t)r->L, sizeof(float *));
-        x->k = calloc((size_t)r->L, sizeof(float *));
-        x->v = calloc((size_t)r->L, sizeof(float *));
-        if (!x->logp || !x->q || !x->k || !x->v) {
-            rc = kf_fail(err, KF_ERR_NOMEM, "evaluate: out of memory");
-            break;
-        }
-        for (int l = 0; l < r->L; l++) {
-            x->q[l] = malloc(sizeof(float) * (size_t)x->n_tok * r->nh * r->d);
-            x->k[l] = malloc(sizeof(float) * (size_t)x->n_tok * row);
-            x->v[l] = malloc(sizeof(float) * (size_t)x->n_tok * row);
-            if (!x->q[l] || !x->k[l] || !x->v[l])
-                rc = kf_fail(err, KF_ERR_NOMEM, "evaluate: out of memory");
-        }
-        if (rc != KF_OK)
-            break;
-        rc = teacher_force(m, &a, &seq, &qa[i].question, &qa[i].answer, NULL, 0, 0, x->logp, x->q, err);
-        for (int l = 0; l < r->L && rc == KF_OK; l++)
-            rc = kf_seq_read_kv(&a, &seq, l, doc->n, x->n_tok, x->k[l], x->v[l], err);
-        if (rc == KF_OK)
-            rc = kf_seq_truncate(&a, &seq, doc->n, err);
-    }
+        rc = reference_passes(m, &a, r, err);
     if (rc == KF_OK)
         rc = reference_diag(r, err);
-    if (rc != KF_OK)
-        goto fail;
-    kf_seq_release(&a, &seq);
-    kf_arena_free(&a);
-    *out = r;
-    return KF_OK;
-fail:
-    kf_seq_release(&a, &seq);
     if (a.storage)
         kf_arena_free(&a);
-    kf_reference_free(r);
-    return rc;
+    if (rc != KF_OK) {
+        kf_reference_free(r);
+        return rc;
+    }
+    *out = r;
+    return KF_OK;
 }
 
 /* mean over rows of KL(p || q) for log-probabilities; argmax hits of q against targets */
