@@ -139,6 +139,17 @@ double cli_now(void) {
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
+int cli_parse_options(int argc, char **argv, const char *shortopts, const struct option *opts, cli_option_fn fn,
+                      void *ctx) {
+    optind = 1;
+    for (int c; (c = getopt_long(argc, argv, shortopts, opts, NULL)) != -1;) {
+        const int rc = fn(ctx, c, optarg);
+        if (rc != CLI_CONTINUE)
+            return rc;
+    }
+    return CLI_CONTINUE;
+}
+
 kf_quoka_params cli_prefill_defaults(void) {
     kf_quoka_params p = kf_quoka_params_default();
     p.mode = KF_PREFILL_DENSE;

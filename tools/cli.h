@@ -2,6 +2,7 @@
 #ifndef KF_CLI_H
 #define KF_CLI_H
 
+#include <getopt.h>
 #include <stdint.h>
 
 #include "compactor/model.h"
@@ -30,6 +31,14 @@ kf_model *cli_load_model_on(const char *cmd, const char *dir, const char *device
 #define CLI_DEVICE_HELP "  --device DEV  cpu (default), cuda or cuda:N (builds with the CUDA backend)\n"
 
 double cli_now(void); /* monotonic seconds */
+
+/* One option (getopt_long's id and optarg) into a command's options ctx: CLI_CONTINUE, or the exit
+ * status to stop with (--help, a bad value). */
+typedef int (*cli_option_fn)(void *ctx, int opt, const char *arg);
+/* getopt_long over argv from the first argument, each option to fn in turn: CLI_CONTINUE once
+ * all are taken (optind is then the first operand), or the first status fn returned. */
+int cli_parse_options(int argc, char **argv, const char *shortopts, const struct option *opts, cli_option_fn fn,
+                      void *ctx);
 
 /* Prefill options shared by every command that prefills (logits, bench prefill, compact):
  *   --prefill dense|quoka  --quoka-nq N  --quoka-budget N|0.x  --quoka-sinks N

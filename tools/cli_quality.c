@@ -121,6 +121,13 @@ int cli_compact_option(const char *cmd, int opt, const char *arg, cli_compact_op
     }
 }
 
+int cli_compact_option_or(const char *cmd, int opt, const char *arg, cli_compact_opts *o, const char *unknown) {
+    const int r = cli_compact_option(cmd, opt, arg, o);
+    if (r < 0)
+        return KF_EXIT_USAGE;
+    return r > 0 ? CLI_CONTINUE : cli_usage_error(cmd, "%s", unknown);
+}
+
 kf_compact_params cli_compact_params(const cli_compact_opts *o) {
     kf_compact_params p = o->p;
     p.quoka = cli_prefill_params(&o->prefill);

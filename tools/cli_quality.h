@@ -85,6 +85,9 @@ void cli_compact_opts_init(cli_compact_opts *o);
 /* Any option of CLI_COMPACT_OPTIONS: 1 handled, 0 not one of them, -1 bad value (a usage error
  * naming the flag was printed). */
 int cli_compact_option(const char *cmd, int opt, const char *arg, cli_compact_opts *o);
+/* The last case of a command's option switch: an option of CLI_COMPACT_OPTIONS, else the usage
+ * error `unknown` (the command's wording). CLI_CONTINUE or KF_EXIT_USAGE. */
+int cli_compact_option_or(const char *cmd, int opt, const char *arg, cli_compact_opts *o, const char *unknown);
 /* The parameters to compact with (quoka points into o: o must outlive them). */
 kf_compact_params cli_compact_params(const cli_compact_opts *o);
 

@@ -99,7 +99,8 @@ static const struct option kOpts[] = {
     CLI_REFQ_SOURCE_OPTIONS,             {0, 0, 0, 0}};
 
 /* One option into o: CLI_CONTINUE, or the exit status (--help, a bad value). */
-static int bench_option(bench_opts *o, int c, const char *arg) {
+static int bench_option(void *ctx, int c, const char *arg) {
+    bench_opts *o = ctx;
     kf_compact_params *p = &o->q.p;
     switch (c) {
     case 'h': fputs(kHelp, stdout); return KF_EXIT_OK;
@@ -121,13 +122,7 @@ static int bench_option(bench_opts *o, int c, const char *arg) {
         if (kf_method_parse(arg, &p->method))
             return cli_usage_error(CMD, "--method is keep, drop, am or fold, not '%s'", arg);
         break;
-    default: {
-        const int r = cli_compact_option(CMD, c, arg, &o->q);
-        if (r < 0)
-            return KF_EXIT_USAGE;
-        if (r == 0)
-            return cli_usage_error(CMD, "bad option");
-    }
+    default: return cli_compact_option_or(CMD, c, arg, &o->q, "bad option");
     }
     return CLI_CONTINUE;
 }
@@ -135,12 +130,9 @@ static int bench_option(bench_opts *o, int c, const char *arg) {
 static int bench_parse(int argc, char **argv, bench_opts *o) {
     *o = (bench_opts){.want = 4000};
     cli_compact_opts_init(&o->q);
-    optind = 1;
-    for (int c; (c = getopt_long(argc, argv, "h", kOpts, NULL)) != -1;) {
-        const int rc = bench_option(o, c, optarg);
-        if (rc != CLI_CONTINUE)
-            return rc;
-    }
+    const int rc = cli_parse_options(argc, argv, "h", kOpts, bench_option, o);
+    if (rc != CLI_CONTINUE)
+        return rc;
     if (!o->dir || (!o->docs && !o->predict_only) || optind != argc)
         return cli_usage_error(CMD, "--model and --docs are required");
     return CLI_CONTINUE;

@@ -529,7 +529,8 @@ static const struct option kOpts[] = {
     {0, 0, 0, 0}};
 
 /* One option into o: CLI_CONTINUE, or the exit status (--help, a bad value). */
-static int compact_option(compact_opts *o, int c, const char *arg) {
+static int compact_option(void *ctx, int c, const char *arg) {
+    compact_opts *o = ctx;
     switch (c) {
     case 'h': fputs(kHelp, stdout); return KF_EXIT_OK;
     case 'm': o->model_dir = arg; break;
@@ -554,13 +555,7 @@ static int compact_option(compact_opts *o, int c, const char *arg) {
         break;
     case 'S': o->share = 0; break;
     case 'q': o->quiet = 1; break;
-    default: {
-        const int r = cli_compact_option(CMD, c, arg, &o->q);
-        if (r < 0)
-            return KF_EXIT_USAGE;
-        if (r == 0)
-            return cli_usage_error(CMD, "unknown option");
-    }
+    default: return cli_compact_option_or(CMD, c, arg, &o->q, "unknown option");
     }
     return CLI_CONTINUE;
 }
@@ -584,12 +579,9 @@ static int compact_parse(int argc, char **argv, compact_opts *o) {
     *o = (compact_opts){.root = DEFAULT_ROOT, .instruction = DEFAULT_INSTRUCTION, .methods_s = "fold",
                         .budgets_s = "0.1", .shard_n = 1, .share = 1, .dtype = KVF_BF16};
     cli_compact_opts_init(&o->q);
-    optind = 1;
-    for (int c; (c = getopt_long(argc, argv, "hq", kOpts, NULL)) != -1;) {
-        const int rc = compact_option(o, c, optarg);
-        if (rc != CLI_CONTINUE)
-            return rc;
-    }
+    const int rc = cli_parse_options(argc, argv, "hq", kOpts, compact_option, o);
+    if (rc != CLI_CONTINUE)
+        return rc;
     o->files = argv + optind;
     o->n_files = argc - optind;
     return compact_validate(o);

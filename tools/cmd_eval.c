@@ -516,7 +516,8 @@ static const struct option kOpts[] = {
     {0, 0, 0, 0}};
 
 /* One option into o: CLI_CONTINUE, or the exit status (--help, a bad value). */
-static int eval_option(eval_opts *o, int c, const char *arg) {
+static int eval_option(void *ctx, int c, const char *arg) {
+    eval_opts *o = ctx;
     switch (c) {
     case 'h': fputs(kHelp, stdout); return KF_EXIT_OK;
     case 'm': o->model_dir = arg; break;
@@ -549,13 +550,7 @@ static int eval_option(eval_opts *o, int c, const char *arg) {
             return cli_usage_error("eval quality", "--fold-queries is all or probes, not '%s'", arg);
         o->q.p.fold_queries = strcmp(arg, "probes") == 0 ? KF_FOLD_ON_PROBES : KF_FOLD_ON_ALL;
         break;
-    default: {
-        const int r = cli_compact_option("eval quality", c, arg, &o->q);
-        if (r < 0)
-            return KF_EXIT_USAGE;
-        if (r == 0)
-            return cli_usage_error("eval quality", "bad option");
-    }
+    default: return cli_compact_option_or("eval quality", c, arg, &o->q, "bad option");
     }
     return CLI_CONTINUE;
 }
@@ -566,12 +561,9 @@ static int eval_parse(int argc, char **argv, eval_opts *o, eval_row **rows, int 
     *o = (eval_opts){.methods_s = "full,keep,drop,am,fold", .budgets_s = "0.25,0.1", .limit = 1 << 30,
                      .form = PROBE_QA};
     cli_compact_opts_init(&o->q);
-    optind = 1;
-    for (int c; (c = getopt_long(argc, argv, "h", kOpts, NULL)) != -1;) {
-        const int rc = eval_option(o, c, optarg);
-        if (rc != CLI_CONTINUE)
-            return rc;
-    }
+    const int rc = cli_parse_options(argc, argv, "h", kOpts, eval_option, o);
+    if (rc != CLI_CONTINUE)
+        return rc;
     if (!o->model_dir || !o->docs || optind != argc)
         return cli_usage_error("eval quality", "--model and --docs are required");
     double budgets[16];
