@@ -1,0 +1,118 @@
+#!/bin/bash
+# The usage errors of kvfold compact, eval quality and bench compact: a bad value, a missing or
+# conflicting option, an unreadable input named by an option. Each must exit with the usage status
+# (2), print nothing on stdout, name the option (or say what is wrong) on stderr and point to the
+# command's --help. Each command's --help must exit 0 and document every option checked here. The
+# compaction options that the three commands share (tools/cli_quality.h) are checked on each
+# command that takes them, and refused as unknown by bench compact where it does not.
+# usage: test_usage_errors.sh KVFOLD DATA
+set -u
+BIN=$1; DATA=$2
+T=$(mktemp -d); trap 'rm -rf "$T"' EXIT
+cd "$T" || exit 1
+M=$DATA/records-qwen3; D=$DATA/records-dev.jsonl
+fails=0; n=0
+
+# expect_usage CMD WANT ARGS...: CMD is the command's name in messages ("compact", "eval quality", ...)
+expect_usage() {
+    local cmd=$1 want=$2; shift 2
+    n=$((n + 1))
+    "$BIN" "$@" > out 2> err
+    local rc=$?
+    local why=""
+    [ $rc -eq 2 ] || why="exit $rc, not 2"
+    [ -s out ] && why="$why; wrote on stdout"
+    grep -qF -- "$want" err || why="$why; stderr does not say '$want'"
+    grep -qxF "Try 'kvfold $cmd --help'." err || grep -qF "unrecognized option" err || why="$why; no pointer to --help"
+    if [ -n "$why" ]; then
+        echo "FAIL: kvfold $*: $why"; sed 's/^/    /' err | head -5
+        fails=$((fails + 1))
+    fi
+}
+
+# expect_help CMD FLAG...: --help exits 0 with the usage on stdout naming every FLAG
+expect_help() {
+    local cmd=$1; shift
+    n=$((n + 1))
+    # shellcheck disable=SC2086
+    "$BIN" $cmd --help > out 2> err
+    local rc=$? why=""
+    [ $rc -eq 0 ] || why="exit $rc"
+    head -1 out | grep -q "^Usage: kvfold $cmd " || why="$why; no usage line"
+    for f in "$@"; do
+        grep -qE -- "(^| )$f( |$|=)" out || why="$why; $f not documented"
+    done
+    [ -z "$why" ] || { echo "FAIL: kvfold $cmd --help:$why"; fails=$((fails + 1)); }
+}
+
+# bad values of the shared compaction options: FLAG VALUE
+SHARED_ALL=(--head-choice maybe --value-ridge -1 --ridge-to one --beta-fit lbfgs --val-frac 0.95 --refit some
+            --choice-margin 11 --lambda -1 --chunk 0 --prefill sparse --quoka-nq 0 --quoka-budget 1.5
+            --quoka-sinks -1)
+SHARED_BENCH=(--max-queries 0 --refq-dtype f16 --arena-dtype f16 --queries self --repeat-fraction 0
+              --repeat-spans 65)
+
+C=(compact --model "$M" --out root)
+E=(eval quality --model "$M" --docs "$D" --methods full --limit 1)
+B=(bench compact --model "$M" --docs "$D" --tokens 64)
+for ((i = 0; i < ${#SHARED_ALL[@]}; i += 2)); do
+    f=${SHARED_ALL[i]} v=${SHARED_ALL[i + 1]}
+    expect_usage compact "$f" "${C[@]}" "$f" "$v" doc.txt
+    expect_usage "eval quality" "$f" "${E[@]}" "$f" "$v"
+    expect_usage "bench compact" "unrecognized option '$f'" "${B[@]}" "$f" "$v"
+done
+for ((i = 0; i < ${#SHARED_BENCH[@]}; i += 2)); do
+    f=${SHARED_BENCH[i]} v=${SHARED_BENCH[i + 1]}
+    expect_usage compact "$f" "${C[@]}" "$f" "$v" doc.txt
+    expect_usage "eval quality" "$f" "${E[@]}" "$f" "$v"
+    expect_usage "bench compact" "$f" "${B[@]}" "$f" "$v"
+done
+expect_usage compact "--repeat-fraction" "${C[@]}" --queries context --repeat-fraction 0.5 doc.txt
+expect_usage "eval quality" "--repeat-fraction" "${E[@]}" --repeat-fraction 0.5 --queries context
+
+# compact's own options
+expect_usage compact "--method" "${C[@]}" --method fold,cut doc.txt
+expect_usage compact "--budget" "${C[@]}" --budget 0.1,1.5 doc.txt
+expect_usage compact "given twice" "${C[@]}" --budget 0.1,0.1 doc.txt
+expect_usage compact "--shard" "${C[@]}" --shard 2/2 doc.txt
+expect_usage compact "--repeat-instruction" "${C[@]}" --repeat-instruction "" doc.txt
+expect_usage compact "--dtype" "${C[@]}" --dtype f64 doc.txt
+expect_usage compact "--model" compact --out root doc.txt
+expect_usage compact "--manifest" "${C[@]}"
+expect_usage compact "--manifest" "${C[@]}" --manifest docs.jsonl doc.txt
+expect_usage compact "--manifest" "${C[@]}" --manifest missing.jsonl
+expect_usage compact "--manifest" "${C[@]}" --manifest .
+expect_usage compact "--probes-from" "${C[@]}" --probes-from missing.txt doc.txt
+expect_usage compact "unrecognized option '--docs'" "${C[@]}" --docs "$D" doc.txt
+[ ! -e root ] || { echo "FAIL: a usage error created the output root"; fails=$((fails + 1)); }
+
+# eval quality's own options
+expect_usage "eval quality" "--budgets" "${E[@]}" --budgets 0.1,0
+expect_usage "eval quality" "--methods" "${E[@]}" --methods full,cut
+expect_usage "eval quality" "--methods" "${E[@]}" --methods fold,fold
+expect_usage "eval quality" "--probes" "${E[@]}" --probes -1
+expect_usage "eval quality" "--probe-form" "${E[@]}" --probe-form answer
+expect_usage "eval quality" "--limit" "${E[@]}" --limit 0
+expect_usage "eval quality" "--format" "${E[@]}" --format csv
+expect_usage "eval quality" "--fold-queries" "${E[@]}" --fold-queries some
+expect_usage "eval quality" "--docs" eval quality --model "$M"
+expect_usage eval "unknown evaluation" eval speed
+
+# bench compact's own options
+expect_usage "bench compact" "--tokens" "${B[@]}" --tokens 8
+expect_usage "bench compact" "--budget" "${B[@]}" --budget 0
+expect_usage "bench compact" "--method" "${B[@]}" --method cut
+expect_usage "bench compact" "--docs" bench compact --model "$M"
+
+flags() { local a=("$@") out=(); for ((i = 0; i < ${#a[@]}; i += 2)); do out+=("${a[i]}"); done; echo "${out[@]}"; }
+# shellcheck disable=SC2046
+expect_help compact $(flags "${SHARED_ALL[@]}") $(flags "${SHARED_BENCH[@]}") --method --budget --shard \
+    --repeat-instruction --dtype --model --manifest --probes-from --out --no-share --quiet
+# shellcheck disable=SC2046
+expect_help "eval quality" $(flags "${SHARED_ALL[@]}") $(flags "${SHARED_BENCH[@]}") --budgets --methods \
+    --probes --probe-form --limit --format --fold-queries --model --docs --per-head --head-budgets --probes-out
+# shellcheck disable=SC2046
+expect_help "bench compact" $(flags "${SHARED_BENCH[@]}") --tokens --budget --method --model --docs --predict-only
+
+echo "$((n - fails)) passed, $fails failed"
+[ $fails -eq 0 ]
