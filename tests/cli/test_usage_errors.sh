@@ -55,18 +55,20 @@ SHARED_BENCH=(--max-queries 0 --refq-dtype f16 --arena-dtype f16 --queries self 
 C=(compact --model "$M" --out root)
 E=(eval quality --model "$M" --docs "$D" --methods full --limit 1)
 B=(bench compact --model "$M" --docs "$D" --tokens 64)
-for ((i = 0; i < ${#SHARED_ALL[@]}; i += 2)); do
-    f=${SHARED_ALL[i]} v=${SHARED_ALL[i + 1]}
-    expect_usage compact "$f" "${C[@]}" "$f" "$v" doc.txt
-    expect_usage "eval quality" "$f" "${E[@]}" "$f" "$v"
-    expect_usage "bench compact" "unrecognized option '$f'" "${B[@]}" "$f" "$v"
-done
-for ((i = 0; i < ${#SHARED_BENCH[@]}; i += 2)); do
-    f=${SHARED_BENCH[i]} v=${SHARED_BENCH[i + 1]}
-    expect_usage compact "$f" "${C[@]}" "$f" "$v" doc.txt
-    expect_usage "eval quality" "$f" "${E[@]}" "$f" "$v"
-    expect_usage "bench compact" "$f" "${B[@]}" "$f" "$v"
-done
+# shared FLAG VALUE pairs on the three commands; bench compact's message is BENCH_WANT (%s: the flag)
+shared() {
+    local bench_want=$1; shift
+    local a=("$@")
+    for ((i = 0; i < ${#a[@]}; i += 2)); do
+        local f=${a[i]} v=${a[i + 1]}
+        expect_usage compact "$f" "${C[@]}" "$f" "$v" doc.txt
+        expect_usage "eval quality" "$f" "${E[@]}" "$f" "$v"
+        # shellcheck disable=SC2059
+        expect_usage "bench compact" "$(printf "$bench_want" "$f")" "${B[@]}" "$f" "$v"
+    done
+}
+shared "unrecognized option '%s'" "${SHARED_ALL[@]}"
+shared "%s" "${SHARED_BENCH[@]}"
 expect_usage compact "--repeat-fraction" "${C[@]}" --queries context --repeat-fraction 0.5 doc.txt
 expect_usage "eval quality" "--repeat-fraction" "${E[@]}" --repeat-fraction 0.5 --queries context
 
