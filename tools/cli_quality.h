@@ -1,12 +1,17 @@
-/* cli_quality.h — the compaction-quality options shared by `compact` and `eval quality`.
+/* cli_quality.h — the compaction's options shared by `compact`, `eval quality` and `bench compact`.
  *
- * Append CLI_QUALITY_OPTIONS to the command's getopt_long table, print CLI_QUALITY_HELP in
- * --help, and pass unknown option ids to cli_quality_option before anything else.
+ * A command keeps a cli_compact_opts (cli_compact_opts_init), appends CLI_COMPACT_OPTIONS (or
+ * the single rows it takes) to its getopt_long table, ends its option switch with
+ * `default: return cli_compact_option_or(...)`, prints CLI_QUALITY_HELP (and the others' help) in
+ * --help, and compacts with cli_compact_params(). A new compaction flag is one row in
+ * CLI_QUALITY_OPTIONS or CLI_COMPACT_OPTIONS, one case in cli_quality_option or
+ * cli_compact_option, and its help line: every command that lists the row takes it.
  */
 #ifndef KF_CLI_QUALITY_H
 #define KF_CLI_QUALITY_H
 
 #include "compactor/compact.h"
+#include "tools/cli.h"
 
 enum { CLI_OPT_HEAD_CHOICE = 0x1100, CLI_OPT_VALUE_RIDGE, CLI_OPT_RIDGE_TO, CLI_OPT_BETA_FIT, CLI_OPT_VAL_FRAC, CLI_OPT_REFIT, CLI_OPT_MARGIN, CLI_OPT_REFQ_DTYPE,
        CLI_OPT_ARENA_DTYPE, CLI_OPT_REPEAT_FRACTION, CLI_OPT_REPEAT_SPANS, CLI_OPT_QUERIES, CLI_OPT_LAMBDA,
@@ -68,9 +73,7 @@ int cli_quality_option(const char *cmd, int opt, const char *arg, kf_compact_par
 #define CLI_OPTION_CHUNK {"chunk", required_argument, 0, CLI_OPT_CHUNK}
 
 /* Every option that sets the compaction's parameters, as `compact` and `eval quality` take them:
- * the quality options, --lambda, --max-queries, --chunk and the prefill options (tools/cli.h).
- * A new compaction flag is a row here and a case in cli_compact_option: every command that lists
- * the row takes it. Each command's --help still lists its flags itself. */
+ * the quality options, --lambda, --max-queries, --chunk and the prefill options (tools/cli.h). */
 #define CLI_COMPACT_OPTIONS                                                                                  \
     CLI_QUALITY_OPTIONS, CLI_OPTION_LAMBDA, CLI_OPTION_MAX_QUERIES, CLI_OPTION_CHUNK, CLI_PREFILL_OPTIONS
 
