@@ -11,6 +11,7 @@
 #include "compactor/refq_targets.h"
 #include "kernels/cpu/cpu_kernels.h"
 
+
 static const char *const kMethodNames[] = {"keep", "drop", "am", "fold"};
 
 const char *kf_method_name(kf_method m) {
@@ -41,6 +42,7 @@ kf_compact_params kf_compact_params_default(void) {
     p.val_frac = 0.2;
     p.refit_all = 1;
     p.choice_margin = 0.5;
+    p.choice_rows = 4;
     p.max_head_ratio = 0.75;
     p.quoka_margin = 16;
     return p;
@@ -190,6 +192,47 @@ static int64_t pick_validation(int64_t n_pos, const uint8_t *kind, double frac, 
     return n;
 }
 
+typedef struct {
+    double key;
+    int64_t r;
+} keyed_row;
+
+static int by_key_then_row(const void *a, const void *b) {
+    const keyed_row *x = a, *y = b;
+    if (x->key != y->key)
+        return x->key < y->key ? -1 : 1;
+    return (x->r > y->r) - (x->r < y->r);
+}
+
+int64_t kf_choice_training_order(int64_t n_pos, int G, const uint8_t *kind, const uint8_t *is_val, uint64_t seed,
+                                 int64_t *order) {
+    const int64_t R = (int64_t)G * n_pos;
+    keyed_row *kr = malloc(sizeof *kr * (size_t)(R ? R : 1));
+    if (!kr)
+        return -1;
+    int64_t n = 0;
+    for (uint8_t c = KF_REFQ_CONTEXT; c <= KF_REFQ_PROBE; c++) {
+        const int64_t first = n;
+        for (int64_t r = 0; r < R; r++)
+            if (!is_val[r % n_pos] && kind[r % n_pos] == c)
+                kr[n++].r = r;
+        const int64_t m = n - first;
+        for (int64_t i = m - 1; i > 0; i--) { /* Fisher-Yates */
+            const int64_t j = (int64_t)(span_mix(seed ^ span_mix(0x7a11ULL + (uint64_t)c * 0x10001ULL + (uint64_t)i)) %
+                                        (uint64_t)(i + 1));
+            const int64_t tmp = kr[first + i].r;
+            kr[first + i].r = kr[first + j].r, kr[first + j].r = tmp;
+        }
+        for (int64_t i = 0; i < m; i++)
+            kr[first + i].key = ((double)i + 0.5) / (double)m;
+    }
+    qsort(kr, (size_t)n, sizeof *kr, by_key_then_row);
+    for (int64_t i = 0; i < n; i++)
+        order[i] = kr[i].r;
+    free(kr);
+    return n;
+}
+
 /* out [t, d] = the kept keys folded along u (fitted on q [R, d] with lambda); fi->ok = 0: none. */
 static kf_status fold_selection(const kf_backend *be, const float *q, int R, int d, float scale, double lambda,
                                 const float *kc, const float *beta, int t, float *u, float *out, kf_fold_info *fi,
@@ -273,38 +316,42 @@ static kf_status try_folds(const kf_compact_params *p, const kf_am_head *htr, co
     return rc;
 }
 
-/* The method's candidates (am, fold): beta fitted on the training rows from one pass that also
- * builds drop's normal equations (bn, dg, kept for the refit); fold's covariance first, while the
- * least is held (the memory formula's P1). */
-static kf_status method_fits(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr, int t,
-                             const float *kc, const float *v0, kf_val_head *val, uint64_t seed, choice_ws *w,
-                             kf_beta_normal *bn, kf_value_gram *dg, kf_head_pick *best, kf_error *err) {
+/* The method's candidates (am, fold): beta fitted on all the training rows htr from one pass that
+ * also builds drop's normal equations on their first hsub->R (bn, dg, kept for the refit); fold's
+ * direction (covariance first, while the least is held: the memory formula's P1) and every
+ * candidate's values fitted on the first hsub->R. */
+static kf_status method_fits(const kf_compact_params *p, const kf_am_head *htr, const kf_am_head *hsub,
+                             const kf_am_targets *ttr, int t, const float *kc, const float *v0, kf_val_head *val,
+                             uint64_t seed, choice_ws *w, kf_beta_normal *bn, kf_value_gram *dg, kf_head_pick *best,
+                             kf_error *err) {
     kf_fold_cov cov = {0};
     if (p->method == KF_METHOD_FOLD)
-        KF_TRY(kf_fold_cov_compute(htr->be, htr->q, htr->R, htr->d, &cov, err));
-    kf_status rc = kf_kept_normal_build(htr, ttr, kc, t, &w->tiles, bn, dg, err);
+        KF_TRY(kf_fold_cov_compute(hsub->be, hsub->q, hsub->R, hsub->d, &cov, err));
+    kf_status rc = kf_kept_normal_build(htr, ttr, kc, t, hsub->R, &w->tiles, bn, dg, err);
     if (rc == KF_OK)
         rc = kf_am_fit_beta_normal(bn, seed, p->beta_fit, w->beta, NULL, err);
     if (rc == KF_OK && p->method == KF_METHOD_AM)
-        rc = try_alphas(htr, ttr->Y, kc, w->beta, v0, KF_METHOD_AM, 0, 1 + p->choice_margin, val, w, best, err);
+        rc = try_alphas(hsub, ttr->Y, kc, w->beta, v0, KF_METHOD_AM, 0, 1 + p->choice_margin, val, w, best, err);
     else if (rc == KF_OK)
-        rc = try_folds(p, htr, ttr, &cov, kc, t, v0, val, w, best, err);
+        rc = try_folds(p, hsub, ttr, &cov, kc, t, v0, val, w, best, err);
     kf_fold_cov_free(&cov);
     return rc;
 }
 
 /* The choice's candidates other than keep: the method's and drop; keep's weights are drop's, left
- * in val. bn, dg: the training rows' normal equations (for the refit). */
-static kf_status choose_fits(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr, int t,
-                             const float *kc, const float *v0, kf_val_head *val, uint64_t seed, choice_ws *w,
-                             kf_beta_normal *bn, kf_value_gram *dg, kf_head_pick *best, kf_error *err) {
+ * in val. bn: the training rows' beta normal equations, dg: drop's on their first hsub->R (for the
+ * refit). */
+static kf_status choose_fits(const kf_compact_params *p, const kf_am_head *htr, const kf_am_head *hsub,
+                             const kf_am_targets *ttr, int t, const float *kc, const float *v0, kf_val_head *val,
+                             uint64_t seed, choice_ws *w, kf_beta_normal *bn, kf_value_gram *dg, kf_head_pick *best,
+                             kf_error *err) {
     const int d = htr->d;
     if (p->method == KF_METHOD_AM || p->method == KF_METHOD_FOLD) {
-        KF_TRY(method_fits(p, htr, ttr, t, kc, v0, val, seed, w, bn, dg, best, err));
+        KF_TRY(method_fits(p, htr, hsub, ttr, t, kc, v0, val, seed, w, bn, dg, best, err));
     } else {
         if (kf_value_gram_alloc(dg, htr->be, t, d) != 0)
             return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for drop's normal equations (t %d)", t);
-        kf_value_gram_rebuild(htr->q, htr->R, htr->scale, kc, d, NULL, ttr->Y, &w->tiles, dg);
+        kf_value_gram_rebuild(hsub->q, hsub->R, hsub->scale, kc, d, NULL, ttr->Y, &w->tiles, dg);
     }
     return score_alphas(dg, kc, NULL, t, d, v0, KF_METHOD_DROP, p->lambda_rel, 1, val, w->vals, best, err);
 }
@@ -314,11 +361,20 @@ void kf_choice_fits_free(kf_choice_fits *f) {
     kf_value_gram_free(&f->drop);
 }
 
+int kf_choice_rows(const kf_compact_params *p, int R, int t) {
+    if (!(p->choice_rows > 0))
+        return R;
+    const double want = ceil(p->choice_rows * t), n = want > KF_CHOICE_MIN_ROWS ? want : KF_CHOICE_MIN_ROWS;
+    return n < R ? (int)n : R;
+}
+
 kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr,
                          const int32_t *sel, int t, const float *kc, const float *vo, kf_val_head *val, uint64_t seed,
                          kf_head_pick *best, kf_choice_fits *keep, kf_error *err) {
     (void)sel; /* the kept keys are kc */
     const int d = htr->d;
+    kf_am_head hsub = *htr; /* the candidates' fits: the training rows' first kf_choice_rows */
+    hsub.R = kf_choice_rows(p, htr->R, t);
     const float *v0 = p->ridge_to == KF_RIDGE_TO_ORIG ? vo : NULL;
     kf_choice_fits f = {0};
     choice_ws w;
@@ -328,7 +384,7 @@ kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, cons
     if (choice_ws_alloc(&w, htr->be, t, d, p->method == KF_METHOD_AM || p->method == KF_METHOD_FOLD) != 0)
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the per-head choice (t %d)", t);
     else if (p->method != KF_METHOD_KEEP)
-        rc = choose_fits(p, htr, ttr, t, kc, v0, val, seed, &w, &f.beta, &f.drop, best, err);
+        rc = choose_fits(p, htr, &hsub, ttr, t, kc, v0, val, seed, &w, &f.beta, &f.drop, best, err);
     else if (kf_val_attend(val, &kb) != 0) /* keep alone: the kept keys' weights */
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory in the per-head validation");
     if (rc == KF_OK) {
@@ -336,6 +392,8 @@ kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, cons
         if (e < best->err)
             *best = (kf_head_pick){KF_METHOD_KEEP, p->lambda_rel, 0, e};
     }
+    if (hsub.R < htr->R) /* drop's are on a subsample: the refit builds its own on all the rows */
+        kf_value_gram_free(&f.drop);
     if (rc == KF_OK && keep)
         *keep = f; /* the refit adds the validation rows' part */
     else
@@ -415,26 +473,28 @@ static int split_alloc(head_split *s, int64_t R, int64_t n_val, int d, int n_src
 /* pos_src/pos_local [n_pos]: source and index inside it of every sampled position; ap holds the
  * layer of this head (appended_load). */
 static void split_head(head_split *s, const kf_refq *rq, const float *q, const kf_am_targets *tg, const uint8_t *is_val,
-                       const int *pos_src, const int64_t *pos_local, const appended_kv *ap, int g) {
+                       const int64_t *tr_order, const int *pos_src, const int64_t *pos_local, const appended_kv *ap,
+                       int g) {
     const int d = rq->head_dim;
     const size_t row = (size_t)rq->kv_heads * d;
     for (int i = 1; i < ap->n_src; i++)
         if (ap->k[i])
             s->blocks[i] = (kf_kv_block){ap->k[i] + (size_t)g * d, ap->v[i] + (size_t)g * d, row, NULL, (int)ap->n[i]};
-    int64_t n_probe = 0, nt = 0, nv = 0;
+    int64_t n_probe = 0, nv = 0;
     for (int64_t k = 0; k < rq->n_pos; k++)
         n_probe += is_val[k] && rq->source[k] == KF_REFQ_PROBE;
     const int64_t n_val_pos = s->n_val / rq->group, n_other = n_val_pos - n_probe;
+    for (int64_t i = 0; i < s->n_tr; i++) { /* training rows in tr_order (kf_choice_training_order) */
+        const int64_t r = tr_order[i];
+        memcpy(s->tr_q + (size_t)i * d, q + (size_t)r * d, sizeof(float) * d);
+        memcpy(s->tr_Y + (size_t)i * d, tg->Y + (size_t)r * d, sizeof(float) * d);
+        s->tr_m[i] = tg->m[r], s->tr_y[i] = tg->y[r];
+    }
     for (int j = 0; j < rq->group; j++)
         for (int64_t k = 0; k < rq->n_pos; k++) {
             const int64_t r = (int64_t)j * rq->n_pos + k;
-            if (!is_val[k]) {
-                memcpy(s->tr_q + (size_t)nt * d, q + (size_t)r * d, sizeof(float) * d);
-                memcpy(s->tr_Y + (size_t)nt * d, tg->Y + (size_t)r * d, sizeof(float) * d);
-                s->tr_m[nt] = tg->m[r], s->tr_y[nt] = tg->y[r];
-                nt++;
+            if (!is_val[k])
                 continue;
-            }
             memcpy(s->val_q + (size_t)nv * d, q + (size_t)r * d, sizeof(float) * d);
             memcpy(s->val_Y + (size_t)nv * d, tg->Y + (size_t)r * d, sizeof(float) * d);
             s->val_m[nv] = tg->m[r], s->val_y[nv] = tg->y[r];
@@ -530,6 +590,7 @@ struct kf_compact_prep {
                                   rq (m NULL: none) */
     kf_refq_targets_dst *tdst; /* [n_sources] source i's per-layer destinations of them (NULL: no pool) */
     uint8_t *pos_kind, *is_val; /* validation plan, [n_pos] each (NULL: no variant needs it) */
+    int64_t *tr_order;          /* [G n_pos] the training rows in the order split_head gathers them */
     int *pos_src;
     int64_t *pos_local, n_val_pos;
     appended_kv ap;
@@ -890,6 +951,10 @@ static kf_status prepare_run(kf_compact_prep *x, const kf_compact_reuse *reuse, 
     if (rc == KF_OK && choice)
         rc = plan_validation(x->src, x->n_sources, sample, n_pos, &x->p, (size_t)x->kvh * x->d, &x->pos_kind,
                              &x->pos_src, &x->pos_local, &x->is_val, &x->n_val_pos, &x->ap, err);
+    if (rc == KF_OK && choice &&
+        (!(x->tr_order = malloc(sizeof(int64_t) * (size_t)(n_pos ? n_pos * x->G : 1))) ||
+         kf_choice_training_order(n_pos, x->G, x->pos_kind, x->is_val, x->p.seed, x->tr_order) < 0))
+        rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the training rows' order");
     x->ap.fork = x->forks;
     if (rc == KF_OK && x->ar == &x->own_arena)
         rc = kf_model_arena_dtype(x->m, x->ar, kf_pages_for(x->D) * KF_PAGE_TOKENS, x->p.arena_dtype, err);
@@ -976,6 +1041,7 @@ void kf_compact_prep_free(kf_compact_prep *x, kf_seq *keep) {
     free(x->src), free(x->rows), free(x->first), free(x->forks);
     free(x->pos_kind);
     free(x->is_val);
+    free(x->tr_order);
     free(x->pos_src);
     free(x->pos_local);
     free(x);
@@ -1252,7 +1318,7 @@ static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, 
     if (!sp)
         return KF_OK;
     ts = now_s();
-    split_head(sp, &x->rq, hs->q, &hs->tg, x->is_val, x->pos_src, x->pos_local, &x->ap, g);
+    split_head(sp, &x->rq, hs->q, &hs->tg, x->is_val, x->tr_order, x->pos_src, x->pos_local, &x->ap, g);
     /* the original block's attention on the validation rows is their targets */
     rc = kf_val_head_init_targets(&hs->vh, hs->h.be, sp->val_q, (int)sp->n_val, x->d, x->scale, sp->val_w, sp->val_m,
                                   sp->val_y, sp->val_Y, sp->val_app, sp->val_vis, err);

@@ -72,6 +72,10 @@ typedef struct {
                                        the validation error to be chosen (default 0.5) */
     int refit_all;                  /* 1: refit the chosen candidate on all the queries (default);
                                        0: keep the fit on the training rows that was validated */
+    double choice_rows;             /* the per-head choice fits its candidates' values and fold
+                                       directions on a stratified random subsample of the training
+                                       rows, choice_rows rows per kept key (kf_choice_rows; default
+                                       4); 0: on all of them */
     uint64_t seed;                  /* subsampling and power iteration (default 0) */
     kf_prompt repeat_instruction;   /* ids between the context and the repeated document; n = 0
                                        disables the repeat source */
@@ -157,9 +161,25 @@ typedef struct {
     double lambda, alpha, err; /* the fold's lambda_rel, the refit's alpha, the validation error */
 } kf_head_pick;
 
+/* The training rows the choice fits its candidates' values and fold directions on: the first
+ * min(R, max(ceil(choice_rows * t), KF_CHOICE_MIN_ROWS)) of the R it is given (all R when
+ * choice_rows is 0); beta is fitted on all R. The caller orders the rows so that every prefix is a
+ * random subsample (kf_compact: stratified by source kind, seeded). Issue 14: the candidates only
+ * need ranking; the winner is refitted on all the rows. */
+enum { KF_CHOICE_MIN_ROWS = 256 };
+int kf_choice_rows(const kf_compact_params *p, int R, int t);
+/* The training rows (r = j n_pos + k over the group's G members, position k not held out:
+ * is_val[k] = 0) in the order kf_compact gathers them for the choice: shuffled (seeded) within each
+ * source kind (kind [n_pos], KF_REFQ_*), the kinds interleaved in proportion (row i of a kind of n
+ * rows at (i + 1/2) / n), so that every prefix is a stratified random subsample. order [G n_pos];
+ * returns the count, or -1 when out of memory. */
+int64_t kf_choice_training_order(int64_t n_pos, int G, const uint8_t *kind, const uint8_t *is_val, uint64_t seed,
+                                 int64_t *order);
+
 /* What kf_choose_head keeps for the refit when asked (issue 14: shared, not rebuilt): the training
  * rows' normal equations over the kept keys, beta's (am, fold; beta.G NULL: none) and drop's value
- * refit (drop.G NULL: none); the refit on all the rows adds the validation rows' part. */
+ * refit (drop.G NULL: none, also when drop was fitted on a subsample of them); the refit on all
+ * the rows adds the validation rows' part. */
 typedef struct {
     kf_beta_normal beta;
     kf_value_gram drop;
@@ -291,6 +311,7 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *               the plan's scratch; the attention's gathered K/V and A score tiles over N keys;
  *               the sources' residual streams between layers
  *   solve   = 8 D KD + 8 (S + P) KD [choice]      one layer's K/V, and of the sources' validation prompts
+ *           + 8 R [choice]                        the training rows' order (kf_choice_training_order)
  *           + n (8 t + 16 t d                      per thread (thread_init): the kept keys' buffers
  *                + [probes] 4 R d                 the probe rows (fold_queries on probes)
  *                + [choice] 8 R (d + 1) + 20 Rv)  the training/validation split
