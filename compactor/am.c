@@ -525,17 +525,15 @@ static void gram_finish(kf_value_gram *g) {
         g->tr += g->G[(size_t)j * t + j];
 }
 
-/* One row tile of kf_kept_normal_build: w->Z [n, t] the tile's logits over the kept keys; drop's
- * normal equations take its first nd rows (0 .. n). */
-static void kept_tile(const float *m, const float *y, const float *Y, int n, int nd, int t, int d,
-                      const kf_gram_tiles *w, kf_beta_normal *bn, kf_value_gram *drop, int first) {
+/* One row tile of kf_kept_normal_build: w->Z [n, t] the tile's logits over the kept keys. */
+static void kept_tile(const float *m, const float *y, const float *Y, int n, int t, int d, const kf_gram_tiles *w,
+                      kf_beta_normal *bn, kf_value_gram *drop, int first) {
     const kf_backend *be = bn->be;
     float *Z = w->Z, *X = w->X;
     double *Xd = w->Xd, *Yd = w->Yd;
-    memcpy(X, Z, sizeof(float) * (size_t)nd * t);
-    if (nd > 0) /* drop's design */
-        kf_solve_softmax_rows(be, &(kf_softmax_rows_args){.x = X, .ldx = t, .rows = nd, .n = t});
-    kf_solve_exp_rows(be, Z, t, n, t, m); /* beta's M */
+    memcpy(X, Z, sizeof(float) * (size_t)n * t);
+    kf_solve_softmax_rows(be, &(kf_softmax_rows_args){.x = X, .ldx = t, .rows = n, .n = t}); /* drop's design */
+    kf_solve_exp_rows(be, Z, t, n, t, m);                                                    /* beta's M */
     for (int i = 0; i < n; i++) {
         Yd[i] = y[i];
         bn->yy += Yd[i] * Yd[i];
@@ -544,19 +542,17 @@ static void kept_tile(const float *m, const float *y, const float *Y, int n, int
         Xd[k] = Z[k];
     kf_solve_dsyrk(be, KF_TRANS, t, n, 1.0, Xd, t, 1.0, bn->G, t);
     kf_solve_dgemv(be, KF_TRANS, n, t, 1.0, Xd, t, Yd, 1.0, bn->b);
-    if (nd == 0)
-        return;
-    for (size_t k = 0; k < (size_t)nd * t; k++)
+    for (size_t k = 0; k < (size_t)n * t; k++)
         Xd[k] = X[k];
-    for (size_t k = 0; k < (size_t)nd * d; k++)
+    for (size_t k = 0; k < (size_t)n * d; k++)
         Yd[k] = Y[k];
-    kf_solve_dsyrk(be, KF_TRANS, t, nd, 1.0, Xd, t, first ? 0.0 : 1.0, drop->G, t);
-    kf_solve_dgemm(be, KF_TRANS, KF_NO_TRANS, t, d, nd, 1.0, Xd, t, Yd, d, first ? 0.0 : 1.0, drop->B, d);
+    kf_solve_dsyrk(be, KF_TRANS, t, n, 1.0, Xd, t, first ? 0.0 : 1.0, drop->G, t);
+    kf_solve_dgemm(be, KF_TRANS, KF_NO_TRANS, t, d, n, 1.0, Xd, t, Yd, d, first ? 0.0 : 1.0, drop->B, d);
 }
 
-kf_status kf_kept_normal_build(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t, int drop_rows,
+kf_status kf_kept_normal_build(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
                                kf_gram_tiles *tiles, kf_beta_normal *bn, kf_value_gram *drop, kf_error *err) {
-    const int R = h->R, d = h->d, Rd = drop_rows < 0 || drop_rows > R ? R : drop_rows;
+    const int R = h->R, d = h->d;
     const size_t t1 = (size_t)(t ? t : 1);
     memset(bn, 0, sizeof *bn);
     bn->t = t, bn->be = h->be;
@@ -569,8 +565,7 @@ kf_status kf_kept_normal_build(const kf_am_head *h, const kf_am_targets *tg, con
         const int n = R - i0 < GRAM_TILE ? R - i0 : GRAM_TILE;
         kf_solve_sgemm(h->be, KF_NO_TRANS, KF_TRANS, n, t, d, h->scale, h->q + (size_t)i0 * d, d, kc, d, 0.0f, w->Z,
                        t);
-        const int nd = Rd - i0 < 0 ? 0 : (Rd - i0 < n ? Rd - i0 : n);
-        kept_tile(tg->m + i0, tg->y + i0, tg->Y + (size_t)i0 * d, n, nd, t, d, w, bn, drop, i0 == 0);
+        kept_tile(tg->m + i0, tg->y + i0, tg->Y + (size_t)i0 * d, n, t, d, w, bn, drop, i0 == 0);
     }
     kf_gram_tiles_free(&own);
     if (!ok) {

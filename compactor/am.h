@@ -157,11 +157,11 @@ kf_status kf_value_gram_build(const kf_backend *be, const float *q, int R, int d
 /* mu = max(alpha, 1e-6) * tr / t (the floor is the least-squares fallback's safety ridge). */
 kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float *v0, size_t v0_stride, float *values,
                               kf_am_stats *stats, kf_error *err);
-/* Beta's normal equations over the rows and drop's value refit (the kept keys without bias) over
- * their first drop_rows (-1 or above R: all) in one pass: one logit GEMM per row tile for both;
- * each equal to its own build (kf_beta_normal_build on h; kf_value_gram_build with beta NULL on
- * the first drop_rows rows). tiles: with logits, for at least t keys, or NULL (its own). */
-kf_status kf_kept_normal_build(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t, int drop_rows,
+/* Beta's normal equations and drop's value refit (the kept keys without bias) in one pass over
+ * the rows: one logit GEMM per row tile for both; each equal to its own build
+ * (kf_beta_normal_build, kf_value_gram_build with beta NULL). tiles: with logits, for at least t
+ * keys, or NULL (its own). */
+kf_status kf_kept_normal_build(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
                                kf_gram_tiles *tiles, kf_beta_normal *bn, kf_value_gram *drop, kf_error *err);
 /* acc += part (the same keys and bias on another set of rows: training + validation = all). */
 void kf_value_gram_add(kf_value_gram *acc, const kf_value_gram *part);

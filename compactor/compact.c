@@ -316,42 +316,38 @@ static kf_status try_folds(const kf_compact_params *p, const kf_am_head *htr, co
     return rc;
 }
 
-/* The method's candidates (am, fold): beta fitted on all the training rows htr from one pass that
- * also builds drop's normal equations on their first hsub->R (bn, dg, kept for the refit); fold's
- * direction (covariance first, while the least is held: the memory formula's P1) and every
- * candidate's values fitted on the first hsub->R. */
-static kf_status method_fits(const kf_compact_params *p, const kf_am_head *htr, const kf_am_head *hsub,
-                             const kf_am_targets *ttr, int t, const float *kc, const float *v0, kf_val_head *val,
-                             uint64_t seed, choice_ws *w, kf_beta_normal *bn, kf_value_gram *dg, kf_head_pick *best,
-                             kf_error *err) {
+/* The method's candidates (am, fold): beta fitted on the training rows from one pass that also
+ * builds drop's normal equations (bn, dg, kept for the refit); fold's covariance first, while the
+ * least is held (the memory formula's P1). */
+static kf_status method_fits(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr, int t,
+                             const float *kc, const float *v0, kf_val_head *val, uint64_t seed, choice_ws *w,
+                             kf_beta_normal *bn, kf_value_gram *dg, kf_head_pick *best, kf_error *err) {
     kf_fold_cov cov = {0};
     if (p->method == KF_METHOD_FOLD)
-        KF_TRY(kf_fold_cov_compute(hsub->be, hsub->q, hsub->R, hsub->d, &cov, err));
-    kf_status rc = kf_kept_normal_build(htr, ttr, kc, t, hsub->R, &w->tiles, bn, dg, err);
+        KF_TRY(kf_fold_cov_compute(htr->be, htr->q, htr->R, htr->d, &cov, err));
+    kf_status rc = kf_kept_normal_build(htr, ttr, kc, t, &w->tiles, bn, dg, err);
     if (rc == KF_OK)
         rc = kf_am_fit_beta_normal(bn, seed, p->beta_fit, w->beta, NULL, err);
     if (rc == KF_OK && p->method == KF_METHOD_AM)
-        rc = try_alphas(hsub, ttr->Y, kc, w->beta, v0, KF_METHOD_AM, 0, 1 + p->choice_margin, val, w, best, err);
+        rc = try_alphas(htr, ttr->Y, kc, w->beta, v0, KF_METHOD_AM, 0, 1 + p->choice_margin, val, w, best, err);
     else if (rc == KF_OK)
-        rc = try_folds(p, hsub, ttr, &cov, kc, t, v0, val, w, best, err);
+        rc = try_folds(p, htr, ttr, &cov, kc, t, v0, val, w, best, err);
     kf_fold_cov_free(&cov);
     return rc;
 }
 
 /* The choice's candidates other than keep: the method's and drop; keep's weights are drop's, left
- * in val. bn: the training rows' beta normal equations, dg: drop's on their first hsub->R (for the
- * refit). */
-static kf_status choose_fits(const kf_compact_params *p, const kf_am_head *htr, const kf_am_head *hsub,
-                             const kf_am_targets *ttr, int t, const float *kc, const float *v0, kf_val_head *val,
-                             uint64_t seed, choice_ws *w, kf_beta_normal *bn, kf_value_gram *dg, kf_head_pick *best,
-                             kf_error *err) {
+ * in val. bn, dg: the training rows' normal equations (for the refit). */
+static kf_status choose_fits(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr, int t,
+                             const float *kc, const float *v0, kf_val_head *val, uint64_t seed, choice_ws *w,
+                             kf_beta_normal *bn, kf_value_gram *dg, kf_head_pick *best, kf_error *err) {
     const int d = htr->d;
     if (p->method == KF_METHOD_AM || p->method == KF_METHOD_FOLD) {
-        KF_TRY(method_fits(p, htr, hsub, ttr, t, kc, v0, val, seed, w, bn, dg, best, err));
+        KF_TRY(method_fits(p, htr, ttr, t, kc, v0, val, seed, w, bn, dg, best, err));
     } else {
         if (kf_value_gram_alloc(dg, htr->be, t, d) != 0)
             return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for drop's normal equations (t %d)", t);
-        kf_value_gram_rebuild(hsub->q, hsub->R, hsub->scale, kc, d, NULL, ttr->Y, &w->tiles, dg);
+        kf_value_gram_rebuild(htr->q, htr->R, htr->scale, kc, d, NULL, ttr->Y, &w->tiles, dg);
     }
     return score_alphas(dg, kc, NULL, t, d, v0, KF_METHOD_DROP, p->lambda_rel, 1, val, w->vals, best, err);
 }
@@ -373,7 +369,7 @@ kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, cons
                          kf_head_pick *best, kf_choice_fits *keep, kf_error *err) {
     (void)sel; /* the kept keys are kc */
     const int d = htr->d;
-    kf_am_head hsub = *htr; /* the candidates' fits: the training rows' first kf_choice_rows */
+    kf_am_head hsub = *htr; /* every candidate's fits: the training rows' first kf_choice_rows */
     hsub.R = kf_choice_rows(p, htr->R, t);
     const float *v0 = p->ridge_to == KF_RIDGE_TO_ORIG ? vo : NULL;
     kf_choice_fits f = {0};
@@ -384,7 +380,7 @@ kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, cons
     if (choice_ws_alloc(&w, htr->be, t, d, p->method == KF_METHOD_AM || p->method == KF_METHOD_FOLD) != 0)
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the per-head choice (t %d)", t);
     else if (p->method != KF_METHOD_KEEP)
-        rc = choose_fits(p, htr, &hsub, ttr, t, kc, v0, val, seed, &w, &f.beta, &f.drop, best, err);
+        rc = choose_fits(p, &hsub, ttr, t, kc, v0, val, seed, &w, &f.beta, &f.drop, best, err);
     else if (kf_val_attend(val, &kb) != 0) /* keep alone: the kept keys' weights */
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory in the per-head validation");
     if (rc == KF_OK) {
@@ -392,10 +388,8 @@ kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, cons
         if (e < best->err)
             *best = (kf_head_pick){KF_METHOD_KEEP, p->lambda_rel, 0, e};
     }
-    if (hsub.R < htr->R) /* drop's are on a subsample: the refit builds its own on all the rows */
-        kf_value_gram_free(&f.drop);
-    if (rc == KF_OK && keep)
-        *keep = f; /* the refit adds the validation rows' part */
+    if (rc == KF_OK && keep && hsub.R == htr->R)
+        *keep = f; /* the refit adds the validation rows' part (fits on a subsample: it fits its own) */
     else
         kf_choice_fits_free(&f);
     choice_ws_free(&w);

@@ -161,11 +161,11 @@ typedef struct {
     double lambda, alpha, err; /* the fold's lambda_rel, the refit's alpha, the validation error */
 } kf_head_pick;
 
-/* The training rows the choice fits its candidates' values and fold directions on: the first
+/* The training rows the choice fits its candidates on (beta, fold directions, values): the first
  * min(R, max(ceil(choice_rows * t), KF_CHOICE_MIN_ROWS)) of the R it is given (all R when
- * choice_rows is 0); beta is fitted on all R. The caller orders the rows so that every prefix is a
- * random subsample (kf_compact: stratified by source kind, seeded). Issue 14: the candidates only
- * need ranking; the winner is refitted on all the rows. */
+ * choice_rows is 0). The caller orders the rows so that every prefix is a random subsample
+ * (kf_compact: stratified by source kind, seeded). Issue 14: the candidates only need ranking, and
+ * their fp64 normal equations cost R t^2; the winner is refitted on all the rows. */
 enum { KF_CHOICE_MIN_ROWS = 256 };
 int kf_choice_rows(const kf_compact_params *p, int R, int t);
 /* The training rows (r = j n_pos + k over the group's G members, position k not held out:
@@ -178,8 +178,8 @@ int64_t kf_choice_training_order(int64_t n_pos, int G, const uint8_t *kind, cons
 
 /* What kf_choose_head keeps for the refit when asked (issue 14: shared, not rebuilt): the training
  * rows' normal equations over the kept keys, beta's (am, fold; beta.G NULL: none) and drop's value
- * refit (drop.G NULL: none, also when drop was fitted on a subsample of them); the refit on all
- * the rows adds the validation rows' part. */
+ * refit (drop.G NULL: none); the refit on all the rows adds the validation rows' part. Nothing
+ * when the candidates were fitted on a subsample of the training rows (kf_choice_rows < R). */
 typedef struct {
     kf_beta_normal beta;
     kf_value_gram drop;

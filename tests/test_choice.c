@@ -334,7 +334,7 @@ static void test_normal_equations_add(void) {
     /* one pass for both (the choice's) == the two builds, over all the rows */
     kf_beta_normal b1, b2;
     kf_value_gram g1, g2;
-    CU_ASSERT_EQUAL_FATAL(kf_kept_normal_build(&h, &tg, kc, NK, -1, NULL, &b1, &g1, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_kept_normal_build(&h, &tg, kc, NK, NULL, &b1, &g1, &err), KF_OK);
     CU_ASSERT_EQUAL_FATAL(kf_beta_normal_build(&h, &tg, kc, NK, &b2, &err), KF_OK);
     CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(NULL, Q, NR, ND, scale, kc, ND, NULL, NK, tg.Y, &g2, &err), KF_OK);
     const double e1 = rel_diff(b1.G, b2.G, NK * NK), e2 = rel_diff(b1.b, b2.b, NK);
@@ -386,8 +386,8 @@ static void test_gram_rebuild_fresh(void) {
     CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
     kf_beta_normal bw, bo;
     kf_value_gram dw, dn;
-    CU_ASSERT_EQUAL_FATAL(kf_kept_normal_build(&h, &tg, k2, t, -1, &w, &bw, &dw, &err), KF_OK);
-    CU_ASSERT_EQUAL_FATAL(kf_kept_normal_build(&h, &tg, k2, t, -1, NULL, &bo, &dn, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_kept_normal_build(&h, &tg, k2, t, &w, &bw, &dw, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_kept_normal_build(&h, &tg, k2, t, NULL, &bo, &dn, &err), KF_OK);
     CU_ASSERT(memcmp(bw.G, bo.G, sizeof(double) * t * t) == 0 && memcmp(bw.b, bo.b, sizeof(double) * t) == 0);
     CU_ASSERT(memcmp(dw.G, dn.G, sizeof(double) * t * t) == 0 && memcmp(dw.B, dn.B, sizeof(double) * t * d) == 0);
     kf_beta_normal_free(&bw), kf_beta_normal_free(&bo);
@@ -400,48 +400,6 @@ static void test_gram_rebuild_fresh(void) {
 
 
 /* ---- the cheaper choice (issue 14): candidates on a subsample of the training rows ---- */
-
-/* Beta's normal equations over all the rows and drop's over the first drop_rows (mid-tile, none,
- * all) from the one pass, against the fp64 reference of each row range. */
-static void test_kept_normal_drop_rows(void) {
-    enum { R = 600 }; /* three row tiles, the last one partial */
-    float K[NT * ND], V[NT * ND], kc[NK * ND], *Q = malloc(sizeof(float) * R * ND);
-    kf_test_fill_uniform(K, NT * ND, 1701, -1, 1);
-    kf_test_fill_uniform(V, NT * ND, 1702, -1, 1);
-    kf_test_fill_uniform(Q, R * ND, 1703, -1.5f, 1.5f);
-    const float scale = 0.6f;
-    kf_am_head h = {K, ND, V, ND, NT, Q, R, ND, scale, NULL};
-    kf_am_targets tg;
-    kf_error err = {0};
-    CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
-    memcpy(kc, K + 5 * ND, sizeof(float) * NK * ND); /* keys 5 .. 16 */
-    double GM[NK * NK], bM[NK], yy, GX[NK * NK], BX[NK * ND], sG[NK * NK], sb[NK], syy;
-    ref_normal(Q, &tg, 0, R, kc, scale, GM, bM, &yy, GX, BX); /* beta's: over all R */
-    const int drop_rows[] = {300, 0, R, -1};
-    for (int k = 0; k < 4; k++) {
-        const int nd = drop_rows[k] < 0 ? R : drop_rows[k];
-        ref_normal(Q, &tg, 0, nd, kc, scale, sG, sb, &syy, GX, BX); /* drop's: over the first nd */
-        kf_beta_normal bn;
-        kf_value_gram dg;
-        CU_ASSERT_EQUAL_FATAL(kf_kept_normal_build(&h, &tg, kc, NK, drop_rows[k], NULL, &bn, &dg, &err), KF_OK);
-        const double eG = rel_diff(bn.G, GM, NK * NK), eb = rel_diff(bn.b, bM, NK), ey = fabs(bn.yy - yy) / yy;
-        double eX = 0, eB = 0, mx = 0;
-        if (nd > 0)
-            eX = rel_diff(dg.G, GX, NK * NK), eB = rel_diff(dg.B, BX, NK * ND);
-        else
-            for (int i = 0; i < NK * NK; i++)
-                mx = fmax(mx, fabs(dg.G[i]) + (i < NK * ND ? fabs(dg.B[i]) : 0));
-        printf("\n    drop rows %d of %d: beta G %.1e b %.1e yy %.1e; drop G %.1e B %.1e (max |.| with none %g)",
-               drop_rows[k], R, eG, eb, ey, eX, eB, mx);
-        CU_ASSERT(eG < 1e-5 && eb < 1e-5 && ey < 1e-6);
-        CU_ASSERT(eX < 1e-5 && eB < 1e-5 && mx == 0);
-        kf_beta_normal_free(&bn);
-        kf_value_gram_free(&dg);
-    }
-    printf("\n");
-    kf_am_targets_free(&tg);
-    free(Q);
-}
 
 /* The training rows' order: a permutation of the rows not held out, the same for a seed and
  * another for another seed, every prefix holding each source kind in proportion (+-1 row). */
@@ -482,8 +440,8 @@ static void test_training_order_stratified(void) {
 
 /* A head where one candidate is clearly best (the planted cases of test_am's per-head choice, with
  * five times the training rows): the choice on its subsample of them (choice_rows 4: 256 of 1000)
- * picks it as the choice on all of them does. */
-static kf_head_pick planted_on(int dup, float val_sign, kf_ridge_target to, double choice_rows, int *rows) {
+ * picks it as the choice on all of them does, and keeps no normal equations for the refit. */
+static kf_head_pick planted_on(int dup, float val_sign, kf_ridge_target to, double choice_rows, int *rows, int *kept) {
     enum { T = 48, t = 16, d = 8, Rtr = 1000, Rv = 100, NA = 16 };
     float K[T * d], V[T * d], Qtr[Rtr * d], Qv[Rv * d], KA[NA * d], VA[NA * d], mu[d] = {0};
     kf_test_fill_uniform(K, t * d, 431, -1, 1);
@@ -521,7 +479,10 @@ static kf_head_pick planted_on(int dup, float val_sign, kf_ridge_target to, doub
     p.ridge_to = to;
     p.choice_rows = choice_rows;
     *rows = kf_choice_rows(&p, Rtr, t);
-    CU_ASSERT_EQUAL(kf_choose_head(&p, &h, &tg, sel, t, K, V, &vh, 1, &pick, NULL, &err), KF_OK);
+    kf_choice_fits fits = {0};
+    CU_ASSERT_EQUAL(kf_choose_head(&p, &h, &tg, sel, t, K, V, &vh, 1, &pick, &fits, &err), KF_OK);
+    *kept = (fits.beta.G != NULL) + (fits.drop.G != NULL); /* what the refit may reuse */
+    kf_choice_fits_free(&fits);
     kf_val_head_free(&vh);
     kf_am_targets_free(&tg);
     return pick;
@@ -539,9 +500,9 @@ static void test_subsampled_choice_planted(void) {
         {0, 1, KF_RIDGE_TO_ZERO, KF_METHOD_KEEP}, /* no mass lost: the original values are exact */
     };
     for (int k = 0; k < 3; k++) {
-        int n_sub, n_all;
-        const kf_head_pick sub = planted_on(cases[k].dup, cases[k].sign, cases[k].to, 4, &n_sub);
-        const kf_head_pick all = planted_on(cases[k].dup, cases[k].sign, cases[k].to, 0, &n_all);
+        int n_sub, n_all, kept_sub, kept_all;
+        const kf_head_pick sub = planted_on(cases[k].dup, cases[k].sign, cases[k].to, 4, &n_sub, &kept_sub);
+        const kf_head_pick all = planted_on(cases[k].dup, cases[k].sign, cases[k].to, 0, &n_all, &kept_all);
         printf("\n    want %s: on %d rows %s (err %.2e), on all %d %s (err %.2e)", kf_method_name(cases[k].want), n_sub,
                kf_method_name(sub.method), sub.err, n_all, kf_method_name(all.method), all.err);
         CU_ASSERT_EQUAL(n_sub, 256);
@@ -549,6 +510,8 @@ static void test_subsampled_choice_planted(void) {
         CU_ASSERT_EQUAL(sub.method, cases[k].want);
         CU_ASSERT_EQUAL(all.method, cases[k].want);
         CU_ASSERT(sub.err <= 1.05 * all.err + 1e-6); /* the winner fits as well on its subsample */
+        /* normal equations of a subsample are not the training rows': the refit must fit its own */
+        CU_ASSERT(kept_sub == 0 && kept_all == 2);
     }
     printf("\n");
 }
@@ -574,7 +537,6 @@ static CU_TestInfo val_tests[] = {
     {"validation: what attend caches == a fresh head's, bit for bit", test_val_cache_fresh},
     {"normal equations: training + validation == all rows (fp64)", test_normal_equations_add},
     {"normal equations rebuilt in place == a fresh build, bit for bit", test_gram_rebuild_fresh},
-    {"kept keys' one pass: beta on all rows, drop on the first drop_rows == fp64", test_kept_normal_drop_rows},
     {"training rows' order: a seeded permutation, every prefix stratified", test_training_order_stratified},
     {"subsampled choice picks the planted best candidate, as on all rows", test_subsampled_choice_planted},
     {"choice rows: per kept key, floor, all", test_choice_rows},
