@@ -166,7 +166,7 @@ typedef struct {
  * choice_rows is 0). The caller orders the rows so that every prefix is a random subsample
  * (kf_compact: stratified by source kind, seeded). Issue 14: the candidates only need ranking, and
  * their fp64 normal equations cost R t^2; the winner is refitted on all the rows. */
-enum { KF_CHOICE_MIN_ROWS = 256 };
+enum { KF_CHOICE_MIN_ROWS = 512 };
 int kf_choice_rows(const kf_compact_params *p, int R, int t);
 /* The training rows (r = j n_pos + k over the group's G members, position k not held out:
  * is_val[k] = 0) in the order kf_compact gathers them for the choice: shuffled (seeded) within each

@@ -439,7 +439,7 @@ static void test_training_order_stratified(void) {
 }
 
 /* A head where one candidate is clearly best (the planted cases of test_am's per-head choice, with
- * five times the training rows): the choice on its subsample of them (choice_rows 4: 256 of 1000)
+ * five times the training rows): the choice on its subsample of them (choice_rows 4: 512 of 1000)
  * picks it as the choice on all of them does, and keeps no normal equations for the refit. */
 static kf_head_pick planted_on(int dup, float val_sign, kf_ridge_target to, double choice_rows, int *rows, int *kept) {
     enum { T = 48, t = 16, d = 8, Rtr = 1000, Rv = 100, NA = 16 };
@@ -505,7 +505,7 @@ static void test_subsampled_choice_planted(void) {
         const kf_head_pick all = planted_on(cases[k].dup, cases[k].sign, cases[k].to, 0, &n_all, &kept_all);
         printf("\n    want %s: on %d rows %s (err %.2e), on all %d %s (err %.2e)", kf_method_name(cases[k].want), n_sub,
                kf_method_name(sub.method), sub.err, n_all, kf_method_name(all.method), all.err);
-        CU_ASSERT_EQUAL(n_sub, 256);
+        CU_ASSERT_EQUAL(n_sub, 512);
         CU_ASSERT_EQUAL(n_all, 1000);
         CU_ASSERT_EQUAL(sub.method, cases[k].want);
         CU_ASSERT_EQUAL(all.method, cases[k].want);
