@@ -38,7 +38,8 @@ typedef enum { KF_FOLD_ON_ALL = 0, KF_FOLD_ON_PROBES = 1 } kf_fold_queries;
 /* What the Tikhonov term of a value refit pulls towards: zero, or the kept keys' original values. */
 typedef enum { KF_RIDGE_TO_ZERO = 0, KF_RIDGE_TO_ORIG = 1 } kf_ridge_target;
 /* Per-head choice (issue 12): hold out a validation split of the reference positions (probe
- * positions first), then for every (layer, KV head) fit each candidate on the rest — the method
+ * positions first), then for every (layer, KV head) fit each candidate on the rest (issue 14: on a
+ * stratified random subsample of it, choice_rows rows per kept key: kf_choice_rows) — the method
  * itself (am or fold; fold for lambda in {1, 10} x lambda_rel), drop and keep, each value
  * refit for alpha in {0, 1e-3, 1e-2, 1e-1} — and keep the one with the lowest output error on the
  * validation queries (appended block: the tokens before each query in its own prompt; probe rows
