@@ -1516,8 +1516,10 @@ static kf_status variant_head(const kf_compact_prep *x, variant_ws *w, head_shar
         kf_am_targets ttr = {sp->tr_m, sp->tr_y, sp->tr_Y, NULL};
         KF_TRY(kf_choose_head(p, &htr, &ttr, w->sel, th, w->kc, w->vo, &hs->vh, p->seed + (uint64_t)hi, &pick, &fits,
                               err));
-        if (!p->refit_all) /* ship the fit that was validated */
+        if (!p->refit_all) { /* ship the fit that was validated: on the training rows' subsample */
             hf = htr, tf = ttr;
+            hf.R = kf_choice_rows(p, htr.R, th);
+        }
         out->stats.choice_s += hs->split_s + (now_s() - ts);
     }
     kf_status rc = variant_fit(x, w, hs, &hf, &tf, &pick, w->choice ? &fits : NULL, th, qsub, err);
