@@ -42,7 +42,7 @@ kf_compact_params kf_compact_params_default(void) {
     p.val_frac = 0.2;
     p.refit_all = 1;
     p.choice_margin = 0.5;
-    p.choice_rows = 4;
+    p.choice_rows = 6;
     p.max_head_ratio = 0.75;
     p.quoka_margin = 16;
     return p;

@@ -73,10 +73,10 @@ typedef struct {
                                        the validation error to be chosen (default 0.5) */
     int refit_all;                  /* 1: refit the chosen candidate on all the queries (default);
                                        0: keep the fit on the training rows that was validated */
-    double choice_rows;             /* the per-head choice fits its candidates' values and fold
-                                       directions on a stratified random subsample of the training
-                                       rows, choice_rows rows per kept key (kf_choice_rows; default
-                                       4); 0: on all of them */
+    double choice_rows;             /* the per-head choice fits its candidates (beta, fold
+                                       directions, values) on a stratified random subsample of the
+                                       training rows, choice_rows rows per kept key (kf_choice_rows;
+                                       default 6); 0: on all of them */
     uint64_t seed;                  /* subsampling and power iteration (default 0) */
     kf_prompt repeat_instruction;   /* ids between the context and the repeated document; n = 0
                                        disables the repeat source */

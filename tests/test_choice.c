@@ -520,11 +520,11 @@ static void test_subsampled_choice_planted(void) {
  * at most all (0: all). */
 static void test_choice_rows(void) {
     kf_compact_params p = kf_compact_params_default();
-    CU_ASSERT_EQUAL(p.choice_rows, 4);
-    CU_ASSERT_EQUAL(kf_choice_rows(&p, 3300, 204), 816);
+    CU_ASSERT_EQUAL(p.choice_rows, 6);
+    CU_ASSERT_EQUAL(kf_choice_rows(&p, 3300, 204), 1224);
     CU_ASSERT_EQUAL(kf_choice_rows(&p, 3300, 10), KF_CHOICE_MIN_ROWS);
     CU_ASSERT_EQUAL(kf_choice_rows(&p, 200, 10), 200);
-    CU_ASSERT_EQUAL(kf_choice_rows(&p, 700, 204), 700);
+    CU_ASSERT_EQUAL(kf_choice_rows(&p, 1000, 204), 1000);
     p.choice_rows = 2.5;
     CU_ASSERT_EQUAL(kf_choice_rows(&p, 3300, 205), 513); /* ceil(512.5) */
     p.choice_rows = 0;
