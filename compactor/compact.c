@@ -388,8 +388,9 @@ kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, cons
         if (e < best->err)
             *best = (kf_head_pick){KF_METHOD_KEEP, p->lambda_rel, 0, e};
     }
-    if (rc == KF_OK && keep && hsub.R == htr->R)
-        *keep = f; /* the refit adds the validation rows' part (fits on a subsample: it fits its own) */
+    f.rows = hsub.R;
+    if (rc == KF_OK && keep)
+        *keep = f; /* the refit adds the other training rows' part and the validation rows' */
     else
         kf_choice_fits_free(&f);
     choice_ws_free(&w);
@@ -1381,19 +1382,34 @@ static void val_rows(const head_shared *hs, kf_am_head *hv, kf_am_targets *tv) {
     *tv = (kf_am_targets){hs->sp->val_m, hs->sp->val_y, hs->sp->val_Y, NULL};
 }
 
-/* The picked candidate's beta: from the choice's training normal equations (plus the validation
- * rows' part with refit_all) when it kept them, else fitted on hf/tf. */
+/* The training rows from..n_tr - 1 the choice's fits do not cover, as a head and targets (their
+ * part of the refit on all the rows). */
+static void rest_rows(const head_shared *hs, int from, kf_am_head *hr, kf_am_targets *tr) {
+    const head_split *sp = hs->sp;
+    const int d = hs->h.d;
+    *hr = hs->h;
+    hr->q = sp->tr_q + (size_t)from * d, hr->R = (int)sp->n_tr - from;
+    *tr = (kf_am_targets){sp->tr_m + from, sp->tr_y + from, sp->tr_Y + (size_t)from * d, NULL};
+}
+
+/* The picked candidate's beta: from the choice's normal equations (plus the other training rows'
+ * and the validation rows' parts with refit_all) when it kept them, else fitted on hf/tf. */
 static kf_status fit_beta(const variant_ws *w, const head_shared *hs, const kf_am_head *hf, const kf_am_targets *tf,
                           kf_choice_fits *fits, int th, uint64_t seed, kf_error *err) {
     const kf_compact_params *p = &w->p;
     kf_am_stats *st = &w->out->stats.solver;
     if (!fits || !fits->beta.G)
         return kf_am_fit_beta_ex(hf, tf, w->sel, th, seed, p->beta_fit, w->beta, st, err);
-    if (p->refit_all) {
+    for (int k = 0; k < 2 && p->refit_all; k++) { /* the other training rows, then the validation rows */
         kf_am_head hv;
         kf_am_targets tv;
         kf_beta_normal part;
-        val_rows(hs, &hv, &tv);
+        if (k == 0 && fits->rows >= hs->sp->n_tr)
+            continue;
+        if (k == 0)
+            rest_rows(hs, fits->rows, &hv, &tv);
+        else
+            val_rows(hs, &hv, &tv);
         KF_TRY(kf_beta_normal_build(&hv, &tv, w->kc, th, &part, err));
         kf_beta_normal_add(&fits->beta, &part);
         kf_beta_normal_free(&part);
@@ -1401,9 +1417,9 @@ static kf_status fit_beta(const variant_ws *w, const head_shared *hs, const kf_a
     return kf_am_fit_beta_normal(&fits->beta, seed, p->beta_fit, w->beta, st, err);
 }
 
-/* The values for keys kk [th, d] (bias: am's beta): drop's from the choice's training normal
- * equations (plus the validation rows' part with refit_all) when it kept them, else fitted on
- * hf/tf. */
+/* The values for keys kk [th, d] (bias: am's beta): drop's from the choice's normal equations
+ * (plus the other training rows' and the validation rows' parts with refit_all) when it kept
+ * them, else fitted on hf/tf. */
 static kf_status fit_values(const kf_compact_prep *x, variant_ws *w, const head_shared *hs, const kf_am_head *hf,
                             const kf_am_targets *tf, kf_choice_fits *fits, kf_method method, const float *kk,
                             double alpha, int th, kf_error *err) {
@@ -1414,11 +1430,17 @@ static kf_status fit_values(const kf_compact_prep *x, variant_ws *w, const head_
         return kf_am_fit_values_ridge(hf->be, hf->q, hf->R, x->d, x->scale, kk, x->d,
                                       method == KF_METHOD_AM ? w->beta : NULL, th, tf->Y, alpha, v0, x->d, w->vals, st,
                                       err);
-    if (p->refit_all) {
+    for (int k = 0; k < 2 && p->refit_all; k++) { /* the other training rows, then the validation rows */
+        kf_am_head hv;
+        kf_am_targets tv;
         kf_value_gram part;
-        const head_split *sp = hs->sp;
-        KF_TRY(kf_value_gram_build(hf->be, sp->val_q, (int)sp->n_val, x->d, x->scale, kk, x->d, NULL, th, sp->val_Y,
-                                   &part, err));
+        if (k == 0 && fits->rows >= hs->sp->n_tr)
+            continue;
+        if (k == 0)
+            rest_rows(hs, fits->rows, &hv, &tv);
+        else
+            val_rows(hs, &hv, &tv);
+        KF_TRY(kf_value_gram_build(hf->be, hv.q, hv.R, x->d, x->scale, kk, x->d, NULL, th, tv.Y, &part, err));
         kf_value_gram_add(&fits->drop, &part);
         kf_value_gram_free(&part);
     }

@@ -177,13 +177,15 @@ int kf_choice_rows(const kf_compact_params *p, int R, int t);
 int64_t kf_choice_training_order(int64_t n_pos, int G, const uint8_t *kind, const uint8_t *is_val, uint64_t seed,
                                  int64_t *order);
 
-/* What kf_choose_head keeps for the refit when asked (issue 14: shared, not rebuilt): the training
- * rows' normal equations over the kept keys, beta's (am, fold; beta.G NULL: none) and drop's value
- * refit (drop.G NULL: none); the refit on all the rows adds the validation rows' part. Nothing
- * when the candidates were fitted on a subsample of the training rows (kf_choice_rows < R). */
+/* What kf_choose_head keeps for the refit when asked (issue 14: shared, not rebuilt): the normal
+ * equations over the kept keys of the training rows the candidates were fitted on (the first
+ * `rows`, kf_choice_rows), beta's (am, fold; beta.G NULL: none) and drop's value refit (drop.G
+ * NULL: none); the refit on all the rows adds the other training rows' part and the validation
+ * rows'. */
 typedef struct {
     kf_beta_normal beta;
     kf_value_gram drop;
+    int rows;
 } kf_choice_fits;
 void kf_choice_fits_free(kf_choice_fits *f);
 

@@ -440,7 +440,8 @@ static void test_training_order_stratified(void) {
 
 /* A head where one candidate is clearly best (the planted cases of test_am's per-head choice, with
  * five times the training rows): the choice on its subsample of them (choice_rows 4: 512 of 1000)
- * picks it as the choice on all of them does, and keeps no normal equations for the refit. */
+ * picks it as the choice on all of them does, and keeps its normal equations for the refit, naming
+ * the rows they cover. */
 static kf_head_pick planted_on(int dup, float val_sign, kf_ridge_target to, double choice_rows, int *rows, int *kept) {
     enum { T = 48, t = 16, d = 8, Rtr = 1000, Rv = 100, NA = 16 };
     float K[T * d], V[T * d], Qtr[Rtr * d], Qv[Rv * d], KA[NA * d], VA[NA * d], mu[d] = {0};
@@ -481,7 +482,7 @@ static kf_head_pick planted_on(int dup, float val_sign, kf_ridge_target to, doub
     *rows = kf_choice_rows(&p, Rtr, t);
     kf_choice_fits fits = {0};
     CU_ASSERT_EQUAL(kf_choose_head(&p, &h, &tg, sel, t, K, V, &vh, 1, &pick, &fits, &err), KF_OK);
-    *kept = (fits.beta.G != NULL) + (fits.drop.G != NULL); /* what the refit may reuse */
+    *kept = (fits.beta.G != NULL) + (fits.drop.G != NULL) + 10 * (fits.rows == *rows); /* what the refit reuses */
     kf_choice_fits_free(&fits);
     kf_val_head_free(&vh);
     kf_am_targets_free(&tg);
@@ -510,8 +511,8 @@ static void test_subsampled_choice_planted(void) {
         CU_ASSERT_EQUAL(sub.method, cases[k].want);
         CU_ASSERT_EQUAL(all.method, cases[k].want);
         CU_ASSERT(sub.err <= 1.05 * all.err + 1e-6); /* the winner fits as well on its subsample */
-        /* normal equations of a subsample are not the training rows': the refit must fit its own */
-        CU_ASSERT(kept_sub == 0 && kept_all == 2);
+        /* the normal equations kept for the refit, and the training rows they cover */
+        CU_ASSERT(kept_sub == 12 && kept_all == 12);
     }
     printf("\n");
 }
