@@ -11,6 +11,7 @@
 #include "compactor/refq_targets.h"
 #include "kernels/cpu/cpu_kernels.h"
 
+
 static const char *const kMethodNames[] = {"keep", "drop", "am", "fold"};
 
 const char *kf_method_name(kf_method m) {
@@ -41,6 +42,7 @@ kf_compact_params kf_compact_params_default(void) {
     p.val_frac = 0.2;
     p.refit_all = 1;
     p.choice_margin = 0.5;
+    p.choice_rows = 6;
     p.max_head_ratio = 0.75;
     p.quoka_margin = 16;
     return p;
@@ -190,6 +192,47 @@ static int64_t pick_validation(int64_t n_pos, const uint8_t *kind, double frac, 
     return n;
 }
 
+typedef struct {
+    double key;
+    int64_t r;
+} keyed_row;
+
+static int by_key_then_row(const void *a, const void *b) {
+    const keyed_row *x = a, *y = b;
+    if (x->key != y->key)
+        return x->key < y->key ? -1 : 1;
+    return (x->r > y->r) - (x->r < y->r);
+}
+
+int64_t kf_choice_training_order(int64_t n_pos, int G, const uint8_t *kind, const uint8_t *is_val, uint64_t seed,
+                                 int64_t *order) {
+    const int64_t R = (int64_t)G * n_pos;
+    keyed_row *kr = malloc(sizeof *kr * (size_t)(R ? R : 1));
+    if (!kr)
+        return -1;
+    int64_t n = 0;
+    for (uint8_t c = KF_REFQ_CONTEXT; c <= KF_REFQ_PROBE; c++) {
+        const int64_t first = n;
+        for (int64_t r = 0; r < R; r++)
+            if (!is_val[r % n_pos] && kind[r % n_pos] == c)
+                kr[n++].r = r;
+        const int64_t m = n - first;
+        for (int64_t i = m - 1; i > 0; i--) { /* Fisher-Yates */
+            const int64_t j = (int64_t)(span_mix(seed ^ span_mix(0x7a11ULL + (uint64_t)c * 0x10001ULL + (uint64_t)i)) %
+                                        (uint64_t)(i + 1));
+            const int64_t tmp = kr[first + i].r;
+            kr[first + i].r = kr[first + j].r, kr[first + j].r = tmp;
+        }
+        for (int64_t i = 0; i < m; i++)
+            kr[first + i].key = ((double)i + 0.5) / (double)m;
+    }
+    qsort(kr, (size_t)n, sizeof *kr, by_key_then_row);
+    for (int64_t i = 0; i < n; i++)
+        order[i] = kr[i].r;
+    free(kr);
+    return n;
+}
+
 /* out [t, d] = the kept keys folded along u (fitted on q [R, d] with lambda); fi->ok = 0: none. */
 static kf_status fold_selection(const kf_backend *be, const float *q, int R, int d, float scale, double lambda,
                                 const float *kc, const float *beta, int t, float *u, float *out, kf_fold_info *fi,
@@ -314,11 +357,20 @@ void kf_choice_fits_free(kf_choice_fits *f) {
     kf_value_gram_free(&f->drop);
 }
 
+int kf_choice_rows(const kf_compact_params *p, int R, int t) {
+    if (!(p->choice_rows > 0))
+        return R;
+    const double want = ceil(p->choice_rows * t), n = want > KF_CHOICE_MIN_ROWS ? want : KF_CHOICE_MIN_ROWS;
+    return n < R ? (int)n : R;
+}
+
 kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr,
                          const int32_t *sel, int t, const float *kc, const float *vo, kf_val_head *val, uint64_t seed,
                          kf_head_pick *best, kf_choice_fits *keep, kf_error *err) {
     (void)sel; /* the kept keys are kc */
     const int d = htr->d;
+    kf_am_head hsub = *htr; /* every candidate's fits: the training rows' first kf_choice_rows */
+    hsub.R = kf_choice_rows(p, htr->R, t);
     const float *v0 = p->ridge_to == KF_RIDGE_TO_ORIG ? vo : NULL;
     kf_choice_fits f = {0};
     choice_ws w;
@@ -328,7 +380,7 @@ kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, cons
     if (choice_ws_alloc(&w, htr->be, t, d, p->method == KF_METHOD_AM || p->method == KF_METHOD_FOLD) != 0)
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the per-head choice (t %d)", t);
     else if (p->method != KF_METHOD_KEEP)
-        rc = choose_fits(p, htr, ttr, t, kc, v0, val, seed, &w, &f.beta, &f.drop, best, err);
+        rc = choose_fits(p, &hsub, ttr, t, kc, v0, val, seed, &w, &f.beta, &f.drop, best, err);
     else if (kf_val_attend(val, &kb) != 0) /* keep alone: the kept keys' weights */
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory in the per-head validation");
     if (rc == KF_OK) {
@@ -336,8 +388,9 @@ kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, cons
         if (e < best->err)
             *best = (kf_head_pick){KF_METHOD_KEEP, p->lambda_rel, 0, e};
     }
+    f.rows = hsub.R;
     if (rc == KF_OK && keep)
-        *keep = f; /* the refit adds the validation rows' part */
+        *keep = f; /* the refit adds the other training rows' part and the validation rows' */
     else
         kf_choice_fits_free(&f);
     choice_ws_free(&w);
@@ -415,26 +468,28 @@ static int split_alloc(head_split *s, int64_t R, int64_t n_val, int d, int n_src
 /* pos_src/pos_local [n_pos]: source and index inside it of every sampled position; ap holds the
  * layer of this head (appended_load). */
 static void split_head(head_split *s, const kf_refq *rq, const float *q, const kf_am_targets *tg, const uint8_t *is_val,
-                       const int *pos_src, const int64_t *pos_local, const appended_kv *ap, int g) {
+                       const int64_t *tr_order, const int *pos_src, const int64_t *pos_local, const appended_kv *ap,
+                       int g) {
     const int d = rq->head_dim;
     const size_t row = (size_t)rq->kv_heads * d;
     for (int i = 1; i < ap->n_src; i++)
         if (ap->k[i])
             s->blocks[i] = (kf_kv_block){ap->k[i] + (size_t)g * d, ap->v[i] + (size_t)g * d, row, NULL, (int)ap->n[i]};
-    int64_t n_probe = 0, nt = 0, nv = 0;
+    int64_t n_probe = 0, nv = 0;
     for (int64_t k = 0; k < rq->n_pos; k++)
         n_probe += is_val[k] && rq->source[k] == KF_REFQ_PROBE;
     const int64_t n_val_pos = s->n_val / rq->group, n_other = n_val_pos - n_probe;
+    for (int64_t i = 0; i < s->n_tr; i++) { /* training rows in tr_order (kf_choice_training_order) */
+        const int64_t r = tr_order[i];
+        memcpy(s->tr_q + (size_t)i * d, q + (size_t)r * d, sizeof(float) * d);
+        memcpy(s->tr_Y + (size_t)i * d, tg->Y + (size_t)r * d, sizeof(float) * d);
+        s->tr_m[i] = tg->m[r], s->tr_y[i] = tg->y[r];
+    }
     for (int j = 0; j < rq->group; j++)
         for (int64_t k = 0; k < rq->n_pos; k++) {
             const int64_t r = (int64_t)j * rq->n_pos + k;
-            if (!is_val[k]) {
-                memcpy(s->tr_q + (size_t)nt * d, q + (size_t)r * d, sizeof(float) * d);
-                memcpy(s->tr_Y + (size_t)nt * d, tg->Y + (size_t)r * d, sizeof(float) * d);
-                s->tr_m[nt] = tg->m[r], s->tr_y[nt] = tg->y[r];
-                nt++;
+            if (!is_val[k])
                 continue;
-            }
             memcpy(s->val_q + (size_t)nv * d, q + (size_t)r * d, sizeof(float) * d);
             memcpy(s->val_Y + (size_t)nv * d, tg->Y + (size_t)r * d, sizeof(float) * d);
             s->val_m[nv] = tg->m[r], s->val_y[nv] = tg->y[r];
@@ -530,6 +585,7 @@ struct kf_compact_prep {
                                   rq (m NULL: none) */
     kf_refq_targets_dst *tdst; /* [n_sources] source i's per-layer destinations of them (NULL: no pool) */
     uint8_t *pos_kind, *is_val; /* validation plan, [n_pos] each (NULL: no variant needs it) */
+    int64_t *tr_order;          /* [G n_pos] the training rows in the order split_head gathers them */
     int *pos_src;
     int64_t *pos_local, n_val_pos;
     appended_kv ap;
@@ -890,6 +946,10 @@ static kf_status prepare_run(kf_compact_prep *x, const kf_compact_reuse *reuse, 
     if (rc == KF_OK && choice)
         rc = plan_validation(x->src, x->n_sources, sample, n_pos, &x->p, (size_t)x->kvh * x->d, &x->pos_kind,
                              &x->pos_src, &x->pos_local, &x->is_val, &x->n_val_pos, &x->ap, err);
+    if (rc == KF_OK && choice &&
+        (!(x->tr_order = malloc(sizeof(int64_t) * (size_t)(n_pos ? n_pos * x->G : 1))) ||
+         kf_choice_training_order(n_pos, x->G, x->pos_kind, x->is_val, x->p.seed, x->tr_order) < 0))
+        rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the training rows' order");
     x->ap.fork = x->forks;
     if (rc == KF_OK && x->ar == &x->own_arena)
         rc = kf_model_arena_dtype(x->m, x->ar, kf_pages_for(x->D) * KF_PAGE_TOKENS, x->p.arena_dtype, err);
@@ -976,6 +1036,7 @@ void kf_compact_prep_free(kf_compact_prep *x, kf_seq *keep) {
     free(x->src), free(x->rows), free(x->first), free(x->forks);
     free(x->pos_kind);
     free(x->is_val);
+    free(x->tr_order);
     free(x->pos_src);
     free(x->pos_local);
     free(x);
@@ -1252,7 +1313,7 @@ static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, 
     if (!sp)
         return KF_OK;
     ts = now_s();
-    split_head(sp, &x->rq, hs->q, &hs->tg, x->is_val, x->pos_src, x->pos_local, &x->ap, g);
+    split_head(sp, &x->rq, hs->q, &hs->tg, x->is_val, x->tr_order, x->pos_src, x->pos_local, &x->ap, g);
     /* the original block's attention on the validation rows is their targets */
     rc = kf_val_head_init_targets(&hs->vh, hs->h.be, sp->val_q, (int)sp->n_val, x->d, x->scale, sp->val_w, sp->val_m,
                                   sp->val_y, sp->val_Y, sp->val_app, sp->val_vis, err);
@@ -1321,19 +1382,34 @@ static void val_rows(const head_shared *hs, kf_am_head *hv, kf_am_targets *tv) {
     *tv = (kf_am_targets){hs->sp->val_m, hs->sp->val_y, hs->sp->val_Y, NULL};
 }
 
-/* The picked candidate's beta: from the choice's training normal equations (plus the validation
- * rows' part with refit_all) when it kept them, else fitted on hf/tf. */
+/* The training rows from..n_tr - 1 the choice's fits do not cover, as a head and targets (their
+ * part of the refit on all the rows). */
+static void rest_rows(const head_shared *hs, int from, kf_am_head *hr, kf_am_targets *tr) {
+    const head_split *sp = hs->sp;
+    const int d = hs->h.d;
+    *hr = hs->h;
+    hr->q = sp->tr_q + (size_t)from * d, hr->R = (int)sp->n_tr - from;
+    *tr = (kf_am_targets){sp->tr_m + from, sp->tr_y + from, sp->tr_Y + (size_t)from * d, NULL};
+}
+
+/* The picked candidate's beta: from the choice's normal equations (plus the other training rows'
+ * and the validation rows' parts with refit_all) when it kept them, else fitted on hf/tf. */
 static kf_status fit_beta(const variant_ws *w, const head_shared *hs, const kf_am_head *hf, const kf_am_targets *tf,
                           kf_choice_fits *fits, int th, uint64_t seed, kf_error *err) {
     const kf_compact_params *p = &w->p;
     kf_am_stats *st = &w->out->stats.solver;
     if (!fits || !fits->beta.G)
         return kf_am_fit_beta_ex(hf, tf, w->sel, th, seed, p->beta_fit, w->beta, st, err);
-    if (p->refit_all) {
+    for (int k = 0; k < 2 && p->refit_all; k++) { /* the other training rows, then the validation rows */
         kf_am_head hv;
         kf_am_targets tv;
         kf_beta_normal part;
-        val_rows(hs, &hv, &tv);
+        if (k == 0 && fits->rows >= hs->sp->n_tr)
+            continue;
+        if (k == 0)
+            rest_rows(hs, fits->rows, &hv, &tv);
+        else
+            val_rows(hs, &hv, &tv);
         KF_TRY(kf_beta_normal_build(&hv, &tv, w->kc, th, &part, err));
         kf_beta_normal_add(&fits->beta, &part);
         kf_beta_normal_free(&part);
@@ -1341,9 +1417,9 @@ static kf_status fit_beta(const variant_ws *w, const head_shared *hs, const kf_a
     return kf_am_fit_beta_normal(&fits->beta, seed, p->beta_fit, w->beta, st, err);
 }
 
-/* The values for keys kk [th, d] (bias: am's beta): drop's from the choice's training normal
- * equations (plus the validation rows' part with refit_all) when it kept them, else fitted on
- * hf/tf. */
+/* The values for keys kk [th, d] (bias: am's beta): drop's from the choice's normal equations
+ * (plus the other training rows' and the validation rows' parts with refit_all) when it kept
+ * them, else fitted on hf/tf. */
 static kf_status fit_values(const kf_compact_prep *x, variant_ws *w, const head_shared *hs, const kf_am_head *hf,
                             const kf_am_targets *tf, kf_choice_fits *fits, kf_method method, const float *kk,
                             double alpha, int th, kf_error *err) {
@@ -1354,11 +1430,17 @@ static kf_status fit_values(const kf_compact_prep *x, variant_ws *w, const head_
         return kf_am_fit_values_ridge(hf->be, hf->q, hf->R, x->d, x->scale, kk, x->d,
                                       method == KF_METHOD_AM ? w->beta : NULL, th, tf->Y, alpha, v0, x->d, w->vals, st,
                                       err);
-    if (p->refit_all) {
+    for (int k = 0; k < 2 && p->refit_all; k++) { /* the other training rows, then the validation rows */
+        kf_am_head hv;
+        kf_am_targets tv;
         kf_value_gram part;
-        const head_split *sp = hs->sp;
-        KF_TRY(kf_value_gram_build(hf->be, sp->val_q, (int)sp->n_val, x->d, x->scale, kk, x->d, NULL, th, sp->val_Y,
-                                   &part, err));
+        if (k == 0 && fits->rows >= hs->sp->n_tr)
+            continue;
+        if (k == 0)
+            rest_rows(hs, fits->rows, &hv, &tv);
+        else
+            val_rows(hs, &hv, &tv);
+        KF_TRY(kf_value_gram_build(hf->be, hv.q, hv.R, x->d, x->scale, kk, x->d, NULL, th, tv.Y, &part, err));
         kf_value_gram_add(&fits->drop, &part);
         kf_value_gram_free(&part);
     }
@@ -1456,8 +1538,10 @@ static kf_status variant_head(const kf_compact_prep *x, variant_ws *w, head_shar
         kf_am_targets ttr = {sp->tr_m, sp->tr_y, sp->tr_Y, NULL};
         KF_TRY(kf_choose_head(p, &htr, &ttr, w->sel, th, w->kc, w->vo, &hs->vh, p->seed + (uint64_t)hi, &pick, &fits,
                               err));
-        if (!p->refit_all) /* ship the fit that was validated */
+        if (!p->refit_all) { /* ship the fit that was validated: on the training rows' subsample */
             hf = htr, tf = ttr;
+            hf.R = kf_choice_rows(p, htr.R, th);
+        }
         out->stats.choice_s += hs->split_s + (now_s() - ts);
     }
     kf_status rc = variant_fit(x, w, hs, &hf, &tf, &pick, w->choice ? &fits : NULL, th, qsub, err);

@@ -38,7 +38,8 @@ typedef enum { KF_FOLD_ON_ALL = 0, KF_FOLD_ON_PROBES = 1 } kf_fold_queries;
 /* What the Tikhonov term of a value refit pulls towards: zero, or the kept keys' original values. */
 typedef enum { KF_RIDGE_TO_ZERO = 0, KF_RIDGE_TO_ORIG = 1 } kf_ridge_target;
 /* Per-head choice (issue 12): hold out a validation split of the reference positions (probe
- * positions first), then for every (layer, KV head) fit each candidate on the rest — the method
+ * positions first), then for every (layer, KV head) fit each candidate on the rest (issue 14: on a
+ * stratified random subsample of it, choice_rows rows per kept key: kf_choice_rows) — the method
  * itself (am or fold; fold for lambda in {1, 10} x lambda_rel), drop and keep, each value
  * refit for alpha in {0, 1e-3, 1e-2, 1e-1} — and keep the one with the lowest output error on the
  * validation queries (appended block: the tokens before each query in its own prompt; probe rows
@@ -72,6 +73,10 @@ typedef struct {
                                        the validation error to be chosen (default 0.5) */
     int refit_all;                  /* 1: refit the chosen candidate on all the queries (default);
                                        0: keep the fit on the training rows that was validated */
+    double choice_rows;             /* the per-head choice fits its candidates (beta, fold
+                                       directions, values) on a stratified random subsample of the
+                                       training rows, choice_rows rows per kept key (kf_choice_rows;
+                                       default 6); 0: on all of them */
     uint64_t seed;                  /* subsampling and power iteration (default 0) */
     kf_prompt repeat_instruction;   /* ids between the context and the repeated document; n = 0
                                        disables the repeat source */
@@ -157,12 +162,30 @@ typedef struct {
     double lambda, alpha, err; /* the fold's lambda_rel, the refit's alpha, the validation error */
 } kf_head_pick;
 
-/* What kf_choose_head keeps for the refit when asked (issue 14: shared, not rebuilt): the training
- * rows' normal equations over the kept keys, beta's (am, fold; beta.G NULL: none) and drop's value
- * refit (drop.G NULL: none); the refit on all the rows adds the validation rows' part. */
+/* The training rows the choice fits its candidates on (beta, fold directions, values): the first
+ * min(R, max(ceil(choice_rows * t), KF_CHOICE_MIN_ROWS)) of the R it is given (all R when
+ * choice_rows is 0). The caller orders the rows so that every prefix is a random subsample
+ * (kf_compact: stratified by source kind, seeded). Issue 14: the candidates only need ranking, and
+ * their fp64 normal equations cost R t^2; the winner is refitted on all the rows. */
+enum { KF_CHOICE_MIN_ROWS = 512 };
+int kf_choice_rows(const kf_compact_params *p, int R, int t);
+/* The training rows (r = j n_pos + k over the group's G members, position k not held out:
+ * is_val[k] = 0) in the order kf_compact gathers them for the choice: shuffled (seeded) within each
+ * source kind (kind [n_pos], KF_REFQ_*), the kinds interleaved in proportion (row i of a kind of n
+ * rows at (i + 1/2) / n), so that every prefix is a stratified random subsample. order [G n_pos];
+ * returns the count, or -1 when out of memory. */
+int64_t kf_choice_training_order(int64_t n_pos, int G, const uint8_t *kind, const uint8_t *is_val, uint64_t seed,
+                                 int64_t *order);
+
+/* What kf_choose_head keeps for the refit when asked (issue 14: shared, not rebuilt): the normal
+ * equations over the kept keys of the training rows the candidates were fitted on (the first
+ * `rows`, kf_choice_rows), beta's (am, fold; beta.G NULL: none) and drop's value refit (drop.G
+ * NULL: none); the refit on all the rows adds the other training rows' part and the validation
+ * rows'. */
 typedef struct {
     kf_beta_normal beta;
     kf_value_gram drop;
+    int rows;
 } kf_choice_fits;
 void kf_choice_fits_free(kf_choice_fits *f);
 
@@ -291,6 +314,7 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *               the plan's scratch; the attention's gathered K/V and A score tiles over N keys;
  *               the sources' residual streams between layers
  *   solve   = 8 D KD + 8 (S + P) KD [choice]      one layer's K/V, and of the sources' validation prompts
+ *           + 8 R [choice]                        the training rows' order (kf_choice_training_order)
  *           + n (8 t + 16 t d                      per thread (thread_init): the kept keys' buffers
  *                + [probes] 4 R d                 the probe rows (fold_queries on probes)
  *                + [choice] 8 R (d + 1) + 20 Rv)  the training/validation split

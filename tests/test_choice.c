@@ -9,6 +9,7 @@
 #include "compactor/am.h"
 #include "compactor/compact.h"
 #include "compactor/diag.h"
+#include "compactor/refq.h"
 #include "test_util.h"
 
 /* ---- fp64 references ---- */
@@ -397,12 +398,149 @@ static void test_gram_rebuild_fresh(void) {
     free(Q), free(Y);
 }
 
+
+/* ---- the cheaper choice (issue 14): candidates on a subsample of the training rows ---- */
+
+/* The training rows' order: a permutation of the rows not held out, the same for a seed and
+ * another for another seed, every prefix holding each source kind in proportion (+-1 row). */
+static void test_training_order_stratified(void) {
+    enum { NP = 500, G = 2 };
+    uint8_t kind[NP], is_val[NP];
+    int64_t order[G * NP], again[G * NP], other[G * NP];
+    int n_kind[3] = {0};
+    for (int k = 0; k < NP; k++) {
+        kind[k] = k < 100 ? KF_REFQ_CONTEXT : (k < 400 ? KF_REFQ_REPEAT : KF_REFQ_PROBE);
+        is_val[k] = kind[k] != KF_REFQ_CONTEXT && k % 7 == 0;
+        n_kind[kind[k]] += G * !is_val[k];
+    }
+    const int64_t n = kf_choice_training_order(NP, G, kind, is_val, 5, order);
+    CU_ASSERT_EQUAL_FATAL(n, n_kind[0] + n_kind[1] + n_kind[2]);
+    CU_ASSERT_EQUAL(kf_choice_training_order(NP, G, kind, is_val, 5, again), n);
+    CU_ASSERT_EQUAL(kf_choice_training_order(NP, G, kind, is_val, 6, other), n);
+    CU_ASSERT(memcmp(order, again, sizeof(int64_t) * (size_t)n) == 0);
+    CU_ASSERT(memcmp(order, other, sizeof(int64_t) * (size_t)n) != 0);
+    uint8_t seen[G * NP] = {0};
+    int dup = 0, held = 0, ascending = 0, worst = 0;
+    int cnt[3] = {0};
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t r = order[i];
+        dup += seen[r]++, held += is_val[r % NP];
+        ascending += i > 0 && r > order[i - 1];
+        cnt[kind[r % NP]]++;
+        for (int c = 0; c < 3; c++) { /* the prefix of i + 1 rows against its proportional share */
+            const double want = (double)(i + 1) * n_kind[c] / (double)n;
+            worst = fmax(worst, fabs(cnt[c] - want) > 1.0 ? 1 : 0);
+        }
+    }
+    printf("\n    %lld training rows: duplicates %d, held-out %d, ascending steps %d, a prefix off its share by > 1: %s\n",
+           (long long)n, dup, held, ascending, worst ? "YES" : "no");
+    CU_ASSERT(dup == 0 && held == 0 && !worst);
+    CU_ASSERT(ascending > n / 3 && ascending < 2 * n / 3); /* shuffled, not in row order */
+}
+
+/* A head where one candidate is clearly best (the planted cases of test_am's per-head choice, with
+ * five times the training rows): the choice on its subsample of them (choice_rows 4: 512 of 1000)
+ * picks it as the choice on all of them does, and keeps its normal equations for the refit, naming
+ * the rows they cover. */
+static kf_head_pick planted_on(int dup, float val_sign, kf_ridge_target to, double choice_rows, int *rows, int *kept) {
+    enum { T = 48, t = 16, d = 8, Rtr = 1000, Rv = 100, NA = 16 };
+    float K[T * d], V[T * d], Qtr[Rtr * d], Qv[Rv * d], KA[NA * d], VA[NA * d], mu[d] = {0};
+    kf_test_fill_uniform(K, t * d, 431, -1, 1);
+    kf_test_fill_uniform(V, T * d, 432, -1, 1);
+    kf_test_fill_uniform(Qtr, Rtr * d, 433, -0.3f, 0.3f);
+    kf_test_fill_uniform(Qv, Rv * d, 434, -0.3f, 0.3f);
+    kf_test_fill_uniform(KA, NA * d, 435, -1, 1);
+    kf_test_fill_uniform(VA, NA * d, 436, -1, 1);
+    mu[0] = 2.0f, mu[1] = 1.0f;
+    for (int j = t; j < T; j++) /* the dropped keys: copies of the kept (mass to restore) or far away */
+        for (int c = 0; c < d; c++)
+            K[j * d + c] = dup ? K[(j % t) * d + c] : -6.0f * mu[c];
+    for (int i = 0; i < Rtr; i++)
+        for (int c = 0; c < d; c++)
+            Qtr[i * d + c] += mu[c];
+    for (int i = 0; i < Rv; i++)
+        for (int c = 0; c < d; c++)
+            Qv[i * d + c] += val_sign * mu[c];
+    kf_am_head h = {K, d, V, d, T, Qtr, Rtr, d, 1.0f, NULL};
+    kf_am_targets tg;
+    kf_error err = {0};
+    kf_head_pick pick = {KF_METHOD_KEEP, 0, 0, NAN};
+    CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
+    int32_t sel[t];
+    for (int j = 0; j < t; j++)
+        sel[j] = j;
+    const kf_kv_block orig = {K, V, d, NULL, T}, app = {KA, VA, d, NULL, NA};
+    const kf_kv_block *apps[Rv];
+    for (int i = 0; i < Rv; i++)
+        apps[i] = &app;
+    kf_val_head vh;
+    CU_ASSERT_EQUAL_FATAL(kf_val_head_init(&vh, NULL, Qv, Rv, d, 1.0f, NULL, &orig, apps, NULL, &err), KF_OK);
+    kf_compact_params p = kf_compact_params_default();
+    p.method = KF_METHOD_FOLD;
+    p.ridge_to = to;
+    p.choice_rows = choice_rows;
+    *rows = kf_choice_rows(&p, Rtr, t);
+    kf_choice_fits fits = {0};
+    CU_ASSERT_EQUAL(kf_choose_head(&p, &h, &tg, sel, t, K, V, &vh, 1, &pick, &fits, &err), KF_OK);
+    *kept = (fits.beta.G != NULL) + (fits.drop.G != NULL) + 10 * (fits.rows == *rows); /* what the refit reuses */
+    kf_choice_fits_free(&fits);
+    kf_val_head_free(&vh);
+    kf_am_targets_free(&tg);
+    return pick;
+}
+
+static void test_subsampled_choice_planted(void) {
+    struct {
+        int dup;
+        float sign;
+        kf_ridge_target to;
+        kf_method want;
+    } cases[] = {
+        {1, 1, KF_RIDGE_TO_ORIG, KF_METHOD_FOLD}, /* mass to restore, questions like the training rows */
+        {1, -1, KF_RIDGE_TO_ORIG, KF_METHOD_DROP}, /* questions whose gain q.u is -1 */
+        {0, 1, KF_RIDGE_TO_ZERO, KF_METHOD_KEEP}, /* no mass lost: the original values are exact */
+    };
+    for (int k = 0; k < 3; k++) {
+        int n_sub, n_all, kept_sub, kept_all;
+        const kf_head_pick sub = planted_on(cases[k].dup, cases[k].sign, cases[k].to, 4, &n_sub, &kept_sub);
+        const kf_head_pick all = planted_on(cases[k].dup, cases[k].sign, cases[k].to, 0, &n_all, &kept_all);
+        printf("\n    want %s: on %d rows %s (err %.2e), on all %d %s (err %.2e)", kf_method_name(cases[k].want), n_sub,
+               kf_method_name(sub.method), sub.err, n_all, kf_method_name(all.method), all.err);
+        CU_ASSERT_EQUAL(n_sub, 512);
+        CU_ASSERT_EQUAL(n_all, 1000);
+        CU_ASSERT_EQUAL(sub.method, cases[k].want);
+        CU_ASSERT_EQUAL(all.method, cases[k].want);
+        CU_ASSERT(sub.err <= 1.05 * all.err + 1e-6); /* the winner fits as well on its subsample */
+        /* the normal equations kept for the refit, and the training rows they cover */
+        CU_ASSERT(kept_sub == 12 && kept_all == 12);
+    }
+    printf("\n");
+}
+
+/* How many training rows the candidates get: choice_rows per kept key, at least KF_CHOICE_MIN_ROWS,
+ * at most all (0: all). */
+static void test_choice_rows(void) {
+    kf_compact_params p = kf_compact_params_default();
+    CU_ASSERT_EQUAL(p.choice_rows, 6);
+    CU_ASSERT_EQUAL(kf_choice_rows(&p, 3300, 204), 1224);
+    CU_ASSERT_EQUAL(kf_choice_rows(&p, 3300, 10), KF_CHOICE_MIN_ROWS);
+    CU_ASSERT_EQUAL(kf_choice_rows(&p, 200, 10), 200);
+    CU_ASSERT_EQUAL(kf_choice_rows(&p, 1000, 204), 1000);
+    p.choice_rows = 2.5;
+    CU_ASSERT_EQUAL(kf_choice_rows(&p, 3300, 205), 513); /* ceil(512.5) */
+    p.choice_rows = 0;
+    CU_ASSERT_EQUAL(kf_choice_rows(&p, 3300, 204), 3300);
+}
+
 static CU_TestInfo val_tests[] = {
     {"validation head: appended and original attention == fp64", test_val_head_appended},
     {"validation error == fp64; weights shared between value sets", test_val_err_reference},
     {"validation: what attend caches == a fresh head's, bit for bit", test_val_cache_fresh},
     {"normal equations: training + validation == all rows (fp64)", test_normal_equations_add},
     {"normal equations rebuilt in place == a fresh build, bit for bit", test_gram_rebuild_fresh},
+    {"training rows' order: a seeded permutation, every prefix stratified", test_training_order_stratified},
+    {"subsampled choice picks the planted best candidate, as on all rows", test_subsampled_choice_planted},
+    {"choice rows: per kept key, floor, all", test_choice_rows},
     CU_TEST_INFO_NULL,
 };
 static CU_SuiteInfo suites[] = {

@@ -1,8 +1,8 @@
 /* The memory formula's solve term (compact.h) against the heap the solve really holds: this
  * executable counts every live heap byte (malloc, calloc, realloc, free interposed; the bytes
  * malloc_usable_size reports) and kf_compact_solve's peak above what existed before it must be
- * the formula's solve + output terms, less the validation prompts' keys and values that the
- * prepare allocates, plus the targets term less its pool (the sources' forwards run inside the
+ * the formula's solve + output terms, less the validation prompts' keys and values and the
+ * training rows' order that the prepare allocates, plus the targets term less its pool (the sources' forwards run inside the
  * solve: the attention's targets scratch grows there), within 2% - on 1 thread and on 3 (3
  * threads' buffers, min(3, 2 KV heads)
  * heads in flight), at two document lengths. Not built with the sanitizers (they own malloc). */
@@ -90,7 +90,8 @@ static void solve_vs_formula(int threads, int n_doc) {
     kf_compact_mem_shape(c, &p, 0, n_doc, 0, threads, &sh);
     kf_compact_peak_bytes(c, &sh, &t);
     CU_ASSERT(sh.R == out.stats.n_queries && sh.Rv == out.stats.n_val_queries && sh.t == out.t);
-    const int64_t prepared = 8 * (sh.S + sh.P) * c->n_kv_heads * c->head_dim; /* the validation prompts' K/V */
+    /* the validation prompts' K/V and the training rows' order */
+    const int64_t prepared = 8 * (sh.S + sh.P) * c->n_kv_heads * c->head_dim + 8 * sh.R;
     /* the sources run in the solve: their attention's targets scratch grows there (the targets term
      * but the pool, which the prepare allocates) */
     const int64_t pool = kf_refq_targets_bytes(1, c->n_kv_heads, sh.R, c->head_dim, sh.T);
