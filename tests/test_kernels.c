@@ -68,6 +68,17 @@ static void test_fast_exp(void) {
     CU_ASSERT_EQUAL(kf_expf(0.0f), 1.0f);
     CU_ASSERT_EQUAL(kf_expf(-1000.0f), 0.0f);
     CU_ASSERT_EQUAL(kf_expf(-INFINITY), 0.0f);
+    worst = 0; /* the softmax's exp of x <= 0, down to and past its lower limit */
+    for (int i = 0; i <= 2000000; i++) {
+        const float x = -87.3f * (float)i / 2000000.0f;
+        const double want = exp((double)x);
+        worst = fmax(worst, fabs(kf_expf_nonpos(x) - want) / want);
+    }
+    printf("    kf_expf_nonpos max relative error %.2e\n", worst);
+    CU_ASSERT(worst < 3e-7);
+    CU_ASSERT_EQUAL(kf_expf_nonpos(0.0f), 1.0f);
+    CU_ASSERT_EQUAL(kf_expf_nonpos(-87.4f), 0.0f);
+    CU_ASSERT_EQUAL(kf_expf_nonpos(-INFINITY), 0.0f);
 }
 
 static void test_matmul(void) {

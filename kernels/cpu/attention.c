@@ -13,14 +13,19 @@
  * core's cache (about 1.3 MB per thread at tq * rep = 512, head_dim 128), where the former
  * whole-row scores [128, n_keys] and whole-context gathers streamed through memory; rows whose
  * query sees no key of a block skip it, so a causal chunk costs about half of a square one.
- * The sum l is kept in fp64. Against a whole-row softmax the result moves by float rounding only
- * (the order of the sums changes; tests/test_kernels.c holds it to 1e-5 of an fp64 reference).
+ * A row's step is two sweeps over its scores (bias and max; then exp, store and sum), the exp being
+ * kf_expf_nonpos (its argument s - m' is never positive). The sum l is kept in fp64, a block's own
+ * sum (at most KEY_BLOCK terms, each at most 1) in fp32. The file is built with
+ * -ffp-contract=fast (CMakeLists.txt): the AVX-512 clone of the row loops fuses multiply-adds, so
+ * the bits differ between machines by rounding. Against a whole-row softmax the result moves by
+ * float rounding only (tests/test_kernels.c holds it to 1e-5 of an fp64 reference).
  *
  * AM's targets (kf_attn_targets, backend.h): the tile's queries first take the whole document block
  * [blk0, blk1) (all of it visible: it lies before the chunk) as one softmax, as kf_am_targets_compute
  * does: the block's logits of every row are kept [rows, n_blk] (at most BLOCK_FLOATS floats, which
- * bounds the tile's rows), a row softmax gives m, y and the probabilities p (the target rows' p,
- * or p^2, summed into the item's fp64 part [n_blk] while the row is in cache), Y = p V_blk by
+ * bounds the tile's rows), a row softmax gives m, y (in fp64 over fp32 sums of KEY_BLOCK keys)
+ * and the probabilities p (the target rows' p, or p^2, summed into the item's fp64 part [n_blk] in
+ * the sweep that divides by y), Y = p V_blk by
  * sgemm; then O = y Y, l = y and the
  * other keys ([0, blk0), then [blk1, ...)) go on online as above. The parts are added to the
  * caller's score after the job, per KV head in tile order; with targets the tiles' size depends on
@@ -153,25 +158,30 @@ static void gather_block(const kf_attn_args *a, int g, int k0, int kb, float *kd
 
 /* One row's online softmax step over a block: s [kb] scores of which the first nv are visible
  * (bias added to the first nb of them); leaves the weights exp(s - m') in s (0 past nv) and
- * returns the factor e^(m - m') that the row's O and l must be scaled by (1: unchanged). */
+ * returns the factor e^(m - m') that the row's O and l must be scaled by (1: unchanged). Two
+ * sweeps: bias and max, then exp, store and sum (the block's sum in fp32, at most KEY_BLOCK
+ * terms of at most 1 each, then added to l in fp64). */
 KF_ROW_CLONES static float online_row(float *s, int kb, int nv, const float *bias, int nb, float *m, double *l) {
-    for (int j = 0; j < nb; j++)
-        s[j] += bias[j];
     float mx = -FLT_MAX;
 #pragma omp simd reduction(max : mx)
-    for (int j = 0; j < nv; j++)
+    for (int j = 0; j < nb; j++) {
+        s[j] += bias[j];
+        mx = s[j] > mx ? s[j] : mx;
+    }
+#pragma omp simd reduction(max : mx)
+    for (int j = nb; j < nv; j++)
         mx = s[j] > mx ? s[j] : mx;
     const float m_new = mx > *m ? mx : *m;
-#pragma omp simd
-    for (int j = 0; j < nv; j++)
-        s[j] = kf_expf(s[j] - m_new);
-    double sum = 0;
+    float sum = 0;
 #pragma omp simd reduction(+ : sum)
-    for (int j = 0; j < nv; j++)
-        sum += s[j];
+    for (int j = 0; j < nv; j++) {
+        const float e = kf_expf_nonpos(s[j] - m_new); /* s[j] <= m_new */
+        s[j] = e;
+        sum += e;
+    }
     for (int j = nv; j < kb; j++)
         s[j] = 0.0f;
-    const float corr = m_new == *m ? 1.0f : kf_expf(*m - m_new);
+    const float corr = m_new == *m ? 1.0f : kf_expf_nonpos(*m - m_new);
     *m = m_new;
     *l = *l * corr + sum;
     return corr;
@@ -228,34 +238,47 @@ static int first_target(const kf_attn_targets *tg, int q0) {
 }
 
 /* One row of the block's logits z [n]: the probabilities p = exp(z - m) / y in place (m the max,
- * y the sum of the exponentials, in fp64), and for a target row (part not NULL) part += p, or
- * p^2 with rms, while the row is in cache. Not kf_cpu_softmax_row: that one sums in index order
- * to keep AM's and the diagnostics' bits; here the sum is vectorized and the score is added in the
- * same pass (the repeat prefill's hot loop). */
+ * y the sum of the exponentials: fp32 over KEY_BLOCK keys at a time, those sums added in fp64),
+ * and for a target row (part not NULL) part += p, or p^2 with rms, while the row is in cache. Not
+ * kf_cpu_softmax_row: that one sums in index order to keep AM's and the diagnostics' bits; here
+ * the sums are vectorized and the score is added in the same sweep as the division (the repeat
+ * prefill's hot loop). */
 KF_ROW_CLONES static void block_row(float *z, int n, float *m, double *y, double *part, int rms) {
     float mx = -FLT_MAX;
 #pragma omp simd reduction(max : mx)
     for (int c = 0; c < n; c++)
         mx = z[c] > mx ? z[c] : mx;
-#pragma omp simd
-    for (int c = 0; c < n; c++)
-        z[c] = kf_expf(z[c] - mx);
     double sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int c = 0; c < n; c++)
-        sum += z[c];
+    for (int c0 = 0; c0 < n; c0 += KEY_BLOCK) {
+        const int c1 = n - c0 < KEY_BLOCK ? n : c0 + KEY_BLOCK;
+        float bsum = 0;
+#pragma omp simd reduction(+ : bsum)
+        for (int c = c0; c < c1; c++) {
+            const float e = kf_expf_nonpos(z[c] - mx);
+            z[c] = e;
+            bsum += e;
+        }
+        sum += bsum;
+    }
     const float inv = (float)(1.0 / sum);
-#pragma omp simd
-    for (int c = 0; c < n; c++)
-        z[c] *= inv;
     if (part && rms) {
 #pragma omp simd
-        for (int c = 0; c < n; c++)
-            part[c] += (double)z[c] * z[c];
+        for (int c = 0; c < n; c++) {
+            const float p = z[c] * inv;
+            z[c] = p;
+            part[c] += (double)p * p;
+        }
     } else if (part) {
 #pragma omp simd
+        for (int c = 0; c < n; c++) {
+            const float p = z[c] * inv;
+            z[c] = p;
+            part[c] += p;
+        }
+    } else {
+#pragma omp simd
         for (int c = 0; c < n; c++)
-            part[c] += z[c];
+            z[c] *= inv;
     }
     *m = mx;
     *y = sum;
