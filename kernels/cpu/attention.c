@@ -187,13 +187,29 @@ KF_ROW_CLONES static float online_row(float *s, int kb, int nv, const float *bia
     return corr;
 }
 
+/* Key t's rows of K and V of KV head g towards the core's L2 cache (the next block's keys, while
+ * this block's rows are worked on, so that its gather reads cache instead of waiting on memory). */
+static void prefetch_key(const kf_attn_args *a, int g, int t) {
+    const size_t esz = a->kv.dtype == KF_DTYPE_BF16 ? 2 : 4, bytes = esz * (size_t)a->kv.head_dim;
+    const size_t at = ((size_t)a->pages[t / KF_PAGE_TOKENS] * a->kv.page_stride +
+                       (size_t)(t % KF_PAGE_TOKENS) * a->kv.kv_heads * a->kv.head_dim + (size_t)g * a->kv.head_dim) *
+                      esz;
+    const char *k = (const char *)a->kv.k + at, *v = (const char *)a->kv.v + at;
+    for (size_t off = 0; off < bytes + 63; off += 64) {
+        const size_t o = off < bytes ? off : bytes - 1; /* the row's last line, when it is not aligned */
+        __builtin_prefetch(k + o, 0, 2);
+        __builtin_prefetch(v + o, 0, 2);
+    }
+}
+
 /* Where a tile sits: KV head g, queries [q0, q0 + tq), rows = tq * rep stacked query rows. */
 typedef struct {
     int g, q0, tq, rows;
 } tile_pos;
 
-/* Keys [k0, k0 + kb) for the tile's rows, online (the header's step). */
-static void key_block(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int kb) {
+/* Keys [k0, k0 + kb) for the tile's rows, online (the header's step); the next block's n_next keys
+ * are prefetched meanwhile. */
+static void key_block(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int kb, int n_next) {
     const kf_attn_args *a = j->a;
     const int hd = a->kv.head_dim, rep = j->rep, n_past = a->n_keys - a->n_q, rows = t.rows;
     const float *bias = a->bias ? a->bias + (size_t)t.g * a->bias_stride : NULL;
@@ -205,6 +221,8 @@ static void key_block(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int k
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, ra, kb, hd, a->scale, b->qp + (size_t)r0 * hd, hd, b->kb, hd,
                 0.0f, b->s + (size_t)r0 * KEY_BLOCK, KEY_BLOCK);
     for (int r = r0; r < rows; r++) {
+        for (int p = r - r0; p < n_next; p += ra)
+            prefetch_key(a, t.g, k0 + kb + p);
         const int valid = n_past + t.q0 + r / rep + 1 - k0; /* keys of the block this row sees */
         const int nv = valid < kb ? valid : kb;
         const int nb = !bias || a->bias_len <= k0 ? 0 : (a->bias_len - k0 < nv ? a->bias_len - k0 : nv);
@@ -220,8 +238,10 @@ static void key_block(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int k
 
 /* Keys [k0, k1) block by block. */
 static void key_range(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int k1) {
-    for (; k0 < k1; k0 += KEY_BLOCK)
-        key_block(j, b, t, k0, k1 - k0 < KEY_BLOCK ? k1 - k0 : KEY_BLOCK);
+    for (; k0 < k1; k0 += KEY_BLOCK) {
+        const int kb = k1 - k0 < KEY_BLOCK ? k1 - k0 : KEY_BLOCK, rest = k1 - k0 - kb;
+        key_block(j, b, t, k0, kb, rest < KEY_BLOCK ? rest : KEY_BLOCK);
+    }
 }
 
 /* The first of the target rows (tg->rows) whose query is at or after the tile's first. */
