@@ -187,9 +187,10 @@ KF_ROW_CLONES static float online_row(float *s, int kb, int nv, const float *bia
     return corr;
 }
 
-/* Key t's rows of K and V of KV head g towards the core's L2 cache (the next block's keys, while
- * this block's rows are worked on, so that its gather reads cache instead of waiting on memory). */
-static void prefetch_key(const kf_attn_args *a, int g, int t) {
+/* Key t's rows of K (with_k) and V (with_v) of KV head g towards the core's L2 cache (the next
+ * block's keys, while this block is worked on, so that its gather reads cache instead of waiting
+ * on memory). */
+static void prefetch_key(const kf_attn_args *a, int g, int t, int with_k, int with_v) {
     const size_t esz = a->kv.dtype == KF_DTYPE_BF16 ? 2 : 4, bytes = esz * (size_t)a->kv.head_dim;
     const size_t at = ((size_t)a->pages[t / KF_PAGE_TOKENS] * a->kv.page_stride +
                        (size_t)(t % KF_PAGE_TOKENS) * a->kv.kv_heads * a->kv.head_dim + (size_t)g * a->kv.head_dim) *
@@ -197,8 +198,10 @@ static void prefetch_key(const kf_attn_args *a, int g, int t) {
     const char *k = (const char *)a->kv.k + at, *v = (const char *)a->kv.v + at;
     for (size_t off = 0; off < bytes + 63; off += 64) {
         const size_t o = off < bytes ? off : bytes - 1; /* the row's last line, when it is not aligned */
-        __builtin_prefetch(k + o, 0, 2);
-        __builtin_prefetch(v + o, 0, 2);
+        if (with_k)
+            __builtin_prefetch(k + o, 0, 2);
+        if (with_v)
+            __builtin_prefetch(v + o, 0, 2);
     }
 }
 
@@ -222,7 +225,7 @@ static void key_block(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int k
                 0.0f, b->s + (size_t)r0 * KEY_BLOCK, KEY_BLOCK);
     for (int r = r0; r < rows; r++) {
         for (int p = r - r0; p < n_next; p += ra)
-            prefetch_key(a, t.g, k0 + kb + p);
+            prefetch_key(a, t.g, k0 + kb + p, 1, 1);
         const int valid = n_past + t.q0 + r / rep + 1 - k0; /* keys of the block this row sees */
         const int nv = valid < kb ? valid : kb;
         const int nb = !bias || a->bias_len <= k0 ? 0 : (a->bias_len - k0 < nv ? a->bias_len - k0 : nv);
@@ -347,6 +350,8 @@ static void block_first(const attn_job *j, attn_bufs *b, tile_pos t, int item) {
     for (int c0 = 0; c0 < nb; c0 += KEY_BLOCK) {
         const int kb = nb - c0 < KEY_BLOCK ? nb - c0 : KEY_BLOCK;
         gather_block(a, t.g, blk0 + c0, kb, b->kb, NULL);
+        for (int k = c0 + kb; k < nb && k < c0 + kb + KEY_BLOCK; k++) /* the next chunk's keys */
+            prefetch_key(a, t.g, blk0 + k, 1, 0);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, t.rows, kb, hd, a->scale, b->qp, hd, b->kb, hd, 0.0f,
                     b->sb + c0, nb);
     }
@@ -354,6 +359,8 @@ static void block_first(const attn_job *j, attn_bufs *b, tile_pos t, int item) {
     for (int c0 = 0; c0 < nb; c0 += KEY_BLOCK) {
         const int kb = nb - c0 < KEY_BLOCK ? nb - c0 : KEY_BLOCK;
         gather_block(a, t.g, blk0 + c0, kb, NULL, b->vb);
+        for (int k = c0 + kb; k < nb && k < c0 + kb + KEY_BLOCK; k++) /* the next chunk's values */
+            prefetch_key(a, t.g, blk0 + k, 0, 1);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, t.rows, hd, kb, 1.0f, b->sb + c0, nb, b->vb, hd,
                     c0 ? 1.0f : 0.0f, b->o, hd);
     }
