@@ -11,8 +11,11 @@
  *   O = O e^(m - m') + P Vb                    [rows, head_dim] (sgemm, beta 1)
  * and at the end out = O / l. The score block, the gathered keys and values and O stay in the
  * core's cache (about 1.3 MB per thread at tq * rep = 512, head_dim 128), where the former
- * whole-row scores [128, n_keys] and whole-context gathers streamed through memory; rows whose
- * query sees no key of a block skip it, so a causal chunk costs about half of a square one.
+ * whole-row scores [128, n_keys] and whole-context gathers streamed through memory; the next
+ * block's keys and values are prefetched (towards L2) while a block's rows are worked on. Rows
+ * whose query sees no key of a block skip it, and the tile's diagonal keys (those that its first
+ * query does not see) go by smaller blocks of DIAG_BLOCK, so a causal chunk costs about half of a
+ * square one.
  * A row's step is two sweeps over its scores (bias and max; then exp, store and sum), the exp being
  * kf_expf_nonpos (its argument s - m' is never positive). The sum l is kept in fp64, a block's own
  * sum (at most KEY_BLOCK terms, each at most 1) in fp32. The file is built with
@@ -51,6 +54,9 @@
 #endif
 #ifndef KEY_BLOCK
 #define KEY_BLOCK 256 /* keys per block: a multiple of KF_PAGE_TOKENS */
+#endif
+#ifndef DIAG_BLOCK
+#define DIAG_BLOCK 64 /* keys per block where the tile's queries see some of the keys only */
 #endif
 #ifndef BLOCK_FLOATS
 #define BLOCK_FLOATS ((size_t)1 << 21) /* a tile's kept block logits (targets), at most (8 MB) */
@@ -239,12 +245,19 @@ static void key_block(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int k
                 b->vb, hd, 1.0f, b->o + (size_t)r0 * hd, hd);
 }
 
-/* Keys [k0, k1) block by block. */
-static void key_range(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int k1) {
-    for (; k0 < k1; k0 += KEY_BLOCK) {
-        const int kb = k1 - k0 < KEY_BLOCK ? k1 - k0 : KEY_BLOCK, rest = k1 - k0 - kb;
-        key_block(j, b, t, k0, kb, rest < KEY_BLOCK ? rest : KEY_BLOCK);
+/* Keys [k0, k1) in blocks of step keys (at most KEY_BLOCK). */
+static void key_range(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int k1, int step) {
+    for (; k0 < k1; k0 += step) {
+        const int kb = k1 - k0 < step ? k1 - k0 : step, rest = k1 - k0 - kb;
+        key_block(j, b, t, k0, kb, rest < step ? rest : step);
     }
+}
+
+/* Keys [k0, kmax) of the tile: those before kdiag (every query of the tile sees them) by
+ * KEY_BLOCK, the diagonal ones by DIAG_BLOCK, so that rows skip the sub-blocks past their query. */
+static void key_span(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int kdiag, int kmax) {
+    key_range(j, b, t, k0, kdiag, KEY_BLOCK);
+    key_range(j, b, t, k0 > kdiag ? k0 : kdiag, kmax, DIAG_BLOCK);
 }
 
 /* The first of the target rows (tg->rows) whose query is at or after the tile's first. */
@@ -379,7 +392,8 @@ static void tile_item(void *ctx, int item, int thread) {
     const int hd = a->kv.head_dim, rep = j->rep, q0 = (item % j->n_tiles) * j->tq;
     const int tq = a->n_q - q0 < j->tq ? a->n_q - q0 : j->tq;
     const tile_pos t = {.g = item / j->n_tiles, .q0 = q0, .tq = tq, .rows = tq * rep};
-    const int kmax = a->n_keys - a->n_q + q0 + tq; /* keys visible to the tile's last query */
+    const int kdiag = a->n_keys - a->n_q + q0; /* keys before the tile's first query's own */
+    const int kmax = kdiag + tq;               /* keys visible to the tile's last query */
     attn_bufs b = bufs_at(j->work + (size_t)thread * j->per_thread, t.rows, hd);
     for (int i = 0; i < tq; i++) /* the group's heads of query i are adjacent in q */
         memcpy(b.qp + (size_t)i * rep * hd, a->q + (size_t)(q0 + i) * a->q_stride + (size_t)t.g * rep * hd,
@@ -390,11 +404,11 @@ static void tile_item(void *ctx, int item, int thread) {
     }
     if (a->targets) {
         block_first(j, &b, t, item);
-        key_range(j, &b, t, 0, a->targets->blk0);
-        key_range(j, &b, t, a->targets->blk1, kmax);
+        key_range(j, &b, t, 0, a->targets->blk0, KEY_BLOCK);
+        key_span(j, &b, t, a->targets->blk1, kdiag, kmax);
     } else {
         memset(b.o, 0, sizeof(float) * (size_t)t.rows * hd);
-        key_range(j, &b, t, 0, kmax);
+        key_span(j, &b, t, 0, kdiag, kmax);
     }
     for (int r = 0; r < t.rows; r++) {
         const float inv = (float)(1.0 / b.l[r]);
