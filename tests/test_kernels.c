@@ -292,6 +292,10 @@ static void test_attention(void) {
     check_attention(600, 600, 4, 4, 16, 0); /* a causal chunk from empty: tiles see fewer blocks */
     check_attention(90, 700, 4, 2, 16, 2);  /* a first key block all -inf: the running max stays -inf */
     check_attention(1, 40, 128, 1, 8, 0);   /* one query, 128 heads on one KV head: tiles cannot shrink */
+    /* GQA 3:1, a history that ends mid-page: on one thread a tile's 150 diagonal keys go by blocks
+     * of 64, 64 and 22 (the last partial), rows skipping the blocks past their query; on the pool
+     * the tiles shrink to 38 queries, within one such block */
+    check_attention(150, 397, 6, 2, 16, 1);
 }
 
 typedef struct {
