@@ -4,8 +4,8 @@
  * An item is one KV head g and one tile of tq queries: the rep = n_heads / kv_heads query heads
  * that read g are stacked into one matrix Qp [tq * rep, head_dim] (row i * rep + j: query i,
  * head j of the group), so the keys of g are read once for all of them. The keys visible to the
- * tile go by blocks of KEY_BLOCK (whole pages), each gathered from its pages into a contiguous
- * per-thread buffer, and the softmax is online (the running max m and sum l of each row):
+ * tile go by blocks of KEY_BLOCK, each gathered from its pages into a contiguous per-thread
+ * buffer, and the softmax is online (the running max m and sum l of each row):
  *   S = scale * Qp Kb^T                        [rows, kb]     (sgemm)
  *   S += bias; causal mask; m' = max(m, max S); P = exp(S - m'); l = l e^(m - m') + sum P
  *   O = O e^(m - m') + P Vb                    [rows, head_dim] (sgemm, beta 1)
@@ -13,9 +13,9 @@
  * core's cache (about 1.3 MB per thread at tq * rep = 512, head_dim 128), where the former
  * whole-row scores [128, n_keys] and whole-context gathers streamed through memory; the next
  * block's keys and values are prefetched (towards L2) while a block's rows are worked on. Rows
- * whose query sees no key of a block skip it, and the tile's diagonal keys (those that its first
- * query does not see) go by smaller blocks of DIAG_BLOCK, so a causal chunk costs about half of a
- * square one.
+ * whose query sees no key of a block skip it, and the tile's diagonal keys (from its first
+ * query's own key on; a query sees only some of them) go by smaller blocks of DIAG_BLOCK, so a
+ * causal chunk costs about half of a square one.
  * A row's step is two sweeps over its scores (bias and max; then exp, store and sum), the exp being
  * kf_expf_nonpos (its argument s - m' is never positive). The sum l is kept in fp64, a block's own
  * sum (at most KEY_BLOCK terms, each at most 1) in fp32. The file is built with
