@@ -68,6 +68,17 @@ static void test_fast_exp(void) {
     CU_ASSERT_EQUAL(kf_expf(0.0f), 1.0f);
     CU_ASSERT_EQUAL(kf_expf(-1000.0f), 0.0f);
     CU_ASSERT_EQUAL(kf_expf(-INFINITY), 0.0f);
+    worst = 0; /* the softmax's exp of x <= 0, down to and past its lower limit */
+    for (int i = 0; i <= 2000000; i++) {
+        const float x = -87.3f * (float)i / 2000000.0f;
+        const double want = exp((double)x);
+        worst = fmax(worst, fabs(kf_expf_nonpos(x) - want) / want);
+    }
+    printf("    kf_expf_nonpos max relative error %.2e\n", worst);
+    CU_ASSERT(worst < 3e-7);
+    CU_ASSERT_EQUAL(kf_expf_nonpos(0.0f), 1.0f);
+    CU_ASSERT_EQUAL(kf_expf_nonpos(-87.4f), 0.0f);
+    CU_ASSERT_EQUAL(kf_expf_nonpos(-INFINITY), 0.0f);
 }
 
 static void test_matmul(void) {
@@ -281,6 +292,10 @@ static void test_attention(void) {
     check_attention(600, 600, 4, 4, 16, 0); /* a causal chunk from empty: tiles see fewer blocks */
     check_attention(90, 700, 4, 2, 16, 2);  /* a first key block all -inf: the running max stays -inf */
     check_attention(1, 40, 128, 1, 8, 0);   /* one query, 128 heads on one KV head: tiles cannot shrink */
+    /* GQA 3:1, a history that ends mid-page: on one thread a tile's 150 diagonal keys go by blocks
+     * of 64, 64 and 22 (the last partial), rows skipping the blocks past their query; on the pool
+     * the tiles shrink to 38 queries, within one such block */
+    check_attention(150, 397, 6, 2, 16, 1);
 }
 
 typedef struct {

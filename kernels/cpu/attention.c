@@ -4,23 +4,31 @@
  * An item is one KV head g and one tile of tq queries: the rep = n_heads / kv_heads query heads
  * that read g are stacked into one matrix Qp [tq * rep, head_dim] (row i * rep + j: query i,
  * head j of the group), so the keys of g are read once for all of them. The keys visible to the
- * tile go by blocks of KEY_BLOCK (whole pages), each gathered from its pages into a contiguous
- * per-thread buffer, and the softmax is online (the running max m and sum l of each row):
+ * tile go by blocks of KEY_BLOCK, each gathered from its pages into a contiguous per-thread
+ * buffer, and the softmax is online (the running max m and sum l of each row):
  *   S = scale * Qp Kb^T                        [rows, kb]     (sgemm)
  *   S += bias; causal mask; m' = max(m, max S); P = exp(S - m'); l = l e^(m - m') + sum P
  *   O = O e^(m - m') + P Vb                    [rows, head_dim] (sgemm, beta 1)
  * and at the end out = O / l. The score block, the gathered keys and values and O stay in the
  * core's cache (about 1.3 MB per thread at tq * rep = 512, head_dim 128), where the former
- * whole-row scores [128, n_keys] and whole-context gathers streamed through memory; rows whose
- * query sees no key of a block skip it, so a causal chunk costs about half of a square one.
- * The sum l is kept in fp64. Against a whole-row softmax the result moves by float rounding only
- * (the order of the sums changes; tests/test_kernels.c holds it to 1e-5 of an fp64 reference).
+ * whole-row scores [128, n_keys] and whole-context gathers streamed through memory; the next
+ * block's keys and values are prefetched (towards L2) while a block's rows are worked on. Rows
+ * whose query sees no key of a block skip it, and the tile's diagonal keys (from its first
+ * query's own key on; a query sees only some of them) go by smaller blocks of DIAG_BLOCK, so a
+ * causal chunk costs about half of a square one.
+ * A row's step is two sweeps over its scores (bias and max; then exp, store and sum), the exp being
+ * kf_expf_nonpos (its argument s - m' is never positive). The sum l is kept in fp64, a block's own
+ * sum (at most KEY_BLOCK terms, each at most 1) in fp32. The file is built with
+ * -ffp-contract=fast (CMakeLists.txt): the AVX-512 clone of the row loops fuses multiply-adds, so
+ * the bits differ between machines by rounding. Against a whole-row softmax the result moves by
+ * float rounding only (tests/test_kernels.c holds it to 1e-5 of an fp64 reference).
  *
  * AM's targets (kf_attn_targets, backend.h): the tile's queries first take the whole document block
  * [blk0, blk1) (all of it visible: it lies before the chunk) as one softmax, as kf_am_targets_compute
  * does: the block's logits of every row are kept [rows, n_blk] (at most BLOCK_FLOATS floats, which
- * bounds the tile's rows), a row softmax gives m, y and the probabilities p (the target rows' p,
- * or p^2, summed into the item's fp64 part [n_blk] while the row is in cache), Y = p V_blk by
+ * bounds the tile's rows), a row softmax gives m, y (in fp64 over fp32 sums of KEY_BLOCK keys)
+ * and the probabilities p (the target rows' p, or p^2, summed into the item's fp64 part [n_blk] in
+ * the sweep that divides by y), Y = p V_blk by
  * sgemm; then O = y Y, l = y and the
  * other keys ([0, blk0), then [blk1, ...)) go on online as above. The parts are added to the
  * caller's score after the job, per KV head in tile order; with targets the tiles' size depends on
@@ -46,6 +54,9 @@
 #endif
 #ifndef KEY_BLOCK
 #define KEY_BLOCK 256 /* keys per block: a multiple of KF_PAGE_TOKENS */
+#endif
+#ifndef DIAG_BLOCK
+#define DIAG_BLOCK 64 /* keys per block where the tile's queries see some of the keys only */
 #endif
 #ifndef BLOCK_FLOATS
 #define BLOCK_FLOATS ((size_t)1 << 21) /* a tile's kept block logits (targets), at most (8 MB) */
@@ -153,28 +164,51 @@ static void gather_block(const kf_attn_args *a, int g, int k0, int kb, float *kd
 
 /* One row's online softmax step over a block: s [kb] scores of which the first nv are visible
  * (bias added to the first nb of them); leaves the weights exp(s - m') in s (0 past nv) and
- * returns the factor e^(m - m') that the row's O and l must be scaled by (1: unchanged). */
+ * returns the factor e^(m - m') that the row's O and l must be scaled by (1: unchanged). Two
+ * sweeps: bias and max, then exp, store and sum (the block's sum in fp32, at most KEY_BLOCK
+ * terms of at most 1 each, then added to l in fp64). */
 KF_ROW_CLONES static float online_row(float *s, int kb, int nv, const float *bias, int nb, float *m, double *l) {
-    for (int j = 0; j < nb; j++)
-        s[j] += bias[j];
     float mx = -FLT_MAX;
 #pragma omp simd reduction(max : mx)
-    for (int j = 0; j < nv; j++)
+    for (int j = 0; j < nb; j++) {
+        s[j] += bias[j];
+        mx = s[j] > mx ? s[j] : mx;
+    }
+#pragma omp simd reduction(max : mx)
+    for (int j = nb; j < nv; j++)
         mx = s[j] > mx ? s[j] : mx;
     const float m_new = mx > *m ? mx : *m;
-#pragma omp simd
-    for (int j = 0; j < nv; j++)
-        s[j] = kf_expf(s[j] - m_new);
-    double sum = 0;
+    float sum = 0;
 #pragma omp simd reduction(+ : sum)
-    for (int j = 0; j < nv; j++)
-        sum += s[j];
+    for (int j = 0; j < nv; j++) {
+        const float e = kf_expf_nonpos(s[j] - m_new); /* s[j] <= m_new */
+        s[j] = e;
+        sum += e;
+    }
     for (int j = nv; j < kb; j++)
         s[j] = 0.0f;
-    const float corr = m_new == *m ? 1.0f : kf_expf(*m - m_new);
+    const float corr = m_new == *m ? 1.0f : kf_expf_nonpos(*m - m_new);
     *m = m_new;
     *l = *l * corr + sum;
     return corr;
+}
+
+/* Key t's rows of K (with_k) and V (with_v) of KV head g towards the core's L2 cache (the next
+ * block's keys, while this block is worked on, so that its gather reads cache instead of waiting
+ * on memory). */
+static void prefetch_key(const kf_attn_args *a, int g, int t, int with_k, int with_v) {
+    const size_t esz = a->kv.dtype == KF_DTYPE_BF16 ? 2 : 4, bytes = esz * (size_t)a->kv.head_dim;
+    const size_t at = ((size_t)a->pages[t / KF_PAGE_TOKENS] * a->kv.page_stride +
+                       (size_t)(t % KF_PAGE_TOKENS) * a->kv.kv_heads * a->kv.head_dim + (size_t)g * a->kv.head_dim) *
+                      esz;
+    const char *k = (const char *)a->kv.k + at, *v = (const char *)a->kv.v + at;
+    for (size_t off = 0; off < bytes + 63; off += 64) {
+        const size_t o = off < bytes ? off : bytes - 1; /* the row's last line, when it is not aligned */
+        if (with_k)
+            __builtin_prefetch(k + o, 0, 2);
+        if (with_v)
+            __builtin_prefetch(v + o, 0, 2);
+    }
 }
 
 /* Where a tile sits: KV head g, queries [q0, q0 + tq), rows = tq * rep stacked query rows. */
@@ -182,8 +216,9 @@ typedef struct {
     int g, q0, tq, rows;
 } tile_pos;
 
-/* Keys [k0, k0 + kb) for the tile's rows, online (the header's step). */
-static void key_block(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int kb) {
+/* Keys [k0, k0 + kb) for the tile's rows, online (the header's step); the next block's n_next keys
+ * are prefetched meanwhile. */
+static void key_block(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int kb, int n_next) {
     const kf_attn_args *a = j->a;
     const int hd = a->kv.head_dim, rep = j->rep, n_past = a->n_keys - a->n_q, rows = t.rows;
     const float *bias = a->bias ? a->bias + (size_t)t.g * a->bias_stride : NULL;
@@ -195,6 +230,8 @@ static void key_block(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int k
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, ra, kb, hd, a->scale, b->qp + (size_t)r0 * hd, hd, b->kb, hd,
                 0.0f, b->s + (size_t)r0 * KEY_BLOCK, KEY_BLOCK);
     for (int r = r0; r < rows; r++) {
+        for (int p = r - r0; p < n_next; p += ra)
+            prefetch_key(a, t.g, k0 + kb + p, 1, 1);
         const int valid = n_past + t.q0 + r / rep + 1 - k0; /* keys of the block this row sees */
         const int nv = valid < kb ? valid : kb;
         const int nb = !bias || a->bias_len <= k0 ? 0 : (a->bias_len - k0 < nv ? a->bias_len - k0 : nv);
@@ -208,10 +245,19 @@ static void key_block(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int k
                 b->vb, hd, 1.0f, b->o + (size_t)r0 * hd, hd);
 }
 
-/* Keys [k0, k1) block by block. */
-static void key_range(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int k1) {
-    for (; k0 < k1; k0 += KEY_BLOCK)
-        key_block(j, b, t, k0, k1 - k0 < KEY_BLOCK ? k1 - k0 : KEY_BLOCK);
+/* Keys [k0, k1) in blocks of step keys (at most KEY_BLOCK). */
+static void key_range(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int k1, int step) {
+    for (; k0 < k1; k0 += step) {
+        const int kb = k1 - k0 < step ? k1 - k0 : step, rest = k1 - k0 - kb;
+        key_block(j, b, t, k0, kb, rest < step ? rest : step);
+    }
+}
+
+/* Keys [k0, kmax) of the tile: those before kdiag (every query of the tile sees them) by
+ * KEY_BLOCK, the diagonal ones by DIAG_BLOCK, so that rows skip the sub-blocks past their query. */
+static void key_span(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int kdiag, int kmax) {
+    key_range(j, b, t, k0, kdiag, KEY_BLOCK);
+    key_range(j, b, t, k0 > kdiag ? k0 : kdiag, kmax, DIAG_BLOCK);
 }
 
 /* The first of the target rows (tg->rows) whose query is at or after the tile's first. */
@@ -228,34 +274,47 @@ static int first_target(const kf_attn_targets *tg, int q0) {
 }
 
 /* One row of the block's logits z [n]: the probabilities p = exp(z - m) / y in place (m the max,
- * y the sum of the exponentials, in fp64), and for a target row (part not NULL) part += p, or
- * p^2 with rms, while the row is in cache. Not kf_cpu_softmax_row: that one sums in index order
- * to keep AM's and the diagnostics' bits; here the sum is vectorized and the score is added in the
- * same pass (the repeat prefill's hot loop). */
+ * y the sum of the exponentials: fp32 over KEY_BLOCK keys at a time, those sums added in fp64),
+ * and for a target row (part not NULL) part += p, or p^2 with rms, while the row is in cache. Not
+ * kf_cpu_softmax_row: that one sums in index order to keep AM's and the diagnostics' bits; here
+ * the sums are vectorized and the score is added in the same sweep as the division (the repeat
+ * prefill's hot loop). */
 KF_ROW_CLONES static void block_row(float *z, int n, float *m, double *y, double *part, int rms) {
     float mx = -FLT_MAX;
 #pragma omp simd reduction(max : mx)
     for (int c = 0; c < n; c++)
         mx = z[c] > mx ? z[c] : mx;
-#pragma omp simd
-    for (int c = 0; c < n; c++)
-        z[c] = kf_expf(z[c] - mx);
     double sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int c = 0; c < n; c++)
-        sum += z[c];
+    for (int c0 = 0; c0 < n; c0 += KEY_BLOCK) {
+        const int c1 = n - c0 < KEY_BLOCK ? n : c0 + KEY_BLOCK;
+        float bsum = 0;
+#pragma omp simd reduction(+ : bsum)
+        for (int c = c0; c < c1; c++) {
+            const float e = kf_expf_nonpos(z[c] - mx);
+            z[c] = e;
+            bsum += e;
+        }
+        sum += bsum;
+    }
     const float inv = (float)(1.0 / sum);
-#pragma omp simd
-    for (int c = 0; c < n; c++)
-        z[c] *= inv;
     if (part && rms) {
 #pragma omp simd
-        for (int c = 0; c < n; c++)
-            part[c] += (double)z[c] * z[c];
+        for (int c = 0; c < n; c++) {
+            const float p = z[c] * inv;
+            z[c] = p;
+            part[c] += (double)p * p;
+        }
     } else if (part) {
 #pragma omp simd
+        for (int c = 0; c < n; c++) {
+            const float p = z[c] * inv;
+            z[c] = p;
+            part[c] += p;
+        }
+    } else {
+#pragma omp simd
         for (int c = 0; c < n; c++)
-            part[c] += z[c];
+            z[c] *= inv;
     }
     *m = mx;
     *y = sum;
@@ -304,6 +363,8 @@ static void block_first(const attn_job *j, attn_bufs *b, tile_pos t, int item) {
     for (int c0 = 0; c0 < nb; c0 += KEY_BLOCK) {
         const int kb = nb - c0 < KEY_BLOCK ? nb - c0 : KEY_BLOCK;
         gather_block(a, t.g, blk0 + c0, kb, b->kb, NULL);
+        for (int k = c0 + kb; k < nb && k < c0 + kb + KEY_BLOCK; k++) /* the next chunk's keys */
+            prefetch_key(a, t.g, blk0 + k, 1, 0);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, t.rows, kb, hd, a->scale, b->qp, hd, b->kb, hd, 0.0f,
                     b->sb + c0, nb);
     }
@@ -311,6 +372,8 @@ static void block_first(const attn_job *j, attn_bufs *b, tile_pos t, int item) {
     for (int c0 = 0; c0 < nb; c0 += KEY_BLOCK) {
         const int kb = nb - c0 < KEY_BLOCK ? nb - c0 : KEY_BLOCK;
         gather_block(a, t.g, blk0 + c0, kb, NULL, b->vb);
+        for (int k = c0 + kb; k < nb && k < c0 + kb + KEY_BLOCK; k++) /* the next chunk's values */
+            prefetch_key(a, t.g, blk0 + k, 0, 1);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, t.rows, hd, kb, 1.0f, b->sb + c0, nb, b->vb, hd,
                     c0 ? 1.0f : 0.0f, b->o, hd);
     }
@@ -329,7 +392,8 @@ static void tile_item(void *ctx, int item, int thread) {
     const int hd = a->kv.head_dim, rep = j->rep, q0 = (item % j->n_tiles) * j->tq;
     const int tq = a->n_q - q0 < j->tq ? a->n_q - q0 : j->tq;
     const tile_pos t = {.g = item / j->n_tiles, .q0 = q0, .tq = tq, .rows = tq * rep};
-    const int kmax = a->n_keys - a->n_q + q0 + tq; /* keys visible to the tile's last query */
+    const int kdiag = a->n_keys - a->n_q + q0; /* keys before the tile's first query's own */
+    const int kmax = kdiag + tq;               /* keys visible to the tile's last query */
     attn_bufs b = bufs_at(j->work + (size_t)thread * j->per_thread, t.rows, hd);
     for (int i = 0; i < tq; i++) /* the group's heads of query i are adjacent in q */
         memcpy(b.qp + (size_t)i * rep * hd, a->q + (size_t)(q0 + i) * a->q_stride + (size_t)t.g * rep * hd,
@@ -340,11 +404,11 @@ static void tile_item(void *ctx, int item, int thread) {
     }
     if (a->targets) {
         block_first(j, &b, t, item);
-        key_range(j, &b, t, 0, a->targets->blk0);
-        key_range(j, &b, t, a->targets->blk1, kmax);
+        key_range(j, &b, t, 0, a->targets->blk0, KEY_BLOCK);
+        key_span(j, &b, t, a->targets->blk1, kdiag, kmax);
     } else {
         memset(b.o, 0, sizeof(float) * (size_t)t.rows * hd);
-        key_range(j, &b, t, 0, kmax);
+        key_span(j, &b, t, 0, kdiag, kmax);
     }
     for (int r = 0; r < t.rows; r++) {
         const float inv = (float)(1.0 / b.l[r]);
