@@ -1392,6 +1392,18 @@ static void rest_rows(const head_shared *hs, int from, kf_am_head *hr, kf_am_tar
     *tr = (kf_am_targets){sp->tr_m + from, sp->tr_y + from, sp->tr_Y + (size_t)from * d, NULL};
 }
 
+/* Part k of a refit on all the rows beyond the choice's first `rows` training rows: k = 0 the other
+ * training rows, k = 1 the validation rows, into hv/tv; 0 when part k is empty. */
+static int refit_part(const head_shared *hs, int rows, int k, kf_am_head *hv, kf_am_targets *tv) {
+    if (k == 0 && rows >= hs->sp->n_tr)
+        return 0;
+    if (k == 0)
+        rest_rows(hs, rows, hv, tv);
+    else
+        val_rows(hs, hv, tv);
+    return 1;
+}
+
 /* The picked candidate's beta: from the choice's normal equations (plus the other training rows'
  * and the validation rows' parts with refit_all) when it kept them, else fitted on hf/tf. */
 static kf_status fit_beta(const variant_ws *w, const head_shared *hs, const kf_am_head *hf, const kf_am_targets *tf,
@@ -1404,12 +1416,8 @@ static kf_status fit_beta(const variant_ws *w, const head_shared *hs, const kf_a
         kf_am_head hv;
         kf_am_targets tv;
         kf_beta_normal part;
-        if (k == 0 && fits->rows >= hs->sp->n_tr)
+        if (!refit_part(hs, fits->rows, k, &hv, &tv))
             continue;
-        if (k == 0)
-            rest_rows(hs, fits->rows, &hv, &tv);
-        else
-            val_rows(hs, &hv, &tv);
         KF_TRY(kf_beta_normal_build(&hv, &tv, w->kc, th, &part, err));
         kf_beta_normal_add(&fits->beta, &part);
         kf_beta_normal_free(&part);
@@ -1434,12 +1442,8 @@ static kf_status fit_values(const kf_compact_prep *x, variant_ws *w, const head_
         kf_am_head hv;
         kf_am_targets tv;
         kf_value_gram part;
-        if (k == 0 && fits->rows >= hs->sp->n_tr)
+        if (!refit_part(hs, fits->rows, k, &hv, &tv))
             continue;
-        if (k == 0)
-            rest_rows(hs, fits->rows, &hv, &tv);
-        else
-            val_rows(hs, &hv, &tv);
         KF_TRY(kf_value_gram_build(hf->be, hv.q, hv.R, x->d, x->scale, kk, x->d, NULL, th, tv.Y, &part, err));
         kf_value_gram_add(&fits->drop, &part);
         kf_value_gram_free(&part);
