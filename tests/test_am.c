@@ -554,52 +554,19 @@ static void test_beta_restart_counted(void) {
     kf_am_targets_free(&tg);
 }
 
-/* A planted head for the per-head choice: T keys of which the first t are kept; `dup`: the
- * others copy the kept keys (mass the kept keys must carry) with different values, else they
- * point away from the queries (no mass). Training queries mu + noise; validation queries
- * sign * mu + noise; an appended block of comparable mass. Returns the pick. */
+/* The pick of the per-head choice on a planted head (test_util.h: kf_planted_init), and the
+ * validation error of keep. */
 static kf_head_pick planted_choice(int dup, float val_sign, kf_ridge_target to, double *err_out) {
-    enum { T = 48, t = 16, d = 8, Rtr = 200, Rv = 100, NA = 16 };
-    float K[T * d], V[T * d], Qtr[Rtr * d], Qv[Rv * d], KA[NA * d], VA[NA * d], mu[d] = {0};
-    kf_test_fill_uniform(K, t * d, 431, -1, 1);
-    kf_test_fill_uniform(V, T * d, 432, -1, 1);
-    kf_test_fill_uniform(Qtr, Rtr * d, 433, -0.3f, 0.3f);
-    kf_test_fill_uniform(Qv, Rv * d, 434, -0.3f, 0.3f);
-    kf_test_fill_uniform(KA, NA * d, 435, -1, 1);
-    kf_test_fill_uniform(VA, NA * d, 436, -1, 1);
-    mu[0] = 2.0f, mu[1] = 1.0f;
-    for (int j = t; j < T; j++)
-        for (int c = 0; c < d; c++)
-            K[j * d + c] = dup ? K[(j % t) * d + c] : -6.0f * mu[c];
-    for (int i = 0; i < Rtr; i++)
-        for (int c = 0; c < d; c++)
-            Qtr[i * d + c] += mu[c];
-    for (int i = 0; i < Rv; i++)
-        for (int c = 0; c < d; c++)
-            Qv[i * d + c] += val_sign * mu[c];
-    kf_am_head h = {K, d, V, d, T, Qtr, Rtr, d, 1.0f, NULL};
-    kf_am_targets tg;
+    kf_planted_head ph;
+    kf_planted_init(&ph, dup, val_sign, to, 200);
     kf_error err = {0};
     kf_head_pick pick = {KF_METHOD_KEEP, 0, 0, NAN};
-    CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
-    int32_t sel[t];
-    for (int j = 0; j < t; j++)
-        sel[j] = j;
-    const kf_kv_block orig = {K, V, d, NULL, T}, app = {KA, VA, d, NULL, NA};
-    const kf_kv_block *apps[Rv];
-    for (int i = 0; i < Rv; i++)
-        apps[i] = &app;
-    kf_val_head vh;
-    CU_ASSERT_EQUAL_FATAL(kf_val_head_init(&vh, NULL, Qv, Rv, d, 1.0f, NULL, &orig, apps, NULL, &err), KF_OK);
-    kf_compact_params p = kf_compact_params_default();
-    p.method = KF_METHOD_FOLD;
-    p.ridge_to = to;
-    CU_ASSERT_EQUAL(kf_choose_head(&p, &h, &tg, sel, t, K, V, &vh, 1, &pick, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_choose_head(&ph.p, &ph.h, &ph.tg, ph.sel, KF_PLANT_KEPT, ph.K, ph.V, &ph.vh, 1, &pick, NULL, &err),
+                    KF_OK);
     /* the errors of keep and of the winner, for the message */
-    const kf_kv_block kb = {K, V, d, NULL, t};
-    *err_out = kf_val_err(&vh, &kb);
-    kf_val_head_free(&vh);
-    kf_am_targets_free(&tg);
+    const kf_kv_block kb = {ph.K, ph.V, KF_PLANT_D, NULL, KF_PLANT_KEPT};
+    *err_out = kf_val_err(&ph.vh, &kb);
+    kf_planted_free(&ph);
     return pick;
 }
 

@@ -443,49 +443,18 @@ static void test_training_order_stratified(void) {
  * picks it as the choice on all of them does, and keeps its normal equations for the refit, naming
  * the rows they cover. */
 static kf_head_pick planted_on(int dup, float val_sign, kf_ridge_target to, double choice_rows, int *rows, int *kept) {
-    enum { T = 48, t = 16, d = 8, Rtr = 1000, Rv = 100, NA = 16 };
-    float K[T * d], V[T * d], Qtr[Rtr * d], Qv[Rv * d], KA[NA * d], VA[NA * d], mu[d] = {0};
-    kf_test_fill_uniform(K, t * d, 431, -1, 1);
-    kf_test_fill_uniform(V, T * d, 432, -1, 1);
-    kf_test_fill_uniform(Qtr, Rtr * d, 433, -0.3f, 0.3f);
-    kf_test_fill_uniform(Qv, Rv * d, 434, -0.3f, 0.3f);
-    kf_test_fill_uniform(KA, NA * d, 435, -1, 1);
-    kf_test_fill_uniform(VA, NA * d, 436, -1, 1);
-    mu[0] = 2.0f, mu[1] = 1.0f;
-    for (int j = t; j < T; j++) /* the dropped keys: copies of the kept (mass to restore) or far away */
-        for (int c = 0; c < d; c++)
-            K[j * d + c] = dup ? K[(j % t) * d + c] : -6.0f * mu[c];
-    for (int i = 0; i < Rtr; i++)
-        for (int c = 0; c < d; c++)
-            Qtr[i * d + c] += mu[c];
-    for (int i = 0; i < Rv; i++)
-        for (int c = 0; c < d; c++)
-            Qv[i * d + c] += val_sign * mu[c];
-    kf_am_head h = {K, d, V, d, T, Qtr, Rtr, d, 1.0f, NULL};
-    kf_am_targets tg;
+    kf_planted_head ph; /* test_util.h */
+    kf_planted_init(&ph, dup, val_sign, to, 1000);
     kf_error err = {0};
     kf_head_pick pick = {KF_METHOD_KEEP, 0, 0, NAN};
-    CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
-    int32_t sel[t];
-    for (int j = 0; j < t; j++)
-        sel[j] = j;
-    const kf_kv_block orig = {K, V, d, NULL, T}, app = {KA, VA, d, NULL, NA};
-    const kf_kv_block *apps[Rv];
-    for (int i = 0; i < Rv; i++)
-        apps[i] = &app;
-    kf_val_head vh;
-    CU_ASSERT_EQUAL_FATAL(kf_val_head_init(&vh, NULL, Qv, Rv, d, 1.0f, NULL, &orig, apps, NULL, &err), KF_OK);
-    kf_compact_params p = kf_compact_params_default();
-    p.method = KF_METHOD_FOLD;
-    p.ridge_to = to;
-    p.choice_rows = choice_rows;
-    *rows = kf_choice_rows(&p, Rtr, t);
+    ph.p.choice_rows = choice_rows;
+    *rows = kf_choice_rows(&ph.p, ph.h.R, KF_PLANT_KEPT);
     kf_choice_fits fits = {0};
-    CU_ASSERT_EQUAL(kf_choose_head(&p, &h, &tg, sel, t, K, V, &vh, 1, &pick, &fits, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_choose_head(&ph.p, &ph.h, &ph.tg, ph.sel, KF_PLANT_KEPT, ph.K, ph.V, &ph.vh, 1, &pick, &fits, &err),
+                    KF_OK);
     *kept = (fits.beta.G != NULL) + (fits.drop.G != NULL) + 10 * (fits.rows == *rows); /* what the refit reuses */
     kf_choice_fits_free(&fits);
-    kf_val_head_free(&vh);
-    kf_am_targets_free(&tg);
+    kf_planted_free(&ph);
     return pick;
 }
 

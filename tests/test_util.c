@@ -134,3 +134,44 @@ void kf_test_fill_uniform(float *x, size_t n, uint64_t seed, float lo, float hi)
         x[i] = lo + (hi - lo) * (float)((s >> 40) / 16777216.0);
     }
 }
+
+void kf_planted_init(kf_planted_head *ph, int dup, float val_sign, kf_ridge_target to, int rtr) {
+    enum { T = KF_PLANT_T, t = KF_PLANT_KEPT, d = KF_PLANT_D, Rv = KF_PLANT_RV, NA = KF_PLANT_NA };
+    CU_ASSERT_FATAL(rtr > 0 && rtr <= KF_PLANT_RTR_MAX);
+    float mu[d] = {0};
+    kf_test_fill_uniform(ph->K, t * d, 431, -1, 1);
+    kf_test_fill_uniform(ph->V, T * d, 432, -1, 1);
+    kf_test_fill_uniform(ph->Qtr, (size_t)rtr * d, 433, -0.3f, 0.3f);
+    kf_test_fill_uniform(ph->Qv, Rv * d, 434, -0.3f, 0.3f);
+    kf_test_fill_uniform(ph->KA, NA * d, 435, -1, 1);
+    kf_test_fill_uniform(ph->VA, NA * d, 436, -1, 1);
+    mu[0] = 2.0f, mu[1] = 1.0f;
+    for (int j = t; j < T; j++) /* the dropped keys: copies of the kept (mass to restore) or far away */
+        for (int c = 0; c < d; c++)
+            ph->K[j * d + c] = dup ? ph->K[(j % t) * d + c] : -6.0f * mu[c];
+    for (int i = 0; i < rtr; i++)
+        for (int c = 0; c < d; c++)
+            ph->Qtr[i * d + c] += mu[c];
+    for (int i = 0; i < Rv; i++)
+        for (int c = 0; c < d; c++)
+            ph->Qv[i * d + c] += val_sign * mu[c];
+    ph->h = (kf_am_head){ph->K, d, ph->V, d, T, ph->Qtr, rtr, d, 1.0f, NULL};
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&ph->h, KF_SCORE_RMS, &ph->tg, &err), KF_OK);
+    for (int j = 0; j < t; j++)
+        ph->sel[j] = j;
+    ph->orig = (kf_kv_block){ph->K, ph->V, d, NULL, T};
+    ph->app = (kf_kv_block){ph->KA, ph->VA, d, NULL, NA};
+    for (int i = 0; i < Rv; i++)
+        ph->apps[i] = &ph->app;
+    CU_ASSERT_EQUAL_FATAL(kf_val_head_init(&ph->vh, NULL, ph->Qv, Rv, d, 1.0f, NULL, &ph->orig, ph->apps, NULL, &err),
+                          KF_OK);
+    ph->p = kf_compact_params_default();
+    ph->p.method = KF_METHOD_FOLD;
+    ph->p.ridge_to = to;
+}
+
+void kf_planted_free(kf_planted_head *ph) {
+    kf_val_head_free(&ph->vh);
+    kf_am_targets_free(&ph->tg);
+}
