@@ -214,9 +214,10 @@ static kf_status conv_tmp(const kf_arena *a, uint16_t **tmp, kf_error *err) {
     return *tmp ? KF_OK : kf_fail(err, KF_ERR_NOMEM, "KV arena: out of memory for a bf16 conversion buffer");
 }
 
-kf_status kf_seq_read_kv(const kf_arena *a, const kf_seq *s, int layer, int64_t t0, int64_t n, float *k, float *v,
-                         kf_error *err) {
-    KF_TRY(check_range(a, s, layer, t0, n, err));
+/* Tokens [t0, t0 + n) of a layer (range checked by the caller), page run by page run: into
+ * k_out, v_out [n, row] (a read) or, when they are NULL, from k_in, v_in [n, row] (a write). */
+static kf_status copy_kv(const kf_arena *a, const kf_seq *s, int layer, int64_t t0, int64_t n, float *k_out,
+                         float *v_out, const float *k_in, const float *v_in, kf_error *err) {
     const kf_paged_kv kv = kf_arena_layer(a, layer);
     const size_t row = (size_t)a->kv_heads * a->head_dim;
     uint16_t *tmp;
@@ -225,12 +226,24 @@ kf_status kf_seq_read_kv(const kf_arena *a, const kf_seq *s, int layer, int64_t 
         const int64_t slot = t % KF_PAGE_TOKENS;
         const int64_t run = (KF_PAGE_TOKENS - slot) < (t0 + n - t) ? KF_PAGE_TOKENS - slot : t0 + n - t;
         const size_t off = (size_t)s->pages[t / KF_PAGE_TOKENS] * kv.page_stride + (size_t)slot * row;
-        run_read(a, kv.k, off, (size_t)run * row, k + (size_t)(t - t0) * row, tmp);
-        run_read(a, kv.v, off, (size_t)run * row, v + (size_t)(t - t0) * row, tmp);
+        const size_t at = (size_t)(t - t0) * row;
+        if (k_out) {
+            run_read(a, kv.k, off, (size_t)run * row, k_out + at, tmp);
+            run_read(a, kv.v, off, (size_t)run * row, v_out + at, tmp);
+        } else {
+            run_write(a, kv.k, off, (size_t)run * row, k_in + at, tmp);
+            run_write(a, kv.v, off, (size_t)run * row, v_in + at, tmp);
+        }
         t += run;
     }
     free(tmp);
     return KF_OK;
+}
+
+kf_status kf_seq_read_kv(const kf_arena *a, const kf_seq *s, int layer, int64_t t0, int64_t n, float *k, float *v,
+                         kf_error *err) {
+    KF_TRY(check_range(a, s, layer, t0, n, err));
+    return copy_kv(a, s, layer, t0, n, k, v, NULL, NULL, err);
 }
 
 kf_status kf_seq_write_kv(kf_arena *a, const kf_seq *s, int layer, int64_t t0, int64_t n, const float *k,
@@ -240,18 +253,5 @@ kf_status kf_seq_write_kv(kf_arena *a, const kf_seq *s, int layer, int64_t t0, i
         if (a->refcount[s->pages[t / KF_PAGE_TOKENS]] > 1)
             return kf_fail(err, KF_ERR_INVALID, "KV arena: page %d is shared and cannot be written",
                            s->pages[t / KF_PAGE_TOKENS]);
-    const kf_paged_kv kv = kf_arena_layer(a, layer);
-    const size_t row = (size_t)a->kv_heads * a->head_dim;
-    uint16_t *tmp;
-    KF_TRY(conv_tmp(a, &tmp, err));
-    for (int64_t t = t0; t < t0 + n;) {
-        const int64_t slot = t % KF_PAGE_TOKENS;
-        const int64_t run = (KF_PAGE_TOKENS - slot) < (t0 + n - t) ? KF_PAGE_TOKENS - slot : t0 + n - t;
-        const size_t off = (size_t)s->pages[t / KF_PAGE_TOKENS] * kv.page_stride + (size_t)slot * row;
-        run_write(a, kv.k, off, (size_t)run * row, k + (size_t)(t - t0) * row, tmp);
-        run_write(a, kv.v, off, (size_t)run * row, v + (size_t)(t - t0) * row, tmp);
-        t += run;
-    }
-    free(tmp);
-    return KF_OK;
+    return copy_kv(a, s, layer, t0, n, NULL, NULL, k, v, err);
 }
