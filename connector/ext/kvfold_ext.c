@@ -185,6 +185,18 @@ static int payload_size(const kvf_header *h, kvf_dtype dtype, size_t *out) {
     return 0;
 }
 
+/* load's span [*lo, *hi) of the file's n layers or heads (*hi < 0: up to n): non-empty and inside
+ * [0, n), else -1 with a ValueError naming the file. */
+static int load_span(const char *what, int *lo, int *hi, int n, const char *unit, const char *path) {
+    if (*hi < 0)
+        *hi = n;
+    if (*lo < 0 || *lo >= *hi || *hi > n) {
+        PyErr_Format(PyExc_ValueError, "load: %s [%d, %d) outside %s's %d%s", what, *lo, *hi, path, n, unit);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *py_load(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
     static char *kwlist[] = {"path", "dtype", "model_fingerprint", "n_layers", "kv_heads", "head_dim", "out", "layers",
@@ -212,21 +224,8 @@ static PyObject *py_load(PyObject *self, PyObject *args, PyObject *kw) {
     }
     const kvf_header *h = kvf_file_header(f);
     size_t bytes;
-    if (l1 < 0)
-        l1 = h->n_layers;
-    if (l0 < 0 || l0 >= l1 || l1 > h->n_layers) {
-        PyErr_Format(PyExc_ValueError, "load: layers [%d, %d) outside %s's %d", l0, l1, path, h->n_layers);
-        kvf_close(f);
-        return NULL;
-    }
-    if (h1 < 0)
-        h1 = h->kv_heads;
-    if (h0 < 0 || h0 >= h1 || h1 > h->kv_heads) {
-        PyErr_Format(PyExc_ValueError, "load: heads [%d, %d) outside %s's %d kv heads", h0, h1, path, h->kv_heads);
-        kvf_close(f);
-        return NULL;
-    }
-    if (payload_size(h, dtype, &bytes) < 0) {
+    if (load_span("layers", &l0, &l1, h->n_layers, "", path) < 0 ||
+        load_span("heads", &h0, &h1, h->kv_heads, " kv heads", path) < 0 || payload_size(h, dtype, &bytes) < 0) {
         kvf_close(f);
         return NULL;
     }

@@ -1,5 +1,6 @@
 """KVFoldConnector driven in vLLM's call order (harness.Engine) over synthetic kvf files."""
 import os
+import re
 import subprocess
 import sys
 
@@ -529,6 +530,23 @@ def test_c_copy_each_destination_has_its_own_dtype(root):
     assert torch.equal(gather(tensors[1], "blocks_first", slots_of([1, 2], 16, 0, 20)).float(),
                        f32[:, 1].to(torch.bfloat16).float())
     assert bool((tensors[1][0] == 0).all()) and bool((tensors[1][3] == 0).all())  # nothing outside its blocks
+
+
+def test_c_load_refuses_spans_outside_the_file(root):
+    """load's layers and heads: an empty span, or one outside the file's, is a ValueError naming the file."""
+    path = cache(root, "span.kvf", 20, 99, dtype="float32")
+    h, whole = _kvfold.load(path, "float32")
+    L, H = h["n_layers"], h["kv_heads"]
+    assert L >= 2 and H >= 2
+    for kw in (dict(layers=(0, L + 1)), dict(layers=(1, 1)), dict(layers=(-1, 1)), dict(layers=(L, -1)),
+               dict(heads=(0, H + 1)), dict(heads=(1, 0)), dict(heads=(-1, 1)), dict(heads=(H, -1))):
+        what, (lo, hi) = next(iter(kw.items()))
+        n, unit = (L, "") if what == "layers" else (H, " kv heads")
+        hi = n if hi < 0 else hi
+        with pytest.raises(ValueError, match=re.escape(f"load: {what} [{lo}, {hi}) outside {path}'s {n}{unit}")):
+            _kvfold.load(path, "float32", **kw)
+    _, last = _kvfold.load(path, "float32", layers=(L - 1, -1), heads=(H - 1, -1))  # -1: up to the end
+    assert len(last) == len(whole)
 
 
 def test_c_copy_refuses_read_only_and_short_memory():
