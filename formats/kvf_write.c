@@ -21,24 +21,8 @@
 
 /* ---- attributes ---- */
 
-static herr_t attr_str(hid_t loc, const char *name, const char *val) {
-    hid_t t = H5Tcopy(H5T_C_S1), s = H5Screate(H5S_SCALAR), a = -1;
-    herr_t rc = -1;
-    if (t >= 0 && s >= 0 && H5Tset_size(t, strlen(val) + 1) >= 0 && H5Tset_strpad(t, H5T_STR_NULLTERM) >= 0 &&
-        H5Tset_cset(t, H5T_CSET_UTF8) >= 0 && (a = H5Acreate2(loc, name, t, s, H5P_DEFAULT, H5P_DEFAULT)) >= 0)
-        rc = H5Awrite(a, t, val);
-    if (rc < 0)
-        kvf_h5_capture();
-    if (a >= 0)
-        H5Aclose(a);
-    if (s >= 0)
-        H5Sclose(s);
-    if (t >= 0)
-        H5Tclose(t);
-    return rc;
-}
-
-static herr_t attr_num(hid_t loc, const char *name, hid_t ftype, hid_t mtype, const void *val) {
+/* A scalar attribute `name` of file type ftype, written from val (memory type mtype). */
+static herr_t attr_scalar(hid_t loc, const char *name, hid_t ftype, hid_t mtype, const void *val) {
     hid_t s = H5Screate(H5S_SCALAR), a = -1;
     herr_t rc = -1;
     if (s >= 0 && (a = H5Acreate2(loc, name, ftype, s, H5P_DEFAULT, H5P_DEFAULT)) >= 0)
@@ -52,12 +36,26 @@ static herr_t attr_num(hid_t loc, const char *name, hid_t ftype, hid_t mtype, co
     return rc;
 }
 
+/* A NUL-terminated UTF-8 string attribute of exactly val's length. */
+static herr_t attr_str(hid_t loc, const char *name, const char *val) {
+    hid_t t = H5Tcopy(H5T_C_S1);
+    herr_t rc = -1;
+    if (t >= 0 && H5Tset_size(t, strlen(val) + 1) >= 0 && H5Tset_strpad(t, H5T_STR_NULLTERM) >= 0 &&
+        H5Tset_cset(t, H5T_CSET_UTF8) >= 0)
+        rc = attr_scalar(loc, name, t, t, val);
+    else
+        kvf_h5_capture();
+    if (t >= 0)
+        H5Tclose(t);
+    return rc;
+}
+
 static herr_t attr_i64(hid_t loc, const char *name, int64_t v) {
-    return attr_num(loc, name, H5T_STD_I64LE, H5T_NATIVE_INT64, &v);
+    return attr_scalar(loc, name, H5T_STD_I64LE, H5T_NATIVE_INT64, &v);
 }
 
 static herr_t attr_f64(hid_t loc, const char *name, double v) {
-    return attr_num(loc, name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &v);
+    return attr_scalar(loc, name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &v);
 }
 
 static herr_t write_attrs(hid_t f, const kvf_header *h, const char *payload_digest) {
