@@ -128,19 +128,9 @@ int cmd_ask(int argc, char **argv) {
             }
         longest = qn[i] > longest ? qn[i] : longest;
     }
-    if (doc_path) {
-        if (doc_read_file(&text, doc_path, &doc, &n_doc, err, sizeof err)) {
-            cli_error(CMD, "%s", err);
-            goto done;
-        }
-        char digest[KVF_DIGEST_LEN + 1];
-        kvf_document_digest(doc, n_doc, digest);
-        if (strcmp(digest, hdr.document_digest) != 0) {
-            cli_error(CMD, "%s is not the document of %s (digest %s, %d tokens; the cache's: %s, %lld tokens)",
-                      doc_path, path, digest, n_doc, hdr.document_digest, (long long)hdr.n_doc_tokens);
-            goto done;
-        }
-    }
+    char digest[KVF_DIGEST_LEN + 1];
+    if (doc_path && cache_doc_read(CMD, &text, doc_path, path, &hdr, &doc, &n_doc, digest))
+        goto done;
     if (!quiet)
         fprintf(stderr, "cache: %lld of %lld document tokens (%.2fx smaller), %s, budget %g, %s\n", (long long)c.C,
                 (long long)c.D, (double)c.D / (double)c.C, kvf_method_name(hdr.method), hdr.budget,

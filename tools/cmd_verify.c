@@ -107,17 +107,9 @@ int cmd_verify(int argc, char **argv) {
            hdr.model_fingerprint, hdr.n_layers, hdr.kv_heads, hdr.head_dim, kvf_method_name(hdr.method),
            kvf_dtype_name(hdr.dtype), hdr.budget, (long long)hdr.n_tokens, (long long)hdr.n_doc_tokens);
     if (doc_path) {
-        if (doc_read_file(&text, doc_path, &doc, &n_doc, err, sizeof err)) {
-            cli_error(CMD, "%s", err);
-            goto done;
-        }
         char digest[KVF_DIGEST_LEN + 1];
-        kvf_document_digest(doc, n_doc, digest);
-        if (strcmp(digest, hdr.document_digest) != 0 || n_doc != hdr.n_doc_tokens) {
-            cli_error(CMD, "%s is not the document of %s (digest %s, %d tokens; the cache's: %s, %lld tokens)",
-                      doc_path, path, digest, n_doc, hdr.document_digest, (long long)hdr.n_doc_tokens);
+        if (cache_doc_read(CMD, &text, doc_path, path, &hdr, &doc, &n_doc, digest))
             goto done;
-        }
         printf("document: %s matches (digest %s, %d tokens)\n", doc_path, digest, n_doc);
     }
     rc = KF_EXIT_OK;

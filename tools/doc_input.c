@@ -212,6 +212,22 @@ int cache_load(const char *cmd, const char *path, kf_model *m, int verify, kf_co
     return 0;
 }
 
+int cache_doc_read(const char *cmd, doc_text *t, const char *doc_path, const char *cache_path, const kvf_header *hdr,
+                   int32_t **ids, int *n, char digest[KVF_DIGEST_LEN + 1]) {
+    char err[1024];
+    if (doc_read_file(t, doc_path, ids, n, err, sizeof err)) {
+        cli_error(cmd, "%s", err);
+        return -1;
+    }
+    kvf_document_digest(*ids, *n, digest);
+    if (strcmp(digest, hdr->document_digest) != 0 || *n != hdr->n_doc_tokens) {
+        cli_error(cmd, "%s is not the document of %s (digest %s, %d tokens; the cache's: %s, %lld tokens)", doc_path,
+                  cache_path, digest, *n, hdr->document_digest, (long long)hdr->n_doc_tokens);
+        return -1;
+    }
+    return 0;
+}
+
 int stop_on_text(void *ctx, const int32_t *ids, int n) {
     stop_text *s = ctx;
     if (!s->stop || !*s->stop)
