@@ -6,7 +6,9 @@
 #include "kernels/cpu/fast_exp.h"
 #include "kernels/cpu/solve_ops.h"
 
-KF_ROW_CLONES void kf_cpu_softmax_row(float *x, int n, float *max_out, double *sum_out) {
+/* x [n] = exp(x - max x); returns max x (-FLT_MAX when n = 0). Inlined into each clone of its
+ * callers, so it vectorizes for the clone's ISA. */
+static inline __attribute__((always_inline)) float exp_minus_max(float *x, int n) {
     float mx = -FLT_MAX;
 #pragma omp simd reduction(max : mx)
     for (int j = 0; j < n; j++)
@@ -14,6 +16,11 @@ KF_ROW_CLONES void kf_cpu_softmax_row(float *x, int n, float *max_out, double *s
 #pragma omp simd
     for (int j = 0; j < n; j++)
         x[j] = kf_expf(x[j] - mx);
+    return mx;
+}
+
+KF_ROW_CLONES void kf_cpu_softmax_row(float *x, int n, float *max_out, double *sum_out) {
+    const float mx = exp_minus_max(x, n);
     /* summed in index order, as before the exponentials were vectorized: the callers' results
      * (AM's and the diagnostics' softmax) keep their bits */
     double sum = 0;
@@ -36,16 +43,10 @@ KF_ROW_CLONES void kf_cpu_softmax_row(float *x, int n, float *max_out, double *s
 #define SUM_ROWS 8
 KF_ROW_CLONES static void softmax_row_group(float *x, size_t ldx, int n, const float *bias, float *mx, double *sum) {
     for (int r = 0; r < SUM_ROWS; r++) {
-        float *row = x + (size_t)r * ldx, m = -FLT_MAX;
+        float *row = x + (size_t)r * ldx;
         if (bias)
             kf_cpu_add(row, bias, 1, n);
-#pragma omp simd reduction(max : m)
-        for (int j = 0; j < n; j++)
-            m = row[j] > m ? row[j] : m;
-#pragma omp simd
-        for (int j = 0; j < n; j++)
-            row[j] = kf_expf(row[j] - m);
-        mx[r] = m;
+        mx[r] = exp_minus_max(row, n);
         sum[r] = 0;
     }
     for (int j = 0; j < n; j++)
@@ -92,12 +93,7 @@ void kf_cpu_softmax_rows(const kf_backend *b, const kf_softmax_rows_args *a) {
         kf_cpu_softmax_row(x, len, &mx, &sum);
         for (int j = len; j < a->n; j++)
             x[j] = 0.0f;
-        if (a->max_out)
-            a->max_out[i] = mx;
-        if (a->sum_out)
-            a->sum_out[i] = sum;
-        if (a->lse_out)
-            a->lse_out[i] = mx + log(sum);
+        row_outputs(a, i, 1, &mx, &sum);
     }
 }
 
