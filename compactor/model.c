@@ -42,14 +42,6 @@ struct kf_model {
     kf_forward_plan *plan; /* the forward's scratch when the caller brings none; grown, freed with the model */
 };
 
-static char *path_join(const char *dir, const char *name) {
-    size_t n = strlen(dir) + strlen(name) + 2;
-    char *p = malloc(n);
-    if (p)
-        snprintf(p, n, "%s/%s", dir, name);
-    return p;
-}
-
 static kf_status load_tensor(kf_model *m, const char *name, int64_t d0, int64_t d1, void **out, kf_error *err) {
     const kf_st_tensor *t = kf_st_find(&m->st, name);
     if (!t)
@@ -138,7 +130,7 @@ kf_status kf_model_load(kf_model **out, const char *dir, kf_backend *backend, kf
         return kf_fail(err, KF_ERR_NOMEM, "out of memory");
     m->b = backend;
     m->dir = strdup(dir);
-    char *cfg_path = path_join(dir, "config.json");
+    char *cfg_path = kf_st_dir_file(dir, "config.json");
     kf_status rc = (!m->dir || !cfg_path) ? kf_fail(err, KF_ERR_NOMEM, "out of memory") : KF_OK;
     if (rc == KF_OK)
         rc = kf_hfconfig_load(&m->cfg, cfg_path, err);

@@ -288,7 +288,7 @@ kf_status kf_st_open_file(kf_st_set *set, const char *path, kf_error *err) {
     return rc;
 }
 
-static char *join_path(const char *dir, const char *name) {
+char *kf_st_dir_file(const char *dir, const char *name) {
     size_t n = strlen(dir) + strlen(name) + 2;
     char *p = malloc(n);
     if (p)
@@ -321,7 +321,7 @@ static kf_status open_index(kf_st_set *set, const char *dir, const char *index_p
             rc = kf_fail(err, KF_ERR_FORMAT, "%s: shard name '%s' must be a plain file name", index_path, shard);
             goto done;
         }
-        char *path = join_path(dir, shard);
+        char *path = kf_st_dir_file(dir, shard);
         if (!path) {
             rc = kf_fail(err, KF_ERR_NOMEM, "out of memory");
             goto done;
@@ -355,8 +355,8 @@ done:
 
 kf_status kf_st_open_dir(kf_st_set *set, const char *dir, kf_error *err) {
     memset(set, 0, sizeof *set);
-    char *single = join_path(dir, "model.safetensors");
-    char *index = join_path(dir, "model.safetensors.index.json");
+    char *single = kf_st_dir_file(dir, "model.safetensors");
+    char *index = kf_st_dir_file(dir, "model.safetensors.index.json");
     kf_status rc;
     if (!single || !index)
         rc = kf_fail(err, KF_ERR_NOMEM, "out of memory");

@@ -71,6 +71,8 @@ kf_status kf_st_open_file(kf_st_set *set, const char *path, kf_error *err);
 /* Open a model directory: model.safetensors, or the shards named by model.safetensors.index.json. */
 kf_status kf_st_open_dir(kf_st_set *set, const char *dir, kf_error *err);
 void kf_st_close(kf_st_set *set);
+/* "dir/name" (malloc'ed; NULL when out of memory): a file of a model directory. */
+char *kf_st_dir_file(const char *dir, const char *name);
 
 /* Let the tensor's bytes leave the process's resident memory (madvise MADV_DONTNEED on the pages
  * that hold them): the mapping stays valid, a later read faults them in again from the file. A
