@@ -425,20 +425,14 @@ static int32_t g_doc[4096];
 static int g_doc_n;
 
 static int init_model(void) {
-    kf_error err = {0};
-    g_mb = kf_backend_cpu_create();
-    if (!g_mb || kf_model_load(&g_m, kf_test_data("records-llama3-induct"), g_mb, &err) != KF_OK) {
-        fprintf(stderr, "%s\n", err.msg);
+    if (kf_test_model_open("records-llama3-induct", &g_mb, &g_m))
         return -1;
-    }
     g_doc_n = kf_test_records_ids(2, g_doc, 4096);
     return g_doc_n >= 300 ? 0 : -1;
 }
 
 static int clean_model(void) {
-    kf_model_free(g_m);
-    g_mb->destroy(g_mb);
-    return 0;
+    return kf_test_model_close(g_mb, g_m);
 }
 
 /* fold at 0.25 of a 300-token document, with a bf16 and an fp32 arena, each measured against the

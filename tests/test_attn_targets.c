@@ -294,20 +294,14 @@ static int32_t g_doc[4096];
 static int g_doc_n;
 
 static int init_model(void) {
-    kf_error err = {0};
-    g_b = kf_backend_cpu_create();
-    if (!g_b || kf_model_load(&g_m, kf_test_data("records-qwen3"), g_b, &err) != KF_OK) {
-        fprintf(stderr, "%s\n", err.msg);
+    if (kf_test_model_open("records-qwen3", &g_b, &g_m))
         return -1;
-    }
     g_doc_n = kf_test_records_ids(2, g_doc, 4096); /* doc1-1 of records-dev.jsonl */
     return g_doc_n > 300 ? 0 : -1;
 }
 
 static int clean_model(void) {
-    kf_model_free(g_m);
-    g_b->destroy(g_b);
-    return 0;
+    return kf_test_model_close(g_b, g_m);
 }
 
 static void compare_compactions(int context_queries) {

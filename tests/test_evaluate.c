@@ -18,20 +18,14 @@ static const int32_t kInstr[] = {260, 263, 270, 275, 46, 10}; /* "Repeat the rec
 enum { DASH = 45, NL = 10 };
 
 static int init_model(void) {
-    kf_error err = {0};
-    g_b = kf_backend_cpu_create();
-    if (kf_model_load(&g_m, kf_test_data("records-llama3-induct"), g_b, &err) != KF_OK) {
-        fprintf(stderr, "%s\n", err.msg);
+    if (kf_test_model_open("records-llama3-induct", &g_b, &g_m))
         return -1;
-    }
     g_doc_n = kf_test_records_ids(1, g_doc, 4096); /* doc1-0: 16 lines, 92 tokens */
     return g_doc_n > 50 ? 0 : -1;
 }
 
 static int clean_model(void) {
-    kf_model_free(g_m);
-    g_b->destroy(g_b);
-    return 0;
+    return kf_test_model_close(g_b, g_m);
 }
 
 /* Questions "Q: <name>?\nA:" with answers [name value \n] about the document's first n records. */

@@ -481,21 +481,10 @@ static void test_sparse_attention(void) {
 static kf_backend *g_b;
 static kf_model *g_m;
 
-static int init_records(void) {
-    kf_error err = {0};
-    g_b = kf_backend_cpu_create();
-    if (kf_model_load(&g_m, kf_test_data("records-qwen3"), g_b, &err) != KF_OK) {
-        fprintf(stderr, "%s\n", err.msg);
-        return -1;
-    }
-    return 0;
-}
+static int init_records(void) { return kf_test_model_open("records-qwen3", &g_b, &g_m); }
 
 static int clean_records(void) {
-    kf_model_free(g_m);
-    if (g_b)
-        g_b->destroy(g_b);
-    return 0;
+    return kf_test_model_close(g_b, g_m);
 }
 
 /* ids of a document of records-dev.jsonl and of its repeat instruction */

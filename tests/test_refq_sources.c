@@ -19,20 +19,14 @@ static const int32_t kInstr[] = {260, 263, 270, 275, 46, 10}; /* "Repeat the rec
 enum { N_DOC = 203, N_INSTR = 6 };
 
 static int init_model(void) {
-    kf_error err = {0};
-    g_b = kf_backend_cpu_create();
-    if (kf_model_load(&g_m, kf_test_data("records-qwen3"), g_b, &err) != KF_OK) {
-        fprintf(stderr, "%s\n", err.msg);
+    if (kf_test_model_open("records-qwen3", &g_b, &g_m))
         return -1;
-    }
     g_doc_n = kf_test_records_ids(2, g_doc, 4096); /* doc1-1 */
     return g_doc_n > N_DOC ? 0 : -1;
 }
 
 static int clean_model(void) {
-    kf_model_free(g_m);
-    g_b->destroy(g_b);
-    return 0;
+    return kf_test_model_close(g_b, g_m);
 }
 
 static kf_compact_params params(void) {

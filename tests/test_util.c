@@ -135,6 +135,30 @@ void kf_test_fill_uniform(float *x, size_t n, uint64_t seed, float lo, float hi)
     }
 }
 
+int kf_test_model_open(const char *name, kf_backend **b, kf_model **m) {
+    kf_error err = {0};
+    *m = NULL;
+    *b = kf_backend_cpu_create();
+    if (!*b) {
+        fprintf(stderr, "%s: cannot create the CPU backend\n", name);
+        return -1;
+    }
+    if (kf_model_load(m, kf_test_data(name), *b, &err) != KF_OK) {
+        fprintf(stderr, "%s\n", err.msg);
+        (*b)->destroy(*b);
+        *b = NULL;
+        return -1;
+    }
+    return 0;
+}
+
+int kf_test_model_close(kf_backend *b, kf_model *m) {
+    kf_model_free(m);
+    if (b)
+        b->destroy(b);
+    return 0;
+}
+
 void kf_planted_init(kf_planted_head *ph, int dup, float val_sign, kf_ridge_target to, int rtr) {
     enum { T = KF_PLANT_T, t = KF_PLANT_KEPT, d = KF_PLANT_D, Rv = KF_PLANT_RV, NA = KF_PLANT_NA };
     CU_ASSERT_FATAL(rtr > 0 && rtr <= KF_PLANT_RTR_MAX);

@@ -32,6 +32,12 @@ double kf_max_abs(const float *a, size_t n);
 /* Deterministic uniform floats in [lo, hi). */
 void kf_test_fill_uniform(float *x, size_t n, uint64_t seed, float lo, float hi);
 
+/* A suite's model: a CPU backend and tests/data/<name> on it. 0, or -1 with the cause on stderr
+ * (nothing left open). */
+int kf_test_model_open(const char *name, kf_backend **b, kf_model **m);
+/* Frees what kf_test_model_open made; returns 0 (a suite's clean-up). */
+int kf_test_model_close(kf_backend *b, kf_model *m);
+
 /* A planted head for the per-head choice (test_am, test_choice): T keys of which the first t are
  * kept; `dup`: the others copy the kept keys (mass the kept keys must carry) with different
  * values, else they point away from the queries (no mass). rtr training queries mu + noise;
