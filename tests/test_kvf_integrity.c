@@ -193,6 +193,19 @@ static void chunk_put(hid_t d, const hsize_t *coord, unsigned char *buf, size_t 
 
 /* ---- crafted files ---- */
 
+/* Swaps the stored chunks (n bytes each, sum included) at x and y of dataset name in the file at
+ * path, through a and b [n]. */
+static void swap_chunks(const char *path, const char *name, const hsize_t *x, const hsize_t *y, size_t n,
+                        unsigned char *a, unsigned char *b) {
+    hid_t f = edit_open(path), d = H5Dopen2(f, name, H5P_DEFAULT);
+    CU_ASSERT_EQUAL(chunk_get(d, x, a), n);
+    CU_ASSERT_EQUAL(chunk_get(d, y, b), n);
+    CU_ASSERT(H5Dwrite_chunk(d, H5P_DEFAULT, 0, x, n, b) >= 0);
+    CU_ASSERT(H5Dwrite_chunk(d, H5P_DEFAULT, 0, y, n, a) >= 0);
+    H5Dclose(d);
+    H5Fclose(f);
+}
+
 static void test_swapped_zeroed_masked_chunks(void) {
     synth s;
     synth_make(&s, 3, 2, 8, 40, KVF_BF16, 1);
@@ -202,31 +215,17 @@ static void test_swapped_zeroed_masked_chunks(void) {
 
     /* keys of head 1 of layers 0 and 1 swapped: each chunk keeps its valid sum */
     const char *p = fresh("swap", &s);
-    hid_t f = edit_open(p), d = H5Dopen2(f, "keys", H5P_DEFAULT);
-    CU_ASSERT_EQUAL(chunk_get(d, c0, a), cb + 4);
-    CU_ASSERT_EQUAL(chunk_get(d, c1, b), cb + 4);
-    CU_ASSERT(H5Dwrite_chunk(d, H5P_DEFAULT, 0, c0, cb + 4, b) >= 0);
-    CU_ASSERT(H5Dwrite_chunk(d, H5P_DEFAULT, 0, c1, cb + 4, a) >= 0);
-    H5Dclose(d);
-    H5Fclose(f);
+    swap_chunks(p, "keys", c0, c1, cb + 4, a, b);
     expect_refusal(p, "layer 0 head 1 does not match its digest");
 
     /* values of heads 0 and 1 of layer 0 swapped */
     p = fresh("swaph", &s);
-    f = edit_open(p);
-    d = H5Dopen2(f, "values", H5P_DEFAULT);
-    CU_ASSERT_EQUAL(chunk_get(d, h0, a), cb + 4);
-    CU_ASSERT_EQUAL(chunk_get(d, c0, b), cb + 4);
-    CU_ASSERT(H5Dwrite_chunk(d, H5P_DEFAULT, 0, h0, cb + 4, b) >= 0);
-    CU_ASSERT(H5Dwrite_chunk(d, H5P_DEFAULT, 0, c0, cb + 4, a) >= 0);
-    H5Dclose(d);
-    H5Fclose(f);
+    swap_chunks(p, "values", h0, c0, cb + 4, a, b);
     expect_refusal(p, "layer 0 head 0 does not match its digest");
 
     /* an all-zero chunk: Fletcher32 of zeros is 0, so the sum holds */
     p = fresh("zero", &s);
-    f = edit_open(p);
-    d = H5Dopen2(f, "values", H5P_DEFAULT);
+    hid_t f = edit_open(p), d = H5Dopen2(f, "values", H5P_DEFAULT);
     memset(a, 0, cb + 4);
     CU_ASSERT(H5Dwrite_chunk(d, H5P_DEFAULT, 0, c1, cb + 4, a) >= 0);
     H5Dclose(d);
