@@ -215,12 +215,13 @@ static void test_val_cache_fresh(void) {
     printf("\n    second candidate %.17g (fresh head %.17g), first %.17g\n", e2, f2, e1);
     CU_ASSERT(e2 == f2 && e2b == f2b);
     CU_ASSERT(e1 != e2);
-    /* the cached weights and norms are the ones mix() computed: exp(lse - max) and ||o_full||^2 */
+    /* the cached weights and norms are mix()'s, normalised: exp(lse - max) / their sum, and ||o_full||^2 */
     double worst_w = 0, worst_d = 0, ob[D];
     for (int i = 0; i < NV; i++) {
         const double lb = ref_attend(c->Q + (size_t)i * D, D, scale,
                                      &(kf_kv_block){c2.k, v2, D, b2, t}, t, ob), la = used.lse_a[i];
-        const double m = fmax(lb, la), wb = exp(lb - m), wa = isinf(la) ? 0 : exp(la - m);
+        const double m = fmax(lb, la), eb = exp(lb - m), ea = isinf(la) ? 0 : exp(la - m);
+        const double wb = eb / (eb + ea), wa = ea / (eb + ea);
         worst_w = fmax(worst_w, fmax(fabs(used.lse_b[i] - wb), fabs(used.wa[i] - wa)));
         double den = 0;
         for (int k = 0; k < D; k++)
