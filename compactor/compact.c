@@ -1450,7 +1450,8 @@ static kf_status fit_beta(const variant_ws *w, const head_shared *hs, const kf_a
     if (p->refit_all) { /* the other training rows, then the validation rows */
         kf_am_head hv[2];
         kf_am_targets tv[2];
-        KF_TRY(kf_choice_refit_add(fits, 1, hv, tv, refit_parts(hs, fits->rows, hv, tv), w->kc, th, err));
+        const int n = refit_parts(hs, fits->rows, hv, tv);
+        KF_TRY(kf_choice_refit_add(fits, 1, hv, tv, n, w->kc, th, err));
     }
     return kf_am_fit_beta_normal(&fits->beta, seed, p->beta_fit, w->beta, st, err);
 }
@@ -1471,7 +1472,8 @@ static kf_status fit_values(const kf_compact_prep *x, variant_ws *w, const head_
     if (p->refit_all) { /* the other training rows, then the validation rows */
         kf_am_head hv[2];
         kf_am_targets tv[2];
-        KF_TRY(kf_choice_refit_add(fits, 0, hv, tv, refit_parts(hs, fits->rows, hv, tv), kk, th, err));
+        const int n = refit_parts(hs, fits->rows, hv, tv);
+        KF_TRY(kf_choice_refit_add(fits, 0, hv, tv, n, kk, th, err));
     }
     return kf_value_gram_solve(&fits->drop, alpha, v0, x->d, w->vals, st, err);
 }
