@@ -269,16 +269,17 @@ static int choice_ws_alloc(choice_ws *w, const kf_backend *be, int t, int d, int
     return 0;
 }
 
-/* Score every value refit alpha of one candidate from its normal equations gm; updates best. The
- * candidate's keys are the kept keys folded by fbeta along u (u NULL: not folded), with the bias
- * (NULL: none); its attention weights on the validation rows come once for the whole grid from the
- * kept keys' logits (kf_val_logits: they do not depend on the values) and stay in val for the
- * caller (keep reuses drop's). */
-static kf_status score_alphas(const kf_value_gram *gm, const float *bias, const float *fbeta, const float *u, int d,
+/* Score every value refit alpha of one (keys, bias) candidate from its normal equations gm;
+ * updates best. The candidate's attention weights on the validation rows are computed once for
+ * the whole grid (they do not depend on the values) and stay in val for the caller (keep reuses
+ * drop's). */
+static kf_status score_alphas(const kf_value_gram *gm, const float *keys, const float *bias, int t, int d,
                               const float *v0, kf_method method, double lambda, double penalty, kf_val_head *val,
                               float *vals, kf_head_pick *best, kf_error *err) {
-    kf_val_attend_kept(val, bias, fbeta, u);
-    kf_status rc = KF_OK;
+    const kf_kv_block cb = {keys, NULL, (size_t)d, bias, t};
+    kf_status rc = kf_val_attend(val, &cb) == 0
+                       ? KF_OK
+                       : kf_fail(err, KF_ERR_NOMEM, "compact: out of memory in the per-head validation");
     for (size_t a = 0; a < sizeof kAlphaGrid / sizeof *kAlphaGrid && rc == KF_OK; a++) {
         rc = kf_value_gram_solve(gm, kAlphaGrid[a], v0, d, vals, NULL, err);
         const double e = rc == KF_OK ? kf_val_err_values(val, vals, (size_t)d) * penalty : NAN;
@@ -288,13 +289,12 @@ static kf_status score_alphas(const kf_value_gram *gm, const float *bias, const 
     return rc;
 }
 
-/* score_alphas with the candidate's normal equations built on the training rows (into w->gm) for
- * its keys [t, d] (the kept keys folded by fbeta along u, as score_alphas). */
+/* score_alphas with the candidate's normal equations built on the training rows (into w->gm). */
 static kf_status try_alphas(const kf_am_head *htr, const float *Ytr, const float *keys, const float *bias,
-                            const float *fbeta, const float *u, const float *v0, kf_method method, double lambda,
-                            double penalty, kf_val_head *val, choice_ws *w, kf_head_pick *best, kf_error *err) {
+                            const float *v0, kf_method method, double lambda, double penalty, kf_val_head *val,
+                            choice_ws *w, kf_head_pick *best, kf_error *err) {
     kf_value_gram_rebuild(htr->q, htr->R, htr->scale, keys, htr->d, bias, Ytr, &w->tiles, &w->gm);
-    return score_alphas(&w->gm, bias, fbeta, u, htr->d, v0, method, lambda, penalty, val, w->vals, best, err);
+    return score_alphas(&w->gm, keys, bias, w->gm.t, htr->d, v0, method, lambda, penalty, val, w->vals, best, err);
 }
 
 /* The fold candidates: u fitted on the training rows (their mean and covariance cov) for each
@@ -309,19 +309,11 @@ static kf_status try_folds(const kf_compact_params *p, const kf_am_head *htr, co
         rc = kf_fold_direction_cov(cov, lambda, w->u, &fi, err);
         if (rc == KF_OK && fi.ok) {
             kf_fold_keys(kc, htr->d, w->beta, t, htr->d, htr->scale, w->u, w->keys, htr->d);
-            rc = try_alphas(htr, ttr->Y, w->keys, NULL, w->beta, w->u, v0, KF_METHOD_FOLD, lambda,
-                            1 + p->choice_margin, val, w, best, err);
+            rc = try_alphas(htr, ttr->Y, w->keys, NULL, v0, KF_METHOD_FOLD, lambda, 1 + p->choice_margin, val, w, best,
+                            err);
         }
     }
     return rc;
-}
-
-/* The kept keys kc [t, d]' logits on the validation rows, which every candidate's derive from. */
-static kf_status val_logits(kf_val_head *val, const float *kc, int t, kf_error *err) {
-    if (kf_val_logits(val, kc, (size_t)val->d, t) != 0)
-        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the validation logits (%d rows, t %d)", val->n,
-                       t);
-    return KF_OK;
 }
 
 /* The method's candidates (am, fold): beta fitted on the training rows from one pass that also
@@ -336,11 +328,8 @@ static kf_status method_fits(const kf_compact_params *p, const kf_am_head *htr, 
     kf_status rc = kf_kept_normal_build(htr, ttr, kc, t, &w->tiles, bn, dg, err);
     if (rc == KF_OK)
         rc = kf_am_fit_beta_normal(bn, seed, p->beta_fit, w->beta, NULL, err);
-    if (rc == KF_OK) /* after beta's solve, not beside it (the formula's try_folds peak holds them) */
-        rc = val_logits(val, kc, t, err);
     if (rc == KF_OK && p->method == KF_METHOD_AM)
-        rc = try_alphas(htr, ttr->Y, kc, w->beta, NULL, NULL, v0, KF_METHOD_AM, 0, 1 + p->choice_margin, val, w, best,
-                        err);
+        rc = try_alphas(htr, ttr->Y, kc, w->beta, v0, KF_METHOD_AM, 0, 1 + p->choice_margin, val, w, best, err);
     else if (rc == KF_OK)
         rc = try_folds(p, htr, ttr, &cov, kc, t, v0, val, w, best, err);
     kf_fold_cov_free(&cov);
@@ -356,12 +345,11 @@ static kf_status choose_fits(const kf_compact_params *p, const kf_am_head *htr, 
     if (p->method == KF_METHOD_AM || p->method == KF_METHOD_FOLD) {
         KF_TRY(method_fits(p, htr, ttr, t, kc, v0, val, seed, w, bn, dg, best, err));
     } else {
-        KF_TRY(val_logits(val, kc, t, err));
         if (kf_value_gram_alloc(dg, htr->be, t, d) != 0)
             return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for drop's normal equations (t %d)", t);
         kf_value_gram_rebuild(htr->q, htr->R, htr->scale, kc, d, NULL, ttr->Y, &w->tiles, dg);
     }
-    return score_alphas(dg, NULL, NULL, NULL, d, v0, KF_METHOD_DROP, p->lambda_rel, 1, val, w->vals, best, err);
+    return score_alphas(dg, kc, NULL, t, d, v0, KF_METHOD_DROP, p->lambda_rel, 1, val, w->vals, best, err);
 }
 
 void kf_choice_fits_free(kf_choice_fits *f) {

@@ -328,10 +328,9 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *           + h (4 R (d + 2) + 4 T                per head in flight: AM's targets (m, y, Y), scores
  *                                                 ([fused]: 4 T, the scores; m, y, Y are the pool's)
  *                + [bf16] 4 R d                   the head's rows widened to fp32
- *                + [choice] 40 Rv + 12 Rv d + 8 d + 4 max(Rv t, 64 S) + 4 Rv t
- *                                                 the validation head: outputs, weights, the
- *                                                 attention weights of a candidate (or appended
- *                                                 tile), the kept keys' logits (kf_val_logits)
+ *                + [choice] 40 Rv + 12 Rv d + 8 d + 4 max(Rv t, 64 S)
+ *                                                 the validation head: outputs, weights, and the
+ *                                                 attention weights of a candidate (or appended tile)
  *                + max(ws, 1032 T, [choice] 16 Rv + 512 d,
  *                      [fused] 8 T + [Ru > 0] (4 Ru (2 d + 2) + 1036 T))
  *                                                 the fits, the targets' or the appended blocks' tiles;

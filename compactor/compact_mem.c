@@ -106,7 +106,7 @@ int64_t kf_compact_peak_bytes(const kf_hfconfig *c, const kf_mem_shape *s, kf_me
     const int64_t Ru = s->Ru, unfused = s->fused ? 8 * T + (Ru > 0 ? 4 * Ru * (2 * d + 2) + 1036 * T : 0) : 0;
     const int64_t fits = max64(max64(max64(s->head_ws, 1032 * T), s->choice ? 16 * Rv + 512 * d : 0), unfused);
     const int64_t head = (s->fused ? 4 * T : 4 * R * (d + 2) + 4 * T) + (s->refq_bf16 ? 4 * R * d : 0) +
-                         (s->choice ? 40 * Rv + 12 * Rv * d + 8 * d + 4 * max64(Rv * t, 64 * s->S) + 4 * Rv * t : 0) + fits;
+                         (s->choice ? 40 * Rv + 12 * Rv * d + 8 * d + 4 * max64(Rv * t, 64 * s->S) : 0) + fits;
     m.solve = 8 * s->D * KD + (s->choice ? 8 * (s->S + s->P) * KD + 8 * R : 0) + (int64_t)s->solve_threads * thread +
               (int64_t)s->solve_heads * head;
     const int64_t C = s->D - T + t;

@@ -127,7 +127,6 @@ void kf_val_head_free(kf_val_head *v) {
     free(v->den);
     free(v->o_b);
     free(v->tmp);
-    free(v->Zk);
     memset(v, 0, sizeof *v);
 }
 
@@ -326,61 +325,17 @@ kf_status kf_val_head_init_targets(kf_val_head *v, const kf_backend *be, const f
     return KF_OK;
 }
 
-/* The mixing weights of the candidate whose lse is in lse_b, normalised, once for every value set scored. */
-static void attend_weights(kf_val_head *v) {
-    for (int i = 0; i < v->n; i++) {
-        double wb, wa;
-        mix_weights(v, i, v->lse_b[i], &wb, &wa);
-        v->lse_b[i] = wb / (wb + wa), v->wa[i] = wa / (wb + wa);
-    }
-}
-
 int kf_val_attend(kf_val_head *v, const kf_kv_block *keys) {
     if (z_reserve(v, (size_t)v->n, (size_t)keys->n) != 0)
         return -1;
     block_attend(v->be, v->n, v->d, v->scale, v->q, keys, v->Z, v->lse_b, NULL);
     v->z_n = keys->n;
-    attend_weights(v);
-    return 0;
-}
-
-int kf_val_logits(kf_val_head *v, const float *kc, size_t stride, int t) {
-    const size_t need = (size_t)v->n * (size_t)t;
-    if (z_reserve(v, (size_t)v->n, (size_t)t) != 0)
-        return -1;
-    if (need > v->zk_cap) {
-        float *z = realloc(v->Zk, sizeof(float) * need);
-        if (!z)
-            return -1;
-        v->Zk = z, v->zk_cap = need;
+    for (int i = 0; i < v->n; i++) { /* the mixing weights, normalised, once for every value set scored */
+        double wb, wa;
+        mix_weights(v, i, v->lse_b[i], &wb, &wa);
+        v->lse_b[i] = wb / (wb + wa), v->wa[i] = wa / (wb + wa);
     }
-    if (t > 0 && v->n > 0)
-        kf_solve_sgemm(v->be, KF_NO_TRANS, KF_TRANS, v->n, t, v->d, v->scale, v->q, v->d, kc, stride, 0.0f, v->Zk, t);
-    v->zk_n = t;
     return 0;
-}
-
-void kf_val_attend_kept(kf_val_head *v, const float *bias, const float *fbeta, const float *u) {
-    const int n = v->n, t = v->zk_n, d = v->d;
-    if (t == 0) {
-        for (int i = 0; i < n; i++)
-            v->lse_b[i] = -INFINITY;
-    } else {
-        for (int i = 0; i < n; i++) {
-            const float *q = v->q + (size_t)i * d;
-            double qu = 0; /* the row's gain along u */
-            for (int c = 0; u && c < d; c++)
-                qu += (double)q[c] * u[c];
-            const float *zk = v->Zk + (size_t)i * t;
-            float *z = v->Z + (size_t)i * t;
-            for (int j = 0; j < t; j++)
-                z[j] = u ? zk[j] + (float)(fbeta[j] * qu) : zk[j];
-        }
-        kf_solve_softmax_rows(v->be, &(kf_softmax_rows_args){.x = v->Z, .ldx = t, .rows = n, .n = t, .bias = bias,
-                                                             .lse_out = v->lse_b});
-    }
-    v->z_n = t;
-    attend_weights(v);
 }
 
 /* Independent partial sums of a row's squared error (the alpha grid scores 4 value sets per

@@ -76,9 +76,6 @@ typedef struct {
     double *den;     /* [n] ||o_full_i||^2, summed in index order (the error's denominator) */
     float *o_b;      /* [n, d] its output */
     double *tmp;     /* [d] */
-    float *Zk;       /* [n, zk_n] the kept keys' logits (kf_val_logits; NULL until then) */
-    size_t zk_cap;   /* floats in Zk */
-    int zk_n;
 } kf_val_head;
 
 /* q [n, d]; w [n] (NULL: uniform; normalised here); app[i] the appended block of row i (NULL:
@@ -99,12 +96,6 @@ double kf_val_err(kf_val_head *v, const kf_kv_block *comp);
  * memory); kf_val_err_values then scores values [keys->n, d] (row stride) with them. Both reuse
  * v's workspace: no allocation per candidate once Z is large enough. */
 int kf_val_attend(kf_val_head *v, const kf_kv_block *keys);
-/* The choice's candidates all derive from the kept keys kc [t, d] (row stride): kf_val_logits keeps
- * their logits s q.kc^T once per head (0, or -1 when out of memory); kf_val_attend_kept then
- * attends, as kf_val_attend, the keys kc_j + (fbeta_j / s) u (fold's; u NULL: kc) with the bias
- * (NULL: none), from those logits: + bias_j + fbeta_j (q.u) instead of a GEMM per candidate. */
-int kf_val_logits(kf_val_head *v, const float *kc, size_t stride, int t);
-void kf_val_attend_kept(kf_val_head *v, const float *bias, const float *fbeta, const float *u);
 double kf_val_err_values(kf_val_head *v, const float *values, size_t stride);
 void kf_val_head_free(kf_val_head *v);
 

@@ -335,8 +335,8 @@ static void test_prep_arena_pages(void) {
  *   solve   8 * 40 * 32 + 8 * 45 * 32 + 8 * 100                             the training rows' order: 8 R
  *           + 2 (8 * 8 + 16 * 8 * 16 + 8 * 100 * 17 + 20 * 20)                 per thread
  *           + 2 (4 * 100 * 18 + 4 * 32 + 40 * 20 + 12 * 20 * 16 + 8 * 16 + 4 * max(160, 64 * 38)
- *                + 4 * 20 * 8 + max(50,000, 1,032 * 32, 16 * 20 + 512 * 16))  per head
- *           = 10,240 + 11,520 + 800 + 2 * 16,112 + 2 * 72,464                   = 199,712
+ *                + max(50,000, 1,032 * 32, 16 * 20 + 512 * 16))                per head
+ *           = 10,240 + 11,520 + 800 + 2 * 16,112 + 2 * 71,824                   = 198,432
  *   output  2 * 16 * (256 + 16) + 2 * 2 * 73                                   = 8,996
  *   targets 0 (sh: no fused targets; the fused case below)
  *   base    32 MiB                                                             = 33,554,432
@@ -354,10 +354,10 @@ static void test_memory_formula(void) {
     CU_ASSERT_EQUAL(m.arena, 61440);
     CU_ASSERT_EQUAL(m.queries, 17920);
     CU_ASSERT_EQUAL(m.forward, 148352);
-    CU_ASSERT_EQUAL(m.solve, 199712);
+    CU_ASSERT_EQUAL(m.solve, 198432);
     CU_ASSERT_EQUAL(m.output, 8996);
     CU_ASSERT_EQUAL(m.base, 33554432);
-    CU_ASSERT_EQUAL(total, 34312900);
+    CU_ASSERT_EQUAL(total, 34311620);
     CU_ASSERT_EQUAL(m.total, total);
     /* ws with the choice: max(40 t^2 + 40 t d + 4108 t + 2060 d + 8 d^2, 16 t^2 + 24 t d + 4100 t + 10252 d + 8 d^2,
      * 24 t^2 + 16 t d + 8 t + 8200 d + 16 d^2): the second at d 16 (t 8: 75,552, 202,976, 138,944; t 64:
@@ -372,12 +372,12 @@ static void test_memory_formula(void) {
     sh16.refq_bf16 = 1;
     kf_mem_peak m16;
     kf_compact_peak_bytes(&c, &sh16, &m16);
-    CU_ASSERT(m16.queries == 8960 && m16.solve == 199712 + 12800 && m16.total == total - 17920 + 8960 + 12800);
+    CU_ASSERT(m16.queries == 8960 && m16.solve == 198432 + 12800 && m16.total == total - 17920 + 8960 + 12800);
     /* one thread: one thread's buffers and one head in flight */
     kf_mem_shape sh1 = sh;
     sh1.solve_threads = 1, sh1.solve_heads = 1;
     kf_compact_peak_bytes(&c, &sh1, &m16);
-    CU_ASSERT_EQUAL(m16.solve, 199712 - 16112 - 72464);
+    CU_ASSERT_EQUAL(m16.solve, 198432 - 16112 - 71824);
     /* fused targets (0 above: sh is not fused), one layer held: 2 * (4 * 100 * 18 + 8 * 32) = 14,912
      * in the pool; the attention's logits of r = 2 min(floor(512 / 2), 16) = 32 rows per thread,
      * 4 * 2 * 32 * 32 = 8,192; parts of ceil(16 / 16) = 1 tile per KV head, 8 * 2 * 32 = 512 */
@@ -389,11 +389,11 @@ static void test_memory_formula(void) {
      * = 7,200 less per head; the unfused rows' transient (8 * 32 with Ru 0) stays below ws */
     CU_ASSERT_EQUAL(kf_compact_peak_bytes(&c, &shf, &mf), total + 14912 + 8192 + 512 - 2 * 7200);
     CU_ASSERT_EQUAL(mf.targets, 14912 + 8192 + 512);
-    CU_ASSERT_EQUAL(mf.solve, 199712 - 2 * 7200);
+    CU_ASSERT_EQUAL(mf.solve, 198432 - 2 * 7200);
     /* Ru 600 unfused rows: 8 * 32 + 4 * 600 * 34 + 1,036 * 32 = 115,008 > ws 50,000 */
     shf.Ru = 600;
     kf_compact_peak_bytes(&c, &shf, &mf);
-    CU_ASSERT_EQUAL(mf.solve, 199712 - 2 * 7200 + 2 * (115008 - 50000));
+    CU_ASSERT_EQUAL(mf.solve, 198432 - 2 * 7200 + 2 * (115008 - 50000));
     /* chunk 64, so c' = min(64, max(40, 38)) = 40: the target tiles have q = min(256, 40) = 40 queries,
      * those without targets q' = 40 halved once to 20 (2 ceil(40 / 40) = 2 < 2 A = 4 and 80 > 64;
      * then 2 ceil(40 / 20) = 4 is not < 4): logits 4 * 2 * 80 * 32 = 20,480, the wider tiles
