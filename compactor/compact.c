@@ -357,6 +357,31 @@ void kf_choice_fits_free(kf_choice_fits *f) {
     kf_value_gram_free(&f->drop);
 }
 
+kf_status kf_choice_refit_add(kf_choice_fits *f, int beta, const kf_am_head *parts, const kf_am_targets *tgs,
+                              int n_parts, const float *kc, int t, kf_error *err) {
+    if (beta ? !f->beta.G : !f->drop.G)
+        return kf_fail(err, KF_ERR_INVALID, "compact: refit: the choice kept no normal equations for %s",
+                       beta ? "beta" : "drop's values");
+    for (int k = 0; k < n_parts; k++) {
+        const kf_am_head *h = &parts[k];
+        if (h->R == 0)
+            continue;
+        if (beta) {
+            kf_beta_normal part;
+            KF_TRY(kf_beta_normal_build(h, &tgs[k], kc, t, &part, err));
+            kf_beta_normal_add(&f->beta, &part);
+            kf_beta_normal_free(&part);
+        } else {
+            kf_value_gram part;
+            KF_TRY(kf_value_gram_build(h->be, h->q, h->R, h->d, h->scale, kc, (size_t)h->d, NULL, t, tgs[k].Y, &part,
+                                       err));
+            kf_value_gram_add(&f->drop, &part);
+            kf_value_gram_free(&part);
+        }
+    }
+    return KF_OK;
+}
+
 int kf_choice_rows(const kf_compact_params *p, int R, int t) {
     if (!(p->choice_rows > 0))
         return R;
@@ -1392,16 +1417,14 @@ static void rest_rows(const head_shared *hs, int from, kf_am_head *hr, kf_am_tar
     *tr = (kf_am_targets){sp->tr_m + from, sp->tr_y + from, sp->tr_Y + (size_t)from * d, NULL};
 }
 
-/* Part k of a refit on all the rows beyond the choice's first `rows` training rows: k = 0 the other
- * training rows, k = 1 the validation rows, into hv/tv; 0 when part k is empty. */
-static int refit_part(const head_shared *hs, int rows, int k, kf_am_head *hv, kf_am_targets *tv) {
-    if (k == 0 && rows >= hs->sp->n_tr)
-        return 0;
-    if (k == 0)
-        rest_rows(hs, rows, hv, tv);
-    else
-        val_rows(hs, hv, tv);
-    return 1;
+/* The parts of a refit on all the rows beyond the choice's first `rows` training rows, into hv/tv
+ * [2]: the other training rows (when any), then the validation rows; returns how many. */
+static int refit_parts(const head_shared *hs, int rows, kf_am_head *hv, kf_am_targets *tv) {
+    int n = 0;
+    if (rows < hs->sp->n_tr)
+        rest_rows(hs, rows, &hv[n], &tv[n]), n++;
+    val_rows(hs, &hv[n], &tv[n]), n++;
+    return n;
 }
 
 /* The picked candidate's beta: from the choice's normal equations (plus the other training rows'
@@ -1412,15 +1435,11 @@ static kf_status fit_beta(const variant_ws *w, const head_shared *hs, const kf_a
     kf_am_stats *st = &w->out->stats.solver;
     if (!fits || !fits->beta.G)
         return kf_am_fit_beta_ex(hf, tf, w->sel, th, seed, p->beta_fit, w->beta, st, err);
-    for (int k = 0; k < 2 && p->refit_all; k++) { /* the other training rows, then the validation rows */
-        kf_am_head hv;
-        kf_am_targets tv;
-        kf_beta_normal part;
-        if (!refit_part(hs, fits->rows, k, &hv, &tv))
-            continue;
-        KF_TRY(kf_beta_normal_build(&hv, &tv, w->kc, th, &part, err));
-        kf_beta_normal_add(&fits->beta, &part);
-        kf_beta_normal_free(&part);
+    if (p->refit_all) { /* the other training rows, then the validation rows */
+        kf_am_head hv[2];
+        kf_am_targets tv[2];
+        const int n = refit_parts(hs, fits->rows, hv, tv);
+        KF_TRY(kf_choice_refit_add(fits, 1, hv, tv, n, w->kc, th, err));
     }
     return kf_am_fit_beta_normal(&fits->beta, seed, p->beta_fit, w->beta, st, err);
 }
@@ -1438,15 +1457,11 @@ static kf_status fit_values(const kf_compact_prep *x, variant_ws *w, const head_
         return kf_am_fit_values_ridge(hf->be, hf->q, hf->R, x->d, x->scale, kk, x->d,
                                       method == KF_METHOD_AM ? w->beta : NULL, th, tf->Y, alpha, v0, x->d, w->vals, st,
                                       err);
-    for (int k = 0; k < 2 && p->refit_all; k++) { /* the other training rows, then the validation rows */
-        kf_am_head hv;
-        kf_am_targets tv;
-        kf_value_gram part;
-        if (!refit_part(hs, fits->rows, k, &hv, &tv))
-            continue;
-        KF_TRY(kf_value_gram_build(hf->be, hv.q, hv.R, x->d, x->scale, kk, x->d, NULL, th, tv.Y, &part, err));
-        kf_value_gram_add(&fits->drop, &part);
-        kf_value_gram_free(&part);
+    if (p->refit_all) { /* the other training rows, then the validation rows */
+        kf_am_head hv[2];
+        kf_am_targets tv[2];
+        const int n = refit_parts(hs, fits->rows, hv, tv);
+        KF_TRY(kf_choice_refit_add(fits, 0, hv, tv, n, kk, th, err));
     }
     return kf_value_gram_solve(&fits->drop, alpha, v0, x->d, w->vals, st, err);
 }

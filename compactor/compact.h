@@ -188,6 +188,13 @@ typedef struct {
     int rows;
 } kf_choice_fits;
 void kf_choice_fits_free(kf_choice_fits *f);
+/* The winner's refit on all the rows: adds to the kept normal equations (beta's when `beta`, else
+ * drop's) the n_parts row sets parts / tgs (heads and targets over the rows beyond the first
+ * f->rows training rows: the other training rows, the validation rows; R = 0 adds nothing) over the
+ * kept keys kc [t, d] (contiguous, no bias); the caller then fits from them (kf_am_fit_beta_normal,
+ * kf_value_gram_solve). KF_ERR_INVALID when those normal equations were not kept. */
+kf_status kf_choice_refit_add(kf_choice_fits *f, int beta, const kf_am_head *parts, const kf_am_targets *tgs,
+                              int n_parts, const float *kc, int t, kf_error *err);
 
 /* keep: NULL, or receives what the refit can reuse (freed by the caller, also on failure). */
 kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *train, const kf_am_targets *train_tg,

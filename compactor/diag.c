@@ -330,10 +330,17 @@ int kf_val_attend(kf_val_head *v, const kf_kv_block *keys) {
         return -1;
     block_attend(v->be, v->n, v->d, v->scale, v->q, keys, v->Z, v->lse_b, NULL);
     v->z_n = keys->n;
-    for (int i = 0; i < v->n; i++) /* the mixing weights, once for every value set scored */
-        mix_weights(v, i, v->lse_b[i], &v->lse_b[i], &v->wa[i]);
+    for (int i = 0; i < v->n; i++) { /* the mixing weights, normalised, once for every value set scored */
+        double wb, wa;
+        mix_weights(v, i, v->lse_b[i], &wb, &wa);
+        v->lse_b[i] = wb / (wb + wa), v->wa[i] = wa / (wb + wa);
+    }
     return 0;
 }
+
+/* Independent partial sums of a row's squared error (the alpha grid scores 4 value sets per
+ * candidate: one sequential sum over d waited on each add). */
+#define ERR_LANES 8
 
 double kf_val_err_values(kf_val_head *v, const float *values, size_t stride) {
     const int n = v->n, d = v->d, nk = v->z_n;
@@ -342,13 +349,22 @@ double kf_val_err_values(kf_val_head *v, const float *values, size_t stride) {
     else
         memset(v->o_b, 0, sizeof(float) * (size_t)n * d);
     double e = 0;
-    for (int i = 0; i < n; i++) {
-        mix_with(v, i, v->lse_b[i], v->wa[i], v->o_b + (size_t)i * d, v->tmp);
-        double num = 0;
-        for (int c = 0; c < d; c++) {
-            const double diff = v->tmp[c] - v->o_full[(size_t)i * d + c];
+    for (int i = 0; i < n; i++) { /* the output over [block | appended] (mix_with's, weights normalised) */
+        const float *ob = v->o_b + (size_t)i * d, *oa = v->o_a + (size_t)i * d, *of = v->o_full + (size_t)i * d;
+        const double wb = v->lse_b[i], wa = v->wa[i];
+        double acc[ERR_LANES] = {0}, num = 0; /* lane k sums the columns c = k mod ERR_LANES */
+        int c = 0;
+        for (; c + ERR_LANES <= d; c += ERR_LANES)
+            for (int k = 0; k < ERR_LANES; k++) {
+                const double diff = (wb * ob[c + k] + wa * oa[c + k]) - of[c + k];
+                acc[k] += diff * diff;
+            }
+        for (; c < d; c++) {
+            const double diff = (wb * ob[c] + wa * oa[c]) - of[c];
             num += diff * diff;
         }
+        for (int k = 0; k < ERR_LANES; k++)
+            num += acc[k];
         e += v->w[i] * (v->den[i] > 0 ? sqrt(num / v->den[i]) : 0);
     }
     return e;

@@ -70,8 +70,9 @@ typedef struct {
     size_t z_cap;    /* floats in Z */
     int z_n;
     double *lse_b;   /* [n] the last attended candidate's log-sum-exp (in init), then its mixing
-                        weight exp(lse_b - max(lse_b, lse_a)) (kf_val_attend) */
-    double *wa;      /* [n] the appended block's weight beside it, exp(lse_a - max(..)) or 0 */
+                        weight wb / (wb + wa), wb = exp(lse_b - max(lse_b, lse_a)) (kf_val_attend) */
+    double *wa;      /* [n] the appended block's weight beside it, wa / (wb + wa), wa = exp(lse_a -
+                        max(..)) or 0 */
     double *den;     /* [n] ||o_full_i||^2, summed in index order (the error's denominator) */
     float *o_b;      /* [n, d] its output */
     double *tmp;     /* [d] */

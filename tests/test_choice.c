@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <lapacke.h>
+
 #include "compactor/am.h"
 #include "compactor/compact.h"
 #include "compactor/diag.h"
@@ -213,12 +215,13 @@ static void test_val_cache_fresh(void) {
     printf("\n    second candidate %.17g (fresh head %.17g), first %.17g\n", e2, f2, e1);
     CU_ASSERT(e2 == f2 && e2b == f2b);
     CU_ASSERT(e1 != e2);
-    /* the cached weights and norms are the ones mix() computed: exp(lse - max) and ||o_full||^2 */
+    /* the cached weights and norms are mix()'s, normalised: exp(lse - max) / their sum, and ||o_full||^2 */
     double worst_w = 0, worst_d = 0, ob[D];
     for (int i = 0; i < NV; i++) {
         const double lb = ref_attend(c->Q + (size_t)i * D, D, scale,
                                      &(kf_kv_block){c2.k, v2, D, b2, t}, t, ob), la = used.lse_a[i];
-        const double m = fmax(lb, la), wb = exp(lb - m), wa = isinf(la) ? 0 : exp(la - m);
+        const double m = fmax(lb, la), eb = exp(lb - m), ea = isinf(la) ? 0 : exp(la - m);
+        const double wb = eb / (eb + ea), wa = ea / (eb + ea);
         worst_w = fmax(worst_w, fmax(fabs(used.lse_b[i] - wb), fabs(used.wa[i] - wa)));
         double den = 0;
         for (int k = 0; k < D; k++)
@@ -501,6 +504,154 @@ static void test_choice_rows(void) {
     CU_ASSERT_EQUAL(kf_choice_rows(&p, 3300, 204), 3300);
 }
 
+/* ---- the winner's refit on all the rows (issue 14): three parts == one fit ---- */
+
+enum { RF_T = KF_PLANT_T, RF_t = KF_PLANT_KEPT, RF_d = KF_PLANT_D, RF_TR = KF_PLANT_RTR_MAX, RF_V = KF_PLANT_RV,
+       RF_R = RF_TR + RF_V };
+
+/* fp64 rows of one fit on all the rows (query i of q [RF_R, d]): over the head's keys K, V [T, d] with
+ * the first RF_t kept, beta's design M [R, t] (exp(z - m)) and target y [R], the values' design X
+ * [R, t] (softmax over the kept keys) and target Y [R, d] (the attention output over all T). */
+static void refit_ref_rows(const float *q, const float *K, const float *V, double scale, double *M, double *y,
+                           double *X, double *Y) {
+    for (int i = 0; i < RF_R; i++) {
+        double z[RF_T], m = -INFINITY, sx = 0;
+        for (int j = 0; j < RF_T; j++) {
+            z[j] = 0;
+            for (int c = 0; c < RF_d; c++)
+                z[j] += (double)q[i * RF_d + c] * K[j * RF_d + c];
+            z[j] *= scale, m = fmax(m, z[j]);
+        }
+        y[i] = 0;
+        for (int c = 0; c < RF_d; c++)
+            Y[i * RF_d + c] = 0;
+        for (int j = 0; j < RF_T; j++) {
+            const double e = exp(z[j] - m);
+            y[i] += e;
+            for (int c = 0; c < RF_d; c++)
+                Y[i * RF_d + c] += e * V[j * RF_d + c];
+            if (j < RF_t)
+                M[i * RF_t + j] = e, sx += e;
+        }
+        for (int c = 0; c < RF_d; c++)
+            Y[i * RF_d + c] /= y[i];
+        for (int j = 0; j < RF_t; j++)
+            X[i * RF_t + j] = M[i * RF_t + j] / sx;
+    }
+}
+
+/* The ridge refit toward V0 [t, d] as LAPACK least squares on the stacked system
+ * [X; sqrt(mu) I] values = [Y; sqrt(mu) V0], mu = max(alpha, 1e-6) tr(X^T X) / t; `round`: X and Y
+ * rounded to fp32 first (a same-precision reference). out [t, d]; 0 on success. */
+static int refit_ref_values(const double *X, const double *Y, const float *V0, double alpha, int round, double *out) {
+    enum { NA = RF_R + RF_t };
+    double *A = calloc((size_t)NA * RF_t, sizeof(double)), *B = calloc((size_t)NA * RF_d, sizeof(double)), tr = 0;
+    for (int i = 0; i < RF_R; i++) {
+        for (int j = 0; j < RF_t; j++) {
+            const double x = round ? (double)(float)X[i * RF_t + j] : X[i * RF_t + j];
+            A[i * RF_t + j] = x, tr += x * x;
+        }
+        for (int c = 0; c < RF_d; c++)
+            B[i * RF_d + c] = round ? (double)(float)Y[i * RF_d + c] : Y[i * RF_d + c];
+    }
+    const double s = sqrt(fmax(alpha, 1e-6) * tr / RF_t);
+    for (int j = 0; j < RF_t; j++) {
+        A[(RF_R + j) * RF_t + j] = s;
+        for (int c = 0; c < RF_d; c++)
+            B[(RF_R + j) * RF_d + c] = s * V0[j * RF_d + c];
+    }
+    const int rc = (int)LAPACKE_dgels(LAPACK_ROW_MAJOR, 'N', NA, RF_t, RF_d, A, RF_t, B, RF_d);
+    memcpy(out, B, sizeof(double) * RF_t * RF_d);
+    free(A), free(B);
+    return rc;
+}
+
+/* beta from fp64 normal equations of all the rows (G = M^T M, b = M^T y, yy), by the library's fit. */
+static void refit_ref_beta(const double *M, const double *y, uint64_t seed, float *beta) {
+    double *G = calloc(RF_t * RF_t, sizeof(double)), b[RF_t] = {0}, yy = 0;
+    for (int i = 0; i < RF_R; i++) {
+        yy += y[i] * y[i];
+        for (int a = 0; a < RF_t; a++) {
+            b[a] += M[i * RF_t + a] * y[i];
+            for (int c = 0; c < RF_t; c++)
+                G[a * RF_t + c] += M[i * RF_t + a] * M[i * RF_t + c];
+        }
+    }
+    kf_beta_normal ne = {G, b, yy, RF_t, NULL};
+    kf_error err = {0};
+    CU_ASSERT_EQUAL(kf_am_fit_beta_normal(&ne, seed, KF_BETA_AM, beta, NULL, &err), KF_OK);
+    free(G);
+}
+
+/* The choice on its subsample (512 of 1000 training rows) keeps beta's and drop's normal equations;
+ * the refit adds the other training rows' part and the validation rows' (kf_choice_refit_add, as
+ * kf_compact does) and solves. That must be one fit on all 1100 rows: beta as from fp64 normal
+ * equations of all of them, drop's values as LAPACK least squares on all of them, within twice the
+ * distance of the same least squares on fp32-rounded inputs (DESIGN.md's tolerance rule). */
+static void test_refit_three_parts(void) {
+    static kf_planted_head ph; /* test_util.h; large */
+    kf_planted_init(&ph, 1, 1, KF_RIDGE_TO_ORIG, RF_TR);
+    ph.p.choice_rows = 4;
+    kf_error err = {0};
+    kf_head_pick pick;
+    kf_choice_fits fits = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_choose_head(&ph.p, &ph.h, &ph.tg, ph.sel, RF_t, ph.K, ph.V, &ph.vh, 1, &pick, &fits, &err),
+                          KF_OK);
+    CU_ASSERT_FATAL(fits.rows == 512 && fits.beta.G && fits.drop.G);
+    /* the parts: training rows [512, 1000) and the validation rows, with their own targets */
+    kf_am_head parts[2] = {ph.h, ph.h};
+    kf_am_targets tgs[2] = {{ph.tg.m + fits.rows, ph.tg.y + fits.rows, ph.tg.Y + fits.rows * RF_d, NULL}, {0}};
+    parts[0].q = ph.Qtr + fits.rows * RF_d, parts[0].R = RF_TR - fits.rows;
+    parts[1].q = ph.Qv, parts[1].R = RF_V;
+    CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&parts[1], KF_SCORE_RMS, &tgs[1], &err), KF_OK);
+    const double alpha = 1e-2;
+    float beta[RF_t], beta_ref[RF_t], vals[RF_t * RF_d];
+    CU_ASSERT_EQUAL(kf_choice_refit_add(&fits, 1, parts, tgs, 2, ph.K, RF_t, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_choice_refit_add(&fits, 0, parts, tgs, 2, ph.K, RF_t, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_am_fit_beta_normal(&fits.beta, 7, KF_BETA_AM, beta, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_value_gram_solve(&fits.drop, alpha, ph.V, RF_d, vals, NULL, &err), KF_OK);
+    /* the references over all the rows, in fp64 from the head's keys and values */
+    float *q = malloc(sizeof(float) * RF_R * RF_d);
+    double *M = malloc(sizeof(double) * RF_R * RF_t), *X = malloc(sizeof(double) * RF_R * RF_t);
+    double *Y = malloc(sizeof(double) * RF_R * RF_d), y[RF_R], v64[RF_t * RF_d], v32[RF_t * RF_d];
+    memcpy(q, ph.Qtr, sizeof(float) * RF_TR * RF_d);
+    memcpy(q + RF_TR * RF_d, ph.Qv, sizeof(float) * RF_V * RF_d);
+    refit_ref_rows(q, ph.K, ph.V, ph.h.scale, M, y, X, Y);
+    refit_ref_beta(M, y, 7, beta_ref);
+    CU_ASSERT_EQUAL(refit_ref_values(X, Y, ph.V, alpha, 0, v64), 0);
+    CU_ASSERT_EQUAL(refit_ref_values(X, Y, ph.V, alpha, 1, v32), 0);
+    /* the same-precision reference: the library's one fit on all the rows at once */
+    kf_am_head all = ph.h;
+    all.q = q, all.R = RF_R;
+    kf_am_targets tall;
+    float beta_one[RF_t], v_one[RF_t * RF_d];
+    CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&all, KF_SCORE_RMS, &tall, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_am_fit_beta(&all, &tall, ph.sel, RF_t, 7, beta_one, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_am_fit_values_ridge(NULL, q, RF_R, RF_d, all.scale, ph.K, RF_d, NULL, RF_t, tall.Y, alpha, ph.V,
+                                           RF_d, v_one, NULL, &err),
+                    KF_OK);
+    double db = 0, db1 = 0, mb = 0, dv = 0, dv1 = 0, d32 = 0, mv = 0;
+    for (int j = 0; j < RF_t; j++) {
+        db = fmax(db, fabs(beta[j] - beta_ref[j])), db1 = fmax(db1, fabs(beta_one[j] - beta_ref[j]));
+        mb = fmax(mb, fabs(beta_ref[j]));
+    }
+    for (int k = 0; k < RF_t * RF_d; k++) {
+        dv = fmax(dv, fabs(vals[k] - v64[k])), dv1 = fmax(dv1, fabs(v_one[k] - v64[k]));
+        d32 = fmax(d32, fabs(v32[k] - v64[k])), mv = fmax(mv, fabs(v64[k]));
+    }
+    printf("\n    from fp64 on all %d rows: 3-part refit's beta %.1e, one fit's %.1e (max |beta| %.2f); values "
+           "3-part %.1e, one fit %.1e, LAPACK on fp32 inputs %.1e (max |v| %.2f)\n",
+           RF_R, db, db1, mb, dv, dv1, d32, mv);
+    CU_ASSERT(mb > 0.05); /* the fit moved off beta = 0 */
+    CU_ASSERT(db <= 2 * db1 + 1e-6 * mb);
+    CU_ASSERT(dv <= 2 * fmax(dv1, d32) + 1e-7 * mv);
+    kf_am_targets_free(&tall);
+    free(q), free(M), free(X), free(Y);
+    kf_am_targets_free(&tgs[1]);
+    kf_choice_fits_free(&fits);
+    kf_planted_free(&ph);
+}
+
 static CU_TestInfo val_tests[] = {
     {"validation head: appended and original attention == fp64", test_val_head_appended},
     {"validation error == fp64; weights shared between value sets", test_val_err_reference},
@@ -510,6 +661,7 @@ static CU_TestInfo val_tests[] = {
     {"training rows' order: a seeded permutation, every prefix stratified", test_training_order_stratified},
     {"subsampled choice picks the planted best candidate, as on all rows", test_subsampled_choice_planted},
     {"choice rows: per kept key, floor, all", test_choice_rows},
+    {"winner's refit: subsample's normal equations + two parts == one fit on all rows", test_refit_three_parts},
     CU_TEST_INFO_NULL,
 };
 static CU_SuiteInfo suites[] = {
