@@ -8,6 +8,7 @@
 #include <sys/resource.h>
 
 #include "compactor/compact.h"
+#include "compactor/compact_flops.h"
 #include "tools/cli.h"
 #include "tools/cli_quality.h"
 #include "tools/commands.h"
@@ -21,10 +22,13 @@ static const char kHelp[] =
     "records-style JSONL file (fields ids and repeat_instruction_ids), compacts it once, and prints\n"
     "the time of each stage: prefill, repeat prefill (reference queries), selection, beta fit, value\n"
     "fit, fold and the per-head choice, with the ratio of selection + choice + beta + values + fold\n"
-    "to the prefill; then the peak memory the formula of compactor/compact.h predicts (by term) and\n"
+    "to the prefill; the FLOPs of the forwards no solve avoids (compactor/compact_flops.h: the\n"
+    "document's prefill and the repeat, probes included, as the code runs them), their sum as the\n"
+    "floor in units of the prefill (P) and the total time over the floor; then the peak memory the formula of compactor/compact.h predicts (by term) and\n"
     "the process's measured peak resident set (getrusage ru_maxrss, the whole process: loading the\n"
     "model included). With --predict-only only config.json is read: the prediction for a document\n"
-    "of N tokens (the repeat instruction's length from --docs when given, else 8 tokens).\n"
+    "of N tokens (the repeat instruction's length from --docs when given, else 8 tokens) and its\n"
+    "FLOPs (counted with the CPU backend's fused targets).\n"
     "\n"
     "Options:\n"
     "  --model DIR      model directory\n"
@@ -56,6 +60,29 @@ static void print_peak(const kf_hfconfig *c, const kf_compact_params *base, int 
            t.forward / 1e9, t.solve / 1e9, t.output / 1e9, t.base / 1e9, (long long)sh.R, (long long)sh.t);
 }
 
+/* The forwards' FLOPs of a document of n tokens (instruction as print_peak); targets: the backend
+ * fuses AM's targets into the attention. */
+static kf_compact_flops count_flops(const kf_hfconfig *c, const kf_compact_params *base, int n, int n_instr,
+                                    int targets) {
+    kf_compact_params p = *base;
+    if (p.repeat_instruction.n == 0) /* the count reads the instruction's length only */
+        p.repeat_instruction = (kf_prompt){NULL, n_instr};
+    kf_compact_flops f;
+    kf_compact_flops_count(c, &p, 0, n, 0, targets, &f);
+    return f;
+}
+
+/* GFLOP with 3 significant digits or more: 2221, 35.2, 1.25 */
+static int gflop_decimals(double flop) {
+    return flop < 1e10 ? 2 : (flop < 1e11 ? 1 : 0);
+}
+
+static void print_flops(const kf_compact_flops *f) {
+    const double pre = kf_flops_total(&f->prefill), rep = kf_flops_total(&f->repeat);
+    printf("FLOP: prefill %.*f GFLOP, repeat %.*f GFLOP (%.2f P)\n", gflop_decimals(pre), pre / 1e9,
+           gflop_decimals(rep), rep / 1e9, rep / pre);
+}
+
 /* --predict-only: config.json and the instruction's length, nothing else. */
 static int predict(const char *dir, const char *docs, int n, const kf_compact_params *p) {
     int n_instr = 8;
@@ -82,6 +109,10 @@ static int predict(const char *dir, const char *docs, int n, const kf_compact_pa
     printf("predict %d tokens, %s, budget %g, instruction %d tokens, %d threads%s\n", n, kf_method_name(p->method),
            p->budget, n_instr, openblas_get_num_threads(), p->arena_dtype == KF_DTYPE_BF16 ? ", bf16 arena" : "");
     print_peak(&c, p, n, n_instr);
+    const kf_compact_flops fl = count_flops(&c, p, n, n_instr, 1);
+    print_flops(&fl);
+    printf("  %-34s %8.2f P\n", "floor (prefill + repeat)",
+           1 + kf_flops_total(&fl.repeat) / kf_flops_total(&fl.prefill));
     return KF_EXIT_OK;
 }
 
@@ -185,6 +216,17 @@ static int read_doc(const char *docs, long long want, int32_t **ids_out, int *n_
     return 0;
 }
 
+/* The floor (the forwards' FLOPs, f) against the measured times: the floor in units of the prefill
+ * (P), the total over it and the rates the forwards reached. */
+static void print_floor(const kf_compact_flops *f, const kf_compact_stats *s, double total) {
+    const double pre = kf_flops_total(&f->prefill), rep = kf_flops_total(&f->repeat), floor_p = 1 + rep / pre;
+    print_flops(f);
+    printf("  %-34s %8.2f P\n", "floor (prefill + repeat)", floor_p);
+    printf("  %-34s %8.2f\n", "total / floor", total / s->prefill_s / floor_p);
+    printf("FLOP rate: prefill %.1f GFLOP/s, repeat %.1f GFLOP/s\n", pre / 1e9 / s->prefill_s,
+           s->refq_s > 0 ? rep / 1e9 / s->refq_s : 0.0);
+}
+
 /* The stage times of one compaction that took total seconds. */
 static void print_stages(const kf_compacted *c, const kf_compact_params *p, int n, double total) {
     const kf_compact_stats *s = &c->stats;
@@ -240,7 +282,12 @@ static int bench_run(const bench_opts *o, kf_compact_params *p) {
         cli_error(CMD, "%s", err.msg);
         rc = KF_EXIT_FAIL;
     } else {
-        print_stages(&c, p, n, cli_now() - t0);
+        const double total = cli_now() - t0;
+        print_stages(&c, p, n, total);
+        const kf_forward_args dense = {0};
+        const kf_compact_flops f =
+            count_flops(kf_model_config(m), p, n, n_instr, kf_model_targets_supported(m, &dense));
+        print_floor(&f, &c.stats, total);
         print_peak(kf_model_config(m), p, n, n_instr);
         print_measured_peak(m);
         kf_compacted_free(&c);

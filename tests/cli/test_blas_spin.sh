@@ -1,0 +1,41 @@
+#!/bin/bash
+# kvfold shortens OpenBLAS's idle spin (tools/kvfold.c, openblas_short_spin): with worker threads
+# and OPENBLAS_THREAD_TIMEOUT unset it runs itself again once, the variable set; a value of the
+# user's own (or GOTO_THREAD_TIMEOUT) or a single thread means no second run. The dynamic loader's
+# own trace (glibc's LD_DEBUG=files) counts the program starts: "transferring control" once per
+# exec. The command must run exactly once whatever happens (its output once, its exit status).
+# usage: test_blas_spin.sh KVFOLD DATA
+set -u
+BIN=$1; DATA=$2
+T=$(mktemp -d); trap 'rm -rf "$T"' EXIT
+fails=0; n=0
+
+# check WANT_STARTS ENV... -- ARGS...: kvfold ARGS under `env -u ... ENV`, WANT_STARTS program starts
+check() {
+    local want=$1; shift
+    local envs=()
+    while [ "$1" != "--" ]; do envs+=("$1"); shift; done
+    shift
+    n=$((n + 1))
+    env -u OPENBLAS_THREAD_TIMEOUT -u GOTO_THREAD_TIMEOUT "${envs[@]}" LD_DEBUG=files LD_DEBUG_OUTPUT="$T/ld" \
+        "$BIN" "$@" > "$T/out" 2> "$T/err"
+    local rc=$? starts
+    starts=$(cat "$T"/ld.* 2>/dev/null | grep -c "transferring control: ")
+    rm -f "$T"/ld.*
+    local why=""
+    [ $rc -eq 0 ] || why="exit $rc"
+    [ "$starts" -eq "$want" ] || why="$why; $starts program starts, not $want"
+    [ "$(grep -c "^kvfold \|^model " "$T/out")" -eq 1 ] || why="$why; its output not exactly once"
+    if [ -n "$why" ]; then
+        echo "FAIL: ${envs[*]} kvfold $*: $why"; sed 's/^/    /' "$T/out" "$T/err" | head -8
+        fails=$((fails + 1))
+    fi
+}
+
+check 2 OPENBLAS_NUM_THREADS=2 -- --version
+check 2 OPENBLAS_NUM_THREADS=2 -- model-info "$DATA/hf-qwen3-tiny"
+check 1 OPENBLAS_NUM_THREADS=2 OPENBLAS_THREAD_TIMEOUT=6 -- --version
+check 1 OPENBLAS_NUM_THREADS=2 GOTO_THREAD_TIMEOUT=6 -- --version
+check 1 OPENBLAS_NUM_THREADS=1 -- --version
+echo "$((n - fails)) passed, $fails failed"
+[ $fails -eq 0 ]
