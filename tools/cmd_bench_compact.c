@@ -24,11 +24,12 @@ static const char kHelp[] =
     "fit, fold and the per-head choice, with the ratio of selection + choice + beta + values + fold\n"
     "to the prefill; the FLOPs of the forwards no solve avoids (compactor/compact_flops.h: the\n"
     "document's prefill and the repeat, probes included, as the code runs them), their sum as the\n"
-    "floor in units of the prefill (P) and the total time over the floor; then the peak memory the formula of compactor/compact.h predicts (by term) and\n"
-    "the process's measured peak resident set (getrusage ru_maxrss, the whole process: loading the\n"
-    "model included). With --predict-only only config.json is read: the prediction for a document\n"
-    "of N tokens (the repeat instruction's length from --docs when given, else 8 tokens) and its\n"
-    "FLOPs (counted with the CPU backend's fused targets).\n"
+    "floor in units of the prefill (P) and the total time over the floor; then the peak memory the\n"
+    "formula of compactor/compact.h predicts (by term) and the process's measured peak resident set\n"
+    "(getrusage ru_maxrss, the whole process: loading the model included).\n"
+    "With --predict-only only config.json is read: the prediction for a document of N tokens (the\n"
+    "repeat instruction's length from --docs when given, else 8 tokens) and its FLOPs (counted with\n"
+    "the CPU backend's fused targets).\n"
     "\n"
     "Options:\n"
     "  --model DIR      model directory\n"
@@ -77,10 +78,13 @@ static int gflop_decimals(double flop) {
     return flop < 1e10 ? 2 : (flop < 1e11 ? 1 : 0);
 }
 
-static void print_flops(const kf_compact_flops *f) {
+/* The FLOP and floor lines; returns the floor in units of the prefill (P). */
+static double print_flops(const kf_compact_flops *f) {
     const double pre = kf_flops_total(&f->prefill), rep = kf_flops_total(&f->repeat);
     printf("FLOP: prefill %.*f GFLOP, repeat %.*f GFLOP (%.2f P)\n", gflop_decimals(pre), pre / 1e9,
            gflop_decimals(rep), rep / 1e9, rep / pre);
+    printf("  %-34s %8.2f P\n", "floor (prefill + repeat)", 1 + rep / pre);
+    return 1 + rep / pre;
 }
 
 /* --predict-only: config.json and the instruction's length, nothing else. */
@@ -111,8 +115,6 @@ static int predict(const char *dir, const char *docs, int n, const kf_compact_pa
     print_peak(&c, p, n, n_instr);
     const kf_compact_flops fl = count_flops(&c, p, n, n_instr, 1);
     print_flops(&fl);
-    printf("  %-34s %8.2f P\n", "floor (prefill + repeat)",
-           1 + kf_flops_total(&fl.repeat) / kf_flops_total(&fl.prefill));
     return KF_EXIT_OK;
 }
 
@@ -219,9 +221,7 @@ static int read_doc(const char *docs, long long want, int32_t **ids_out, int *n_
 /* The floor (the forwards' FLOPs, f) against the measured times: the floor in units of the prefill
  * (P), the total over it and the rates the forwards reached. */
 static void print_floor(const kf_compact_flops *f, const kf_compact_stats *s, double total) {
-    const double pre = kf_flops_total(&f->prefill), rep = kf_flops_total(&f->repeat), floor_p = 1 + rep / pre;
-    print_flops(f);
-    printf("  %-34s %8.2f P\n", "floor (prefill + repeat)", floor_p);
+    const double pre = kf_flops_total(&f->prefill), rep = kf_flops_total(&f->repeat), floor_p = print_flops(f);
     printf("  %-34s %8.2f\n", "total / floor", total / s->prefill_s / floor_p);
     printf("FLOP rate: prefill %.1f GFLOP/s, repeat %.1f GFLOP/s\n", pre / 1e9 / s->prefill_s,
            s->refq_s > 0 ? rep / 1e9 / s->refq_s : 0.0);
