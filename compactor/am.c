@@ -326,7 +326,8 @@ kf_status kf_am_fit_beta_normal(const kf_beta_normal *ne, uint64_t seed, kf_beta
      * clamped to the box it fitted worse than w = 1 (plain drop) on the training queries for most
      * heads of the records model at budget 0.5 (relative residual 0.35-0.97 against 0.13 here,
      * measured); the fp64 Gram solve with the pull keeps undetermined weights near 1. Everything
-     * after M's exponentials works on G = M^T M and b = M^T y (issue 14: M is never held whole). */
+     * after M's exponentials works on G = M^T M and b = M^T y (M is never held whole:
+     * docs/decisions/normal-equations-in-tiles.md). */
     if (path < 0) {
         rc = kf_fail(err, KF_ERR_NOMEM, "AM: out of memory in least squares");
         goto out;
@@ -334,7 +335,7 @@ kf_status kf_am_fit_beta_normal(const kf_beta_normal *ne, uint64_t seed, kf_beta
     count_path(path, stats ? &stats->beta_fallbacks : NULL, stats);
     for (int j = 0; j < t; j++)
         w[j] = isnan(w[j]) ? 1.0f : (w[j] < lo ? lo : (w[j] > hi ? hi : w[j]));
-    /* keep the clamped start only if it beats w = 1 (counted: issue 12 found it firing often) */
+    /* keep the clamped start only if it beats w = 1 (counted: docs/decisions/beta-fit.md) */
     if (residual_sq(G, b, ne->yy, t, w) > residual_sq(G, b, ne->yy, t, NULL)) {
         for (int j = 0; j < t; j++)
             w[j] = 1.0f;

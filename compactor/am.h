@@ -1,6 +1,6 @@
 /* am.h — Attention Matching (AM) for one (layer, KV head): select keys, fit biases, refit values.
  *
- * Notation (research note am-fold.md §9): the document block's keys K [T, d] and values V [T, d]
+ * Notation (docs/design.md): the document block's keys K [T, d] and values V [T, d]
  * (post-RoPE, as cached), reference queries Q [R, d] (post-q_norm, post-RoPE, pooled over the
  * query heads of this KV head), scale s = 1/sqrt(d).
  *
@@ -81,7 +81,7 @@ kf_status kf_am_fit_beta(const kf_am_head *h, const kf_am_targets *tg, const int
 kf_status kf_am_fit_beta_ex(const kf_am_head *h, const kf_am_targets *tg, const int32_t *sel, int t, uint64_t seed,
                             kf_beta_fit fit, float *beta, kf_am_stats *stats, kf_error *err);
 
-/* The beta fit in two halves (issue 14: work shared between the per-head choice and the refit):
+/* The beta fit in two halves (work shared between the per-head choice and the refit):
  * its fp64 normal equations over the kept keys kc [t, d] (contiguous) on the first h->R rows,
  * G = M^T M [t, t] (full), b = M^T y [t], yy = y^T y with M_ij = exp(s q_i.k_j - m_i), built in
  * row tiles (M is never held whole; h->k unused); then the fit from them alone. Normal equations
@@ -112,12 +112,12 @@ kf_status kf_am_fit_values(const kf_backend *be, const float *q, int R, int d, f
                            size_t key_stride, const float *beta, int t, const float *Y, float *values,
                            kf_am_stats *stats, kf_error *err);
 
-/* Tikhonov-regularised value refit (issue 12):
+/* Tikhonov-regularised value refit (docs/decisions/value-ridge.md):
  *   values = argmin ||X values - Y||_F^2 + mu ||values - V0||_F^2,   mu = alpha * tr(X^T X) / t
  * towards V0 [t, d] (row stride v0_stride; NULL: towards zero), i.e. (X^T X + mu I) values =
  * X^T Y + mu V0 in fp64, with mu at least 1e-6 tr(X^T X) / t (kf_value_gram_solve): alpha = 0 is the
  * least-squares fit the per-head choice validated (normal equations with that safety ridge, not
- * kf_am_fit_values' QR: issue 14, one exponential pass and tiles instead of an R x t QR). */
+ * kf_am_fit_values' QR: one exponential pass and tiles instead of an R x t QR). */
 kf_status kf_am_fit_values_ridge(const kf_backend *be, const float *q, int R, int d, float scale, const float *keys,
                                  size_t key_stride, const float *beta, int t, const float *Y, double alpha,
                                  const float *v0, size_t v0_stride, float *values, kf_am_stats *stats, kf_error *err);

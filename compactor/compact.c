@@ -144,7 +144,7 @@ static void head_budgets(const kf_compact_params *p, int n_heads, int T, int t, 
 }
 
 
-/* ---- per-head choice (issue 12) ---- */
+/* ---- per-head choice (docs/decisions/per-head-choice.md) ---- */
 
 static const double kAlphaGrid[] = {0, 1e-3, 1e-2, 1e-1};
 /* times lambda_rel; 0.1x was dropped: its long u (keys moved by beta sqrt(d) u) made the folded keys

@@ -1,6 +1,6 @@
 /* compact.h — from a model and a document's token ids to a compacted KV cache in memory.
  *
- * Pipeline (DESIGN.md "Data flow"):
+ * Pipeline (docs/design.md, "Data flow"):
  *   1. prefill [prefix | document | suffix] into the paged arena (the context);
  *   2. reference queries (compactor/refq): the repeat prompt (instruction + document again),
  *      optionally the document's own queries and probe prompts, each run on top of the context's
@@ -37,14 +37,15 @@ typedef enum { KF_METHOD_KEEP = 0, KF_METHOD_DROP = 1, KF_METHOD_AM = 2, KF_METH
 typedef enum { KF_FOLD_ON_ALL = 0, KF_FOLD_ON_PROBES = 1 } kf_fold_queries;
 /* What the Tikhonov term of a value refit pulls towards: zero, or the kept keys' original values. */
 typedef enum { KF_RIDGE_TO_ZERO = 0, KF_RIDGE_TO_ORIG = 1 } kf_ridge_target;
-/* Per-head choice (issue 12): hold out a validation split of the reference positions (probe
- * positions first), then for every (layer, KV head) fit each candidate on the rest (issue 14: on a
+/* Per-head choice: hold out a validation split of the reference positions (probe
+ * positions first), then for every (layer, KV head) fit each candidate on the rest (on a
  * stratified random subsample of it, choice_rows rows per kept key: kf_choice_rows) — the method
  * itself (am or fold; fold for lambda in {1, 10} x lambda_rel), drop and keep, each value
  * refit for alpha in {0, 1e-3, 1e-2, 1e-1} — and keep the one with the lowest output error on the
  * validation queries (appended block: the tokens before each query in its own prompt; probe rows
  * weigh half when there are any), am/fold only when they beat drop and keep by the factor
- * 1 + choice_margin. The winner is refitted on all the queries (refit_all). */
+ * 1 + choice_margin. The winner is refitted on all the queries (refit_all).
+ * Why: docs/decisions/per-head-choice.md. */
 typedef enum { KF_CHOICE_DEFAULT = -1, KF_CHOICE_OFF = 0, KF_CHOICE_ON = 1 } kf_head_choice;
 
 const char *kf_method_name(kf_method m);
@@ -165,8 +166,9 @@ typedef struct {
 /* The training rows the choice fits its candidates on (beta, fold directions, values): the first
  * min(R, max(ceil(choice_rows * t), KF_CHOICE_MIN_ROWS)) of the R it is given (all R when
  * choice_rows is 0). The caller orders the rows so that every prefix is a random subsample
- * (kf_compact: stratified by source kind, seeded). Issue 14: the candidates only need ranking, and
- * their fp64 normal equations cost R t^2; the winner is refitted on all the rows. */
+ * (kf_compact: stratified by source kind, seeded). The candidates only need ranking, and their
+ * fp64 normal equations cost R t^2; the winner is refitted on all the rows
+ * (docs/decisions/subsampled-choice.md). */
 enum { KF_CHOICE_MIN_ROWS = 512 };
 int kf_choice_rows(const kf_compact_params *p, int R, int t);
 /* The training rows (r = j n_pos + k over the group's G members, position k not held out:
@@ -177,7 +179,7 @@ int kf_choice_rows(const kf_compact_params *p, int R, int t);
 int64_t kf_choice_training_order(int64_t n_pos, int G, const uint8_t *kind, const uint8_t *is_val, uint64_t seed,
                                  int64_t *order);
 
-/* What kf_choose_head keeps for the refit when asked (issue 14: shared, not rebuilt): the normal
+/* What kf_choose_head keeps for the refit when asked (shared, not rebuilt): the normal
  * equations over the kept keys of the training rows the candidates were fitted on (the first
  * `rows`, kf_choice_rows), beta's (am, fold; beta.G NULL: none) and drop's value refit (drop.G
  * NULL: none); the refit on all the rows adds the other training rows' part and the validation
@@ -228,7 +230,7 @@ int64_t kf_compact_arena_pages(const kf_compact_params *p, int64_t n_ctx, int n_
 kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_prompt *prefix, const kf_prompt *doc,
                         const kf_prompt *suffix, const kf_compact_params *p, kf_compacted *out, kf_error *err);
 
-/* The stages of kf_compact_ex (issue 14), for work shared between several (method, budget)
+/* The stages of kf_compact_ex, for work shared between several (method, budget)
  * variants of one document: kf_compact_prepare plans the reference-query sources and their
  * subsample and prefills the context (step 1 above, with kf_compact_ex's reuse rules; the
  * document's own rows, use_context_queries, captured for every layer); kf_compact_solve runs the
@@ -275,7 +277,7 @@ kf_status kf_compacted_attach(const kf_compacted *c, kf_arena *a, kf_seq *seq, k
 const float *const *kf_compacted_bias(const kf_compacted *c, const float **per_layer);
 int64_t kf_compacted_pos_offset(const kf_compacted *c);
 
-/* ---- memory (issue 14): the peak of one compaction ----
+/* ---- memory: the peak of one compaction (docs/decisions/memory-formula.md) ----
  *
  * Resident bytes at the peak of kf_compact (its own arena, one variant; the CPU backend: fp32
  * weights, an fp32 or bf16 arena, dense prefill), with

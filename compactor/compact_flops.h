@@ -1,4 +1,4 @@
-/* compact_flops.h — the matmul FLOPs of a compaction's forward passes (issue 14: the floor).
+/* compact_flops.h — the matmul FLOPs of a compaction's forward passes (the floor).
  *
  * The forwards are what no solve can avoid: the document's prefill and the reference queries'
  * sources (the repeat's spans, the probes) run on top of it. Counted as compactor/model.c runs
@@ -11,7 +11,7 @@
  *                layer of a pass without logits has it only when it fuses AM's targets;
  *   lm-head      2 H V per logit row (none in a compaction).
  * Norms, RoPE, SiLU and the softmax's exp are not counted (O(n H), not matmuls). QUOKA's sparse
- * attention is counted as dense (an upper bound). */
+ * attention is counted as dense (an upper bound). The floor's use: docs/performance.md. */
 #ifndef KF_COMPACT_FLOPS_H
 #define KF_COMPACT_FLOPS_H
 

@@ -4,7 +4,7 @@
  *            the block's attention mass, which drop and keep lose;
  *   out_err  ||o_comp - o_orig|| / ||o_orig|| of the attention output over the block followed by an
  *            uncompacted appended block (the question's own keys). Block-local output error alone
- *            misleads (research note §7.4: drop looks better than fold there), so the appended block
+ *            misleads (drop looks better than fold there), so the appended block
  *            is what puts the mass error into the output.
  * Both are averaged over the held-out queries. Keys of both blocks must be in the same frame as the
  * queries (AM's frame: kf_compacted_set_frame(c, m, 0)).
@@ -50,7 +50,7 @@ kf_status kf_diag_head_vs(const kf_diag_ref *ref, const float *q, float scale, c
                           const kf_kv_block *appended, const int *visible, kf_head_diag *out, kf_error *err);
 void kf_diag_ref_free(kf_diag_ref *ref);
 
-/* Validation of one head's compaction candidates (the per-head choice, issue 12).
+/* Validation of one head's compaction candidates (docs/decisions/per-head-choice.md).
  * Built once per head from validation queries that were not used for fitting: the original
  * block's output and mass, and each query's appended block (the tokens before it in its own
  * prompt: the repeat or probe prompt it came from, `visible` of them, itself included).

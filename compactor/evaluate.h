@@ -1,4 +1,4 @@
-/* evaluate.h — how well a compacted cache preserves what the model reads (issue: quality eval).
+/* evaluate.h — how well a compacted cache preserves what the model reads (docs/quality.md).
  *
  * A reference is built once per document from the full context:
  *   - the repeat continuation: [instruction | document] teacher-forced on top of the document;

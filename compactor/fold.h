@@ -1,4 +1,4 @@
-/* fold.h — folding AM's per-key biases into the keys (seed 003, research note am-fold.md §7).
+/* fold.h — folding AM's per-key biases into the keys (docs/design.md, "The fold").
  *
  * With the pooled reference queries' mean mu and covariance Sigma (fp64):
  *   a = (Sigma + lambda I)^-1 mu,  lambda = lambda_rel * tr(Sigma) / d,   u = a / (mu^T a)

@@ -132,7 +132,7 @@ kf_status kf_model_arena_dtype(const kf_model *m, kf_arena *a, int64_t n_tokens,
 
 kf_status kf_model_forward(kf_model *m, kf_arena *a, kf_seq *seq, const kf_forward_args *args, kf_error *err);
 
-/* The layer-major forward (issue 14, bounded memory): several passes, each a document and what to
+/* The layer-major forward (bounded memory): several passes, each a document and what to
  * append to it, run layer by layer: layer l on every chunk of pass 0, then of pass 1, ..., then the
  * hook's on_layer(ctx, l), then layer l + 1. Each pass's chunks are exactly the ones
  * kf_model_forward runs with its args (the same boundaries, kernels and keys visible), so its K/V,
@@ -147,7 +147,8 @@ kf_status kf_model_forward(kf_model *m, kf_arena *a, kf_seq *seq, const kf_forwa
  * before_layer(l) runs before any pass's layer l (an arena of fewer layers, kf_arena_init_held,
  * can be given the keys its passes read there). A status other than KF_OK from either stops the
  * forward and is returned. args->progress is
- * called after each layer with (tokens * (l + 1) / n_layers, tokens). */
+ * called after each layer with (tokens * (l + 1) / n_layers, tokens).
+ * Why: docs/decisions/layer-by-layer-sources.md. */
 typedef struct {
     kf_seq *seq;
     const kf_forward_args *args;

@@ -1,4 +1,4 @@
-/* prefix_plan.h — prefix sharing in batch jobs (Quail's sharing plan, DESIGN.md "Reuse").
+/* prefix_plan.h — prefix sharing in batch jobs (Quail's sharing plan, docs/design.md "Reuse").
  *
  * Before any prefill, a job knows every document it will compact. Sorting the documents by
  * their token sequences puts documents with a common beginning next to each other; each one then

@@ -1,6 +1,6 @@
 /* QUOKA prefill driver: budget, forced keys, and the dense/sparse decision per chunk and layer.
  *
- * Choices where the paper leaves room (see the research notes, Sec. 1.3, 7 and 8):
+ * Choices where the paper leaves room:
  *   - The selection pool is the history only; the chunk's own keys are always attended densely
  *     under the causal mask (variant (a)): a chunk must see its own diagonal and local window.
  *   - Pre-aggregation averages the kept queries rank by rank: the j-th most dissimilar query of

@@ -105,7 +105,7 @@ void kf_recipe_digest(const kf_compact_params *p, kvf_dtype dtype, int64_t n_hea
         put_f(&st, "val_frac", p->val_frac);
         put_f(&st, "choice_margin", p->choice_margin);
         put_i(&st, "refit_all", p->refit_all);
-        put_f(&st, "choice_rows", p->choice_rows); /* issue 14: also marks the cheaper choice's bits */
+        put_f(&st, "choice_rows", p->choice_rows); /* also marks the subsampled choice's bits */
     }
     if (p->refq_bf16) /* only when set: the fp32 default keeps every earlier recipe */
         put_i(&st, "refq_bf16", 1);

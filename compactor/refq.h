@@ -9,9 +9,10 @@
  * and head (one subsample, fixed seed). source[p] says where position p came from.
  *
  * A pool holds n_held layers: all of them (kf_refq_init), or fewer (kf_refq_init_held; the
- * compaction holds one, issue 14: its sources run layer by layer and each layer is solved before
+ * compaction holds one: its sources run layer by layer and each layer is solved before
  * the next is captured): layer l lives in slot l % n_held, so a capture of layer l overwrites the
  * layer n_held before it, and every accessor below takes the model's layer index.
+ * Why: docs/decisions/layer-by-layer-sources.md.
  */
 #ifndef KF_REFQ_H
 #define KF_REFQ_H

@@ -1,6 +1,6 @@
 """PEP 517 backend for `pip install .`: setuptools' own, reading connector/setup.py.
 
-The repository's top level is fixed (DESIGN.md) and holds pyproject.toml but no setup.py, so this
+The repository's top level is fixed (docs/design.md) and holds pyproject.toml but no setup.py, so this
 in-tree backend (pyproject.toml: backend-path = ["connector"]) points setuptools at the script
 that builds the C extension. Everything else is setuptools.build_meta unchanged.
 """

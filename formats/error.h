@@ -6,7 +6,7 @@
  * decide what to do with it.
  *
  *   kf_error err = {0};
- *   if (kf_st_open(&st, path, &err) != KF_OK) { fprintf(stderr, "%s\n", err.msg); ... }
+ *   if (kf_st_open_file(&set, path, &err) != KF_OK) { fprintf(stderr, "%s\n", err.msg); ... }
  */
 #ifndef KF_ERROR_H
 #define KF_ERROR_H
@@ -44,7 +44,7 @@ kf_status kf_error_prefix(kf_error *err, const char *fmt, ...)
 /* A short name for a status: "io error", "bad format", ... */
 const char *kf_status_name(kf_status s);
 
-/* Propagate a failing status: KF_TRY(kf_st_open(...)); */
+/* Propagate a failing status: KF_TRY(kf_st_open_file(...)); */
 #define KF_TRY(expr)                       \
     do {                                   \
         kf_status kf_try_s_ = (expr);      \

@@ -283,7 +283,7 @@ static void test_fold_identities(void) {
     free_synth(&s);
 }
 
-/* Synthetic version of the research note's check: with an appended uncompacted block,
+/* Synthetic version of diag.h's appended-block check: with an appended uncompacted block,
  * am < fold < drop on the LSE error. */
 static void test_synthetic_ordering(void) {
     synth s = make_synth(300, 600, 16, 81);
@@ -326,7 +326,7 @@ static void test_synthetic_ordering(void) {
     free_synth(&held);
 }
 
-/* ---- issue 12: Tikhonov refit, converged box fit, restart count, per-head choice ---- */
+/* ---- Tikhonov refit, converged box fit, restart count, per-head choice ---- */
 
 /* x = A^-1 b for a small dense A [n, n] (fp64 Gauss-Jordan with partial pivoting; b [n, m]). */
 static void gauss_solve(double *A, int n, double *b, int m) {

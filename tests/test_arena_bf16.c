@@ -8,7 +8,7 @@
  *     values (independent: that pool never goes through the bf16 code);
  *   - the memory formula's arena term halves;
  *   - a whole compaction with a bf16 arena measured against the full context (fp32) is, by the
- *     FlashAttention rule of DESIGN.md, at most about twice as far from it as the fp32 arena's. */
+ *     FlashAttention rule (docs/design.md), at most about twice as far from it as the fp32 arena's. */
 #include <float.h>
 #include <math.h>
 #include <stdio.h>

@@ -1,4 +1,4 @@
-/* The per-head choice's building blocks (issue 14: the same results, computed faster): the
+/* The per-head choice's building blocks (the same results, computed faster): the
  * validation head's appended and original attention, the validation error, and the fits that
  * share work, each against an independent fp64 reference computed here. */
 #include <math.h>
@@ -187,7 +187,7 @@ static void test_val_err_reference(void) {
 
 
 /* kf_val_attend keeps each row's mixing weights and the head its rows' ||o_full||^2 for every value
- * set scored after it (issue 14): scoring a second candidate on a head that scored another must
+ * set scored after it: scoring a second candidate on a head that scored another must
  * give the bits a fresh head gives it, and what is cached must be what it replaces. */
 static void test_val_cache_fresh(void) {
     val_case *c = malloc(sizeof *c);
@@ -353,7 +353,7 @@ static void test_normal_equations_add(void) {
     kf_am_targets_free(&tg);
 }
 
-/* The choice's candidates share one gram and one set of row tiles per head (issue 14): a gram
+/* The choice's candidates share one gram and one set of row tiles per head: a gram
  * rebuilt in place for other keys, after another candidate, must hold what a fresh build holds,
  * bit for bit (also on no rows), and the kept keys' one pass with the shared tiles what it gives
  * with its own. */
@@ -402,7 +402,7 @@ static void test_gram_rebuild_fresh(void) {
 }
 
 
-/* ---- the cheaper choice (issue 14): candidates on a subsample of the training rows ---- */
+/* ---- the subsampled choice: candidates on a subsample of the training rows ---- */
 
 /* The training rows' order: a permutation of the rows not held out, the same for a seed and
  * another for another seed, every prefix holding each source kind in proportion (+-1 row). */
@@ -504,7 +504,7 @@ static void test_choice_rows(void) {
     CU_ASSERT_EQUAL(kf_choice_rows(&p, 3300, 204), 3300);
 }
 
-/* ---- the winner's refit on all the rows (issue 14): three parts == one fit ---- */
+/* ---- the winner's refit on all the rows: three parts == one fit ---- */
 
 enum { RF_T = KF_PLANT_T, RF_t = KF_PLANT_KEPT, RF_d = KF_PLANT_D, RF_TR = KF_PLANT_RTR_MAX, RF_V = KF_PLANT_RV,
        RF_R = RF_TR + RF_V };
@@ -587,7 +587,7 @@ static void refit_ref_beta(const double *M, const double *y, uint64_t seed, floa
  * the refit adds the other training rows' part and the validation rows' (kf_choice_refit_add, as
  * kf_compact does) and solves. That must be one fit on all 1100 rows: beta as from fp64 normal
  * equations of all of them, drop's values as LAPACK least squares on all of them, within twice the
- * distance of the same least squares on fp32-rounded inputs (DESIGN.md's tolerance rule). */
+ * distance of the same least squares on fp32-rounded inputs (docs/design.md's tolerance rule). */
 static void test_refit_three_parts(void) {
     static kf_planted_head ph; /* test_util.h; large */
     kf_planted_init(&ph, 1, 1, KF_RIDGE_TO_ORIG, RF_TR);

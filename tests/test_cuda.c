@@ -8,7 +8,7 @@
  * Exits 77 (ctest SKIP_RETURN_CODE) with "no CUDA device" where there is none, so that machines
  * without a GPU compile it and skip it.
  *
- * Tolerances follow FlashAttention's rule (DESIGN.md): where the GPU rounds to bf16 (the GEMM
+ * Tolerances follow FlashAttention's rule (docs/design.md): where the GPU rounds to bf16 (the GEMM
  * operands, the weights), its error against an fp64/fp32 reference must be at most twice the error
  * of a same-precision reference (the same computation with bf16-rounded operands, done on the CPU)
  * plus a small floor. Where the GPU computes in fp32 like the CPU (norms, RoPE, attention, QUOKA

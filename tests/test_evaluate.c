@@ -81,7 +81,7 @@ static void test_long_answer_short_document(void) {
 }
 
 /* The uncompacted cache through the same measurement: no divergence, no error, and this model
- * recalls every fact and answers every question from the full document (its fixture's README). */
+ * recalls every fact and answers every question from the full document (tests/data/FIXTURES.md). */
 static void test_full_cache_is_exact(void) {
     static int32_t qs[8][7], as[8][3];
     kf_qa qa[8];

@@ -1,4 +1,4 @@
-/* The kvf file against damage and crafted input: every "accepted although wrong" case of issue 13
+/* The kvf file against damage and crafted input: every case version 1 accepted although wrong
  * (chunks swapped between layers, a chunk stored with filter mask 1, a never-written chunk, an
  * all-zero chunk with a valid sum, NaN values or beta, positions outside [0, D), C > D, budget
  * above 1, huge claimed shapes in a small file, D = INT64_MAX, invalid UTF-8, a version-1 file,

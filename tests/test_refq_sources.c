@@ -1,4 +1,4 @@
-/* The reference queries' cheaper sources (issue 14): a partial repeat (repeat_fraction, spans of
+/* The reference queries' cheaper sources: a partial repeat (repeat_fraction, spans of
  * the document each run after the instruction at its whole-repeat positions) and the context's own
  * queries without a repeat (no_repeat): where the spans fall, which rows are pooled, the whole
  * fraction equal to the default bit for bit, the memory shape, bad values refused. */

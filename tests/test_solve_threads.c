@@ -1,10 +1,10 @@
-/* The solve over KV heads in parallel (issue 14 item 3): compaction with the per-head choice and
+/* The solve over KV heads in parallel: compaction with the per-head choice and
  * two variants gives the same bytes and the same stats on 1 thread, on 3 threads, and with the
  * heads run in reverse order on rotating thread indices (a deterministic stand-in for heads that
  * finish out of order: sums merged in completion order rather than head order differ there).
  * One prepare is solved three times: the prefill is not under test here (a 1-thread CPU
  * backend's attention leaves OpenBLAS its threads, a pooled one holds it to one, and OpenBLAS's
- * sgemm rounds differently with its thread count). */
+ * sgemm rounds differently with its thread count). Why: docs/decisions/parallel-solve.md. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>

@@ -29,7 +29,7 @@ enum { CLI_OPT_HEAD_CHOICE = 0x1100, CLI_OPT_VALUE_RIDGE, CLI_OPT_RIDGE_TO, CLI_
     "  --repeat-fraction F  the repeat covers a share F in (0, 1] of the document (default 1): F below\n"  \
     "                       1 takes --repeat-spans runs of the document, one per equal stratum, at\n"     \
     "                       offsets drawn from the seed, each after the instruction (its cost scales\n"   \
-    "                       about with F, but it loses facts outside the spans: see README)\n"              \
+    "                       about with F, but it loses facts outside the spans: docs/performance.md)\n" \
     "  --repeat-spans K     how many runs a partial repeat takes, 1 to 64 (default 4)\n"
 #define CLI_QUALITY_OPTIONS                                                                                   \
     {"head-choice", required_argument, 0, CLI_OPT_HEAD_CHOICE},                                              \

@@ -23,7 +23,7 @@ static const char kHelp[] =
     "  read   kvf_read_layer (converted to fp32), warm, for the connector's fp32 path;\n"
     "  verify kvf_open + kvf_verify (every chunk's sum, every value, every head digest), warm,\n"
     "         against fread of the plain file.\n"
-    "Targets (issue 13): verify within 1.3x the time of reading the bytes, write within 2x a plain\n"
+    "Targets: verify within 1.3x the time of reading the bytes, write within 2x a plain\n"
     "write of the same bytes with fsync.\n"
     "Prints GB/s for each and the kvf/plain ratio. Files go to DIR (default $TMPDIR or /tmp) and are\n"
     "removed afterwards.\n"

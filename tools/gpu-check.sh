@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# tools/gpu-check.sh — issue 8's whole GPU check in one call on an H200 (nvidia-h200 device).
+# tools/gpu-check.sh — the whole GPU check in one call on an H200 (nvidia-h200 device).
 #
 #   tools/gpu-check.sh [all|test|bench]      (default all; logs under $OUT, the table printed last)
 #
@@ -11,7 +11,7 @@
 #   3. bench   prefill of a random-weight Qwen3-4B-shaped model at 4k/16k/32k (dense and QUOKA,
 #              B_KV 1024, chunk 4096), one attention chunk of 4096 queries against 32k and 128k
 #              keys (dense, QUOKA with selection), and the same through PyTorch (transformers
-#              prefill, SDPA) when torch is there; reference figures of the issue beside them
+#              prefill, SDPA) when torch is there; tests/data/FIXTURES.md's figures beside them
 #
 # Everything is bounded so that one device call (600 s) holds it: each step has a timeout and the
 # script stops starting steps when less than a minute is left. Leaves the card's settings alone.
@@ -122,7 +122,7 @@ ratio() { [ -n "$1" ] && [ -n "$2" ] && awk -v a="$1" -v b="$2" 'BEGIN {if (b > 
 {
   echo
   echo "prefill, Qwen3-4B shapes, random bf16 weights, chunk 4096 (seconds; speedup = transformers / kvfold)"
-  printf "%7s %10s %10s %13s %13s %11s %11s\n" tokens dense quoka transformers "issue's ref" "dense spd" "quoka spd"
+  printf "%7s %10s %10s %13s %13s %11s %11s\n" tokens dense quoka transformers "FIXTURES ref" "dense spd" "quoka spd"
   i=0
   for n in 4096 16384 32768; do
     refs=(0.091 0.449 1.131)
@@ -135,7 +135,7 @@ ratio() { [ -n "$1" ] && [ -n "$2" ] && awk -v a="$1" -v b="$2" 'BEGIN {if (b > 
   echo "targets at 32k: dense >= 1.2x, QUOKA >= 2x"
   echo
   echo "attention chunk: 4096 queries, 32/8 heads, head_dim 128 (ms; speedup = SDPA / kvfold)"
-  printf "%7s %10s %10s %10s %10s %11s %11s\n" keys dense quoka select "SDPA" "issue's ref" "quoka spd"
+  printf "%7s %10s %10s %10s %10s %11s %11s\n" keys dense quoka select "SDPA" "FIXTURES ref" "quoka spd"
   i=0
   for n in 32768 131072; do
     refs=(3.21 14.1)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reference timings for tools/gpu-check.sh, through PyTorch on the same GPU (issue 8):
+"""Reference timings for tools/gpu-check.sh, through PyTorch on the same GPU:
 
   gpu-ref-torch.py prefill 4096,16384,32768   transformers Qwen3 with the Qwen3-4B shapes, random
                                               weights, bf16, sdpa; last position's logits only

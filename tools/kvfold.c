@@ -50,12 +50,13 @@ static void usage(FILE *out) {
 
 /* OpenBLAS's worker threads spin after each BLAS call for 2^OPENBLAS_THREAD_TIMEOUT cycles
  * (default 2^28) before they sleep; on a machine with few cores they take those cycles from
- * kvfold's own threads (the attention's and the solve's pools run between BLAS calls): issue 14
- * measured bench compact at 2k tokens 5-9% faster with the shortest spin (4, OpenBLAS's minimum).
+ * kvfold's own threads (the attention's and the solve's pools run between BLAS calls): bench
+ * compact at 2k tokens ran 5-9% faster with the shortest spin (4, OpenBLAS's minimum).
  * The library reads the variable once, when it is loaded (before main), and has no setter, so
  * the CLI sets it and runs itself again, once: the variable set is the marker, a value of the
  * user's own (or GOTO_THREAD_TIMEOUT) wins, and when the re-exec fails the command goes on with
- * OpenBLAS's default. Nothing to do without worker threads (one thread, or the OpenMP build). */
+ * OpenBLAS's default. Nothing to do without worker threads (one thread, or the OpenMP build).
+ * Why: docs/decisions/openblas-spin.md. */
 static void openblas_short_spin(char **argv) {
     if (getenv("OPENBLAS_THREAD_TIMEOUT") || getenv("GOTO_THREAD_TIMEOUT"))
         return;

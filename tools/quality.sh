@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The README's quality figure: `kvfold eval quality` on both bundled records models, then
-# tools/plot-quality.py. Writes tools/quality/<model>.tsv and tools/quality/quality.png.
+# The quality tables and figure of docs/quality.md: `kvfold eval quality` on both bundled records
+# models, then tools/plot-quality.py. Writes tools/quality/<model>.tsv and docs/quality.png.
 #
 #   KVFOLD_BIN   the kvfold binary (default build/kvfold)
 #   LIMIT        documents of tests/data/records-dev.jsonl (default 10: two of each length
@@ -17,6 +17,6 @@ docs=tests/data/records-dev.jsonl
   --probes 16 --budgets 0.25,0.1 --format tsv >"$out/records-qwen3.tsv"
 "$kvfold" eval quality --model tests/data/records-llama3-induct --docs "$docs" --limit "$limit" \
   --budgets 0.5,0.25,0.1 --format tsv >"$out/records-llama3-induct.tsv"
-/usr/bin/python3 tools/plot-quality.py --out "$out/quality.png" \
+/usr/bin/python3 tools/plot-quality.py --out docs/quality.png \
   records-qwen3="$out/records-qwen3.tsv" records-llama3-induct="$out/records-llama3-induct.tsv"
-echo "quality.sh: wrote $out/records-qwen3.tsv, $out/records-llama3-induct.tsv and $out/quality.png"
+echo "quality.sh: wrote $out/records-qwen3.tsv, $out/records-llama3-induct.tsv and docs/quality.png"

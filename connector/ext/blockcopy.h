@@ -8,7 +8,7 @@
  * Destination: one tensor per layer, described by its memory (base address and size in bytes, so
  * every element it names is checked to lie inside), an element offset, a logical shape, strides
  * (in elements, any order: an HND or FlexAttention tensor is just other strides) and its own
- * dtype. Logical shapes (research/vllm-conformance.md section 2):
+ * dtype. Logical shapes (docs/connector.md, "KV layouts"):
  *   KVB_KV_FIRST      (2, blocks, block_size, kv_heads, head_dim)   FlashAttention before vLLM #42095
  *   KVB_BLOCKS_FIRST  (blocks, 2, block_size, kv_heads, head_dim)   FlashAttention since #42095,
  *                                                                   FlashInfer, Triton, FlexAttention

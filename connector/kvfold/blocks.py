@@ -3,7 +3,7 @@
 A layout is recognised by the tensor's logical shape (vLLM allocates in a backend's stride order
 and permutes back to the logical shape, so NHD, HND and FlexAttention's order differ only in
 strides, which every copy goes through). The logical shapes, with the vLLM versions that use them
-(research/vllm-conformance.md section 2):
+(docs/connector.md, "KV layouts"):
 
   kv_first      (2, blocks, block_size, kv_heads, head_dim)    FlashAttention before vLLM #42095
   blocks_first  (blocks, 2, block_size, kv_heads, head_dim)    FlashAttention since #42095;

@@ -143,7 +143,7 @@ def read_fingerprint_cache(model_dir: str) -> Optional[str]:
 
 def check_failure_policy(vllm_config: Any) -> None:
     """A failed load must fail the request: under "recompute" vLLM would compute the placeholder
-    ids as text and could keep those blocks in its prefix cache (research/vllm-conformance.md §3)."""
+    ids as text and could keep those blocks in its prefix cache (docs/decisions/load-failure-policy.md)."""
     cfg = vllm_config.kv_transfer_config
     policy = getattr(cfg, "kv_load_failure_policy", None)
     if policy == "fail":

@@ -1,4 +1,4 @@
-"""The retention pool: decoded caches kept in host memory between requests (DESIGN.md "Reuse").
+"""The retention pool: decoded caches kept in host memory between requests (docs/connector.md).
 
 An entry is one kvf file decoded into the KV cache's dtype, [2, n_layers, C, kv_heads, head_dim]
 (only the heads its loader read are filled: a tensor-parallel rank's), ready to copy into blocks. The pool holds at most `limit_bytes`; when a new entry does not fit,

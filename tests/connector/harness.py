@@ -1,5 +1,5 @@
-"""Drives a KV connector the way vLLM's scheduler and workers call it (research/vllm-conformance.md
-section 3): config resolution, one scheduler and one worker instance, per step schedule ->
+"""Drives a KV connector the way vLLM's scheduler and workers call it (docs/connector.md,
+"Call order"): config resolution, one scheduler and one worker instance, per step schedule ->
 build_connector_meta -> (pickled) -> worker hooks -> update_from_output, with a block pool that
 hands out non-contiguous ids (never block 0), optional prefix caching that registers full blocks
 at allocation time, a token budget (chunked prefill), allocation failures (the waiting queue stops

@@ -264,7 +264,7 @@ BACKEND_LAYOUTS = {"flash_attn": ("kv_first", "blocks_first", "packed"), "flex_a
 
 @pytest.mark.parametrize("backend", sorted(BACKEND_LAYOUTS))
 def test_kv_layout_aliases_match_their_backend(root, backend):
-    """An alias accepts exactly its backend's layouts (research/vllm-conformance.md section 2) and
+    """An alias accepts exactly its backend's layouts (docs/connector.md, "KV layouts") and
     loads correctly through each; any other layout is refused at start-up, naming the alias."""
     path = cache(root, "a.kvf", 40, 63)
     for layout in ("kv_first", "blocks_first", "cpu", "packed"):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The README's cache-building throughput on paper: documents per hour per GPU and for N GPUs,
+"""Cache-building throughput on paper (docs/batch.md): documents per hour per GPU and for N GPUs,
 with the file-system bytes written and read, from single-node figures. Rerun it with measured
 rates (--tflops, --solve-ms) once kvfold's CUDA backend has run on a GPU.
 

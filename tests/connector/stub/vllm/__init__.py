@@ -1,6 +1,6 @@
 """A stand-in for vLLM in kvfold's connector tests: only the modules, classes and signatures the
 connector and the test harness use, at vLLM's real module paths, written from the conformance
-review (research/vllm-conformance.md), not copied.
+review (docs/connector.md), not copied.
 
 Two profiles, chosen by KVFOLD_VLLM_PROFILE (ctest runs the suite under both):
   "0.25"  v0.17-v0.25: 5-D KV caches (FlashAttention kv-first before #42095, blocks-first after;

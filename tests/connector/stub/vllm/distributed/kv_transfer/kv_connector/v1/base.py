@@ -1,5 +1,5 @@
 """vllm.distributed.kv_transfer.kv_connector.v1.base, reduced to the v1 connector API as the
-conformance review (research/vllm-conformance.md section 1, vLLM 52a31cce) describes it: the same
+conformance review (docs/connector.md, vLLM 52a31cce) describes it: the same
 class names, abstract methods, defaults and signatures; written from that description, not copied.
 The 0.26 profile adds the later defaulted members."""
 import enum
