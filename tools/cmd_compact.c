@@ -95,11 +95,17 @@ static const char kHelp[] =
     "exceeds the extra KV kept. The summary reports tokens computed against tokens without sharing.\n"
     "  --no-share           prefill every document whole\n"
     "\n"
-    "Output: a progress bar on a terminal (documents, tokens/s, ETA), one log line per document\n"
-    "otherwise, and a summary (done, skipped, busy, failed, tokens, compression, time). The exit\n"
+    "Output: progress on stderr, the summary on stdout (done, skipped, busy, failed, tokens,\n"
+    "compression, time). On a terminal the progress is one line redrawn in place: the document\n"
+    "(i/N), its stage (prefill tokens i/n; repeat layer i/L, the reference sources' tokens through\n"
+    "it; solve layer i/L, its KV heads solved), the time its compaction has left (the forwards at\n"
+    "the rate measured so far, the layers still to solve at their measured time) and the run's.\n"
+    "Otherwise (a log) a line per stage as it ends (every prefill chunk, repeat layer and solve\n"
+    "layer, at most one every --progress-interval seconds) and one per file written. The exit\n"
     "status is 1 when any document failed, 2 for usage errors (including a --manifest or\n"
     "--probes-from that cannot be read).\n"
-    "  -q, --quiet          only errors and the summary\n"
+    CLI_PROGRESS_HELP
+    "  -q, --quiet          no progress: only errors and the summary\n"
     "  -h, --help           show this help\n";
 
 enum { ST_TODO, ST_SKIPPED, ST_BUSY, ST_DONE, ST_FAILED };
@@ -974,7 +980,7 @@ static void compact_all(compact_job *j) {
     kf_seq_release(&j->arena, &j->prev);
     if (j->arena.storage)
         kf_arena_free(&j->arena);
-    clear_line();
+    cli_progress_end(&j->pg);
 }
 
 /* ---- the summary ---- */

@@ -26,10 +26,27 @@ int cli_progress_interval(const char *cmd, const char *arg, double *out) {
     return 0;
 }
 
+static int g_drawn; /* a line is drawn in place: a message clears it first (cli_before_message) */
+
+static void clear_drawn(void) {
+    if (g_drawn)
+        fputs("\r\033[K", stderr);
+    g_drawn = 0;
+}
+
 void cli_progress_start(cli_progress *pg, const char *tag, int n_docs, int64_t tokens, int quiet, double interval) {
     *pg = (cli_progress){.total = n_docs, .tokens_total = tokens, .t0 = cli_now(), .tty = !quiet && isatty(2),
                          .quiet = quiet, .interval = interval, .tag = tag};
     pg->t_log = pg->t0;
+    if (pg->tty)
+        cli_before_message = clear_drawn;
+}
+
+void cli_progress_end(cli_progress *pg) {
+    clear_drawn();
+    if (cli_before_message == clear_drawn)
+        cli_before_message = NULL;
+    pg->tty = 0;
 }
 
 static void fmt_duration(double s, char *out, size_t n) {
@@ -59,10 +76,17 @@ static double doc_left(const cli_progress *pg) {
 }
 
 /* Seconds the run has left: this document's, then the rest at the rate of the run so far (tokens,
- * or documents when their tokens are not known); -1 when there is nothing to go by. */
+ * or documents when their tokens are not known: then a document holds more than its compaction,
+ * and the finished ones' mean time is the measure once there are any); -1: nothing to go by. */
 static double run_left(const cli_progress *pg, double left) {
-    const double el = cli_now() - pg->t0;
+    const double now = cli_now(), el = now - pg->t0;
     const int by_tokens = pg->tokens_total > 0;
+    if (!by_tokens && pg->total <= 0)
+        return -1;
+    if (!by_tokens && pg->finished > 0) {
+        const double rest = (pg->total - pg->finished) * (pg->t_doc - pg->t0) / pg->finished - (now - pg->t_doc);
+        return rest > left ? rest : left > 0 ? left : 0;
+    }
     const double all = by_tokens ? (double)pg->tokens_total : pg->total;
     double through = by_tokens ? (double)pg->tokens_done : pg->finished; /* units finished */
     if (left < 0) /* no estimate for this document: the finished ones' rate */
@@ -85,6 +109,14 @@ static void step_text(const cli_progress *pg, char *s, size_t n) {
                  (long long)p->done, (long long)p->total, p->stage == KF_STAGE_SOLVE ? "heads" : "tokens");
 }
 
+/* "i/N": the document's place in the run ("i" when the run's count is not known). */
+static void doc_at(const cli_progress *pg, char *s, size_t n) {
+    if (pg->total > 0)
+        snprintf(s, n, "%d/%d", pg->finished + 1, pg->total);
+    else
+        snprintf(s, n, "%d", pg->finished + 1);
+}
+
 /* The line's width on the terminal (80 when it does not say). */
 static int columns(void) {
     struct winsize ws;
@@ -98,10 +130,12 @@ static void draw(cli_progress *pg, double now) {
     const double dl = pg->note[0] ? -1 : doc_left(pg);
     fmt_duration(dl, left, sizeof left);
     fmt_duration(run_left(pg, dl), run, sizeof run);
-    int n = snprintf(line, sizeof line, "%d/%d %s: %s%s%s", pg->finished + 1, pg->total, pg->name, step,
-                     pg->note[0] ? "" : ", ETA ", pg->note[0] ? "" : left);
+    char at[32];
+    doc_at(pg, at, sizeof at);
+    int n = snprintf(line, sizeof line, "%s %s: %s%s%s", at, pg->name, step, pg->note[0] ? "" : ", ETA ",
+                     pg->note[0] ? "" : left);
     n = n < (int)sizeof line ? n : (int)sizeof line - 1;
-    if (pg->total > 1)
+    if (pg->total != 1)
         n += snprintf(line + n, sizeof line - (size_t)n, " | run ETA %s", run);
     n = n < (int)sizeof line ? n : (int)sizeof line - 1;
     const int cols = columns() - 1; /* a wrapped line would not be redrawn in place */
@@ -112,6 +146,7 @@ static void draw(cli_progress *pg, double now) {
     }
     fprintf(stderr, "\r\033[K%.*s", n, line);
     fflush(stderr);
+    g_drawn = 1;
     pg->t_draw = now;
 }
 
@@ -122,10 +157,12 @@ static void log_line(cli_progress *pg, double now) {
     fmt_duration(now - pg->t_doc, el, sizeof el);
     fmt_duration(dl, left, sizeof left);
     fmt_duration(run_left(pg, dl), run, sizeof run);
-    fprintf(stderr, "%s %d/%d %s: %s; %s", pg->tag, pg->finished + 1, pg->total, pg->label, step, el);
+    char at[32];
+    doc_at(pg, at, sizeof at);
+    fprintf(stderr, "%s %s %s: %s; %s", pg->tag, at, pg->label, step, el);
     if (!pg->note[0])
         fprintf(stderr, ", ETA %s", left);
-    if (pg->total > 1)
+    if (pg->total != 1)
         fprintf(stderr, " (run ETA %s)", run);
     fputc('\n', stderr);
     pg->t_log = now;
@@ -176,5 +213,5 @@ void cli_progress_note(cli_progress *pg, const char *fmt, ...) {
 
 void cli_progress_clear(const cli_progress *pg) {
     if (pg->tty)
-        fputs("\r\033[K", stderr);
+        clear_drawn();
 }

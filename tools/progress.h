@@ -17,7 +17,7 @@
 
 typedef struct {
     /* the run, kept by the command */
-    int total, finished;              /* documents to compute, and done or given up */
+    int total, finished;              /* documents to compute (0: not known), and done or given up */
     int64_t tokens_total, tokens_done; /* their tokens (0 total: documents are the measure) */
     double t0;
     /* settings */
@@ -45,7 +45,8 @@ enum { CLI_OPT_PROGRESS_INTERVAL = 0x1200 }; /* getopt_long's id of --progress-i
 /* Parses --progress-interval's value (seconds, >= 0); 0 or -1 (a usage error printed for cmd). */
 int cli_progress_interval(const char *cmd, const char *arg, double *out);
 
-/* A run of n_docs documents of `tokens` tokens in all (0: unknown), tagged "[tag]". */
+/* A run of n_docs documents (0: not known) of `tokens` tokens in all (0: not known), its log lines
+ * tagged `tag` ("[compact]"); on a terminal, cli_error clears the line until cli_progress_end. */
 void cli_progress_start(cli_progress *pg, const char *tag, int n_docs, int64_t tokens, int quiet, double interval);
 /* A document of `tokens` tokens starts: where it comes from ("docs.jsonl:3") and its name ("" if none). */
 void cli_progress_doc(cli_progress *pg, const char *source, const char *name, int64_t tokens);
@@ -53,7 +54,9 @@ void cli_progress_doc(cli_progress *pg, const char *source, const char *name, in
 void cli_progress_fn(void *user, const kf_progress *p);
 /* The command's own stage of the document (printf format), shown like the library's steps. */
 void cli_progress_note(cli_progress *pg, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-/* Clears the terminal's line before a message (nothing off a terminal). */
+/* Clears the terminal's line before a message (nothing off a terminal); cli_error does it itself. */
 void cli_progress_clear(const cli_progress *pg);
+/* The run is over: the line cleared, messages no longer clear it. */
+void cli_progress_end(cli_progress *pg);
 
 #endif
