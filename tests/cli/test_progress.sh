@@ -26,7 +26,8 @@ import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 with open(sys.argv[2] + "/docs.jsonl", "w") as f:
     for r, n in ((rows[1], 150), (rows[2], 90)):
-        f.write(json.dumps({"id": r["id"], "ids": r["ids"][:n], "repeat_instruction_ids": r["repeat_instruction_ids"]}) + "\n")
+        f.write(json.dumps({"id": r["id"], "ids": r["ids"][:n],
+                            "repeat_instruction_ids": r["repeat_instruction_ids"]}) + "\n")
 small = sorted(rows, key=lambda r: len(r["ids"]))[:2]
 with open(sys.argv[2] + "/eval.jsonl", "w") as f:
     for r in small:
@@ -84,7 +85,8 @@ print("\n".join(out))
 PY
 
 common=(--model "$model" --budget 0.25 --max-queries 500 --chunk 64)
-"$kvfold" compact "${common[@]}" --out "$tmp/root" --manifest "$tmp/docs.jsonl" --progress-interval 0 >"$tmp/c.out" 2>"$tmp/c.err"
+"$kvfold" compact "${common[@]}" --out "$tmp/root" --manifest "$tmp/docs.jsonl" --progress-interval 0 \
+    >"$tmp/c.out" 2>"$tmp/c.err"
 check "compact (log): exit 0" test $? -eq 0
 python3 "$tmp/expected.py" compact "$tmp/docs.jsonl" | sort -s -n -k1,1 >"$tmp/c.want"
 python3 "$tmp/log.py" compact "$tmp/c.err" >"$tmp/c.got"
@@ -97,7 +99,8 @@ check "compact (log): no terminal codes" test "$(grep -c $'\033' "$tmp/c.err")" 
 grep -q "2 done" "$tmp/c.out"
 check "compact (log): the summary" test $? -eq 0
 
-"$kvfold" compact "${common[@]}" --out "$tmp/root-q" --manifest "$tmp/docs.jsonl" --progress-interval 0 -q >"$tmp/q.out" 2>"$tmp/q.err"
+"$kvfold" compact "${common[@]}" --out "$tmp/root-q" --manifest "$tmp/docs.jsonl" --progress-interval 0 -q \
+    >"$tmp/q.out" 2>"$tmp/q.err"
 check "compact --quiet: exit 0" test $? -eq 0
 check "compact --quiet: nothing on stderr" test ! -s "$tmp/q.err"
 check "compact --quiet: the summary" grep -q "2 done" "$tmp/q.out"
