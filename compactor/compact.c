@@ -1,6 +1,7 @@
 #include "compactor/compact.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -615,6 +616,7 @@ struct kf_compact_prep {
     int64_t *pos_local, n_val_pos;
     appended_kv ap;
     double prefill_s, refq_s;
+    kf_progress_sink pg;       /* the caller's progress calls (p.progress) and this document's totals */
 };
 
 static kf_status check_variant(const kf_compact_variant *v, kf_error *err) {
@@ -752,8 +754,8 @@ static kf_status run_prefill(kf_compact_prep *x, const kf_compact_reuse *reuse, 
     kf_forward_args fa = {.ids = ctx_ids + shared, .n_tokens = (int)(x->D - shared), .chunk = x->p.chunk,
                           .capture_rows = x->rows, .n_capture_rows = n_rows, .quoka = x->p.quoka};
     capture_args(&x->ctxq, &fa, n_rows, qdst);
-    if (x->p.progress)
-        x->p.progress(x->p.progress_ctx, "prefill", 0, x->D);
+    if (x->pg.fn)
+        fa.progress = kf_progress_on_prefill, fa.progress_ctx = &x->pg;
     if (shared > 0)
         KF_TRY(kf_seq_fork(x->ar, reuse->parent, shared, &x->seq, err));
     KF_TRY(kf_model_forward(x->m, x->ar, &x->seq, &fa, err));
@@ -892,23 +894,27 @@ static kf_status run_sources(kf_compact_prep *x, const kf_layer_hook *hook, kf_e
     uint16_t **hp = calloc((size_t)n * L, sizeof *hp); /* [n, L] */
     double *pass_s = calloc((size_t)n, sizeof *pass_s);
     kf_forward_targets *ft = calloc((size_t)n, sizeof *ft);
+    kf_progress_pass *pp = calloc((size_t)n, sizeof *pp); /* [n] each pass's progress context */
     kf_quoka_params qk;
-    kf_status rc = !passes || !fa || !dst || !qp || !hp || !pass_s || !ft
+    kf_status rc = !passes || !fa || !dst || !qp || !hp || !pass_s || !ft || !pp
                        ? kf_fail(err, KF_ERR_NOMEM, "compact: out of memory")
                        : KF_OK;
     if (rc == KF_OK && !x->src_ar.storage) /* once per prep: every kf_compact_solve reuses it */
         rc = sources_arena(x, err);
     int np = 0;
+    int64_t before = 0; /* the sources' tokens before source i in a layer */
     for (int i = 1; i < n && rc == KF_OK; i++) {
         if (x->src[i].n == 0)
             continue;
         dst[i] = (capture_to){qp + (size_t)i * L, hp + (size_t)i * L};
         source_args(x, i, &dst[i], &qk, &fa[i], &ft[i]);
+        pp[i] = (kf_progress_pass){&x->pg, before};
+        before += x->src[i].n;
+        if (x->pg.fn)
+            fa[i].progress = kf_progress_on_source, fa[i].progress_ctx = &pp[i];
         rc = kf_seq_fork(&x->src_ar, &x->src_ctx, x->D, &x->forks[i], err);
         passes[np++] = (kf_forward_pass){&x->forks[i], &fa[i]};
     }
-    if (rc == KF_OK && x->p.progress)
-        x->p.progress(x->p.progress_ctx, "repeat", 1, x->n_sources);
     sources_hook sh = {x, hook};
     const kf_layer_hook h = {.before_layer = sources_before, .on_layer = sources_after, .ctx = &sh, .pass_s = pass_s};
     if (rc == KF_OK)
@@ -918,7 +924,7 @@ static kf_status run_sources(kf_compact_prep *x, const kf_layer_hook *hook, kf_e
         x->refq_s += pass_s[i];
     for (int i = 0; i < n; i++) /* the forks' pages back; the context's layer stays for the next solve */
         kf_seq_release(&x->src_ar, &x->forks[i]);
-    free(passes), free(fa), free(dst), free(qp), free(hp), free(pass_s), free(ft);
+    free(passes), free(fa), free(dst), free(qp), free(hp), free(pass_s), free(ft), free(pp);
     return rc;
 }
 
@@ -976,6 +982,11 @@ static kf_status prepare_run(kf_compact_prep *x, const kf_compact_reuse *reuse, 
          kf_choice_training_order(n_pos, x->G, x->pos_kind, x->is_val, x->p.seed, x->tr_order) < 0))
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the training rows' order");
     x->ap.fork = x->forks;
+    int64_t src_tokens = 0;
+    for (int i = 1; i < x->n_sources; i++)
+        src_tokens += x->src[i].n;
+    kf_progress_sink_init(&x->pg, &x->p, kf_model_config(x->m), x->n_pre, x->n_doc, x->n_suf, shared, src_tokens,
+                          x->tg.m != NULL);
     if (rc == KF_OK && x->ar == &x->own_arena)
         rc = kf_model_arena_dtype(x->m, x->ar, kf_pages_for(x->D) * KF_PAGE_TOKENS, x->p.arena_dtype, err);
     else if (rc == KF_OK && x->ar->dtype != x->p.arena_dtype)
@@ -1599,6 +1610,7 @@ typedef struct {
     kf_status *rc;       /* [kvh] each head's status */
     kf_error *err;       /* [kvh] its cause */
     head_add *add;       /* [kvh, n] */
+    atomic_int *heads_done; /* the layer's heads finished so far (progress) */
 } layer_job;
 
 static void thread_free(thread_ws *t) {
@@ -1664,6 +1676,9 @@ static void head_item(void *ctx, int g, int thread) {
     for (int i = 0; i < j->n; i++)
         j->add[(size_t)g * j->n + i] = (head_add){t->out[i].stats, t->w[i].folded, t->w[i].var_sum};
     j->rc[g] = rc;
+    const int done = atomic_fetch_add(j->heads_done, 1) + 1;
+    if (thread == 0 && done < j->x->kvh) /* thread 0 is the caller's: the layer's end is reported there */
+        kf_progress_solve(&j->x->pg, j->l, done, j->x->kvh);
 }
 
 /* The variant's stats += one head's (head order: the sums one thread would make). */
@@ -1690,11 +1705,11 @@ static kf_status solve_layer(kf_compact_prep *x, variant_ws *w, int n, int l, fl
     KF_TRY(kf_seq_read_kv(x->ar, &x->seq, l, 0, x->D, K, V, err));
     if (j->any_choice)
         KF_TRY(appended_load(&x->src_ar, x->D, &x->ap, l, err));
-    if (x->p.progress)
-        x->p.progress(x->p.progress_ctx, "compact", l, x->L);
+    kf_progress_solve(&x->pg, l, 0, x->kvh);
     for (int i = 0; i < n; i++)
         variant_edges(x, &w[i], l, K, V);
-    j->l = l, j->K = K, j->V = V;
+    atomic_int heads_done = 0;
+    j->l = l, j->K = K, j->V = V, j->heads_done = &heads_done;
     kf_backend_parallel_for(kf_model_backend(x->m), x->kvh, head_item, j);
     for (int g = 0; g < x->kvh; g++) {
         if (j->rc[g] != KF_OK) {
@@ -1705,6 +1720,7 @@ static kf_status solve_layer(kf_compact_prep *x, variant_ws *w, int n, int l, fl
         for (int i = 0; i < n; i++)
             head_merge(&w[i], &j->add[(size_t)g * n + i]);
     }
+    kf_progress_solve(&x->pg, l, x->kvh, x->kvh);
     return KF_OK;
 }
 

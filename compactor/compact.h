@@ -31,6 +31,7 @@
 #include "compactor/am.h"
 #include "compactor/diag.h"
 #include "compactor/model.h"
+#include "compactor/progress.h"
 #include "formats/error.h"
 
 typedef enum { KF_METHOD_KEEP = 0, KF_METHOD_DROP = 1, KF_METHOD_AM = 2, KF_METHOD_FOLD = 3 } kf_method;
@@ -57,7 +58,7 @@ typedef struct {
     int n;
 } kf_prompt;
 
-typedef struct {
+typedef struct kf_compact_params {
     kf_method method;
     double budget;                  /* kept fraction of the document block (default 0.1) */
     kf_score_method score;          /* default RMS */
@@ -102,8 +103,8 @@ typedef struct {
                                        rows widened to fp32 for its solve); default 0: fp32 */
     kf_dtype arena_dtype;           /* the KV arena's (the context's and the sources'): KF_DTYPE_F32
                                        (default) or KF_DTYPE_BF16 (half the bytes; the CPU backend only) */
-    void (*progress)(void *ctx, const char *stage, int64_t done, int64_t total);
-    void *progress_ctx;
+    kf_progress_fn progress;        /* NULL, or called as the work goes (compactor/progress.h) */
+    void *progress_user;
 } kf_compact_params;
 
 kf_compact_params kf_compact_params_default(void);

@@ -737,6 +737,8 @@ static void pass_layer(kf_model *m, kf_forward_plan *p, kf_arena *a, const kf_fo
             chunk_finish(m, p, args, cs);
         else
             b->copy(b, xs, p->x, sizeof(float) * (size_t)cs.n * H);
+        if (args->progress) /* the pass's tokens through the layers so far */
+            args->progress(args->progress_ctx, (int64_t)args->n_tokens * l + c0 + cs.n, (int64_t)args->n_tokens * L);
     }
 }
 
@@ -763,8 +765,6 @@ static kf_status run_layer(kf_model *m, kf_forward_plan *p, kf_arena *a, const k
                            b->name, l, i);
         if (hook && hook->pass_s)
             hook->pass_s[i] += wall_s() - t0;
-        if (args->progress)
-            args->progress(args->progress_ctx, (int64_t)args->n_tokens * (l + 1) / m->cfg.n_layers, args->n_tokens);
     }
     return hook && hook->on_layer ? hook->on_layer(hook->ctx, l, err) : KF_OK;
 }

@@ -103,7 +103,8 @@ typedef struct {
 
     const kf_quoka_params *quoka;  /* NULL (or mode dense): dense attention; else QUOKA sparse attention */
 
-    void (*progress)(void *ctx, int64_t done, int64_t total); /* called after each chunk */
+    void (*progress)(void *ctx, int64_t done, int64_t total); /* called after each chunk: tokens done of
+                                                                 n_tokens (layer-major: see below) */
     void *progress_ctx;
 
     kf_forward_plan *plan;         /* NULL: the model's own plan */
@@ -147,7 +148,7 @@ kf_status kf_model_forward(kf_model *m, kf_arena *a, kf_seq *seq, const kf_forwa
  * before_layer(l) runs before any pass's layer l (an arena of fewer layers, kf_arena_init_held,
  * can be given the keys its passes read there). A status other than KF_OK from either stops the
  * forward and is returned. args->progress is
- * called after each layer with (tokens * (l + 1) / n_layers, tokens).
+ * called after each chunk of each layer with (n_tokens l + the layer's tokens done, n_tokens n_layers).
  * Why: docs/decisions/layer-by-layer-sources.md. */
 typedef struct {
     kf_seq *seq;

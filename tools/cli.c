@@ -12,8 +12,12 @@
 #include "kernels/cuda/backend_cuda.h"
 #endif
 
+void (*cli_before_message)(void);
+
 void cli_error(const char *cmd, const char *fmt, ...) {
     va_list ap;
+    if (cli_before_message)
+        cli_before_message();
     va_start(ap, fmt);
     fprintf(stderr, "kvfold %s: ", cmd);
     vfprintf(stderr, fmt, ap);
@@ -23,6 +27,8 @@ void cli_error(const char *cmd, const char *fmt, ...) {
 
 int cli_usage_error(const char *cmd, const char *fmt, ...) {
     va_list ap;
+    if (cli_before_message)
+        cli_before_message();
     va_start(ap, fmt);
     fprintf(stderr, "kvfold %s: ", cmd);
     vfprintf(stderr, fmt, ap);

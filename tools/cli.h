@@ -13,6 +13,8 @@ enum { KF_EXIT_OK = 0, KF_EXIT_FAIL = 1, KF_EXIT_USAGE = 2 };
 /* A stage's result when the command goes on (the others are exit statuses). */
 enum { CLI_CONTINUE = -1 };
 
+/* NULL, or called before a message on stderr: clears a line drawn in place (tools/progress.c). */
+extern void (*cli_before_message)(void);
 /* "kvfold <cmd>: message" on stderr. */
 void cli_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* Prints the usage error and a pointer to --help; returns KF_EXIT_USAGE. */

@@ -21,6 +21,7 @@
 #include "tools/commands.h"
 #include "tools/doc_input.h"
 #include "tools/manifest.h"
+#include "tools/progress.h"
 
 #define CMD "compact"
 #define DEFAULT_INSTRUCTION "Repeat the previous context verbatim.\n"
@@ -94,11 +95,17 @@ static const char kHelp[] =
     "exceeds the extra KV kept. The summary reports tokens computed against tokens without sharing.\n"
     "  --no-share           prefill every document whole\n"
     "\n"
-    "Output: a progress bar on a terminal (documents, tokens/s, ETA), one log line per document\n"
-    "otherwise, and a summary (done, skipped, busy, failed, tokens, compression, time). The exit\n"
+    "Output: progress on stderr, the summary on stdout (done, skipped, busy, failed, tokens,\n"
+    "compression, time). On a terminal the progress is one line redrawn in place: the document\n"
+    "(i/N), its stage (prefill tokens i/n; repeat layer i/L, the reference sources' tokens through\n"
+    "it; solve layer i/L, its KV heads solved), the time its compaction has left (the forwards at\n"
+    "the rate measured so far, the layers still to solve at their measured time) and the run's.\n"
+    "Otherwise (a log) a line per stage as it ends (every prefill chunk, repeat layer and solve\n"
+    "layer, at most one every --progress-interval seconds) and one per file written. The exit\n"
     "status is 1 when any document failed, 2 for usage errors (including a --manifest or\n"
     "--probes-from that cannot be read).\n"
-    "  -q, --quiet          only errors and the summary\n"
+    CLI_PROGRESS_HELP
+    "  -q, --quiet          no progress: only errors and the summary\n"
     "  -h, --help           show this help\n";
 
 enum { ST_TODO, ST_SKIPPED, ST_BUSY, ST_DONE, ST_FAILED };
@@ -236,40 +243,6 @@ static int check_root(const char *root) {
     close(fd);
     unlink(probe);
     return 0;
-}
-
-static void fmt_duration(double s, char *out, size_t n) {
-    if (!(s >= 0) || s > 1e7)
-        snprintf(out, n, "?");
-    else if (s < 60)
-        snprintf(out, n, "%.0fs", s);
-    else if (s < 3600)
-        snprintf(out, n, "%dm%02ds", (int)s / 60, (int)s % 60);
-    else
-        snprintf(out, n, "%dh%02dm", (int)s / 3600, (int)s % 3600 / 60);
-}
-
-typedef struct {
-    int total, finished;        /* documents of this run (after skipping existing files) */
-    int64_t tokens_total, tokens_done;
-    double t0;
-    int quiet;
-} progress;
-
-static void progress_draw(const progress *p, const char *name) {
-    if (!g_tty || p->quiet)
-        return;
-    const double el = cli_now() - p->t0, rate = el > 0 ? p->tokens_done / el : 0;
-    char eta[32];
-    fmt_duration(rate > 0 ? (p->tokens_total - p->tokens_done) / rate : -1, eta, sizeof eta);
-    const int width = 24, fill = p->total ? p->finished * width / p->total : width;
-    char bar[32];
-    for (int i = 0; i < width; i++)
-        bar[i] = i < fill ? '#' : '.';
-    bar[width] = 0;
-    fprintf(stderr, "\r\033[K[%s] %d/%d docs  %.0f tok/s  ETA %s  %.40s", bar, p->finished, p->total, rate, eta,
-            name ? name : "");
-    fflush(stderr);
 }
 
 static int parse_shard(const char *s, long long *i, long long *n) {
@@ -504,6 +477,7 @@ typedef struct {
     const char *model_dir, *root, *manifest, *probes_from, *instruction, *methods_s, *budgets_s;
     long long shard_i, shard_n;
     int share, quiet, dtype_given;
+    double progress_interval;              /* --progress-interval: seconds between log lines */
     kvf_dtype dtype;
     cli_compact_opts q;                    /* the compaction's parameters (shared with eval quality) */
     kf_compact_variant vars[MAX_VARIANTS]; /* [n_vars] (method, budget) pairs, methods outer */
@@ -525,6 +499,7 @@ static const struct option kOpts[] = {
     {"dtype", required_argument, 0, 't'},
     {"no-share", no_argument, 0, 'S'},
     {"quiet", no_argument, 0, 'q'},
+    CLI_PROGRESS_OPTION,
     CLI_COMPACT_OPTIONS,
     {0, 0, 0, 0}};
 
@@ -555,6 +530,10 @@ static int compact_option(void *ctx, int c, const char *arg) {
         break;
     case 'S': o->share = 0; break;
     case 'q': o->quiet = 1; break;
+    case CLI_OPT_PROGRESS_INTERVAL:
+        if (cli_progress_interval(CMD, arg, &o->progress_interval))
+            return KF_EXIT_USAGE;
+        break;
     default: return cli_compact_option_or(CMD, c, arg, &o->q, "unknown option");
     }
     return CLI_CONTINUE;
@@ -577,7 +556,8 @@ static int compact_validate(compact_opts *o) {
 
 static int compact_parse(int argc, char **argv, compact_opts *o) {
     *o = (compact_opts){.root = DEFAULT_ROOT, .instruction = DEFAULT_INSTRUCTION, .methods_s = "fold",
-                        .budgets_s = "0.1", .shard_n = 1, .share = 1, .dtype = KVF_BF16};
+                        .budgets_s = "0.1", .shard_n = 1, .share = 1, .dtype = KVF_BF16,
+                        .progress_interval = CLI_PROGRESS_DEFAULT_S};
     cli_compact_opts_init(&o->q);
     const int rc = cli_parse_options(argc, argv, "hq", kOpts, compact_option, o);
     if (rc != CLI_CONTINUE)
@@ -615,7 +595,7 @@ typedef struct {
     kf_prefix_plan plan;     /* over todo */
     int sharing;
     kf_arena arena;          /* one for the run: the kept predecessor, the document, its sources */
-    progress pg;
+    cli_progress pg;         /* the run's progress on stderr (tools/progress.h) */
     kf_seq prev;             /* the predecessor's pages, kept when the next document shares them */
     int prev_k;              /* plan index whose pages prev holds, or -1 */
     int64_t computed, c_total, d_total, doc_tokens; /* d_total: over files */
@@ -955,7 +935,7 @@ static void doc_done(compact_job *j, job_doc *d, int64_t shared, double t_doc) {
  * write the files. CLI_CONTINUE, or KF_EXIT_FAIL when the run cannot go on. */
 static int compact_doc(compact_job *j, int k) {
     job_doc *d = &j->docs.docs[j->todo[j->plan.order[k]]];
-    progress_draw(&j->pg, d->name[0] ? d->name : d->source);
+    cli_progress_doc(&j->pg, d->source, d->name, d->n);
     const double t_doc = cli_now();
     char err[1024];
     const int claimed = claim_files(d, j->o->n_vars, j->fp, err, sizeof err);
@@ -968,6 +948,8 @@ static int compact_doc(compact_job *j, int k) {
         cli_error(CMD, "out of memory");
         return KF_EXIT_FAIL;
     }
+    if (!j->o->quiet) /* not part of the recipe: set after doc_params */
+        p.progress = cli_progress_fn, p.progress_user = &j->pg;
     kf_compacted cc[MAX_VARIANTS]; /* the claimed files' caches, in variant order */
     kf_error e = {0};
     int64_t shared = 0;
@@ -987,7 +969,7 @@ static int compact_doc(compact_job *j, int k) {
 
 /* Every document of the plan, in its order. */
 static void compact_all(compact_job *j) {
-    j->pg = (progress){.total = j->n_todo, .tokens_total = j->todo_tokens, .t0 = cli_now(), .quiet = j->o->quiet};
+    cli_progress_start(&j->pg, "[compact]", j->n_todo, j->todo_tokens, j->o->quiet, j->o->progress_interval);
     kf_seq_init(&j->prev);
     j->prev_k = -1;
     for (int k = 0; k < j->n_todo; k++)
@@ -998,7 +980,7 @@ static void compact_all(compact_job *j) {
     kf_seq_release(&j->arena, &j->prev);
     if (j->arena.storage)
         kf_arena_free(&j->arena);
-    clear_line();
+    cli_progress_end(&j->pg);
 }
 
 /* ---- the summary ---- */

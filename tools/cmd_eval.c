@@ -5,13 +5,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "compactor/evaluate.h"
 #include "formats/budgets.h"
 #include "tools/cli.h"
 #include "tools/cli_quality.h"
 #include "tools/commands.h"
+#include "tools/progress.h"
 
 static const char kHelp[] =
     "Usage: kvfold eval quality --model DIR --docs FILE.jsonl [options]\n"
@@ -57,6 +57,12 @@ static const char kHelp[] =
     "                       (QUOKA applies to the compaction's document prefill; the full-context\n"
     "                       reference is always dense)\n"
     "  --format tsv|table   output format (default table)\n"
+    "\n"
+    "Progress on stderr: on a terminal one line redrawn in place (the document, its stage: reference,\n"
+    "prefill tokens, repeat layer i/L, solve layer i/L with its KV heads, measure; the time its\n"
+    "compaction and the run have left); otherwise a line per stage and one per document.\n"
+    CLI_PROGRESS_HELP
+    "  -q, --quiet          no progress (errors, the table and the footer only)\n"
     "  -h, --help           show this help\n";
 
 typedef struct {
@@ -263,6 +269,7 @@ typedef struct {
     kf_compact_params base;
     FILE *per_head;
     double *head_lse, *head_out; /* [n_layers * kv_heads] */
+    cli_progress *pg;            /* the run's progress on stderr */
 } eval_ctx;
 
 /* Measures one row's cache c (computed by the caller, or NULL when its compaction failed with
@@ -334,6 +341,7 @@ static int eval_document(const eval_ctx *x, eval_row *rows, int n_rows, const ev
     kf_reference *ref = NULL;
     kf_error err = {0};
     int rc = -1;
+    cli_progress_note(x->pg, "reference");
     if (!qa || !pr || !outs) {
         cli_error("eval quality", "%s:%d: out of memory", x->docs, lineno);
         goto out;
@@ -348,9 +356,15 @@ static int eval_document(const eval_ctx *x, eval_row *rows, int n_rows, const ev
         goto out;
     }
     kf_error cerr = {0};
+    cli_progress_note(x->pg, "compaction");
     const int compacted = eval_compact_rows(x, rows, n_rows, d, pr, outs, &cerr) == 0;
     for (int r = 0; r < n_rows; r++) {
         kf_error ferr = {0};
+        if (rows[r].full)
+            cli_progress_note(x->pg, "measure full (%d/%d)", r + 1, n_rows);
+        else
+            cli_progress_note(x->pg, "measure %s %g (%d/%d)", kf_method_name(rows[r].method), rows[r].budget, r + 1,
+                              n_rows);
         if (rows[r].full)
             eval_row_measure(x, &rows[r], ref, kf_reference_full_cache(ref, &outs[r], &ferr) == KF_OK ? &outs[r] : NULL,
                              &ferr, lineno);
@@ -454,13 +468,16 @@ static int eval_documents(const eval_ctx *x, FILE *f, FILE *probes_f, eval_row *
     size_t cap = 0;
     char *line = NULL;
     int lineno = 0, rc = KF_EXIT_OK;
-    const int tty = isatty(2);
     const double t0 = cli_now();
+    const char *base = strrchr(x->docs, '/') ? strrchr(x->docs, '/') + 1 : x->docs;
+    char source[256];
     while (n->n_read < limit && getline(&line, &cap, f) > 0) {
         lineno++;
         if (line[strspn(line, " \t\r\n")] == 0)
             continue;
         n->n_read++;
+        snprintf(source, sizeof source, "%s:%d", base, lineno);
+        cli_progress_doc(x->pg, source, "", 0);
         eval_doc d;
         if (parse_doc(line, lineno, x->docs, probes, form, &d) != 0) {
             n->n_unreadable++;
@@ -475,19 +492,20 @@ static int eval_documents(const eval_ctx *x, FILE *f, FILE *probes_f, eval_row *
         } else {
             n->probes_built += d.n_probes;
             if (probes > 0 && d.n_probes == 0) {
-                fprintf(stderr, "%s[eval] %s:%d: no probes (no record line found from the questions)\n",
-                        tty ? "\n" : "", x->docs, lineno);
+                cli_progress_clear(x->pg);
+                fprintf(stderr, "[eval] %s:%d: no probes (no record line found from the questions)\n", x->docs,
+                        lineno);
                 if (n->n_no_probes < 8)
                     n->no_probe_lines[n->n_no_probes] = lineno;
                 n->n_no_probes++;
             }
         }
-        fprintf(stderr, tty ? "\r[eval] %d documents, %.0f s   " : "[eval] %d documents, %.0f s\n", n->n_read,
-                cli_now() - t0);
+        x->pg->finished++;
+        if (!x->pg->tty && !x->pg->quiet)
+            fprintf(stderr, "[eval] %d documents, %.0f s\n", n->n_read, cli_now() - t0);
         eval_doc_free(&d);
     }
-    if (tty)
-        fputc('\n', stderr);
+    cli_progress_end(x->pg);
     free(line);
     for (int r = 0; r < n_rows; r++)
         rc = rows[r].n_failed ? KF_EXIT_FAIL : rc;
@@ -500,7 +518,8 @@ static int eval_documents(const eval_ctx *x, FILE *f, FILE *probes_f, eval_row *
 typedef struct {
     const char *model_dir, *docs, *methods_s, *budgets_s, *head_budgets, *per_head_path, *probes_out;
     long long probes, limit;
-    int tsv;
+    int tsv, quiet;
+    double progress_interval;           /* --progress-interval */
     probe_form form;
     cli_compact_opts q; /* the compaction's parameters (shared with compact); QUOKA: its document prefill */
 } eval_opts;
@@ -512,7 +531,8 @@ static const struct option kOpts[] = {
     {"format", required_argument, 0, 'f'},       {"limit", required_argument, 0, 'l'},
     {"fold-queries", required_argument, 0, 'F'}, {"head-budgets", required_argument, 0, 'H'},
     {"per-head", required_argument, 0, 'P'},     {"probe-form", required_argument, 0, 'A'},
-    {"probes-out", required_argument, 0, 'O'},   CLI_COMPACT_OPTIONS,
+    {"probes-out", required_argument, 0, 'O'},   {"quiet", no_argument, 0, 'q'},
+    CLI_PROGRESS_OPTION,                         CLI_COMPACT_OPTIONS,
     {0, 0, 0, 0}};
 
 /* One option into o: CLI_CONTINUE, or the exit status (--help, a bad value). */
@@ -527,6 +547,11 @@ static int eval_option(void *ctx, int c, const char *arg) {
     case 'O': o->probes_out = arg; break;
     case 'H': o->head_budgets = arg; break;
     case 'P': o->per_head_path = arg; break;
+    case 'q': o->quiet = 1; break;
+    case CLI_OPT_PROGRESS_INTERVAL:
+        if (cli_progress_interval("eval quality", arg, &o->progress_interval))
+            return KF_EXIT_USAGE;
+        break;
     case 'p':
         if (cli_parse_int(arg, 0, 100000, &o->probes))
             return cli_usage_error("eval quality", "--probes must be a count, not '%s'", arg);
@@ -559,9 +584,9 @@ static int eval_option(void *ctx, int c, const char *arg) {
  * full); CLI_CONTINUE or the exit status. */
 static int eval_parse(int argc, char **argv, eval_opts *o, eval_row **rows, int *n_rows) {
     *o = (eval_opts){.methods_s = "full,keep,drop,am,fold", .budgets_s = "0.25,0.1", .limit = 1 << 30,
-                     .form = PROBE_QA};
+                     .form = PROBE_QA, .progress_interval = CLI_PROGRESS_DEFAULT_S};
     cli_compact_opts_init(&o->q);
-    const int rc = cli_parse_options(argc, argv, "h", kOpts, eval_option, o);
+    const int rc = cli_parse_options(argc, argv, "hq", kOpts, eval_option, o);
     if (rc != CLI_CONTINUE)
         return rc;
     if (!o->model_dir || !o->docs || optind != argc)
@@ -582,6 +607,7 @@ typedef struct {
     eval_ctx x;
     FILE *f, *probes_f;
     kf_backend *b;
+    cli_progress pg;
     float *shares; /* [n_layers, kv_heads] --head-budgets */
 } eval_files;
 
@@ -633,6 +659,26 @@ static int eval_open(const eval_opts *o, eval_files *r) {
     return 0;
 }
 
+/* The documents a run will read: non-blank lines, at most limit; 0 when f cannot be read twice. */
+static int count_docs(FILE *f, int limit) {
+    long long n = 0;
+    int c, blank = 1;
+    if (fseek(f, 0, SEEK_CUR) != 0) /* a pipe: it can be read once only */
+        return 0;
+    while ((c = getc(f)) != EOF) {
+        if (c == '\n') {
+            n += !blank;
+            blank = 1;
+        } else if (!strchr(" \t\r", c))
+            blank = 0;
+    }
+    n += !blank;
+    if (fseek(f, 0, SEEK_SET) != 0)
+        return 0;
+    clearerr(f);
+    return n < limit ? (int)n : limit;
+}
+
 /* Evaluates every document and prints the table; the exit status. */
 static int eval_run(const eval_opts *o, eval_row *rows, int n_rows) {
     eval_files r;
@@ -640,6 +686,10 @@ static int eval_run(const eval_opts *o, eval_row *rows, int n_rows) {
     if (eval_open(o, &r) == 0) {
         eval_counts n = {0};
         const double t0 = cli_now();
+        cli_progress_start(&r.pg, "[eval]", count_docs(r.f, (int)o->limit), 0, o->quiet, o->progress_interval);
+        r.x.pg = &r.pg;
+        if (!o->quiet)
+            r.x.base.progress = cli_progress_fn, r.x.base.progress_user = &r.pg;
         rc = eval_documents(&r.x, r.f, r.probes_f, rows, n_rows, (int)o->limit, (int)o->probes, o->form, &n);
         if (n.n_read == 0) {
             cli_error("eval quality", "%s: no documents", o->docs);

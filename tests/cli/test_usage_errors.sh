@@ -86,6 +86,8 @@ expect_usage compact "--manifest" "${C[@]}" --manifest missing.jsonl
 expect_usage compact "--manifest" "${C[@]}" --manifest .
 expect_usage compact "--probes-from" "${C[@]}" --probes-from missing.txt doc.txt
 expect_usage compact "unrecognized option '--docs'" "${C[@]}" --docs "$D" doc.txt
+expect_usage compact "--progress-interval" "${C[@]}" --progress-interval -1 doc.txt
+expect_usage compact "--progress-interval" "${C[@]}" --progress-interval soon doc.txt
 [ ! -e root ] || { echo "FAIL: a usage error created the output root"; fails=$((fails + 1)); }
 
 # eval quality's own options
@@ -98,6 +100,7 @@ expect_usage "eval quality" "--limit" "${E[@]}" --limit 0
 expect_usage "eval quality" "--format" "${E[@]}" --format csv
 expect_usage "eval quality" "--fold-queries" "${E[@]}" --fold-queries some
 expect_usage "eval quality" "--docs" eval quality --model "$M"
+expect_usage "eval quality" "--progress-interval" "${E[@]}" --progress-interval -1
 expect_usage eval "unknown evaluation" eval speed
 
 # bench compact's own options
@@ -109,10 +112,11 @@ expect_usage "bench compact" "--docs" bench compact --model "$M"
 flags() { local a=("$@") out=(); for ((i = 0; i < ${#a[@]}; i += 2)); do out+=("${a[i]}"); done; echo "${out[@]}"; }
 # shellcheck disable=SC2046
 expect_help compact $(flags "${SHARED_ALL[@]}") $(flags "${SHARED_BENCH[@]}") --method --budget --shard \
-    --repeat-instruction --dtype --model --manifest --probes-from --out --no-share --quiet
+    --repeat-instruction --dtype --model --manifest --probes-from --out --no-share --quiet --progress-interval
 # shellcheck disable=SC2046
 expect_help "eval quality" $(flags "${SHARED_ALL[@]}") $(flags "${SHARED_BENCH[@]}") --budgets --methods \
-    --probes --probe-form --limit --format --fold-queries --model --docs --per-head --head-budgets --probes-out
+    --probes --probe-form --limit --format --fold-queries --model --docs --per-head --head-budgets --probes-out \
+    --quiet --progress-interval
 # shellcheck disable=SC2046
 expect_help "bench compact" $(flags "${SHARED_BENCH[@]}") --tokens --budget --method --model --docs --predict-only
 
