@@ -34,7 +34,7 @@ with open(sys.argv[2] + "/eval.jsonl", "w") as f:
         f.write(json.dumps(r) + "\n")
 PY
 
-# expected.py KIND FILE: the stages each document must show, in order, one per line:
+# $tmp/expected.py KIND FILE: the stages each document must show, in order, one per line:
 # "<doc> <step>" (<doc> the manifest line; steps as the progress prints them).
 cat >"$tmp/expected.py" <<'PY'
 import json, sys
@@ -53,7 +53,7 @@ for line, text in enumerate(open(path), 1):
         print(f"{line} {s}")
 PY
 
-# log.py KIND ERR: the stage lines of a log as "<doc> <step>", each document's in the order of the
+# $tmp/log.py KIND ERR: the stage lines of a log as "<doc> <step>", each document's in the order of the
 # log, checking that each carries its place i/N, its time and (library steps) its time left, and
 # that a document's lines come before its own line (compact: the file written; eval: the count).
 cat >"$tmp/log.py" <<'PY'
@@ -119,7 +119,7 @@ check "eval --quiet: nothing on stderr" test ! -s "$tmp/eq.err"
 check "eval --quiet: the same table" diff <(head -3 "$tmp/e.out") <(head -3 "$tmp/eq.out")
 
 # ---- on a terminal: script runs the command on a pseudo-terminal (stdout and stderr both on it) ----
-# frames.py KIND FILE MANIFEST: the lines drawn in place ("\r\033[K" then the text) at each step's end
+# $tmp/frames.py KIND FILE MANIFEST: the lines drawn in place ("\r\033[K" then the text) at each step's end
 # and for each of the command's own stages, as "<doc> <step>" with the doc's manifest line; checks
 # the width and that the line is cleared before the summary.
 cat >"$tmp/frames.py" <<'PY'
