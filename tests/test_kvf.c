@@ -47,7 +47,7 @@ static void synth_make(synth *s, int L, int H, int D, int64_t C, kvf_dtype dt, k
     h->n_layers = L;
     h->kv_heads = H;
     h->head_dim = D;
-    snprintf(h->placeholder, sizeof h->placeholder, "seed-%llu", (unsigned long long)seed);
+    snprintf(h->creator, sizeof h->creator, "kvfold seed-%llu", (unsigned long long)seed);
     size_t nkv = (size_t)L * (size_t)C * (size_t)H * (size_t)D, nb = (size_t)L * (size_t)H * (size_t)C,
            nu = (size_t)L * (size_t)H * (size_t)D;
     s->keys = malloc(nkv * 4);
@@ -746,8 +746,8 @@ static void test_concurrent_writers_never_expose_a_partial_file(void) {
                 fprintf(stderr, "observation %d: %s\n", observed, err.msg);
                 bad++;
             } else {
-                const char *ph = kvf_file_header(f)->placeholder;
-                int who = strcmp(ph, "seed-21") == 0 ? 0 : strcmp(ph, "seed-22") == 0 ? 1 : -1;
+                const char *ph = kvf_file_header(f)->creator;
+                int who = strcmp(ph, "kvfold seed-21") == 0 ? 0 : strcmp(ph, "kvfold seed-22") == 0 ? 1 : -1;
                 if (who < 0 || !check_contents(f, &s[who]))
                     bad++;
                 kvf_close(f);
