@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "compactor/engine.h"
+#include "formats/escape.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
 #include "tools/doc_input.h"
@@ -109,14 +110,14 @@ int cmd_verify(int argc, char **argv) {
     /* every checksum, then the model */
     if (cache_load(CMD, path, m, 1, &c, &hdr))
         goto done;
-    printf("%s: checksums ok, model %s ok (%d layers x %d kv heads x %d), %s %s budget %g, C %lld of D %lld\n", path,
+    printf("%s: checksums ok, model %s ok (%d layers x %d kv heads x %d), %s %s budget %g, C %lld of D %lld\n", KF_ESC(path),
            hdr.model_fingerprint, hdr.n_layers, hdr.kv_heads, hdr.head_dim, kvf_method_name(hdr.method),
            kvf_dtype_name(hdr.dtype), hdr.budget, (long long)hdr.n_tokens, (long long)hdr.n_doc_tokens);
     if (doc_path) {
         char digest[KVF_DIGEST_LEN + 1];
         if (cache_doc_read(CMD, &text, doc_path, path, &hdr, &doc, &n_doc, digest))
             goto done;
-        printf("document: %s matches (digest %s, %d tokens)\n", doc_path, digest, n_doc);
+        printf("document: %s matches (digest %s, %d tokens)\n", KF_ESC(doc_path), digest, n_doc);
     }
     rc = KF_EXIT_OK;
     if (n_q == 0)
