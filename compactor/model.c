@@ -156,9 +156,9 @@ kf_status kf_model_load(kf_model **out, const char *dir, kf_backend *backend, kf
     if (rc == KF_OK)
         rc = kf_st_open_dir(&m->st, dir, err);
     if (rc == KF_OK)
-        rc = check_layer_count(m, err);
-    if (rc == KF_OK)
         rc = load_weights(m, err);
+    if (rc == KF_OK) /* after the shapes: a config of another model is named by its first mismatch */
+        rc = check_layer_count(m, err);
     if (rc == KF_OK) {
         m->inv_freq = malloc(sizeof(double) * (size_t)(m->cfg.head_dim / 2));
         if (!m->inv_freq) {
