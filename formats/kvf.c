@@ -194,7 +194,8 @@ static bool parse_cache_name(const char *name, cache_name *cn) {
     snprintf(cn->digest, sizeof cn->digest, "%.*s", KVF_DIGEST_LEN, name);
     snprintf(cn->recipe16, sizeof cn->recipe16, "%.16s", name + n - 20);
     const char *mid = name + KVF_DIGEST_LEN + 1, *dash = memchr(mid, '-', (size_t)(name + n - 21 - mid));
-    if (!dash || dash - mid >= (ptrdiff_t)sizeof cn->method || name + n - 21 - (dash + 1) >= (ptrdiff_t)sizeof cn->budget)
+    if (!dash || dash - mid >= (ptrdiff_t)sizeof cn->method ||
+        name + n - 21 - (dash + 1) >= (ptrdiff_t)sizeof cn->budget)
         return false;
     snprintf(cn->method, sizeof cn->method, "%.*s", (int)(dash - mid), mid);
     snprintf(cn->budget, sizeof cn->budget, "%.*s", (int)(name + n - 21 - (dash + 1)), dash + 1);
@@ -210,10 +211,11 @@ kf_status kvf_check_name(const char *path, const kvf_header *h, kf_error *err) {
         return KF_OK; /* not a content-addressed name: nothing claimed */
     char b[32];
     kvf_format_budget(h->budget, b, sizeof b);
-    const char *field = strcmp(cn.digest, h->document_digest) ? "document"
+    const char *field = strcmp(cn.digest, h->document_digest)           ? "document"
                         : strcmp(cn.method, kvf_method_name(h->method)) ? "method"
-                        : strcmp(cn.budget, b) ? "budget"
-                        : strncmp(cn.recipe16, h->recipe_digest, 16) ? "recipe" : NULL;
+                        : strcmp(cn.budget, b)                          ? "budget"
+                        : strncmp(cn.recipe16, h->recipe_digest, 16)    ? "recipe"
+                                                                        : NULL;
     if (!field)
         return KF_OK;
     return kf_fail(err, KF_ERR_MISMATCH,
@@ -612,7 +614,8 @@ kf_status kvf_header_check(const kvf_header *h, const char *path, kf_error *err)
         return kf_fail(err, KF_ERR_FORMAT, "%s: creator or placeholder is not a terminated, printable UTF-8 string",
                        path);
     if (strcmp(h->placeholder, KVF_PLACEHOLDER) != 0)
-        return kf_fail(err, KF_ERR_FORMAT, "%s: placeholder '%s' is not \"" KVF_PLACEHOLDER "\", the only placeholder policy of version %d",
+        return kf_fail(err, KF_ERR_FORMAT,
+                       "%s: placeholder '%s' is not \"" KVF_PLACEHOLDER "\", the only placeholder policy of version %d",
                        path, h->placeholder, KVF_VERSION);
     if ((unsigned)h->method > KVF_METHOD_FOLD || (unsigned)h->dtype > KVF_F32 ||
         (unsigned)h->rope_frame > KVF_FRAME_ORIGINAL)

@@ -42,7 +42,8 @@ static void test_c1_bidi_and_separators(void) {
 
 static void test_plain_text_unchanged(void) {
     expect("docs.jsonl:12 (record-7): ok", "docs.jsonl:12 (record-7): ok");
-    expect("caf\xc3\xa9 \xe6\x97\xa5\xe6\x9c\xac \xf0\x9f\x99\x82", "caf\xc3\xa9 \xe6\x97\xa5\xe6\x9c\xac \xf0\x9f\x99\x82");
+    expect("caf\xc3\xa9 \xe6\x97\xa5\xe6\x9c\xac \xf0\x9f\x99\x82",
+           "caf\xc3\xa9 \xe6\x97\xa5\xe6\x9c\xac \xf0\x9f\x99\x82");
     expect("\xc2\xa0nbsp", "\xc2\xa0nbsp"); /* U+00A0 is printable, just past C1 */
     CU_ASSERT(kf_text_is_plain("kvfold 0.1.0"));
     CU_ASSERT(!kf_text_is_plain("kvfold \xc2\x9b"));

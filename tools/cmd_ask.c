@@ -55,8 +55,9 @@ static int answer_room(const kf_hfconfig *cfg, int64_t ctx, int i, int nq, long 
     if (max_pos <= 0)
         return (int)max_tokens;
     if (ctx + nq >= max_pos) { /* at least one answer token must fit */
-        cli_usage_error(CMD, "question %d: %lld context tokens + %d question tokens leave no room within the model's %lld "
-                             "positions (max_position_embeddings)",
+        cli_usage_error(CMD,
+                        "question %d: %lld context tokens + %d question tokens leave no room within the model's %lld "
+                        "positions (max_position_embeddings)",
                         i + 1, (long long)ctx, nq, (long long)max_pos);
         return -1;
     }
@@ -180,7 +181,8 @@ int cmd_ask(int argc, char **argv) {
         const int room = answer_room(cfg, compare ? hdr.n_doc_tokens : c.C, i, qn[i], max_tokens);
         int32_t *full = out + max_tokens;
         if (kf_engine_greedy(&ec, m, &q, room, eos, n_eos, stop_on_text, &st, out, &n_out, &e) != KF_OK ||
-            (compare && kf_engine_greedy(&ef, m, &q, room, eos, n_eos, stop_on_text, &st, full, &n_full, &e) != KF_OK)) {
+            (compare &&
+             kf_engine_greedy(&ef, m, &q, room, eos, n_eos, stop_on_text, &st, full, &n_full, &e) != KF_OK)) {
             cli_error(CMD, "%s", e.msg);
             rc = KF_EXIT_FAIL;
             break;
