@@ -138,7 +138,10 @@ int cmd_ask(int argc, char **argv) {
         const int is_ids = i == n_text_q;
         if (is_ids ? cli_parse_ids(qids_s, &qs[i], &qn[i], err, sizeof err)
                    : doc_tokenize(&text, argv[optind + i], strlen(argv[optind + i]), 0, &qs[i], &qn[i], err, sizeof err)) {
-            cli_error(CMD, "question %d: %s", i + 1, err);
+            if (is_ids) /* a malformed --question-ids ("1,,2") is a usage error */
+                rc = cli_usage_error(CMD, "--question-ids: %s", err);
+            else
+                cli_error(CMD, "question %d: %s", i + 1, err);
             goto done;
         }
         for (int j = 0; j < qn[i]; j++)

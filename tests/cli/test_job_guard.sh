@@ -127,6 +127,18 @@ long_q=$("$py" -c 'print(" -" * 5000)')
 check "verify --question of 5000 tokens: exit 2 (was 0)" test $? -eq 2
 check "verify --question of 5000 tokens: the message" has "$tmp/pos-verify.err" "leave no room within the model's 4096 positions"
 
+# ---- id lists: an empty item is refused, never skipped ----
+"$kvfold" logits --model "$model" --ids 1,,2 >"$tmp/ids.out" 2>"$tmp/ids.err"
+check "logits --ids 1,,2: exit 2 (was 0: read as 1,2)" test $? -eq 2
+check "logits --ids 1,,2: the message" has "$tmp/ids.err" "--ids: token id 2: an empty item (two commas, or a comma at either end)"
+"$kvfold" logits --model "$model" --ids 1,2, >/dev/null 2>&1
+check "logits --ids 1,2,: exit 2" test $? -eq 2
+"$kvfold" logits --model "$model" --ids "1, 2 3" >/dev/null 2>&1
+check "logits --ids '1, 2 3': commas and spaces still separate (exit 0)" test $? -eq 0
+"$kvfold" ask "$kvf" --model "$model" --question-ids 5,,6 >/dev/null 2>"$tmp/qids.err"
+check "ask --question-ids 5,,6: exit 2" test $? -eq 2
+check "ask --question-ids 5,,6: the message" has "$tmp/qids.err" "--question-ids: token id 2: an empty item"
+
 # ---- bounded input: a line that cannot be read fails alone, the next lines are read ----
 {
     sed -n 1p "$tmp/docs.jsonl"
