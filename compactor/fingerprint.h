@@ -3,10 +3,13 @@
  * kf_model_fingerprint hashes every weight byte (seconds to minutes on large models); the result
  * is kept in a small text file keyed by what would change it:
  *
- *   kvfold-fingerprint 1
+ *   kvfold-fingerprint 2
  *   dir <realpath of the model directory>
- *   file <name> <size> <mtime in ns>      config.json, model.safetensors.index.json when present,
- *   ...                                   then each weight file, in the order given
+ *   files <number of weight files>
+ *   file <name> <size> <mtime in ns> <inode> <ctime in ns>
+ *   ...                                   config.json, model.safetensors.index.json when present,
+ *                                         then each weight file, in the order given
+ * (the inode and ctime: weights rewritten in place with size and mtime kept are hashed again)
  *   fingerprint <32 hex digits>
  *
  * Where: <dir>/.kvfold-fingerprint when the directory is writable, else

@@ -123,6 +123,21 @@ static kf_status load_weights(kf_model *m, kf_error *err) {
     return KF_OK;
 }
 
+/* A checkpoint with more layers than config.json's num_hidden_layers is refused: running only the
+ * first ones would silently compute another model. */
+static kf_status check_layer_count(const kf_model *m, kf_error *err) {
+    for (size_t i = 0; i < m->st.n_tensors; i++) {
+        const char *name = m->st.tensors[i].name;
+        int layer = -1, used = 0;
+        if (sscanf(name, "model.layers.%d.%n", &layer, &used) == 1 && used > 0 && layer >= m->cfg.n_layers)
+            return kf_fail(err, KF_ERR_MISMATCH,
+                           "%s: the checkpoint holds layer %d (tensor '%s') but config.json's num_hidden_layers "
+                           "is %d: refused (the extra layers would be ignored)",
+                           m->dir, layer, name, m->cfg.n_layers);
+    }
+    return KF_OK;
+}
+
 kf_status kf_model_load(kf_model **out, const char *dir, kf_backend *backend, kf_error *err) {
     *out = NULL;
     kf_model *m = calloc(1, sizeof *m);
@@ -142,6 +157,8 @@ kf_status kf_model_load(kf_model **out, const char *dir, kf_backend *backend, kf
         rc = kf_st_open_dir(&m->st, dir, err);
     if (rc == KF_OK)
         rc = load_weights(m, err);
+    if (rc == KF_OK) /* after the shapes: a config of another model is named by its first mismatch */
+        rc = check_layer_count(m, err);
     if (rc == KF_OK) {
         m->inv_freq = malloc(sizeof(double) * (size_t)(m->cfg.head_dim / 2));
         if (!m->inv_freq) {

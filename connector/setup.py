@@ -39,6 +39,7 @@ ext = Extension(
         "connector/ext/kvfold_ext.c",
         "connector/ext/blockcopy.c",
         "formats/error.c",
+        "formats/escape.c",
         "formats/kvf.c",
         "formats/kvf_read.c",
         "formats/kvf_write.c",

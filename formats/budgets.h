@@ -5,8 +5,10 @@
  * A flat object whose keys are "L{layer}H{kv_head}" and whose values are the head's share of the
  * total budget (non-negative numbers; over all heads they sum to about 1, uniform being
  * 1 / (layers * kv_heads)). A head missing from the file gets the uniform share. Keys naming a
- * layer or head the model does not have, negative or non-numeric shares, and malformed keys are
- * refused with the key named.
+ * layer or head the model does not have, shares that are negative, non-numeric or beyond a float
+ * (FLT_MAX: an infinite share would make every budget NaN), and malformed keys are refused with
+ * the key named. A key has one spelling: decimal numbers without sign or leading zeros ("L0H3";
+ * "L00H3" is refused, so two keys never name one head).
  */
 #ifndef KF_BUDGETS_H
 #define KF_BUDGETS_H

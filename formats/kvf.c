@@ -13,6 +13,7 @@
 #define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
 #include <xxhash.h>
 
+#include "formats/escape.h"
 #include "formats/kvf_internal.h"
 
 /* ---- names ---- */
@@ -28,7 +29,7 @@ void kvf_header_init(kvf_header *h) {
     h->method = KVF_METHOD_FOLD;
     h->budget = 1.0;
     h->rope_frame = KVF_FRAME_COMPACTED;
-    snprintf(h->placeholder, sizeof h->placeholder, "digest");
+    snprintf(h->placeholder, sizeof h->placeholder, "%s", KVF_PLACEHOLDER);
     h->dtype = KVF_BF16;
     h->block_size = KVF_BLOCK;
     memset(h->recipe_digest, '0', KVF_DIGEST_LEN);
@@ -177,6 +178,51 @@ kf_status kvf_cache_path(const char *root, const char *model_fp, const char *doc
     if (m < 0 || (size_t)m >= out_len - (size_t)n)
         return kf_fail(err, KF_ERR_INVALID, "kvf: cache path under '%s' is too long", root);
     return KF_OK;
+}
+
+/* The parts of a content-addressed base name (kvf_cache_path): true when name has its form. */
+typedef struct {
+    char digest[KVF_DIGEST_LEN + 1], method[8], budget[32], recipe16[17];
+} cache_name;
+
+static bool parse_cache_name(const char *name, cache_name *cn) {
+    const size_t n = strlen(name);
+    /* <32 hex> "." <method> "-" <budget> "." <16 hex> ".kvf" */
+    if (n < KVF_DIGEST_LEN + 1 + 3 + 16 + 5 || name[KVF_DIGEST_LEN] != '.' || strcmp(name + n - 4, ".kvf") != 0 ||
+        name[n - 21] != '.')
+        return false;
+    snprintf(cn->digest, sizeof cn->digest, "%.*s", KVF_DIGEST_LEN, name);
+    snprintf(cn->recipe16, sizeof cn->recipe16, "%.16s", name + n - 20);
+    const char *mid = name + KVF_DIGEST_LEN + 1, *dash = memchr(mid, '-', (size_t)(name + n - 21 - mid));
+    if (!dash || dash - mid >= (ptrdiff_t)sizeof cn->method ||
+        name + n - 21 - (dash + 1) >= (ptrdiff_t)sizeof cn->budget)
+        return false;
+    snprintf(cn->method, sizeof cn->method, "%.*s", (int)(dash - mid), mid);
+    snprintf(cn->budget, sizeof cn->budget, "%.*s", (int)(name + n - 21 - (dash + 1)), dash + 1);
+    kvf_method m;
+    return is_hex(cn->digest, KVF_DIGEST_LEN) && is_hex(cn->recipe16, 16) && kvf_method_parse(cn->method, &m) == 0;
+}
+
+kf_status kvf_check_name(const char *path, const kvf_header *h, kf_error *err) {
+    const char *base = strrchr(path, '/');
+    base = base ? base + 1 : path;
+    cache_name cn;
+    if (!parse_cache_name(base, &cn))
+        return KF_OK; /* not a content-addressed name: nothing claimed */
+    char b[32];
+    kvf_format_budget(h->budget, b, sizeof b);
+    const char *field = strcmp(cn.digest, h->document_digest)           ? "document"
+                        : strcmp(cn.method, kvf_method_name(h->method)) ? "method"
+                        : strcmp(cn.budget, b)                          ? "budget"
+                        : strncmp(cn.recipe16, h->recipe_digest, 16)    ? "recipe"
+                                                                        : NULL;
+    if (!field)
+        return KF_OK;
+    return kf_fail(err, KF_ERR_MISMATCH,
+                   "%s: its name says %s.%s-%s.%s, its header %s.%s-%s.%.16s: the %s differs (a file copied or "
+                   "renamed over another's name)",
+                   path, cn.digest, cn.method, cn.budget, cn.recipe16, h->document_digest, kvf_method_name(h->method),
+                   b, h->recipe_digest, field);
 }
 
 bool kvf_is_temp_name(const char *name) {
@@ -543,25 +589,7 @@ bool kvf_is_hex(const char *s, size_t len) {
 }
 
 bool kvf_is_clean_utf8(const char *s) {
-    const unsigned char *p = (const unsigned char *)s;
-    while (*p) {
-        unsigned c = *p;
-        int n = c < 0x80 ? 0 : (c & 0xe0) == 0xc0 ? 1 : (c & 0xf0) == 0xe0 ? 2 : (c & 0xf8) == 0xf0 ? 3 : -1;
-        if (n < 0 || (n == 0 && (c < 0x20 || c == 0x7f)))
-            return false;
-        uint32_t cp = n == 0 ? c : n == 1 ? c & 0x1f : n == 2 ? c & 0x0f : c & 0x07;
-        for (int i = 1; i <= n; i++) {
-            if ((p[i] & 0xc0) != 0x80)
-                return false;
-            cp = cp << 6 | (p[i] & 0x3f);
-        }
-        /* overlong forms, surrogates, beyond U+10FFFF */
-        if ((n == 1 && cp < 0x80) || (n == 2 && cp < 0x800) || (n == 3 && cp < 0x10000) || cp > 0x10ffff ||
-            (cp >= 0xd800 && cp <= 0xdfff))
-            return false;
-        p += n + 1;
-    }
-    return true;
+    return kf_text_is_plain(s);
 }
 
 static bool str_ok(const char *s, size_t cap) {
@@ -585,6 +613,10 @@ kf_status kvf_header_check(const kvf_header *h, const char *path, kf_error *err)
     if (!str_ok(h->creator, sizeof h->creator) || !str_ok(h->placeholder, sizeof h->placeholder))
         return kf_fail(err, KF_ERR_FORMAT, "%s: creator or placeholder is not a terminated, printable UTF-8 string",
                        path);
+    if (strcmp(h->placeholder, KVF_PLACEHOLDER) != 0)
+        return kf_fail(err, KF_ERR_FORMAT,
+                       "%s: placeholder '%s' is not \"" KVF_PLACEHOLDER "\", the only placeholder policy of version %d",
+                       path, h->placeholder, KVF_VERSION);
     if ((unsigned)h->method > KVF_METHOD_FOLD || (unsigned)h->dtype > KVF_F32 ||
         (unsigned)h->rope_frame > KVF_FRAME_ORIGINAL)
         return kf_fail(err, KF_ERR_FORMAT, "%s: method, dtype or rope_frame out of range", path);

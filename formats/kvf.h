@@ -5,8 +5,10 @@
  * require); readable by h5py and h5dump (HDF5 1.10+). Version 1 files are refused with a message
  * that says to recompact.
  *
- *   Root attributes (strings: fixed-length, null-terminated, UTF-8; integers: int64 LE; reals:
- *   float64 LE). Readers check every value, not only its presence and type.
+ *   Root attributes (strings: fixed-length, null-terminated, UTF-8 without control characters: no
+ *   C0, DEL, C1, bidirectional controls or line separators, kvf_is_clean_utf8; integers: int64 LE;
+ *   reals: float64 LE). Readers check every value, not only its presence and type; writers refuse
+ *   the same values.
  *     format             "kvfold-kvf"
  *     version            2; readers refuse any other version, naming it
  *     creator            "kvfold <version>" of the writer (printable UTF-8)
@@ -26,7 +28,10 @@
  *     rope_frame         "compacted": keys were rotated by -(D - C) positions, so the question's token i
  *                        sits at position C + i (what a paged engine does after a prefix of C tokens);
  *                        "original": keys are in the AM frame, the question starts at position D
- *     placeholder        how the serving side derives the C placeholder token ids (e.g. "digest")
+ *     placeholder        "digest", the only value of version 2 (readers refuse any other): the serving
+ *                        side derives the C placeholder token ids from the cache's identity (the
+ *                        connector's "digest-v1" scheme); a new scheme is a new value and a new
+ *                        version
  *     dtype              element type of keys and values: "bfloat16", "float16" or "float32"
  *     n_layers (1..4096), kv_heads (1..4096), head_dim (1..65536)
  *     block_size         16: tokens per block of kvf_read_block (vLLM's block size); not the chunking
@@ -115,6 +120,7 @@
 #define KVF_BLOCK 16           /* tokens per chunk */
 #define KVF_DIGEST_LEN 32      /* hex digits of a fingerprint / document digest */
 #define KVF_ALL_LAYERS (-1)
+#define KVF_PLACEHOLDER "digest" /* the placeholder attribute's only value */
 
 typedef enum { KVF_METHOD_KEEP, KVF_METHOD_DROP, KVF_METHOD_AM, KVF_METHOD_FOLD } kvf_method;
 typedef enum { KVF_BF16, KVF_F16, KVF_F32 } kvf_dtype;
@@ -184,7 +190,8 @@ kf_status kvf_cache_path(const char *root, const char *model_fp, const char *doc
                          kf_error *err);
 /* True when s is exactly len lowercase hex digits. */
 bool kvf_is_hex(const char *s, size_t len);
-/* True when s (NUL-terminated) is valid UTF-8 without C0 control characters or DEL. */
+/* True when s (NUL-terminated) is valid UTF-8 without control characters: C0, DEL, C1, the
+ * bidirectional controls and the line separators (kf_text_is_plain in formats/escape.h). */
 bool kvf_is_clean_utf8(const char *s);
 /* True when name (a path or base name) is a writer's temporary file: "*.tmp-<pid>-<16 hex>". */
 bool kvf_is_temp_name(const char *name);
@@ -209,6 +216,32 @@ kf_status kvf_write(const char *path, const kvf_cache *c, kf_error *err);
 /* True when path holds a kvf file that kvf_open() and kvf_verify() accept (every checksum, the
  * payload digest, every value), written for model_fp and recipe_digest (either NULL: not checked). */
 bool kvf_exists_valid(const char *path, const char *model_fp, const char *recipe_digest);
+
+/* What a file must be to stand for a writer's output: the identity its name and header carry.
+ * A NULL string, a negative method, dtype or n_doc_tokens, a budget of 0: not checked. */
+typedef struct {
+    const char *model_fingerprint, *document_digest, *recipe_digest; /* 32 hex digits each */
+    int method;                                                      /* kvf_method */
+    double budget;
+    int dtype;                                                       /* kvf_dtype */
+    int64_t n_doc_tokens;                                            /* D */
+} kvf_identity;
+
+/* KF_ERR_MISMATCH naming the first header field that differs from want (both values). */
+kf_status kvf_check_identity(const kvf_file *f, const kvf_identity *want, kf_error *err);
+
+/* The file at path for a writer that would write identity want (a job's skip check): KF_OK when
+ * kvf_open() and kvf_verify() accept it and its header is want; KF_ERR_NOTFOUND when nothing is
+ * there; else the cause, in err, why it cannot stand for the writer's output (damaged, another
+ * document, method, budget, recipe or model: KF_ERR_MISMATCH). */
+kf_status kvf_check_existing(const char *path, const kvf_identity *want, kf_error *err);
+
+/* The identity a content-addressed name (kvf_cache_path) claims, against the header: when the
+ * base name of path has the form <32 hex>.<method>-<budget>.<16 hex>.kvf, its document digest,
+ * method, budget and recipe digest's first 16 digits must be the header's (KF_ERR_MISMATCH naming
+ * the field); any other name is not checked (KF_OK). A file copied over another's name is then
+ * refused by every reader that checks it. */
+kf_status kvf_check_name(const char *path, const kvf_header *h, kf_error *err);
 
 /* Finds writers' temporary files under root (recursively) whose mtime is at least older_than_s
  * seconds ago; calls found(ctx, path, age_s) for each when given, removes them unless dry_run, and

@@ -633,13 +633,48 @@ kf_status kvf_open(const char *path, kvf_file **out, kf_error *err) {
 }
 
 bool kvf_exists_valid(const char *path, const char *model_fp, const char *recipe_digest) {
+    const kvf_identity want = {model_fp, NULL, recipe_digest, -1, 0, -1, -1};
+    return kvf_check_existing(path, &want, NULL) == KF_OK;
+}
+
+/* One string field of the identity: KF_ERR_MISMATCH naming it when it differs. */
+static kf_status same_str(const kvf_file *f, const char *field, const char *have, const char *want, kf_error *err) {
+    if (want && strcmp(have, want) != 0)
+        return kf_fail(err, KF_ERR_MISMATCH, "%s: holds %s %s, not %s", f->path, field, have, want);
+    return KF_OK;
+}
+
+kf_status kvf_check_identity(const kvf_file *f, const kvf_identity *want, kf_error *err) {
+    const kvf_header *h = &f->hdr;
+    KF_TRY(same_str(f, "document", h->document_digest, want->document_digest, err));
+    if (want->n_doc_tokens >= 0 && h->n_doc_tokens != want->n_doc_tokens)
+        return kf_fail(err, KF_ERR_MISMATCH, "%s: holds a document of %lld tokens, not %lld", f->path,
+                       (long long)h->n_doc_tokens, (long long)want->n_doc_tokens);
+    if (want->method >= 0 && (int)h->method != want->method)
+        return kf_fail(err, KF_ERR_MISMATCH, "%s: holds method %s, not %s", f->path, kvf_method_name(h->method),
+                       kvf_method_name((kvf_method)want->method));
+    if (want->budget != 0 && h->budget != want->budget)
+        return kf_fail(err, KF_ERR_MISMATCH, "%s: holds budget %.17g, not %.17g", f->path, h->budget, want->budget);
+    if (want->dtype >= 0 && (int)h->dtype != want->dtype)
+        return kf_fail(err, KF_ERR_MISMATCH, "%s: holds %s, not %s", f->path, kvf_dtype_name(h->dtype),
+                       kvf_dtype_name((kvf_dtype)want->dtype));
+    KF_TRY(same_str(f, "recipe", h->recipe_digest, want->recipe_digest, err));
+    return same_str(f, "model", h->model_fingerprint, want->model_fingerprint, err);
+}
+
+kf_status kvf_check_existing(const char *path, const kvf_identity *want, kf_error *err) {
+    struct stat sb;
+    if (lstat(path, &sb) != 0 && errno == ENOENT)
+        return kf_fail(err, KF_ERR_NOTFOUND, "%s: no file", path);
     kvf_file *f;
-    if (kvf_open(path, &f, NULL) != KF_OK)
-        return false;
-    bool ok = (!model_fp || strcmp(f->hdr.model_fingerprint, model_fp) == 0) &&
-              (!recipe_digest || strcmp(f->hdr.recipe_digest, recipe_digest) == 0) && kvf_verify(f, NULL) == KF_OK;
+    KF_TRY(kvf_open(path, &f, err));
+    kf_status st = kvf_check_identity(f, want, err);
+    if (st == KF_OK)
+        st = kvf_check_name(path, &f->hdr, err);
+    if (st == KF_OK)
+        st = kvf_verify(f, err);
     kvf_close(f);
-    return ok;
+    return st;
 }
 
 kf_status kvf_check_model(const kvf_file *f, const char *model_fp, int n_layers, int kv_heads, int head_dim,

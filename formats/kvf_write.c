@@ -380,9 +380,10 @@ static int fsync_path(const char *path, int flags) {
     return rc;
 }
 
-/* Creates tmp (exclusively) with the bytes, fsynced; on failure removes it: -1 with errno. */
+/* Creates tmp (exclusively, never through a symlink) with the bytes, fsynced; on failure removes
+ * it: -1 with errno. */
 static int write_file(const char *tmp, const void *bytes, size_t n) {
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
     if (fd < 0)
         return -1;
     const char *p = bytes;

@@ -801,8 +801,12 @@ static void test_head_budgets(void) {
     CU_ASSERT(fabs(total - 1.0) < 1e-5);
     CU_ASSERT(shares[0] > shares[1]);
     CU_ASSERT(fabs(shares[3] - 1.0 / (L * kvh) / (5.5 + (L * kvh - 4) * 1.0 / (L * kvh))) < 1e-5); /* missing */
-    const char *bad[] = {"{\"L0X1\": 1}", "{\"L99H0\": 1}", "{\"L0H0\": -1}", "{\"L0H0\": \"a\"}", "[1]"};
-    for (int i = 0; i < 5; i++) {
+    /* malformed, missing heads, negative, non-numeric; then a share beyond a float (inf / inf would
+     * make every budget NaN) and keys that would alias L0H0 */
+    const char *bad[] = {"{\"L0X1\": 1}", "{\"L99H0\": 1}", "{\"L0H0\": -1}", "{\"L0H0\": \"a\"}", "[1]",
+                         "{\"L0H0\": 1e39, \"L0H1\": 1e39}", "{\"L00H0\": 1}", "{\"L0H0\": 1, \"L00H0\": 2}",
+                         "{\"L+0H0\": 1}", "{\"L 0H0\": 1}", "{\"L0H-0\": 1}"};
+    for (int i = 0; i < (int)(sizeof bad / sizeof *bad); i++) {
         const char *bp = kf_test_write_file("bad-budgets.json", bad[i], strlen(bad[i]));
         CU_ASSERT_NOT_EQUAL(kf_head_budgets_load(bp, L, kvh, shares, &err), KF_OK);
         CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "bad-budgets.json"));

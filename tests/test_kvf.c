@@ -47,7 +47,7 @@ static void synth_make(synth *s, int L, int H, int D, int64_t C, kvf_dtype dt, k
     h->n_layers = L;
     h->kv_heads = H;
     h->head_dim = D;
-    snprintf(h->placeholder, sizeof h->placeholder, "seed-%llu", (unsigned long long)seed);
+    snprintf(h->creator, sizeof h->creator, "kvfold seed-%llu", (unsigned long long)seed);
     size_t nkv = (size_t)L * (size_t)C * (size_t)H * (size_t)D, nb = (size_t)L * (size_t)H * (size_t)C,
            nu = (size_t)L * (size_t)H * (size_t)D;
     s->keys = malloc(nkv * 4);
@@ -746,8 +746,8 @@ static void test_concurrent_writers_never_expose_a_partial_file(void) {
                 fprintf(stderr, "observation %d: %s\n", observed, err.msg);
                 bad++;
             } else {
-                const char *ph = kvf_file_header(f)->placeholder;
-                int who = strcmp(ph, "seed-21") == 0 ? 0 : strcmp(ph, "seed-22") == 0 ? 1 : -1;
+                const char *ph = kvf_file_header(f)->creator;
+                int who = strcmp(ph, "kvfold seed-21") == 0 ? 0 : strcmp(ph, "kvfold seed-22") == 0 ? 1 : -1;
                 if (who < 0 || !check_contents(f, &s[who]))
                     bad++;
                 kvf_close(f);
@@ -920,6 +920,150 @@ static void test_fingerprint_cache(void) {
     }
 }
 
+/* Waits until the coarse clock that stamps file times has moved, so the next change of a file
+ * gets a ctime of its own (a wait for an event, nothing timed is asserted). */
+static void next_clock_tick(void) {
+    struct timespec t0, t;
+    clock_gettime(CLOCK_REALTIME_COARSE, &t0);
+    do {
+        nanosleep(&(struct timespec){0, 1000000}, NULL);
+        clock_gettime(CLOCK_REALTIME_COARSE, &t);
+    } while (t.tv_sec == t0.tv_sec && t.tv_nsec == t0.tv_nsec);
+}
+
+/* Weights rewritten in place with their size and mtime kept (a byte changed, then the mtime set
+ * back): the cache entry no longer matches, the fingerprint is computed again. */
+static void test_fingerprint_cache_weights_changed_in_place(void) {
+    char dir[1024], weights[1100], path[1100];
+    snprintf(dir, sizeof dir, "%s", kf_test_make_dir("fpmodel-inplace"));
+    snprintf(path, sizeof path, "%s/config.json", kf_test_data("hf-qwen3-tiny"));
+    copy_file(path, "fpmodel-inplace/config.json");
+    snprintf(path, sizeof path, "%s/model.safetensors", kf_test_data("hf-qwen3-tiny"));
+    copy_file(path, "fpmodel-inplace/model.safetensors");
+    snprintf(weights, sizeof weights, "%s/model.safetensors", dir);
+    const char *files[1] = {weights};
+    char out[33];
+    bool hit = true;
+    kf_error err = {0};
+    g_computed = 0;
+    CU_ASSERT_EQUAL(kf_fingerprint_cached(dir, files, 1, fake_compute, "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", out, &hit, &err),
+                    KF_OK);
+    CU_ASSERT(!hit && g_computed == 1);
+    struct stat before, after;
+    CU_ASSERT_EQUAL_FATAL(stat(weights, &before), 0);
+    next_clock_tick();
+    int fd = open(weights, O_RDWR);
+    CU_ASSERT_FATAL(fd >= 0);
+    unsigned char byte = 0;
+    CU_ASSERT_EQUAL(pread(fd, &byte, 1, before.st_size - 1), 1);
+    byte ^= 0x01;
+    CU_ASSERT_EQUAL(pwrite(fd, &byte, 1, before.st_size - 1), 1);
+    close(fd);
+    const struct timespec keep[2] = {before.st_atim, before.st_mtim};
+    CU_ASSERT_EQUAL(utimensat(AT_FDCWD, weights, keep, 0), 0);
+    CU_ASSERT_EQUAL_FATAL(stat(weights, &after), 0);
+    CU_ASSERT(after.st_size == before.st_size && after.st_mtim.tv_sec == before.st_mtim.tv_sec &&
+              after.st_mtim.tv_nsec == before.st_mtim.tv_nsec); /* what the old key saw: unchanged */
+    CU_ASSERT_EQUAL(kf_fingerprint_cached(dir, files, 1, fake_compute, "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb", out, &hit, &err),
+                    KF_OK);
+    CU_ASSERT(!hit && g_computed == 2);
+    CU_ASSERT_STRING_EQUAL(out, "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb");
+    /* a weight file replaced by another (a new inode) with the same size and mtime */
+    char tmp[1200];
+    snprintf(tmp, sizeof tmp, "%s.new", weights);
+    size_t n;
+    char *bytes = slurp(weights, &n);
+    FILE *f = fopen(tmp, "wb");
+    CU_ASSERT_FATAL(f && fwrite(bytes, 1, n, f) == n);
+    fclose(f);
+    free(bytes);
+    CU_ASSERT_EQUAL(utimensat(AT_FDCWD, tmp, keep, 0), 0);
+    CU_ASSERT_EQUAL(rename(tmp, weights), 0);
+    CU_ASSERT_EQUAL(kf_fingerprint_cached(dir, files, 1, fake_compute, "cccccccccccccccccccccccccccccccc", out, &hit, &err),
+                    KF_OK);
+    CU_ASSERT(!hit && g_computed == 3);
+}
+
+/* ---- identity: a file must be what its name and the job say ---- */
+
+static void test_identity_and_name(void) {
+    synth a, b;
+    synth_make(&a, 2, 2, 8, 5, KVF_BF16, KVF_METHOD_FOLD, 31);
+    synth_make(&b, 2, 2, 8, 5, KVF_BF16, KVF_METHOD_FOLD, 32); /* another document, same recipe */
+    char path_a[4096], path_b[4096];
+    snprintf(path_a, sizeof path_a, "%s", cache_file("ident", &a));
+    snprintf(path_b, sizeof path_b, "%s", cache_file("ident", &b));
+    const kvf_header *ha = &a.c.hdr;
+    const kvf_identity want_a = {kFp, ha->document_digest, ha->recipe_digest, KVF_METHOD_FOLD, ha->budget, KVF_BF16,
+                                 ha->n_doc_tokens};
+    kf_error err = {0};
+    CU_ASSERT_EQUAL(kvf_check_existing(path_a, &want_a, &err), KF_ERR_NOTFOUND);
+    write_ok(path_a, &b); /* document B under A's name */
+    CU_ASSERT(!kvf_exists_valid(path_a, kFp, ha->recipe_digest)); /* model and recipe pass, the name does not */
+    CU_ASSERT_EQUAL(kvf_check_existing(path_a, &want_a, &err), KF_ERR_MISMATCH);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "holds document"));
+    kvf_file *f = open_ok(path_a);
+    CU_ASSERT_EQUAL(kvf_check_name(path_a, kvf_file_header(f), &err), KF_ERR_MISMATCH);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "the document differs"));
+    CU_ASSERT_EQUAL(kvf_check_name(path_b, kvf_file_header(f), &err), KF_OK);
+    CU_ASSERT_EQUAL(kvf_check_name("/some/where/renamed.kvf", kvf_file_header(f), &err), KF_OK); /* no claim */
+    kvf_close(f);
+    write_ok(path_a, &a);
+    CU_ASSERT_EQUAL(kvf_check_existing(path_a, &want_a, &err), KF_OK);
+    /* each field of the identity on its own */
+    kvf_identity w = want_a;
+    w.method = KVF_METHOD_AM;
+    CU_ASSERT(kvf_check_existing(path_a, &w, &err) == KF_ERR_MISMATCH && strstr(err.msg, "method fold, not am"));
+    w = want_a;
+    w.budget = 0.5;
+    CU_ASSERT(kvf_check_existing(path_a, &w, &err) == KF_ERR_MISMATCH && strstr(err.msg, "budget"));
+    w = want_a;
+    w.dtype = KVF_F32;
+    CU_ASSERT(kvf_check_existing(path_a, &w, &err) == KF_ERR_MISMATCH && strstr(err.msg, "float32"));
+    w = want_a;
+    w.n_doc_tokens = ha->n_doc_tokens + 1;
+    CU_ASSERT(kvf_check_existing(path_a, &w, &err) == KF_ERR_MISMATCH && strstr(err.msg, "tokens"));
+    w = want_a;
+    w.recipe_digest = "aaaabbbbccccddddeeeeffff00001112";
+    CU_ASSERT(kvf_check_existing(path_a, &w, &err) == KF_ERR_MISMATCH && strstr(err.msg, "recipe"));
+    w = want_a;
+    w.model_fingerprint = kOtherFp;
+    CU_ASSERT(kvf_check_existing(path_a, &w, &err) == KF_ERR_MISMATCH && strstr(err.msg, "model"));
+    /* a header whose method is not its name's (the recipe digest kept) */
+    a.c.hdr.method = KVF_METHOD_AM;
+    a.c.hdr.lambda = 0;
+    write_ok(path_a, &a);
+    f = open_ok(path_a);
+    CU_ASSERT(kvf_check_name(path_a, kvf_file_header(f), &err) == KF_ERR_MISMATCH && strstr(err.msg, "method differs"));
+    kvf_close(f);
+    CU_ASSERT_EQUAL(kvf_check_existing(path_a, &want_a, &err), KF_ERR_MISMATCH);
+    synth_free(&a);
+    synth_free(&b);
+}
+
+/* creator and placeholder: C1 controls and bidirectional overrides are refused on write (and by
+ * readers, the same check); placeholder has one value. */
+static void test_header_strings_refused(void) {
+    synth s;
+    synth_make(&s, 1, 1, 8, 3, KVF_F32, KVF_METHOD_KEEP, 41);
+    const char *path = cache_file("strings", &s);
+    kf_error err = {0};
+    const char *creators[] = {"kvfold \xc2\x9b" "31m", "kvfold \xe2\x80\xae" "1.0", "kvfold\x1b[2J"};
+    for (int i = 0; i < 3; i++) {
+        snprintf(s.c.hdr.creator, sizeof s.c.hdr.creator, "%s", creators[i]);
+        CU_ASSERT_EQUAL(kvf_write(path, &s.c, &err), KF_ERR_INVALID);
+        CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "creator or placeholder"));
+    }
+    kvf_header_init(&s.c.hdr);
+    synth_free(&s);
+    synth_make(&s, 1, 1, 8, 3, KVF_F32, KVF_METHOD_KEEP, 41);
+    snprintf(s.c.hdr.placeholder, sizeof s.c.hdr.placeholder, "free-form");
+    CU_ASSERT_EQUAL(kvf_write(path, &s.c, &err), KF_ERR_INVALID);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "placeholder 'free-form' is not \"digest\""));
+    CU_ASSERT(access(path, F_OK) != 0); /* nothing written */
+    synth_free(&s);
+}
+
 static int clean(void) {
     H5close();
     return 0;
@@ -939,10 +1083,14 @@ static CU_TestInfo tests[] = {
     {"a killed writer leaves only a temporary file", test_killed_writer_leaves_only_a_temp_file},
     {"concurrent writers never expose a partial file", test_concurrent_writers_never_expose_a_partial_file},
     {"h5py reads the file", test_h5py_reads_the_file},
+    {"identity: every field, and the name against the header", test_identity_and_name},
+    {"creator and placeholder: control characters and free-form values refused", test_header_strings_refused},
     CU_TEST_INFO_NULL,
 };
 static CU_TestInfo fp_tests[] = {
     {"cache hit, invalidation by mtime, fallback to XDG_CACHE_HOME", test_fingerprint_cache},
+    {"weights changed in place (size and mtime kept) or replaced: computed again",
+     test_fingerprint_cache_weights_changed_in_place},
     CU_TEST_INFO_NULL,
 };
 static CU_SuiteInfo suites[] = {{"kvf", NULL, NULL, NULL, NULL, tests},

@@ -1,5 +1,7 @@
 #include "tools/cli.h"
 
+#include "formats/escape.h"
+
 #include <ctype.h>
 #include <errno.h>
 #include <stdarg.h>
@@ -13,15 +15,24 @@
 #endif
 
 void (*cli_before_message)(void);
+/* "kvfold <cmd>: <message>" with the whole message escaped (kf_escape): the ids, paths and file
+ * strings a message quotes can neither act on the terminal nor forge a line. */
+static void print_message(const char *cmd, const char *fmt, va_list ap) {
+    char *msg = NULL;
+    if (vasprintf(&msg, fmt, ap) < 0)
+        msg = NULL;
+    char *esc = msg ? malloc(4 * strlen(msg) + 8) : NULL;
+    fprintf(stderr, "kvfold %s: %s\n", cmd, esc ? kf_escape(msg, esc, 4 * strlen(msg) + 8) : "(out of memory)");
+    free(esc);
+    free(msg);
+}
 
 void cli_error(const char *cmd, const char *fmt, ...) {
     va_list ap;
     if (cli_before_message)
         cli_before_message();
     va_start(ap, fmt);
-    fprintf(stderr, "kvfold %s: ", cmd);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
+    print_message(cmd, fmt, ap);
     va_end(ap);
 }
 
@@ -30,9 +41,8 @@ int cli_usage_error(const char *cmd, const char *fmt, ...) {
     if (cli_before_message)
         cli_before_message();
     va_start(ap, fmt);
-    fprintf(stderr, "kvfold %s: ", cmd);
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\nTry 'kvfold %s --help'.\n", cmd);
+    print_message(cmd, fmt, ap);
+    fprintf(stderr, "Try 'kvfold %s --help'.\n", cmd);
     va_end(ap);
     return KF_EXIT_USAGE;
 }
@@ -42,11 +52,21 @@ int cli_parse_ids(const char *text, int32_t **ids, int *n, char *err, size_t err
     *n = 0;
     int cap = 0;
     const char *p = text;
-    for (;;) {
-        while (*p == ',' || isspace((unsigned char)*p))
+    for (int comma = 0;;) { /* comma: one seen since the last id */
+        while (isspace((unsigned char)*p))
             p++;
+        if (*p == ',' || (!*p && comma)) {
+            if (*p == ',' && *n > 0 && !comma) {
+                comma = 1;
+                p++;
+                continue;
+            }
+            snprintf(err, err_len, "token id %d: an empty item (two commas, or a comma at either end)", *n + 1);
+            goto fail;
+        }
         if (!*p)
             break;
+        comma = 0;
         errno = 0;
         char *end;
         long long v = strtoll(p, &end, 10);

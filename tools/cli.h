@@ -15,12 +15,14 @@ enum { CLI_CONTINUE = -1 };
 
 /* NULL, or called before a message on stderr: clears a line drawn in place (tools/progress.c). */
 extern void (*cli_before_message)(void);
-/* "kvfold <cmd>: message" on stderr. */
+/* "kvfold <cmd>: message" on stderr, the message escaped (formats/escape.h: control characters,
+ * invalid UTF-8 and bidirectional controls made visible), so quoted ids and paths cannot forge lines. */
 void cli_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* Prints the usage error and a pointer to --help; returns KF_EXIT_USAGE. */
 int cli_usage_error(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
-/* Parses "1,2,3" (commas and/or whitespace). Returns 0, or -1 with a message in err. */
+/* Parses "1,2,3" (ids separated by one comma and/or whitespace; an empty item such as "1,,2" or a
+ * comma at either end is refused). Returns 0, or -1 with a message in err. */
 int cli_parse_ids(const char *text, int32_t **ids, int *n, char *err, size_t err_len);
 /* Parses a positive integer option value; returns 0 or -1. */
 int cli_parse_int(const char *text, long long lo, long long hi, long long *out);

@@ -1,5 +1,6 @@
 #include "tools/cli_quality.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -101,8 +102,8 @@ int cli_compact_option(const char *cmd, int opt, const char *arg, cli_compact_op
     long long v;
     switch (opt) {
     case CLI_OPT_LAMBDA:
-        if (number(arg, 0, HUGE_VAL, &o->p.lambda_rel))
-            return cli_usage_error(cmd, "--lambda must be a non-negative number, not '%s'", arg), -1;
+        if (number(arg, 0, DBL_MAX, &o->p.lambda_rel)) /* inf would fail every fold */
+            return cli_usage_error(cmd, "--lambda must be a finite non-negative number, not '%s'", arg), -1;
         return 1;
     case CLI_OPT_MAX_QUERIES:
         if (cli_parse_int(arg, 1, 1LL << 40, &v))

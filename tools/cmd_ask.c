@@ -24,6 +24,9 @@ static const char kHelp[] =
     "  --model DIR          the model the cache was written for\n"
     "  --question-ids LIST  a question as token ids (comma separated), in addition to QUESTIONs\n"
     "  --max-tokens N       most tokens per answer (default 32); decoding stops earlier at EOS\n"
+    "                       and at the model's last position (max_position_embeddings); a\n"
+    "                       question that leaves no room there after the cache's C tokens (the\n"
+    "                       document's D with --compare) is a usage error (exit 2)\n"
     "  --stop TEXT          also stop once the answer contains TEXT (e.g. $'\\n')\n"
     "  --doc FILE           the document the cache was built from (text, a JSON list of ids, or a\n"
     "                       manifest line); checked against the cache's document digest\n"
@@ -42,6 +45,23 @@ static void print_str(const char *label, const char *s) {
     printf("%-9s %s\n", label, q ? q : "?");
     free(q);
     json_decref(j);
+}
+
+/* Positions left for the answer of a question of nq tokens after a context of ctx tokens (the
+ * cache's C, or the document's D when the full context answers too); -1 when the question itself
+ * runs past the model's positions (reported: a usage error). */
+static int answer_room(const kf_hfconfig *cfg, int64_t ctx, int i, int nq, long long max_tokens) {
+    const int64_t max_pos = cfg->max_position_embeddings;
+    if (max_pos <= 0)
+        return (int)max_tokens;
+    if (ctx + nq >= max_pos) { /* at least one answer token must fit */
+        cli_usage_error(CMD,
+                        "question %d: %lld context tokens + %d question tokens leave no room within the model's %lld "
+                        "positions (max_position_embeddings)",
+                        i + 1, (long long)ctx, nq, (long long)max_pos);
+        return -1;
+    }
+    return (int)(max_pos - ctx - nq < max_tokens ? max_pos - ctx - nq : max_tokens);
 }
 
 static json_t *ids_json(const int32_t *ids, int n) {
@@ -118,7 +138,10 @@ int cmd_ask(int argc, char **argv) {
         const int is_ids = i == n_text_q;
         if (is_ids ? cli_parse_ids(qids_s, &qs[i], &qn[i], err, sizeof err)
                    : doc_tokenize(&text, argv[optind + i], strlen(argv[optind + i]), 0, &qs[i], &qn[i], err, sizeof err)) {
-            cli_error(CMD, "question %d: %s", i + 1, err);
+            if (is_ids) /* a malformed --question-ids ("1,,2") is a usage error */
+                rc = cli_usage_error(CMD, "--question-ids: %s", err);
+            else
+                cli_error(CMD, "question %d: %s", i + 1, err);
             goto done;
         }
         for (int j = 0; j < qn[i]; j++)
@@ -131,6 +154,11 @@ int cmd_ask(int argc, char **argv) {
     char digest[KVF_DIGEST_LEN + 1];
     if (doc_path && cache_doc_read(CMD, &text, doc_path, path, &hdr, &doc, &n_doc, digest))
         goto done;
+    for (int i = 0; i < n_q; i++) /* every question within the positions before any answer */
+        if (answer_room(cfg, compare ? hdr.n_doc_tokens : c.C, i, qn[i], max_tokens) < 0) {
+            rc = KF_EXIT_USAGE;
+            goto done;
+        }
     if (!quiet)
         fprintf(stderr, "cache: %lld of %lld document tokens (%.2fx smaller), %s, budget %g, %s\n", (long long)c.C,
                 (long long)c.D, (double)c.D / (double)c.C, kvf_method_name(hdr.method), hdr.budget,
@@ -153,10 +181,11 @@ int cmd_ask(int argc, char **argv) {
     for (int i = 0; i < n_q && rc == KF_OK; i++) {
         kf_prompt q = {qs[i], qn[i]};
         int n_out = 0, n_full = 0;
+        const int room = answer_room(cfg, compare ? hdr.n_doc_tokens : c.C, i, qn[i], max_tokens);
         int32_t *full = out + max_tokens;
-        if (kf_engine_greedy(&ec, m, &q, (int)max_tokens, eos, n_eos, stop_on_text, &st, out, &n_out, &e) != KF_OK ||
+        if (kf_engine_greedy(&ec, m, &q, room, eos, n_eos, stop_on_text, &st, out, &n_out, &e) != KF_OK ||
             (compare &&
-             kf_engine_greedy(&ef, m, &q, (int)max_tokens, eos, n_eos, stop_on_text, &st, full, &n_full, &e) != KF_OK)) {
+             kf_engine_greedy(&ef, m, &q, room, eos, n_eos, stop_on_text, &st, full, &n_full, &e) != KF_OK)) {
             cli_error(CMD, "%s", e.msg);
             rc = KF_EXIT_FAIL;
             break;

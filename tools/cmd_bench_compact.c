@@ -141,7 +141,7 @@ static int bench_option(void *ctx, int c, const char *arg) {
     case 'd': o->docs = arg; break;
     case 'n':
         if (cli_parse_int(arg, 16, 1 << 24, &o->want))
-            return cli_usage_error(CMD, "--tokens must be at least 16, not '%s'", arg);
+            return cli_usage_error(CMD, "--tokens must be from 16 to %d (2^24), not '%s'", 1 << 24, arg);
         break;
     case 'b': {
         char *end;

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "formats/escape.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
 
@@ -425,7 +426,7 @@ int cmd_bench_quoka(int argc, char **argv) {
     }
     for (int i = 0; i < max_n; i++)
         rows[i] = i;
-    printf("QUOKA vs dense prefill on %d repeat prompt(s) of %s (N_Q %lld):\n", n_ps, docs, nq);
+    printf("QUOKA vs dense prefill on %d repeat prompt(s) of %s (N_Q %lld):\n", n_ps, KF_ESC(docs), nq);
     kf_error err = {0};
     int n_dense_acc = 0;
     for (int d = 0; d < n_ps; d++) {

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "formats/tokenizer.h"
+#include "formats/escape.h"
 #include "tools/cli.h"
 
 static const char kHelp[] =
@@ -226,7 +227,7 @@ int cmd_bench_tokenize(int argc, char **argv) {
         }
     }
     double s = cli_now() - t0;
-    printf("kvfold %s: %zu bytes, %zu tokens, %.3f s (tokenizer load %.3f s)\n", dir, len, tokens, s,
+    printf("kvfold %s: %zu bytes, %zu tokens, %.3f s (tokenizer load %.3f s)\n", KF_ESC(dir), len, tokens, s,
            load_s);
     printf("mb_per_s %.3f\n", (double)len / 1e6 / s);
 done:

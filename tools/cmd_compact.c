@@ -16,6 +16,7 @@
 #include "compactor/compact.h"
 #include "compactor/prefix_plan.h"
 #include "compactor/recipe.h"
+#include "formats/escape.h"
 #include "tools/cli.h"
 #include "tools/cli_quality.h"
 #include "tools/commands.h"
@@ -54,13 +55,19 @@ static const char kHelp[] =
     "\n"
     "Documents:\n"
     "  FILE...              text files, one document each (UTF-8, tokenized with the model's\n"
-    "                       tokenizer.json, with its special tokens such as a BOS)\n"
+    "                       tokenizer.json, with its special tokens such as a BOS); always text,\n"
+    "                       also when it looks like JSON: token ids come from a --manifest line\n"
+    "                       (\"ids\"). Named by the file name in messages\n"
     "  --manifest FILE      JSONL, one document per line: \"ids\" (token ids) or \"text\"; optional\n"
     "                       \"id\" (a name for messages), \"probes\" (a list of question-like prompts,\n"
     "                       each a text or a list of ids), \"repeat_instruction_ids\" or\n"
     "                       \"repeat_instruction\" (overrides --repeat-instruction). Blank lines are\n"
     "                       ignored. A bad line (not JSON, empty, ids outside the vocabulary, too\n"
-    "                       long for the model) is reported as FILE:LINE and the job goes on.\n"
+    "                       long for the model, longer than --max-line-bytes, holding a NUL byte,\n"
+    "                       too large for memory) is reported as FILE:LINE, counted as failed,\n"
+    "                       and the job goes on with the next line. A device is refused (exit 2)\n"
+    "  --max-line-bytes N   the longest line read from --manifest and --probes-from (default\n"
+    "                       67108864, 64 MiB: a document of millions of tokens)\n"
     "  --shard i/N          only the documents whose 0-based line number in the manifest (or\n"
     "                       position among the FILE arguments) modulo N equals i: the N shards\n"
     "                       i = 0..N-1 cover the input exactly once, whatever runs where\n"
@@ -79,8 +86,9 @@ static const char kHelp[] =
     "                       drive the compaction (default \"Repeat the previous context verbatim.\\n\";\n"
     "                       for a chat model pass its chat-template form of that request)\n"
     "  --probes-from FILE   extra probe prompts for every document: one JSON value per line, a\n"
-    "                       string (text) or a list of token ids (a file that cannot be read or\n"
-    "                       parsed is a usage error: nothing is compacted)\n"
+    "                       string (text) or a list of token ids (read whole before any work: a\n"
+    "                       file that cannot be read, a line that cannot be parsed, is too long or\n"
+    "                       holds a NUL byte is a usage error and nothing is compacted)\n"
     "  --lambda X           fold ridge, relative to tr(Sigma)/d (default 0.01)\n"
     "  --max-queries N      pooled reference queries per KV head (default 50000)\n"
     "  --chunk N            prefill chunk size (default 512)\n"
@@ -117,12 +125,14 @@ typedef struct {
     char recipe[KVF_DIGEST_LEN + 1]; /* kf_recipe_digest of this file's parameters */
     int state;                       /* ST_TODO (to compute; claimed in the compact pass), ST_SKIPPED, ... */
     int fd;                          /* the lock while claimed */
+    int replaced;                    /* a file was there that could not stand for this one */
     int64_t C;
 } job_file;
 
 typedef struct {
     char source[PATH_MAX + 32]; /* "docs.jsonl:12" or the text file's path */
     char name[128];             /* "id" or the file name */
+    char digest[KVF_DIGEST_LEN + 1]; /* kvf_document_digest of ids, from the identity pass */
     int32_t *ids;               /* [n] */
     int n;
     int32_t *instr;             /* [n_instr] this document's repeat instruction, or NULL: the default */
@@ -169,12 +179,13 @@ static void clear_line(void) {
         fputs("\r\033[K", stderr);
 }
 
+/* A document's message; its source, name and message (paths, ids) escaped. */
 static void doc_fail(const char *source, const char *name, const char *msg) {
     clear_line();
     if (name && *name)
-        fprintf(stderr, "kvfold " CMD ": %s (%s): %s\n", source, name, msg);
+        fprintf(stderr, "kvfold " CMD ": %s (%s): %s\n", KF_ESC(source), KF_ESC(name), KF_ESC(msg));
     else
-        fprintf(stderr, "kvfold " CMD ": %s: %s\n", source, msg);
+        fprintf(stderr, "kvfold " CMD ": %s: %s\n", KF_ESC(source), KF_ESC(msg));
 }
 
 /* One manifest line into d; 0, or -1 with the reason in err. */
@@ -258,21 +269,52 @@ static int parse_shard(const char *s, long long *i, long long *n) {
     return 0;
 }
 
+/* The lock file of path, opened without following a symlink: created exclusively when new, else
+ * the existing one, which must be a regular file. The descriptor, or -1 with the cause in err. */
+static int open_lock(const char *lock, char *err, size_t err_len) {
+    for (int tries = 0; tries < 100; tries++) {
+        int fd = open(lock, O_CREAT | O_EXCL | O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
+        if (fd < 0 && errno == EEXIST) {
+            fd = open(lock, O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC); /* another worker's */
+            if (fd < 0 && errno == ENOENT)
+                continue; /* its holder removed it meanwhile: create it again */
+        }
+        if (fd < 0 && errno != ELOOP && errno != EISDIR && errno != ENXIO) {
+            snprintf(err, err_len, "cannot create the lock file %.900s: %s", lock, strerror(errno));
+            return -1;
+        }
+        struct stat sb;
+        if (fd < 0 || fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+            snprintf(err, err_len,
+                     "the lock file %.900s is not a regular file (a symbolic link, directory, FIFO or device): "
+                     "refused; remove it",
+                     lock);
+            if (fd >= 0)
+                close(fd);
+            return -1;
+        }
+        return fd;
+    }
+    snprintf(err, err_len, "cannot create the lock file %.900s: removed again on every try", lock);
+    return -1;
+}
+
 /* Claims a document for this worker: an flock on <path>.lock. 1: claimed (*fd holds it), 0: another
- * worker holds it, -1: error (errno). */
-static int claim(const char *path, int *fd) {
+ * worker holds it, -1: error (its cause in err). */
+static int claim(const char *path, int *fd, char *err, size_t err_len) {
     char lock[PATH_MAX + 8];
     snprintf(lock, sizeof lock, "%s.lock", path);
-    *fd = open(lock, O_CREAT | O_RDWR | O_CLOEXEC, 0644);
-    if (*fd < 0)
+    if ((*fd = open_lock(lock, err, err_len)) < 0)
         return -1;
     if (flock(*fd, LOCK_EX | LOCK_NB) == 0)
         return 1;
     const int e = errno;
     close(*fd);
     *fd = -1;
-    errno = e;
-    return e == EWOULDBLOCK ? 0 : -1;
+    if (e == EWOULDBLOCK)
+        return 0;
+    snprintf(err, err_len, "cannot lock %.900s: %s", lock, strerror(e));
+    return -1;
 }
 
 /* The file is in place (or the work failed): drop the lock file while still holding it, so a
@@ -284,25 +326,28 @@ static void unclaim(const char *path, int fd) {
     close(fd);
 }
 
-/* Opens the file an option names (--manifest, --probes-from) for reading; one that cannot be opened
- * or is a directory (which fopen accepts) is a usage error: prints it and returns NULL. */
+/* Opens the file an option names (--manifest, --probes-from) for reading; one that cannot be opened,
+ * a directory (which fopen accepts) or a device (/dev/zero: one endless line) is a usage error:
+ * prints it and returns NULL. Files and pipes are read. */
 static FILE *open_input(const char *opt, const char *path) {
     FILE *f = fopen(path, "r");
     struct stat st;
-    if (f && fstat(fileno(f), &st) == 0 && S_ISDIR(st.st_mode)) {
+    const char *why = NULL;
+    if (f && fstat(fileno(f), &st) == 0 && (S_ISDIR(st.st_mode) || S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode))) {
+        why = S_ISDIR(st.st_mode) ? strerror(EISDIR) : "a device, not a file or a pipe";
         fclose(f);
         f = NULL;
-        errno = EISDIR;
     }
     if (!f)
-        cli_usage_error(CMD, "%s %s: cannot read: %s", opt, path, strerror(errno));
+        cli_usage_error(CMD, "%s %s: cannot read: %s", opt, path, why ? why : strerror(errno));
     return f;
 }
 
 /* Removes killed writers' temporary files under dir (the model's directory of the root). */
 static void report_stale(void *ctx, const char *path, double age_s) {
     if (!*(const int *)ctx)
-        fprintf(stderr, "[compact] removing a killed writer's temporary file (%.1f h old): %s\n", age_s / 3600, path);
+        fprintf(stderr, "[compact] removing a killed writer's temporary file (%.1f h old): %s\n", age_s / 3600,
+                KF_ESC(path));
 }
 static void clean_stale_temps(const char *dir, int quiet) {
     kf_error e = {0};
@@ -325,26 +370,41 @@ static int parse_budget(const char *tok, double *b) {
     return 0;
 }
 
+/* The next item of a comma-separated list at *p (cut in place); NULL at the end. An empty item
+ * ("0.5,,0.1", a leading or trailing comma) is returned as "" for the caller to refuse. */
+static char *next_item(char **p) {
+    if (!*p)
+        return NULL;
+    char *item = *p, *comma = strchr(item, ',');
+    *p = comma ? comma + 1 : NULL;
+    if (comma)
+        *comma = 0;
+    return item;
+}
+
 /* --method and --budget lists: every (method, budget) pair into v [MAX_VARIANTS], methods outer;
  * their count, or -1 (reported). */
 static int parse_variants(const char *methods_s, const char *budgets_s, kf_compact_variant *v) {
     kf_method ms[MAX_VARIANTS];
     double bs[MAX_VARIANTS];
     int nm = 0, nb = 0;
-    char buf[1024];
+    char buf[1024], *p = buf;
     snprintf(buf, sizeof buf, "%s", methods_s);
-    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save))
-    {
+    for (char *tok; (tok = next_item(&p));) {
         if (nm == MAX_VARIANTS)
             return cli_usage_error(CMD, "--method: at most %d", MAX_VARIANTS), -1;
+        if (!*tok)
+            return cli_usage_error(CMD, "--method '%s' has an empty item", methods_s), -1;
         if (parse_method(tok, &ms[nm++]))
             return -1;
     }
     snprintf(buf, sizeof buf, "%s", budgets_s);
-    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save))
-    {
+    p = buf;
+    for (char *tok; (tok = next_item(&p));) {
         if (nb == MAX_VARIANTS)
             return cli_usage_error(CMD, "--budget: at most %d", MAX_VARIANTS), -1;
+        if (!*tok)
+            return cli_usage_error(CMD, "--budget '%s' has an empty item", budgets_s), -1;
         if (parse_budget(tok, &bs[nb++]))
             return -1;
     }
@@ -371,10 +431,31 @@ static kvf_dtype model_dtype(const kf_hfconfig *cfg) {
 
 /* What names a document's files and goes into their headers. */
 typedef struct {
-    const char *root, *fp, *digest; /* cache root, model fingerprint, document digest */
+    const char *root, *fp; /* cache root, model fingerprint */
     kvf_dtype dtype;
     int64_t n_head_budgets;
 } file_ids;
+
+/* What the file of variant var of d must be to be skipped: its whole identity, not its name alone
+ * (a file copied over another's name, or a header at odds with it, is compacted again). */
+static kvf_identity file_identity(const job_doc *d, const job_file *f, const kf_compact_variant *var,
+                                  const file_ids *ids) {
+    return (kvf_identity){ids->fp, d->digest, f->recipe, kf_method_to_kvf(var->method), var->budget, ids->dtype, d->n};
+}
+
+/* Whether the file f stands for (identity want) is already there and valid: KF_OK; nothing there:
+ * KF_ERR_NOTFOUND; a file that cannot stand for it: reported once and marked to be replaced. */
+static kf_status file_found(const job_doc *d, job_file *f, const kvf_identity *want) {
+    kf_error e = {0};
+    const kf_status st = kvf_check_existing(f->path, want, &e);
+    if (st != KF_OK && st != KF_ERR_NOTFOUND && !f->replaced) {
+        char msg[sizeof e.msg + 64];
+        snprintf(msg, sizeof msg, "%s: compacting it again", e.msg);
+        doc_fail(d->source, d->name, msg);
+        f->replaced = 1;
+    }
+    return st;
+}
 
 /* Each variant's recipe and path, and whether a valid file is already there; 0 when some file is
  * to compute, 1 when none is (d skipped), -1 when a path cannot be made (d failed, reported). */
@@ -388,13 +469,14 @@ static int doc_files(job_doc *d, const kf_compact_params *dp, const kf_compact_v
         vp.budget = vars[v].budget;
         kf_recipe_digest(&vp, ids->dtype, ids->n_head_budgets, f->recipe);
         kf_error e = {0};
-        if (kvf_cache_path(ids->root, ids->fp, ids->digest, kf_method_to_kvf(vp.method), vp.budget, f->recipe, true,
+        if (kvf_cache_path(ids->root, ids->fp, d->digest, kf_method_to_kvf(vp.method), vp.budget, f->recipe, true,
                            f->path, sizeof f->path, &e) != KF_OK) {
             doc_fail(d->source, d->name, e.msg);
             d->state = ST_FAILED;
             return -1;
         }
-        f->state = kvf_exists_valid(f->path, ids->fp, f->recipe) ? ST_SKIPPED : ST_TODO;
+        const kvf_identity want = file_identity(d, f, &vars[v], ids);
+        f->state = file_found(d, f, &want) == KF_OK ? ST_SKIPPED : ST_TODO;
         todo += f->state == ST_TODO;
     }
     if (!todo)
@@ -412,21 +494,22 @@ static int any_file(const job_doc *d, int n_vars, int state) {
 /* Claims every file still to compute: those another worker holds become ST_BUSY, those now valid
  * ST_SKIPPED; the number claimed (left ST_TODO with their lock), or -1 with err when a lock file
  * cannot be created (nothing left claimed). */
-static int claim_files(job_doc *d, int n_vars, const char *fp, char *err, size_t err_len) {
+static int claim_files(job_doc *d, const kf_compact_variant *vars, int n_vars, const file_ids *ids, char *err,
+                       size_t err_len) {
     int n = 0;
     for (int v = 0; v < n_vars; v++) {
         job_file *f = &d->files[v];
         if (f->state != ST_TODO)
             continue;
-        const int c = claim(f->path, &f->fd);
+        const int c = claim(f->path, &f->fd, err, err_len);
         if (c < 0) {
-            snprintf(err, err_len, "cannot create the lock file %.900s.lock: %s", f->path, strerror(errno));
             for (int u = 0; u < v; u++)
                 if (d->files[u].state == ST_TODO)
                     unclaim(d->files[u].path, d->files[u].fd);
             return -1;
         }
-        if (c == 0 || kvf_exists_valid(f->path, fp, f->recipe)) {
+        const kvf_identity want = file_identity(d, f, &vars[v], ids);
+        if (c == 0 || file_found(d, f, &want) == KF_OK) {
             if (c > 0)
                 unclaim(f->path, f->fd);
             f->state = c ? ST_SKIPPED : ST_BUSY;
@@ -454,7 +537,7 @@ static kf_status write_files(job_doc *d, int n_vars, kf_compacted *cc, kf_status
             kc.hdr.dtype = ids->dtype;
             snprintf(kc.hdr.model_fingerprint, sizeof kc.hdr.model_fingerprint, "%s", ids->fp);
             snprintf(kc.hdr.tokenizer_digest, sizeof kc.hdr.tokenizer_digest, "%s", tokenizer_digest);
-            kvf_document_digest(d->ids, d->n, kc.hdr.document_digest);
+            snprintf(kc.hdr.document_digest, sizeof kc.hdr.document_digest, "%s", d->digest);
             snprintf(kc.hdr.recipe_digest, sizeof kc.hdr.recipe_digest, "%s", f->recipe);
             fs = kvf_write(f->path, &kc, &we);
             f->C = cc[i].C;
@@ -476,6 +559,7 @@ static kf_status write_files(job_doc *d, int n_vars, kf_compacted *cc, kf_status
 typedef struct {
     const char *model_dir, *root, *manifest, *probes_from, *instruction, *methods_s, *budgets_s;
     long long shard_i, shard_n;
+    long long max_line;                    /* --max-line-bytes */
     int share, quiet, dtype_given;
     double progress_interval;              /* --progress-interval: seconds between log lines */
     kvf_dtype dtype;
@@ -500,6 +584,7 @@ static const struct option kOpts[] = {
     {"no-share", no_argument, 0, 'S'},
     {"quiet", no_argument, 0, 'q'},
     CLI_PROGRESS_OPTION,
+    {"max-line-bytes", required_argument, 0, 'L'},
     CLI_COMPACT_OPTIONS,
     {0, 0, 0, 0}};
 
@@ -534,6 +619,10 @@ static int compact_option(void *ctx, int c, const char *arg) {
         if (cli_progress_interval(CMD, arg, &o->progress_interval))
             return KF_EXIT_USAGE;
         break;
+    case 'L':
+        if (cli_parse_int(arg, 2, 1LL << 40, &o->max_line))
+            return cli_usage_error(CMD, "--max-line-bytes must be a byte count from 2 to 2^40, not '%s'", arg);
+        break;
     default: return cli_compact_option_or(CMD, c, arg, &o->q, "unknown option");
     }
     return CLI_CONTINUE;
@@ -557,7 +646,8 @@ static int compact_validate(compact_opts *o) {
 static int compact_parse(int argc, char **argv, compact_opts *o) {
     *o = (compact_opts){.root = DEFAULT_ROOT, .instruction = DEFAULT_INSTRUCTION, .methods_s = "fold",
                         .budgets_s = "0.1", .shard_n = 1, .share = 1, .dtype = KVF_BF16,
-                        .progress_interval = CLI_PROGRESS_DEFAULT_S};
+                        .progress_interval = CLI_PROGRESS_DEFAULT_S,
+                        .max_line = MANIFEST_MAX_LINE_DEFAULT};
     cli_compact_opts_init(&o->q);
     const int rc = cli_parse_options(argc, argv, "hq", kOpts, compact_option, o);
     if (rc != CLI_CONTINUE)
@@ -600,6 +690,7 @@ typedef struct {
     int prev_k;              /* plan index whose pages prev holds, or -1 */
     int64_t computed, c_total, d_total, doc_tokens; /* d_total: over files */
     int n_done, n_busy;
+    int n_replaced;          /* files written over one that could not stand for them */
 } compact_job;
 
 static void job_free(compact_job *j) {
@@ -688,15 +779,20 @@ static int add_extra_probe(compact_job *j, const char *line, int lineno) {
     return rc;
 }
 
-/* --probes-from: the probes added to every document. */
+/* --probes-from: the probes added to every document, read whole (or refused) before any work. */
 static int read_extra_probes(compact_job *j) {
-    char *line = NULL;
-    size_t cap = 0;
+    char *line = NULL, err[256];
+    size_t cap = 0, len = 0;
     int lineno = 0, ok = 1;
-    while (ok && getline(&line, &cap, j->pf) > 0) {
+    for (int why; ok && (why = manifest_read_line(j->pf, (size_t)j->o->max_line, &line, &cap, &len)) != LINE_EOF;) {
         lineno++;
-        if (line[strspn(line, " \t\r\n")] != 0)
+        if (why != LINE_OK) {
+            manifest_line_error(why, len, (size_t)j->o->max_line, err, sizeof err);
+            cli_error(CMD, "%s:%d: %s", j->o->probes_from, lineno, err);
+            ok = 0;
+        } else if (line[strspn(line, " \t\r\n")] != 0) {
             ok = add_extra_probe(j, line, lineno) == 0;
+        }
     }
     if (ok && ferror(j->pf)) {
         cli_error(CMD, "--probes-from %s: cannot read: %s", j->o->probes_from, strerror(errno));
@@ -712,10 +808,11 @@ static int read_extra_probes(compact_job *j) {
 static int read_manifest(compact_job *j) {
     const compact_opts *o = j->o;
     char *line = NULL, err[1024];
-    size_t cap = 0;
-    int rc = CLI_CONTINUE;
-    for (long long lineno = 1; getline(&line, &cap, j->mf) > 0; lineno++) {
-        if ((lineno - 1) % o->shard_n != o->shard_i || line[strspn(line, " \t\r\n")] == 0)
+    size_t cap = 0, len = 0;
+    int rc = CLI_CONTINUE, why;
+    for (long long lineno = 1; (why = manifest_read_line(j->mf, (size_t)o->max_line, &line, &cap, &len)) != LINE_EOF;
+         lineno++) {
+        if ((lineno - 1) % o->shard_n != o->shard_i || (why == LINE_OK && line[strspn(line, " \t\r\n")] == 0))
             continue;
         job_doc *d = doc_list_add(&j->docs);
         if (!d) {
@@ -724,7 +821,9 @@ static int read_manifest(compact_job *j) {
             break;
         }
         snprintf(d->source, sizeof d->source, "%s:%lld", o->manifest, lineno);
-        if (parse_line(&j->text, line, d, err, sizeof err) || check_doc(j->cfg, d, err, sizeof err)) {
+        if (why != LINE_OK) /* this line is lost, the next ones are read */
+            manifest_line_error(why, len, (size_t)o->max_line, err, sizeof err);
+        if (why != LINE_OK || parse_line(&j->text, line, d, err, sizeof err) || check_doc(j->cfg, d, err, sizeof err)) {
             doc_fail(d->source, d->name, err);
             d->state = ST_FAILED;
         }
@@ -755,7 +854,7 @@ static int read_files(compact_job *j) {
         const char *path = o->files[a], *base_name = strrchr(path, '/');
         snprintf(d->source, sizeof d->source, "%s", path);
         snprintf(d->name, sizeof d->name, "%s", base_name ? base_name + 1 : path);
-        if (doc_read_file(&j->text, path, &d->ids, &d->n, err, sizeof err) || check_doc(j->cfg, d, err, sizeof err)) {
+        if (doc_read_text(&j->text, path, &d->ids, &d->n, err, sizeof err) || check_doc(j->cfg, d, err, sizeof err)) {
             clear_line();
             cli_error(CMD, "%s", err);
             d->state = ST_FAILED;
@@ -781,14 +880,13 @@ static int plan_files(compact_job *j) {
             cli_error(CMD, "--repeat-instruction: %s", err);
             return KF_EXIT_USAGE;
         }
-        char digest[KVF_DIGEST_LEN + 1];
-        kvf_document_digest(d->ids, d->n, digest);
+        kvf_document_digest(d->ids, d->n, d->digest);
         kf_compact_params dp;
         if (!(d->files = calloc((size_t)o->n_vars, sizeof *d->files)) || doc_params(j, d, &dp)) {
             cli_error(CMD, "out of memory");
             return KF_EXIT_FAIL;
         }
-        const file_ids ids = {o->root, j->fp, digest, j->dtype, (int64_t)j->cfg->n_layers * j->cfg->n_kv_heads};
+        const file_ids ids = {o->root, j->fp, j->dtype, (int64_t)j->cfg->n_layers * j->cfg->n_kv_heads};
         if (doc_files(d, &dp, o->vars, o->n_vars, &ids) == 0) {
             j->n_todo++;
             j->todo_tokens += d->n;
@@ -924,10 +1022,12 @@ static void doc_done(compact_job *j, job_doc *d, int64_t shared, double t_doc) {
             continue;
         j->d_total += d->n;
         j->c_total += f->C;
+        j->n_replaced += f->replaced;
         if (!g_tty && !j->o->quiet)
             fprintf(stderr, "[compact] %d/%d %s%s%s%s: %d -> %lld tokens, shared %lld, %.2f s -> %s\n",
-                    j->pg.finished, j->pg.total, d->source, d->name[0] ? " (" : "", d->name, d->name[0] ? ")" : "",
-                    d->n, (long long)f->C, (long long)shared, cli_now() - t_doc, f->path);
+                    j->pg.finished, j->pg.total, KF_ESC(d->source), d->name[0] ? " (" : "", KF_ESC(d->name),
+                    d->name[0] ? ")" : "", d->n, (long long)f->C, (long long)shared, cli_now() - t_doc,
+                    KF_ESC(f->path));
     }
 }
 
@@ -938,7 +1038,8 @@ static int compact_doc(compact_job *j, int k) {
     cli_progress_doc(&j->pg, d->source, d->name, d->n);
     const double t_doc = cli_now();
     char err[1024];
-    const int claimed = claim_files(d, j->o->n_vars, j->fp, err, sizeof err);
+    const file_ids ids = {j->o->root, j->fp, j->dtype, 0};
+    const int claimed = claim_files(d, j->o->vars, j->o->n_vars, &ids, err, sizeof err);
     if (claimed <= 0) {
         doc_passed_by(j, d, claimed, err);
         return CLI_CONTINUE;
@@ -954,7 +1055,6 @@ static int compact_doc(compact_job *j, int k) {
     kf_error e = {0};
     int64_t shared = 0;
     kf_status st = doc_solve(j, k, d, &p, cc, &shared, &e);
-    const file_ids ids = {j->o->root, j->fp, NULL, j->dtype, 0};
     st = write_files(d, j->o->n_vars, cc, st, &ids, j->text.digest, &e);
     j->pg.finished++;
     if (st != KF_OK) {
@@ -1011,11 +1111,13 @@ static void print_summary(compact_job *j) {
     }
     const double el = cli_now() - j->t_start;
     printf("compact: %d documents (shard %lld/%lld): %d done, %d skipped (valid file exists), %d busy (another "
-           "worker), %d failed\n",
-           j->docs.n, o->shard_i, o->shard_n, j->n_done, n_skipped, j->n_busy, n_bad);
+           "worker), %d failed; %d file%s replaced (damaged, or not the file its name says)\n",
+           j->docs.n, o->shard_i, o->shard_n, j->n_done, n_skipped, j->n_busy, n_bad, j->n_replaced,
+           j->n_replaced == 1 ? "" : "s");
     if (j->n_done > 0)
         print_tokens(j);
-    printf("time: %.2f s (%.0f document tokens/s), files under %s\n", el, el > 0 ? j->doc_tokens / el : 0, o->root);
+    printf("time: %.2f s (%.0f document tokens/s), files under %s\n", el, el > 0 ? j->doc_tokens / el : 0,
+           KF_ESC(o->root));
     if (fflush(stdout) != 0) /* now: the summary must not wait for exit (nor fail silently) */
         cli_error(CMD, "cannot write the summary: %s", strerror(errno));
     if (n_bad > 0 || ferror(stdout))

@@ -7,6 +7,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "formats/escape.h"
 #include "formats/kvf.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
@@ -249,8 +250,10 @@ int cmd_inspect(int argc, char **argv) {
         if (print_json(path, f, &sb, budget, full, st, hm, by_method, layers_only) != 0)
             goto out;
     } else {
-        printf("file         %s\n", path);
-        printf("format       %s version %d, written by %s\n", KVF_FORMAT_NAME, h->version, h->creator);
+        /* the path as given may hold anything; the header's strings are checked clean (kvf_open) and
+         * escaped all the same, by the one helper */
+        printf("file         %s\n", KF_ESC(path));
+        printf("format       %s version %d, written by %s\n", KVF_FORMAT_NAME, h->version, KF_ESC(h->creator));
         printf("model        %s\n", h->model_fingerprint);
         printf("tokenizer    %s\n", h->tokenizer_digest[0] ? h->tokenizer_digest : "(unknown)");
         printf("document     %s, D = %lld tokens\n", h->document_digest, (long long)h->n_doc_tokens);
@@ -262,7 +265,7 @@ int cmd_inspect(int argc, char **argv) {
         printf("rope frame   %s%s\n", kvf_rope_frame_name(h->rope_frame),
                h->rope_frame == KVF_FRAME_COMPACTED ? " (question starts at position C)"
                                                     : " (question starts at position D)");
-        printf("placeholder  %s\n", h->placeholder);
+        printf("placeholder  %s\n", KF_ESC(h->placeholder));
         printf("shape        %d layers x %d kv heads x head_dim %d, %s\n", L, H, D, kvf_dtype_name(h->dtype));
         printf("sizes        %.0f bytes on disk, %lld of K/V; a full cache of D tokens: %.0f\n", on_disk,
                (long long)payload, full);

@@ -16,7 +16,8 @@ static const char kHelp[] =
     "\n"
     "Options:\n"
     "  --model DIR   Hugging Face model directory (qwen3 or llama)\n"
-    "  --ids LIST    token ids separated by commas or spaces; '-' reads them from stdin\n"
+    "  --ids LIST    token ids separated by commas or spaces; '-' reads them from stdin (at most\n"
+    "                the model's max_position_embeddings: longer is a usage error, exit 2)\n"
     "  --top K       how many tokens to show (default 5)\n"
     "  --chunk N     prefill chunk size in tokens (default 512)\n"
     "  --json        print one JSON object instead of a table\n"
@@ -109,7 +110,14 @@ int cmd_logits(int argc, char **argv) {
         free(ids);
         return KF_EXIT_FAIL;
     }
-    const int V = kf_model_config(m)->vocab_size;
+    const int V = kf_model_config(m)->vocab_size, max_pos = kf_model_config(m)->max_position_embeddings;
+    if (max_pos > 0 && n > max_pos) { /* RoPE past the trained positions: outputs that mean nothing */
+        free(ids);
+        kf_model_free(m);
+        b->destroy(b);
+        return cli_usage_error("logits", "--ids: %d tokens run past the model's %d positions (max_position_embeddings)",
+                               n, max_pos);
+    }
     if (top > V)
         top = V;
     int rc = KF_EXIT_FAIL;

@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "formats/escape.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
 
@@ -40,7 +41,7 @@ int cmd_model_info(int argc, char **argv) {
     if (!m)
         return KF_EXIT_FAIL;
     const kf_hfconfig *c = kf_model_config(m);
-    printf("model        %s\n", kf_model_dir(m));
+    printf("model        %s\n", KF_ESC(kf_model_dir(m)));
     printf("type         %s\n", c->model_type);
     printf("layers       %d\n", c->n_layers);
     printf("hidden       %d (intermediate %d)\n", c->hidden_size, c->intermediate_size);

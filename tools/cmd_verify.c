@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "compactor/engine.h"
+#include "formats/escape.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
 #include "tools/doc_input.h"
@@ -28,12 +29,18 @@ static const char kHelp[] =
     "  --model DIR          the model\n"
     "  --doc FILE           the document: text, a JSON list of ids, or a manifest line\n"
     "  --question TEXT      a question (repeatable)\n"
-    "  --max-tokens N       most tokens of the full context's answer (default 16)\n"
+    "  --max-tokens N       most tokens of the full context's answer (default 16; fewer where the\n"
+    "                       model's positions end: a question that leaves no room after the\n"
+    "                       document's D tokens is a usage error, exit 2)\n"
     "  --stop TEXT          the answer ends once it contains TEXT (e.g. $'\\n'); EOS always ends it\n"
     "  --max-kl X           exit 1 when a question's mean KL exceeds X\n"
     "  -h, --help           show this help\n"
     "\n"
-    "Exit status: 0 when every check passed, 1 when one failed.\n";
+    "A file under a content-addressed name (<document digest>.<method>-<budget>.<recipe>.kvf, as\n"
+    "kvfold compact writes) must hold what its name says: its header's document digest, method,\n"
+    "budget and recipe; a file copied over another's name fails.\n"
+    "\n"
+    "Exit status: 0 when every check passed, 1 when one failed, 2 for usage errors.\n";
 
 int cmd_verify(int argc, char **argv) {
     static const struct option opts[] = {
@@ -103,14 +110,14 @@ int cmd_verify(int argc, char **argv) {
     /* every checksum, then the model */
     if (cache_load(CMD, path, m, 1, &c, &hdr))
         goto done;
-    printf("%s: checksums ok, model %s ok (%d layers x %d kv heads x %d), %s %s budget %g, C %lld of D %lld\n", path,
-           hdr.model_fingerprint, hdr.n_layers, hdr.kv_heads, hdr.head_dim, kvf_method_name(hdr.method),
+    printf("%s: checksums ok, model %s ok (%d layers x %d kv heads x %d), %s %s budget %g, C %lld of D %lld\n",
+           KF_ESC(path), hdr.model_fingerprint, hdr.n_layers, hdr.kv_heads, hdr.head_dim, kvf_method_name(hdr.method),
            kvf_dtype_name(hdr.dtype), hdr.budget, (long long)hdr.n_tokens, (long long)hdr.n_doc_tokens);
     if (doc_path) {
         char digest[KVF_DIGEST_LEN + 1];
         if (cache_doc_read(CMD, &text, doc_path, path, &hdr, &doc, &n_doc, digest))
             goto done;
-        printf("document: %s matches (digest %s, %d tokens)\n", doc_path, digest, n_doc);
+        printf("document: %s matches (digest %s, %d tokens)\n", KF_ESC(doc_path), digest, n_doc);
     }
     rc = KF_EXIT_OK;
     if (n_q == 0)
@@ -133,14 +140,28 @@ int cmd_verify(int argc, char **argv) {
         int nq = 0, n_ans = 0, n_mine = 0;
         free(q);
         q = NULL;
-        if (doc_tokenize(&text, questions[i], strlen(questions[i]), 0, &q, &nq, err, sizeof err) || nq > 4096) {
-            cli_error(CMD, "question %d: %s", i + 1, nq > 4096 ? "longer than 4096 tokens" : err);
+        if (doc_tokenize(&text, questions[i], strlen(questions[i]), 0, &q, &nq, err, sizeof err)) {
+            cli_error(CMD, "question %d: %s", i + 1, err);
             rc = KF_EXIT_FAIL;
             break;
         }
+        /* the full context puts the question at D: it and one answer token must fit the positions */
+        const int64_t max_pos = cfg->max_position_embeddings, room = max_pos - n_doc - nq;
+        if (max_pos > 0 && room < 1) {
+            rc = cli_usage_error(CMD, "question %d: %d document tokens + %d question tokens leave no room within the "
+                                      "model's %lld positions (max_position_embeddings)",
+                                 i + 1, n_doc, nq, (long long)max_pos);
+            break;
+        }
+        if (nq > 4096) { /* the engines' room */
+            cli_error(CMD, "question %d: longer than 4096 tokens", i + 1);
+            rc = KF_EXIT_FAIL;
+            break;
+        }
+        const int n_gen = max_pos > 0 && room < max_tokens ? (int)room : (int)max_tokens;
         kf_prompt qp = {q, nq};
-        if (kf_engine_greedy(&ef, m, &qp, (int)max_tokens, eos, n_eos, stop_on_text, &st, ans, &n_ans, &e) != KF_OK ||
-            kf_engine_greedy(&ec, m, &qp, (int)max_tokens, eos, n_eos, stop_on_text, &st, mine, &n_mine, &e) != KF_OK) {
+        if (kf_engine_greedy(&ef, m, &qp, n_gen, eos, n_eos, stop_on_text, &st, ans, &n_ans, &e) != KF_OK ||
+            kf_engine_greedy(&ec, m, &qp, n_gen, eos, n_eos, stop_on_text, &st, mine, &n_mine, &e) != KF_OK) {
             cli_error(CMD, "%s", e.msg);
             rc = KF_EXIT_FAIL;
             break;

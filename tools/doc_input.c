@@ -140,6 +140,25 @@ int doc_json_prompt(doc_text *t, json_t *v, int32_t **ids, int *n, char *err, si
     return 0;
 }
 
+int doc_read_text(doc_text *t, const char *path, int32_t **ids, int *n, char *err, size_t err_len) {
+    *ids = NULL;
+    *n = 0;
+    size_t len = 0;
+    char *bytes = slurp(path, &len, err, err_len);
+    if (!bytes)
+        return -1;
+    char sub[400];
+    int rc = -1;
+    if (strlen(bytes) != len)
+        snprintf(sub, sizeof sub, "holds a NUL byte: not text");
+    else
+        rc = doc_tokenize(t, bytes, len, 1, ids, n, sub, sizeof sub);
+    if (rc)
+        snprintf(err, err_len, "%s: %s", path, sub);
+    free(bytes);
+    return rc;
+}
+
 int doc_read_file(doc_text *t, const char *path, int32_t **ids, int *n, char *err, size_t err_len) {
     *ids = NULL;
     *n = 0;
@@ -193,6 +212,8 @@ int cache_load(const char *cmd, const char *path, kf_model *m, int verify, kf_co
     kf_error err = {0};
     const kf_hfconfig *cfg = kf_model_config(m);
     kf_status st = kvf_open(path, &f, &err);
+    if (st == KF_OK) /* a file under another's content-addressed name is never served */
+        st = kvf_check_name(path, kvf_file_header(f), &err);
     if (st == KF_OK && verify)
         st = kvf_verify(f, &err);
     if (st == KF_OK)

@@ -29,6 +29,9 @@ int doc_tokenize(doc_text *t, const char *text, size_t len, int special, int32_t
  * tokens). Empty is an error. */
 int doc_json_prompt(doc_text *t, json_t *v, int32_t **ids, int *n, char *err, size_t err_len);
 
+/* A document from a text file (kvfold compact FILE...): UTF-8 text tokenized with special tokens,
+ * whatever it looks like (a text that parses as JSON is still text). */
+int doc_read_text(doc_text *t, const char *path, int32_t **ids, int *n, char *err, size_t err_len);
 /* A document from a file: a JSON array of ids, a JSON object with "ids" or "text" (a manifest
  * line), or else plain UTF-8 text (tokenized with special tokens). */
 int doc_read_file(doc_text *t, const char *path, int32_t **ids, int *n, char *err, size_t err_len);
@@ -36,7 +39,8 @@ int doc_read_file(doc_text *t, const char *path, int32_t **ids, int *n, char *er
 /* Decoded text of ids (malloc'ed), or NULL when the tokenizer is missing. */
 char *doc_decode(doc_text *t, const int32_t *ids, int n);
 
-/* Opens a kvf file for model m: structure, every checksum when verify, the model's fingerprint and
+/* Opens a kvf file for model m: structure, its name against its header (kvf_check_name), every
+ * checksum when verify, the model's fingerprint and
  * shape; then reads it whole into c. Prints the cause and returns -1 on failure. */
 int cache_load(const char *cmd, const char *path, kf_model *m, int verify, kf_compacted *c, kvf_header *hdr);
 

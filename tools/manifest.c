@@ -95,3 +95,55 @@ out:
         manifest_doc_free(d);
     return rc;
 }
+
+/* Room for one more byte (and the NUL) in *buf, never beyond max + 1 bytes; -1 when out of memory. */
+static int grow(char **buf, size_t *cap, size_t need, size_t max) {
+    if (need <= *cap)
+        return 0;
+    size_t c = *cap < 4096 ? 4096 : *cap * 2;
+    c = c > max + 1 ? max + 1 : c;
+    char *g = realloc(*buf, c);
+    if (!g)
+        return -1;
+    *buf = g;
+    *cap = c;
+    return 0;
+}
+
+int manifest_read_line(FILE *f, size_t max, char **buf, size_t *cap, size_t *len) {
+    int why = LINE_OK, c, any = 0;
+    size_t n = 0, seen = 0;
+    if (grow(buf, cap, 1, max)) /* an empty line still gets its NUL */
+        why = LINE_NOMEM;
+    while ((c = getc_unlocked(f)) != EOF) {
+        any = 1;
+        if (c == '\n')
+            break;
+        seen++;
+        if (why != LINE_OK) /* the rest of a refused line */
+            continue;
+        if (c == 0)
+            why = LINE_NUL;
+        else if (n >= max)
+            why = LINE_TOO_LONG;
+        else if (grow(buf, cap, n + 2, max))
+            why = LINE_NOMEM;
+        else
+            (*buf)[n++] = (char)c;
+    }
+    if (!any)
+        return LINE_EOF;
+    if (*buf)
+        (*buf)[n] = 0;
+    *len = why == LINE_NUL ? n : why == LINE_OK ? n : seen;
+    return why;
+}
+
+void manifest_line_error(int why, size_t len, size_t max, char *err, size_t err_len) {
+    if (why == LINE_TOO_LONG)
+        snprintf(err, err_len, "line of %zu bytes is longer than --max-line-bytes %zu: skipped", len, max);
+    else if (why == LINE_NUL)
+        snprintf(err, err_len, "holds a NUL byte at byte %zu: not a JSON line", len);
+    else
+        snprintf(err, err_len, "out of memory for a line of %zu bytes: skipped", len);
+}

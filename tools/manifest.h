@@ -10,6 +10,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "compactor/compact.h"
 #include "tools/doc_input.h"
@@ -23,6 +24,18 @@ typedef struct {
     kf_prompt *probes; /* [n_probes], each with its own malloc'ed ids (n >= 1), or NULL */
     int n_probes;
 } manifest_doc;
+
+/* One line of a manifest (or of --probes-from) read whole, or refused without losing the lines
+ * after it: a line that is too long, holds a NUL byte or cannot be allocated is read to its end
+ * and reported as such, and the next call reads the next line. */
+enum { LINE_OK, LINE_EOF, LINE_TOO_LONG, LINE_NUL, LINE_NOMEM };
+#define MANIFEST_MAX_LINE_DEFAULT (64LL << 20) /* bytes: a document of millions of tokens */
+/* Reads the next line (without its '\n') into *buf [*cap] (grown as needed, up to max + 1 bytes),
+ * NUL-terminated, its length in *len (for LINE_NUL: the offset of the NUL; for LINE_TOO_LONG and
+ * LINE_NOMEM: the bytes seen). LINE_EOF at the end of the input or on a read error (ferror). */
+int manifest_read_line(FILE *f, size_t max, char **buf, size_t *cap, size_t *len);
+/* "longer than N bytes", "holds a NUL byte at byte N", "out of memory for a line of N bytes". */
+void manifest_line_error(int why, size_t len, size_t max, char *err, size_t err_len);
 
 /* Parses one line (NUL-terminated) into d. 0, or -1 with the reason in err; on failure d holds only
  * the name (when the line had one) and nothing to free. */

@@ -9,6 +9,7 @@
 #include <sys/ioctl.h>
 #include <unistd.h>
 
+#include "formats/escape.h"
 #include "tools/cli.h"
 
 /* On a terminal a step's end is always drawn; what happens inside a step at most this often. */
@@ -169,8 +170,12 @@ static void log_line(cli_progress *pg, double now) {
 }
 
 void cli_progress_doc(cli_progress *pg, const char *source, const char *name, int64_t tokens) {
-    snprintf(pg->label, sizeof pg->label, "%s%s%s%s", source, *name ? " (" : "", name, *name ? ")" : "");
-    snprintf(pg->name, sizeof pg->name, "%s", *name ? name : source);
+    /* escaped (formats/escape.h): a manifest's ids and paths cannot act on the terminal */
+    char src[160], nm[160];
+    kf_escape(source, src, sizeof src);
+    kf_escape(name, nm, sizeof nm);
+    snprintf(pg->label, sizeof pg->label, "%.90s%s%.90s%s", src, *nm ? " (" : "", nm, *nm ? ")" : "");
+    snprintf(pg->name, sizeof pg->name, "%.63s", *nm ? nm : src);
     pg->doc_tokens = tokens;
     pg->t_doc = pg->t_last = cli_now();
     pg->t_fwd = pg->t_solve = 0;

@@ -97,9 +97,13 @@ static PyObject *py_read_header(PyObject *self, PyObject *args) {
     kf_status st;
     Py_BEGIN_ALLOW_THREADS
     st = kvf_open(path, &f, &err);
+    if (st == KF_OK) /* a file under another's content-addressed name is never served */
+        st = kvf_check_name(path, kvf_file_header(f), &err);
     Py_END_ALLOW_THREADS
-    if (st != KF_OK)
+    if (st != KF_OK) {
+        kvf_close(f);
         return raise_kf(&err, st);
+    }
     PyObject *d = header_dict(kvf_file_header(f));
     kvf_close(f);
     return d;
@@ -215,6 +219,8 @@ static PyObject *py_load(PyObject *self, PyObject *args, PyObject *kw) {
     kf_status st;
     Py_BEGIN_ALLOW_THREADS
     st = kvf_open(path, &f, &err);
+    if (st == KF_OK)
+        st = kvf_check_name(path, kvf_file_header(f), &err);
     if (st == KF_OK)
         st = kvf_check_model(f, fp, n_layers, kv_heads, head_dim, &err);
     Py_END_ALLOW_THREADS

@@ -88,6 +88,13 @@ expect_usage compact "--probes-from" "${C[@]}" --probes-from missing.txt doc.txt
 expect_usage compact "unrecognized option '--docs'" "${C[@]}" --docs "$D" doc.txt
 expect_usage compact "--progress-interval" "${C[@]}" --progress-interval -1 doc.txt
 expect_usage compact "--progress-interval" "${C[@]}" --progress-interval soon doc.txt
+expect_usage compact "--lambda must be a finite non-negative number, not 'inf'" "${C[@]}" --lambda inf doc.txt
+expect_usage compact "--budget '0.5,,0.1' has an empty item" "${C[@]}" --budget 0.5,,0.1 doc.txt
+expect_usage compact "--budget '0.5,' has an empty item" "${C[@]}" --budget 0.5, doc.txt
+expect_usage compact "--method 'fold,,am' has an empty item" "${C[@]}" --method fold,,am doc.txt
+expect_usage compact "--max-line-bytes must be a byte count" "${C[@]}" --max-line-bytes 1 doc.txt
+expect_usage compact "--manifest /dev/zero: cannot read: a device, not a file or a pipe" "${C[@]}" --manifest /dev/zero
+expect_usage compact "--probes-from /dev/zero: cannot read: a device" "${C[@]}" --probes-from /dev/zero doc.txt
 [ ! -e root ] || { echo "FAIL: a usage error created the output root"; fails=$((fails + 1)); }
 
 # eval quality's own options
@@ -101,10 +108,12 @@ expect_usage "eval quality" "--format" "${E[@]}" --format csv
 expect_usage "eval quality" "--fold-queries" "${E[@]}" --fold-queries some
 expect_usage "eval quality" "--docs" eval quality --model "$M"
 expect_usage "eval quality" "--progress-interval" "${E[@]}" --progress-interval -1
+expect_usage "eval quality" "--lambda must be a finite non-negative number, not 'inf'" "${E[@]}" --lambda inf
 expect_usage eval "unknown evaluation" eval speed
 
 # bench compact's own options
-expect_usage "bench compact" "--tokens" "${B[@]}" --tokens 8
+expect_usage "bench compact" "--tokens must be from 16 to 16777216 (2^24), not '8'" "${B[@]}" --tokens 8
+expect_usage "bench compact" "--tokens must be from 16 to 16777216 (2^24), not '100000000'" "${B[@]}" --tokens 100000000
 expect_usage "bench compact" "--budget" "${B[@]}" --budget 0
 expect_usage "bench compact" "--method" "${B[@]}" --method cut
 expect_usage "bench compact" "--docs" bench compact --model "$M"
@@ -112,7 +121,7 @@ expect_usage "bench compact" "--docs" bench compact --model "$M"
 flags() { local a=("$@") out=(); for ((i = 0; i < ${#a[@]}; i += 2)); do out+=("${a[i]}"); done; echo "${out[@]}"; }
 # shellcheck disable=SC2046
 expect_help compact $(flags "${SHARED_ALL[@]}") $(flags "${SHARED_BENCH[@]}") --method --budget --shard \
-    --repeat-instruction --dtype --model --manifest --probes-from --out --no-share --quiet --progress-interval
+    --repeat-instruction --dtype --model --manifest --probes-from --out --no-share --quiet --progress-interval --max-line-bytes
 # shellcheck disable=SC2046
 expect_help "eval quality" $(flags "${SHARED_ALL[@]}") $(flags "${SHARED_BENCH[@]}") --budgets --methods \
     --probes --probe-form --limit --format --fold-queries --model --docs --per-head --head-budgets --probes-out \

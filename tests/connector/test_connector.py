@@ -478,6 +478,20 @@ def dst_of(t, layer=0):
     return host_destination(t, layer)
 
 
+def test_a_file_under_another_documents_name_is_refused(tmp_path):
+    """A content-addressed name (<doc>.<method>-<budget>.<recipe16>.kvf) must be what the header
+    holds: a file copied over another document's name is neither read nor loaded."""
+    doc, other = "%032x" % (7 * 7919 + 1), "%032x" % 12345
+    good = str(tmp_path / f"{doc}.fold-0.25.{'0' * 16}.kvf")
+    write_cache(good, 1, 2, 16, 16, 7)
+    assert _kvfold.read_header(good)["document_digest"] == doc
+    bad = str(tmp_path / f"{other}.fold-0.25.{'0' * 16}.kvf")
+    os.replace(good, bad)
+    for read in (lambda: _kvfold.read_header(bad), lambda: _kvfold.load(bad, "float32")):
+        with pytest.raises(_kvfold.KvfError, match="the document differs"):
+            read()
+
+
 def test_c_copy_refusals(root):
     src = bytearray(2 * 1 * 16 * 2 * 16 * 2)
     t = make_cache("blocks_first", 4, 16, 2, 16, torch.bfloat16)
