@@ -230,9 +230,14 @@ REFUSED = [
 REFUSED_CONTEXT = {"x": [1, 2]}
 
 
+_compiled = {}
+
+
 def jinja2_render(env, template, context):
     try:
-        return ("out", env.from_string(template).render(**context))
+        if template not in _compiled:
+            _compiled[template] = env.from_string(template)
+        return ("out", _compiled[template].render(**context))
     except Exception as e:  # jinja2 raises many kinds; a failure matches a failure
         return ("error", f"{type(e).__name__}: {e}")
 
