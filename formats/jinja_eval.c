@@ -197,7 +197,7 @@ static bool contains(jrender *r, const jnode *n, jv item, jv seq) {
         if (seq.tuple == 3)
             break;
         for (size_t i = 0; i < seq.u.l->n; i++)
-            if (jv_equal(seq.u.l->items[i], item))
+            if (jv_equal(r->c, n, seq.u.l->items[i], item))
                 return true;
         return false;
     case JV_DICT:
@@ -214,13 +214,13 @@ static bool contains(jrender *r, const jnode *n, jv item, jv seq) {
 
 bool jcompare_op(jrender *r, const jnode *n, int op, jv a, jv b) {
     if (op == JOP_EQ || op == JOP_NE)
-        return jv_equal(a, b) == (op == JOP_EQ);
+        return jv_equal(r->c, n, a, b) == (op == JOP_EQ);
     if (op == JOP_IN || op == JOP_NOTIN)
         return contains(r, n, a, b) == (op == JOP_IN);
     if (a.kind == JV_UNDEF || b.kind == JV_UNDEF)
         fail_node(r, n, KF_ERR_INVALID, "an undefined value in a comparison%s%s", "", "");
     bool ok;
-    const int c = jv_compare(a, b, &ok);
+    const int c = jv_compare(r->c, n, a, b, &ok);
     if (!ok) {
         char msg[160];
         snprintf(msg, sizeof msg, "ordering not supported between instances of '%s' and '%s'", jv_type_name(a), jv_type_name(b));

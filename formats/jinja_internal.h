@@ -115,6 +115,7 @@ struct jnode {
     jstr **kw;            /* [nargs] keyword names of call arguments (NULL: positional) */
     int *ops;             /* [nargs] JN_CMP: the operator before each args[i] */
     int nargs;
+    int depth;    /* of the expression tree below (1: a leaf); bounded by the parser */
     jv lit;       /* JN_TEXT, JN_LIT */
     jstr *name;   /* JN_NAME, JN_ATTR, JN_FILTER, JN_TEST, JN_NSATTR (attribute) */
     jnode *next;  /* next statement in a body */
@@ -186,9 +187,9 @@ bool jv_truthy(jv v);
 jstr *jv_to_str(jctx *c, jv v, const jnode *at);
 /* Python's float repr into buf (at least 32 bytes). */
 void jfmt_float(double f, char *buf);
-/* ==, and <: *ok false when Python would raise TypeError. */
-bool jv_equal(jv a, jv b);
-int jv_compare(jv a, jv b, bool *ok);
+/* ==, and <: *ok false when Python would raise TypeError (values nested too deep are refused at). */
+bool jv_equal(jctx *c, const jnode *at, jv a, jv b);
+int jv_compare(jctx *c, const jnode *at, jv a, jv b, bool *ok);
 
 /* A buffer that grows in the arena (the output, tojson). */
 typedef struct {

@@ -7,7 +7,9 @@
 
 #include "jinja_internal.h"
 
-#define JPARSE_MAX_DEPTH 64
+#define JPARSE_MAX_DEPTH 64   /* nested statements, parentheses, unary operators */
+#define JPARSE_MAX_TREE 400   /* an expression tree's depth (left-deep chains a + b + ... too) */
+#define JPARSE_MAX_ELIF 256   /* elif branches of one if */
 
 typedef struct {
     jctx *c;
@@ -65,11 +67,27 @@ static void expect_kind(jparser *P, int kind, const char *what) {
 
 static jnode *node(jparser *P, int kind, const jtok *at) {
     jnode *n = jalloc(P->c, sizeof *n);
-    n->kind = kind, n->line = at->line, n->col = at->col;
+    n->kind = kind, n->line = at->line, n->col = at->col, n->depth = 1;
     return n;
 }
 
 static jstr *tok_str(jparser *P, const jtok *t) { return jstr_new(P->c, t->p, t->len); }
+
+/* Sets n's tree depth from its children's (built before it): rendering recurses that deep. */
+static jnode *fix_depth(jparser *P, jnode *n) {
+    const jnode *kids[4] = {n->a, n->b, n->c, n->d};
+    int d = 0;
+    for (int i = 0; i < 4; i++)
+        if (kids[i] && kids[i]->depth > d)
+            d = kids[i]->depth;
+    for (int i = 0; i < n->nargs; i++)
+        if (n->args[i]->depth > d)
+            d = n->args[i]->depth;
+    if (d + 1 > JPARSE_MAX_TREE)
+        jfail(P->c, KF_ERR_UNSUPPORTED, n->line, n->col, "an expression nested more than %d deep", JPARSE_MAX_TREE);
+    n->depth = d + 1;
+    return n;
+}
 
 static void enter(jparser *P) {
     if (++P->depth > JPARSE_MAX_DEPTH)
@@ -109,7 +127,7 @@ static jnode *parse_tuple(jparser *P, bool with_condexpr) {
             break;
         add_arg(P, t, with_condexpr ? parse_expr(P) : parse_or(P), NULL, 0);
     }
-    return t;
+    return fix_depth(P, t);
 }
 
 /* ( args ) of a call or filter: positional, then name=value. */
@@ -151,7 +169,7 @@ static jnode *parse_seq(jparser *P, const jtok *at, int kind, const char *close)
         }
     }
     advance(P);
-    return n;
+    return fix_depth(P, n);
 }
 
 static jnode *parse_paren(jparser *P, const jtok *at) {
@@ -169,7 +187,7 @@ static jnode *parse_paren(jparser *P, const jtok *at) {
                 break;
             add_arg(P, t, parse_expr(P), NULL, 0);
         }
-        e = t;
+        e = fix_depth(P, t);
     }
     expect_op(P, ")");
     return e;
@@ -240,7 +258,7 @@ static jnode *parse_subscript(jparser *P, jnode *obj, const jtok *at) {
         n->b = parts[0];
     } else
         n->b = parts[0], n->c = parts[1], n->d = parts[2];
-    return n;
+    return fix_depth(P, n);
 }
 
 static jnode *parse_postfix(jparser *P, jnode *n) {
@@ -258,7 +276,7 @@ static jnode *parse_postfix(jparser *P, jnode *n) {
                 m->b->lit = a->val;
             } else
                 fail_at(P, a, KF_ERR_FORMAT, "expected a name or a number after '.', got %s", tok_text(P, a));
-            n = m;
+            n = fix_depth(P, m);
         } else if (tok_is(t, JT_OP, "[")) {
             advance(P);
             n = parse_subscript(P, n, t);
@@ -266,7 +284,7 @@ static jnode *parse_postfix(jparser *P, jnode *n) {
             jnode *m = node(P, JN_CALL, t);
             m->a = n;
             parse_call_args(P, m);
-            n = m;
+            n = fix_depth(P, m);
         } else
             return n;
     }
@@ -294,7 +312,7 @@ static jnode *parse_test(jparser *P, jnode *n, const jtok *at) {
             fail_at(P, k, KF_ERR_FORMAT, "tests cannot be chained with is%s", "");
         add_arg(P, t, parse_postfix(P, parse_primary(P)), NULL, 0);
     }
-    return t;
+    return fix_depth(P, t);
 }
 
 static jnode *parse_filter_expr(jparser *P, jnode *n) {
@@ -313,7 +331,7 @@ static jnode *parse_filter_expr(jparser *P, jnode *n) {
                 fail_at(P, name, KF_ERR_UNSUPPORTED, "the filter %s is not supported", tok_text(P, name));
             if (is_op(P, "("))
                 parse_call_args(P, f);
-            n = f;
+            n = fix_depth(P, f);
         } else if (tok_is(t, JT_NAME, "is")) {
             advance(P);
             n = parse_test(P, n, t);
@@ -321,7 +339,7 @@ static jnode *parse_filter_expr(jparser *P, jnode *n) {
             jnode *m = node(P, JN_CALL, t);
             m->a = n;
             parse_call_args(P, m);
-            n = m;
+            n = fix_depth(P, m);
         } else
             return n;
     }
@@ -335,6 +353,7 @@ static jnode *parse_unary(jparser *P, bool with_filter) {
         advance(P);
         n = node(P, tok_is(t, JT_OP, "-") ? JN_NEG : JN_POS, t);
         n->a = parse_unary(P, false);
+        fix_depth(P, n);
     } else
         n = parse_primary(P);
     n = parse_postfix(P, n);
@@ -347,7 +366,7 @@ static jnode *parse_unary(jparser *P, bool with_filter) {
 static jnode *binary(jparser *P, int op, jnode *a, jnode *b, const jtok *at) {
     jnode *n = node(P, JN_BIN, at);
     n->op = op, n->a = a, n->b = b;
-    return n;
+    return fix_depth(P, n);
 }
 
 static jnode *parse_pow(jparser *P) {
@@ -420,7 +439,7 @@ static jnode *parse_compare(jparser *P) {
         }
         add_arg(P, cmp, parse_math1(P), NULL, op);
     }
-    return cmp ? cmp : a;
+    return cmp ? fix_depth(P, cmp) : a;
 }
 
 static jnode *parse_not(jparser *P) {
@@ -430,7 +449,7 @@ static jnode *parse_not(jparser *P) {
         jnode *n = node(P, JN_NOT, at);
         n->a = parse_not(P);
         P->depth--;
-        return n;
+        return fix_depth(P, n);
     }
     return parse_compare(P);
 }
@@ -440,7 +459,7 @@ static jnode *parse_and(jparser *P) {
     while (is_name(P, "and")) {
         jnode *n = node(P, JN_AND, advance(P));
         n->a = a, n->b = parse_not(P);
-        a = n;
+        a = fix_depth(P, n);
     }
     return a;
 }
@@ -450,7 +469,7 @@ static jnode *parse_or(jparser *P) {
     while (is_name(P, "or")) {
         jnode *n = node(P, JN_OR, advance(P));
         n->a = a, n->b = parse_and(P);
-        a = n;
+        a = fix_depth(P, n);
     }
     return a;
 }
@@ -466,7 +485,7 @@ static jnode *parse_expr(jparser *P) {
             advance(P);
             n->c = parse_expr(P);
         }
-        a = n;
+        a = fix_depth(P, n);
     }
     P->depth--;
     return a;
@@ -495,7 +514,7 @@ static void parse_targets(jparser *P, jnode *n) {
     } while (is_op(P, ","));
 }
 
-static jnode *parse_if(jparser *P, const jtok *at) {
+static jnode *parse_if(jparser *P, const jtok *at, int elifs) {
     static const char *const ends[] = {"elif", "else", "endif", NULL};
     static const char *const endif[] = {"endif", NULL};
     jnode *n = node(P, JN_IF, at);
@@ -503,8 +522,11 @@ static jnode *parse_if(jparser *P, const jtok *at) {
     expect_kind(P, JT_BLOCK_END, "'%}'");
     n->b = parse_body(P, ends, "endif");
     const jtok *t = advance(P);
-    if (tok_is(t, JT_NAME, "elif"))
-        n->c = parse_if(P, t); /* consumes through endif */
+    if (tok_is(t, JT_NAME, "elif")) {
+        if (elifs == JPARSE_MAX_ELIF)
+            fail_at(P, t, KF_ERR_UNSUPPORTED, "more than 256 elif branches%s", "");
+        n->c = parse_if(P, t, elifs + 1); /* consumes through endif */
+    }
     else {
         if (tok_is(t, JT_NAME, "else")) {
             expect_kind(P, JT_BLOCK_END, "'%}'");
@@ -582,7 +604,7 @@ static jnode *parse_statement(jparser *P) {
         fail_at(P, t, KF_ERR_FORMAT, "expected a statement name, got %s", tok_text(P, t));
     advance(P);
     if (tok_is(t, JT_NAME, "if"))
-        return parse_if(P, t);
+        return parse_if(P, t, 0);
     if (tok_is(t, JT_NAME, "for"))
         return parse_for(P, t);
     if (tok_is(t, JT_NAME, "set"))

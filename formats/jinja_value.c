@@ -8,7 +8,7 @@
 
 #include "jinja_internal.h"
 
-#define JV_MAX_DEPTH 200 /* nesting of lists/dicts walked by ==, <, tojson (Python's limit is ~1000) */
+#define JV_MAX_DEPTH 200 /* nesting of lists/dicts walked by == and < (deeper is refused) */
 
 struct jarena_chunk {
     jarena_chunk *next;
@@ -244,11 +244,18 @@ static int num_cmp(jv a, jv b) {
     return x < y ? -1 : x > y;
 }
 
-static bool equal_at(jv a, jv b, int depth) {
+_Noreturn static void too_deep(jctx *c, const jnode *at) {
+    jfail(c, KF_ERR_UNSUPPORTED, at ? at->line : 0, at ? at->col : 0, "comparing values nested more than %d deep",
+          JV_MAX_DEPTH);
+}
+
+static bool equal_at(jctx *c, const jnode *at, jv a, jv b, int depth) {
     if (is_num(a) && is_num(b))
         return num_cmp(a, b) == 0;
-    if (a.kind != b.kind || depth > JV_MAX_DEPTH)
+    if (a.kind != b.kind)
         return false;
+    if (depth > JV_MAX_DEPTH)
+        too_deep(c, at);
     switch (a.kind) {
     case JV_UNDEF: case JV_NONE: return true;
     case JV_STR: return a.u.s->len == b.u.s->len && memcmp(a.u.s->b, b.u.s->b, a.u.s->len) == 0;
@@ -256,7 +263,7 @@ static bool equal_at(jv a, jv b, int depth) {
         if (a.tuple != b.tuple || a.u.l->n != b.u.l->n)
             return false;
         for (size_t i = 0; i < a.u.l->n; i++)
-            if (!equal_at(a.u.l->items[i], b.u.l->items[i], depth + 1))
+            if (!equal_at(c, at, a.u.l->items[i], b.u.l->items[i], depth + 1))
                 return false;
         return true;
     case JV_DICT:
@@ -264,7 +271,7 @@ static bool equal_at(jv a, jv b, int depth) {
             return false;
         for (size_t i = 0; i < a.u.d->n; i++) {
             jv w;
-            if (!jdict_get(b.u.d, a.u.d->keys[i]->b, a.u.d->keys[i]->len, &w) || !equal_at(a.u.d->vals[i], w, depth + 1))
+            if (!jdict_get(b.u.d, a.u.d->keys[i]->b, a.u.d->keys[i]->len, &w) || !equal_at(c, at, a.u.d->vals[i], w, depth + 1))
                 return false;
         }
         return true;
@@ -275,9 +282,9 @@ static bool equal_at(jv a, jv b, int depth) {
     }
 }
 
-bool jv_equal(jv a, jv b) { return equal_at(a, b, 0); }
+bool jv_equal(jctx *c, const jnode *at, jv a, jv b) { return equal_at(c, at, a, b, 0); }
 
-static int compare_at(jv a, jv b, bool *ok, int depth) {
+static int compare_at(jctx *c, const jnode *at, jv a, jv b, bool *ok, int depth) {
     if (is_num(a) && is_num(b)) {
         const int r = num_cmp(a, b);
         return r == 2 ? 0 : r; /* nan: every comparison false; the caller's op decides */
@@ -287,21 +294,23 @@ static int compare_at(jv a, jv b, bool *ok, int depth) {
         const int r = memcmp(a.u.s->b, b.u.s->b, n); /* UTF-8 byte order is code point order */
         return r ? (r < 0 ? -1 : 1) : (a.u.s->len < b.u.s->len ? -1 : a.u.s->len > b.u.s->len);
     }
-    if (a.kind == JV_LIST && b.kind == JV_LIST && a.tuple == b.tuple && depth < JV_MAX_DEPTH) {
+    if (a.kind == JV_LIST && b.kind == JV_LIST && a.tuple == b.tuple) {
+        if (depth > JV_MAX_DEPTH)
+            too_deep(c, at);
         for (size_t i = 0; i < a.u.l->n && i < b.u.l->n; i++)
-            if (!equal_at(a.u.l->items[i], b.u.l->items[i], depth + 1))
-                return compare_at(a.u.l->items[i], b.u.l->items[i], ok, depth + 1);
+            if (!equal_at(c, at, a.u.l->items[i], b.u.l->items[i], depth + 1))
+                return compare_at(c, at, a.u.l->items[i], b.u.l->items[i], ok, depth + 1);
         return a.u.l->n < b.u.l->n ? -1 : a.u.l->n > b.u.l->n;
     }
     *ok = false;
     return 0;
 }
 
-int jv_compare(jv a, jv b, bool *ok) {
+int jv_compare(jctx *c, const jnode *at, jv a, jv b, bool *ok) {
     *ok = true;
     if (is_num(a) && is_num(b) && num_cmp(a, b) == 2) {
         *ok = false; /* nan ordering is refused rather than reproduced */
         return 0;
     }
-    return compare_at(a, b, ok, 0);
+    return compare_at(c, at, a, b, ok, 0);
 }

@@ -181,6 +181,7 @@ CORPUS = [
     ("{% for x in [1, 2, 3] %}{{ loop.previtem }}-{{ loop.nextitem }}-{{ loop.cycle('a', 'b') }}-{{ loop.nope }};{% endfor %}", {}),
     ("{% for x in [1, 2] %}{% for y in [3, 4] %}{{ loop.depth }}{{ loop.index }}{{ x }}{{ y }} {% endfor %}{% endfor %}", {}),
     ("{% for x in range(10) %}{% if x == 2 %}{% continue %}{% endif %}{% if x > 4 %}{% break %}{% endif %}{{ x }}{% endfor %}", {}),
+    ("{{ 1" + " + 1" * 300 + " }}{% if 0 %}" + "{% elif 0 %}" * 250 + "{% else %}e{% endif %}", {}),
     ("{% for x in [] %}a{% else %}empty{% endfor %}{% for x in [1, 2, 3, 4] if x is odd %}{{ x }}{{ loop.length }}{% endfor %}", {}),
     ("{% for a, b in [[1, 2], (3, 4), 'xy'] %}{{ a }}{{ b }}{% endfor %}", {}), ("{% for a, b in [[1, 2, 3]] %}{% endfor %}", {}),
     ("{% set a, b = 1, 2 %}{{ a }}{{ b }}{% set t = 1, 2 %}{{ t|length }}{% set s %}x{{ a }}y{% endset %}{{ s }}", {}),
@@ -233,6 +234,8 @@ REFUSED = [
     # Python's repr of containers and integers beyond 64 bits are not reproduced
     ("{{ [1] ~ 'x' }}", 1, 8), ("{{ x }}", 1, 1), ("{{ {'a': {'b': 1}} }}", 1, 1), ("{{ 9223372036854775807 + 1 }}", 1, 24),
     ("{{ 2 ** 70 }}", 1, 6), ("{{ x|selectattr('a') is defined }}", 1, 6),
+    # the bounds of an untrusted template: expression depth 400, 256 elif branches
+    ("{{ 1" + " + 1" * 500 + " }}", 1, 1602), ("{% if 0 %}" + "{% elif 0 %}" * 300 + "{% endif %}", 1, 3086),
 ]
 REFUSED_CONTEXT = {"x": [1, 2]}
 
