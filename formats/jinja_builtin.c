@@ -91,7 +91,7 @@ jv jattr(jrender *r, jv obj, const char *name, size_t len, const jnode *at) {
     case JV_LIST:
         if (name_in(name, len, py_list_methods))
             fail_at(r, at, KF_ERR_UNSUPPORTED, "the list method '%s' is not supported", name);
-        if (obj.tuple >= 2)
+        if (obj.tuple >= JV_VIEW)
             fail_at(r, at, KF_ERR_UNSUPPORTED, "attributes of a dict view or an iterator ('%s')", name);
         return jv_undef();
     case JV_LOOP: return loop_attr(r, obj.u.loop, obj, name, len, at);
@@ -113,7 +113,7 @@ jv jitem(jrender *r, jv obj, jv key, const jnode *at) {
     const int64_t k = key.kind == JV_BOOL ? key.u.b : key.u.i;
     if (obj.kind == JV_DICT && key.kind == JV_STR && jdict_get(obj.u.d, key.u.s->b, key.u.s->len, &v))
         return v;
-    if ((obj.kind == JV_STR || (obj.kind == JV_LIST && obj.tuple < 2)) && int_key) {
+    if ((obj.kind == JV_STR || (obj.kind == JV_LIST && obj.tuple < JV_VIEW)) && int_key) {
         const int64_t n = obj.kind == JV_STR ? (int64_t)obj.u.s->ncp : (int64_t)obj.u.l->n;
         const int64_t i = k < 0 ? k + n : k;
         if (i < 0 || i >= n)

@@ -99,7 +99,7 @@ static jv dict_method(jrender *r, const jnode *at, const jdict *d, const char *m
             fail_at(r, at, KF_ERR_INVALID, "%s() takes at least 1 argument", m);
         if (x.kind == JV_STR && jdict_get(d, x.u.s->b, x.u.s->len, &y))
             return y;
-        if (x.kind == JV_LIST || x.kind == JV_DICT)
+        if (!jv_hashable(x))
             fail_at(r, at, KF_ERR_INVALID, "unhashable type: '%s'", jv_type_name(x));
         return jarg(a, 1, "", &y) ? y : jv_none();
     }
@@ -118,7 +118,7 @@ static jv dict_method(jrender *r, const jnode *at, const jdict *d, const char *m
         }
     }
     jv v = jv_list(l, false);
-    v.tuple = 2; /* a dict view: len, in and iteration, no index */
+    v.tuple = JV_VIEW;
     return v;
 }
 

@@ -156,6 +156,8 @@ static jv arith_num(jrender *r, const jnode *n, jv a, jv b) {
 
 static jv arith(jrender *r, const jnode *n, jv a, jv b) {
     static const char *const sym[] = {"+", "-", "*", "/", "//", "%", "**"};
+    if (n->op == JOP_MOD && a.kind == JV_STR) /* before Undefined: str % x formats, whatever x is */
+        fail_node(r, n, KF_ERR_UNSUPPORTED, "%% string formatting%s%s", "", "");
     if (a.kind == JV_UNDEF || b.kind == JV_UNDEF)
         fail_node(r, n, KF_ERR_INVALID, "an undefined value in '%s'%s", sym[n->op], "");
     if (is_num(a) && is_num(b)) {
@@ -167,7 +169,7 @@ static jv arith(jrender *r, const jnode *n, jv a, jv b) {
     }
     if (n->op == JOP_ADD && a.kind == JV_STR && b.kind == JV_STR)
         return jv_str(jstr_cat(r->c, a.u.s, b.u.s));
-    if (n->op == JOP_ADD && a.kind == JV_LIST && b.kind == JV_LIST && a.tuple == b.tuple && a.tuple < 2) {
+    if (n->op == JOP_ADD && a.kind == JV_LIST && b.kind == JV_LIST && a.tuple == b.tuple && a.tuple < JV_VIEW) {
         jlist *l = jlist_new(r->c, a.u.l->n + b.u.l->n);
         for (size_t i = 0; i < a.u.l->n; i++)
             jlist_push(r->c, l, a.u.l->items[i]);
@@ -175,12 +177,10 @@ static jv arith(jrender *r, const jnode *n, jv a, jv b) {
             jlist_push(r->c, l, b.u.l->items[i]);
         return jv_list(l, a.tuple);
     }
-    if (n->op == JOP_MUL && ((a.kind == JV_STR || (a.kind == JV_LIST && a.tuple < 2)) && is_intlike(b)))
+    if (n->op == JOP_MUL && ((a.kind == JV_STR || (a.kind == JV_LIST && a.tuple < JV_VIEW)) && is_intlike(b)))
         return repeat(r, n, a, as_int(b));
-    if (n->op == JOP_MUL && ((b.kind == JV_STR || (b.kind == JV_LIST && b.tuple < 2)) && is_intlike(a)))
+    if (n->op == JOP_MUL && ((b.kind == JV_STR || (b.kind == JV_LIST && b.tuple < JV_VIEW)) && is_intlike(a)))
         return repeat(r, n, b, as_int(a));
-    if (n->op == JOP_MOD && a.kind == JV_STR)
-        fail_node(r, n, KF_ERR_UNSUPPORTED, "%% string formatting%s%s", "", "");
     type_error(r, n, sym[n->op], a, b);
 }
 
@@ -194,14 +194,14 @@ static bool contains(jrender *r, const jnode *n, jv item, jv seq) {
             fail_node(r, n, KF_ERR_INVALID, "'in <string>' requires string as left operand, not %s%s", jv_type_name(item), "");
         return jstr_find(seq.u.s, item.u.s);
     case JV_LIST:
-        if (seq.tuple == 3)
-            break;
+        if (seq.tuple == JV_ITER)
+            fail_node(r, n, KF_ERR_UNSUPPORTED, "'in' on an iterator (it consumes it)%s%s", "", "");
         for (size_t i = 0; i < seq.u.l->n; i++)
             if (jv_equal(r->c, n, seq.u.l->items[i], item))
                 return true;
         return false;
     case JV_DICT:
-        if (item.kind == JV_LIST || item.kind == JV_DICT)
+        if (!jv_hashable(item))
             fail_node(r, n, KF_ERR_INVALID, "unhashable type: '%s'%s", jv_type_name(item), "");
         if (item.kind != JV_STR)
             return false;
@@ -242,21 +242,23 @@ static jv eval_cmp(jrender *r, const jnode *n) {
 
 /* ---- expressions ---- */
 
-static bool slice_bound(jrender *r, const jnode *e, bool *has, int64_t *v, bool *bad) {
+static void slice_bound(jrender *r, const jnode *e, bool *has, int64_t *v, bool *bad) {
     *has = false;
     if (!e)
-        return true;
+        return;
     const jv x = jeval(r, e);
     if (x.kind == JV_NONE)
-        return true;
-    if (!is_intlike(x)) {
-        *bad = true; /* Python raises TypeError, which jinja2's getitem turns into Undefined */
-        return false;
-    }
-    *has = true, *v = as_int(x);
-    return true;
+        return;
+    if (!is_intlike(x))
+        *bad = true; /* TypeError: slice indices must be integers or None */
+    else
+        *has = true, *v = as_int(x);
 }
 
+/* jinja2 compiles x[a:b:c] to Python's own subscript (a TypeError where that fails), except where
+ * its optimizer can fold the expression to a constant: it does so with getitem, which turns the
+ * TypeError into Undefined. Which one happens is not worth reproducing: a slice Python cannot take
+ * is refused. */
 static jv eval_slice(jrender *r, const jnode *n) {
     const jv obj = jeval(r, n->a);
     if (obj.kind == JV_UNDEF)
@@ -266,12 +268,10 @@ static jv eval_slice(jrender *r, const jnode *n) {
     slice_bound(r, n->b, &hs, &s, &bad);
     slice_bound(r, n->c, &he, &e, &bad);
     slice_bound(r, n->d, &hst, &st, &bad);
-    if (obj.kind == JV_DICT)
-        fail_node(r, n, KF_ERR_INVALID, "unhashable type: 'slice' (slicing a dict)%s%s", "", "");
-    if (obj.kind == JV_NS || obj.kind == JV_LOOP || obj.kind == JV_FUNC)
-        fail_node(r, n, KF_ERR_UNSUPPORTED, "slicing a %s%s", jv_type_name(obj), "");
-    if (bad || !(obj.kind == JV_STR || (obj.kind == JV_LIST && obj.tuple < 2)))
-        return jv_undef();
+    if (bad || !(obj.kind == JV_STR || (obj.kind == JV_LIST && obj.tuple < JV_VIEW)))
+        fail_node(r, n, KF_ERR_UNSUPPORTED, bad ? "a slice with indices other than integers or None%s%s"
+                                                : "slicing a %s (an error or Undefined in jinja2, as it folds constants)",
+                  bad ? "" : jv_type_name(obj), "");
     if (!hst)
         st = 1;
     if (st == 0)
@@ -368,7 +368,13 @@ jlist *jiter_items(jrender *r, jv seq, const jnode *n) {
     jlist *l;
     switch (seq.kind) {
     case JV_UNDEF: return jlist_new(r->c, 1);
-    case JV_LIST: return seq.u.l;
+    case JV_LIST:
+        if (seq.tuple == JV_ITER) { /* an iterator yields its items once */
+            if (seq.u.l->consumed)
+                return jlist_new(r->c, 1);
+            seq.u.l->consumed = true;
+        }
+        return seq.u.l;
     case JV_DICT:
         l = jlist_new(r->c, seq.u.d->n);
         for (size_t i = 0; i < seq.u.d->n; i++)
@@ -420,16 +426,12 @@ static jlist *for_items(jrender *r, const jnode *n) {
     return kept;
 }
 
-static void exec_for(jrender *r, const jnode *n) {
+/* The else of a for runs when no iteration ran its body to the end: jinja2 clears its flag after
+ * the body, so a loop left by break or continue on every iteration (or none) runs it too. */
+static int exec_for(jrender *r, const jnode *n) {
     const jlist *items = for_items(r, n);
     jscope *outer = r->scope;
-    if (items->n == 0 && n->c) {
-        jscope s = {.parent = outer};
-        r->scope = &s;
-        exec_body(r, n->c);
-        r->scope = outer;
-        return;
-    }
+    bool completed = false;
     r->loop_depth++;
     for (size_t i = 0; i < items->n; i++) {
         jscope s = {.parent = outer};
@@ -444,10 +446,19 @@ static void exec_for(jrender *r, const jnode *n) {
         bind(r, n, items->items[i]);
         const int flow = exec_body(r, n->b);
         r->scope = outer;
+        completed |= flow == FLOW_NEXT;
         if (flow == FLOW_BREAK)
             break;
     }
     r->loop_depth--;
+    int flow = FLOW_NEXT;
+    if (!completed && n->c) { /* after the loop: a break or continue there is the enclosing loop's */
+        jscope s = {.parent = outer};
+        r->scope = &s;
+        flow = exec_body(r, n->c);
+        r->scope = outer;
+    }
+    return flow;
 }
 
 static void exec_set(jrender *r, const jnode *n) {
@@ -482,7 +493,12 @@ static int exec_body(jrender *r, const jnode *s) {
                 return flow;
             break;
         }
-        case JN_FOR: exec_for(r, s); break;
+        case JN_FOR: {
+            const int flow = exec_for(r, s);
+            if (flow != FLOW_NEXT)
+                return flow;
+            break;
+        }
         case JN_SET: case JN_NSATTR: case JN_SETBLOCK: exec_set(r, s); break;
         case JN_BREAK: return FLOW_BREAK;
         case JN_CONTINUE: return FLOW_CONTINUE;

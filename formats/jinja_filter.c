@@ -40,7 +40,7 @@ static int64_t length(jrender *r, const jnode *at, jv v) {
     case JV_UNDEF: return 0;
     case JV_STR: return (int64_t)v.u.s->ncp;
     case JV_LIST:
-        if (v.tuple == 3)
+        if (v.tuple == JV_ITER)
             break;
         return (int64_t)v.u.l->n;
     case JV_DICT: return (int64_t)v.u.d->n;
@@ -85,7 +85,7 @@ static jv f_default(jrender *r, const jnode *n, jv v, const jargs *a) {
 static jv f_first_last(jrender *r, const jnode *n, jv v, bool first) {
     if (v.kind == JV_UNDEF && first)
         return jv_undef();
-    if (!(v.kind == JV_STR || (v.kind == JV_LIST && v.tuple < 2) || (v.kind == JV_DICT && first)))
+    if (!(v.kind == JV_STR || (v.kind == JV_LIST && v.tuple < JV_VIEW) || (v.kind == JV_DICT && first)))
         fail_at(r, n, KF_ERR_UNSUPPORTED, "first/last of a %s", jv_type_name(v));
     const jlist *items = jiter_items(r, v, n);
     if (items->n == 0)
@@ -124,14 +124,14 @@ static jv f_list(jrender *r, const jnode *n, jv v, bool reverse) {
         jlist_push(r->c, l, items->items[reverse ? items->n - 1 - i : i]);
     jv out = jv_list(l, false);
     if (reverse)
-        out.tuple = 3; /* reversed() is an iterator: iterate it or make it a list */
+        out.tuple = JV_ITER; /* reversed() */
     return out;
 }
 
 static jv f_items(jrender *r, const jnode *n, jv v) {
     jlist *l = jlist_new(r->c, 4);
-    if (v.kind != JV_UNDEF && v.kind != JV_DICT)
-        fail_at(r, n, KF_ERR_INVALID, "items: can only get item pairs from a mapping, not %s", jv_type_name(v));
+    if (v.kind != JV_UNDEF && v.kind != JV_DICT) /* jinja2's generator fails only once iterated */
+        fail_at(r, n, KF_ERR_UNSUPPORTED, "the items filter on a %s", jv_type_name(v));
     for (size_t i = 0; v.kind == JV_DICT && i < v.u.d->n; i++) {
         jlist *pair = jlist_new(r->c, 2);
         jlist_push(r->c, pair, jv_str(v.u.d->keys[i]));
@@ -139,7 +139,7 @@ static jv f_items(jrender *r, const jnode *n, jv v) {
         jlist_push(r->c, l, jv_list(pair, true));
     }
     jv out = jv_list(l, false);
-    out.tuple = 3; /* a generator */
+    out.tuple = JV_ITER; /* a generator */
     return out;
 }
 
@@ -263,8 +263,8 @@ bool jtest(jrender *r, const jnode *n) {
     if (is(n, "string")) return k == JV_STR;
     if (is(n, "mapping")) return k == JV_DICT;
     if (is(n, "iterable")) return k == JV_UNDEF || k == JV_STR || k == JV_LIST || k == JV_DICT || k == JV_LOOP;
-    if (is(n, "sequence")) return k == JV_UNDEF || k == JV_STR || (k == JV_LIST && v.tuple < 2) || k == JV_DICT;
-    if (is(n, "callable")) return k == JV_FUNC || k == JV_LOOP;
+    if (is(n, "sequence")) return k == JV_UNDEF || k == JV_STR || (k == JV_LIST && v.tuple < JV_VIEW) || k == JV_DICT;
+    if (is(n, "callable")) return k == JV_FUNC || k == JV_LOOP || k == JV_UNDEF; /* Undefined has __call__ */
     if (is(n, "odd") || is(n, "even")) {
         if (k != JV_INT && k != JV_BOOL)
             fail_at(r, n, KF_ERR_UNSUPPORTED, "odd/even of a %s", jv_type_name(v));

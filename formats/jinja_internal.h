@@ -49,7 +49,7 @@ typedef struct jstr {
 
 typedef struct jv {
     uint8_t kind;  /* jv_kind */
-    uint8_t tuple; /* a JV_LIST written as a tuple (never equal to a list) */
+    uint8_t tuple; /* JV_LIST: 0 a list, 1 a tuple (never equal to a list), JV_VIEW or JV_ITER */
     union {
         bool b;
         int64_t i;
@@ -62,9 +62,15 @@ typedef struct jv {
     } u;
 } jv;
 
+/* What Python would hold instead of a list: a dict view (keys(), values(), items(): len, in and
+ * iteration, no index), or an iterator (reversed(), the items filter's generator: always true,
+ * iterated once). Whatever else Python does with them is refused. */
+enum { JV_VIEW = 2, JV_ITER = 3 };
+
 typedef struct jlist {
     size_t n, cap;
-    jv *items; /* [cap] */
+    jv *items;     /* [cap] */
+    bool consumed; /* a JV_ITER that has been iterated: empty from then on */
 } jlist;
 
 typedef struct jdict {
@@ -183,6 +189,7 @@ jv jv_cstr(jctx *c, const char *s);
 
 const char *jv_type_name(jv v); /* Python's name: 'str', 'int', 'list', ... */
 bool jv_truthy(jv v);
+bool jv_hashable(jv v);
 /* Python's str(); lists, dicts and the like are refused (their repr is not reproduced). */
 jstr *jv_to_str(jctx *c, jv v, const jnode *at);
 /* Python's float repr into buf (at least 32 bytes). */

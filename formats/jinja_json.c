@@ -166,7 +166,12 @@ static void dump(jctx *c, jbuf *o, jv v, const jdump_opts *opt, int level) {
             jfmt_float(v.u.f, buf), jbuf_puts(c, o, buf);
         break;
     case JV_STR: dump_str(c, o, v.u.s, opt->ensure_ascii); break;
-    case JV_LIST: case JV_DICT: dump_container(c, o, v, opt, level); break;
+    case JV_LIST:
+        if (v.tuple >= JV_VIEW) /* Python: "Object of type dict_keys is not JSON serializable" */
+            jfail(c, KF_ERR_INVALID, at->line, at->col, "tojson: a dict view or an iterator is not JSON serializable");
+        dump_container(c, o, v, opt, level);
+        break;
+    case JV_DICT: dump_container(c, o, v, opt, level); break;
     default:
         jfail(c, KF_ERR_INVALID, at->line, at->col, "tojson: Object of type %s is not JSON serializable", jv_type_name(v));
     }

@@ -134,8 +134,20 @@ const char *jv_type_name(jv v) {
     static const char *const names[] = {"Undefined", "NoneType", "bool", "int", "float", "str", "list",
                                         "dict", "Namespace", "function", "LoopContext"};
     if (v.kind == JV_LIST && v.tuple)
-        return "tuple";
+        return v.tuple == 1 ? "tuple" : v.tuple == JV_VIEW ? "dict view" : "iterator";
     return names[v.kind];
+}
+
+/* Whether Python could hash it (a dict key lookup): not a list, a dict or a dict view; a tuple when
+ * its items are (never one of this module's string keys anyway). */
+bool jv_hashable(jv v) {
+    if (v.kind == JV_DICT || (v.kind == JV_LIST && (v.tuple == 0 || v.tuple == JV_VIEW)))
+        return false;
+    if (v.kind == JV_LIST && v.tuple == 1)
+        for (size_t i = 0; i < v.u.l->n; i++)
+            if (!jv_hashable(v.u.l->items[i]))
+                return false;
+    return true;
 }
 
 bool jv_truthy(jv v) {
@@ -145,7 +157,7 @@ bool jv_truthy(jv v) {
     case JV_INT: return v.u.i != 0;
     case JV_FLOAT: return v.u.f != 0;
     case JV_STR: return v.u.s->len > 0;
-    case JV_LIST: return v.u.l->n > 0;
+    case JV_LIST: return v.tuple == JV_ITER || v.u.l->n > 0;
     case JV_DICT: return v.u.d->n > 0;
     default: return true;
     }
@@ -252,6 +264,8 @@ _Noreturn static void too_deep(jctx *c, const jnode *at) {
 static bool equal_at(jctx *c, const jnode *at, jv a, jv b, int depth) {
     if (is_num(a) && is_num(b))
         return num_cmp(a, b) == 0;
+    if ((a.kind == JV_LIST && a.tuple >= JV_VIEW) || (b.kind == JV_LIST && b.tuple >= JV_VIEW))
+        jfail(c, KF_ERR_UNSUPPORTED, at ? at->line : 0, at ? at->col : 0, "comparing a dict view or an iterator");
     if (a.kind != b.kind)
         return false;
     if (depth > JV_MAX_DEPTH)

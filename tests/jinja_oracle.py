@@ -11,7 +11,9 @@
    Every rendered string must be byte-identical to jinja2's, and its token ids (kvfold's tokenizer)
    equal to the npm package's ids for jinja2's string and, where the package's own
    apply_chat_template reads the template (Llama 3's, not Qwen3's), to the ids that gives.
-2. A corpus of small templates over the subset's corners: the same string as jinja2, or both fail.
+2. A corpus of small templates over the subset's corners: the same string as jinja2, or both fail;
+   and seeded random templates (expressions over every operator, filter, test and method of the
+   subset; statements nested with data and every whitespace control): the same, or refused.
 3. Constructs outside the subset: refused ("unsupported") at the line and column given.
 4. kvfold chat-template on the packages' model directories (the template and the special tokens
    from tokenizer_config.json, tools and documents None, as apply_chat_template passes them): text
@@ -24,6 +26,9 @@ import random
 import subprocess
 import sys
 import tempfile
+import warnings
+
+warnings.filterwarnings("ignore", category=SyntaxWarning)  # jinja2's code for 1[0] and the like
 
 try:
     import jinja2
@@ -208,8 +213,12 @@ CORPUS = [
     ("\u00a0 {% if true %}x{% endif %}", {}), ("{{ {'a':{'b':1}}['a']['b'] }}", {}),
     ("{{ 'é'[0] }}{{ 'aé😀b'[2] }}{{ 'aé😀b'[-2:] }}{{ 'aé😀b'|length }}{{ 'aé😀b'[::2] }}", {}),
     ("{{ 'x'.nope }}|{{ [1].nope }}|{{ (1).nope }}|{{ none.nope }}|{{ d['items'] }}", {"d": {"items": 5}}),
-    ("{{ none[1:] }}|{{ 5[0] }}|{{ [1,2]['x'] }}|{{ 'ab'[1.0] }}|{{ 'ab'[1:'b'] }}|{{ [1][1:None]|length }}", {}),
-    ("{{ x['a':] }}", {"x": {"a": 1}}),
+    ("{{ 5[0] }}|{{ [1,2]['x'] }}|{{ 'ab'[1.0] }}|{{ [1][1:None]|length }}|{{ (1, 'a') in d }}{{ d.get((1,)) }}", {"d": {}}),
+    ("{% for i in [1, 2] %}a{% continue %}{% else %}E{% endfor %}{% for i in [1, 2] %}{% if i > 1 %}{% break %}{% endif %}b{% else %}F{% endfor %}", {}),
+    ("{% for i in 'ab' %}{% for j in [] %}{% else %}{% continue %}{% endfor %}x{% endfor %}", {}),
+    ("{% set r = [1, 2]|reverse %}{{ r is iterable }}{{ [] | reverse is sequence }}{% if []|reverse %}T{% endif %}{% for x in r %}{{ x }}{% endfor %}{% for x in r %}{{ x }}{% endfor %}", {}),
+    ("{{ u is callable }}{{ d.keys()|list|length }}{{ d.keys()|length }}{{ 'a' in d.keys() }}{{ d.items()|list|first|first }}", {"d": {"a": 1}}),
+    ("{{ d.keys()|tojson }}", {"d": {}}),
     ("{{ u[1:] }}", {}), ("{{ 'abc'[::0] }}", {}), ("{{ x.split('') }}", {"x": "a"}), ("{{ 'ab'.startswith(1) }}", {}),
     ("{{ a|tojson }}", {"a": [0.1, 1.0, 100.0, 1e100, 1.7976931348623157e308, 5e-324, 123456789.123, -2.5e-5]}),
     ("{% set x = [1, 2] %}{% set y = x %}{{ x == y }}{{ x is sequence }}{{ d.keys()|list|join }}{{ d.values()|list|length }}", {"d": {"p": 1, "q": 2}}),
@@ -231,6 +240,8 @@ REFUSED = [
     ("{{ lipsum() }}", 1, 4), ("{{ 'é'.upper() }}", 1, 13), ("{{ x.__class__ }}", 1, 5), ("\n\n   {% with a = 1 %}{% endwith %}", 3, 7),
     ("{{ f(*args) }}", 1, 6), ("{% for x in y recursive %}{% endfor %}", 1, 15), ("{{ 0x10 }}", 1, 4), ("{{ [].append }}", 1, 6),
     ("{{ strftime_now('%Y') }}", 1, 4), ("{{ '\\N{DASH}' }}", 1, 5),
+    ("{{ none[1:] }}", 1, 8), ("{{ x['a':] }}", 1, 5), ("{{ 'x'|items }}", 1, 8), ("{{ 1 in ([1]|reverse) }}", 1, 4),
+    ("{{ {'a': 1}.keys() == [] }}", 1, 4),
     # Python's repr of containers and integers beyond 64 bits are not reproduced
     ("{{ [1] ~ 'x' }}", 1, 8), ("{{ x }}", 1, 1), ("{{ {'a': {'b': 1}} }}", 1, 1), ("{{ 9223372036854775807 + 1 }}", 1, 24),
     ("{{ 2 ** 70 }}", 1, 6), ("{{ x|selectattr('a') is defined }}", 1, 6),
@@ -241,6 +252,110 @@ REFUSED_CONTEXT = {"x": [1, 2]}
 
 
 _compiled = {}
+
+
+# ---- random templates (differential: the same string, both fail, or refused) ----
+
+ATOMS = ["0", "1", "2", "-3", "7", "0.5", "2.0", "-1.25", "1e3", "''", "'a'", "'ab c'", "'é'", "' x '", "'a,b'",
+         "'\\n'", "none", "true", "false", "[]", "[1, 2, 3]", "['a', 'b']", "(1, 'a')", "{}", "{'k': 1, 'j': 'v'}",
+         "s", "n", "f", "l", "d", "u", "e", "t", "b", "ls"]
+FILTERS = ["length", "trim", "upper", "lower", "first", "last", "join", "join(',')", "default('D')", "default('D', true)",
+           "tojson", "string", "list", "reverse", "abs", "count", "items", "replace('a', 'b')", "trim('x')",
+           "tojson(indent=1)", "tojson(sort_keys=true)", "d(0)"]
+TESTS = ["defined", "undefined", "none", "string", "number", "integer", "float", "boolean", "true", "false", "mapping",
+         "iterable", "sequence", "callable", "odd", "even", "divisibleby 2", "in [1, 'a']", "eq 1", "ne 'a'", "lt 3",
+         "ge 0", "lower", "upper"]
+METHODS = ["strip()", "strip('a')", "lstrip()", "rstrip(' x')", "split()", "split(',')", "split(',', 1)",
+           "startswith('a')", "endswith(('c', 'b'))", "replace('a', 'zz')", "replace('', '-')", "upper()", "lower()",
+           "join(['1', '2'])", "items()", "keys()", "values()", "get('k')", "get('zz', 5)", "x", "k", "title()",
+           "split('')"]
+OPS = ["+", "-", "*", "/", "//", "%", "**", "~", "==", "!=", "<", "<=", ">", ">=", "in", "not in", "and", "or"]
+RANDOM_CONTEXT = {"s": "Hello, World", "n": 3, "f": 2.5, "l": [3, 1, 2], "d": {"k": 1, "j": "v", "x": [1]}, "e": "",
+                  "t": " a b ", "b": True, "ls": ["a", "B", "c"]}
+
+
+def random_expr(rng, depth=0):
+    r = rng.random()
+    sub = lambda: random_expr(rng, depth + 1)
+    if depth > 3 or r < 0.3:
+        return rng.choice(ATOMS)
+    if r < 0.5:
+        return f"({sub()} {rng.choice(OPS)} {sub()})"
+    if r < 0.6:
+        return f"({sub()}|{rng.choice(FILTERS)})"
+    if r < 0.68:
+        return f"({sub()} is {'not ' if rng.random() < 0.3 else ''}{rng.choice(TESTS)})"
+    if r < 0.78:
+        return rng.choice(["s", "l", "d", "ls", "u", "e", "'abc'", "[1,2,3]"]) + "." + rng.choice(METHODS)
+    if r < 0.86:
+        if rng.random() < 0.5:
+            return sub() + "[" + rng.choice(["0", "1", "-1", "5", "'k'", "'x'", "n"]) + "]"
+        i = lambda: rng.choice(["", "0", "1", "-1", "2", "-2", "10", "none", "'a'"])
+        step = ":" + rng.choice(["1", "-1", "2", "-2", "0"]) if rng.random() < 0.5 else ""
+        return f"{sub()}[{i()}:{i()}{step}]"
+    if r < 0.92:
+        return f"(not {sub()})"
+    if r < 0.96:
+        return f"({sub()} if {sub()} else {sub()})"
+    return f"(-{sub()})"
+
+
+def random_expr_template(rng):
+    e, k = random_expr(rng), rng.random()
+    if k < 0.4:
+        return "{{ " + e + " }}"
+    if k < 0.7:
+        return "{{ (" + e + ")|tojson }}"
+    if k < 0.85:
+        return "{% if " + e + " %}T{% else %}F{% endif %}"
+    return "{% for x in " + e + " %}{{ loop.index }}{{ x is string }}{% else %}E{% endfor %}"
+
+
+DATA = ["", " ", "  ", "\n", "\n  ", "x", " y ", "\t", "\n\n", "a\n", "\n\t ", " \n ", "\u00a0", "\r\n", "}", "{", "%"]
+
+
+def random_body(rng, depth):
+    """Statements and data with every kind of whitespace control around them."""
+    data = lambda: "".join(rng.choice(DATA) for _ in range(rng.randint(0, 3)))
+    tag = lambda body: "{%" + rng.choice(["", "", "-", "+"]) + body + rng.choice(["", "", "-", "+"]) + "%}"
+    expr = lambda: rng.choice(["x", "loop.index", "n", "'s'", "ns.v", "i", "u", "x ~ i", "n * 2", "l|length",
+                               "l[loop.index0]", "loop.last", "loop.first", "loop.revindex"])
+    cond = lambda: rng.choice(["true", "false", "n > 1", "loop.first", "i is odd", "x", "u is defined", "not loop.last", "l"])
+    out = []
+    for _ in range(rng.randint(0, 4)):
+        k = rng.random()
+        out.append(data())
+        if k < 0.3:
+            out.append("{{" + rng.choice(["", "", "-"]) + " " + expr() + " " + rng.choice(["", "", "-"]) + "}}")
+        elif k < 0.4:
+            out.append("{#" + rng.choice(["", "-", "+"]) + " c " + rng.choice(["", "-", "+"]) + "#}")
+        elif k < 0.55 and depth < 3:
+            out.append(tag(" if " + cond() + " ") + random_body(rng, depth + 1))
+            if rng.random() < 0.4:
+                out.append(tag(" elif " + cond() + " ") + random_body(rng, depth + 1))
+            if rng.random() < 0.4:
+                out.append(tag(" else ") + random_body(rng, depth + 1))
+            out.append(tag(" endif "))
+        elif k < 0.7 and depth < 3:
+            seq = rng.choice(["l", "[1, 2, 3]", "range(3)", "'ab'", "[]", "d"]) + rng.choice(["", " if i != 2"])
+            out.append(tag(" for i in " + seq + " ") + random_body(rng, depth + 1))
+            if rng.random() < 0.3:
+                out.append(tag(" else ") + random_body(rng, depth + 1))
+            out.append(tag(" endfor "))
+        elif k < 0.8:
+            out.append(tag(rng.choice([" set x = " + expr() + " ", " set ns.v = " + expr() + " "])))
+        elif k < 0.85 and depth > 0:
+            out.append(tag(rng.choice([" break ", " continue "])))
+        out.append(data())
+    return "".join(out)
+
+
+def random_cases(rng, n_expr, n_struct):
+    cases = [(random_expr_template(rng), RANDOM_CONTEXT) for _ in range(n_expr)]
+    for _ in range(n_struct):
+        t = "{% set ns = namespace(v=0) %}" + rng.choice(["", "\n", "  "]) + random_body(rng, 0) + rng.choice(["", "\n", "\n\n"])
+        cases.append((t, {"n": 2, "l": [1, 2, 3], "d": {"a": 1, "b": 2}}))
+    return cases
 
 
 def jinja2_render(env, template, context):
@@ -264,8 +379,9 @@ def run_c(binary, cases, tokenizer=None):
     return results
 
 
-def compare(env, binary, cases, label, tokenizer=None):
-    """C vs jinja2: same string, or both fail; returns (rendered, both failed, differences, results)."""
+def compare(env, binary, cases, label, tokenizer=None, refusals=None):
+    """C vs jinja2: same string, or both fail (or refused, counted in refusals[0] when given);
+    returns (rendered, both failed, differences, results)."""
     same = failed = 0
     diffs, results = [], []
     for (t, ctx), got in zip(cases, run_c(binary, cases, tokenizer)):
@@ -275,6 +391,8 @@ def compare(env, binary, cases, label, tokenizer=None):
             same += 1
         elif kind == "error" and "error" in got and got["status"] != "unsupported":
             failed += 1
+        elif refusals is not None and got.get("status") == "unsupported":
+            refusals[0] += 1
         else:
             diffs.append((label, t if len(t) < 200 else t[:200] + "...", ctx, (kind, ref), got))
     return same, failed, diffs, results
@@ -399,6 +517,12 @@ def main():
         if got.get("status") != "unsupported" or want not in got.get("error", ""):
             diffs.append(("refusal", t, {}, ("unsupported", want), got))
     print(f"refused: {len(REFUSED)} unsupported constructs, each at its line and column")
+    refused = [0]
+    cases = random_cases(random.Random(seed), 2000, 1500)
+    same, failed, d, _ = compare(env, binary, cases, "random", refusals=refused)
+    diffs += d
+    print(f"random: {len(cases)} templates (expressions, statements with whitespace control), {same} identical, "
+          f"{failed} failed in both, {refused[0]} refused, {len(d)} differences")
     n, d = compare_cli(env, kvfold, oracle_dir, templates, rng)
     diffs += d
     print(f"kvfold chat-template: {n} conversations (text; 5 per model with --ids), {len(d)} differences")
