@@ -12,6 +12,8 @@
  *   statements  {{ expr }}
  *               {% if expr %} ... {% elif expr %} ... {% else %} ... {% endif %}
  *               {% for name[, name...] in expr [if expr] %} ... [{% else %} ...] {% endfor %}
+ *                                         (the else runs when no iteration ran its body to the end,
+ *                                          as jinja2 compiles it with break and continue)
  *               {% break %} {% continue %}          (inside for)
  *               {% set name[, name...] = expr[, expr...] %}   {% set ns.attr = expr %}
  *               {% set name %} ... {% endset %}
@@ -35,6 +37,10 @@
  *   values      the JSON context: objects, arrays, strings, integers (64-bit), reals, booleans,
  *               null (None); printing prints str() of strings, numbers, booleans and None
  *               (Undefined prints nothing); printing a list, dict or function is refused.
+ *               dict.items()/keys()/values() are views (len, in, iteration; no index) and the
+ *               reverse and items filters give iterators (true, iterated once), as in Python.
+ *               A slice Python cannot take (a non-sequence, non-integer bounds) is refused:
+ *               jinja2 raises there, or gives Undefined where its optimizer folded constants.
  *
  * Undefined behaves as jinja2's default Undefined: a missing name, attribute or index gives it;
  * it is false, iterates empty, has length 0, concatenates (~) as ''; arithmetic, attributes,
