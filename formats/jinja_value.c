@@ -163,22 +163,43 @@ bool jv_truthy(jv v) {
     }
 }
 
-/* The digits and exponent of the shortest decimal that reads back as f (f finite, not 0). */
+/* The digits and exponent of the shortest decimal that reads back as f (finite, > 0), as Python's
+ * repr finds it: at each length the nearest decimal, or else its neighbour in the last digit (near a
+ * power of two the interval that reads back as f is lopsided; at most one neighbour can be in it). */
 static int shortest_digits(double f, char *digits, int *exp10) {
-    char tmp[40];
-    for (int p = 1; p <= 17; p++) {
+    char tmp[48];
+    uint64_t m = 0;
+    int e = 0, p = 1;
+    for (; p <= 17; p++) {
         snprintf(tmp, sizeof tmp, "%.*e", p - 1, f);
+        m = 0;
+        const char *t = tmp;
+        for (; *t && *t != 'e'; t++)
+            if (*t != '.')
+                m = m * 10 + (uint64_t)(*t - '0');
+        e = atoi(t + 1);
         if (strtod(tmp, NULL) == f || p == 17)
             break;
+        uint64_t lo = 1;
+        for (int i = 1; i < p; i++)
+            lo *= 10; /* 10^(p-1): the smallest p-digit mantissa */
+        bool found = false;
+        for (int delta = -1; delta <= 1 && !found; delta += 2) {
+            uint64_t m2 = m + (uint64_t)(int64_t)delta;
+            int e2 = e;
+            if (m2 == 10 * lo)
+                m2 = lo, e2++;
+            else if (m2 < lo)
+                m2 = 10 * lo - 1, e2--;
+            snprintf(tmp, sizeof tmp, "%llue%d", (unsigned long long)m2, e2 - (p - 1));
+            if (strtod(tmp, NULL) == f)
+                m = m2, e = e2, found = true;
+        }
+        if (found)
+            break;
     }
-    int n = 0;
-    const char *t = tmp + (tmp[0] == '-');
-    for (; *t && *t != 'e'; t++)
-        if (*t != '.')
-            digits[n++] = *t;
-    digits[n] = 0;
-    *exp10 = atoi(t + 1);
-    return n;
+    *exp10 = e;
+    return snprintf(digits, 24, "%llu", (unsigned long long)m);
 }
 
 void jfmt_float(double f, char *buf) {
@@ -196,7 +217,7 @@ void jfmt_float(double f, char *buf) {
     }
     char d[24];
     int e;
-    const int n = shortest_digits(f, d, &e), decpt = e + 1;
+    const int n = shortest_digits(fabs(f), d, &e), decpt = e + 1;
     char *o = buf;
     if (f < 0)
         *o++ = '-';

@@ -21,8 +21,10 @@
 Prints "jinja_oracle: ok" and the counts when everything agrees; exits 1 otherwise.
 """
 import json
+import math
 import os
 import random
+import struct
 import subprocess
 import sys
 import tempfile
@@ -358,6 +360,25 @@ def random_cases(rng, n_expr, n_struct):
     return cases
 
 
+def random_floats(rng, n):
+    """Doubles of every kind: random bits, wide magnitudes, powers of two (where the shortest repr
+    is not always the nearest decimal), short decimals."""
+    xs = []
+    while len(xs) < n:
+        k = rng.random()
+        if k < 0.4:
+            x = struct.unpack("<d", struct.pack("<Q", rng.getrandbits(64)))[0]
+        elif k < 0.7:
+            x = rng.uniform(-1e6, 1e6) * 10.0 ** rng.randint(-30, 30)
+        elif k < 0.85:
+            x = float(2.0 ** rng.randint(-1074, 1023)) * rng.choice([1, -1])
+        else:
+            x = round(rng.uniform(-1000, 1000), rng.randint(0, 6))
+        if math.isfinite(x):
+            xs.append(x)
+    return xs
+
+
 def jinja2_render(env, template, context):
     try:
         if template not in _compiled:
@@ -517,6 +538,11 @@ def main():
         if got.get("status") != "unsupported" or want not in got.get("error", ""):
             diffs.append(("refusal", t, {}, ("unsupported", want), got))
     print(f"refused: {len(REFUSED)} unsupported constructs, each at its line and column")
+    xs = random_floats(random.Random(seed), 20000)
+    float_case = [("{% for x in xs %}{{ x }} {{ [x]|tojson }} {{ x * 3 }} {{ x / 7 }}\n{% endfor %}", {"xs": xs})]
+    same, failed, d, _ = compare(env, binary, float_case, "floats")
+    diffs += d
+    print(f"floats: {len(xs)} doubles printed (repr), in tojson and after * and /: {len(d)} differences")
     refused = [0]
     cases = random_cases(random.Random(seed), 2000, 1500)
     same, failed, d, _ = compare(env, binary, cases, "random", refusals=refused)
