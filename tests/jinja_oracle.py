@@ -260,7 +260,7 @@ _compiled = {}
 
 ATOMS = ["0", "1", "2", "-3", "7", "0.5", "2.0", "-1.25", "1e3", "''", "'a'", "'ab c'", "'é'", "' x '", "'a,b'",
          "'\\n'", "none", "true", "false", "[]", "[1, 2, 3]", "['a', 'b']", "(1, 'a')", "{}", "{'k': 1, 'j': 'v'}",
-         "s", "n", "f", "l", "d", "u", "e", "t", "b", "ls"]
+         "s", "n", "f", "l", "d", "u", "e", "t", "b", "ls", "w", "'\\u00a0a\\u3000'", "'aé😀b'", "'\\u2028x\\x85 '", "1e308", "0.1"]
 FILTERS = ["length", "trim", "upper", "lower", "first", "last", "join", "join(',')", "default('D')", "default('D', true)",
            "tojson", "string", "list", "reverse", "abs", "count", "items", "replace('a', 'b')", "trim('x')",
            "tojson(indent=1)", "tojson(sort_keys=true)", "d(0)"]
@@ -273,7 +273,7 @@ METHODS = ["strip()", "strip('a')", "lstrip()", "rstrip(' x')", "split()", "spli
            "split('')"]
 OPS = ["+", "-", "*", "/", "//", "%", "**", "~", "==", "!=", "<", "<=", ">", ">=", "in", "not in", "and", "or"]
 RANDOM_CONTEXT = {"s": "Hello, World", "n": 3, "f": 2.5, "l": [3, 1, 2], "d": {"k": 1, "j": "v", "x": [1]}, "e": "",
-                  "t": " a b ", "b": True, "ls": ["a", "B", "c"]}
+                  "t": " a b ", "b": True, "ls": ["a", "B", "c"], "w": "\u3000 é😀,\u00a0ü \x1c"}
 
 
 def random_expr(rng, depth=0):
@@ -288,7 +288,7 @@ def random_expr(rng, depth=0):
     if r < 0.68:
         return f"({sub()} is {'not ' if rng.random() < 0.3 else ''}{rng.choice(TESTS)})"
     if r < 0.78:
-        return rng.choice(["s", "l", "d", "ls", "u", "e", "'abc'", "[1,2,3]"]) + "." + rng.choice(METHODS)
+        return rng.choice(["s", "l", "d", "ls", "u", "e", "w", "'abc'", "[1,2,3]"]) + "." + rng.choice(METHODS)
     if r < 0.86:
         if rng.random() < 0.5:
             return sub() + "[" + rng.choice(["0", "1", "-1", "5", "'k'", "'x'", "n"]) + "]"
