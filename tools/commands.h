@@ -8,6 +8,7 @@ int cmd_logits(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
 int cmd_bench_prefill(int argc, char **argv);
 int cmd_tokenize(int argc, char **argv);
+int cmd_chat_template(int argc, char **argv);
 int cmd_bench_tokenize(int argc, char **argv);
 int cmd_eval(int argc, char **argv);
 int cmd_bench_compact(int argc, char **argv);

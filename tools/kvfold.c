@@ -22,6 +22,7 @@ static const command kCommands[] = {
     {"verify", "check a kvf cache file: checksums, model fingerprint, KL against the full context", cmd_verify},
     {"ask", "answer a question from a kvf cache file (greedy, through the paged engine)", cmd_ask},
     {"tokenize", "encode text to token ids (or decode ids) with the model's tokenizer", cmd_tokenize},
+    {"chat-template", "render a conversation with the model's chat template (as apply_chat_template)", cmd_chat_template},
     {"eval", "measure compaction quality against the full context (eval quality)", cmd_eval},
     {"bench", "benchmarks (prefill, attention, quoka, tokenize)", cmd_bench},
 };
@@ -36,7 +37,7 @@ static void usage(FILE *out) {
             "Commands:\n",
             KVFOLD_VERSION);
     for (size_t i = 0; i < N_COMMANDS; i++)
-        fprintf(out, "  %-12s %s\n", kCommands[i].name, kCommands[i].summary);
+        fprintf(out, "  %-14s %s\n", kCommands[i].name, kCommands[i].summary);
     fprintf(out,
             "\n"
             "Run 'kvfold <command> --help' for a command's options.\n"

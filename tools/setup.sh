@@ -31,7 +31,7 @@ done
 packages=(build-essential cmake pkg-config libopenblas-pthread-dev liblapacke-dev libhdf5-dev
           libcunit1-dev libjansson-dev libxxhash-dev libpcre2-dev libutf8proc-dev)
 if [ "$tests" = 1 ]; then
-  packages+=(python3-torch python3-numpy python3-pytest python3-h5py python3-dev python3-setuptools python3-matplotlib clang libclang-rt-14-dev)
+  packages+=(python3-torch python3-numpy python3-pytest python3-h5py python3-dev python3-setuptools python3-matplotlib python3-jinja2 clang libclang-rt-14-dev)
   command -v npm >/dev/null 2>&1 || packages+=(nodejs npm)
   packages+=(munge slurmctld slurmd slurm-client) # tests/slurm starts a private single-node Slurm
 fi

@@ -6,6 +6,10 @@
 //                                                {"text": s, "nfc": NFC(s), "ids": [...]}
 //   node oracle.js bench qwen3|llama3 FILE       encode FILE (split after every blank line, as
 //                                                kvfold bench tokenize does); prints MB/s
+//   node oracle.js chat qwen3|llama3 < lines     for each {"context": {...}, "text": s} line (a chat
+//                                                template's context and its rendering by jinja2):
+//                                                {"ids": encode(s), "chat_ids": the package's own
+//                                                apply_chat_template ids, or null where it fails}
 //
 // The corpus is generated from a fixed seed, so every run checks the same strings.
 "use strict";
@@ -206,8 +210,21 @@ function main() {
     const s = Number(process.hrtime.bigint() - t0) / 1e9;
     console.log(`node ${model}: ${bytes} bytes, ${n} tokens, ${s.toFixed(3)} s`);
     console.log(`mb_per_s ${(bytes / 1e6 / s).toFixed(3)}`);
+  } else if (mode === "chat") {
+    const lines = [];
+    for (const line of fs.readFileSync(0, "utf8").split("\n")) {
+      if (!line) continue;
+      const { context, text } = JSON.parse(line);
+      const { messages, ...kwargs } = context;
+      let chat_ids = null;
+      try { // the package's Jinja reads only some templates (not Qwen3's): null where it fails
+        chat_ids = tok.apply_chat_template(messages, { ...kwargs, tokenize: true, return_tensor: false });
+      } catch (e) { chat_ids = null; }
+      lines.push(JSON.stringify({ ids: tok.encode(text, { add_special_tokens: false }), chat_ids }));
+    }
+    process.stdout.write(lines.join("\n") + "\n");
   } else {
-    console.error("usage: node oracle.js corpus|bench qwen3|llama3 [count|FILE]");
+    console.error("usage: node oracle.js corpus|bench|chat qwen3|llama3 [count|FILE]");
     process.exit(2);
   }
 }
