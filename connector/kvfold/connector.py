@@ -15,7 +15,9 @@ instead of attending to placeholder ids. When the local prefix-cache hit already
 claim, one more token is claimed (or, when none is left, the last hit block is reported), so the
 request fails on that path too. Set extra config "on_invalid": "ignore" to claim nothing instead
 (vLLM then computes the prompt as given). A request without kvfold parameters is left alone:
-(0, False).
+(0, False). Every value a client sends is checked before any work (kvfold.params: types, bounds,
+prompt token ids in the vocabulary), and no exception leaves a scheduler-side method: a request
+the checks refuse fails alone, and an unforeseen fault is logged and answered as "nothing here".
 
 Worker side: by default the load is synchronous, in start_load_kv, from the block ids in the
 connector metadata (never from attention metadata, which can be None); the per-layer hooks do
@@ -53,13 +55,14 @@ kv_connector_extra_config:
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
@@ -71,7 +74,8 @@ from . import _kvfold
 from .blocks import check_block_size, copy_to_blocks, detect_layout, dtype_name, host_destination, zero_slots
 from .loader import pipelined_load
 from .pool import RetentionPool
-from .prompt import PARAMS_KEY, PLACEHOLDER_SCHEME, cache_key, placeholder_ids
+from .params import parse_params, show
+from .prompt import PARAMS_KEY, cache_key, placeholder_ids, token_id_error
 
 logger = logging.getLogger("kvfold.connector")
 
@@ -108,6 +112,22 @@ class _Decision:
     key: str
     n_tokens: int
     elems: int = 0
+
+
+def _never_raises(default: Callable[[Any], Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """For scheduler-side methods: an exception leaving one would end vLLM's engine core, so it is
+    logged and default(self) is answered instead (every request's own faults are caught earlier,
+    where they fail that request alone)."""
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception:
+                logger.exception("kvfold: %s failed; answered as if nothing were there", fn.__name__)
+                return default(self)
+        return guarded
+    return wrap
 
 
 def _extra(vllm_config: Any) -> Dict[str, Any]:
@@ -226,6 +246,7 @@ class KVFoldConnector(KVConnectorBase_V1):
 
     # ---- scheduler side ------------------------------------------------------------------------
 
+    @_never_raises(lambda self: (0, False))
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         d = self._decide(request)
         if d is None or (d.claim <= 0 and not d.reason) or (d.reason and self._on_invalid != "fail"):
@@ -240,6 +261,7 @@ class KVFoldConnector(KVConnectorBase_V1):
         self._async_claims.discard(request.request_id)
         return max(0, extra), False
 
+    @_never_raises(lambda self: None)
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
         d = self._decisions.get(rid)
@@ -256,11 +278,13 @@ class KVFoldConnector(KVConnectorBase_V1):
         self._pending[rid] = LoadSpec(rid, d.path, d.reason, d.key, d.n_tokens, block_ids, t0, t1, d.elems,
                                       rid in self._async_claims and num_external_tokens > 0)
 
+    @_never_raises(lambda self: KVFoldMetadata(self._block_size))
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta = KVFoldMetadata(self._block_size, list(self._pending.values()))
         self._pending.clear()
         return meta
 
+    @_never_raises(lambda self: (False, None))
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         self._decisions.pop(request.request_id, None)
         self._computed.pop(request.request_id, None)
@@ -279,7 +303,11 @@ class KVFoldConnector(KVConnectorBase_V1):
         spec = params.get(PARAMS_KEY) if isinstance(params, dict) else None
         if spec is None:
             return None
-        d = self._evaluate(request, spec)
+        try:
+            d = self._evaluate(request, spec)
+        except Exception as e:  # a request the checks above missed still fails alone
+            logger.exception("kvfold: request %s: unexpected error while checking it", rid)
+            d = _Decision(0, None, f"cannot be served ({type(e).__name__}: {show(str(e))})", "", 0)
         if d.reason:
             action = "failing it" if self._on_invalid == "fail" else "claiming nothing"
             logger.warning("kvfold: request %s: %s (%s)", rid, d.reason, action)
@@ -287,24 +315,25 @@ class KVFoldConnector(KVConnectorBase_V1):
         return d
 
     def _evaluate(self, request: Any, spec: Any) -> _Decision:
-        try:
-            C, key, id_range = int(spec["n_tokens"]), str(spec["key"]), int(spec["id_range"])
-            name = str(spec["cache"])
-            scheme = spec.get("scheme", PLACEHOLDER_SCHEME)
-        except (KeyError, TypeError, ValueError, AttributeError):
-            return _Decision(0, None, f"malformed kv_transfer_params['{PARAMS_KEY}']: {spec!r}", "", 0)
-        if scheme != PLACEHOLDER_SCHEME or C < 1 or not 2 <= id_range <= self._vocab:
-            return _Decision(0, None, f"unsupported placeholders (scheme {scheme}, {C} ids below {id_range}, "
-                                      f"vocab {self._vocab})", key, C)
-        prompt = request.prompt_token_ids
+        prompt = getattr(request, "prompt_token_ids", None)
+        if not isinstance(prompt, (list, tuple)):
+            return _Decision(0, None, f"the request has no prompt token ids ({show(prompt)})", "", 0)
         T = len(prompt)
-        expected = placeholder_ids(key, C, id_range)
+        try:
+            p = parse_params(spec, self._vocab)
+        except ValueError as e:
+            return _Decision(0, None, str(e), "", 0)
+        C, key, id_range, name = p.n_tokens, p.key, p.id_range, p.cache
+        why = token_id_error(prompt, self._vocab, "prompt token")
+        if why:
+            return _Decision(0, None, why, key, C)
+        expected = placeholder_ids(key, min(C, T), id_range)  # never more ids than the prompt holds
         run = 0
         while run < min(C, T) and prompt[run] == expected[run]:
             run += 1
         if run < C or T < C + 1:
-            why = (f"prompt of {T} tokens starts with {run} of the cache's {C} placeholder ids" if run < C else
-                   f"prompt holds only the {C} placeholder ids: nothing after them for vLLM to compute")
+            why = (f"prompt of {T} tokens starts with {run} of the cache's 'n_tokens' = {C} placeholder ids"
+                   if run < C else f"prompt holds only the {C} placeholder ids: nothing after them for vLLM to compute")
             return _Decision(min(run, T - 1), None, why, key, C)
         try:
             path = self._resolve(name)
@@ -333,6 +362,9 @@ class KVFoldConnector(KVConnectorBase_V1):
         h = self._headers.get(k)
         if h is None:
             h = _kvfold.read_header(path)
+            after = os.stat(path)
+            if (after.st_ino, after.st_size, after.st_mtime_ns) != k[1:]:
+                return h  # replaced while read: not kept under the other file's key
             if len(self._headers) > 4096:
                 self._headers.clear()
             self._headers[k] = h
