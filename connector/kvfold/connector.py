@@ -35,7 +35,8 @@ tensor are written once, as that layer; layers beyond the model's (EAGLE/MTP dra
 zeros in the loaded slots. Context parallelism (decode and prefill CP) spreads each scheduler
 block over the CP ranks as vLLM's block table does; each rank writes its tokens.
 
-kv_connector_extra_config:
+kv_connector_extra_config (kvfold.config checks every key at start, naming a bad one; unknown keys
+are refused):
   cache_root         directory of kvf files; relative names resolve under it and absolute ones must
                      lie inside it (set it on servers). Default: $KVFOLD_CACHE_ROOT, else any path.
   model_fingerprint  the served model's fingerprint (`kvfold model-info DIR`); default: read from
@@ -72,6 +73,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from . import _kvfold
 from .blocks import check_block_size, copy_to_blocks, detect_layout, dtype_name, host_destination, zero_slots
+from .config import parse_config
 from .loader import pipelined_load
 from .pool import RetentionPool
 from .params import parse_params, show
@@ -79,7 +81,6 @@ from .prompt import PARAMS_KEY, cache_key, placeholder_ids, token_id_error
 
 logger = logging.getLogger("kvfold.connector")
 
-DEFAULT_POOL_BYTES = 4 << 30
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 
@@ -132,7 +133,10 @@ def _never_raises(default: Callable[[Any], Any]) -> Callable[[Callable[..., Any]
 
 def _extra(vllm_config: Any) -> Dict[str, Any]:
     cfg = getattr(vllm_config, "kv_transfer_config", None)
-    return dict(getattr(cfg, "kv_connector_extra_config", None) or {})
+    extra = getattr(cfg, "kv_connector_extra_config", None) or {}
+    if not isinstance(extra, dict):
+        raise ValueError(f"kvfold: kv_connector_extra_config must be an object, not {type(extra).__name__}")
+    return dict(extra)
 
 
 def read_fingerprint_cache(model_dir: str) -> Optional[str]:
@@ -179,7 +183,7 @@ class KVFoldConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any):
         super().__init__(vllm_config, role, kv_cache_config)
         check_failure_policy(vllm_config)
-        extra = _extra(vllm_config)
+        cfg = parse_config(_extra(vllm_config))  # every key checked before anything starts
         mc = vllm_config.model_config
         self._is_scheduler = role == KVConnectorRole.SCHEDULER
         self._cp = _context_parallel(vllm_config, self._is_scheduler)  # (size, rank, interleave)
@@ -188,11 +192,9 @@ class KVFoldConnector(KVConnectorBase_V1):
         self._kv_heads = int(mc.get_total_num_kv_heads())
         self._head_dim = int(mc.get_head_size())
         self._vocab = int(mc.get_vocab_size())
-        self._cache_root = extra.get("cache_root") or os.environ.get("KVFOLD_CACHE_ROOT") or None
-        self._on_invalid = str(extra.get("on_invalid", "fail"))
-        if self._on_invalid not in ("fail", "ignore"):
-            raise ValueError(f"kvfold: on_invalid must be 'fail' or 'ignore', not {self._on_invalid!r}")
-        self._model_fp = extra.get("model_fingerprint") or (
+        self._cache_root = cfg.cache_root
+        self._on_invalid = cfg.on_invalid
+        self._model_fp = cfg.model_fingerprint or (
             read_fingerprint_cache(mc.model) if isinstance(mc.model, str) and os.path.isdir(mc.model) else None)
         if not self._model_fp:
             logger.warning("kvfold: the model's fingerprint is unknown (set kv_connector_extra_config "
@@ -206,15 +208,12 @@ class KVFoldConnector(KVConnectorBase_V1):
         self._pending: Dict[str, LoadSpec] = {}
         self._headers: Dict[Tuple[str, int, int, int], Dict[str, Any]] = {}
         # worker state
-        self._kv_layout_override = extra.get("kv_layout")
-        self._use_torch = extra.get("copy_backend", "auto") == "torch"
-        self._pool = RetentionPool(int(extra.get("pool_bytes", DEFAULT_POOL_BYTES)))
-        self._load_parts = max(1, int(extra.get("load_parts", 4)))  # layer ranges a cold load is read in
-        self._async = str(extra.get("load_mode", "sync"))
-        if self._async not in ("sync", "async"):
-            raise ValueError(f"kvfold: load_mode must be 'sync' or 'async', not {self._async!r}")
-        self._async = self._async == "async"
-        self._load_threads = max(1, int(extra.get("load_threads", 2)))
+        self._kv_layout_override = cfg.kv_layout
+        self._use_torch = cfg.copy_backend == "torch"
+        self._pool = RetentionPool(cfg.pool_bytes)
+        self._load_parts = cfg.load_parts  # layer ranges a cold load is read in
+        self._async = cfg.load_mode == "async"
+        self._load_threads = cfg.load_threads
         self._async_claims: Set[str] = set()  # scheduler: requests answered (E, True)
         self._executor: Optional[ThreadPoolExecutor] = None
         self._inflight: Dict[str, Tuple[Future, LoadSpec, int]] = {}  # worker: req -> (load, spec, block size)
