@@ -74,6 +74,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from . import _kvfold
 from .blocks import check_block_size, copy_to_blocks, detect_layout, dtype_name, host_destination, zero_slots
 from .config import parse_config
+from .fingerprint import read_fingerprint_cache
 from .loader import pipelined_load
 from .pool import RetentionPool
 from .params import parse_params, show
@@ -139,32 +140,6 @@ def _extra(vllm_config: Any) -> Dict[str, Any]:
     return dict(extra)
 
 
-def read_fingerprint_cache(model_dir: str) -> Optional[str]:
-    """The fingerprint the compactor stored in model_dir/.kvfold-fingerprint, when every file it
-    was computed from still has the recorded size and mtime (compactor/fingerprint.h)."""
-    path = os.path.join(model_dir, ".kvfold-fingerprint")
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    if not lines or lines[0] != "kvfold-fingerprint 1":
-        return None
-    fp = None
-    for line in lines[1:]:
-        parts = line.split(" ")
-        if parts[0] == "file" and len(parts) == 4:
-            try:
-                st = os.stat(os.path.join(model_dir, parts[1]))
-            except OSError:
-                return None
-            if st.st_size != int(parts[2]) or st.st_mtime_ns != int(parts[3]):
-                return None
-        elif parts[0] == "fingerprint" and len(parts) == 2:
-            fp = parts[1]
-    return fp
-
-
 def check_failure_policy(vllm_config: Any) -> None:
     """A failed load must fail the request: under "recompute" vLLM would compute the placeholder
     ids as text and could keep those blocks in its prefix cache (research/vllm-conformance.md §3)."""
@@ -194,12 +169,13 @@ class KVFoldConnector(KVConnectorBase_V1):
         self._vocab = int(mc.get_vocab_size())
         self._cache_root = cfg.cache_root
         self._on_invalid = cfg.on_invalid
-        self._model_fp = cfg.model_fingerprint or (
-            read_fingerprint_cache(mc.model) if isinstance(mc.model, str) and os.path.isdir(mc.model) else None)
+        self._model_fp, why = cfg.model_fingerprint, "the model is not a local directory"
+        if not self._model_fp and isinstance(mc.model, str) and os.path.isdir(mc.model):
+            self._model_fp, why = read_fingerprint_cache(mc.model)
         if not self._model_fp:
-            logger.warning("kvfold: the model's fingerprint is unknown (set kv_connector_extra_config "
+            logger.warning("kvfold: the model's fingerprint is unknown (%s; set kv_connector_extra_config "
                            "'model_fingerprint' from `kvfold model-info`); cache files are checked against "
-                           "the model's shape only")
+                           "the model's shape only", why)
         if self._cache_root is None and self._is_scheduler:
             logger.warning("kvfold: no cache_root: requests may name any readable kvf file")
         # scheduler state
