@@ -158,8 +158,21 @@ def check_failure_policy(vllm_config: Any) -> None:
                      "loaded fails its request instead of being recomputed from placeholder ids")
 
 
+def check_hybrid_manager(vllm_config: Any) -> None:
+    """vLLM turns its hybrid KV cache manager off for a connector that does not declare SupportsHMA
+    (this one: it needs one KV cache group of one block size for every layer), unless the user
+    forced it on with --no-disable-hybrid-kv-cache-manager; then say so."""
+    sc = getattr(vllm_config, "scheduler_config", None)
+    if getattr(sc, "disable_hybrid_kv_cache_manager", None) is False:
+        raise ValueError("kvfold: the hybrid KV cache manager is on (--no-disable-hybrid-kv-cache-manager), and the "
+                         "KVFoldConnector does not support it (it does not subclass SupportsHMA: it fills one KV "
+                         "cache group of one block size for every layer). Serve without that flag: vLLM then turns "
+                         "the hybrid manager off for this connector")
+
+
 class KVFoldConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any):
+        check_hybrid_manager(vllm_config)
         super().__init__(vllm_config, role, kv_cache_config)
         check_failure_policy(vllm_config)
         cfg = parse_config(_extra(vllm_config))  # every key checked before anything starts
@@ -219,8 +232,8 @@ class KVFoldConnector(KVConnectorBase_V1):
             raise ValueError("kvfold: kv_cache_config has no KV cache groups")
         sizes = {int(g.kv_cache_spec.block_size) for g in groups}
         if len(sizes) != 1:
-            raise ValueError(f"kvfold: KV cache groups with block sizes {sorted(sizes)} (hybrid models are not "
-                             "supported)")
+            raise ValueError(f"kvfold: KV cache groups with block sizes {sorted(sizes)}: hybrid models (and vLLM's "
+                             "hybrid KV cache manager) are not supported")
         return sizes.pop()
 
     # ---- scheduler side ------------------------------------------------------------------------
