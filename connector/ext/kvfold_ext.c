@@ -497,7 +497,8 @@ static PyObject *py_load_blocks(PyObject *self, PyObject *args, PyObject *kw) {
                              "cp_size", "cp_rank", "cp_interleave", NULL};
     const char *path, *dtname, *lay, *fp = NULL, *payload = NULL;
     PyObject *out_obj, *dst, *ids;
-    int block_size, n_layers = -1, kv_heads = -1, head_dim = -1, h0 = 0, h1 = -1, cp_size = 1, cp_rank = 0, cp_inter = 1;
+    int block_size, n_layers = -1, kv_heads = -1, head_dim = -1, h0 = 0, h1 = -1;
+    int cp_size = 1, cp_rank = 0, cp_inter = 1;
     long long t0, t1;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "ssOOsOiLL|ziii(ii)ziii", kwlist, &path, &dtname, &out_obj, &dst, &lay,
                                      &ids, &block_size, &t0, &t1, &fp, &n_layers, &kv_heads, &head_dim, &h0, &h1,
