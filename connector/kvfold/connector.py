@@ -51,8 +51,9 @@ are refused):
                      "cpu") or a layout ("kv_first", "blocks_first", "cpu", "packed"): narrows
                      detection to that backend's layouts (kvfold.blocks)
   copy_backend       "auto" (C for host tensors, torch otherwise) or "torch"
-  load_parts         a cold load reads the file in this many layer ranges, copying each range into
-                     the blocks while the next is read (default 4; 1 reads, then copies)
+  load_parts         device tensors: a cold load reads the file in this many layer ranges, copying
+                     each into the blocks while the next is read (default 4; 1 reads, then copies);
+                     host tensors load in one pass
   load_mode          "sync" (default) or "async" (see above)
   load_threads       loader threads of the async mode (default 2; loads share the retention pool,
                      so they read one at a time, but never on the engine's thread)
