@@ -3,13 +3,13 @@
 the same bytes measured in the same run.
 
   cold  a retention-pool miss as the connector does it for host tensors: open the kvf file once,
-        and read each KV head's chunks (Fletcher32, values and digest checked), copying them into
-        the blocks and into a reused staging buffer while they are in cache (one pass; the file is
-        in the OS page cache: it was just written); also the connector's path for device tensors
-        (--parts layer ranges read by a helper thread, each copied into the blocks while the next
-        is read), the same without the overlap, and into a fresh token-major buffer per load (how
+        and read each layer's chunks (Fletcher32, values and digests checked), copying the layer
+        into the blocks and into a reused staging buffer while it is in cache (one pass; the file
+        is in the OS page cache: it was just written); also the connector's path for device
+        tensors (--parts layer ranges read by a helper thread, each copied into the blocks while
+        the next is read), the same without the overlap, and into a fresh buffer per load (how
         cold loads worked first)
-  warm  a retention-pool hit: the copy into the blocks only (from the head-major pool buffer)
+  warm  a retention-pool hit: the copy into the blocks only
   plain read+copy  the baseline of a cold load: the file's bytes read into a reused buffer
                    (readinto), then one copy_ of the K/V bytes into a tensor of the blocks' size
   torch copy_      dst.copy_(src) of one contiguous tensor of the same bytes (memcpy speed)
@@ -95,7 +95,7 @@ def main():
 
     def copy_layers(data, l0, l1):
         copy_to_blocks(data, "bfloat16", L, C, H, D, caches[l0:l1], a.layout, ids, bs, 0, C,
-                       destinations=dests[l0:l1], layers=range(l0, l1), head_major=True)
+                       destinations=dests[l0:l1], layers=range(l0, l1))
 
     def load(evict, parts=None):  # what the connector does; parts: the device tensors' pipelined path
         if evict:
@@ -106,8 +106,7 @@ def main():
             copied.append(1)
             if parts is None:
                 return one_pass_load(path, "bfloat16", buf, dests, a.layout, ids, bs, 0, C), buf
-            return pipelined_load(path, "bfloat16", buf, L, lambda h, l0, l1: copy_layers(buf, l0, l1), parts=parts,
-                                  head_major=True)
+            return pipelined_load(path, "bfloat16", buf, L, lambda h, l0, l1: copy_layers(buf, l0, l1), parts=parts)
         e, _ = pool.get(path, "bfloat16", cold, nbytes)
         if not copied:
             copy_layers(e.data, 0, L)

@@ -32,13 +32,12 @@
  *               n_layers=-1, kv_heads=-1, head_dim=-1, heads=(0, -1), payload_digest=None, cp_size=1,
  *               cp_rank=0, cp_interleave=1) -> header
  *                                              a cold load in one pass, layer by layer: the layer's
- *                                              chunks of heads [h0, h1) are read into their place in
- *                                              out ([2, n_layers, kv_heads, C, head_dim] in dtype,
- *                                              head-major: what load(head_major=True) gives) and
- *                                              checked (sums, values, digests), then copied, while
- *                                              still in cache, into tokens [t0, t1) of every
- *                                              destination of that layer (copy_blocks' dst, each
- *                                              holding heads [h0, h1)); payload_digest: refused
+ *                                              chunks of heads [h0, h1) are read and checked (sums,
+ *                                              values, digests), then copied, while still in cache,
+ *                                              into tokens [t0, t1) of every destination of that
+ *                                              layer (copy_blocks' dst, each holding heads [h0, h1))
+ *                                              and into out ([2, n_layers, C, kv_heads, head_dim] in
+ *                                              dtype, what load() gives); payload_digest: refused
  *                                              unless the file's is this one
  *   write(path, header, keys, values, keys_dtype="float32")   a kvf file (tests, benchmarks)
  *   document_digest(ids) -> str                kvf_document_digest of a list of token ids
@@ -53,6 +52,9 @@
 
 #include <stdlib.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "connector/ext/blockcopy.h"
 #include "formats/kvf.h"
@@ -448,31 +450,77 @@ out:
     return res;
 }
 
-/* A cold load in one pass, layer by layer: heads [h0, h1) of a layer are read into their place
- * in out ([2, n_layers, kv_heads, C, head_dim] in dtype, head-major as the file's chunks), each
- * chunk checked there (sum, values, head digest), then copied into the blocks of the layer's
- * tensors while the layer is still in cache. */
+/* n bytes to dst past the cache where it is aligned (dst is the pool's copy: not read again soon). */
+static void stream_copy(unsigned char *dst, const unsigned char *src, size_t n) {
+#if defined(__SSE2__)
+    if ((uintptr_t)dst % 16 == 0 && n % 16 == 0) {
+        for (size_t i = 0; i < n; i += 16)
+            _mm_stream_si128((__m128i *)(dst + i), _mm_loadu_si128((const __m128i *)(src + i)));
+        return;
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
+/* Heads [h0, h1) of one layer side, head-major in the file's dtype (src: [kv_heads, C, head_dim]),
+ * into token-major dst ([C, kv_heads, head_dim] in dtype), slot by slot. */
+static void heads_to_tokens(const kvf_header *h, kvf_dtype dtype, const unsigned char *src, unsigned char *dst, int h0,
+                            int h1) {
+    const size_t C = (size_t)h->n_tokens, H = (size_t)h->kv_heads, D = (size_t)h->head_dim;
+    const size_t fs = kvf_dtype_size(h->dtype), ds = kvf_dtype_size(dtype);
+    for (size_t t = 0; t < C; t++)
+        for (size_t hd = (size_t)h0; hd < (size_t)h1; hd++) {
+            const unsigned char *s = src + (hd * C + t) * D * fs;
+            unsigned char *o = dst + (t * H + hd) * D * ds;
+            if (h->dtype == dtype)
+                stream_copy(o, s, D * fs);
+            else
+                convert_run(h, dtype, s, o, 0, D);
+        }
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+}
+
+/* A cold load in one pass, layer by layer: heads [h0, h1) of a layer are read head-major into a
+ * scratch of one layer and checked there (sums, values, head digests), then, while the layer is in
+ * cache, copied into the blocks of the layer's tensors and into out ([2, n_layers, C, kv_heads,
+ * head_dim] in dtype, token-major: what load() gives, which the retention pool keeps). */
 typedef struct {
     const kvf_header *h;
-    kvf_dtype dtype;      /* of out */
+    kvf_dtype dtype;        /* of out */
     unsigned char *out;
     int h0, h1;
+    unsigned char *scratch; /* [2, kv_heads, C, head_dim] in the file's dtype: one layer, head-major */
     const targets *tg;
-    kvb_copy_args a;      /* the copy of one tensor from out */
+    kvb_copy_args a;        /* the copy of one tensor from the scratch */
 } one_pass;
+
+static kf_status one_layer(kvf_file *f, one_pass *p, int l, kf_error *err) {
+    const kvf_header *h = p->h;
+    const size_t side = (size_t)h->kv_heads * (size_t)h->n_tokens * (size_t)h->head_dim; /* elements */
+    unsigned char *k = p->scratch, *v = p->scratch + side * kvf_dtype_size(h->dtype);
+    KF_TRY(kvf_read_heads_hm(f, l, p->h0, p->h1, k, v, err));
+    for (int i = 0; i < p->tg->n_dst; i++)
+        if (p->tg->tensors[i].layer == l) {
+            kvb_tensor t = p->tg->tensors[i];
+            t.layer = 0; /* the scratch holds one layer */
+            kvb_copy_args a = p->a;
+            a.dst = &t;
+            a.n_dst = 1;
+            KF_TRY(kvb_copy(&a, err));
+        }
+    const size_t ds = kvf_dtype_size(p->dtype);
+    heads_to_tokens(h, p->dtype, k, p->out + (size_t)l * side * ds, p->h0, p->h1);
+    heads_to_tokens(h, p->dtype, v, p->out + ((size_t)h->n_layers + (size_t)l) * side * ds, p->h0, p->h1);
+    return KF_OK;
+}
 
 static kf_status load_one_pass(kvf_file *f, one_pass *p, kf_error *err) {
     kf_status st = KF_OK;
-    for (int l = 0; l < p->h->n_layers && st == KF_OK; l++) {
-        st = load_all(f, p->dtype, p->out, l, l + 1, p->h0, p->h1, true, err);
-        for (int i = 0; i < p->tg->n_dst && st == KF_OK; i++)
-            if (p->tg->tensors[i].layer == l) {
-                kvb_copy_args a = p->a;
-                a.dst = &p->tg->tensors[i];
-                a.n_dst = 1;
-                st = kvb_copy(&a, err);
-            }
-    }
+    for (int l = 0; l < p->h->n_layers && st == KF_OK; l++)
+        st = one_layer(f, p, l, err);
+    __atomic_fetch_add(&g_kv_bytes_read, kvf_kv_bytes_read(f), __ATOMIC_RELAXED);
     return st;
 }
 
@@ -536,14 +584,19 @@ static PyObject *py_load_blocks(PyObject *self, PyObject *args, PyObject *kw) {
         PyErr_Format(PyExc_ValueError, "load_blocks: %s needs %zu bytes, out holds %zd", path, bytes, ov.len);
         goto out;
     }
+    const size_t side = (size_t)p.h->kv_heads * (size_t)p.h->n_tokens * (size_t)p.h->head_dim;
+    if (!(p.scratch = malloc(2 * side * kvf_dtype_size(p.h->dtype)))) {
+        PyErr_NoMemory();
+        goto out;
+    }
     p.out = ov.buf;
     p.h0 = h0;
     p.h1 = h1;
     p.tg = &tg;
-    p.a.src = ov.buf;
-    p.a.src_bytes = (int64_t)bytes;
-    p.a.src_dtype = p.dtype;
-    p.a.n_layers = p.h->n_layers;
+    p.a.src = p.scratch;
+    p.a.src_bytes = (int64_t)(2 * side * kvf_dtype_size(p.h->dtype));
+    p.a.src_dtype = p.h->dtype;
+    p.a.n_layers = 1;
     p.a.C = p.h->n_tokens;
     p.a.src_heads = p.h->kv_heads;
     p.a.head_dim = p.h->head_dim;
@@ -559,6 +612,7 @@ static PyObject *py_load_blocks(PyObject *self, PyObject *args, PyObject *kw) {
     else
         res = header_dict(p.h);
 out:
+    free(p.scratch);
     kvf_close(f);
     PyBuffer_Release(&ov);
     targets_free(&tg);

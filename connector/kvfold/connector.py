@@ -32,8 +32,7 @@ that ends mid-block loads synchronously even in async mode: older vLLM marks eve
 block computed when an async load finishes, which would skip the question tokens in that block.
 A cold load into host tensors runs in one pass (kvfold.loader.one_pass_load): layer by layer,
 the chunks are read and checked, and the layer copied into the blocks while still in cache.
-Decoded caches stay in a host retention pool (kvfold.pool), head-major as the file's chunks hold
-them. Layers that share another layer's KV tensor are written once, as that layer; layers beyond
+Decoded caches stay in a host retention pool (kvfold.pool). Layers that share another layer's KV tensor are written once, as that layer; layers beyond
 the model's (EAGLE/MTP draft layers) get zeros in the loaded slots. Context parallelism (decode and
 prefill CP) spreads each scheduler block over the CP ranks as vLLM's block table does; each rank
 writes its tokens.
@@ -500,12 +499,12 @@ class KVFoldConnector(KVConnectorBase_V1):
                                [self._tensors[i] for i in mine], self._layout, spec.block_ids, block_size,
                                spec.t0, spec.t1, self._head_start, self._use_torch, self._local_heads,
                                [self._destinations[i] for i in mine] if self._destinations else None, self._cp,
-                               [self._tensor_layers[i] for i in mine], head_major=True)
+                               [self._tensor_layers[i] for i in mine])
             copied.append((l0, l1))
 
         def cold(buf: Any) -> Tuple[Dict[str, Any], Any]:
-            """Decodes into buf head-major ([2, L, H, C, D], the pool's form) and fills the blocks:
-            host tensors in one pass (each head copied while in cache), others range by range."""
+            """Decodes into buf ([2, L, C, H, D], the pool's form) and fills the blocks: host
+            tensors in one pass (each layer copied while in cache), others range by range."""
             if self._destinations:
                 h = one_pass_load(path, self._dtype, buf, self._destinations, self._layout, spec.block_ids,
                                   block_size, spec.t0, spec.t1, model_fingerprint=self._model_fp,
@@ -518,7 +517,7 @@ class KVFoldConnector(KVConnectorBase_V1):
             return pipelined_load(path, self._dtype, buf, self._n_layers,
                                   lambda h, l0, l1: copy(h, buf, l0, l1), model_fingerprint=self._model_fp,
                                   kv_heads=self._kv_heads, head_dim=self._head_dim, parts=self._load_parts,
-                                  heads=heads, head_major=True)
+                                  heads=heads)
 
         with self._pool_lock:
             entry, hit = self._pool.get(path, self._dtype, cold, nbytes, heads)

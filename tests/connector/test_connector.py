@@ -726,8 +726,8 @@ def test_head_major_decode_copies_the_same_blocks(root, use_torch):
 @pytest.mark.parametrize("layout,order", PROFILE_LAYOUTS)
 @pytest.mark.parametrize("file_dtype,cache_dtype", [("bfloat16", torch.bfloat16), ("float32", torch.float16)])
 def test_one_pass_load_writes_what_load_then_copy_writes(root, layout, order, file_dtype, cache_dtype):
-    """load_blocks (a cold load in one pass) fills the buffer as load(head_major=True) does and the
-    blocks as copy_to_blocks from it does, for a head range, tokens [t0, t1), every layout; a
+    """load_blocks (a cold load in one pass) fills the buffer as load() does and the blocks as
+    copy_to_blocks from it does, for a head range, tokens [t0, t1), every layout; a
     payload digest other than the file's, or a damaged last layer, is refused."""
     from harness import make_cache
     from kvfold.blocks import copy_to_blocks, host_destination
@@ -740,8 +740,8 @@ def test_one_pass_load_writes_what_load_then_copy_writes(root, layout, order, fi
     want = [make_cache(layout, 9, bs, h1 - h0, D, cache_dtype, order) for _ in range(L)]
     got = [make_cache(layout, 9, bs, h1 - h0, D, cache_dtype, order) for _ in range(L)]
     ref = bytearray(2 * L * H * C * D * 2)
-    _kvfold.load(path, dt, out=ref, heads=(h0, h1), head_major=True)
-    copy_to_blocks(ref, dt, L, C, H, D, want, layout, ids, bs, t0, t1, h0, False, h1 - h0, head_major=True)
+    _kvfold.load(path, dt, out=ref, heads=(h0, h1))
+    copy_to_blocks(ref, dt, L, C, H, D, want, layout, ids, bs, t0, t1, h0, False, h1 - h0)
     buf = bytearray(len(ref))
     dests = [host_destination(t, i) for i, t in enumerate(got)]
     payload = _kvfold.read_header(path)["payload_digest"]
