@@ -37,21 +37,21 @@ static void put(text *t, const char *fmt, ...) {
 }
 
 /* "file <name> <size> <mtime_ns> <inode> <ctime_ns>"; false when the file cannot be stat'ed. The
- * inode and ctime catch weights changed in place with their size and mtime kept (touch -d can set
- * an mtime, nothing sets a ctime back) or a file replaced by another. */
+ * ctime moves with any change to the file, even one that puts its mtime back; the inode with a
+ * file replaced by another. */
 static bool put_file(text *t, const char *path, const char *name) {
     struct stat sb;
     if (stat(path, &sb) != 0)
         return false;
-    const long long ns = (long long)sb.st_mtim.tv_sec * 1000000000LL + sb.st_mtim.tv_nsec;
-    const long long cns = (long long)sb.st_ctim.tv_sec * 1000000000LL + sb.st_ctim.tv_nsec;
-    put(t, "file %s %lld %lld %llu %lld\n", name, (long long)sb.st_size, ns, (unsigned long long)sb.st_ino, cns);
+    long long mt = (long long)sb.st_mtim.tv_sec * 1000000000LL + sb.st_mtim.tv_nsec;
+    long long ct = (long long)sb.st_ctim.tv_sec * 1000000000LL + sb.st_ctim.tv_nsec;
+    put(t, "file %s %lld %lld %llu %lld\n", name, (long long)sb.st_size, mt, (unsigned long long)sb.st_ino, ct);
     return true;
 }
 
 static bool build_key(const char *real, const char *const *files, int n_files, text *t) {
     char p[PATH_MAX + 64];
-    put(t, "kvfold-fingerprint 2\ndir %s\nfiles %d\n", real, n_files);
+    put(t, "kvfold-fingerprint 2\ndir %s\n", real);
     snprintf(p, sizeof p, "%s/config.json", real);
     if (!put_file(t, p, "config.json"))
         return false;
@@ -95,7 +95,7 @@ static bool store(const char *path, const char *data, size_t len) {
         rnd = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32);
     char tmp[PATH_MAX + 64];
     snprintf(tmp, sizeof tmp, "%s.tmp-%ld-%016llx", path, (long)getpid(), (unsigned long long)rnd);
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     if (fd < 0)
         return false;
     bool ok = write(fd, data, len) == (ssize_t)len;
