@@ -375,6 +375,14 @@ class Engine:
                 self.cached[h] = req.blocks[i]
                 self.block_hash[req.blocks[i]] = h
 
+    def uncache(self, req: Request, index: int) -> None:
+        """Evicts block `index` of req from the prefix cache."""
+        self.cached.pop(self.block_hash.pop(req.blocks[index]))
+
+    def cached_blocks(self, req: Request, n: int) -> int:
+        """How many of req's first n blocks are in the prefix cache."""
+        return len(set(self._hashes(req, n)) & set(self.cached))
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._release(req.blocks)

@@ -12,7 +12,8 @@ their set-up code (it needs transformers and a platform), with vLLM's decision f
 without SupportsHMA copied (the hybrid KV cache manager off).
 
 Test controls, as in the stand-in: fail_alloc (allocations refused per request), preempt_next
-(running requests preempted by the scheduler's own _preempt_request before the next schedule).
+(running requests the scheduler itself preempts in the next step, which then runs one more step
+to resume them: see _preempt_step).
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunne
 import backends
 
 SAMPLED = 1  # the token the "model" samples
+_check_untouched = harness.Engine._check_untouched  # the stand-in's check, taken before conftest swaps Engine
 
 
 class _HFConfig(SimpleNamespace):
@@ -86,7 +88,7 @@ def _vllm_config(m: harness.ModelConfig, extra: Dict[str, Any], block_size: int,
         ktc["kv_load_failure_policy"] = policy
     kv = KVTransferConfig(**ktc)
     sc = SchedulerConfig(max_model_len=max_model_len, is_encoder_decoder=False,
-                         max_num_batched_tokens=max(token_budget, 16), max_num_seqs=256,
+                         max_num_batched_tokens=max(token_budget, 16), max_num_seqs=min(256, max(token_budget, 16)),
                          enable_chunked_prefill=True, disable_hybrid_kv_cache_manager=True)
     sc.max_num_scheduled_tokens = token_budget
     cc = CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching)
@@ -261,12 +263,8 @@ class RealEngine:
 
     # -- one engine step: EngineCore.step without the processes
     def step(self) -> Dict[str, Any]:
-        for rid in sorted(self.preempt_next):
-            real = self.reqs[rid][1]
-            if real in self.sched.running:
-                self.sched.running.remove(real)
-                self.sched._preempt_request(real, time.monotonic())
-        self.preempt_next = set()
+        if self.preempt_next:
+            self._preempt_step()
         so = self.sched.schedule()
         meta = so.kv_connector_metadata
         assert meta is not None and isinstance(meta, KVConnectorMetadata)
@@ -285,6 +283,23 @@ class RealEngine:
         self.steps.append(info)
         self._sync()
         return info
+
+    def _preempt_step(self) -> None:
+        """A step in which the scheduler itself preempts the requests of preempt_next: they go
+        to the end of the running queue (the scheduler preempts from there) and the first running
+        request's allocation is refused until they are preempted. The request that resumes them
+        is the next step (vLLM resumes none in the step that preempts)."""
+        victims = [self.reqs[rid][1] for rid in sorted(self.preempt_next)]
+        self.preempt_next = set()
+        running = self.sched.running
+        victims = [r for r in victims if r in running]
+        if not victims:
+            return
+        running[:] = [r for r in running if r not in victims] + victims
+        first = running[0].request_id
+        self.fail_alloc[first] = self.fail_alloc.get(first, 0) + len(victims)
+        self.step()
+        assert all(r.status == RequestStatus.PREEMPTED for r in victims), "not preempted"
 
     def _starts(self, so: Any) -> Dict[str, int]:
         """The worker's view: tokens computed before this step and the block table of each request."""
@@ -317,7 +332,7 @@ class RealEngine:
         with override_forward_context(fc):
             with KVConnectorModelRunnerMixin._get_kv_connector_output(so, wait_for_save=forward) as kvo:
                 if before is not None:
-                    harness.Engine._check_untouched(self, before, meta)
+                    _check_untouched(self, before, meta)
                 self._forward(so, starts, md)
         if not forward:  # kv_connector_no_forward
             if kvo.is_empty():

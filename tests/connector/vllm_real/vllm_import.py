@@ -9,8 +9,8 @@ REPLACED (printed by the suite):
   huggingface_hub, ...), when absent: modules whose every attribute is an inert class;
 - transformers' version, when absent, for importlib.metadata.
 
-vLLM comes from VLLM_SOURCE (a directory holding an unpacked vllm/ and, beside it, pydantic 2)
-when given, else from the installed `vllm` package.
+vLLM comes from whatever `import vllm` finds (the suite puts an unpacked snapshot first on
+sys.path when it has one).
 """
 from __future__ import annotations
 
