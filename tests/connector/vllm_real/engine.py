@@ -81,14 +81,14 @@ def _model_config(m: harness.ModelConfig, max_model_len: int) -> ModelConfig:
 
 def _vllm_config(m: harness.ModelConfig, extra: Dict[str, Any], block_size: int, num_blocks: int,
                  token_budget: int, prefix_caching: bool, policy: Optional[str], module: str,
-                 class_name: str, max_model_len: int) -> VllmConfig:
+                 class_name: str, max_model_len: int, max_num_seqs: int = 256) -> VllmConfig:
     ktc = dict(kv_connector=class_name, kv_connector_module_path=module, kv_role="kv_consumer",
                kv_connector_extra_config=dict(extra))
     if policy is not None:
         ktc["kv_load_failure_policy"] = policy
     kv = KVTransferConfig(**ktc)
     sc = SchedulerConfig(max_model_len=max_model_len, is_encoder_decoder=False,
-                         max_num_batched_tokens=max(token_budget, 16), max_num_seqs=min(256, max(token_budget, 16)),
+                         max_num_batched_tokens=max(token_budget, 16), max_num_seqs=min(max_num_seqs, max(token_budget, 16)),
                          enable_chunked_prefill=True, disable_hybrid_kv_cache_manager=True)
     sc.max_num_scheduled_tokens = token_budget
     cc = CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching)
@@ -118,15 +118,18 @@ class RealEngine:
                  check_untouched: bool = True, seed: int = 0, local_kv_heads: Optional[int] = None,
                  module: str = "kvfold.connector", class_name: str = "KVFoldConnector",
                  policy: Optional[str] = "fail", extra_layers: Optional[Dict[str, Optional[int]]] = None,
-                 backend: Optional[str] = None, cache_layout: str = "NHD", max_model_len: int = 4096):
+                 backend: Optional[str] = None, cache_layout: str = "NHD", max_model_len: int = 4096,
+                 mark_computed: bool = True, max_num_seqs: int = 256):
         """backend: shape the KV tensors with that attention backend's get_kv_cache_shape read from
-        vLLM's source (layout and order are then ignored)."""
+        vLLM's source (layout and order are then ignored). mark_computed: the "model" writes
+        COMPUTED into the slots it computes (off: only the connector writes, for long runs)."""
         self.model, self.bs = model, block_size
         self.kbs = kernel_block_size or block_size
         self.attn_metadata, self.layer_hooks, self.check_untouched = attn_metadata, layer_hooks, check_untouched
+        self.mark_computed = mark_computed
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(model.n_layers)]
         self.vllm_config = _vllm_config(model, extra, block_size, num_blocks, token_budget, prefix_caching, policy,
-                                        module, class_name, max_model_len)
+                                        module, class_name, max_model_len, max_num_seqs)
         self.policy = policy or "recompute"
         heads = local_kv_heads or model.kv_heads  # a tensor-parallel rank's KV heads
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=model.head_dim, dtype=dtype)
@@ -266,6 +269,7 @@ class RealEngine:
         if self.preempt_next:
             self._preempt_step()
         so = self.sched.schedule()
+        self._sync()  # blocks as scheduled (a request may finish and free them in this step)
         meta = so.kv_connector_metadata
         assert meta is not None and isinstance(meta, KVConnectorMetadata)
         self.metas.append(meta)
@@ -349,7 +353,7 @@ class RealEngine:
                                  sampled_token_ids=sampled, kv_connector_output=kvo)
 
     def _forward(self, so: Any, starts: Dict[str, int], md: Any) -> None:
-        for rid, n in so.num_scheduled_tokens.items():
+        for rid, n in so.num_scheduled_tokens.items() if self.mark_computed else ():
             for s in slots_of(self._tables[rid], self.bs, starts[rid], starts[rid] + n):
                 for t in self.caches.values():
                     slot_view(t, self.layout, s).fill_(COMPUTED)
