@@ -36,19 +36,22 @@ static void put(text *t, const char *fmt, ...) {
         t->len += (size_t)n;
 }
 
-/* "file <name> <size> <mtime_ns>"; false when the file cannot be stat'ed */
+/* "file <name> <size> <mtime_ns> <inode> <ctime_ns>"; false when the file cannot be stat'ed. The
+ * ctime moves with any change to the file, even one that puts its mtime back; the inode with a
+ * file replaced by another. */
 static bool put_file(text *t, const char *path, const char *name) {
     struct stat sb;
     if (stat(path, &sb) != 0)
         return false;
-    long long ns = (long long)sb.st_mtim.tv_sec * 1000000000LL + sb.st_mtim.tv_nsec;
-    put(t, "file %s %lld %lld\n", name, (long long)sb.st_size, ns);
+    long long mt = (long long)sb.st_mtim.tv_sec * 1000000000LL + sb.st_mtim.tv_nsec;
+    long long ct = (long long)sb.st_ctim.tv_sec * 1000000000LL + sb.st_ctim.tv_nsec;
+    put(t, "file %s %lld %lld %llu %lld\n", name, (long long)sb.st_size, mt, (unsigned long long)sb.st_ino, ct);
     return true;
 }
 
 static bool build_key(const char *real, const char *const *files, int n_files, text *t) {
     char p[PATH_MAX + 64];
-    put(t, "kvfold-fingerprint 1\ndir %s\n", real);
+    put(t, "kvfold-fingerprint 2\ndir %s\n", real);
     snprintf(p, sizeof p, "%s/config.json", real);
     if (!put_file(t, p, "config.json"))
         return false;

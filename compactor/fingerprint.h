@@ -3,11 +3,17 @@
  * kf_model_fingerprint hashes every weight byte (seconds to minutes on large models); the result
  * is kept in a small text file keyed by what would change it:
  *
- *   kvfold-fingerprint 1
+ *   kvfold-fingerprint 2
  *   dir <realpath of the model directory>
- *   file <name> <size> <mtime in ns>      config.json, model.safetensors.index.json when present,
- *   ...                                   then each weight file, in the order given
+ *   file <name> <size> <mtime in ns> <inode> <ctime in ns>
+ *   ...                                   config.json, model.safetensors.index.json when present,
+ *                                         then each weight file the loader opened, in its order
  *   fingerprint <32 hex digits>
+ *
+ * The weight files are the loader's choice (kf_st_open_dir: the index's shards when there is an
+ * index, else model.safetensors), so an index added beside model.safetensors changes the key; the
+ * ctime changes with any write to a file, even one that restores its mtime. The vLLM connector
+ * reads the same file (kvfold.fingerprint) and makes the same checks.
  *
  * Where: <dir>/.kvfold-fingerprint when the directory is writable, else
  * $XDG_CACHE_HOME/kvfold/fingerprints/<xxh3-64 of the realpath> (default ~/.cache/kvfold/...).

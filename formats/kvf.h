@@ -90,7 +90,8 @@
  * Reading verifies, before anything large is allocated or read: format and version, the HDF5
  * metadata checksums (superblock 2+, object headers 2), every attribute's type and value, every
  * dataset's type, shape, chunking and filter, and that the file is large enough to hold the
- * chunks the header claims. Each chunk read is checked for presence, filter mask, size and its
+ * chunks the header claims (its size taken from the descriptor HDF5 opened, so a complete file
+ * renamed over the name meanwhile is never measured against another file's header). Each chunk read is checked for presence, filter mask, size and its
  * Fletcher32 sum ("checksum mismatch in keys, layer 3 head 2"); keys, values, beta, u and
  * positions are checked for their allowed values; reads of keys/values check the head digests of
  * the heads they read. kvf_read_block*() reads (and verifies) the block's whole layer once and

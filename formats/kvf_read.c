@@ -579,6 +579,30 @@ static kf_status open_contents(kvf_file *f, kf_error *err) {
     return read_digests(f, err);
 }
 
+/* f->file_size from the descriptor HDF5 opened, not from the path: a file renamed over the name
+ * between a stat of the path and the open would otherwise lend its size to the other file's
+ * header check. */
+static kf_status opened_size(kvf_file *f, kf_error *err) {
+    hid_t fapl = H5Fget_access_plist(f->f);
+    const bool sec2 = fapl >= 0 && H5Pget_driver(fapl) == H5FD_SEC2;
+    if (fapl >= 0)
+        H5Pclose(fapl);
+    void *handle = NULL;
+    struct stat sb;
+    hsize_t size = 0;
+    if (sec2 && H5Fget_vfd_handle(f->f, H5P_DEFAULT, &handle) >= 0 && handle && fstat(*(int *)handle, &sb) == 0) {
+        if (!S_ISREG(sb.st_mode))
+            return kf_fail(err, KF_ERR_FORMAT, "%s: not a regular file", f->path);
+        f->file_size = (int64_t)sb.st_size;
+    } else if (!sec2 && H5Fget_filesize(f->f, &size) >= 0) {
+        f->file_size = (int64_t)size;
+    } else {
+        H5Eclear2(H5E_DEFAULT);
+        return kf_fail(err, KF_ERR_IO, "%s: cannot find the size of the opened file", f->path);
+    }
+    return KF_OK;
+}
+
 kf_status kvf_open(const char *path, kvf_file **out, kf_error *err) {
     *out = NULL;
     kvf_h5_quiet();
@@ -600,7 +624,6 @@ kf_status kvf_open(const char *path, kvf_file **out, kf_error *err) {
     f->f = -1;
     f->pending_layer = -1;
     f->block_layer = -1;
-    f->file_size = (int64_t)sb.st_size;
     for (int i = 0; i < N_DS; i++)
         f->ds[i] = -1;
     hid_t fapl = kvf_h5_fapl();
@@ -610,6 +633,8 @@ kf_status kvf_open(const char *path, kvf_file **out, kf_error *err) {
     if (fapl >= 0)
         H5Pclose(fapl);
     kf_status st = KF_OK;
+    if (f->f >= 0)
+        st = opened_size(f, err);
     if (f->f < 0) {
         char m[300];
         bool truncated;
@@ -620,7 +645,7 @@ kf_status kvf_open(const char *path, kvf_file **out, kf_error *err) {
         else
             st = kf_fail(err, KF_ERR_FORMAT, "%s: not an HDF5 file, or damaged (%lld bytes; HDF5: %s)", path,
                          (long long)sb.st_size, m);
-    } else {
+    } else if (st == KF_OK) {
         st = open_contents(f, err);
     }
     H5Eclear2(H5E_DEFAULT);

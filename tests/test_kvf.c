@@ -775,6 +775,57 @@ static void test_concurrent_writers_never_expose_a_partial_file(void) {
     synth_free(&s[1]);
 }
 
+/* A reader beside a writer that renames complete files of two sizes over one name (hard links of
+ * two finished files: the name flips thousands of times a second): every open sees one whole file,
+ * never one file's header against the other's size. */
+static void test_rename_over_the_name_never_looks_truncated(void) {
+    enum { N_LOADS = 10000 };
+    synth s[2];
+    synth_make(&s[0], 2, 1, 16, 16, KVF_BF16, KVF_METHOD_FOLD, 31);
+    synth_make(&s[1], 2, 1, 16, 160, KVF_BF16, KVF_METHOD_FOLD, 32);
+    char root[1024], src[2][1100], path[1100], tmp[1100];
+    snprintf(root, sizeof root, "%s", kf_test_make_dir("renamed"));
+    for (int i = 0; i < 2; i++) {
+        snprintf(src[i], sizeof src[i], "%s/src%d.kvf", root, i);
+        write_ok(src[i], &s[i]);
+    }
+    snprintf(path, sizeof path, "%s/name.kvf", root);
+    snprintf(tmp, sizeof tmp, "%s/next.kvf", root);
+    CU_ASSERT_EQUAL_FATAL(link(src[0], path), 0);
+    pid_t pid = fork();
+    CU_ASSERT_FATAL(pid >= 0);
+    if (pid == 0) { /* the writer: until killed */
+        for (unsigned i = 1;; i++)
+            if (link(src[i % 2], tmp) != 0 || rename(tmp, path) != 0)
+                _exit(1);
+    }
+    int bad = 0, seen[2] = {0, 0};
+    for (int i = 0; i < N_LOADS; i++) {
+        kvf_file *f = NULL;
+        kf_error err = {0};
+        kf_status st = kvf_open(path, &f, &err);
+        if (st == KF_OK)
+            st = kvf_verify(f, &err);
+        if (st != KF_OK) {
+            if (bad++ < 3)
+                fprintf(stderr, "\n    load %d: %s", i, err.msg);
+        } else {
+            seen[kvf_file_header(f)->n_tokens == 160]++;
+        }
+        kvf_close(f);
+    }
+    kill(pid, SIGKILL);
+    int status;
+    waitpid(pid, &status, 0);
+    CU_ASSERT(WIFSIGNALED(status)); /* the writer was still renaming */
+    CU_ASSERT_EQUAL(bad, 0);
+    CU_ASSERT(seen[0] > 0 && seen[1] > 0);
+    fprintf(stderr, "  (%d loads: %d of the short file, %d of the long one, %d failed)\n", N_LOADS, seen[0], seen[1],
+            bad);
+    synth_free(&s[0]);
+    synth_free(&s[1]);
+}
+
 /* h5py (python3-h5py, required: a missing h5py fails the test) reads the file: attributes
  * (fixed-length strings come back as bytes), bf16 as uint16, f16 as float16, head_method and
  * layer_digest. */
@@ -938,6 +989,7 @@ static CU_TestInfo tests[] = {
     {"refuses unknown version, missing dataset/attribute, bad shape", test_refuses_unknown_version_and_missing_parts},
     {"a killed writer leaves only a temporary file", test_killed_writer_leaves_only_a_temp_file},
     {"concurrent writers never expose a partial file", test_concurrent_writers_never_expose_a_partial_file},
+    {"a rename over the name never makes a complete file look truncated", test_rename_over_the_name_never_looks_truncated},
     {"h5py reads the file", test_h5py_reads_the_file},
     CU_TEST_INFO_NULL,
 };

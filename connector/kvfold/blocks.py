@@ -5,12 +5,17 @@ and permutes back to the logical shape, so NHD, HND and FlexAttention's order di
 strides, which every copy goes through). The logical shapes, with the vLLM versions that use them
 (research/vllm-conformance.md section 2):
 
-  kv_first      (2, blocks, block_size, kv_heads, head_dim)    FlashAttention before vLLM #42095
+  kv_first      (2, blocks, block_size, kv_heads, head_dim)    FlashAttention before vLLM #42095;
+                                                               FlexAttention and the ROCm backends
+                                                               (ROCM_ATTN, ROCM_AITER_FA,
+                                                               ROCM_AITER_UNIFIED_ATTN) at 28be48fa
   blocks_first  (blocks, 2, block_size, kv_heads, head_dim)    FlashAttention since #42095;
                                                                FlashInfer, Triton, FlexAttention
   cpu           (2, blocks, kv_heads, block_size, head_dim)    the CPU backend (5-D era)
   packed        (blocks, kv_heads, block_size, 2 * head_dim)   every standard backend from #44455
                                                                (v0.26+): K, then V, in the last dim
+                                                               (FlexAttention's get_kv_cache_shape
+                                                               at 00507c2e returns it)
 
 Host tensors are written by the C extension (kvfold._kvfold.copy_blocks), which is given each
 tensor's memory as a writable buffer and checks that every element it writes lies inside it.
@@ -34,8 +39,11 @@ LAYOUT_ALIASES: Dict[str, Tuple[str, ...]] = {
     "flashinfer": ("blocks_first", "packed"),
     "triton": ("blocks_first", "packed"),
     "triton_attn": ("blocks_first", "packed"),
-    "flex_attention": ("blocks_first", "packed"),
-    "flexattention": ("blocks_first", "packed"),
+    "flex_attention": ("kv_first", "blocks_first", "packed"),
+    "flexattention": ("kv_first", "blocks_first", "packed"),
+    "rocm_attn": ("kv_first",),
+    "rocm_aiter_fa": ("kv_first",),
+    "rocm_aiter_unified_attn": ("kv_first",),
     "cpu": ("cpu", "packed"),
     "cpu_attn": ("cpu", "packed"),
 }

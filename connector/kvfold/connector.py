@@ -15,7 +15,9 @@ instead of attending to placeholder ids. When the local prefix-cache hit already
 claim, one more token is claimed (or, when none is left, the last hit block is reported), so the
 request fails on that path too. Set extra config "on_invalid": "ignore" to claim nothing instead
 (vLLM then computes the prompt as given). A request without kvfold parameters is left alone:
-(0, False).
+(0, False). Every value a client sends is checked before any work (kvfold.params: types, bounds,
+prompt token ids in the vocabulary), and no exception leaves a scheduler-side method: a request
+the checks refuse fails alone, and an unforeseen fault is logged and answered as "nothing here".
 
 Worker side: by default the load is synchronous, in start_load_kv, from the block ids in the
 connector metadata (never from attention metadata, which can be None); the per-layer hooks do
@@ -33,7 +35,8 @@ tensor are written once, as that layer; layers beyond the model's (EAGLE/MTP dra
 zeros in the loaded slots. Context parallelism (decode and prefill CP) spreads each scheduler
 block over the CP ranks as vLLM's block table does; each rank writes its tokens.
 
-kv_connector_extra_config:
+kv_connector_extra_config (kvfold.config checks every key at start, naming a bad one; unknown keys
+are refused):
   cache_root         directory of kvf files; relative names resolve under it and absolute ones must
                      lie inside it (set it on servers). Default: $KVFOLD_CACHE_ROOT, else any path.
   model_fingerprint  the served model's fingerprint (`kvfold model-info DIR`); default: read from
@@ -53,13 +56,14 @@ kv_connector_extra_config:
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
@@ -69,13 +73,15 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from . import _kvfold
 from .blocks import check_block_size, copy_to_blocks, detect_layout, dtype_name, host_destination, zero_slots
+from .config import parse_config
+from .fingerprint import read_fingerprint_cache
 from .loader import pipelined_load
 from .pool import RetentionPool
-from .prompt import PARAMS_KEY, PLACEHOLDER_SCHEME, cache_key, placeholder_ids
+from .params import parse_params, show
+from .prompt import PARAMS_KEY, cache_key, placeholder_ids, token_id_error
 
 logger = logging.getLogger("kvfold.connector")
 
-DEFAULT_POOL_BYTES = 4 << 30
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 
@@ -110,35 +116,28 @@ class _Decision:
     elems: int = 0
 
 
+def _never_raises(default: Callable[[Any], Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """For scheduler-side methods: an exception leaving one would end vLLM's engine core, so it is
+    logged and default(self) is answered instead (every request's own faults are caught earlier,
+    where they fail that request alone)."""
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception:
+                logger.exception("kvfold: %s failed; answered as if nothing were there", fn.__name__)
+                return default(self)
+        return guarded
+    return wrap
+
+
 def _extra(vllm_config: Any) -> Dict[str, Any]:
     cfg = getattr(vllm_config, "kv_transfer_config", None)
-    return dict(getattr(cfg, "kv_connector_extra_config", None) or {})
-
-
-def read_fingerprint_cache(model_dir: str) -> Optional[str]:
-    """The fingerprint the compactor stored in model_dir/.kvfold-fingerprint, when every file it
-    was computed from still has the recorded size and mtime (compactor/fingerprint.h)."""
-    path = os.path.join(model_dir, ".kvfold-fingerprint")
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    if not lines or lines[0] != "kvfold-fingerprint 1":
-        return None
-    fp = None
-    for line in lines[1:]:
-        parts = line.split(" ")
-        if parts[0] == "file" and len(parts) == 4:
-            try:
-                st = os.stat(os.path.join(model_dir, parts[1]))
-            except OSError:
-                return None
-            if st.st_size != int(parts[2]) or st.st_mtime_ns != int(parts[3]):
-                return None
-        elif parts[0] == "fingerprint" and len(parts) == 2:
-            fp = parts[1]
-    return fp
+    extra = getattr(cfg, "kv_connector_extra_config", None) or {}
+    if not isinstance(extra, dict):
+        raise ValueError(f"kvfold: kv_connector_extra_config must be an object, not {type(extra).__name__}")
+    return dict(extra)
 
 
 def check_failure_policy(vllm_config: Any) -> None:
@@ -159,7 +158,7 @@ class KVFoldConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any):
         super().__init__(vllm_config, role, kv_cache_config)
         check_failure_policy(vllm_config)
-        extra = _extra(vllm_config)
+        cfg = parse_config(_extra(vllm_config))  # every key checked before anything starts
         mc = vllm_config.model_config
         self._is_scheduler = role == KVConnectorRole.SCHEDULER
         self._cp = _context_parallel(vllm_config, self._is_scheduler)  # (size, rank, interleave)
@@ -168,16 +167,15 @@ class KVFoldConnector(KVConnectorBase_V1):
         self._kv_heads = int(mc.get_total_num_kv_heads())
         self._head_dim = int(mc.get_head_size())
         self._vocab = int(mc.get_vocab_size())
-        self._cache_root = extra.get("cache_root") or os.environ.get("KVFOLD_CACHE_ROOT") or None
-        self._on_invalid = str(extra.get("on_invalid", "fail"))
-        if self._on_invalid not in ("fail", "ignore"):
-            raise ValueError(f"kvfold: on_invalid must be 'fail' or 'ignore', not {self._on_invalid!r}")
-        self._model_fp = extra.get("model_fingerprint") or (
-            read_fingerprint_cache(mc.model) if isinstance(mc.model, str) and os.path.isdir(mc.model) else None)
+        self._cache_root = cfg.cache_root
+        self._on_invalid = cfg.on_invalid
+        self._model_fp, why = cfg.model_fingerprint, "the model is not a local directory"
+        if not self._model_fp and isinstance(mc.model, str) and os.path.isdir(mc.model):
+            self._model_fp, why = read_fingerprint_cache(mc.model)
         if not self._model_fp:
-            logger.warning("kvfold: the model's fingerprint is unknown (set kv_connector_extra_config "
+            logger.warning("kvfold: the model's fingerprint is unknown (%s; set kv_connector_extra_config "
                            "'model_fingerprint' from `kvfold model-info`); cache files are checked against "
-                           "the model's shape only")
+                           "the model's shape only", why)
         if self._cache_root is None and self._is_scheduler:
             logger.warning("kvfold: no cache_root: requests may name any readable kvf file")
         # scheduler state
@@ -186,15 +184,12 @@ class KVFoldConnector(KVConnectorBase_V1):
         self._pending: Dict[str, LoadSpec] = {}
         self._headers: Dict[Tuple[str, int, int, int], Dict[str, Any]] = {}
         # worker state
-        self._kv_layout_override = extra.get("kv_layout")
-        self._use_torch = extra.get("copy_backend", "auto") == "torch"
-        self._pool = RetentionPool(int(extra.get("pool_bytes", DEFAULT_POOL_BYTES)))
-        self._load_parts = max(1, int(extra.get("load_parts", 4)))  # layer ranges a cold load is read in
-        self._async = str(extra.get("load_mode", "sync"))
-        if self._async not in ("sync", "async"):
-            raise ValueError(f"kvfold: load_mode must be 'sync' or 'async', not {self._async!r}")
-        self._async = self._async == "async"
-        self._load_threads = max(1, int(extra.get("load_threads", 2)))
+        self._kv_layout_override = cfg.kv_layout
+        self._use_torch = cfg.copy_backend == "torch"
+        self._pool = RetentionPool(cfg.pool_bytes)
+        self._load_parts = cfg.load_parts  # layer ranges a cold load is read in
+        self._async = cfg.load_mode == "async"
+        self._load_threads = cfg.load_threads
         self._async_claims: Set[str] = set()  # scheduler: requests answered (E, True)
         self._executor: Optional[ThreadPoolExecutor] = None
         self._inflight: Dict[str, Tuple[Future, LoadSpec, int]] = {}  # worker: req -> (load, spec, block size)
@@ -226,6 +221,7 @@ class KVFoldConnector(KVConnectorBase_V1):
 
     # ---- scheduler side ------------------------------------------------------------------------
 
+    @_never_raises(lambda self: (0, False))
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         d = self._decide(request)
         if d is None or (d.claim <= 0 and not d.reason) or (d.reason and self._on_invalid != "fail"):
@@ -240,6 +236,7 @@ class KVFoldConnector(KVConnectorBase_V1):
         self._async_claims.discard(request.request_id)
         return max(0, extra), False
 
+    @_never_raises(lambda self: None)
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
         d = self._decisions.get(rid)
@@ -256,11 +253,13 @@ class KVFoldConnector(KVConnectorBase_V1):
         self._pending[rid] = LoadSpec(rid, d.path, d.reason, d.key, d.n_tokens, block_ids, t0, t1, d.elems,
                                       rid in self._async_claims and num_external_tokens > 0)
 
+    @_never_raises(lambda self: KVFoldMetadata(self._block_size))
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta = KVFoldMetadata(self._block_size, list(self._pending.values()))
         self._pending.clear()
         return meta
 
+    @_never_raises(lambda self: (False, None))
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         self._decisions.pop(request.request_id, None)
         self._computed.pop(request.request_id, None)
@@ -279,7 +278,11 @@ class KVFoldConnector(KVConnectorBase_V1):
         spec = params.get(PARAMS_KEY) if isinstance(params, dict) else None
         if spec is None:
             return None
-        d = self._evaluate(request, spec)
+        try:
+            d = self._evaluate(request, spec)
+        except Exception as e:  # a request the checks above missed still fails alone
+            logger.exception("kvfold: request %s: unexpected error while checking it", rid)
+            d = _Decision(0, None, f"cannot be served ({type(e).__name__}: {show(str(e))})", "", 0)
         if d.reason:
             action = "failing it" if self._on_invalid == "fail" else "claiming nothing"
             logger.warning("kvfold: request %s: %s (%s)", rid, d.reason, action)
@@ -287,24 +290,25 @@ class KVFoldConnector(KVConnectorBase_V1):
         return d
 
     def _evaluate(self, request: Any, spec: Any) -> _Decision:
-        try:
-            C, key, id_range = int(spec["n_tokens"]), str(spec["key"]), int(spec["id_range"])
-            name = str(spec["cache"])
-            scheme = spec.get("scheme", PLACEHOLDER_SCHEME)
-        except (KeyError, TypeError, ValueError, AttributeError):
-            return _Decision(0, None, f"malformed kv_transfer_params['{PARAMS_KEY}']: {spec!r}", "", 0)
-        if scheme != PLACEHOLDER_SCHEME or C < 1 or not 2 <= id_range <= self._vocab:
-            return _Decision(0, None, f"unsupported placeholders (scheme {scheme}, {C} ids below {id_range}, "
-                                      f"vocab {self._vocab})", key, C)
-        prompt = request.prompt_token_ids
+        prompt = getattr(request, "prompt_token_ids", None)
+        if not isinstance(prompt, (list, tuple)):
+            return _Decision(0, None, f"the request has no prompt token ids ({show(prompt)})", "", 0)
         T = len(prompt)
-        expected = placeholder_ids(key, C, id_range)
+        try:
+            p = parse_params(spec, self._vocab)
+        except ValueError as e:
+            return _Decision(0, None, str(e), "", 0)
+        C, key, id_range, name = p.n_tokens, p.key, p.id_range, p.cache
+        why = token_id_error(prompt, self._vocab, "prompt token")
+        if why:
+            return _Decision(0, None, why, key, C)
+        expected = placeholder_ids(key, min(C, T), id_range)  # never more ids than the prompt holds
         run = 0
         while run < min(C, T) and prompt[run] == expected[run]:
             run += 1
         if run < C or T < C + 1:
-            why = (f"prompt of {T} tokens starts with {run} of the cache's {C} placeholder ids" if run < C else
-                   f"prompt holds only the {C} placeholder ids: nothing after them for vLLM to compute")
+            why = (f"prompt of {T} tokens starts with {run} of the cache's 'n_tokens' = {C} placeholder ids"
+                   if run < C else f"prompt holds only the {C} placeholder ids: nothing after them for vLLM to compute")
             return _Decision(min(run, T - 1), None, why, key, C)
         try:
             path = self._resolve(name)
@@ -333,6 +337,9 @@ class KVFoldConnector(KVConnectorBase_V1):
         h = self._headers.get(k)
         if h is None:
             h = _kvfold.read_header(path)
+            after = os.stat(path)
+            if (after.st_ino, after.st_size, after.st_mtime_ns) != k[1:]:
+                return h  # replaced while read: not kept under the other file's key
             if len(self._headers) > 4096:
                 self._headers.clear()
             self._headers[k] = h

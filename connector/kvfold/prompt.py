@@ -4,28 +4,38 @@ vLLM numbers the question's tokens C, C+1, ... after a loaded prefix of C slots,
 reserves exactly C positions. The placeholder ids are never embedded (the connector fills their KV
 slots), but vLLM hashes them for its prefix cache: two documents must never share them, or a
 second document would silently reuse the first one's KV. They are therefore a pseudo-random
-sequence drawn from the cache's identity (cache_key: model fingerprint, document digest, method,
-budget, lambda, C, dtype), and the request also carries a per-cache `cache_salt`.
+sequence drawn from the cache's identity, and the request also carries a per-cache `cache_salt`.
+The identity is the content: cache_key holds the file's payload digest (every K/V byte, bias,
+fold direction and position, which the compaction recipe determines), so two files of one
+document made with different recipes never share a placeholder id sequence or a salt.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from . import _kvfold
 
-PLACEHOLDER_SCHEME = "digest-v1"
+PLACEHOLDER_SCHEME = "digest-v2"  # v2: the key holds the payload digest (v1 keys left the recipe out)
 PARAMS_KEY = "kvfold"  # the entry of kv_transfer_params this connector reads
+_HEX32 = re.compile(r"[0-9a-f]{32}")
 
 
 def cache_key(header: Mapping[str, Any]) -> str:
-    """The identity of a cache: what the placeholder ids and the salt are derived from."""
-    return "{}/{}.{}-{!r}:lambda={!r}:C={}:{}".format(
+    """The identity of a cache: what the placeholder ids and the salt are derived from. Its
+    payload digest makes it the file's content; the other fields keep it readable."""
+    payload = header.get("payload_digest")
+    if not isinstance(payload, str) or not _HEX32.fullmatch(payload):
+        raise ValueError(f"cache header without a payload digest ({payload!r}): a kvf file older than version 2 "
+                         "cannot be served; recompact the document with this kvfold")
+    return "{}/{}.{}-{!r}:lambda={!r}:C={}:{}:payload={}".format(
         header["model_fingerprint"], header["document_digest"], header["method"], float(header["budget"]),
-        float(header["lambda"]), int(header["n_tokens"]), header["dtype"])
+        float(header["lambda"]), int(header["n_tokens"]), header["dtype"], payload)
 
 
 def placeholder_ids(key: str, n_tokens: int, id_range: int) -> List[int]:
@@ -79,22 +89,42 @@ class Prompt:
                 "kv_transfer_params": self.kv_transfer_params, **extra}
 
 
+def token_id_error(ids: Sequence[Any], vocab: int, what: str = "question id") -> Optional[str]:
+    """Why ids are not token ids of a vocabulary of `vocab` ids (None when they are): each must be
+    an int (not a bool or a float) in [0, vocab)."""
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):  # numpy ints are Integral too
+            return f"{what} {i} is {str(t)[:40]!r} ({type(t).__name__}), not an int"
+        if not 0 <= t < vocab:
+            return f"{what} {i} is {str(t)[:40]}, outside the vocabulary [0, {vocab})"
+    return None
+
+
 def prompt(cache_path: str, question_ids: Sequence[int], *, model: Optional[str] = None,
-           id_range: Optional[int] = None, cache_root: Optional[str] = None) -> Prompt:
+           id_range: Optional[int] = None, cache_root: Optional[str] = None, vocab: Optional[int] = None) -> Prompt:
     """Prompt token ids, kv_transfer_params and cache_salt for a question on a compacted cache.
 
     cache_path: the kvf file; it is named in kv_transfer_params relative to cache_root (the
     connector's kv_connector_extra_config["cache_root"]) when it lies inside it.
     question_ids: what follows the document (template tail, question, assistant header), >= 1 id.
     model (the Hugging Face directory vLLM serves) or id_range: bounds the placeholder ids.
+    vocab: bounds the question ids, each an int in [0, vocab) (default: id_range, which from
+    model= is every id the model and its tokenizer know).
     """
-    question_ids = [int(i) for i in question_ids]
+    question_ids = list(question_ids)
     if not question_ids:
         raise ValueError("prompt: the question must hold at least one token (vLLM computes the last one)")
     if id_range is None:
         if model is None:
             raise ValueError("prompt: give model= (the served model's directory) or id_range=")
         id_range = model_id_range(model)
+    for what, n in (("id_range", id_range), ("vocab", vocab)):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 2):
+            raise ValueError(f"prompt: {what} must be an int >= 2, not {n!r}")
+    why = token_id_error(question_ids, vocab if vocab is not None else id_range)
+    if why:
+        raise ValueError(f"prompt: {why}")
+    question_ids = [int(t) for t in question_ids]
     header = _kvfold.read_header(cache_path)
     if header["method"] == "am" or header["rope_frame"] != "compacted":
         raise ValueError(f"{cache_path}: method {header['method']} / rope_frame {header['rope_frame']} cannot be "

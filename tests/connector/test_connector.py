@@ -257,9 +257,12 @@ def test_torch_copy_path(root, layout, order):
 
 
 # kv_layout names an attention backend: each must accept the shapes that backend has had
-BACKEND_LAYOUTS = {"flash_attn": ("kv_first", "blocks_first", "packed"), "flex_attention": ("blocks_first", "packed"),
+# (vLLM's get_kv_cache_shape at 28be48fa: FlexAttention and ROCm kv-first, FlashInfer and Triton
+# blocks-first, CPU its own; packed in the newer ones)
+BACKEND_LAYOUTS = {"flash_attn": ("kv_first", "blocks_first", "packed"),
+                   "flex_attention": ("kv_first", "blocks_first", "packed"),
                    "flashinfer": ("blocks_first", "packed"), "triton": ("blocks_first", "packed"),
-                   "cpu": ("cpu", "packed")}
+                   "cpu": ("cpu", "packed"), "rocm_attn": ("kv_first",)}
 
 
 @pytest.mark.parametrize("backend", sorted(BACKEND_LAYOUTS))

@@ -18,13 +18,14 @@ def header(n_layers: int, kv_heads: int, head_dim: int, C: int, doc: str, fp: st
             "n_layers": n_layers, "kv_heads": kv_heads, "head_dim": head_dim}
 
 
-def write_cache(path: str, n_layers: int, kv_heads: int, head_dim: int, C: int, seed: int, **kw: Any
-                ) -> Tuple[np.ndarray, np.ndarray]:
-    """Writes a cache of random K/V (fp32 given; the file's dtype rounds them); returns them."""
+def write_cache(path: str, n_layers: int, kv_heads: int, head_dim: int, C: int, seed: int, doc: str = "",
+                **kw: Any) -> Tuple[np.ndarray, np.ndarray]:
+    """Writes a cache of random K/V (fp32 given; the file's dtype rounds them); returns them. doc:
+    the document digest (default: one per seed)."""
     rng = np.random.default_rng(seed)
     k = rng.standard_normal((n_layers, C, kv_heads, head_dim), dtype=np.float32)
     v = rng.standard_normal((n_layers, C, kv_heads, head_dim), dtype=np.float32)
-    doc = "%032x" % (seed * 7919 + 1)
+    doc = doc or "%032x" % (seed * 7919 + 1)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     _kvfold.write(path, header(n_layers, kv_heads, head_dim, C, doc, **kw), k.tobytes(), v.tobytes())
     return k, v
