@@ -166,6 +166,7 @@ class RealEngine:
         hs = self.worker.get_handshake_metadata()
         self.scheduler.set_xfer_handshake_metadata({0: hs} if hs is not None else {})
         self.reqs: Dict[str, tuple] = {}        # request id -> (harness Request, vLLM Request)
+        self._live: set = set()                 # ids of requests vLLM still holds
         self.finished: Dict[str, Request] = {}
         self.fail_alloc: Dict[str, int] = {}
         self.preempt_next: set = set()
@@ -214,17 +215,19 @@ class RealEngine:
         real = VRequest(req.request_id, list(req.prompt_token_ids), sp, None, cache_salt=req.cache_salt,
                         block_hasher=self._hasher)
         self.reqs[req.request_id] = (req, real)
+        self._live.add(req.request_id)
         self.sched.add_request(real)
-        self._sync()
+        self._sync([req.request_id])
 
     def abort(self, request_id: str) -> None:
         self.sched.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
         self._sync()
 
-    def _sync(self) -> None:
+    def _sync(self, rids: Optional[List[str]] = None) -> None:
         """Mirrors each vLLM request into its harness Request (blocks kept once it finished)."""
         km = self.sched.kv_cache_manager
-        for rid, (h, real) in self.reqs.items():
+        for rid in list(self._live) if rids is None else rids:
+            h, real = self.reqs[rid]
             done = RequestStatus.is_finished(real.status)
             h.status = _finished_name(real.status) if done else real.status.name
             h.num_computed_tokens, h.num_preemptions = real.num_computed_tokens, real.num_preemptions
@@ -235,6 +238,8 @@ class RealEngine:
                     h.blocks = ids
             if done:
                 self.finished[rid] = h
+                if rid not in self.sched.requests:
+                    self._live.discard(rid)
 
     # -- state, as the stand-in exposes it
     @property

@@ -2,7 +2,11 @@
 parameters (wrong types, huge, negative, infinite and NaN numbers, bad names and placeholders,
 valid parameters on the wrong prompt), batched 256 to a step beside well-formed requests. The
 scheduler never raises, every request ends, and every well-formed request is served byte-exact.
+The fuzzed requests carry other salts than the well-formed ones' (a request with a cache's
+placeholder ids and salt whose load fails takes the well-formed requests sharing those blocks
+with it: test_forged_placeholders_fail_their_neighbours_safely).
 """
+import logging
 import random
 
 import pytest
@@ -53,7 +57,9 @@ def fuzz_params(rng, valid):
     return {"kvfold": spec} if rng.random() < 0.95 else {"kvfold": spec, "other": rng.random()}
 
 
-def test_fuzzed_kv_transfer_params(root):
+def test_fuzzed_kv_transfer_params(root, caplog):
+    caplog.set_level(logging.CRITICAL, logger="kvfold.connector")  # one warning per failed request
+    caplog.set_level(logging.CRITICAL, logger="vllm")
     rng = random.Random(2026)
     files = [cache(root, f"g{i}.kvf", C, 500 + i) for i, C in enumerate((16, 32, 40, 48))]
     prompts = [kvfold.prompt(p, [1], id_range=V_, cache_root=root) for p in files]
@@ -75,7 +81,8 @@ def test_fuzzed_kv_transfer_params(root):
                 continue
             params = fuzz_params(rng, p.kv_transfer_params["kvfold"])
             ids = p.prompt_token_ids[:C] if rng.random() < 0.7 else [rng.randrange(V_) for _ in range(rng.randint(0, C))]
-            eng.add_request(Request(rid, ids + question, params, rng.choice([p.cache_salt, None, "s"]), max_tokens=1))
+            eng.add_request(Request(rid, ids + question, params, rng.choice([None, "s", p.cache_salt + "x"]),
+                                    max_tokens=1))
             fuzzed += 1
         _drain(eng, good, want)
     assert len(eng.finished) == n, "every request ended"
@@ -93,3 +100,30 @@ def _drain(eng, good, want):
                 r, path = good[rid]
                 assert torch.equal(loaded(eng, r, want[path].shape[2]), want[path]), rid
     raise AssertionError("a batch did not end")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_forged_placeholders_fail_their_neighbours_safely(root, mode):
+    """A request with a cache's placeholder ids and salt but parameters that cannot be served,
+    scheduled just before a well-formed request of that cache: the well-formed one hits the
+    blocks vLLM cached for the bad one, and when the bad one's blocks are reported it fails too
+    (vLLM fails every request holding a block whose load failed): it is never served unloaded
+    slots, but whoever knows a cache's placeholder ids and salt can fail its concurrent users.
+    Alone, the well-formed request is then served byte-exact."""
+    path = cache(root, "n.kvf", 32, 520)
+    p = kvfold.prompt(path, [1], id_range=V_, cache_root=root)
+    eng = RealEngine(MODEL, {"cache_root": root, "load_mode": mode}, prefix_caching=True, num_blocks=64)
+    bad = dict(p.kv_transfer_params["kvfold"], cache="missing.kvf")
+    eng.add_request(Request("bad", p.prompt_token_ids, {"kvfold": bad}, p.cache_salt, max_tokens=1))
+    good = Request("good", p.prompt_token_ids[:32] + [2, 3], p.kv_transfer_params, p.cache_salt, max_tokens=1)
+    eng.add_request(good)
+    eng.run()
+    assert eng.finished["bad"].status == "FINISHED_ERROR"
+    loads = [(s.req_id, s.t0, s.t1, s.reason is not None) for m in eng.metas for s in m.loads]
+    assert loads == [("bad", 0, 32, True)]  # good's 32 slots were a local hit on bad's blocks
+    assert eng.finished["good"].status == "FINISHED_ERROR" and eng.finished["good"].output_token_ids == []
+    again = Request("again", p.prompt_token_ids[:32] + [2, 3], p.kv_transfer_params, p.cache_salt, max_tokens=1)
+    eng.add_request(again)
+    eng.run()
+    assert eng.finished["again"].status == "FINISHED_LENGTH"
+    assert torch.equal(loaded(eng, again, 32), expect(path))
