@@ -120,7 +120,8 @@ class RealEngine:
                  policy: Optional[str] = "fail", extra_layers: Optional[Dict[str, Optional[int]]] = None,
                  backend: Optional[str] = None, cache_layout: str = "NHD", max_model_len: int = 4096,
                  mark_computed: bool = True, max_num_seqs: int = 256):
-        """backend: shape the KV tensors with that attention backend's get_kv_cache_shape read from
+        """seed: unused (vLLM's block pool hands out blocks in its own order). backend: shape the
+        KV tensors with that attention backend's get_kv_cache_shape read from
         vLLM's source (layout and order are then ignored). mark_computed: the "model" writes
         COMPUTED into the slots it computes (off: only the connector writes, for long runs)."""
         self.model, self.bs = model, block_size
@@ -143,28 +144,7 @@ class RealEngine:
                                block_size=block_size, log_stats=False)
         self.scheduler = self.sched.connector
         self._spy()
-        # worker: the connector as the worker process makes it, then its KV caches
-        kv_transfer_state.ensure_kv_transfer_shutdown()
-        kv_transfer_state.ensure_kv_transfer_initialized(self.vllm_config, self.kv_cache_config)
-        self.worker = kv_transfer_state.get_kv_transfer_group()
-        self.worker.get_required_kvcache_layout(self.vllm_config)
-        kernel_blocks = num_blocks * (block_size // self.kbs)
-
-        def one() -> torch.Tensor:
-            if backend:
-                return backends.make_backend_cache(self.vllm_dir, backend, kernel_blocks, self.kbs, heads,
-                                                   model.head_dim, dtype, cache_layout)
-            return make_cache(layout, kernel_blocks, self.kbs, heads, model.head_dim, dtype, order)
-        self.caches = {n: one() for n in self.layer_names}
-        first = next(iter(self.caches.values()))
-        self.layout = (backends.logical_layout(tuple(first.shape), kernel_blocks, self.kbs, heads, model.head_dim)
-                       if backend else layout)
-        for n, share in (extra_layers or {}).items():
-            self.caches[n] = self.caches[self.layer_names[share]] if share is not None else one()
-        self.worker.register_kv_caches(dict(self.caches))
-        self.worker.set_host_xfer_buffer_ops(lambda *a: None)
-        hs = self.worker.get_handshake_metadata()
-        self.scheduler.set_xfer_handshake_metadata({0: hs} if hs is not None else {})
+        self._start_worker(heads, dtype, num_blocks, layout, order, backend, cache_layout, extra_layers)
         self.reqs: Dict[str, tuple] = {}        # request id -> (harness Request, vLLM Request)
         self._live: set = set()                 # ids of requests vLLM still holds
         self.finished: Dict[str, Request] = {}
@@ -176,6 +156,31 @@ class RealEngine:
         self.async_slots: Dict[str, set] = {}
         self.async_promoted: List[str] = []
         self._tables: Dict[str, List[int]] = {}  # the worker's block table per request
+
+    def _start_worker(self, heads: int, dtype: Any, num_blocks: int, layout: str, order: str,
+                      backend: Optional[str], cache_layout: str, extra_layers: Optional[Dict[str, Optional[int]]]) -> None:
+        """The worker-role connector as a worker process makes it, then its KV caches (as
+        GPUModelRunner.initialize_kv_cache hands them over) and the handshake."""
+        kv_transfer_state.ensure_kv_transfer_shutdown()
+        kv_transfer_state.ensure_kv_transfer_initialized(self.vllm_config, self.kv_cache_config)
+        self.worker = kv_transfer_state.get_kv_transfer_group()
+        self.worker.get_required_kvcache_layout(self.vllm_config)
+        kernel_blocks, D = num_blocks * (self.bs // self.kbs), self.model.head_dim
+
+        def one() -> torch.Tensor:
+            if backend:
+                return backends.make_backend_cache(self.vllm_dir, backend, kernel_blocks, self.kbs, heads, D, dtype,
+                                                   cache_layout)
+            return make_cache(layout, kernel_blocks, self.kbs, heads, D, dtype, order)
+        self.caches = {n: one() for n in self.layer_names}
+        first = next(iter(self.caches.values()))
+        self.layout = backends.logical_layout(tuple(first.shape), kernel_blocks, self.kbs, heads, D) if backend else layout
+        for n, share in (extra_layers or {}).items():
+            self.caches[n] = self.caches[self.layer_names[share]] if share is not None else one()
+        self.worker.register_kv_caches(dict(self.caches))
+        self.worker.set_host_xfer_buffer_ops(lambda *a: None)
+        hs = self.worker.get_handshake_metadata()
+        self.scheduler.set_xfer_handshake_metadata({0: hs} if hs is not None else {})
 
     vllm_dir = ""  # set by the suite: the vllm package directory (backends are read from it)
 

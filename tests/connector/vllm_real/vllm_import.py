@@ -1,16 +1,19 @@
 """Imports vLLM's real v1 scheduler beside Debian's Python packages (torch 1.13, no msgspec, no
-transformers), replacing only what cannot be imported, and records every replacement in
-REPLACED (printed by the suite):
+transformers), replacing only what cannot be imported, and records every replacement (report(),
+printed in the suite's header):
 
 - msgspec: a pure-Python Struct (msgspec_lite), when msgspec is not installed;
 - torch 2.x names touched while vLLM's modules are imported (custom-op registration, dtypes,
-  torch.compile, a few submodules): inert stand-ins that raise if anything calls them;
+  torch.compile, a few submodules): stand-ins that raise if anything calls them;
+- regex, when absent: the standard library's re (vLLM compiles patterns at import);
 - packages imported at module level but never called on the scheduler path (transformers,
-  huggingface_hub, ...), when absent: modules whose every attribute is an inert class;
-- transformers' version, when absent, for importlib.metadata.
+  huggingface_hub, ...), when absent: modules whose every attribute is an inert class, and
+  transformers' version for importlib.metadata;
+- the tensor-parallel group (one_process_tp_group): one process stands for any rank.
 
 vLLM comes from whatever `import vllm` finds (the suite puts an unpacked snapshot first on
-sys.path when it has one).
+sys.path when it has one). VLLM_USE_V2_MODEL_RUNNER=0: the V1 runner, whose connector mixin the
+suite drives.
 """
 from __future__ import annotations
 
@@ -32,12 +35,8 @@ _TORCH_FINDER: List[Any] = []  # inert torch submodules
 
 # Imported by vLLM modules on the scheduler path at import time, never called there.
 INERT_PACKAGES = ("transformers", "huggingface_hub", "safetensors", "gguf", "aiohttp", "openai", "openai_harmony",
-                  "pybase64", "uvloop", "cpuinfo", "llguidance", "xgrammar", "tokenizers", "sentencepiece",
-                  "cachetools", "zmq", "cloudpickle", "cbor2", "blake3", "tqdm", "prometheus_client",
-                  "fastapi", "starlette", "partial_json_parser", "setproctitle", "filelock", "jinja2", "lark",
-                  "diskcache", "xxhash", "einops", "numba", "outlines_core", "mistral_common", "tiktoken",
-                  "lm_format_enforcer", "compressed_tensors", "depyf", "watchfiles", "ray", "triton",
-                  "pydantic_extra_types", "anthropic", "mcp", "soundfile", "librosa", "cv2", "PIL")
+                  "pybase64", "uvloop", "cpuinfo", "llguidance", "xgrammar", "cachetools", "zmq", "cloudpickle",
+                  "cbor2", "tqdm", "prometheus_client", "filelock", "xxhash", "einops", "triton", "soundfile", "cv2")
 INERT_VERSIONS = {"transformers": "5.0.0"}
 # absent packages used at import time through an API the standard library has
 ALIASES = {"regex": "re"}
