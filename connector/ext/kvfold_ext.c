@@ -28,6 +28,18 @@
  *                                              "blocks_first", "cpu" or "packed"; kv_heads per
  *                                              tensor (-1: read from the shape); context
  *                                              parallelism as vLLM's block table spreads tokens
+ *   load_blocks(path, dtype, out, dst, layout, block_ids, block_size, t0, t1, model_fingerprint=None,
+ *               n_layers=-1, kv_heads=-1, head_dim=-1, heads=(0, -1), payload_digest=None, cp_size=1,
+ *               cp_rank=0, cp_interleave=1) -> header
+ *                                              a cold load in one pass, layer by layer: the layer's
+ *                                              chunks of heads [h0, h1) are read into their place in
+ *                                              out ([2, n_layers, kv_heads, C, head_dim] in dtype,
+ *                                              head-major: what load(head_major=True) gives) and
+ *                                              checked (sums, values, digests), then copied, while
+ *                                              still in cache, into tokens [t0, t1) of every
+ *                                              destination of that layer (copy_blocks' dst, each
+ *                                              holding heads [h0, h1)); payload_digest: refused
+ *                                              unless the file's is this one
  *   write(path, header, keys, values, keys_dtype="float32")   a kvf file (tests, benchmarks)
  *   document_digest(ids) -> str                kvf_document_digest of a list of token ids
  *   WITH_CUDA                                  False: this build copies into host tensors only
@@ -149,6 +161,7 @@ static kf_status load_all(kvf_file *f, kvf_dtype dtype, unsigned char *out, int 
     const kvf_header *h = kvf_file_header(f);
     const size_t n = (size_t)h->n_tokens * (size_t)h->kv_heads * (size_t)h->head_dim; /* per layer */
     const size_t fs = kvf_dtype_size(h->dtype), ds = kvf_dtype_size(dtype);
+    const int64_t read_before = kvf_kv_bytes_read(f);
     unsigned char *scratch = NULL; /* [2, C, H, D] in the file's dtype */
     if (h->dtype != dtype && !(scratch = malloc(2 * n * fs)))
         return kf_fail(err, KF_ERR_NOMEM, "%s: out of memory for a layer", kvf_file_path(f));
@@ -161,7 +174,7 @@ static kf_status load_all(kvf_file *f, kvf_dtype dtype, unsigned char *out, int 
             convert_heads(h, dtype, scratch + (size_t)kv * n * fs, dst[kv], h0, h1, head_major);
     }
     free(scratch);
-    __atomic_fetch_add(&g_kv_bytes_read, kvf_kv_bytes_read(f), __ATOMIC_RELAXED);
+    __atomic_fetch_add(&g_kv_bytes_read, kvf_kv_bytes_read(f) - read_before, __ATOMIC_RELAXED);
     return st;
 }
 
@@ -318,6 +331,80 @@ static int parse_dst(PyObject *item, int i, kvb_tensor *t, Py_buffer *view) {
     return 0;
 }
 
+/* The destinations of copy_blocks and load_blocks: each tensor's memory held as a buffer, and the
+ * request's block ids. */
+typedef struct {
+    PyObject *dseq, *iseq;
+    kvb_tensor *tensors; /* [n_dst] */
+    Py_buffer *views;    /* [n_views]: the buffers held so far */
+    int n_dst, n_views;
+    int32_t *block_ids;  /* [n_block_ids] */
+    Py_ssize_t n_block_ids;
+} targets;
+
+static void targets_free(targets *t) {
+    for (int i = 0; i < t->n_views; i++)
+        PyBuffer_Release(&t->views[i]);
+    free(t->views);
+    free(t->tensors);
+    free(t->block_ids);
+    Py_XDECREF(t->dseq);
+    Py_XDECREF(t->iseq);
+    memset(t, 0, sizeof *t);
+}
+
+/* dst: [(buffer, offset, shape, strides, dtype, layer)], ids: block ids; -1 with an exception
+ * (targets_free frees what was taken either way). */
+static int targets_parse(PyObject *dst, PyObject *ids, targets *t) {
+    memset(t, 0, sizeof *t);
+    if (!(t->dseq = PySequence_Fast(dst, "dst must be a sequence of (buffer, offset, shape, strides, dtype, layer)")))
+        return -1;
+    const Py_ssize_t n_dst = PySequence_Fast_GET_SIZE(t->dseq);
+    if (n_dst < 1 || n_dst > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "copy_blocks: %zd destination tensors", n_dst);
+        return -1;
+    }
+    t->tensors = calloc((size_t)n_dst, sizeof *t->tensors);
+    t->views = calloc((size_t)n_dst, sizeof *t->views);
+    if (!t->tensors || !t->views) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    t->n_dst = (int)n_dst;
+    for (; t->n_views < n_dst; t->n_views++)
+        if (parse_dst(PySequence_Fast_GET_ITEM(t->dseq, t->n_views), t->n_views, &t->tensors[t->n_views],
+                      &t->views[t->n_views]) < 0)
+            return -1;
+    if (!(t->iseq = PySequence_Fast(ids, "block_ids must be a sequence of ints")))
+        return -1;
+    t->n_block_ids = PySequence_Fast_GET_SIZE(t->iseq);
+    if (!(t->block_ids = malloc(sizeof(int32_t) * (size_t)(t->n_block_ids + 1)))) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < t->n_block_ids; i++) {
+        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(t->iseq, i));
+        if (v == -1 && PyErr_Occurred())
+            return -1;
+        if (v < 0 || v > INT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "block id %lld out of range", v);
+            return -1;
+        }
+        t->block_ids[i] = (int32_t)v;
+    }
+    return 0;
+}
+
+static int parse_layout(const char *lay, kvb_layout *out) {
+    if (kvb_layout_parse(lay, out) == 0)
+        return 0;
+    PyErr_Format(PyExc_ValueError, "KV cache layout '%s' is not supported (kv_first, blocks_first, cpu, packed)", lay);
+    return -1;
+}
+
+/* The dimension of kv heads in each layout's logical shape. */
+static const int kHeadDim[4] = {[KVB_KV_FIRST] = 3, [KVB_BLOCKS_FIRST] = 3, [KVB_CPU] = 2, [KVB_PACKED] = 1};
+
 static PyObject *py_copy_blocks(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
     static char *kwlist[] = {"src",   "src_dtype", "n_layers",   "C",  "src_heads", "head_dim",   "dst",
@@ -332,60 +419,19 @@ static PyObject *py_copy_blocks(PyObject *self, PyObject *args, PyObject *kw) {
                                      &head_dim, &dst, &lay, &ids, &block_size, &t0, &t1, &head_start, &kv_heads,
                                      &cp_size, &cp_rank, &cp_interleave, &src_head_major))
         return NULL;
-    PyObject *res = NULL, *dseq = NULL, *iseq = NULL;
-    kvb_tensor *tensors = NULL;
-    Py_buffer *views = NULL;
-    int n_views = 0;
-    int32_t *block_ids = NULL;
+    PyObject *res = NULL;
+    targets tg = {0};
     kvb_copy_args a = {.src = src.buf, .src_bytes = src.len, .n_layers = n_layers, .C = C, .src_heads = src_heads,
                        .head_dim = head_dim, .head_start = head_start, .block_size = block_size, .t0 = t0, .t1 = t1,
                        .cp_size = cp_size, .cp_rank = cp_rank, .cp_interleave = cp_interleave,
                        .src_head_major = src_head_major != 0};
-    if (parse_dtype(sdt, &a.src_dtype) < 0)
+    if (parse_dtype(sdt, &a.src_dtype) < 0 || parse_layout(lay, &a.layout) < 0 || targets_parse(dst, ids, &tg) < 0)
         goto out;
-    if (kvb_layout_parse(lay, &a.layout) < 0) {
-        PyErr_Format(PyExc_ValueError, "KV cache layout '%s' is not supported (kv_first, blocks_first, cpu, packed)",
-                     lay);
-        goto out;
-    }
-    if (!(dseq = PySequence_Fast(dst, "dst must be a sequence of (buffer, offset, shape, strides, dtype, layer)")))
-        goto out;
-    const Py_ssize_t n_dst = PySequence_Fast_GET_SIZE(dseq);
-    if (n_dst < 1 || n_dst > INT32_MAX) {
-        PyErr_Format(PyExc_ValueError, "copy_blocks: %zd destination tensors", n_dst);
-        goto out;
-    }
-    tensors = calloc((size_t)n_dst, sizeof *tensors);
-    views = calloc((size_t)n_dst, sizeof *views);
-    if (!tensors || !views) {
-        PyErr_NoMemory();
-        goto out;
-    }
-    for (; n_views < n_dst; n_views++)
-        if (parse_dst(PySequence_Fast_GET_ITEM(dseq, n_views), n_views, &tensors[n_views], &views[n_views]) < 0)
-            goto out;
-    if (!(iseq = PySequence_Fast(ids, "block_ids must be a sequence of ints")))
-        goto out;
-    a.n_block_ids = PySequence_Fast_GET_SIZE(iseq);
-    if (!(block_ids = malloc(sizeof(int32_t) * (size_t)(a.n_block_ids + 1)))) {
-        PyErr_NoMemory();
-        goto out;
-    }
-    for (Py_ssize_t i = 0; i < a.n_block_ids; i++) {
-        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(iseq, i));
-        if (v == -1 && PyErr_Occurred())
-            goto out;
-        if (v < 0 || v > INT32_MAX) {
-            PyErr_Format(PyExc_ValueError, "block id %lld out of range", v);
-            goto out;
-        }
-        block_ids[i] = (int32_t)v;
-    }
-    a.dst = tensors;
-    a.n_dst = (int)n_dst;
-    a.block_ids = block_ids;
-    static const int head_dim_of[4] = {[KVB_KV_FIRST] = 3, [KVB_BLOCKS_FIRST] = 3, [KVB_CPU] = 2, [KVB_PACKED] = 1};
-    a.kv_heads = kv_heads > 0 ? kv_heads : tensors[0].shape[head_dim_of[a.layout]];
+    a.dst = tg.tensors;
+    a.n_dst = tg.n_dst;
+    a.block_ids = tg.block_ids;
+    a.n_block_ids = tg.n_block_ids;
+    a.kv_heads = kv_heads > 0 ? kv_heads : tg.tensors[0].shape[kHeadDim[a.layout]];
     kf_error err = {0};
     kf_status st;
     Py_BEGIN_ALLOW_THREADS
@@ -397,14 +443,125 @@ static PyObject *py_copy_blocks(PyObject *self, PyObject *args, PyObject *kw) {
     }
     res = Py_NewRef(Py_None);
 out:
-    for (int i = 0; i < n_views; i++)
-        PyBuffer_Release(&views[i]);
-    free(views);
-    free(tensors);
-    free(block_ids);
-    Py_XDECREF(dseq);
-    Py_XDECREF(iseq);
+    targets_free(&tg);
     PyBuffer_Release(&src);
+    return res;
+}
+
+/* A cold load in one pass, layer by layer: heads [h0, h1) of a layer are read into their place
+ * in out ([2, n_layers, kv_heads, C, head_dim] in dtype, head-major as the file's chunks), each
+ * chunk checked there (sum, values, head digest), then copied into the blocks of the layer's
+ * tensors while the layer is still in cache. */
+typedef struct {
+    const kvf_header *h;
+    kvf_dtype dtype;      /* of out */
+    unsigned char *out;
+    int h0, h1;
+    const targets *tg;
+    kvb_copy_args a;      /* the copy of one tensor from out */
+} one_pass;
+
+static kf_status load_one_pass(kvf_file *f, one_pass *p, kf_error *err) {
+    kf_status st = KF_OK;
+    for (int l = 0; l < p->h->n_layers && st == KF_OK; l++) {
+        st = load_all(f, p->dtype, p->out, l, l + 1, p->h0, p->h1, true, err);
+        for (int i = 0; i < p->tg->n_dst && st == KF_OK; i++)
+            if (p->tg->tensors[i].layer == l) {
+                kvb_copy_args a = p->a;
+                a.dst = &p->tg->tensors[i];
+                a.n_dst = 1;
+                st = kvb_copy(&a, err);
+            }
+    }
+    return st;
+}
+
+/* Each destination holds exactly heads [h0, h1) of its layer. */
+static int check_head_counts(const targets *tg, kvb_layout layout, int h0, int h1, int n_layers) {
+    for (int i = 0; i < tg->n_dst; i++) {
+        const kvb_tensor *t = &tg->tensors[i];
+        if (t->ndim != (layout == KVB_PACKED ? 4 : 5) || t->shape[kHeadDim[layout]] != h1 - h0 || t->layer < 0 ||
+            t->layer >= n_layers) {
+            PyErr_Format(PyExc_ValueError, "load_blocks: destination %d (layer %d) is not a %s cache of %d kv heads of "
+                         "the file's %d layers", i, t->layer, kvb_layout_name(layout), h1 - h0, n_layers);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *py_load_blocks(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kwlist[] = {"path", "dtype", "out", "dst", "layout", "block_ids", "block_size", "t0", "t1",
+                             "model_fingerprint", "n_layers", "kv_heads", "head_dim", "heads", "payload_digest",
+                             "cp_size", "cp_rank", "cp_interleave", NULL};
+    const char *path, *dtname, *lay, *fp = NULL, *payload = NULL;
+    PyObject *out_obj, *dst, *ids;
+    int block_size, n_layers = -1, kv_heads = -1, head_dim = -1, h0 = 0, h1 = -1;
+    int cp_size = 1, cp_rank = 0, cp_inter = 1;
+    long long t0, t1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "ssOOsOiLL|ziii(ii)ziii", kwlist, &path, &dtname, &out_obj, &dst, &lay,
+                                     &ids, &block_size, &t0, &t1, &fp, &n_layers, &kv_heads, &head_dim, &h0, &h1,
+                                     &payload, &cp_size, &cp_rank, &cp_inter))
+        return NULL;
+    one_pass p = {.a = {.src_head_major = true, .block_size = block_size, .t0 = t0, .t1 = t1, .cp_size = cp_size,
+                        .cp_rank = cp_rank, .cp_interleave = cp_inter}};
+    targets tg = {0};
+    Py_buffer ov = {0};
+    kvf_file *f = NULL;
+    PyObject *res = NULL;
+    kf_error err = {0};
+    kf_status st = KF_OK;
+    if (parse_dtype(dtname, &p.dtype) < 0 || parse_layout(lay, &p.a.layout) < 0 || targets_parse(dst, ids, &tg) < 0 ||
+        PyObject_GetBuffer(out_obj, &ov, PyBUF_WRITABLE) < 0)
+        goto out;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvf_open(path, &f, &err);
+    if (st == KF_OK)
+        st = kvf_check_model(f, fp, n_layers, kv_heads, head_dim, &err);
+    if (st == KF_OK && payload && strcmp(kvf_file_header(f)->payload_digest, payload) != 0)
+        st = kf_fail(&err, KF_ERR_MISMATCH, "%s: changed since the request was scheduled (payload %s, expected %s)",
+                     path, kvf_file_header(f)->payload_digest, payload);
+    Py_END_ALLOW_THREADS
+    if (st != KF_OK) {
+        raise_kf(&err, st);
+        goto out;
+    }
+    p.h = kvf_file_header(f);
+    size_t bytes;
+    if (load_span("heads", &h0, &h1, p.h->kv_heads, " kv heads", path) < 0 || payload_size(p.h, p.dtype, &bytes) < 0 ||
+        check_head_counts(&tg, p.a.layout, h0, h1, p.h->n_layers) < 0)
+        goto out;
+    if ((size_t)ov.len < bytes) {
+        PyErr_Format(PyExc_ValueError, "load_blocks: %s needs %zu bytes, out holds %zd", path, bytes, ov.len);
+        goto out;
+    }
+    p.out = ov.buf;
+    p.h0 = h0;
+    p.h1 = h1;
+    p.tg = &tg;
+    p.a.src = ov.buf;
+    p.a.src_bytes = (int64_t)bytes;
+    p.a.src_dtype = p.dtype;
+    p.a.n_layers = p.h->n_layers;
+    p.a.C = p.h->n_tokens;
+    p.a.src_heads = p.h->kv_heads;
+    p.a.head_dim = p.h->head_dim;
+    p.a.head_start = h0;
+    p.a.kv_heads = h1 - h0;
+    p.a.block_ids = tg.block_ids;
+    p.a.n_block_ids = tg.n_block_ids;
+    Py_BEGIN_ALLOW_THREADS
+    st = load_one_pass(f, &p, &err);
+    Py_END_ALLOW_THREADS
+    if (st != KF_OK)
+        raise_kf(&err, st);
+    else
+        res = header_dict(p.h);
+out:
+    kvf_close(f);
+    PyBuffer_Release(&ov);
+    targets_free(&tg);
     return res;
 }
 
@@ -553,6 +710,9 @@ static PyMethodDef methods[] = {
     {"copy_blocks", (PyCFunction)(void (*)(void))py_copy_blocks, METH_VARARGS | METH_KEYWORDS,
      "copy_blocks(src, src_dtype, n_layers, C, src_heads, head_dim, dst, layout, block_ids, block_size, "
      "t0, t1, head_start=0, kv_heads=-1, cp_size=1, cp_rank=0, cp_interleave=1, src_head_major=False)"},
+    {"load_blocks", (PyCFunction)(void (*)(void))py_load_blocks, METH_VARARGS | METH_KEYWORDS,
+     "load_blocks(path, dtype, out, dst, layout, block_ids, block_size, t0, t1, model_fingerprint=None, n_layers=-1, "
+     "kv_heads=-1, head_dim=-1, heads=(0, -1), payload_digest=None, cp_size=1, cp_rank=0, cp_interleave=1) -> header"},
     {"write", (PyCFunction)(void (*)(void))py_write, METH_VARARGS | METH_KEYWORDS,
      "write(path, header, keys, values, keys_dtype='float32')"},
     {"document_digest", py_document_digest, METH_O, "document_digest(ids) -> 32 hex digits"},

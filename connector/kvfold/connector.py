@@ -30,10 +30,13 @@ finishes it FINISHED_ERROR. A request aborted while loading is reported only onc
 stopped writing (vLLM keeps the blocks of a WAITING_FOR_REMOTE_KVS request until then). A claim
 that ends mid-block loads synchronously even in async mode: older vLLM marks every allocated
 block computed when an async load finishes, which would skip the question tokens in that block.
-Decoded caches stay in a host retention pool (kvfold.pool). Layers that share another layer's KV
-tensor are written once, as that layer; layers beyond the model's (EAGLE/MTP draft layers) get
-zeros in the loaded slots. Context parallelism (decode and prefill CP) spreads each scheduler
-block over the CP ranks as vLLM's block table does; each rank writes its tokens.
+A cold load into host tensors runs in one pass (kvfold.loader.one_pass_load): layer by layer,
+the chunks are read and checked, and the layer copied into the blocks while still in cache.
+Decoded caches stay in a host retention pool (kvfold.pool), head-major as the file's chunks hold
+them. Layers that share another layer's KV tensor are written once, as that layer; layers beyond
+the model's (EAGLE/MTP draft layers) get zeros in the loaded slots. Context parallelism (decode and
+prefill CP) spreads each scheduler block over the CP ranks as vLLM's block table does; each rank
+writes its tokens.
 
 kv_connector_extra_config (kvfold.config checks every key at start, naming a bad one; unknown keys
 are refused):
@@ -48,8 +51,9 @@ are refused):
                      "cpu") or a layout ("kv_first", "blocks_first", "cpu", "packed"): narrows
                      detection to that backend's layouts (kvfold.blocks)
   copy_backend       "auto" (C for host tensors, torch otherwise) or "torch"
-  load_parts         a cold load reads the file in this many layer ranges, copying each range into
-                     the blocks while the next is read (default 4; 1 reads, then copies)
+  load_parts         device tensors: a cold load reads the file in this many layer ranges, copying
+                     each into the blocks while the next is read (default 4; 1 reads, then copies);
+                     host tensors load in one pass
   load_mode          "sync" (default) or "async" (see above)
   load_threads       loader threads of the async mode (default 2; loads share the retention pool,
                      so they read one at a time, but never on the engine's thread)
@@ -75,7 +79,7 @@ from . import _kvfold
 from .blocks import check_block_size, copy_to_blocks, detect_layout, dtype_name, host_destination, zero_slots
 from .config import parse_config
 from .fingerprint import read_fingerprint_cache
-from .loader import pipelined_load
+from .loader import one_pass_load, pipelined_load
 from .pool import RetentionPool
 from .params import parse_params, show
 from .prompt import PARAMS_KEY, cache_key, placeholder_ids, token_id_error
@@ -98,6 +102,7 @@ class LoadSpec:
     t1: int
     elems: int = 0          # 2 * n_layers * C * kv_heads * head_dim of the file (its decoded size)
     asynchronous: bool = False  # loaded by the worker's thread pool, reported by get_finished
+    payload: str = ""       # the file's payload digest when scheduled: a file replaced since is refused
 
 
 @dataclass
@@ -114,6 +119,7 @@ class _Decision:
     key: str
     n_tokens: int
     elems: int = 0
+    payload: str = ""
 
 
 def _never_raises(default: Callable[[Any], Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -154,8 +160,21 @@ def check_failure_policy(vllm_config: Any) -> None:
                      "loaded fails its request instead of being recomputed from placeholder ids")
 
 
+def check_hybrid_manager(vllm_config: Any) -> None:
+    """vLLM turns its hybrid KV cache manager off for a connector that does not declare SupportsHMA
+    (this one: it needs one KV cache group of one block size for every layer), unless the user
+    forced it on with --no-disable-hybrid-kv-cache-manager; then say so."""
+    sc = getattr(vllm_config, "scheduler_config", None)
+    if getattr(sc, "disable_hybrid_kv_cache_manager", None) is False:
+        raise ValueError("kvfold: the hybrid KV cache manager is on (--no-disable-hybrid-kv-cache-manager), and the "
+                         "KVFoldConnector does not support it (it does not subclass SupportsHMA: it fills one KV "
+                         "cache group of one block size for every layer). Serve without that flag: vLLM then turns "
+                         "the hybrid manager off for this connector")
+
+
 class KVFoldConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any):
+        check_hybrid_manager(vllm_config)
         super().__init__(vllm_config, role, kv_cache_config)
         check_failure_policy(vllm_config)
         cfg = parse_config(_extra(vllm_config))  # every key checked before anything starts
@@ -215,8 +234,8 @@ class KVFoldConnector(KVConnectorBase_V1):
             raise ValueError("kvfold: kv_cache_config has no KV cache groups")
         sizes = {int(g.kv_cache_spec.block_size) for g in groups}
         if len(sizes) != 1:
-            raise ValueError(f"kvfold: KV cache groups with block sizes {sorted(sizes)} (hybrid models are not "
-                             "supported)")
+            raise ValueError(f"kvfold: KV cache groups with block sizes {sorted(sizes)}: hybrid models (and vLLM's "
+                             "hybrid KV cache manager) are not supported")
         return sizes.pop()
 
     # ---- scheduler side ------------------------------------------------------------------------
@@ -251,7 +270,7 @@ class KVFoldConnector(KVConnectorBase_V1):
                 return
             t0, t1 = t0 - 1, t0
         self._pending[rid] = LoadSpec(rid, d.path, d.reason, d.key, d.n_tokens, block_ids, t0, t1, d.elems,
-                                      rid in self._async_claims and num_external_tokens > 0)
+                                      rid in self._async_claims and num_external_tokens > 0, d.payload)
 
     @_never_raises(lambda self: KVFoldMetadata(self._block_size))
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
@@ -316,7 +335,8 @@ class KVFoldConnector(KVConnectorBase_V1):
             self._check_header(h, path, key, C)
         except (OSError, ValueError, _kvfold.KvfError) as e:
             return _Decision(C, None, str(e), key, C)
-        return _Decision(C, path, None, key, C, 2 * h["n_layers"] * C * h["kv_heads"] * h["head_dim"])
+        return _Decision(C, path, None, key, C, 2 * h["n_layers"] * C * h["kv_heads"] * h["head_dim"],
+                         h["payload_digest"])
 
     def _resolve(self, name: str) -> str:
         root = self._cache_root
@@ -480,14 +500,25 @@ class KVFoldConnector(KVConnectorBase_V1):
                                [self._tensors[i] for i in mine], self._layout, spec.block_ids, block_size,
                                spec.t0, spec.t1, self._head_start, self._use_torch, self._local_heads,
                                [self._destinations[i] for i in mine] if self._destinations else None, self._cp,
-                               [self._tensor_layers[i] for i in mine])
+                               [self._tensor_layers[i] for i in mine], head_major=True)
             copied.append((l0, l1))
 
-        def cold(buf: Any) -> Tuple[Dict[str, Any], Any]:  # reads overlap the copies of earlier layers
+        def cold(buf: Any) -> Tuple[Dict[str, Any], Any]:
+            """Decodes into buf head-major ([2, L, H, C, D], the pool's form) and fills the blocks:
+            host tensors in one pass (each head copied while in cache), others range by range."""
+            if self._destinations:
+                h = one_pass_load(path, self._dtype, buf, self._destinations, self._layout, spec.block_ids,
+                                  block_size, spec.t0, spec.t1, model_fingerprint=self._model_fp,
+                                  n_layers=self._n_layers, kv_heads=self._kv_heads, head_dim=self._head_dim,
+                                  heads=heads, payload_digest=spec.payload or None, cp=self._cp)
+                if cache_key(h) != spec.key:
+                    raise ValueError(f"{path}: changed since the request was scheduled")
+                copied.append((0, self._n_layers))
+                return h, buf
             return pipelined_load(path, self._dtype, buf, self._n_layers,
                                   lambda h, l0, l1: copy(h, buf, l0, l1), model_fingerprint=self._model_fp,
                                   kv_heads=self._kv_heads, head_dim=self._head_dim, parts=self._load_parts,
-                                  heads=heads)
+                                  heads=heads, head_major=True)
 
         with self._pool_lock:
             entry, hit = self._pool.get(path, self._dtype, cold, nbytes, heads)

@@ -1,7 +1,13 @@
-"""A cold load that overlaps reading with copying: the file's layers are read in a few ranges by
-one helper thread (the HDF5 library is used from that thread only), and each range is copied
-into the KV blocks by the caller's thread while the next range is read. Both the read and the
-copy run in C without the GIL, so on a host with a spare core the copy hides behind the read.
+"""Cold loads: a kvf file into the KV blocks, and into a buffer the retention pool keeps.
+
+one_pass_load (host tensors): one open, then layer by layer: the layer's chunks are read into
+their place in the buffer and checked (sums, values, digests), and the layer is copied into the
+blocks while it is still in cache, all in C without the GIL and on one thread (no helper thread
+competing for the cores).
+
+pipelined_load (any tensors): the file's layers are read in a few ranges by one helper thread (the
+HDF5 library is used from that thread only), and each range is copied into the KV blocks by the
+caller's thread while the next range is read.
 """
 from __future__ import annotations
 
@@ -42,3 +48,15 @@ def pipelined_load(path: str, dtype: str, buf: Any, n_layers: int,
             for fut in futs:
                 fut.cancel()
     return header, buf
+
+
+def one_pass_load(path: str, dtype: str, buf: Any, destinations: List[Any], layout: str, block_ids: List[int],
+                  block_size: int, t0: int, t1: int, *, model_fingerprint: Optional[str] = None, n_layers: int = -1,
+                  kv_heads: int = -1, head_dim: int = -1, heads: Tuple[int, int] = (0, -1),
+                  payload_digest: Optional[str] = None, cp: Tuple[int, int, int] = (1, 0, 1)) -> Dict[str, Any]:
+    """Decode path into buf ([2, n_layers, kv_heads, C, head_dim] in dtype, head-major; only heads
+    `heads` are written) and tokens [t0, t1) into the host tensors described by destinations
+    (blocks.host_destination of each, holding those heads), a layer at a time; the header.
+    payload_digest: the file must still be the one scheduled."""
+    return _kvfold.load_blocks(path, dtype, buf, destinations, layout, list(block_ids), block_size, t0, t1,
+                               model_fingerprint, n_layers, kv_heads, head_dim, tuple(heads), payload_digest, *cp)

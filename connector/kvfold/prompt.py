@@ -92,6 +92,8 @@ class Prompt:
 def token_id_error(ids: Sequence[Any], vocab: int, what: str = "question id") -> Optional[str]:
     """Why ids are not token ids of a vocabulary of `vocab` ids (None when they are): each must be
     an int (not a bool or a float) in [0, vocab)."""
+    if not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab):
+        return None  # the common case, at C speed (a prompt of 10^5 ids costs about a millisecond)
     for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):  # numpy ints are Integral too
             return f"{what} {i} is {str(t)[:40]!r} ({type(t).__name__}), not an int"

@@ -37,3 +37,20 @@ def test_good_values_are_taken(tmp_path, monkeypatch):
         (FP, 0, 2, True, 3, "ignore")
     monkeypatch.setenv("KVFOLD_CACHE_ROOT", str(tmp_path))
     assert Engine(MODEL, {}).scheduler._cache_root == str(tmp_path)
+
+
+def test_hybrid_kv_cache_manager_forced_on_is_refused_naming_it(tmp_path):
+    """--no-disable-hybrid-kv-cache-manager keeps vLLM's hybrid manager on for this connector, which
+    does not declare SupportsHMA: construction fails with a message that says so."""
+    from types import SimpleNamespace
+
+    from kvfold.connector import KVFoldConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    eng = Engine(MODEL, {"cache_root": str(tmp_path)})
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        eng.vllm_config.scheduler_config = SimpleNamespace(disable_hybrid_kv_cache_manager=False)
+        with pytest.raises(ValueError, match=r"hybrid KV cache manager is on \(--no-disable-hybrid-kv-cache-manager\)"
+                                             r".*SupportsHMA.*without that flag"):
+            KVFoldConnector(eng.vllm_config, role, eng.kv_cache_config)
+        eng.vllm_config.scheduler_config = SimpleNamespace(disable_hybrid_kv_cache_manager=True)
+        KVFoldConnector(eng.vllm_config, role, eng.kv_cache_config)

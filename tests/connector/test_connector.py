@@ -720,3 +720,37 @@ def test_head_major_decode_copies_the_same_blocks(root, use_torch):
     _kvfold.load(path, "bfloat16", out=buf, heads=(1, 2), head_major=True)
     got = torch.frombuffer(buf, dtype=torch.bfloat16).view(2, L, H, C, D)
     assert torch.equal(got[:, :, 1], m[:, :, 1]) and not got[:, :, 0].any() and not got[:, :, 2:].any()
+
+
+@pytest.mark.parametrize("layout,order", PROFILE_LAYOUTS)
+@pytest.mark.parametrize("file_dtype,cache_dtype", [("bfloat16", torch.bfloat16), ("float32", torch.float16)])
+def test_one_pass_load_writes_what_load_then_copy_writes(root, layout, order, file_dtype, cache_dtype):
+    """load_blocks (a cold load in one pass) fills the buffer as load(head_major=True) does and the
+    blocks as copy_to_blocks from it does, for a head range, tokens [t0, t1), every layout; a
+    payload digest other than the file's, or a damaged last layer, is refused."""
+    from harness import make_cache
+    from kvfold.blocks import copy_to_blocks, host_destination
+    from kvfold.loader import one_pass_load
+    L, H, D, C, bs = 3, 4, 16, 45, 16
+    path = os.path.join(root, FP, "op.kvf")
+    write_cache(path, L, H, D, C, 74, dtype=file_dtype)
+    dt = "bfloat16" if cache_dtype == torch.bfloat16 else "float16"
+    ids, (h0, h1), (t0, t1) = [7, 2, 5], (1, 3), (3, 41)
+    want = [make_cache(layout, 9, bs, h1 - h0, D, cache_dtype, order) for _ in range(L)]
+    got = [make_cache(layout, 9, bs, h1 - h0, D, cache_dtype, order) for _ in range(L)]
+    ref = bytearray(2 * L * H * C * D * 2)
+    _kvfold.load(path, dt, out=ref, heads=(h0, h1), head_major=True)
+    copy_to_blocks(ref, dt, L, C, H, D, want, layout, ids, bs, t0, t1, h0, False, h1 - h0, head_major=True)
+    buf = bytearray(len(ref))
+    dests = [host_destination(t, i) for i, t in enumerate(got)]
+    payload = _kvfold.read_header(path)["payload_digest"]
+    h = one_pass_load(path, dt, buf, dests, layout, ids, bs, t0, t1, n_layers=L, kv_heads=H, head_dim=D,
+                      heads=(h0, h1), payload_digest=payload)
+    assert h["payload_digest"] == payload and bytes(buf) == bytes(ref)
+    for a, b in zip(got, want):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))  # NaN fill outside [t0, t1) too
+    with pytest.raises(_kvfold.KvfError, match="changed since the request was scheduled"):
+        one_pass_load(path, dt, buf, dests, layout, ids, bs, t0, t1, payload_digest="0" * 32)
+    damage_chunk(path, "values", (L - 1, 0, h1 - 1, 0))
+    with pytest.raises(_kvfold.KvfError, match="checksum mismatch in values, layer 2 head 2"):
+        one_pass_load(path, dt, buf, dests, layout, ids, bs, t0, t1, heads=(h0, h1))
