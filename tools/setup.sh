@@ -8,6 +8,8 @@
 #   tools/setup.sh --sanitize --build-dir build-asan
 #                                        AddressSanitizer + UndefinedBehaviorSanitizer build
 #   tools/setup.sh --cuda ON|OFF|AUTO    the CUDA backend (default AUTO: when nvcc is found)
+#   tools/setup.sh --vllm-source DIR     vLLM's Python source (and pydantic 2) for the vllm_real test:
+#                                        a directory holding them, unpacked or as tarballs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,13 +18,15 @@ build_type=Release
 sanitize=OFF
 cuda=AUTO
 tests=0
+vllm_source=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests) tests=1 ;;
     --sanitize) sanitize=ON; build_type=RelWithDebInfo ;;
     --build-dir) build_dir="$2"; shift ;;
     --cuda) cuda="$2"; shift ;;
-    -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --vllm-source) vllm_source=(-DKVFOLD_VLLM_SOURCE="$(realpath "$2")"); shift ;;
+    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "setup.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
   shift
@@ -58,5 +62,6 @@ if [ "$tests" = 1 ] && [ -f tests/oracle/package-lock.json ] && [ ! -d tests/ora
   (cd tests/oracle && npm ci --no-audit --no-fund --loglevel=error)
 fi
 
-cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE="$build_type" -DKVFOLD_SANITIZE="$sanitize" -DKVFOLD_CUDA="$cuda" >/dev/null
+cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE="$build_type" -DKVFOLD_SANITIZE="$sanitize" -DKVFOLD_CUDA="$cuda" \
+  "${vllm_source[@]}" >/dev/null
 cmake --build "$build_dir" -j"$(nproc)"

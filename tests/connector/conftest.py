@@ -18,6 +18,9 @@ SRC = os.path.join(REPO, "connector", "kvfold")
 EXT_DIR = os.environ.get("KVFOLD_EXT_DIR") or os.path.join(REPO, "build", "python", "kvfold")
 DATA = os.environ.get("KF_TEST_DATA") or os.path.join(REPO, "tests", "data")
 
+# vllm_real/ runs the same scenarios on vLLM's real scheduler, in its own pytest run (its run.py)
+collect_ignore = ["vllm_real"]
+
 sys.path.insert(0, os.path.join(HERE, "stub"))
 sys.path.insert(0, HERE)
 

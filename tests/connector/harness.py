@@ -33,7 +33,9 @@ import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
 
 COMPUTED = 0.5  # what the "model" writes into the slots it computes
-DEFAULT_LAYOUT = "packed" if vllm.PROFILE >= "0.26" else "blocks_first"
+# the stand-in's profile; a real vLLM (tests/connector/vllm_real) is of the 5-D layout era
+PROFILE = getattr(vllm, "PROFILE", "0.25")
+DEFAULT_LAYOUT = "packed" if PROFILE >= "0.26" else "blocks_first"
 # stride orders (vLLM's get_kv_cache_stride_order: physical dims in terms of the logical ones)
 ORDERS = {
     "kv_first": {"nhd": (0, 1, 2, 3, 4), "hnd": (0, 1, 3, 2, 4)},
@@ -42,7 +44,7 @@ ORDERS = {
     "packed": {"nhd": (0, 2, 1, 3), "hnd": (0, 1, 2, 3)},
 }
 # the (layout, stride order) cases of each profile
-PROFILE_LAYOUTS = ([("packed", "nhd"), ("packed", "hnd")] if vllm.PROFILE >= "0.26" else
+PROFILE_LAYOUTS = ([("packed", "nhd"), ("packed", "hnd")] if PROFILE >= "0.26" else
                    [("blocks_first", "nhd"), ("blocks_first", "hnd"), ("blocks_first", "flex"),
                     ("kv_first", "nhd"), ("kv_first", "hnd"), ("cpu", "nhd")])
 
@@ -372,6 +374,14 @@ class Engine:
             if h not in self.cached and req.blocks[i] not in self.block_hash:
                 self.cached[h] = req.blocks[i]
                 self.block_hash[req.blocks[i]] = h
+
+    def uncache(self, req: Request, index: int) -> None:
+        """Evicts block `index` of req from the prefix cache."""
+        self.cached.pop(self.block_hash.pop(req.blocks[index]))
+
+    def cached_blocks(self, req: Request, n: int) -> int:
+        """How many of req's first n blocks are in the prefix cache."""
+        return len(set(self._hashes(req, n)) & set(self.cached))
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -69,7 +69,7 @@ def test_slow_file_does_not_stall_other_requests(root, gate):
     for _ in range(4):  # b finishes all its steps while a's file is still being read
         eng.step()
     assert eng.finished["b"].status == "FINISHED_LENGTH" and a.status == "WAITING_FOR_REMOTE_KVS"
-    assert "a" not in eng.finished and a.num_computed_tokens == 0
+    assert "a" not in eng.finished and a.output_token_ids == []
     gate.open()
     eng.run()
     assert eng.finished["a"].status == "FINISHED_LENGTH" and eng.async_promoted == ["a"]
@@ -88,7 +88,7 @@ def test_async_matches_sync_bytes_and_prefix_hit(root):
         first, _ = request("first", path, [1, 2], root)
         eng.add_request(first)
         eng.run()
-        eng.block_hash.pop(eng.cached.pop(eng._hashes(first, 4)[3]))  # block 3 left the prefix cache
+        eng.uncache(first, 3)  # block 3 left the prefix cache
         r, _ = request("r", path, [3, 4, 5], root)
         eng.add_request(r)
         eng.run()
