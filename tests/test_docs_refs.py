@@ -2,8 +2,8 @@
 """Cross-references that a reader of the repository can follow, checked mechanically.
 
   1. No tracker references: no "issue 12", "issue #12", "#12" (a number after '#') and no "the
-     issue's ..." in any source, test, script or document: the repository explains itself. The
-     only '#N' allowed are the vLLM pull requests that changed the KV cache layout (UPSTREAM).
+     issue's ..." in any source, test, script or document: the repository explains itself (vLLM's
+     layouts are named by vLLM version, not by its pull requests).
   2. No references to material outside the repository: a design document that is not here
      (DESIGN.md), research notes, sibling folders.
   3. Every relative path in docs/*.md and README.md exists: markdown links and images, and
@@ -25,9 +25,6 @@ import tokenize
 HERE = os.path.abspath(__file__)
 ROOT = os.path.abspath(sys.argv[1]) if len(sys.argv) > 1 else os.path.dirname(os.path.dirname(HERE))
 
-# vLLM pull requests that changed the KV cache layout: the connector names them to say which
-# vLLM versions have which layout (docs/connector.md).
-UPSTREAM = {"42095", "44455"}
 # Files of other projects that comments name: vLLM's scheduler (vllm/v1/core/sched/scheduler.py),
 # whose behaviour the connector follows. System headers a source includes count as well.
 EXTERNAL = {"scheduler.py"}
@@ -41,9 +38,11 @@ TRACKER = [
     (re.compile(r"\b(?:the|this|that)\s+issue(?:'s)?\b|\(issue\b(?!s?\s*#?\s*\d)", re.I), "refers to a tracker issue"),
 ]
 HASH_NUMBER = re.compile(r"(?<![\w&/#])#(\d+)\b")
+OUTSIDE_PATH = "names a path outside the repository"
+CI_SCRIPT = ".ci/run"
 OUTSIDE = [
     (re.compile(r"DESIGN\.md"), "names DESIGN.md, which is not in the repository (docs/design.md is)"),
-    (re.compile(r"\.\./shared|/work/"), "names a path outside the repository"),
+    (re.compile(r"\.\./shared|/work/"), OUTSIDE_PATH),
     (re.compile(r"\bresearch[ /]notes?\b|\bresearch/[\w-]+\.md|\bshared notes\b", re.I),
      "names research notes that are not in the repository"),
     (re.compile(r"\bseed 0\d\d\b"), "names a design seed that is not in the repository"),
@@ -201,11 +200,12 @@ class Checker:
 
     def check_text(self, rel, text):
         for rx, what in TRACKER + OUTSIDE:
+            if rel == CI_SCRIPT and what == OUTSIDE_PATH:
+                continue  # CI's machine lays the vLLM snapshot beside the clone: CI's own contract
             for m in rx.finditer(text):
                 self.add(rel, line_of(text, m.start()), f"'{m.group(0)}' {what}")
         for m in HASH_NUMBER.finditer(text):
-            if m.group(1) not in UPSTREAM:
-                self.add(rel, line_of(text, m.start()), f"'{m.group(0)}' looks like a tracker reference")
+            self.add(rel, line_of(text, m.start()), f"'{m.group(0)}' looks like a tracker reference")
 
     def check_symbol(self, rel, line, name, star):
         bare = name.rstrip("_")

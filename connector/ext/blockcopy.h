@@ -9,11 +9,11 @@
  * every element it names is checked to lie inside), an element offset, a logical shape, strides
  * (in elements, any order: an HND or FlexAttention tensor is just other strides) and its own
  * dtype. Logical shapes (docs/connector.md, "KV layouts"):
- *   KVB_KV_FIRST      (2, blocks, block_size, kv_heads, head_dim)   FlashAttention before vLLM #42095
- *   KVB_BLOCKS_FIRST  (blocks, 2, block_size, kv_heads, head_dim)   FlashAttention since #42095,
+ *   KVB_KV_FIRST      (2, blocks, block_size, kv_heads, head_dim)   FlashAttention to v0.22
+ *   KVB_BLOCKS_FIRST  (blocks, 2, block_size, kv_heads, head_dim)   FlashAttention from v0.23,
  *                                                                   FlashInfer, Triton, FlexAttention
  *   KVB_CPU           (2, blocks, kv_heads, block_size, head_dim)   vLLM's CPU backend (5-D era)
- *   KVB_PACKED        (blocks, kv_heads, block_size, 2 * head_dim)  every backend from #44455 (v0.26+):
+ *   KVB_PACKED        (blocks, kv_heads, block_size, 2 * head_dim)  every backend from v0.26:
  *                                                                   K in [..., :head_dim], V after it
  * The tensor's block dimension counts kernel blocks of kbs tokens; the scheduler's blocks hold
  * block_size tokens, a multiple of kbs. Token p of the request sits in slot

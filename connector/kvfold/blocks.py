@@ -5,14 +5,14 @@ and permutes back to the logical shape, so NHD, HND and FlexAttention's order di
 strides, which every copy goes through). The logical shapes, with the vLLM versions that use them
 (docs/connector.md, "KV layouts"):
 
-  kv_first      (2, blocks, block_size, kv_heads, head_dim)    FlashAttention before vLLM #42095;
+  kv_first      (2, blocks, block_size, kv_heads, head_dim)    FlashAttention to v0.22;
                                                                FlexAttention and the ROCm backends
                                                                (ROCM_ATTN, ROCM_AITER_FA,
                                                                ROCM_AITER_UNIFIED_ATTN) at 28be48fa
-  blocks_first  (blocks, 2, block_size, kv_heads, head_dim)    FlashAttention since #42095;
+  blocks_first  (blocks, 2, block_size, kv_heads, head_dim)    FlashAttention from v0.23;
                                                                FlashInfer, Triton, FlexAttention
   cpu           (2, blocks, kv_heads, block_size, head_dim)    the CPU backend (5-D era)
-  packed        (blocks, kv_heads, block_size, 2 * head_dim)   every standard backend from #44455
+  packed        (blocks, kv_heads, block_size, 2 * head_dim)   every standard backend from v0.26
                                                                (v0.26+): K, then V, in the last dim
                                                                (FlexAttention's get_kv_cache_shape
                                                                at 00507c2e returns it)

@@ -288,10 +288,10 @@ def test_kv_layout_aliases_match_their_backend(root, backend):
 def test_detect_layout_by_shape():
     from kvfold.blocks import detect_layout
     H, D = 2, 16
-    assert detect_layout((9, 2, 16, H, D), 16, H, D, "cuda") == "blocks_first"  # FlashAttention since #42095
+    assert detect_layout((9, 2, 16, H, D), 16, H, D, "cuda") == "blocks_first"  # FlashAttention from v0.23
     assert detect_layout((2, 9, 16, H, D), 16, H, D, "cuda") == "kv_first"      # FlashAttention before
     assert detect_layout((2, 9, H, 16, D), 16, H, D, "cpu") == "cpu"
-    assert detect_layout((9, H, 16, 2 * D), 16, H, D, "cuda") == "packed"       # #44455, v0.26+
+    assert detect_layout((9, H, 16, 2 * D), 16, H, D, "cuda") == "packed"       # v0.26+
     assert detect_layout((9, H, 16, 2 * D), 32, H, D, "cuda") == "packed"       # kernel blocks of 16 in 32
     with pytest.raises(ValueError, match="ambiguous between kv_first and blocks_first"):
         detect_layout((2, 2, 16, H, D), 16, H, D, "cuda")  # 2 blocks: both 5-D shapes fit

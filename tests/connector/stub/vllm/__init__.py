@@ -3,9 +3,9 @@ connector and the test harness use, at vLLM's real module paths, written from th
 review (docs/connector.md), not copied.
 
 Two profiles, chosen by KVFOLD_VLLM_PROFILE (ctest runs the suite under both):
-  "0.25"  v0.17-v0.25: 5-D KV caches (FlashAttention kv-first before #42095, blocks-first after;
+  "0.25"  v0.17-v0.25: 5-D KV caches (FlashAttention kv-first to v0.22, blocks-first after;
           FlashInfer/Triton/FlexAttention blocks-first; CPU (2, blocks, heads, bs, D))
-  "0.26"  v0.26+ (#44455): every standard backend's cache is (blocks, heads, bs, 2 * head_dim)
+  "0.26"  v0.26+: every standard backend's cache is (blocks, heads, bs, 2 * head_dim)
           and the connector base class has the later defaulted members
 """
 import os
