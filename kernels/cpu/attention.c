@@ -68,7 +68,7 @@
 #ifndef BLOCK_FLOATS
 #define BLOCK_FLOATS ((size_t)1 << 21) /* a tile's kept block logits (targets), at most (8 MB) */
 #endif
-#define ROW_PAD 16 /* sgemm rows go in whole groups of this many (matmul.c's KF_ROW_GROUP) */
+#define ROW_PAD 8 /* sgemm rows go in whole groups of this many (matmul.c's KF_ROW_GROUP) */
 
 /* Grows a scratch buffer to hold n elements of elem bytes; 0, or -1 when out of memory (the
  * buffer is then unchanged). Shared by the kernels that keep scratch between calls. */
@@ -84,7 +84,7 @@ int kf_cpu_grow(void **buf, size_t *cap, size_t n, size_t elem) {
 }
 
 void kf_cpu_attn_scratch_free(kf_cpu_attn_scratch *s) {
-    free(s->work);
+    free(s->work_raw);
     free(s->part);
     free(s->has);
     free(s->tiles);
@@ -490,16 +490,17 @@ static int tile_starts(kf_cpu_attn_scratch *s, int n_past, int n_q, int tq, attn
     return 0;
 }
 
-/* *buf grows to n floats, 64-byte aligned (the contents are not kept); 0 or -1. */
-static int grow_aligned(float **buf, size_t *cap, size_t n) {
-    if (n <= *cap)
+/* The work area grows to n floats from 64 bytes on (the contents are not kept); 0 or -1. */
+static int grow_work(kf_cpu_attn_scratch *s, size_t n) {
+    if (n <= s->work_cap)
         return 0;
-    void *p = NULL;
-    if (posix_memalign(&p, 64, n * sizeof(float)) != 0)
+    free(s->work_raw); /* first: the old and the new area never both exist */
+    s->work = NULL;
+    s->work_cap = 0;
+    if (!(s->work_raw = malloc(n * sizeof(float) + 64)))
         return -1;
-    free(*buf);
-    *buf = p;
-    *cap = n;
+    s->work = (float *)(((uintptr_t)s->work_raw + 63) & ~(uintptr_t)63);
+    s->work_cap = n;
     return 0;
 }
 
@@ -549,7 +550,7 @@ int kf_cpu_attention(kf_cpu_attn_scratch *s, const kf_attn_args *a) {
     if (tile_starts(s, a->n_keys - nq, nq, j.tq, &j) != 0)
         return -1;
     j.per_thread = al16(bufs_floats(j.tq * rep, hd, j.ld_blk)); /* 64-byte steps between threads */
-    if (grow_aligned(&s->work, &s->work_cap, (size_t)threads * j.per_thread) != 0)
+    if (grow_work(s, (size_t)threads * j.per_thread) != 0)
         return -1;
     j.work = s->work;
     const int n_items = a->kv.kv_heads * j.n_tiles;

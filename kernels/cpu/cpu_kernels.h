@@ -70,6 +70,7 @@ int kf_cpu_grow(void **buf, size_t *cap, size_t n, size_t elem);
 /* Scratch memory the attention kernel reuses between calls (one per thread of control). */
 typedef struct {
     float *work;         /* [threads, per-thread] each thread's query tile, key block and scores (64-byte aligned) */
+    void *work_raw;      /* the allocation work lies in */
     size_t work_cap;     /* floats; independent of the number of keys (but for AM's targets) */
     int *tiles;          /* [tiles + 1] the tiles' first queries */
     size_t tiles_cap;

@@ -17,8 +17,9 @@
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/pool.h"
 
-/* A multiple of every row unroll of OpenBLAS's x86-64 and Arm sgemm kernels (4 and 8 here) */
-#define KF_ROW_GROUP 16
+/* A multiple of the row unroll of every OpenBLAS sgemm kernel (2, 4 or 8: param.h's
+ * SGEMM_DEFAULT_UNROLL_N, the rows being its columns) */
+#define KF_ROW_GROUP 8
 /* Column parts begin at multiples of this (the kernels' column unrolls divide it) */
 #define KF_COL_GROUP 16
 /* Below this many multiply-adds the job runs on the calling thread */
