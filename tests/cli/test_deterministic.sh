@@ -58,7 +58,7 @@ run t3 OPENBLAS_NUM_THREADS=2 KVFOLD_THREADS=3
 same t3
 run t4 OPENBLAS_NUM_THREADS=4 KVFOLD_THREADS=4
 same t4
-run noshare OPENBLAS_NUM_THREADS=2 -- --no-share
+run noshare OPENBLAS_NUM_THREADS=1 -- --no-share
 check "noshare: nothing shared" grep -q '(off: --no-share)' "$tmp/noshare.out"
 same noshare
 
