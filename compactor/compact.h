@@ -310,9 +310,11 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *   targets = [fused] kvh (4 R (d + 2) + 8 T)     AM's targets the source forwards fuse
  *                                                 (compactor/refq_targets.h): m, y, Y and the
  *                                                 score sums, one layer [kvh] like the queries' pool
- *             + 4 A (r T + max(0, r - r') (2 d + 259))  the attention's kept block logits per
- *               + 8 kvh T ceil(c' / (r / G))      thread, its wider tiles' buffers, the score parts
- *                                                 per item, with c' = min(c, max(D, S)),
+ *             + 4 A ((r + 8) T' + max(0, r - r') (2 d + 259))  the attention's kept block logits
+ *               + 8 kvh T (ceil(c' / (r / G))     per thread (T' = T rounded up to a multiple of 16,
+ *                 + ceil(c' / 256))               8 padding rows), its wider tiles' buffers, the score
+ *                                                 parts per item (tiles also cut at every multiple of
+ *                                                 256 positions), with c' = min(c, max(D, S)),
  *                                                 G = n_heads / kvh, r = G min(floor(r_max / G), c'),
  *                                                 r_max = min(512, max(64, floor(2^21 / T))), r' the
  *                                                 rows of a tile without targets: G q', q' halved

@@ -81,8 +81,11 @@ static int64_t targets_bytes(const kf_hfconfig *c, const kf_mem_shape *s, int64_
     while (kvh * ((chunk + tf - 1) / tf) < 2 * s->attn_threads && tf * G > 64 && tf > 1)
         tf = (tf + 1) / 2;
     const int64_t wider = tq > tf ? G * (tq - tf) * (2 * c->head_dim + 259) : 0;
-    return kf_refq_targets_bytes(1, kvh, s->R, c->head_dim, s->T) + 4 * s->attn_threads * (G * tq * s->T + wider) +
-           8 * kvh * s->T * ((chunk + tq - 1) / tq);
+    /* the block's logits: 8 padding rows, rows of a multiple of 16 floats; the tiles: cut at every
+     * multiple of 256 positions too, at most one more tile each */
+    const int64_t ld = (s->T + 15) & ~(int64_t)15, tiles = (chunk + tq - 1) / tq + (chunk + 255) / 256;
+    return kf_refq_targets_bytes(1, kvh, s->R, c->head_dim, s->T) + 4 * s->attn_threads * ((G * tq + 8) * ld + wider) +
+           8 * kvh * s->T * tiles;
 }
 
 int64_t kf_compact_peak_bytes(const kf_hfconfig *c, const kf_mem_shape *s, kf_mem_peak *terms) {

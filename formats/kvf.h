@@ -86,7 +86,8 @@
  *     a complete one, two writers of the same name leave one complete file, and a failed write (a
  *     full disk, EFBIG, EIO) leaves no file and no HDF5 state behind (a failed H5Fclose on a disk
  *     file leaves HDF5 1.10 with a freed file that it closes again at exit: SEGV). Files are
- *     deterministic: the same cache gives the same bytes. SIGXFSZ is the caller's to ignore. A
+ *     deterministic: the same cache gives the same bytes (no object header records a time).
+ *     SIGXFSZ is the caller's to ignore. A
  *     killed writer leaves only a temporary name, which kvf_open() refuses and
  *     kvf_clean_temps() removes once old enough.
  *   - HDF5 file locking is off (the files are immutable once renamed, and locks fail on some

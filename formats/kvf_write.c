@@ -336,13 +336,18 @@ static kf_status build_image(const kvf_cache *c, const char *name, void **image,
         (double)kvf_kv_bytes(h) * 1.02 + 16.0 * h->n_layers * h->kv_heads * (double)h->n_tokens + (1 << 20);
     core_image ci = {0};
     H5FD_file_image_callbacks_t cb = {img_malloc, img_memcpy, img_realloc, img_free, udata_copy, udata_free, &ci};
-    hid_t fapl = H5Pcreate(H5P_FILE_ACCESS), f = -1;
-    if (fapl >= 0 && H5Pset_fapl_core(fapl, est < 1e12 ? (size_t)est : (size_t)1 << 30, 0) >= 0 &&
+    /* no timestamps in the root group's header (the datasets' are off in make_dataset): the same
+     * cache gives the same bytes */
+    hid_t fcpl = H5Pcreate(H5P_FILE_CREATE), fapl = H5Pcreate(H5P_FILE_ACCESS), f = -1;
+    if (fcpl >= 0 && fapl >= 0 && H5Pset_obj_track_times(fcpl, 0) >= 0 &&
+        H5Pset_fapl_core(fapl, est < 1e12 ? (size_t)est : (size_t)1 << 30, 0) >= 0 &&
         H5Pset_file_image_callbacks(fapl, &cb) >= 0 &&
         H5Pset_libver_bounds(fapl, H5F_LIBVER_LATEST, H5F_LIBVER_LATEST) >= 0)
-        f = H5Fcreate(name, H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
+        f = H5Fcreate(name, H5F_ACC_TRUNC, fcpl, fapl);
     if (f < 0)
         kvf_h5_capture();
+    if (fcpl >= 0)
+        H5Pclose(fcpl);
     if (fapl >= 0)
         H5Pclose(fapl);
     if (f < 0)

@@ -224,7 +224,8 @@ struct kf_backend {
     /* Convert n host values of dtype src_dtype into backend weight storage at dst. */
     void (*upload_weight)(kf_backend *b, void *dst, const void *host_src, kf_dtype src_dtype, size_t n);
 
-    /* y[M, N] = x[M, K] (row stride ldx) . w[N, K]^T  (+ y if accumulate) */
+    /* y[M, N] = x[M, K] (row stride ldx) . w[N, K]^T  (+ y if accumulate). The CPU backend gives
+     * each row the same bits whatever rows share the call and whatever the thread count. */
     void (*matmul)(kf_backend *b, float *y, size_t ldy, const float *x, size_t ldx, const void *w, int M, int N,
                    int K, int accumulate);
     /* out[r, :] = table[ids[r], :]   table [rows, width] in weight storage */

@@ -373,16 +373,17 @@ static void test_memory_formula(void) {
     kf_compact_peak_bytes(&c, &sh1, &m16);
     CU_ASSERT_EQUAL(m16.solve, 198432 - 16112 - 71824);
     /* fused targets (0 above: sh is not fused), one layer held: 2 * (4 * 100 * 18 + 8 * 32) = 14,912
-     * in the pool; the attention's logits of r = 2 min(floor(512 / 2), 16) = 32 rows per thread,
-     * 4 * 2 * 32 * 32 = 8,192; parts of ceil(16 / 16) = 1 tile per KV head, 8 * 2 * 32 = 512 */
+     * in the pool; the attention's logits of r = 2 min(floor(512 / 2), 16) = 32 rows and 8 padding
+     * rows per thread, 4 * 2 * 40 * 32 = 10,240; parts of ceil(16 / 16) + ceil(16 / 256) = 2 tiles
+     * per KV head, 8 * 2 * 32 * 2 = 1,024 */
     kf_mem_shape shf = sh;
     shf.fused = 1;
     kf_mem_peak mf;
     CU_ASSERT_EQUAL(m.targets, 0);
     /* and each head in flight holds its scores alone (4 * 32), m, y, Y being the pool's: 4 * 100 * 18
      * = 7,200 less per head; the unfused rows' transient (8 * 32 with Ru 0) stays below ws */
-    CU_ASSERT_EQUAL(kf_compact_peak_bytes(&c, &shf, &mf), total + 14912 + 8192 + 512 - 2 * 7200);
-    CU_ASSERT_EQUAL(mf.targets, 14912 + 8192 + 512);
+    CU_ASSERT_EQUAL(kf_compact_peak_bytes(&c, &shf, &mf), total + 14912 + 10240 + 1024 - 2 * 7200);
+    CU_ASSERT_EQUAL(mf.targets, 14912 + 10240 + 1024);
     CU_ASSERT_EQUAL(mf.solve, 198432 - 2 * 7200);
     /* Ru 600 unfused rows: 8 * 32 + 4 * 600 * 34 + 1,036 * 32 = 115,008 > ws 50,000 */
     shf.Ru = 600;
@@ -390,17 +391,18 @@ static void test_memory_formula(void) {
     CU_ASSERT_EQUAL(mf.solve, 198432 - 2 * 7200 + 2 * (115008 - 50000));
     /* chunk 64, so c' = min(64, max(40, 38)) = 40: the target tiles have q = min(256, 40) = 40 queries,
      * those without targets q' = 40 halved once to 20 (2 ceil(40 / 40) = 2 < 2 A = 4 and 80 > 64;
-     * then 2 ceil(40 / 20) = 4 is not < 4): logits 4 * 2 * 80 * 32 = 20,480, the wider tiles
-     * 4 * 2 * 2 * 20 * (2 * 16 + 259) = 93,120, parts 8 * 2 * 32 * ceil(40 / 40) = 512 */
+     * then 2 ceil(40 / 20) = 4 is not < 4): logits 4 * 2 * (80 + 8) * 32 = 22,528, the wider tiles
+     * 4 * 2 * 2 * 20 * (2 * 16 + 259) = 93,120, parts 8 * 2 * 32 * (ceil(40 / 40) + ceil(40 / 256))
+     * = 1,024 */
     kf_mem_shape shc = shf;
     shc.chunk = 64;
     kf_compact_peak_bytes(&c, &shc, &mf);
-    CU_ASSERT_EQUAL(mf.targets, 14912 + 20480 + 93120 + 512);
+    CU_ASSERT_EQUAL(mf.targets, 14912 + 22528 + 93120 + 1024);
     /* and it does not grow with the layers: the pool is one layer whatever L */
     kf_hfconfig c4 = c;
     c4.n_layers = 4;
     kf_compact_peak_bytes(&c4, &shf, &mf);
-    CU_ASSERT_EQUAL(mf.targets, 14912 + 8192 + 512);
+    CU_ASSERT_EQUAL(mf.targets, 14912 + 10240 + 1024);
 
     /* the weights term counts what the model loads */
     kf_mem_shape real;

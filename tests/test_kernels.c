@@ -110,6 +110,36 @@ static void test_matmul(void) {
     free(y2);
 }
 
+/* A row's matmul result has the same bits in any call: alone, in pieces of 1 to 21 rows at any
+ * offset, whole, on the calling thread or on a pool of 3 (the column parts), accumulating or not. */
+static void test_matmul_rows_same_bits(void) {
+    const int M = 37, N = 515, K = 256; /* 37 x 515 x 256: the pool splits the columns */
+    float *x = malloc(sizeof(float) * M * K), *w = malloc(sizeof(float) * N * K);
+    float *y0 = malloc(sizeof(float) * M * N), *y = malloc(sizeof(float) * M * N);
+    kf_test_fill_uniform(x, (size_t)M * K, 31, -1, 1);
+    kf_test_fill_uniform(w, (size_t)N * K, 32, -1, 1);
+    kf_cpu_mm_scratch one = {0}, pooled = {.pool = g_pool};
+    CU_ASSERT_EQUAL_FATAL(kf_cpu_matmul_pool(&one, y0, N, x, K, w, M, N, K, 0), 0);
+    static const int pieces[][5] = {{37}, {1, 6, 9, 21}, {8, 8, 8, 8, 5}, {13, 24}};
+    for (int acc = 0; acc < 2; acc++)
+        for (int v = 0; v < 4; v++) {
+            for (int i = 0; i < M * N; i++)
+                y[i] = acc ? 0.0f : NAN;
+            for (int p = 0, r0 = 0; p < 5 && pieces[v][p]; r0 += pieces[v][p++])
+                CU_ASSERT_EQUAL(kf_cpu_matmul_pool(v % 2 ? &pooled : &one, y + (size_t)r0 * N, N, x + (size_t)r0 * K,
+                                                   K, w, pieces[v][p], N, K, acc), 0);
+            CU_ASSERT_EQUAL(memcmp(y, y0, sizeof(float) * M * N), 0);
+        }
+    CU_ASSERT_EQUAL(kf_cpu_matmul(y, N, x + 5 * K, K, w, 1, N, K, 0), 0); /* one row, on its own */
+    CU_ASSERT_EQUAL(memcmp(y, y0 + 5 * N, sizeof(float) * N), 0);
+    kf_cpu_mm_scratch_free(&one);
+    kf_cpu_mm_scratch_free(&pooled);
+    free(x);
+    free(w);
+    free(y0);
+    free(y);
+}
+
 static void test_rmsnorm(void) {
     const int rows = 7, n = 96;
     float *x = malloc(sizeof(float) * rows * n), *w = malloc(sizeof(float) * n);
@@ -281,6 +311,50 @@ static void check_attention(int n_q, int n_keys, int n_heads, int kvh, int hd, i
     free(ref);
 }
 
+/* A query row's attention output has the same bits whatever chunk it comes in and whatever the
+ * threads: n_q queries on top of a context, in one call on one thread, then in chunks of other
+ * sizes (starting at positions that are not multiples of a page or a block), on a pool of 3.
+ * GQA 3:1 (odd row counts), bias on part of the keys. */
+static void test_attention_rows_same_bits(void) {
+    const int ctx = 203, n_q = 330, n_keys = ctx + n_q, nh = 6, kvh = 2, hd = 16, pages = (n_keys + 15) / 16;
+    const size_t row = (size_t)kvh * hd, qs = (size_t)nh * hd, n_out = (size_t)n_q * qs;
+    float *pool = poisoned((size_t)pages * 2 * 16 * row), *keys = malloc(sizeof(float) * n_keys * row);
+    float *vals = malloc(sizeof(float) * n_keys * row), *q = malloc(sizeof(float) * n_out);
+    float *bias = malloc(sizeof(float) * kvh * 300), *out0 = malloc(sizeof(float) * n_out);
+    float *out = malloc(sizeof(float) * n_out);
+    int32_t *pg = malloc(sizeof(int32_t) * pages);
+    for (int p = 0; p < pages; p++)
+        pg[p] = pages - 1 - p;
+    kf_test_fill_uniform(keys, (size_t)n_keys * row, 41, -2, 2);
+    kf_test_fill_uniform(vals, (size_t)n_keys * row, 42, -1, 1);
+    kf_test_fill_uniform(q, n_out, 43, -2, 2);
+    kf_test_fill_uniform(bias, (size_t)kvh * 300, 44, -3, 3);
+    const kf_paged_kv kv = {.k = pool, .v = pool + 16 * row, .page_stride = 2 * 16 * row, .kv_heads = kvh,
+                            .head_dim = hd};
+    kf_cpu_kv_store(&kv, pg, 0, n_keys, keys, vals);
+    kf_attn_args a = {.q_stride = qs, .out_stride = qs, .n_heads = nh, .pages = pg, .kv = kv,
+                      .scale = 1.0f / sqrtf(hd), .bias = bias, .bias_stride = 300, .bias_len = 300};
+    static const int chunks[][4] = {{330}, {100, 100, 100, 30}, {37, 256, 37}, {1, 177, 152}};
+    for (int v = 0; v < 4; v++) {
+        kf_cpu_attn_scratch scratch = {.pool = v ? g_pool : NULL};
+        for (int c = 0, q0 = 0; c < 4 && chunks[v][c]; q0 += chunks[v][c++]) {
+            a.q = q + q0 * qs, a.out = (v ? out : out0) + q0 * qs;
+            a.n_q = chunks[v][c], a.n_keys = ctx + q0 + chunks[v][c];
+            CU_ASSERT_EQUAL(kf_cpu_attention(&scratch, &a), 0);
+        }
+        CU_ASSERT(v == 0 || memcmp(out, out0, sizeof(float) * n_out) == 0);
+        kf_cpu_attn_scratch_free(&scratch);
+    }
+    free(pool);
+    free(keys);
+    free(vals);
+    free(q);
+    free(bias);
+    free(out0);
+    free(out);
+    free(pg);
+}
+
 static void test_attention(void) {
     check_attention(1, 1, 2, 1, 8, 0);      /* one token */
     check_attention(5, 5, 4, 2, 16, 0);     /* first chunk, partial page */
@@ -388,11 +462,13 @@ static CU_TestInfo tests[] = {
     {"bf16/f16 conversions", test_bf16_f16_conversions},
     {"fast exp against exp()", test_fast_exp},
     {"matmul (strided, accumulate)", test_matmul},
+    {"matmul: a row's bits do not depend on its call or the threads", test_matmul_rows_same_bits},
     {"rmsnorm", test_rmsnorm},
     {"rope = explicit rotation; -p undoes p", test_rope_matches_explicit_rotation},
     {"rope frequencies (default, linear)", test_rope_frequencies},
     {"silu gate and add", test_silu_mul_and_add},
     {"paged causal GQA attention with bias (one thread and a pool)", test_attention},
+    {"attention: a row's bits do not depend on its chunk or the threads", test_attention_rows_same_bits},
     {"pool runs every item once", test_pool_runs_every_item_once},
     {"threaded row kernels = single-threaded ones", test_threaded_row_kernels_match},
     CU_TEST_INFO_NULL,

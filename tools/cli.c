@@ -116,13 +116,23 @@ kf_model *cli_load_model(const char *cmd, const char *dir, kf_backend **backend)
     return cli_load_model_on(cmd, dir, NULL, backend);
 }
 
-static kf_backend *cli_backend(const char *cmd, const char *device) {
-    if (!device || strcmp(device, "cpu") == 0) {
-        kf_backend *b = kf_backend_cpu_create();
-        if (!b)
-            cli_error(cmd, "out of memory");
-        return b;
+/* The CPU backend with KVFOLD_THREADS threads when set (else as many as OpenBLAS would use). */
+static kf_backend *cli_cpu_backend(const char *cmd) {
+    const char *env = getenv("KVFOLD_THREADS");
+    long long n = 0;
+    if (env && cli_parse_int(env, 1, 1024, &n) != 0) {
+        cli_error(cmd, "KVFOLD_THREADS must be a whole number from 1 to 1024, not '%s'", env);
+        return NULL;
     }
+    kf_backend *b = kf_backend_cpu_create_threads((int)n);
+    if (!b)
+        cli_error(cmd, "out of memory");
+    return b;
+}
+
+static kf_backend *cli_backend(const char *cmd, const char *device) {
+    if (!device || strcmp(device, "cpu") == 0)
+        return cli_cpu_backend(cmd);
     if (strncmp(device, "cuda", 4) != 0 || (device[4] && device[4] != ':')) {
         cli_error(cmd, "--device must be cpu, cuda or cuda:N, not '%s'", device);
         return NULL;

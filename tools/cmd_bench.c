@@ -50,10 +50,11 @@ static const char kPrefillHelp[] =
     "and print the median time and tokens/s. Only the last position's logits are computed, as in\n"
     "a compaction prefill. Before and after each timed run, the machine's sgemm peak is measured\n"
     "on the model's own shapes (one layer's seven projections, M = the chunk, through the\n"
-    "backend's matmul: a plain cblas_sgemm on the CPU); the report gives the GFLOP/s of the\n"
-    "prefill's GEMMs alone and of the whole prefill (projections + causal attention + lm_head) as\n"
-    "ratios to the mean of the two peaks around each run (medians over the runs, and their range),\n"
-    "and the whole prefill's rate over its own GEMMs' rate, the figure least moved by other load.\n"
+    "backend's matmul: on the CPU, single-threaded cblas_sgemm calls over the threads' columns);\n"
+    "the report gives the GFLOP/s of the prefill's GEMMs alone and of the whole prefill\n"
+    "(projections + causal attention + lm_head) as ratios to the mean of the two peaks around\n"
+    "each run (medians over the runs, and their range), and the whole prefill's rate over its own\n"
+    "GEMMs' rate, the figure least moved by other load.\n"
     "The backend's attention calls are timed too: their GFLOP/s (each query over the keys it\n"
     "sees) against the same peak. With --context P, P other random tokens are prefilled first\n"
     "(untimed, once) and every timed run prefills the N tokens on top of them (the repeat prefill\n"
@@ -209,7 +210,7 @@ static int peak_init(kf_backend *b, const kf_hfconfig *c, int M, peak_bufs *p) {
     return ok ? 0 : -1;
 }
 
-/* GFLOP/s of the plain GEMM (the backend's matmul: cblas_sgemm on the CPU) over the model's
+/* GFLOP/s of the plain GEMM (the backend's matmul: kernels/cpu/matmul.c on the CPU) over the model's
  * shapes, after one warm-up pass, for at least min_s seconds. */
 static double peak_measure(kf_backend *b, peak_bufs *p, double min_s) {
     double flops = 0, t0 = 0;

@@ -45,6 +45,8 @@ static void usage(FILE *out) {
             "\n"
             "Environment:\n"
             "  OMP_NUM_THREADS, OPENBLAS_NUM_THREADS  threads (default: all cores)\n"
+            "  KVFOLD_THREADS           threads of the CPU backend (default: OpenBLAS's); no result\n"
+            "                           depends on the number of threads\n"
             "  OPENBLAS_THREAD_TIMEOUT  how long OpenBLAS's idle threads spin, 2^N cycles; kvfold sets 4\n"
             "                           (the shortest) when it is unset, and runs itself again to apply it\n");
 }

@@ -14,8 +14,15 @@
  * whole-row scores [128, n_keys] and whole-context gathers streamed through memory; the next
  * block's keys and values are prefetched (towards L2) while a block's rows are worked on. Rows
  * whose query sees no key of a block skip it, and the tile's diagonal keys (from its first
- * query's own key on; a query sees only some of them) go by smaller blocks of DIAG_BLOCK, so a
- * causal chunk costs about half of a square one.
+ * query's position rounded down to a multiple of KEY_BLOCK on; a query sees only some of them) go
+ * by smaller blocks of DIAG_BLOCK, so a causal chunk costs about half of a square one.
+ *
+ * A row's result has the same bits whatever tile, chunk or thread count it comes in: tiles never
+ * cross a multiple of KEY_BLOCK in position, so a row's blocks are fixed by its position alone;
+ * a diagonal block is always DIAG_BLOCK keys wide (zero keys past the tile's last), and every
+ * sgemm runs on whole groups of ROW_PAD rows (zero padding queries), on one OpenBLAS thread,
+ * whose edge kernels would otherwise round a call's last rows differently (matmul.c). So a
+ * prefill continued from a shared prefix, or run with another thread count, gives the same bytes.
  * A row's step is two sweeps over its scores (bias and max; then exp, store and sum), the exp being
  * kf_expf_nonpos (its argument s - m' is never positive). The sum l is kept in fp64, a block's own
  * sum (at most KEY_BLOCK terms, each at most 1) in fp32. The file is built with
@@ -36,8 +43,8 @@
  * a second QK^T pass for the score (a second sgemm of the same size as the first).
  *
  * With a pool in the scratch, the items are spread over its threads, each with its own buffers;
- * OpenBLAS is held to one thread meanwhile so that the sgemms of the items run side by side
- * instead of queueing for its pool (the previous thread count is restored before returning).
+ * OpenBLAS is held to one thread meanwhile (the sgemms of the items run side by side, and on one
+ * thread their bits never depend on the thread count; the previous count is restored after).
  */
 #include <cblas.h>
 #include <float.h>
@@ -61,6 +68,7 @@
 #ifndef BLOCK_FLOATS
 #define BLOCK_FLOATS ((size_t)1 << 21) /* a tile's kept block logits (targets), at most (8 MB) */
 #endif
+#define ROW_PAD 8 /* sgemm rows go in whole groups of this many (matmul.c's KF_ROW_GROUP) */
 
 /* Grows a scratch buffer to hold n elements of elem bytes; 0, or -1 when out of memory (the
  * buffer is then unchanged). Shared by the kernels that keep scratch between calls. */
@@ -76,9 +84,10 @@ int kf_cpu_grow(void **buf, size_t *cap, size_t n, size_t elem) {
 }
 
 void kf_cpu_attn_scratch_free(kf_cpu_attn_scratch *s) {
-    free(s->work);
+    free(s->work_raw);
     free(s->part);
     free(s->has);
+    free(s->tiles);
     kf_pool *pool = s->pool;
     memset(s, 0, sizeof *s);
     s->pool = pool; /* not owned */
@@ -86,39 +95,55 @@ void kf_cpu_attn_scratch_free(kf_cpu_attn_scratch *s) {
 
 typedef struct {
     const kf_attn_args *a;
-    float *work;         /* [threads, per_thread] */
+    float *work;         /* [threads, per_thread], 64-byte aligned */
     size_t per_thread;   /* floats */
     int rep, tq, n_tiles;
+    const int *tile_q0;  /* [n_tiles + 1] the tiles' first queries, then n_q */
     int n_blk;           /* targets: blk1 - blk0, else 0 */
+    int ld_blk;          /* targets: n_blk rounded up to a multiple of 16 (the logits' row stride) */
     double *part;        /* targets: [items, n_blk] */
     uint8_t *has;        /* targets: [items] */
 } attn_job;
 
-/* One thread's buffers inside the job's work area. */
+/* One thread's buffers inside the job's work area, each 64-byte aligned (a row's vector sums
+ * then see the same alignment in every tile). The matrices have ROW_PAD more rows than the tile:
+ * the sgemms run on whole row groups (ROW_PAD rows), the padding rows' queries zero. */
 typedef struct {
-    float *qp, *o;  /* [rows, hd] stacked queries, output accumulator */
-    float *s;       /* [rows, KEY_BLOCK] scores, then weights */
+    float *qp, *o;  /* [rows + ROW_PAD, hd] stacked queries, output accumulator */
+    float *s;       /* [rows + ROW_PAD, KEY_BLOCK] scores, then weights */
     float *kb, *vb; /* [KEY_BLOCK, hd] one block of the group's keys and values */
     float *m;       /* [rows] running max */
     double *l;      /* [rows] running sum */
-    float *sb;      /* [rows, n_blk] the block's logits, then probabilities (targets only) */
+    float *sb;      /* [rows + ROW_PAD, ld_blk] the block's logits, then probabilities (targets only) */
 } attn_bufs;
 
-static size_t bufs_floats(int rows, int hd, int n_blk) {
-    return (size_t)rows * (2 * hd + KEY_BLOCK + 1 + 2) + (size_t)2 * KEY_BLOCK * hd + 16 + (size_t)rows * n_blk;
+static size_t al16(size_t n) { /* floats, rounded up to 64 bytes */
+    return (n + 15) & ~(size_t)15;
+}
+
+static size_t bufs_floats(int rows, int hd, int ld_blk) {
+    const size_t rp = (size_t)rows + ROW_PAD;
+    return al16(2 * (size_t)rows) + 2 * al16(rp * hd) + al16(rp * KEY_BLOCK) + 2 * al16((size_t)KEY_BLOCK * hd) +
+           al16((size_t)rows) + rp * ld_blk;
 }
 
 static attn_bufs bufs_at(float *w, int rows, int hd) {
+    const size_t rp = (size_t)rows + ROW_PAD;
     attn_bufs b;
-    b.l = (double *)w; /* first, so that it is 8-byte aligned */
-    b.qp = w + 2 * (size_t)rows;
-    b.o = b.qp + (size_t)rows * hd;
-    b.s = b.o + (size_t)rows * hd;
-    b.kb = b.s + (size_t)rows * KEY_BLOCK;
-    b.vb = b.kb + (size_t)KEY_BLOCK * hd;
-    b.m = b.vb + (size_t)KEY_BLOCK * hd;
-    b.sb = b.m + rows;
+    b.l = (double *)w;
+    b.qp = w + al16(2 * (size_t)rows);
+    b.o = b.qp + al16(rp * hd);
+    b.s = b.o + al16(rp * hd);
+    b.kb = b.s + al16(rp * KEY_BLOCK);
+    b.vb = b.kb + al16((size_t)KEY_BLOCK * hd);
+    b.m = b.vb + al16((size_t)KEY_BLOCK * hd);
+    b.sb = b.m + al16((size_t)rows);
     return b;
+}
+
+/* Rows of an sgemm: n rounded up to a whole number of row groups. */
+static int row_groups(int n) {
+    return (n + ROW_PAD - 1) / ROW_PAD * ROW_PAD;
 }
 
 /* gather_block over a bf16 pool: each row widened as it is gathered (kf_bf16_to_f32, inline: a row
@@ -216,9 +241,9 @@ typedef struct {
     int g, q0, tq, rows;
 } tile_pos;
 
-/* Keys [k0, k0 + kb) for the tile's rows, online (the header's step); the next block's n_next keys
- * are prefetched meanwhile. */
-static void key_block(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int kb, int n_next) {
+/* Keys [k0, k0 + kb) for the tile's rows, online (the header's step), as a block of kw >= kb keys
+ * (the rest zero); the next block's n_next keys are prefetched meanwhile. */
+static void key_block(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int kb, int kw, int n_next) {
     const kf_attn_args *a = j->a;
     const int hd = a->kv.head_dim, rep = j->rep, n_past = a->n_keys - a->n_q, rows = t.rows;
     const float *bias = a->bias ? a->bias + (size_t)t.g * a->bias_stride : NULL;
@@ -227,7 +252,12 @@ static void key_block(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int k
     if (ra <= 0)
         return;
     gather_block(a, t.g, k0, kb, b->kb, b->vb);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, ra, kb, hd, a->scale, b->qp + (size_t)r0 * hd, hd, b->kb, hd,
+    if (kw > kb) {
+        memset(b->kb + (size_t)kb * hd, 0, sizeof(float) * (size_t)(kw - kb) * hd);
+        memset(b->vb + (size_t)kb * hd, 0, sizeof(float) * (size_t)(kw - kb) * hd);
+    }
+    const int rg = row_groups(ra); /* rows [rows, r0 + rg) are padding */
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rg, kw, hd, a->scale, b->qp + (size_t)r0 * hd, hd, b->kb, hd,
                 0.0f, b->s + (size_t)r0 * KEY_BLOCK, KEY_BLOCK);
     for (int r = r0; r < rows; r++) {
         for (int p = r - r0; p < n_next; p += ra)
@@ -236,28 +266,31 @@ static void key_block(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int k
         const int nv = valid < kb ? valid : kb;
         const int nb = !bias || a->bias_len <= k0 ? 0 : (a->bias_len - k0 < nv ? a->bias_len - k0 : nv);
         const float corr =
-            online_row(b->s + (size_t)r * KEY_BLOCK, kb, nv, bias ? bias + k0 : NULL, nb, &b->m[r], &b->l[r]);
+            online_row(b->s + (size_t)r * KEY_BLOCK, kw, nv, bias ? bias + k0 : NULL, nb, &b->m[r], &b->l[r]);
         if (corr != 1.0f)
             for (int d = 0; d < hd; d++)
                 b->o[(size_t)r * hd + d] *= corr;
     }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, ra, hd, kb, 1.0f, b->s + (size_t)r0 * KEY_BLOCK, KEY_BLOCK,
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rg, hd, kw, 1.0f, b->s + (size_t)r0 * KEY_BLOCK, KEY_BLOCK,
                 b->vb, hd, 1.0f, b->o + (size_t)r0 * hd, hd);
 }
 
-/* Keys [k0, k1) in blocks of step keys (at most KEY_BLOCK). */
-static void key_range(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int k1, int step) {
+/* Keys [k0, k1) in blocks of step keys (at most KEY_BLOCK); with pad, the last one as a whole
+ * block of step keys too (zeros past k1). */
+static void key_range(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int k1, int step, int pad) {
     for (; k0 < k1; k0 += step) {
         const int kb = k1 - k0 < step ? k1 - k0 : step, rest = k1 - k0 - kb;
-        key_block(j, b, t, k0, kb, rest < step ? rest : step);
+        key_block(j, b, t, k0, kb, pad ? step : kb, rest < step ? rest : step);
     }
 }
 
-/* Keys [k0, kmax) of the tile: those before kdiag (every query of the tile sees them) by
- * KEY_BLOCK, the diagonal ones by DIAG_BLOCK, so that rows skip the sub-blocks past their query. */
-static void key_span(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int kdiag, int kmax) {
-    key_range(j, b, t, k0, kdiag, KEY_BLOCK);
-    key_range(j, b, t, k0 > kdiag ? k0 : kdiag, kmax, DIAG_BLOCK);
+/* Keys [k0, kmax) of the tile: those before kal (the tile's first query's position rounded down to
+ * a multiple of KEY_BLOCK: every query of the tile sees them) by KEY_BLOCK, the rest by whole
+ * blocks of DIAG_BLOCK, so that rows skip the sub-blocks past their query. A row's blocks depend
+ * on its position alone (tiles never cross a multiple of KEY_BLOCK), not on its tile. */
+static void key_span(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int kal, int kmax) {
+    key_range(j, b, t, k0, kal, KEY_BLOCK, 0);
+    key_range(j, b, t, k0 > kal ? k0 : kal, kmax, DIAG_BLOCK, 1);
 }
 
 /* The first of the target rows (tg->rows) whose query is at or after the tile's first. */
@@ -325,6 +358,7 @@ static void block_rows(const attn_job *j, attn_bufs *b, tile_pos t, int item) {
     const kf_attn_targets *tg = j->a->targets;
     const int nb = j->n_blk;
     double *part = j->part + (size_t)item * nb;
+    const size_t ld = (size_t)j->ld_blk;
     j->has[item] = 0;
     for (int r = 0, k = first_target(tg, t.q0); r < t.rows; r++) {
         const int q = t.q0 + r / j->rep;
@@ -335,7 +369,7 @@ static void block_rows(const attn_job *j, attn_bufs *b, tile_pos t, int item) {
             memset(part, 0, sizeof(double) * nb);
             j->has[item] = 1;
         }
-        block_row(b->sb + (size_t)r * nb, nb, &b->m[r], &b->l[r], target ? part : NULL, tg->score_rms);
+        block_row(b->sb + (size_t)r * ld, nb, &b->m[r], &b->l[r], target ? part : NULL, tg->score_rms);
     }
 }
 
@@ -359,14 +393,15 @@ static void emit_targets(const attn_job *j, const attn_bufs *b, tile_pos t) {
  * m = the block's max, l = y, O = y Y for the other keys. */
 static void block_first(const attn_job *j, attn_bufs *b, tile_pos t, int item) {
     const kf_attn_args *a = j->a;
-    const int hd = a->kv.head_dim, nb = j->n_blk, blk0 = a->targets->blk0;
+    const int hd = a->kv.head_dim, nb = j->n_blk, ld = j->ld_blk, blk0 = a->targets->blk0;
+    const int rg = row_groups(t.rows); /* rows [t.rows, rg) are padding */
     for (int c0 = 0; c0 < nb; c0 += KEY_BLOCK) {
         const int kb = nb - c0 < KEY_BLOCK ? nb - c0 : KEY_BLOCK;
         gather_block(a, t.g, blk0 + c0, kb, b->kb, NULL);
         for (int k = c0 + kb; k < nb && k < c0 + kb + KEY_BLOCK; k++) /* the next chunk's keys */
             prefetch_key(a, t.g, blk0 + k, 1, 0);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, t.rows, kb, hd, a->scale, b->qp, hd, b->kb, hd, 0.0f,
-                    b->sb + c0, nb);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rg, kb, hd, a->scale, b->qp, hd, b->kb, hd, 0.0f,
+                    b->sb + c0, ld);
     }
     block_rows(j, b, t, item);
     for (int c0 = 0; c0 < nb; c0 += KEY_BLOCK) {
@@ -374,7 +409,7 @@ static void block_first(const attn_job *j, attn_bufs *b, tile_pos t, int item) {
         gather_block(a, t.g, blk0 + c0, kb, NULL, b->vb);
         for (int k = c0 + kb; k < nb && k < c0 + kb + KEY_BLOCK; k++) /* the next chunk's values */
             prefetch_key(a, t.g, blk0 + k, 0, 1);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, t.rows, hd, kb, 1.0f, b->sb + c0, nb, b->vb, hd,
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rg, hd, kb, 1.0f, b->sb + c0, ld, b->vb, hd,
                     c0 ? 1.0f : 0.0f, b->o, hd);
     }
     emit_targets(j, b, t);
@@ -389,26 +424,27 @@ static void block_first(const attn_job *j, attn_bufs *b, tile_pos t, int item) {
 static void tile_item(void *ctx, int item, int thread) {
     const attn_job *j = ctx;
     const kf_attn_args *a = j->a;
-    const int hd = a->kv.head_dim, rep = j->rep, q0 = (item % j->n_tiles) * j->tq;
-    const int tq = a->n_q - q0 < j->tq ? a->n_q - q0 : j->tq;
+    const int hd = a->kv.head_dim, rep = j->rep, tile = item % j->n_tiles;
+    const int q0 = j->tile_q0[tile], tq = j->tile_q0[tile + 1] - q0;
     const tile_pos t = {.g = item / j->n_tiles, .q0 = q0, .tq = tq, .rows = tq * rep};
-    const int kdiag = a->n_keys - a->n_q + q0; /* keys before the tile's first query's own */
-    const int kmax = kdiag + tq;               /* keys visible to the tile's last query */
+    const int first = a->n_keys - a->n_q + q0;               /* the tile's first query's own key */
+    const int kal = first / KEY_BLOCK * KEY_BLOCK, kmax = first + tq; /* kmax: keys its last query sees */
     attn_bufs b = bufs_at(j->work + (size_t)thread * j->per_thread, t.rows, hd);
     for (int i = 0; i < tq; i++) /* the group's heads of query i are adjacent in q */
         memcpy(b.qp + (size_t)i * rep * hd, a->q + (size_t)(q0 + i) * a->q_stride + (size_t)t.g * rep * hd,
                sizeof(float) * rep * hd);
+    memset(b.qp + (size_t)t.rows * hd, 0, sizeof(float) * ROW_PAD * hd); /* the padding rows */
     for (int r = 0; r < t.rows; r++) {
         b.m[r] = -INFINITY;
         b.l[r] = 0;
     }
     if (a->targets) {
         block_first(j, &b, t, item);
-        key_range(j, &b, t, 0, a->targets->blk0, KEY_BLOCK);
-        key_span(j, &b, t, a->targets->blk1, kdiag, kmax);
+        key_range(j, &b, t, 0, a->targets->blk0, KEY_BLOCK, 0);
+        key_span(j, &b, t, a->targets->blk1, kal, kmax);
     } else {
-        memset(b.o, 0, sizeof(float) * (size_t)t.rows * hd);
-        key_span(j, &b, t, 0, kdiag, kmax);
+        memset(b.o, 0, sizeof(float) * (size_t)(t.rows + ROW_PAD) * hd);
+        key_span(j, &b, t, 0, kal, kmax);
     }
     for (int r = 0; r < t.rows; r++) {
         const float inv = (float)(1.0 / b.l[r]);
@@ -419,9 +455,9 @@ static void tile_item(void *ctx, int item, int thread) {
 }
 
 /* The tiles' size: at most TILE_ROWS rows; without targets smaller while there would be fewer
- * than two items per thread (down to 64 rows); with targets fixed by the arguments alone (the
- * block's logits of a tile within BLOCK_FLOATS), so that the score's sums never depend on the
- * thread count. */
+ * than two items per thread (down to 64 rows: no row's result depends on its tile); with targets
+ * fixed by the arguments alone (the block's logits of a tile within BLOCK_FLOATS), so that the
+ * score's sums, added tile by tile, never depend on the thread count. */
 static int tile_queries(const kf_attn_args *a, int rep, int n_blk, int threads) {
     const int nq = a->n_q;
     int rows = TILE_ROWS;
@@ -432,6 +468,40 @@ static int tile_queries(const kf_attn_args *a, int rep, int n_blk, int threads) 
     while (!n_blk && a->kv.kv_heads * ((nq + tq - 1) / tq) < 2 * threads && tq * rep > 64 && tq > 1)
         tq = (tq + 1) / 2;
     return tq;
+}
+
+/* The tiles' first queries into j->tile_q0 [n_tiles + 1] and j->n_tiles: the queries [0, n_q)
+ * (positions n_past, n_past + 1, ...) cut where a position is a multiple of KEY_BLOCK, then into
+ * tiles of at most tq queries. 0, or -1 when out of memory. */
+static int tile_starts(kf_cpu_attn_scratch *s, int n_past, int n_q, int tq, attn_job *j) {
+    const size_t most = (size_t)n_q / tq + (size_t)n_q / KEY_BLOCK + 3;
+    if (kf_cpu_grow((void **)&s->tiles, &s->tiles_cap, most, sizeof(int)) != 0)
+        return -1;
+    int n = 0;
+    for (int q0 = 0; q0 < n_q;) {
+        const int seg_end = ((n_past + q0) / KEY_BLOCK + 1) * KEY_BLOCK - n_past; /* first query of the next cut */
+        const int end = seg_end < n_q ? seg_end : n_q;
+        for (; q0 < end; q0 = q0 + tq < end ? q0 + tq : end)
+            s->tiles[n++] = q0;
+    }
+    s->tiles[n] = n_q;
+    j->tile_q0 = s->tiles;
+    j->n_tiles = n;
+    return 0;
+}
+
+/* The work area grows to n floats from 64 bytes on (the contents are not kept); 0 or -1. */
+static int grow_work(kf_cpu_attn_scratch *s, size_t n) {
+    if (n <= s->work_cap)
+        return 0;
+    free(s->work_raw); /* first: the old and the new area never both exist */
+    s->work = NULL;
+    s->work_cap = 0;
+    if (!(s->work_raw = malloc(n * sizeof(float) + 64)))
+        return -1;
+    s->work = (float *)(((uintptr_t)s->work_raw + 63) & ~(uintptr_t)63);
+    s->work_cap = n;
+    return 0;
 }
 
 /* The targets' argument checks (backend.h) and the per-item parts; 0 or -1. */
@@ -475,17 +545,18 @@ int kf_cpu_attention(kf_cpu_attn_scratch *s, const kf_attn_args *a) {
     attn_job j = {.a = a, .rep = rep, .n_blk = a->targets ? a->targets->blk1 - a->targets->blk0 : 0};
     if (a->targets && j.n_blk <= 0)
         return -1;
+    j.ld_blk = (int)al16((size_t)j.n_blk);
     j.tq = tile_queries(a, rep, j.n_blk, threads);
-    j.n_tiles = (nq + j.tq - 1) / j.tq;
-    j.per_thread = bufs_floats(j.tq * rep, hd, j.n_blk);
-    j.per_thread = (j.per_thread + 15) & ~(size_t)15; /* 64-byte steps between threads */
-    if (kf_cpu_grow((void **)&s->work, &s->work_cap, (size_t)threads * j.per_thread, sizeof(float)) != 0)
+    if (tile_starts(s, a->n_keys - nq, nq, j.tq, &j) != 0)
+        return -1;
+    j.per_thread = al16(bufs_floats(j.tq * rep, hd, j.ld_blk)); /* 64-byte steps between threads */
+    if (grow_work(s, (size_t)threads * j.per_thread) != 0)
         return -1;
     j.work = s->work;
     const int n_items = a->kv.kv_heads * j.n_tiles;
     if (a->targets && targets_setup(s, a, &j, n_items) != 0)
         return -1;
-    const int blas_threads = threads > 1 && n_items > 1 ? openblas_get_num_threads() : 1;
+    const int blas_threads = openblas_get_num_threads();
     if (blas_threads > 1)
         openblas_set_num_threads(1);
     kf_pool_run(s->pool, n_items, tile_item, &j);

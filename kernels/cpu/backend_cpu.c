@@ -1,7 +1,8 @@
-/* The CPU backend: host memory, fp32 weights, OpenBLAS GEMMs; row kernels and attention on a
- * small pthread pool of as many threads as OpenBLAS uses (OPENBLAS_NUM_THREADS, else the cores).
- * The pool's workers sleep between jobs, so they do not fight OpenBLAS's threads for the cores;
- * parallel_for (the compactor's heads) runs on the same pool with OpenBLAS on one thread. */
+/* The CPU backend: host memory, fp32 weights, OpenBLAS GEMMs; GEMMs, row kernels and attention on
+ * a small pthread pool of as many threads as OpenBLAS would use (OPENBLAS_NUM_THREADS, else the
+ * cores), OpenBLAS itself held to one thread meanwhile, so that no result depends on the thread
+ * count (matmul.c). The pool's workers sleep between jobs; parallel_for (the compactor's heads)
+ * runs on the same pool. */
 #include <cblas.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,17 +16,12 @@
 
 typedef struct {
     kf_pool *pool;
+    kf_cpu_mm_scratch mm;
     kf_cpu_attn_scratch attn;
     kf_cpu_quoka_scratch quoka;
     kf_cpu_sparse_scratch sparse;
-    int attn_failed; /* sticky: set when attention could not get scratch memory */
+    int attn_failed; /* sticky: set when a matmul or the attention could not get scratch memory */
 } cpu_impl;
-
-void kf_cpu_matmul(float *y, size_t ldy, const float *x, size_t ldx, const float *w, int M, int N, int K,
-                   int accumulate) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, x, (int)ldx, w, K, accumulate ? 1.0f : 0.0f, y,
-                (int)ldy);
-}
 
 static void *cpu_alloc(kf_backend *b, size_t bytes) {
     (void)b;
@@ -52,8 +48,9 @@ static void cpu_upload_weight(kf_backend *b, void *dst, const void *src, kf_dtyp
 
 static void cpu_matmul(kf_backend *b, float *y, size_t ldy, const float *x, size_t ldx, const void *w, int M, int N,
                        int K, int accumulate) {
-    (void)b;
-    kf_cpu_matmul(y, ldy, x, ldx, w, M, N, K, accumulate);
+    cpu_impl *impl = b->impl;
+    if (kf_cpu_matmul_pool(&impl->mm, y, ldy, x, ldx, w, M, N, K, accumulate) != 0)
+        impl->attn_failed = 1;
 }
 
 static void cpu_embed(kf_backend *b, float *out, const void *table, const int32_t *ids, int n, int width) {
@@ -166,6 +163,7 @@ static int cpu_take_error(kf_backend *b) {
 
 static void cpu_destroy(kf_backend *b) {
     cpu_impl *impl = b->impl;
+    kf_cpu_mm_scratch_free(&impl->mm);
     kf_cpu_attn_scratch_free(&impl->attn);
     kf_cpu_quoka_scratch_free(&impl->quoka);
     kf_cpu_sparse_scratch_free(&impl->sparse);
@@ -194,6 +192,7 @@ kf_backend *kf_backend_cpu_create_threads(int threads) {
         free(impl);
         return NULL;
     }
+    impl->mm.pool = impl->pool;
     impl->attn.pool = impl->pool;
     impl->sparse.attn.pool = impl->pool;
     b->name = "cpu";

@@ -4,7 +4,8 @@
  * backend is tested against. Strides are in elements. The functions here run on the calling
  * thread (attention also on a kf_pool when its scratch has one); the CPU backend spreads the
  * row kernels over its pool (kernels/cpu/pool.h) by ranges of rows, which changes no result.
- * GEMMs go to OpenBLAS (which has its own threads).
+ * GEMMs go to OpenBLAS held to one thread, in calls shaped so that no result depends on the
+ * thread count (matmul.c, attention.c).
  */
 #ifndef KF_CPU_KERNELS_H
 #define KF_CPU_KERNELS_H
@@ -34,8 +35,24 @@ void kf_convert_to_f32(float *dst, const void *src, kf_dtype src_dtype, size_t n
 void kf_bf16_to_f32_n(float *dst, const uint16_t *src, size_t n);
 void kf_f32_to_bf16_n(uint16_t *dst, const float *src, size_t n);
 
-void kf_cpu_matmul(float *y, size_t ldy, const float *x, size_t ldx, const float *w, int M, int N, int K,
-                   int accumulate);
+typedef struct kf_pool kf_pool;
+
+/* Scratch of kf_cpu_matmul_pool, reused between calls (one per thread of control). */
+typedef struct {
+    float *tail;     /* the rows past the last whole row group, padded (matmul.c) */
+    size_t tail_cap; /* floats */
+    kf_pool *pool;   /* NULL: one thread; else the column parts run on it (not owned) */
+} kf_cpu_mm_scratch;
+
+/* y [M, ldy] = x [M, ldx] w^T (+ y when accumulate), w [N, K] row-major, on OpenBLAS held to one
+ * thread (the pool's threads share the columns): each row's result has the same bits for any
+ * thread count and whatever rows share its call. 0, or -1 when out of memory (y unchanged). */
+int kf_cpu_matmul_pool(kf_cpu_mm_scratch *scratch, float *y, size_t ldy, const float *x, size_t ldx, const float *w,
+                       int M, int N, int K, int accumulate);
+void kf_cpu_mm_scratch_free(kf_cpu_mm_scratch *scratch);
+/* The same on the calling thread, with scratch of its own. */
+int kf_cpu_matmul(float *y, size_t ldy, const float *x, size_t ldx, const float *w, int M, int N, int K,
+                  int accumulate);
 void kf_cpu_rmsnorm(float *y, size_t ldy, const float *x, size_t ldx, const float *w, int rows, int n, float eps);
 void kf_cpu_rope(float *x, size_t tok_stride, int n_tok, int n_heads, int head_dim, const int64_t *positions,
                  const double *inv_freq);
@@ -50,12 +67,13 @@ void kf_cpu_kv_store(const kf_paged_kv *kv, const int32_t *pages, int64_t first_
 /* *buf grows to n elements of elem bytes (capacity *cap in elements); 0, or -1 when out of memory. */
 int kf_cpu_grow(void **buf, size_t *cap, size_t n, size_t elem);
 
-typedef struct kf_pool kf_pool;
-
 /* Scratch memory the attention kernel reuses between calls (one per thread of control). */
 typedef struct {
-    float *work;         /* [threads, per-thread] each thread's query tile, key block and scores */
+    float *work;         /* [threads, per-thread] each thread's query tile, key block and scores (64-byte aligned) */
+    void *work_raw;      /* the allocation work lies in */
     size_t work_cap;     /* floats; independent of the number of keys (but for AM's targets) */
+    int *tiles;          /* [tiles + 1] the tiles' first queries */
+    size_t tiles_cap;
     double *part;        /* [items, block keys] per item score sums of AM's targets (kf_attn_targets) */
     size_t part_cap;
     uint8_t *has;        /* [items] 1: the item's part holds target rows */
