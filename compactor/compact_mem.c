@@ -3,6 +3,7 @@
 
 #include "compactor/compact.h"
 #include "compactor/refq_targets.h"
+#include "kernels/cpu/cpu_kernels.h"
 
 static int64_t max64(int64_t a, int64_t b) {
     return a > b ? a : b;
@@ -90,7 +91,7 @@ int64_t kf_compact_peak_bytes(const kf_hfconfig *c, const kf_mem_shape *s, kf_me
     const int64_t d = c->head_dim, kvh = c->n_kv_heads, QD = (int64_t)c->n_heads * d, KD = kvh * d;
     const int64_t N = s->D + s->S, R = s->R, Rv = s->choice ? s->Rv : 0, T = s->T, t = s->t;
     kf_mem_peak m = {0};
-    m.weights = 4 * (V * H * (c->tie_word_embeddings ? 1 : 2) + H +
+    m.weights = (s->weights_bf16 ? 2 : 4) * (V * H * (c->tie_word_embeddings ? 1 : 2) + H +
                      L * (2 * H * QD + 2 * H * KD + 3 * H * I + 2 * H + (c->has_qk_norm ? 2 * d : 0)));
     const int64_t src_pages = pg(s->D) + pg(N) - s->D / KF_PAGE_TOKENS + pg(s->P) + 2 * s->n_p;
     const int64_t page_kv = (s->arena_bf16 ? 2 : 4) * 2 * KF_PAGE_TOKENS; /* K and V bytes of a page per KD */
@@ -101,6 +102,8 @@ int64_t kf_compact_peak_bytes(const kf_hfconfig *c, const kf_mem_shape *s, kf_me
     m.targets = targets_bytes(c, s, chunk);
     m.forward = (int64_t)kf_forward_plan_bytes(c, (int)chunk, 0) + 8 * N * KD + 512 * (int64_t)s->attn_threads * N +
                 4 * H * (s->S + s->P);
+    if (s->weights_bf16)
+        m.forward += 4 * KF_WIDEN_ROWS * max64(max64(H, QD), I) + 4 * H;
     const int64_t thread = 8 * t + 16 * t * d + (s->fold_on_probes ? 4 * R * d : 0) +
                            (s->choice ? 8 * R * (d + 1) + 20 * Rv : 0);
     const int64_t Ru = s->Ru, unfused = s->fused ? 8 * T + (Ru > 0 ? 4 * Ru * (2 * d + 2) + 1036 * T : 0) : 0;

@@ -36,6 +36,20 @@ void kf_f32_to_bf16_n(uint16_t *dst, const float *src, size_t n);
 
 void kf_cpu_matmul(float *y, size_t ldy, const float *x, size_t ldx, const float *w, int M, int N, int K,
                    int accumulate);
+
+/* bf16 weights (kernels/cpu/gemm_bf16.c). kf_cpu_matmul_bf16 is kf_cpu_matmul on w widened to
+ * fp32, KF_WIDEN_ROWS rows at a time into the scratch (grown once to KF_WIDEN_ROWS * K floats);
+ * 0, or -1 when the scratch could not be had. */
+#define KF_WIDEN_ROWS 256
+typedef struct {
+    float *buf;  /* [KF_WIDEN_ROWS, K] one tile of widened weight rows */
+    size_t cap;  /* floats */
+} kf_cpu_widen;
+int kf_cpu_matmul_bf16(kf_cpu_widen *s, float *y, size_t ldy, const float *x, size_t ldx, const uint16_t *w, int M,
+                       int N, int K, int accumulate);
+void kf_cpu_embed_bf16(float *out, const uint16_t *table, const int32_t *ids, int n, int width);
+void kf_cpu_to_bf16(uint16_t *dst, const void *src, kf_dtype dt, size_t n);
+void kf_cpu_widen_free(kf_cpu_widen *s);
 void kf_cpu_rmsnorm(float *y, size_t ldy, const float *x, size_t ldx, const float *w, int rows, int n, float eps);
 void kf_cpu_rope(float *x, size_t tok_stride, int n_tok, int n_heads, int head_dim, const int64_t *positions,
                  const double *inv_freq);

@@ -1,0 +1,56 @@
+/* gemm_bf16.c — y = x w^T with bf16 weights on the CPU, by widening tiles.
+ *
+ * OpenBLAS as Debian builds it has no bf16 GEMM (no cblas_sbgemm), and sbgemm would round the
+ * activations to bf16 too. Here a tile of KF_WIDEN_ROWS weight rows is widened to fp32 into a
+ * scratch that every call reuses, and that tile is one cblas_sgemm against the fp32 activations.
+ * bf16 -> fp32 is exact, so each output is the fp32 GEMM's on the same (widened) weights: only
+ * the weights are bf16 (as a bf16 checkpoint stores them), never the activations. The tile is
+ * small enough to stay in the cache while the GEMM reads it, large enough for OpenBLAS's blocking.
+ */
+#include <cblas.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cpu/cpu_kernels.h"
+
+int kf_cpu_matmul_bf16(kf_cpu_widen *s, float *y, size_t ldy, const float *x, size_t ldx, const uint16_t *w, int M,
+                       int N, int K, int accumulate) {
+    const int rows = N < KF_WIDEN_ROWS ? N : KF_WIDEN_ROWS;
+    if (kf_cpu_grow((void **)&s->buf, &s->cap, (size_t)rows * K, sizeof(float)) != 0)
+        return -1;
+    for (int n0 = 0; n0 < N; n0 += rows) {
+        const int nt = N - n0 < rows ? N - n0 : rows;
+        kf_bf16_to_f32_n(s->buf, w + (size_t)n0 * K, (size_t)nt * K); /* [nt, K] */
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, nt, K, 1.0f, x, (int)ldx, s->buf, K,
+                    accumulate ? 1.0f : 0.0f, y + n0, (int)ldy);
+    }
+    return 0;
+}
+
+/* Rows of a bf16 table (the embeddings) widened into out. */
+void kf_cpu_embed_bf16(float *out, const uint16_t *table, const int32_t *ids, int n, int width) {
+    for (int r = 0; r < n; r++)
+        kf_bf16_to_f32_n(out + (size_t)r * width, table + (size_t)ids[r] * width, (size_t)width);
+}
+
+/* n host values of dtype src into bf16 storage: bf16 copied, fp32 and f16 rounded (nearest even;
+ * f16 through fp32, which holds it exactly). src may be unaligned (a checkpoint's bytes). */
+void kf_cpu_to_bf16(uint16_t *dst, const void *src, kf_dtype dt, size_t n) {
+    if (dt == KF_DTYPE_BF16) {
+        memcpy(dst, src, n * sizeof(uint16_t));
+        return;
+    }
+    const size_t esz = kf_dtype_size(dt);
+    float tmp[1024]; /* aligned fp32 staging */
+    for (size_t i = 0; i < n; i += 1024) {
+        const size_t k = n - i < 1024 ? n - i : 1024;
+        kf_convert_to_f32(tmp, (const unsigned char *)src + i * esz, dt, k);
+        kf_f32_to_bf16_n(dst + i, tmp, k);
+    }
+}
+
+void kf_cpu_widen_free(kf_cpu_widen *s) {
+    free(s->buf);
+    s->buf = NULL;
+    s->cap = 0;
+}
