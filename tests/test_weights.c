@@ -1,0 +1,169 @@
+/* bf16 weights on the CPU backend: the bundled models (bf16 checkpoints) loaded with bf16
+ * storage give the logits of fp32 storage, and hold half the backend memory. The reference is
+ * the fp32 path, whose logits the golden tests check against transformers. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "compactor/model.h"
+#include "formats/safetensors.h"
+#include "test_util.h"
+
+/* Backend memory allocated through a backend (its alloc wrapped): bytes and count. */
+static struct {
+    void *(*alloc)(kf_backend *b, size_t bytes);
+    long long bytes;
+} g_count;
+
+static void *counted_alloc(kf_backend *b, size_t bytes) {
+    g_count.bytes += (long long)bytes;
+    return g_count.alloc(b, bytes);
+}
+
+typedef struct {
+    kf_backend *b;
+    kf_model *m;
+    long long load_bytes; /* backend memory allocated by the load: the weights */
+} loaded;
+
+static void load(loaded *l, const char *name, kf_weights w) {
+    kf_error err = {0};
+    l->b = kf_backend_cpu_create();
+    CU_ASSERT_PTR_NOT_NULL_FATAL(l->b);
+    g_count.alloc = l->b->alloc;
+    g_count.bytes = 0;
+    l->b->alloc = counted_alloc;
+    const kf_model_opts o = {.weights = w};
+    const kf_status st = kf_model_load_opts(&l->m, kf_test_data(name), l->b, &o, &err);
+    if (st != KF_OK)
+        fprintf(stderr, "%s\n", err.msg);
+    CU_ASSERT_EQUAL_FATAL(st, KF_OK);
+    l->load_bytes = g_count.bytes;
+    l->b->alloc = g_count.alloc;
+}
+
+static void unload(loaded *l) {
+    kf_model_free(l->m);
+    l->b->destroy(l->b);
+}
+
+/* Logits of every one of ids[T] (chunks of 64), [T, vocab]. */
+static float *logits_of(kf_model *m, const int32_t *ids, int T) {
+    const int V = kf_model_config(m)->vocab_size;
+    kf_arena a;
+    kf_seq seq;
+    kf_seq_init(&seq);
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_model_arena(m, &a, T, &err), KF_OK);
+    int32_t *rows = malloc(sizeof(int32_t) * (size_t)T);    /* [T] */
+    float *logits = malloc(sizeof(float) * (size_t)T * V); /* [T, V] */
+    for (int i = 0; i < T; i++)
+        rows[i] = i;
+    kf_forward_args fa = {.ids = ids, .n_tokens = T, .chunk = 64, .logit_rows = rows, .n_logit_rows = T,
+                          .logits = logits};
+    CU_ASSERT_EQUAL(kf_model_forward(m, &a, &seq, &fa, &err), KF_OK);
+    free(rows);
+    kf_seq_release(&a, &seq);
+    kf_arena_free(&a);
+    return logits;
+}
+
+/* The model on bf16 and on fp32 storage over 300 tokens of records documents: the weights' backend
+ * memory exactly half, and the logits those of fp32 storage within fp32 GEMM-order noise.
+ * The checkpoint's values are bf16, so the widened tile holds the very floats the fp32 path
+ * holds: only the order of OpenBLAS's sums may differ. It does, with more than one OpenBLAS thread:
+ * the threads' split of a call's weight rows, set by the call's width (the tile's, or the whole
+ * matrix's), decides which outputs an edge kernel computes (measured: a 28 x 3200 x 64 product
+ * differs in 423 outputs' last bits between one call and 256-row tiles with 2 threads, in none
+ * with 1; hf-llama3-tiny-random's logits differ by 1e-7 absolute). The bound is the one fp32
+ * itself obeys across chunkings (test_model's chunk sizes): 1e-5 relative to the largest logit
+ * where that exceeds 1; a weight mis-widened or a tile misplaced moves logits by far more. */
+static void check_model(const char *name) {
+    int32_t ids[300]; /* records documents 1, 2, ... up to 300 tokens: five chunks of 64 */
+    int T = 0;
+    for (int line = 1; T < 300; line++) {
+        const int got = kf_test_records_ids(line, ids + T, 300 - T);
+        CU_ASSERT_FATAL(got > 0);
+        T += got;
+    }
+    loaded b16, f32;
+    load(&b16, name, KF_WEIGHTS_AUTO);
+    load(&f32, name, KF_WEIGHTS_F32);
+    CU_ASSERT_EQUAL(kf_model_weight_dtype(b16.m), KF_DTYPE_BF16); /* AUTO on a bf16 checkpoint */
+    CU_ASSERT_EQUAL(kf_model_weight_dtype(f32.m), KF_DTYPE_F32);
+    const int64_t P = kf_model_n_params(f32.m);
+    CU_ASSERT_EQUAL(f32.load_bytes, 4 * P);
+    CU_ASSERT_EQUAL(b16.load_bytes, 2 * P);
+    CU_ASSERT_EQUAL(kf_model_weight_bytes(b16.m), b16.load_bytes);
+    CU_ASSERT_EQUAL(kf_model_weight_bytes(f32.m), f32.load_bytes);
+
+    const int V = kf_model_config(f32.m)->vocab_size;
+    float *x = logits_of(b16.m, ids, T), *y = logits_of(f32.m, ids, T);
+    const size_t n = (size_t)T * V;
+    size_t differ = 0;
+    for (size_t i = 0; i < n; i++)
+        differ += memcmp(&x[i], &y[i], sizeof(float)) != 0;
+    printf("\n    %s: %d tokens, weights %lld bytes bf16 / %lld fp32; logits differing %zu of %zu "
+           "(max abs %.2e, max |logit| %.1f)\n",
+           name, T, b16.load_bytes, f32.load_bytes, differ, n, kf_max_abs_diff(x, y, n), kf_max_abs(y, n));
+    CU_ASSERT(kf_max_abs_diff(x, y, n) <= 1e-5 * fmax(1.0, kf_max_abs(y, n)));
+    free(x);
+    free(y);
+    unload(&b16);
+    unload(&f32);
+}
+
+static void test_qwen_tiny(void) { check_model("hf-qwen3-tiny"); }
+static void test_llama_tiny(void) { check_model("hf-llama3-tiny-random"); }
+static void test_records_qwen(void) { check_model("records-qwen3"); }
+static void test_records_llama(void) { check_model("records-llama3-induct"); }
+
+/* --weights fp32 on a backend whose weights are fixed in another dtype is refused; AUTO keeps the
+ * backend's own. */
+static void test_fixed_backend(void) {
+    kf_backend *b = kf_backend_cpu_create();
+    b->set_weight_dtype = NULL; /* as CUDA: fixed (here fp32) */
+    kf_model *m = NULL;
+    kf_error err = {0};
+    const kf_model_opts bf = {.weights = KF_WEIGHTS_BF16};
+    CU_ASSERT_EQUAL(kf_model_load_opts(&m, kf_test_data("hf-qwen3-tiny"), b, &bf, &err), KF_ERR_UNSUPPORTED);
+    CU_ASSERT_PTR_NULL(m);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "cannot store weights in bf16"));
+    CU_ASSERT_EQUAL(kf_model_load(&m, kf_test_data("hf-qwen3-tiny"), b, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_model_weight_dtype(m), KF_DTYPE_F32);
+    kf_model_free(m);
+    b->destroy(b);
+}
+
+static void test_parse(void) {
+    kf_weights w;
+    CU_ASSERT(kf_weights_parse("auto", &w) == 0 && w == KF_WEIGHTS_AUTO);
+    CU_ASSERT(kf_weights_parse("fp32", &w) == 0 && w == KF_WEIGHTS_F32);
+    CU_ASSERT(kf_weights_parse("f32", &w) == 0 && w == KF_WEIGHTS_F32);
+    CU_ASSERT(kf_weights_parse("bf16", &w) == 0 && w == KF_WEIGHTS_BF16);
+    CU_ASSERT(kf_weights_parse("fp16", &w) != 0);
+    kf_dtype dt;
+    kf_error err = {0};
+    CU_ASSERT(kf_weights_resolve(kf_test_data("hf-qwen3-tiny"), KF_WEIGHTS_AUTO, &dt, &err) == KF_OK &&
+              dt == KF_DTYPE_BF16);
+    CU_ASSERT(kf_weights_resolve(kf_test_data("hf-qwen3-tiny"), KF_WEIGHTS_F32, &dt, &err) == KF_OK &&
+              dt == KF_DTYPE_F32);
+    CU_ASSERT_EQUAL(kf_weights_resolve(kf_test_data("no-such-model"), KF_WEIGHTS_AUTO, &dt, &err), KF_ERR_NOTFOUND);
+}
+
+static CU_TestInfo tests[] = {
+    {"hf-qwen3-tiny: bf16 logits equal fp32's (GEMM-order noise), half the memory", test_qwen_tiny},
+    {"hf-llama3-tiny-random: the same", test_llama_tiny},
+    {"records-qwen3: the same", test_records_qwen},
+    {"records-llama3-induct: the same", test_records_llama},
+    {"a backend with fixed weights: bf16 refused, auto keeps fp32", test_fixed_backend},
+    {"--weights values; auto resolved from the checkpoint's dtypes", test_parse},
+    CU_TEST_INFO_NULL,
+};
+static CU_SuiteInfo suites[] = {
+    {"weights", NULL, NULL, NULL, NULL, tests},
+    CU_SUITE_INFO_NULL,
+};
+
+int main(void) { return kf_test_main(suites); }
