@@ -226,8 +226,8 @@ struct kf_backend {
     /* Convert n host values of dtype src_dtype into backend weight storage at dst. */
     void (*upload_weight)(kf_backend *b, void *dst, const void *host_src, kf_dtype src_dtype, size_t n);
     /* Sets weight_dtype, the storage of every weight the operations below read: 0, or nonzero when
-     * the backend cannot store dt (then unchanged). NULL: weight_dtype is fixed. A backend holds
-     * one model's weights: change it only before uploading them. */
+     * the backend cannot store dt, or (CPU) already holds weights of the other dtype (then
+     * unchanged). NULL: weight_dtype is fixed. */
     int (*set_weight_dtype)(kf_backend *b, kf_dtype dt);
 
     /* y[M, N] = x[M, K] (row stride ldx) . w[N, K]^T  (+ y if accumulate) */

@@ -134,6 +134,17 @@ static void test_fixed_backend(void) {
     CU_ASSERT_EQUAL(kf_model_weight_dtype(m), KF_DTYPE_F32);
     kf_model_free(m);
     b->destroy(b);
+    /* the CPU backend's dtype is fixed once it holds weights: a second model follows the first */
+    b = kf_backend_cpu_create();
+    kf_model *m2 = NULL;
+    const kf_model_opts f32 = {.weights = KF_WEIGHTS_F32};
+    CU_ASSERT_EQUAL(kf_model_load_opts(&m, kf_test_data("hf-qwen3-tiny"), b, &f32, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_model_load_opts(&m2, kf_test_data("hf-qwen3-tiny"), b, &bf, &err), KF_ERR_UNSUPPORTED);
+    CU_ASSERT_EQUAL(kf_model_load(&m2, kf_test_data("hf-llama3-tiny-random"), b, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_model_weight_dtype(m2), KF_DTYPE_F32);
+    kf_model_free(m2);
+    kf_model_free(m);
+    b->destroy(b);
 }
 
 static void test_parse(void) {
@@ -157,7 +168,7 @@ static CU_TestInfo tests[] = {
     {"hf-llama3-tiny-random: the same", test_llama_tiny},
     {"records-qwen3: the same", test_records_qwen},
     {"records-llama3-induct: the same", test_records_llama},
-    {"a backend with fixed weights: bf16 refused, auto keeps fp32", test_fixed_backend},
+    {"fixed weights (no setter, or weights already held): bf16 refused, auto keeps fp32", test_fixed_backend},
     {"--weights values; auto resolved from the checkpoint's dtypes", test_parse},
     CU_TEST_INFO_NULL,
 };

@@ -22,6 +22,7 @@ typedef struct {
     float *norm_w;       /* bf16 weights: [n] a norm's weight widened */
     size_t norm_cap;
     int attn_failed; /* sticky: set when an operation could not get scratch memory */
+    int uploaded;    /* a weight was uploaded: the weight dtype is fixed from then on */
 } cpu_impl;
 
 void kf_cpu_matmul(float *y, size_t ldy, const float *x, size_t ldx, const float *w, int M, int N, int K,
@@ -49,6 +50,7 @@ static void cpu_memcpy(kf_backend *b, void *dst, const void *src, size_t bytes) 
 }
 
 static void cpu_upload_weight(kf_backend *b, void *dst, const void *src, kf_dtype dt, size_t n) {
+    ((cpu_impl *)b->impl)->uploaded = 1;
     if (b->weight_dtype == KF_DTYPE_BF16)
         kf_cpu_to_bf16(dst, src, dt, n);
     else
@@ -56,8 +58,9 @@ static void cpu_upload_weight(kf_backend *b, void *dst, const void *src, kf_dtyp
 }
 
 static int cpu_set_weight_dtype(kf_backend *b, kf_dtype dt) {
-    if (dt != KF_DTYPE_F32 && dt != KF_DTYPE_BF16)
-        return -1;
+    const cpu_impl *impl = b->impl;
+    if ((dt != KF_DTYPE_F32 && dt != KF_DTYPE_BF16) || (dt != b->weight_dtype && impl->uploaded))
+        return -1; /* weights already held in the other dtype would be misread */
     b->weight_dtype = dt;
     return 0;
 }
