@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "compactor/compact.h"
 #include "compactor/model.h"
 #include "formats/safetensors.h"
 #include "test_util.h"
@@ -97,6 +98,17 @@ static void check_model(const char *name) {
     CU_ASSERT_EQUAL(b16.load_bytes, 2 * P);
     CU_ASSERT_EQUAL(kf_model_weight_bytes(b16.m), b16.load_bytes);
     CU_ASSERT_EQUAL(kf_model_weight_bytes(f32.m), f32.load_bytes);
+    /* the memory formula's weights term (compact.h) is what the backend holds */
+    const kf_compact_params p = kf_compact_params_default();
+    kf_mem_shape sh;
+    kf_mem_peak t32, t16;
+    kf_compact_mem_shape(kf_model_config(f32.m), &p, 0, 200, 0, 2, &sh);
+    kf_compact_peak_bytes(kf_model_config(f32.m), &sh, &t32);
+    sh.weights_bf16 = 1;
+    kf_compact_peak_bytes(kf_model_config(f32.m), &sh, &t16);
+    CU_ASSERT_EQUAL(t32.weights, f32.load_bytes);
+    CU_ASSERT_EQUAL(t16.weights, b16.load_bytes);
+    CU_ASSERT(t16.forward > t32.forward); /* the widened tile */
 
     const int V = kf_model_config(f32.m)->vocab_size;
     float *x = logits_of(b16.m, ids, T), *y = logits_of(f32.m, ids, T);
