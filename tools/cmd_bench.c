@@ -73,7 +73,8 @@ static const char kPrefillHelp[] =
     "  --compare-weights  instead: the same prefill with bf16 and with fp32 weights (the model\n"
     "                loaded twice, R runs of each alternated after a warm-up): medians, the speed\n"
     "                ratio pair by pair, the GEMMs' own ratio and the logits' largest difference;\n"
-    "                last line 'weights_speed_ratio <bf16 / fp32 speed>' (CPU backend)\n"
+    "                last line 'weights_speed_ratio <bf16 / fp32 speed>' (CPU backend; --clock\n"
+    "                applies)\n"
     CLI_DEVICE_HELP
     CLI_WEIGHTS_HELP
     "  -h, --help    show this help\n"
@@ -393,7 +394,7 @@ static int bench_compare_weights(const char *dir, const char *device, long long 
         return KF_EXIT_FAIL;
     }
     random_ids(ids, n, seed, c.vocab_size);
-    const int rc = bench_weights_compare(dir, ids, n, chunk ? chunk : KF_DEFAULT_CHUNK, (int)repeat);
+    const int rc = bench_weights_compare(dir, ids, n, chunk ? chunk : KF_DEFAULT_CHUNK, (int)repeat, g_now);
     free(ids);
     return rc;
 }
