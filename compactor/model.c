@@ -156,9 +156,15 @@ static kf_dtype weights_dtype(const kf_st_set *st, kf_weights w) {
     return w == KF_WEIGHTS_BF16 ? KF_DTYPE_BF16 : KF_DTYPE_F32;
 }
 
-kf_status kf_weights_resolve(const char *dir, kf_weights w, kf_dtype *out, kf_error *err) {
+kf_status kf_weights_resolve(const char *dir, const kf_hfconfig *c, kf_weights w, kf_dtype *out, kf_error *err) {
     kf_st_set st;
-    KF_TRY(kf_st_open_dir(&st, dir, err));
+    const kf_status rc = kf_st_open_dir(&st, dir, err);
+    if (rc == KF_ERR_NOTFOUND) { /* a config alone */
+        const int bf16 = w == KF_WEIGHTS_BF16 || (w == KF_WEIGHTS_AUTO && strcmp(c->dtype, "bfloat16") == 0);
+        *out = bf16 ? KF_DTYPE_BF16 : KF_DTYPE_F32;
+        return KF_OK;
+    }
+    KF_TRY(rc);
     *out = weights_dtype(&st, w);
     kf_st_close(&st);
     return KF_OK;

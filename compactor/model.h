@@ -127,8 +127,9 @@ typedef struct {
 int kf_weights_parse(const char *s, kf_weights *out);
 const char *kf_weights_name(kf_weights w);
 /* The storage dtype `w` gives the checkpoint in dir on a backend that can store both fp32 and bf16
- * (the CPU's), reading only the safetensors headers (for predictions: nothing is loaded). */
-kf_status kf_weights_resolve(const char *dir, kf_weights w, kf_dtype *out, kf_error *err);
+ * (the CPU's), reading only the safetensors headers (for predictions: nothing is loaded); with no
+ * checkpoint in dir (a config alone), c's dtype stands for every tensor's ("bfloat16": BF16). */
+kf_status kf_weights_resolve(const char *dir, const kf_hfconfig *c, kf_weights w, kf_dtype *out, kf_error *err);
 
 /* kf_model_load_opts with the default options (AUTO). */
 kf_status kf_model_load(kf_model **out, const char *dir, kf_backend *backend, kf_error *err);

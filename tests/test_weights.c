@@ -168,11 +168,20 @@ static void test_parse(void) {
     CU_ASSERT(kf_weights_parse("fp16", &w) != 0);
     kf_dtype dt;
     kf_error err = {0};
-    CU_ASSERT(kf_weights_resolve(kf_test_data("hf-qwen3-tiny"), KF_WEIGHTS_AUTO, &dt, &err) == KF_OK &&
+    kf_hfconfig c; /* a bf16 checkpoint's config, and the same claiming float32 */
+    CU_ASSERT_EQUAL_FATAL(kf_hfconfig_load(&c, kf_test_data("hf-qwen3-tiny/config.json"), &err), KF_OK);
+    CU_ASSERT(kf_weights_resolve(kf_test_data("hf-qwen3-tiny"), &c, KF_WEIGHTS_AUTO, &dt, &err) == KF_OK &&
               dt == KF_DTYPE_BF16);
-    CU_ASSERT(kf_weights_resolve(kf_test_data("hf-qwen3-tiny"), KF_WEIGHTS_F32, &dt, &err) == KF_OK &&
+    CU_ASSERT(kf_weights_resolve(kf_test_data("hf-qwen3-tiny"), &c, KF_WEIGHTS_F32, &dt, &err) == KF_OK &&
               dt == KF_DTYPE_F32);
-    CU_ASSERT_EQUAL(kf_weights_resolve(kf_test_data("no-such-model"), KF_WEIGHTS_AUTO, &dt, &err), KF_ERR_NOTFOUND);
+    /* no checkpoint (a config alone): config.json's dtype stands for it */
+    CU_ASSERT(kf_weights_resolve(kf_test_data("qwen3-0.6b-shape"), &c, KF_WEIGHTS_AUTO, &dt, &err) == KF_OK &&
+              dt == KF_DTYPE_BF16);
+    snprintf(c.dtype, sizeof c.dtype, "float32");
+    CU_ASSERT(kf_weights_resolve(kf_test_data("qwen3-0.6b-shape"), &c, KF_WEIGHTS_AUTO, &dt, &err) == KF_OK &&
+              dt == KF_DTYPE_F32);
+    CU_ASSERT(kf_weights_resolve(kf_test_data("qwen3-0.6b-shape"), &c, KF_WEIGHTS_BF16, &dt, &err) == KF_OK &&
+              dt == KF_DTYPE_BF16);
 }
 
 static CU_TestInfo tests[] = {

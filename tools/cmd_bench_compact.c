@@ -110,7 +110,7 @@ static int predict(const char *dir, const char *docs, int n, const kf_compact_pa
     kf_hfconfig c;
     kf_error err = {0};
     kf_dtype wdt;
-    if (kf_hfconfig_load(&c, path, &err) != KF_OK || kf_weights_resolve(dir, cli_weights(), &wdt, &err) != KF_OK) {
+    if (kf_hfconfig_load(&c, path, &err) != KF_OK || kf_weights_resolve(dir, &c, cli_weights(), &wdt, &err) != KF_OK) {
         cli_error(CMD, "%s", err.msg);
         return KF_EXIT_FAIL;
     }
