@@ -68,6 +68,17 @@ void kf_compact_mem_shape(const kf_hfconfig *c, const kf_compact_params *p, int6
                                  : 0);
 }
 
+/* bf16 weights: the GEMMs' tile of widened rows, the largest over the model's (N, K) shapes. */
+static int64_t widen_tile_bytes(const kf_hfconfig *c) {
+    const int H = c->hidden_size, I = c->intermediate_size, QD = c->n_heads * c->head_dim,
+              KD = c->n_kv_heads * c->head_dim;
+    const int N[6] = {QD, KD, H, I, H, c->vocab_size}, K[6] = {H, H, QD, H, I, H};
+    int64_t most = 0;
+    for (int i = 0; i < 6; i++)
+        most = max64(most, 4 * (int64_t)kf_cpu_widen_rows(N[i], K[i]) * K[i]);
+    return most;
+}
+
 /* The targets term (compact.h): one layer of the pool, the attention's block logits and parts. */
 static int64_t targets_bytes(const kf_hfconfig *c, const kf_mem_shape *s, int64_t chunk) {
     if (!s->fused)
@@ -103,7 +114,7 @@ int64_t kf_compact_peak_bytes(const kf_hfconfig *c, const kf_mem_shape *s, kf_me
     m.forward = (int64_t)kf_forward_plan_bytes(c, (int)chunk, 0) + 8 * N * KD + 512 * (int64_t)s->attn_threads * N +
                 4 * H * (s->S + s->P);
     if (s->weights_bf16)
-        m.forward += 4 * KF_WIDEN_ROWS * max64(max64(H, QD), I) + 4 * H;
+        m.forward += widen_tile_bytes(c) + 4 * H;
     const int64_t thread = 8 * t + 16 * t * d + (s->fold_on_probes ? 4 * R * d : 0) +
                            (s->choice ? 8 * R * (d + 1) + 20 * Rv : 0);
     const int64_t Ru = s->Ru, unfused = s->fused ? 8 * T + (Ru > 0 ? 4 * Ru * (2 * d + 2) + 1036 * T : 0) : 0;

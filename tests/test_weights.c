@@ -9,6 +9,7 @@
 #include "compactor/compact.h"
 #include "compactor/model.h"
 #include "formats/safetensors.h"
+#include "kernels/cpu/cpu_kernels.h"
 #include "test_util.h"
 
 /* Backend memory allocated through a backend (its alloc wrapped): bytes and count. */
@@ -71,15 +72,10 @@ static float *logits_of(kf_model *m, const int32_t *ids, int T) {
 }
 
 /* The model on bf16 and on fp32 storage over 300 tokens of records documents: the weights' backend
- * memory exactly half, and the logits those of fp32 storage within fp32 GEMM-order noise.
- * The checkpoint's values are bf16, so the widened tile holds the very floats the fp32 path
- * holds: only the order of OpenBLAS's sums may differ. It does, with more than one OpenBLAS thread:
- * the threads' split of a call's weight rows, set by the call's width (the tile's, or the whole
- * matrix's), decides which outputs an edge kernel computes (measured: a 28 x 3200 x 64 product
- * differs in 423 outputs' last bits between one call and 256-row tiles with 2 threads, in none
- * with 1; hf-llama3-tiny-random's logits differ by 1e-7 absolute). The bound is the one fp32
- * itself obeys across chunkings (test_model's chunk sizes): 1e-5 relative to the largest logit
- * where that exceeds 1; a weight mis-widened or a tile misplaced moves logits by far more. */
+ * memory exactly half, and every logit equal bit for bit. The checkpoint's values are bf16, so
+ * the widened tile holds the very floats the fp32 path holds, and the bundled models' matrices
+ * each fit one tile: the same cblas_sgemm call as the fp32 path's. (Matrices of several tiles:
+ * test_tiles below.) */
 static void check_model(const char *name) {
     int32_t ids[300]; /* records documents 1, 2, ... up to 300 tokens: five chunks of 64 */
     int T = 0;
@@ -119,11 +115,56 @@ static void check_model(const char *name) {
     printf("\n    %s: %d tokens, weights %lld bytes bf16 / %lld fp32; logits differing %zu of %zu "
            "(max abs %.2e, max |logit| %.1f)\n",
            name, T, b16.load_bytes, f32.load_bytes, differ, n, kf_max_abs_diff(x, y, n), kf_max_abs(y, n));
-    CU_ASSERT(kf_max_abs_diff(x, y, n) <= 1e-5 * fmax(1.0, kf_max_abs(y, n)));
+    CU_ASSERT_EQUAL(differ, 0);
     free(x);
     free(y);
     unload(&b16);
     unload(&f32);
+}
+
+/* A matrix of several tiles (and a last partial one) against kf_cpu_matmul on the same values,
+ * strided x and y, with and without accumulation. Bound: fp32 GEMM-order noise, 1e-5 of the
+ * largest output. With more than one OpenBLAS thread the threads' split of a call's weight rows
+ * follows the call's width (the tile's or the whole matrix's) and decides which outputs an edge
+ * kernel sums (measured: a 28 x 3200 x 64 product differs in 423 outputs' last bits between one
+ * call and 256-row tiles with 2 threads, in none with 1); a misplaced or mis-widened tile is off
+ * by the outputs' own size. */
+static void test_tiles(void) {
+    const int M = 7, K = 1000, N = 3 * kf_cpu_widen_rows(1 << 30, K) + 37;
+    const size_t ldx = K + 3, ldy = N + 5;
+    float *x = malloc(sizeof(float) * M * ldx), *wf = malloc(sizeof(float) * (size_t)N * K); /* [M, ldx], [N, K] */
+    uint16_t *wb = malloc(sizeof(uint16_t) * (size_t)N * K);                               /* [N, K] */
+    float *y = malloc(sizeof(float) * M * ldy), *z = malloc(sizeof(float) * M * ldy);       /* [M, ldy] each */
+    kf_test_fill_uniform(x, (size_t)M * ldx, 1, -1, 1);
+    kf_test_fill_uniform(wf, (size_t)N * K, 2, -1, 1);
+    kf_f32_to_bf16_n(wb, wf, (size_t)N * K);
+    kf_bf16_to_f32_n(wf, wb, (size_t)N * K); /* the same values in both storages */
+    kf_cpu_widen s = {0};
+    for (int acc = 0; acc < 2; acc++) {
+        kf_test_fill_uniform(y, (size_t)M * ldy, 3, -1, 1);
+        memcpy(z, y, sizeof(float) * M * ldy);
+        kf_cpu_matmul(y, ldy, x, ldx, wf, M, N, K, acc);
+        CU_ASSERT_EQUAL_FATAL(kf_cpu_matmul_bf16(&s, z, ldy, x, ldx, wb, M, N, K, acc), 0);
+        double d = 0, big = 0;
+        for (int i = 0; i < M; i++)
+            for (int j = 0; j < (int)ldy; j++) {
+                const size_t at = (size_t)i * ldy + j;
+                if (j >= N) /* the padding is left alone */
+                    CU_ASSERT(memcmp(&y[at], &z[at], sizeof(float)) == 0);
+                d = fmax(d, fabs((double)y[at] - z[at]));
+                big = fmax(big, fabs((double)y[at]));
+            }
+        printf("\n    %d x %d x %d in tiles of %d rows%s: max abs diff %.2e of %.1f", M, N, K,
+               kf_cpu_widen_rows(N, K), acc ? ", accumulating" : "", d, big);
+        CU_ASSERT(d <= 1e-5 * big);
+    }
+    printf("\n");
+    kf_cpu_widen_free(&s);
+    free(x);
+    free(wf);
+    free(wb);
+    free(y);
+    free(z);
 }
 
 static void test_qwen_tiny(void) { check_model("hf-qwen3-tiny"); }
@@ -185,7 +226,8 @@ static void test_parse(void) {
 }
 
 static CU_TestInfo tests[] = {
-    {"hf-qwen3-tiny: bf16 logits equal fp32's (GEMM-order noise), half the memory", test_qwen_tiny},
+    {"a matrix of several tiles: kf_cpu_matmul's products", test_tiles},
+    {"hf-qwen3-tiny: bf16 logits equal fp32's, half the memory", test_qwen_tiny},
     {"hf-llama3-tiny-random: the same", test_llama_tiny},
     {"records-qwen3: the same", test_records_qwen},
     {"records-llama3-induct: the same", test_records_llama},

@@ -228,6 +228,7 @@ kf_backend *kf_backend_cpu_create_threads(int threads) {
     }
     impl->attn.pool = impl->pool;
     impl->sparse.attn.pool = impl->pool;
+    impl->widen.pool = impl->pool;
     b->name = "cpu";
     b->weight_dtype = KF_DTYPE_F32;
     b->impl = impl;

@@ -38,13 +38,20 @@ void kf_cpu_matmul(float *y, size_t ldy, const float *x, size_t ldx, const float
                    int accumulate);
 
 /* bf16 weights (kernels/cpu/gemm_bf16.c). kf_cpu_matmul_bf16 is kf_cpu_matmul on w widened to
- * fp32, KF_WIDEN_ROWS rows at a time into the scratch (grown once to KF_WIDEN_ROWS * K floats);
- * 0, or -1 when the scratch could not be had. */
-#define KF_WIDEN_ROWS 256
+ * fp32 a tile of kf_cpu_widen_rows(N, K) rows at a time into the scratch (at most
+ * max(KF_WIDEN_ROWS K, KF_WIDEN_ELEMS) floats), the tile widened on the pool's threads; 0, or -1
+ * when the scratch could not be had. */
+#define KF_WIDEN_ROWS 256        /* rows of a tile, at least */
+#define KF_WIDEN_ELEMS (1 << 20) /* floats of a tile, up to: fewer calls, fewer re-packed activations */
 typedef struct {
-    float *buf;  /* [KF_WIDEN_ROWS, K] one tile of widened weight rows */
-    size_t cap;  /* floats */
+    float *buf;     /* [rows, K] one tile of widened weight rows */
+    size_t cap;     /* floats */
+    struct kf_pool *pool; /* NULL: widened on the calling thread; else on the pool (not owned) */
 } kf_cpu_widen;
+static inline int kf_cpu_widen_rows(int N, int K) {
+    const int rows = KF_WIDEN_ELEMS / K > KF_WIDEN_ROWS ? KF_WIDEN_ELEMS / K : KF_WIDEN_ROWS;
+    return N < rows ? N : rows;
+}
 int kf_cpu_matmul_bf16(kf_cpu_widen *s, float *y, size_t ldy, const float *x, size_t ldx, const uint16_t *w, int M,
                        int N, int K, int accumulate);
 void kf_cpu_embed_bf16(float *out, const uint16_t *table, const int32_t *ids, int n, int width);
