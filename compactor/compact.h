@@ -321,7 +321,7 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *             [fused]: a source past the context runs dense on the CPU backend (the repeat
  *             without QUOKA, or a probe); else 0 and the solve computes all the targets
  *   forward = kf_forward_plan_bytes(min(c, max(D, S)), 0) + 8 N KD + 512 A N + 4 H (S + P)
- *             + [bf16 weights] 4 max over the GEMMs' (N, K) of kf_cpu_widen_rows(N, K) K + 4 H
+ *             + [bf16 weights] 4 max over the GEMMs' (N, K) of kf_cpu_widen_rows(64, N, K) K + 4 H
  *               the plan's scratch; the attention's gathered K/V and A score tiles over N keys;
  *               the sources' residual streams between layers; the GEMMs' tile of widened weight
  *               rows (kernels/cpu/cpu_kernels.h) and a norm's widened weight

@@ -75,7 +75,7 @@ static int64_t widen_tile_bytes(const kf_hfconfig *c) {
     const int N[6] = {QD, KD, H, I, H, c->vocab_size}, K[6] = {H, H, QD, H, I, H};
     int64_t most = 0;
     for (int i = 0; i < 6; i++)
-        most = max64(most, 4 * (int64_t)kf_cpu_widen_rows(N[i], K[i]) * K[i]);
+        most = max64(most, 4 * (int64_t)kf_cpu_widen_rows(KF_WIDEN_M, N[i], K[i]) * K[i]);
     return most;
 }
 

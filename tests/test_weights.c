@@ -130,7 +130,7 @@ static void check_model(const char *name) {
  * call and 256-row tiles with 2 threads, in none with 1); a misplaced or mis-widened tile is off
  * by the outputs' own size. */
 static void test_tiles(void) {
-    const int M = 7, K = 1000, N = 3 * kf_cpu_widen_rows(1 << 30, K) + 37;
+    const int M = 7, K = 1000, N = 3 * kf_cpu_widen_rows(M, 1 << 30, K) + 37;
     const size_t ldx = K + 3, ldy = N + 5;
     float *x = malloc(sizeof(float) * M * ldx), *wf = malloc(sizeof(float) * (size_t)N * K); /* [M, ldx], [N, K] */
     uint16_t *wb = malloc(sizeof(uint16_t) * (size_t)N * K);                               /* [N, K] */
@@ -155,7 +155,7 @@ static void test_tiles(void) {
                 big = fmax(big, fabs((double)y[at]));
             }
         printf("\n    %d x %d x %d in tiles of %d rows%s: max abs diff %.2e of %.1f", M, N, K,
-               kf_cpu_widen_rows(N, K), acc ? ", accumulating" : "", d, big);
+               kf_cpu_widen_rows(M, N, K), acc ? ", accumulating" : "", d, big);
         CU_ASSERT(d <= 1e-5 * big);
     }
     printf("\n");

@@ -38,18 +38,22 @@ void kf_cpu_matmul(float *y, size_t ldy, const float *x, size_t ldx, const float
                    int accumulate);
 
 /* bf16 weights (kernels/cpu/gemm_bf16.c). kf_cpu_matmul_bf16 is kf_cpu_matmul on w widened to
- * fp32 a tile of kf_cpu_widen_rows(N, K) rows at a time into the scratch (at most
- * max(KF_WIDEN_ROWS K, KF_WIDEN_ELEMS) floats), the tile widened on the pool's threads; 0, or -1
- * when the scratch could not be had. */
-#define KF_WIDEN_ROWS 256        /* rows of a tile, at least */
-#define KF_WIDEN_ELEMS (1 << 20) /* floats of a tile, up to: fewer calls, fewer re-packed activations */
+ * fp32 a tile of kf_cpu_widen_rows(M, N, K) rows at a time into the scratch (at most
+ * KF_WIDEN_ELEMS + KF_WIDEN_ROWS K floats), the tile widened on the pool's threads; 0, or -1 when
+ * the scratch could not be had. A tile of about 4 MB for M >= KF_WIDEN_M (fewer calls: OpenBLAS
+ * packs the activations again for each), 1 MB below (a few rows: the tile must stay in the cache,
+ * the widening is most of the work). */
+#define KF_WIDEN_ROWS 16         /* rows of a tile, at least */
+#define KF_WIDEN_ELEMS (1 << 20) /* floats of a tile, about, for M >= KF_WIDEN_M; a quarter below */
+#define KF_WIDEN_M 64
 typedef struct {
     float *buf;     /* [rows, K] one tile of widened weight rows */
     size_t cap;     /* floats */
     struct kf_pool *pool; /* NULL: widened on the calling thread; else on the pool (not owned) */
 } kf_cpu_widen;
-static inline int kf_cpu_widen_rows(int N, int K) {
-    const int rows = KF_WIDEN_ELEMS / K > KF_WIDEN_ROWS ? KF_WIDEN_ELEMS / K : KF_WIDEN_ROWS;
+static inline int kf_cpu_widen_rows(int M, int N, int K) {
+    const int elems = M >= KF_WIDEN_M ? KF_WIDEN_ELEMS : KF_WIDEN_ELEMS / 4;
+    const int rows = elems / K > KF_WIDEN_ROWS ? elems / K : KF_WIDEN_ROWS;
     return N < rows ? N : rows;
 }
 int kf_cpu_matmul_bf16(kf_cpu_widen *s, float *y, size_t ldy, const float *x, size_t ldx, const uint16_t *w, int M,
