@@ -1,6 +1,6 @@
 /* kvfold bench prefill --compare-weights — the same prefill on bf16 and on fp32 weights in one
- * process: the model loaded twice (each on its own CPU backend), the runs alternated bf16, fp32,
- * bf16, ... so that both see the same load, and the ratios taken pair by pair. Also the GEMMs
+ * process: the model loaded twice (each on its own CPU backend), the runs alternated (bf16, fp32,
+ * fp32, bf16, ...) so that both see the same load, and the ratios taken pair by pair. Also the GEMMs
  * alone at one layer's shapes (the backend's matmul on each storage) and the largest difference
  * of the last position's logits. */
 #include <math.h>
@@ -117,11 +117,13 @@ static void stats(double *v, int n, double *med, double *lo, double *hi) {
 }
 
 /* The alternated runs: t[0][r] bf16, t[1][r] fp32, after one warm-up each; g[0|1][r] the GEMMs'
- * rates measured beside them. 0, or -1 with err set. */
+ * rates measured beside them. Odd pairs run fp32 first (A B B A ...), so that neither side always
+ * follows the other. 0, or -1 with err set. */
 static int alternate(side s[2], const kf_hfconfig *c, const int32_t *ids, long long n, long long chunk, int repeat,
                      float *logits[2], double *t[2], double *g[2], kf_error *err) {
     for (int r = -1; r < repeat; r++)
-        for (int k = 0; k < 2; k++) {
+        for (int i = 0; i < 2; i++) {
+            const int k = r & 1 ? 1 - i : i;
             const double sec = side_prefill(&s[k], ids, n, chunk, logits[k], err);
             if (sec < 0)
                 return -1;
@@ -152,7 +154,7 @@ static void report(const kf_hfconfig *c, side s[2], long long n, long long chunk
     }
     const double wb = (double)kf_model_weight_bytes(s[0].m), wf = (double)kf_model_weight_bytes(s[1].m);
     printf("weights in memory: bf16 %.3f GB, fp32 %.3f GB (bf16 / fp32 = %.3f)\n", wb / 1e9, wf / 1e9, wb / wf);
-    printf("prefill %lld tokens (chunk %lld), runs alternated bf16, fp32 (%d pairs): median bf16 %.4f s, fp32 %.4f s\n",
+    printf("prefill %lld tokens (chunk %lld), runs alternated (%d pairs): median bf16 %.4f s, fp32 %.4f s\n",
            n, chunk, repeat, med[0], med[1]);
     stats(gspeed, repeat, &gm[0], &lo, &hi);
     printf("gemm-only (backend matmul, one layer's shapes, M = %lld): speed bf16 / fp32 median %.3f (pairs %.3f-%.3f)\n",
