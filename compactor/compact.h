@@ -280,8 +280,8 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
 
 /* ---- memory: the peak of one compaction (docs/decisions/memory-formula.md) ----
  *
- * Resident bytes at the peak of kf_compact (its own arena, one variant; the CPU backend: fp32
- * weights, an fp32 or bf16 arena, dense prefill), with
+ * Resident bytes at the peak of kf_compact (its own arena, one variant; the CPU backend: fp32 or
+ * bf16 weights, an fp32 or bf16 arena, dense prefill), with
  *   L layers, H hidden, I intermediate, V vocab, d head_dim, kvh KV heads, QD = n_heads d,
  *   KD = kvh d, pg(n) = ceil(n / 16) (16-token pages);
  *   D context tokens, T of them the document (the compacted block), S the longest reference
@@ -298,7 +298,8 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *   before the next runs:
  *
  *   peak    = weights + arena + queries + targets + forward + solve + output + base
- *   weights = 4 (V H (2 - tied) + H + L (2 H QD + 2 H KD + 3 H I + 2 H + 2 d qk_norm))
+ *   weights = w (V H (2 - tied) + H + L (2 H QD + 2 H KD + 3 H I + 2 H + 2 d qk_norm))
+ *               w = 4 bytes per parameter, or 2 with bf16 weights (weights_bf16)
  *   arena   = a L KD pg(D) + a KD (pg(D) + pg(N) - floor(D / 16) + pg(P) + 2 p)
  *               K and V pages, a = 32 e bytes per page and KD (e = 4, or 2 with arena_dtype bf16:
  *               a = 128 or 64): the context, every layer; the sources' own arena of one
@@ -323,8 +324,10 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *             [fused]: a source past the context runs dense on the CPU backend (the repeat
  *             without QUOKA, or a probe); else 0 and the solve computes all the targets
  *   forward = kf_forward_plan_bytes(min(c, max(D, S)), 0) + 8 N KD + 512 A N + 4 H (S + P)
+ *             + [bf16 weights] 4 max over the GEMMs' (N, K) of kf_cpu_widen_rows(64, N, K) K + 4 H
  *               the plan's scratch; the attention's gathered K/V and A score tiles over N keys;
- *               the sources' residual streams between layers
+ *               the sources' residual streams between layers; the GEMMs' tile of widened weight
+ *               rows (kernels/cpu/cpu_kernels.h) and a norm's widened weight
  *   solve   = 8 D KD + 8 (S + P) KD [choice]      one layer's K/V, and of the sources' validation prompts
  *           + 8 R [choice]                        the training rows' order (kf_choice_training_order)
  *           + n (8 t + 16 t d                      per thread (thread_init): the kept keys' buffers
@@ -365,6 +368,8 @@ typedef struct {
     int choice;           /* the per-head choice runs (validation prompts kept, the split built) */
     int refq_bf16;        /* reference queries stored in bf16 */
     int arena_bf16;       /* the KV arena in bf16 (arena_dtype) */
+    int weights_bf16;     /* the model's weights in bf16 (kf_model_weight_dtype; 0 from kf_compact_mem_shape:
+                             the caller sets it) */
     int chunk;            /* prefill chunk (0: KF_DEFAULT_CHUNK) */
     int attn_threads;     /* the CPU attention's pool threads */
     int solve_threads;    /* n: the solve's threads (the backend's; per-thread buffers) */

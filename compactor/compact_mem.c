@@ -3,6 +3,7 @@
 
 #include "compactor/compact.h"
 #include "compactor/refq_targets.h"
+#include "kernels/cpu/cpu_kernels.h"
 
 static int64_t max64(int64_t a, int64_t b) {
     return a > b ? a : b;
@@ -67,6 +68,17 @@ void kf_compact_mem_shape(const kf_hfconfig *c, const kf_compact_params *p, int6
                                  : 0);
 }
 
+/* bf16 weights: the GEMMs' tile of widened rows, the largest over the model's (N, K) shapes. */
+static int64_t widen_tile_bytes(const kf_hfconfig *c) {
+    const int H = c->hidden_size, I = c->intermediate_size, QD = c->n_heads * c->head_dim,
+              KD = c->n_kv_heads * c->head_dim;
+    const int N[6] = {QD, KD, H, I, H, c->vocab_size}, K[6] = {H, H, QD, H, I, H};
+    int64_t most = 0;
+    for (int i = 0; i < 6; i++)
+        most = max64(most, 4 * (int64_t)kf_cpu_widen_rows(KF_WIDEN_M, N[i], K[i]) * K[i]);
+    return most;
+}
+
 /* The targets term (compact.h): one layer of the pool, the attention's block logits and parts. */
 static int64_t targets_bytes(const kf_hfconfig *c, const kf_mem_shape *s, int64_t chunk) {
     if (!s->fused)
@@ -93,7 +105,7 @@ int64_t kf_compact_peak_bytes(const kf_hfconfig *c, const kf_mem_shape *s, kf_me
     const int64_t d = c->head_dim, kvh = c->n_kv_heads, QD = (int64_t)c->n_heads * d, KD = kvh * d;
     const int64_t N = s->D + s->S, R = s->R, Rv = s->choice ? s->Rv : 0, T = s->T, t = s->t;
     kf_mem_peak m = {0};
-    m.weights = 4 * (V * H * (c->tie_word_embeddings ? 1 : 2) + H +
+    m.weights = (s->weights_bf16 ? 2 : 4) * (V * H * (c->tie_word_embeddings ? 1 : 2) + H +
                      L * (2 * H * QD + 2 * H * KD + 3 * H * I + 2 * H + (c->has_qk_norm ? 2 * d : 0)));
     const int64_t src_pages = pg(s->D) + pg(N) - s->D / KF_PAGE_TOKENS + pg(s->P) + 2 * s->n_p;
     const int64_t page_kv = (s->arena_bf16 ? 2 : 4) * 2 * KF_PAGE_TOKENS; /* K and V bytes of a page per KD */
@@ -104,6 +116,8 @@ int64_t kf_compact_peak_bytes(const kf_hfconfig *c, const kf_mem_shape *s, kf_me
     m.targets = targets_bytes(c, s, chunk);
     m.forward = (int64_t)kf_forward_plan_bytes(c, (int)chunk, 0) + 8 * N * KD + 512 * (int64_t)s->attn_threads * N +
                 4 * H * (s->S + s->P);
+    if (s->weights_bf16)
+        m.forward += widen_tile_bytes(c) + 4 * H;
     const int64_t thread = 8 * t + 16 * t * d + (s->fold_on_probes ? 4 * R * d : 0) +
                            (s->choice ? 8 * R * (d + 1) + 20 * Rv : 0);
     const int64_t Ru = s->Ru, unfused = s->fused ? 8 * T + (Ru > 0 ? 4 * Ru * (2 * d + 2) + 1036 * T : 0) : 0;

@@ -37,6 +37,8 @@ struct kf_model {
     void **allocs;     /* every weight buffer, for kf_model_free */
     int n_allocs;
     int64_t n_params;
+    int64_t weight_bytes; /* backend memory of the weight buffers */
+    kf_dtype weight_dtype; /* their storage (the backend's at load) */
     double *inv_freq;  /* [head_dim / 2] */
     char fingerprint[33];
     kf_forward_plan *plan; /* the forward's scratch when the caller brings none; grown, freed with the model */
@@ -72,14 +74,15 @@ static kf_status load_tensor(kf_model *m, const char *name, int64_t d0, int64_t 
     if (bad >= 0)
         return kf_fail(err, KF_ERR_FORMAT, "%s: tensor '%s' holds %s at element %lld of %lld: the checkpoint is corrupt",
                        m->dir, name, is_nan ? "NaN" : "an infinity", (long long)bad, (long long)t->numel);
-    const size_t n = (size_t)t->numel;
-    void *buf = m->b->alloc(m->b, n * kf_dtype_size(m->b->weight_dtype));
+    const size_t n = (size_t)t->numel, bytes = n * kf_dtype_size(m->b->weight_dtype);
+    void *buf = m->b->alloc(m->b, bytes);
     if (!buf)
         return kf_fail(err, KF_ERR_NOMEM, "%s: out of memory for tensor '%s' (%zu values)", m->dir, name, n);
     m->allocs[m->n_allocs++] = buf;
     m->b->upload_weight(m->b, buf, t->data, dt, n);
     kf_st_release_pages(&m->st, t); /* converted: the file's copy need not stay resident */
     m->n_params += (int64_t)n;
+    m->weight_bytes += (int64_t)bytes;
     *out = buf;
     return KF_OK;
 }
@@ -138,7 +141,69 @@ static kf_status check_layer_count(const kf_model *m, kf_error *err) {
     return KF_OK;
 }
 
+int kf_weights_parse(const char *s, kf_weights *out) {
+    if (strcmp(s, "auto") == 0)
+        *out = KF_WEIGHTS_AUTO;
+    else if (strcmp(s, "fp32") == 0 || strcmp(s, "f32") == 0)
+        *out = KF_WEIGHTS_F32;
+    else if (strcmp(s, "bf16") == 0)
+        *out = KF_WEIGHTS_BF16;
+    else
+        return -1;
+    return 0;
+}
+
+const char *kf_weights_name(kf_weights w) {
+    return w == KF_WEIGHTS_F32 ? "fp32" : (w == KF_WEIGHTS_BF16 ? "bf16" : "auto");
+}
+
+/* AUTO's test: every tensor of the checkpoint is BF16. */
+static int all_bf16(const kf_st_set *st) {
+    for (size_t i = 0; i < st->n_tensors; i++)
+        if (st->tensors[i].dtype != KF_ST_BF16)
+            return 0;
+    return st->n_tensors > 0;
+}
+
+static kf_dtype weights_dtype(const kf_st_set *st, kf_weights w) {
+    if (w == KF_WEIGHTS_AUTO)
+        return all_bf16(st) ? KF_DTYPE_BF16 : KF_DTYPE_F32;
+    return w == KF_WEIGHTS_BF16 ? KF_DTYPE_BF16 : KF_DTYPE_F32;
+}
+
+kf_status kf_weights_resolve(const char *dir, const kf_hfconfig *c, kf_weights w, kf_dtype *out, kf_error *err) {
+    kf_st_set st;
+    const kf_status rc = kf_st_open_dir(&st, dir, err);
+    if (rc == KF_ERR_NOTFOUND) { /* a config alone */
+        const int bf16 = w == KF_WEIGHTS_BF16 || (w == KF_WEIGHTS_AUTO && strcmp(c->dtype, "bfloat16") == 0);
+        *out = bf16 ? KF_DTYPE_BF16 : KF_DTYPE_F32;
+        return KF_OK;
+    }
+    KF_TRY(rc);
+    *out = weights_dtype(&st, w);
+    kf_st_close(&st);
+    return KF_OK;
+}
+
+/* The backend's weight dtype as o asks, before any weight is uploaded. */
+static kf_status set_weights(kf_model *m, kf_weights w, kf_error *err) {
+    const kf_dtype want = weights_dtype(&m->st, w);
+    if (want == m->b->weight_dtype)
+        return KF_OK;
+    if (m->b->set_weight_dtype && m->b->set_weight_dtype(m->b, want) == 0)
+        return KF_OK;
+    if (w == KF_WEIGHTS_AUTO) /* a fixed dtype: the backend's own */
+        return KF_OK;
+    return kf_fail(err, KF_ERR_UNSUPPORTED, "%s: the %s backend cannot store weights in %s", m->dir, m->b->name,
+                   kf_weights_name(w));
+}
+
 kf_status kf_model_load(kf_model **out, const char *dir, kf_backend *backend, kf_error *err) {
+    return kf_model_load_opts(out, dir, backend, NULL, err);
+}
+
+kf_status kf_model_load_opts(kf_model **out, const char *dir, kf_backend *backend, const kf_model_opts *o,
+                             kf_error *err) {
     *out = NULL;
     kf_model *m = calloc(1, sizeof *m);
     if (!m)
@@ -156,7 +221,11 @@ kf_status kf_model_load(kf_model **out, const char *dir, kf_backend *backend, kf
     if (rc == KF_OK)
         rc = kf_st_open_dir(&m->st, dir, err);
     if (rc == KF_OK)
+        rc = set_weights(m, o ? o->weights : KF_WEIGHTS_AUTO, err);
+    if (rc == KF_OK) {
+        m->weight_dtype = backend->weight_dtype;
         rc = load_weights(m, err);
+    }
     if (rc == KF_OK) /* after the shapes: a config of another model is named by its first mismatch */
         rc = check_layer_count(m, err);
     if (rc == KF_OK) {
@@ -215,6 +284,14 @@ const double *kf_model_inv_freq(const kf_model *m) {
 
 int64_t kf_model_n_params(const kf_model *m) {
     return m->n_params;
+}
+
+kf_dtype kf_model_weight_dtype(const kf_model *m) {
+    return m->weight_dtype;
+}
+
+int64_t kf_model_weight_bytes(const kf_model *m) {
+    return m->weight_bytes;
 }
 
 static void fingerprint_compute(void *ctx, char out[33]) {

@@ -3,8 +3,9 @@
  *
  * Loading: config.json (formats/hfconfig) and model.safetensors or its sharded index
  * (formats/safetensors). Every expected tensor must be present with the shape the config
- * implies and a dtype of BF16, F16 or F32; weights are converted once into the backend's
- * weight dtype (fp32 on the CPU: 4 bytes per parameter).
+ * implies and a dtype of BF16, F16 or F32; weights are converted once into the weight dtype
+ * (kf_weights below): on the CPU bf16 for a bf16 checkpoint (2 bytes per parameter, widened to
+ * fp32 tile by tile in the GEMMs: exact, the activations stay fp32), else fp32 (4 bytes).
  *
  * The forward pass appends tokens to a document (kf_seq) in chunks (default 512 tokens).
  * Token i of the call has RoPE position seq->len + i + pos_offset (pos_offset != 0 places
@@ -110,8 +111,38 @@ typedef struct {
     kf_forward_plan *plan;         /* NULL: the model's own plan */
 } kf_forward_args;
 
+/* How the weights are stored (kf_model_opts.weights):
+ *   AUTO  bf16 when every tensor of the checkpoint is BF16 (widening back to fp32 is then exact:
+ *         the GEMMs compute on the checkpoint's own values), else fp32; a backend whose weight
+ *         dtype is fixed (CUDA: bf16) keeps its own
+ *   F32   fp32, 4 bytes per parameter (bf16 and f16 widened exactly)
+ *   BF16  bf16, 2 bytes per parameter (fp32 and f16 tensors rounded to nearest even)
+ * F32 or BF16 on a backend that cannot store it is an error (KF_ERR_UNSUPPORTED). */
+typedef enum { KF_WEIGHTS_AUTO = 0, KF_WEIGHTS_F32 = 1, KF_WEIGHTS_BF16 = 2 } kf_weights;
+
+typedef struct {
+    kf_weights weights;
+} kf_model_opts;
+
+/* "auto", "fp32" (or "f32"), "bf16": 0, or -1 for anything else. */
+int kf_weights_parse(const char *s, kf_weights *out);
+const char *kf_weights_name(kf_weights w);
+/* The storage dtype `w` gives the checkpoint in dir on a backend that can store both fp32 and bf16
+ * (the CPU's), reading only the safetensors headers (for predictions: nothing is loaded); with no
+ * checkpoint in dir (a config alone), c's dtype stands for every tensor's ("bfloat16": BF16). */
+kf_status kf_weights_resolve(const char *dir, const kf_hfconfig *c, kf_weights w, kf_dtype *out, kf_error *err);
+
+/* kf_model_load_opts with the default options (AUTO). */
 kf_status kf_model_load(kf_model **out, const char *dir, kf_backend *backend, kf_error *err);
+/* Loads the model on backend, whose weight dtype it sets (set_weight_dtype) as o->weights says
+ * (o NULL: the defaults). */
+kf_status kf_model_load_opts(kf_model **out, const char *dir, kf_backend *backend, const kf_model_opts *o,
+                             kf_error *err);
 void kf_model_free(kf_model *m);
+/* The dtype the weights are stored in, and the bytes of backend memory they take (every weight
+ * buffer: parameters times the dtype's size; a tied lm_head counted once). */
+kf_dtype kf_model_weight_dtype(const kf_model *m);
+int64_t kf_model_weight_bytes(const kf_model *m);
 
 const kf_hfconfig *kf_model_config(const kf_model *m);
 const char *kf_model_dir(const kf_model *m);

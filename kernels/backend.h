@@ -8,9 +8,11 @@
  *   - Index arrays (ids, positions, page tables) and inv_freq are host memory; the backend
  *     copies them where it needs them. Everything else is backend memory.
  *   - Activations are fp32 on the CPU backend. Weights are stored in the backend's
- *     weight dtype (kf_backend.weight_dtype): the CPU backend converts bf16/f16 to fp32
- *     once at load (4 bytes per parameter; a 4B-parameter model needs 16 GB of RAM), so
- *     every GEMM is a plain cblas_sgemm with no per-call conversion.
+ *     weight dtype (kf_backend.weight_dtype), which a backend with set_weight_dtype lets its
+ *     model choose before the first weight is uploaded. The CPU backend stores fp32 (4 bytes
+ *     per parameter; every GEMM a plain cblas_sgemm) or bf16 (2 bytes: the GEMMs widen the
+ *     weights to fp32 a tile at a time, the activations stay fp32; norms and embeddings are
+ *     widened likewise). CUDA stores bf16 only.
  *   - Linear layers follow Hugging Face: W is [out, in] row-major and y = x W^T.
  *   - Paged KV: keys/values live in pages of KF_PAGE_TOKENS tokens. Within a page a
  *     layer's K (and V) block is token-major [KF_PAGE_TOKENS, kv_heads, head_dim];
@@ -223,6 +225,10 @@ struct kf_backend {
     void (*copy)(kf_backend *b, void *dst, const void *src, size_t bytes);
     /* Convert n host values of dtype src_dtype into backend weight storage at dst. */
     void (*upload_weight)(kf_backend *b, void *dst, const void *host_src, kf_dtype src_dtype, size_t n);
+    /* Sets weight_dtype, the storage of every weight the operations below read: 0, or nonzero when
+     * the backend cannot store dt, or (CPU) already holds weights of the other dtype (then
+     * unchanged). NULL: weight_dtype is fixed. */
+    int (*set_weight_dtype)(kf_backend *b, kf_dtype dt);
 
     /* y[M, N] = x[M, K] (row stride ldx) . w[N, K]^T  (+ y if accumulate). The CPU backend gives
      * each row the same bits whatever rows share the call and whatever the thread count. */

@@ -626,6 +626,7 @@ static void test_golden(const char *name) {
     ref->name = "cpu-bf16";
     ref->upload_weight = bf16ref_upload_weight;
     ref->matmul = bf16ref_matmul;
+    ref->set_weight_dtype = NULL; /* its own fp32 storage: the functions above read fp32 weights */
     printf("%s (%d tokens)\n", name, T);
 
     /* dense, then QUOKA (chunk 16, budget 16: sparse from the third chunk on) */

@@ -154,13 +154,30 @@ static kf_backend *cli_backend(const char *cmd, const char *device) {
 #endif
 }
 
+static kf_weights g_weights = KF_WEIGHTS_AUTO; /* --weights */
+
+int cli_weights_option(const char *cmd, int opt, const char *arg) {
+    if (opt != CLI_OPT_WEIGHTS)
+        return 0;
+    if (kf_weights_parse(arg, &g_weights) != 0) {
+        cli_usage_error(cmd, "--weights is auto, bf16 or fp32, not '%s'", arg);
+        return -1;
+    }
+    return 1;
+}
+
+kf_weights cli_weights(void) {
+    return g_weights;
+}
+
 kf_model *cli_load_model_on(const char *cmd, const char *dir, const char *device, kf_backend **backend) {
     *backend = cli_backend(cmd, device);
     if (!*backend)
         return NULL;
     kf_model *m = NULL;
     kf_error err = {0};
-    if (kf_model_load(&m, dir, *backend, &err) != KF_OK) {
+    const kf_model_opts opts = {.weights = g_weights};
+    if (kf_model_load_opts(&m, dir, *backend, &opts, &err) != KF_OK) {
         cli_error(cmd, "cannot load model: %s", err.msg);
         (*backend)->destroy(*backend);
         *backend = NULL;

@@ -34,6 +34,21 @@ kf_model *cli_load_model(const char *cmd, const char *dir, kf_backend **backend)
 kf_model *cli_load_model_on(const char *cmd, const char *dir, const char *device, kf_backend **backend);
 #define CLI_DEVICE_HELP "  --device DEV  cpu (default), cuda or cuda:N (builds with the CUDA backend)\n"
 
+/* --weights auto|bf16|fp32: how cli_load_model stores the model's weights (kf_weights; one
+ * choice for the process). Append CLI_WEIGHTS_OPTION to the table, pass unknown option ids to
+ * cli_weights_option (1 handled, 0 not --weights, -1 bad value: a usage error was printed). */
+/* getopt_long ids of the shared options, one block each so that two never meet in one table:
+ * 0x1000 prefill (below), 0x1100 compaction (cli_quality.h), 0x1200 weights, 0x1300 progress
+ * (progress.h). */
+enum { CLI_OPT_WEIGHTS = 0x1200 };
+#define CLI_WEIGHTS_OPTION {"weights", required_argument, 0, CLI_OPT_WEIGHTS}
+#define CLI_WEIGHTS_HELP                                                                               \
+    "  --weights W          the weights in memory: auto (default: bf16 for a bf16 checkpoint, else\n" \
+    "                       fp32), bf16 (2 bytes per parameter; the GEMMs widen them to fp32, the\n" \
+    "                       activations stay fp32) or fp32 (4 bytes; CPU backend)\n"
+int cli_weights_option(const char *cmd, int opt, const char *arg);
+kf_weights cli_weights(void);
+
 double cli_now(void); /* monotonic seconds */
 
 /* One option (getopt_long's id and optarg) into a command's options ctx: CLI_CONTINUE, or the exit

@@ -116,8 +116,9 @@ int cli_compact_option(const char *cmd, int opt, const char *arg, cli_compact_op
         o->p.chunk = (int)v;
         return 1;
     default: {
-        const int r = cli_quality_option(cmd, opt, arg, &o->p);
-        return r ? r : cli_prefill_option(cmd, opt, arg, &o->prefill);
+        int r = cli_quality_option(cmd, opt, arg, &o->p);
+        r = r ? r : cli_prefill_option(cmd, opt, arg, &o->prefill);
+        return r ? r : cli_weights_option(cmd, opt, arg);
     }
     }
 }

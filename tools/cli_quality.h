@@ -55,7 +55,7 @@ enum { CLI_OPT_HEAD_CHOICE = 0x1100, CLI_OPT_VALUE_RIDGE, CLI_OPT_RIDGE_TO, CLI_
     "                       below drop's and keep's by the factor 1 + M (default 0.5)\n"            \
     "  --refq-dtype f32|bf16 reference queries stored in fp32 (default) or bf16 (half their memory;\n"   \
     "                       the solve widens each head's rows back to fp32)\n"                        \
-    CLI_ARENA_DTYPE_HELP CLI_REFQ_SOURCE_HELP
+    CLI_ARENA_DTYPE_HELP CLI_REFQ_SOURCE_HELP CLI_WEIGHTS_HELP
 /* --arena-dtype's help (also bench compact's) */
 #define CLI_ARENA_DTYPE_HELP                                                                                  \
     "  --arena-dtype f32|bf16 the paged KV arena of the compaction (the context's K/V, the sources')\n"      \
@@ -73,9 +73,10 @@ int cli_quality_option(const char *cmd, int opt, const char *arg, kf_compact_par
 #define CLI_OPTION_CHUNK {"chunk", required_argument, 0, CLI_OPT_CHUNK}
 
 /* Every option that sets the compaction's parameters, as `compact` and `eval quality` take them:
- * the quality options, --lambda, --max-queries, --chunk and the prefill options (tools/cli.h). */
+ * the quality options, --lambda, --max-queries, --chunk, the prefill options and --weights (tools/cli.h). */
 #define CLI_COMPACT_OPTIONS                                                                                  \
-    CLI_QUALITY_OPTIONS, CLI_OPTION_LAMBDA, CLI_OPTION_MAX_QUERIES, CLI_OPTION_CHUNK, CLI_PREFILL_OPTIONS
+    CLI_QUALITY_OPTIONS, CLI_OPTION_LAMBDA, CLI_OPTION_MAX_QUERIES, CLI_OPTION_CHUNK, CLI_PREFILL_OPTIONS, \
+        CLI_WEIGHTS_OPTION
 
 /* The compaction's parameters as the command line sets them. */
 typedef struct {

@@ -6,6 +6,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "formats/safetensors.h"
+#include "tools/bench_weights.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
 
@@ -50,7 +52,8 @@ static const char kPrefillHelp[] =
     "and print the median time and tokens/s. Only the last position's logits are computed, as in\n"
     "a compaction prefill. Before and after each timed run, the machine's sgemm peak is measured\n"
     "on the model's own shapes (one layer's seven projections, M = the chunk, through the\n"
-    "backend's matmul: on the CPU, single-threaded cblas_sgemm calls over the threads' columns);\n"
+    "backend's matmul: on the CPU, single-threaded cblas_sgemm calls over the threads' columns,\n"
+    "on tiles of widened weights with bf16 weights);\n"
     "the report gives the GFLOP/s of the prefill's GEMMs alone and of the whole prefill\n"
     "(projections + causal attention + lm_head) as ratios to the mean of the two peaks around\n"
     "each run (medians over the runs, and their range), and the whole prefill's rate over its own\n"
@@ -69,7 +72,13 @@ static const char kPrefillHelp[] =
     "  --chunk C     chunk size (default 512)\n"
     "  --repeat R    timed runs (default 3)\n"
     "  --seed S      seed of the token ids (default 1)\n"
+    "  --compare-weights  instead: the same prefill with bf16 and with fp32 weights (the model\n"
+    "                loaded twice, R runs of each alternated after a warm-up): medians, the speed\n"
+    "                ratio pair by pair, the GEMMs' own ratio and the logits' largest difference;\n"
+    "                last line 'weights_speed_ratio <bf16 / fp32 speed>' (CPU backend; --clock\n"
+    "                applies)\n"
     CLI_DEVICE_HELP
+    CLI_WEIGHTS_HELP
     "  -h, --help    show this help\n"
     "\n"
     "Prefill attention:\n" CLI_PREFILL_HELP
@@ -358,15 +367,51 @@ static void prefill_report(const kf_hfconfig *c, long long n, long long ctx, lon
     printf("tokens_per_s %.1f\n", (double)n / tmed);
 }
 
+/* n token ids in [0, V) from the seed (a fixed LCG: the same ids on every machine). */
+static void random_ids(int32_t *ids, long long n, long long seed, int V) {
+    unsigned long long state = (unsigned long long)seed * 6364136223846793005ULL + 1442695040888963407ULL;
+    for (long long i = 0; i < n; i++) {
+        state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+        ids[i] = (int32_t)((state >> 33) % (unsigned long long)V);
+    }
+}
+
+/* --compare-weights: dense, no context, on the CPU. */
+static int bench_compare_weights(const char *dir, const char *device, long long n, long long chunk, long long repeat,
+                                 long long seed, long long ctx, const kf_quoka_params *prefill) {
+    if ((device && strcmp(device, "cpu")) || ctx > 0 || prefill->mode != KF_PREFILL_DENSE)
+        return cli_usage_error("bench prefill", "--compare-weights runs a dense prefill without --context on the cpu");
+    char *path = kf_st_dir_file(dir, "config.json");
+    kf_hfconfig c;
+    kf_error err = {0};
+    if (!path || kf_hfconfig_load(&c, path, &err) != KF_OK) {
+        free(path);
+        cli_error("bench prefill", "%s", path ? err.msg : "out of memory");
+        return KF_EXIT_FAIL;
+    }
+    free(path);
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)n); /* [n] */
+    if (!ids) {
+        cli_error("bench prefill", "out of memory");
+        return KF_EXIT_FAIL;
+    }
+    random_ids(ids, n, seed, c.vocab_size);
+    const int rc = bench_weights_compare(dir, ids, n, chunk ? chunk : KF_DEFAULT_CHUNK, (int)repeat, g_now);
+    free(ids);
+    return rc;
+}
+
 int cmd_bench_prefill(int argc, char **argv) {
     static const struct option opts[] = {{"help", no_argument, 0, 'h'},        {"model", required_argument, 0, 'm'},
                                          {"tokens", required_argument, 0, 'n'}, {"chunk", required_argument, 0, 'c'},
                                          {"context", required_argument, 0, 'x'}, {"clock", required_argument, 0, 'k'},
                                          {"repeat", required_argument, 0, 'r'}, {"seed", required_argument, 0, 's'},
                                          {"device", required_argument, 0, 'd'}, CLI_PREFILL_OPTIONS,
+                                         CLI_WEIGHTS_OPTION, {"compare-weights", no_argument, 0, 'W'},
                                          {0, 0, 0, 0}};
     const char *dir = NULL, *device = NULL;
     long long n = 512, chunk = 0, repeat = 3, seed = 1, ctx = 0;
+    int compare = 0;
     kf_quoka_params prefill = cli_prefill_defaults();
     optind = 1;
     for (int c; (c = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
@@ -375,6 +420,7 @@ int cmd_bench_prefill(int argc, char **argv) {
         case 'h': fputs(kPrefillHelp, stdout); return KF_EXIT_OK;
         case 'm': dir = optarg; continue;
         case 'd': device = optarg; continue;
+        case 'W': compare = 1; continue;
         case 'n': dst = &n; break;
         case 'c': dst = &chunk; break;
         case 'k':
@@ -389,7 +435,8 @@ int cmd_bench_prefill(int argc, char **argv) {
         case 'r': dst = &repeat; break;
         case 's': dst = &seed; break;
         default: {
-            const int r = cli_prefill_option("bench prefill", c, optarg, &prefill);
+            int r = cli_prefill_option("bench prefill", c, optarg, &prefill);
+            r = r ? r : cli_weights_option("bench prefill", c, optarg);
             if (r < 0)
                 return KF_EXIT_USAGE;
             if (r == 0)
@@ -404,6 +451,8 @@ int cmd_bench_prefill(int argc, char **argv) {
         return cli_usage_error("bench prefill", "--model is required");
     if (repeat > 1000)
         return cli_usage_error("bench prefill", "--repeat is at most 1000");
+    if (compare)
+        return bench_compare_weights(dir, device, n, chunk, repeat, seed, ctx, &prefill);
     kf_backend *b;
     kf_model *m = cli_load_model_on("bench prefill", dir, device, &b);
     if (!m)
@@ -422,11 +471,7 @@ int cmd_bench_prefill(int argc, char **argv) {
         cli_error("bench prefill", "out of memory");
         goto out;
     }
-    unsigned long long state = (unsigned long long)seed * 6364136223846793005ULL + 1442695040888963407ULL;
-    for (long long i = 0; i < ctx + n; i++) {
-        state = state * 6364136223846793005ULL + 1442695040888963407ULL;
-        ids[i] = (int32_t)((state >> 33) % (unsigned long long)V);
-    }
+    random_ids(ids, ctx + n, seed, V);
     const kf_quoka_params *qp = cli_prefill_params(&prefill);
     if (prefill_runs(m, b, &pk, ids, n, ctx, chunk, qp, logits, repeat, runs, &err) != 0) {
         cli_error("bench prefill", "%s", err.msg);

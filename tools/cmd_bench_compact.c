@@ -27,7 +27,7 @@ static const char kHelp[] =
     "floor in units of the prefill (P) and the total time over the floor; then the peak memory the\n"
     "formula of compactor/compact.h predicts (by term) and the process's measured peak resident set\n"
     "(getrusage ru_maxrss, the whole process: loading the model included).\n"
-    "With --predict-only only config.json is read: the prediction for a document of N tokens (the\n"
+    "With --predict-only only config.json (and the checkpoint's header) is read: the prediction for a document of N tokens (the\n"
     "repeat instruction's length from --docs when given, else 8 tokens) and its FLOPs (counted with\n"
     "the CPU backend's fused targets).\n"
     "\n"
@@ -41,12 +41,14 @@ static const char kHelp[] =
     "  --refq-dtype T   reference queries in f32 (default) or bf16\n"
     "  --arena-dtype T  the paged KV arena in f32 (default) or bf16 (half its bytes, CPU backend only;\n"
     "                   --predict-only counts it too)\n"
-    "  --predict-only   print the predicted peak only (no weights loaded, nothing compacted)\n"
+    "  --predict-only   print the predicted peak only (no weights loaded, nothing compacted; the\n"
+    "                   safetensors headers are read for --weights auto)\n"
+    CLI_WEIGHTS_HELP
     CLI_REFQ_SOURCE_HELP
     "  -h, --help       show this help\n";
 
 /* The formula's prediction for a document of n tokens and an instruction of n_instr, by term. */
-static void print_peak(const kf_hfconfig *c, const kf_compact_params *base, int n, int n_instr) {
+static void print_peak(const kf_hfconfig *c, const kf_compact_params *base, int n, int n_instr, kf_dtype weights) {
     static const int32_t kNone[8] = {0};
     kf_compact_params p = *base;
     if (p.repeat_instruction.n == 0) /* --predict-only without --docs: the length is what counts */
@@ -54,6 +56,7 @@ static void print_peak(const kf_hfconfig *c, const kf_compact_params *base, int 
     kf_mem_shape sh;
     kf_mem_peak t;
     kf_compact_mem_shape(c, &p, 0, n, 0, openblas_get_num_threads(), &sh);
+    sh.weights_bf16 = weights == KF_DTYPE_BF16;
     kf_compact_peak_bytes(c, &sh, &t);
     printf("  %-34s %8.3f GB (weights %.3f, arena %.3f, queries %.3f, targets %.3f, forward %.3f, solve %.3f, "
            "output %.3f, base %.3f; R %lld, t %lld)\n",
@@ -106,13 +109,15 @@ static int predict(const char *dir, const char *docs, int n, const kf_compact_pa
     snprintf(path, sizeof path, "%s/config.json", dir);
     kf_hfconfig c;
     kf_error err = {0};
-    if (kf_hfconfig_load(&c, path, &err) != KF_OK) {
+    kf_dtype wdt;
+    if (kf_hfconfig_load(&c, path, &err) != KF_OK || kf_weights_resolve(dir, &c, cli_weights(), &wdt, &err) != KF_OK) {
         cli_error(CMD, "%s", err.msg);
         return KF_EXIT_FAIL;
     }
-    printf("predict %d tokens, %s, budget %g, instruction %d tokens, %d threads%s\n", n, kf_method_name(p->method),
-           p->budget, n_instr, openblas_get_num_threads(), p->arena_dtype == KF_DTYPE_BF16 ? ", bf16 arena" : "");
-    print_peak(&c, p, n, n_instr);
+    printf("predict %d tokens, %s, budget %g, instruction %d tokens, %d threads%s, %s weights\n", n,
+           kf_method_name(p->method), p->budget, n_instr, openblas_get_num_threads(),
+           p->arena_dtype == KF_DTYPE_BF16 ? ", bf16 arena" : "", wdt == KF_DTYPE_BF16 ? "bf16" : "fp32");
+    print_peak(&c, p, n, n_instr, wdt);
     const kf_compact_flops fl = count_flops(&c, p, n, n_instr, 1);
     print_flops(&fl);
     return KF_EXIT_OK;
@@ -129,7 +134,7 @@ static const struct option kOpts[] = {
     {"help", no_argument, 0, 'h'},       {"model", required_argument, 0, 'm'},  {"docs", required_argument, 0, 'd'},
     {"tokens", required_argument, 0, 'n'}, {"budget", required_argument, 0, 'b'}, {"method", required_argument, 0, 'M'},
     {"predict-only", no_argument, 0, 'P'}, CLI_OPTION_MAX_QUERIES, CLI_OPTION_REFQ_DTYPE, CLI_OPTION_ARENA_DTYPE,
-    CLI_REFQ_SOURCE_OPTIONS,             {0, 0, 0, 0}};
+    CLI_REFQ_SOURCE_OPTIONS,             CLI_WEIGHTS_OPTION, {0, 0, 0, 0}};
 
 /* One option into o: CLI_CONTINUE, or the exit status (--help, a bad value). */
 static int bench_option(void *ctx, int c, const char *arg) {
@@ -249,15 +254,15 @@ static void print_stages(const kf_compacted *c, const kf_compact_params *p, int 
     printf("ratio total / prefill = %.2f (target <= 2.5)\n", total / s->prefill_s);
 }
 
-/* The process's measured peak against the model's fp32 weights. */
+/* The process's measured peak against the model's weights (in the dtype they are held in). */
 static void print_measured_peak(kf_model *m) {
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
     const double measured = (double)ru.ru_maxrss * 1024;
     printf("  %-34s %8.3f GB (getrusage ru_maxrss)\n", "measured peak", measured / 1e9);
-    const double w = 4.0 * (double)kf_model_n_params(m);
-    printf("measured peak / fp32 weights (%.3f GB) = %.2f; target 1.5 x weights + 1 GB = %.3f GB\n", w / 1e9,
-           measured / w, (1.5 * w + 1e9) / 1e9);
+    const double w = (double)kf_model_weight_bytes(m);
+    printf("measured peak / %s weights (%.3f GB) = %.2f; target 1.5 x weights + 1 GB = %.3f GB\n",
+           kf_model_weight_dtype(m) == KF_DTYPE_BF16 ? "bf16" : "fp32", w / 1e9, measured / w, (1.5 * w + 1e9) / 1e9);
 }
 
 /* Loads the model, compacts the document once and reports. */
@@ -288,7 +293,7 @@ static int bench_run(const bench_opts *o, kf_compact_params *p) {
         const kf_compact_flops f =
             count_flops(kf_model_config(m), p, n, n_instr, kf_model_targets_supported(m, &dense));
         print_floor(&f, &c.stats, total);
-        print_peak(kf_model_config(m), p, n, n_instr);
+        print_peak(kf_model_config(m), p, n, n_instr, kf_model_weight_dtype(m));
         print_measured_peak(m);
         kf_compacted_free(&c);
     }

@@ -34,7 +34,7 @@ typedef struct {
     char note[128];   /* the command's own stage ("reference", ...), or "" */
 } cli_progress;
 
-enum { CLI_OPT_PROGRESS_INTERVAL = 0x1200 }; /* getopt_long's id of --progress-interval */
+enum { CLI_OPT_PROGRESS_INTERVAL = 0x1300 }; /* getopt_long's id of --progress-interval */
 #define CLI_PROGRESS_OPTION {"progress-interval", required_argument, 0, CLI_OPT_PROGRESS_INTERVAL}
 #define CLI_PROGRESS_DEFAULT_S 10.0
 #define CLI_PROGRESS_HELP                                                                                     \

@@ -1,4 +1,4 @@
-/* The CPU backend: host memory, fp32 weights, OpenBLAS GEMMs; GEMMs, row kernels and attention on
+/* The CPU backend: host memory, fp32 or bf16 weights (gemm_bf16.c), OpenBLAS GEMMs; GEMMs, row kernels and attention on
  * a small pthread pool of as many threads as OpenBLAS would use (OPENBLAS_NUM_THREADS, else the
  * cores), OpenBLAS itself held to one thread meanwhile, so that no result depends on the thread
  * count (matmul.c). The pool's workers sleep between jobs; parallel_for (the compactor's heads)
@@ -20,7 +20,11 @@ typedef struct {
     kf_cpu_attn_scratch attn;
     kf_cpu_quoka_scratch quoka;
     kf_cpu_sparse_scratch sparse;
-    int attn_failed; /* sticky: set when a matmul or the attention could not get scratch memory */
+    kf_cpu_widen widen;  /* bf16 weights: the GEMMs' tile of widened rows */
+    float *norm_w;       /* bf16 weights: [n] a norm's weight widened */
+    size_t norm_cap;
+    int attn_failed; /* sticky: set when an operation could not get scratch memory */
+    int uploaded;    /* a weight was uploaded: the weight dtype is fixed from then on */
 } cpu_impl;
 
 static void *cpu_alloc(kf_backend *b, size_t bytes) {
@@ -42,19 +46,36 @@ static void cpu_memcpy(kf_backend *b, void *dst, const void *src, size_t bytes) 
 }
 
 static void cpu_upload_weight(kf_backend *b, void *dst, const void *src, kf_dtype dt, size_t n) {
-    (void)b;
-    kf_convert_to_f32(dst, src, dt, n);
+    ((cpu_impl *)b->impl)->uploaded = 1;
+    if (b->weight_dtype == KF_DTYPE_BF16)
+        kf_cpu_to_bf16(dst, src, dt, n);
+    else
+        kf_convert_to_f32(dst, src, dt, n);
+}
+
+static int cpu_set_weight_dtype(kf_backend *b, kf_dtype dt) {
+    const cpu_impl *impl = b->impl;
+    if ((dt != KF_DTYPE_F32 && dt != KF_DTYPE_BF16) || (dt != b->weight_dtype && impl->uploaded))
+        return -1; /* weights already held in the other dtype would be misread */
+    b->weight_dtype = dt;
+    return 0;
 }
 
 static void cpu_matmul(kf_backend *b, float *y, size_t ldy, const float *x, size_t ldx, const void *w, int M, int N,
                        int K, int accumulate) {
     cpu_impl *impl = b->impl;
-    if (kf_cpu_matmul_pool(&impl->mm, y, ldy, x, ldx, w, M, N, K, accumulate) != 0)
+    const int rc = b->weight_dtype == KF_DTYPE_BF16
+                       ? kf_cpu_matmul_bf16(&impl->widen, &impl->mm, y, ldy, x, ldx, w, M, N, K, accumulate)
+                       : kf_cpu_matmul_pool(&impl->mm, y, ldy, x, ldx, w, M, N, K, accumulate);
+    if (rc != 0)
         impl->attn_failed = 1;
 }
 
 static void cpu_embed(kf_backend *b, float *out, const void *table, const int32_t *ids, int n, int width) {
-    (void)b;
+    if (b->weight_dtype == KF_DTYPE_BF16) {
+        kf_cpu_embed_bf16(out, table, ids, n, width);
+        return;
+    }
     const float *t = table;
     for (int r = 0; r < n; r++)
         memcpy(out + (size_t)r * width, t + (size_t)ids[r] * width, sizeof(float) * width);
@@ -98,6 +119,15 @@ static void rows_run(cpu_impl *impl, rows_job *j, size_t elems) {
 
 static void cpu_rmsnorm(kf_backend *b, float *y, size_t ldy, const float *x, size_t ldx, const void *w, int rows,
                         int n, float eps) {
+    cpu_impl *impl = b->impl;
+    if (b->weight_dtype == KF_DTYPE_BF16) { /* the weight widened once for every row */
+        if (kf_cpu_grow((void **)&impl->norm_w, &impl->norm_cap, (size_t)n, sizeof(float)) != 0) {
+            impl->attn_failed = 1;
+            return;
+        }
+        kf_bf16_to_f32_n(impl->norm_w, w, (size_t)n);
+        w = impl->norm_w;
+    }
     rows_job j = {.op = 0, .rows = rows, .y = y, .x = x, .ldy = ldy, .ldx = ldx, .w = w, .n = n, .eps = eps};
     rows_run(b->impl, &j, (size_t)rows * n);
 }
@@ -167,6 +197,8 @@ static void cpu_destroy(kf_backend *b) {
     kf_cpu_attn_scratch_free(&impl->attn);
     kf_cpu_quoka_scratch_free(&impl->quoka);
     kf_cpu_sparse_scratch_free(&impl->sparse);
+    kf_cpu_widen_free(&impl->widen);
+    free(impl->norm_w);
     kf_pool_destroy(impl->pool);
     free(impl);
     free(b);
@@ -195,6 +227,7 @@ kf_backend *kf_backend_cpu_create_threads(int threads) {
     impl->mm.pool = impl->pool;
     impl->attn.pool = impl->pool;
     impl->sparse.attn.pool = impl->pool;
+    impl->widen.pool = impl->pool;
     b->name = "cpu";
     b->weight_dtype = KF_DTYPE_F32;
     b->impl = impl;
@@ -204,6 +237,7 @@ kf_backend *kf_backend_cpu_create_threads(int threads) {
     b->download = cpu_memcpy;
     b->copy = cpu_memcpy;
     b->upload_weight = cpu_upload_weight;
+    b->set_weight_dtype = cpu_set_weight_dtype;
     b->matmul = cpu_matmul;
     b->embed = cpu_embed;
     b->rmsnorm = cpu_rmsnorm;

@@ -53,6 +53,34 @@ void kf_cpu_mm_scratch_free(kf_cpu_mm_scratch *scratch);
 /* The same on the calling thread, with scratch of its own. */
 int kf_cpu_matmul(float *y, size_t ldy, const float *x, size_t ldx, const float *w, int M, int N, int K,
                   int accumulate);
+
+
+/* bf16 weights (kernels/cpu/gemm_bf16.c). kf_cpu_matmul_bf16 is kf_cpu_matmul_pool on w widened to
+ * fp32 a tile of kf_cpu_widen_rows(M, N, K) rows at a time into the scratch (at most
+ * KF_WIDEN_ELEMS + KF_WIDEN_ROWS K floats), the tile widened on the pool's threads; 0, or -1 when
+ * the scratch could not be had. A tile of about 4 MB for M >= KF_WIDEN_M (fewer calls: OpenBLAS
+ * packs the activations again for each), 1 MB below (a few rows: the tile must stay in the cache,
+ * the widening is most of the work). */
+#define KF_WIDEN_ROWS 16         /* rows of a tile, at least */
+#define KF_WIDEN_ELEMS (1 << 20) /* floats of a tile, about, for M >= KF_WIDEN_M; a quarter below */
+#define KF_WIDEN_M 64
+typedef struct {
+    float *buf;     /* [rows, K] one tile of widened weight rows */
+    size_t cap;     /* floats */
+    kf_pool *pool; /* NULL: widened on the calling thread; else on the pool (not owned) */
+} kf_cpu_widen;
+static inline int kf_cpu_widen_rows(int M, int N, int K) {
+    const int elems = M >= KF_WIDEN_M ? KF_WIDEN_ELEMS : KF_WIDEN_ELEMS / 4;
+    /* a multiple of KF_WIDEN_ROWS, so that each tile's column parts begin where the fp32 GEMM's
+     * would (matmul.c): the same bits as fp32 weights */
+    const int rows = elems / K > KF_WIDEN_ROWS ? elems / K / KF_WIDEN_ROWS * KF_WIDEN_ROWS : KF_WIDEN_ROWS;
+    return N < rows ? N : rows;
+}
+int kf_cpu_matmul_bf16(kf_cpu_widen *s, kf_cpu_mm_scratch *mm, float *y, size_t ldy, const float *x, size_t ldx, const uint16_t *w, int M,
+                       int N, int K, int accumulate);
+void kf_cpu_embed_bf16(float *out, const uint16_t *table, const int32_t *ids, int n, int width);
+void kf_cpu_to_bf16(uint16_t *dst, const void *src, kf_dtype dt, size_t n);
+void kf_cpu_widen_free(kf_cpu_widen *s);
 void kf_cpu_rmsnorm(float *y, size_t ldy, const float *x, size_t ldx, const float *w, int rows, int n, float eps);
 void kf_cpu_rope(float *x, size_t tok_stride, int n_tok, int n_heads, int head_dim, const int64_t *positions,
                  const double *inv_freq);

@@ -50,7 +50,7 @@ SHARED_ALL=(--head-choice maybe --value-ridge -1 --ridge-to one --beta-fit lbfgs
             --choice-margin 11 --lambda -1 --chunk 0 --prefill sparse --quoka-nq 0 --quoka-budget 1.5
             --quoka-sinks -1)
 SHARED_BENCH=(--max-queries 0 --refq-dtype f16 --arena-dtype f16 --queries self --repeat-fraction 0
-              --repeat-spans 65)
+              --repeat-spans 65 --weights fp16)
 
 C=(compact --model "$M" --out root)
 E=(eval quality --model "$M" --docs "$D" --methods full --limit 1)
@@ -117,6 +117,10 @@ expect_usage "bench compact" "--tokens must be from 16 to 16777216 (2^24), not '
 expect_usage "bench compact" "--budget" "${B[@]}" --budget 0
 expect_usage "bench compact" "--method" "${B[@]}" --method cut
 expect_usage "bench compact" "--docs" bench compact --model "$M"
+
+# bench prefill's weights
+expect_usage "bench prefill" "--weights" bench prefill --model "$M" --weights fp16
+expect_usage "bench prefill" "--compare-weights" bench prefill --model "$M" --compare-weights --context 16
 
 flags() { local a=("$@") out=(); for ((i = 0; i < ${#a[@]}; i += 2)); do out+=("${a[i]}"); done; echo "${out[@]}"; }
 # shellcheck disable=SC2046
