@@ -43,7 +43,10 @@ node-llama-cpp is not installed and npm could not install it (no network, no npm
 Nothing is downloaded after the install: node-llama-cpp runs with build 'never' and no downloads.
 Peak memory (maximum resident set, GNU time) counts the whole process: for kvfold, bench prefill's
 own sgemm peak measurement too; for llama.cpp, node and the weights it maps. On a loaded machine,
-OpenMP's spin-waiting can cost kvfold several times its throughput: see tools/bench-prefill.sh.
+threads that spin while waiting lose their time slices: OpenMP's can cost kvfold several times
+its throughput (see tools/bench-prefill.sh), and llama.cpp's own thread pool, which meets at a
+barrier after every graph node, loses even more (a tiny model's 64-token prefill 18 times slower
+with 2 threads than with 1 at a load of 7 on 2 cores). Read the load average line.
 EOF
 }
 
@@ -135,6 +138,7 @@ check="$("$python" "$ROOT/tools/llamacpp/compare-logits.py" "$work/kvfold-logits
     "$work/llamacpp-logits.json" --tol 1e-3)" || die "conversion check failed: $check" 1
 echo "conversion check (llama.cpp F32 vs kvfold): $check" >&2
 
+load_start="$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo '?')"
 rows=()
 for n in "${counts[@]}"; do
     echo "== $n tokens, $threads threads" >&2
@@ -156,6 +160,7 @@ echo
 echo "model: $model   threads: $threads   repeat: $repeat (median)   OMP_WAIT_POLICY: ${OMP_WAIT_POLICY:-unset}"
 echo "llama.cpp: node-llama-cpp 3.21.1 CPU, batch = N, flash attention $flash, KV cache $kvcache"
 echo "conversion check: $check"
+echo "load average (1, 5, 15 min) at start: $load_start, at end: $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo '?') ($(nproc) cores)"
 printf '%8s %13s %13s %13s %9s %9s %21s\n' tokens "kvfold tok/s" "llama f32" "llama bf16" "kv/f32" "kv/bf16" \
     "peak GB kv/f32/bf16"
 for row in "${rows[@]}"; do
