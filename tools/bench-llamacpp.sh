@@ -149,7 +149,7 @@ for n in "${counts[@]}"; do
     for t in f32 bf16; do
         run ll_out ll_peak node "$ROOT/tools/llamacpp/llamacpp.mjs" bench --modules "$modules" \
             --model "$work/$t.gguf" --tokens "$n" --threads "$threads" --repeat "$repeat" \
-            --flash "$flash" --kv "$kvcache" || die "llama.cpp $t prefill failed for $n tokens" 1
+            --flash "$flash" --kv "$kvcache" --vocab "$vocab" || die "llama.cpp $t prefill failed for $n tokens" 1
         ll="$(rate <<< "$ll_out")" || die "no tokens_per_s line from llama.cpp $t" 1
         line+=" $ll $ll_peak"
     done

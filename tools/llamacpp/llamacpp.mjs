@@ -4,7 +4,8 @@
 //   node llamacpp.mjs bench  --modules DIR --model F.gguf --tokens 512,2048 --threads T --repeat R
 //   node llamacpp.mjs logits --modules DIR --model F.gguf[,G.gguf...] --ids 1,2,3 --threads T
 // Also --flash auto|on|off (flash attention, default auto as in llama.cpp), --kv f16|f32 (the KV
-// cache's type, default f16 as in llama.cpp; f32 for a logits comparison), --seed S (bench ids).
+// cache's type, default f16 as in llama.cpp; f32 for a logits comparison), --seed S and --vocab V
+// (bench: the prompt is ids below V drawn with seed S; default V 1000).
 //
 // --modules is the folder holding node_modules/node-llama-cpp (npm ci of this folder's
 // package-lock.json). Nothing is downloaded or built: a missing prebuilt binary is an error.
@@ -20,16 +21,16 @@ function parseArgs(argv) {
     const mode = argv[0];
     if (mode !== "bench" && mode !== "logits")
         die("first argument must be 'bench' or 'logits'");
-    const opt = { mode, threads: 1, repeat: 3, tokens: "512", seed: 1, flash: "auto", kv: "f16" };
+    const opt = { mode, threads: 1, repeat: 3, tokens: "512", seed: 1, flash: "auto", kv: "f16", vocab: 1000 };
     for (let i = 1; i < argv.length; i += 2) {
         const key = argv[i].replace(/^--/, ""), val = argv[i + 1];
         if (val === undefined)
             die(`${argv[i]} needs a value`);
-        if (!["modules", "model", "tokens", "threads", "repeat", "ids", "seed", "flash", "kv"].includes(key))
+        if (!["modules", "model", "tokens", "threads", "repeat", "ids", "seed", "flash", "kv", "vocab"].includes(key))
             die(`unknown option ${argv[i]}`);
         opt[key] = val;
     }
-    for (const key of ["threads", "repeat", "seed"]) {
+    for (const key of ["threads", "repeat", "seed", "vocab"]) {
         opt[key] = Number(opt[key]);
         if (!Number.isInteger(opt[key]) || opt[key] < (key === "seed" ? 0 : 1))
             die(`--${key} must be a positive integer`);
@@ -96,11 +97,10 @@ function median(v) {
 
 async function bench(opt) {
     const counts = intList(opt.tokens, "--tokens");
-    const { model, context, sequence } = await load(await getLlama(opt), opt, opt.model, Math.max(...counts));
-    const vocab = model.fileInsights.vocabularySize ?? model.tokens.vocabSize ?? 1000;
+    const { context, sequence } = await load(await getLlama(opt), opt, opt.model, Math.max(...counts));
     console.log(`llama.cpp ${opt.model}: threads ${context.currentThreads}, flash attention ${opt.flash}, KV cache ${opt.kv}`);
     for (const n of counts) {
-        const ids = randomIds(n, vocab, opt.seed);
+        const ids = randomIds(n, opt.vocab, opt.seed);
         await prefillOnce(sequence, ids); // warm-up: pages the weights in, sizes the buffers
         const times = [];
         for (let r = 0; r < opt.repeat; r++)
