@@ -61,7 +61,7 @@ flash=auto
 kvcache=f16
 python="${KF_PYTHON:-/usr/bin/python3}"
 
-die() { echo "bench-llamacpp.sh: $*" >&2; exit "${2:-2}"; }
+die() { echo "bench-llamacpp.sh: $1" >&2; exit "${2:-2}"; }
 
 while [[ $# -gt 0 ]]; do
     case "$1" in
