@@ -4,7 +4,7 @@
 #
 #   tools/setup.sh                       build in build/ (Release)
 #   tools/setup.sh --tests               also the test dependencies (pytest, torch, matplotlib, the npm
-#                                        oracles, Slurm's daemons for tests/slurm)
+#                                        oracles and llama.cpp, Slurm's daemons for tests/slurm)
 #   tools/setup.sh --sanitize --build-dir build-asan
 #                                        AddressSanitizer + UndefinedBehaviorSanitizer build
 #   tools/setup.sh --cuda ON|OFF|AUTO    the CUDA backend (default AUTO: when nvcc is found)
@@ -62,6 +62,14 @@ if [ "$tests" = 1 ] && [ -f tests/oracle/package-lock.json ] && [ ! -d tests/ora
   (cd tests/oracle && npm ci --no-audit --no-fund --loglevel=error)
 fi
 
+# llama.cpp for tests/cli/test_gguf_llamacpp.sh and tools/bench-llamacpp.sh: node-llama-cpp's
+# prebuilt CPU build from npm, into the build tree.
+if [ "$tests" = 1 ]; then
+  tools/llamacpp/install.sh "$build_dir" ||
+    echo "setup.sh: llama.cpp (npm) not installed: the test gguf_llamacpp_logits will fail, saying so" >&2
+fi
+
 cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE="$build_type" -DKVFOLD_SANITIZE="$sanitize" -DKVFOLD_CUDA="$cuda" \
   "${vllm_source[@]}" >/dev/null
+
 cmake --build "$build_dir" -j"$(nproc)"
