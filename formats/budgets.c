@@ -56,13 +56,13 @@ kf_status kf_head_budgets_load(const char *path, int n_layers, int kv_heads, flo
                          path, key);
             goto out;
         }
-        if (seen[layer * kv_heads + head]) { /* unreachable with canonical keys; kept as the invariant */
-            rc = kf_fail(err, KF_ERR_FORMAT, "%s: key '%s' names a head given twice", path, key);
-            goto out;
-        }
         if (layer < 0 || layer >= n_layers || head < 0 || head >= kv_heads) {
             rc = kf_fail(err, KF_ERR_MISMATCH, "%s: key '%s' names a head the model does not have (%d layers, %d KV heads)",
                          path, key, n_layers, kv_heads);
+            goto out;
+        }
+        if (seen[layer * kv_heads + head]) { /* in range (above); unreachable with canonical keys */
+            rc = kf_fail(err, KF_ERR_FORMAT, "%s: key '%s' names a head given twice", path, key);
             goto out;
         }
         if (!json_is_number(val) || !(json_number_value(val) >= 0 && json_number_value(val) <= FLT_MAX)) {
