@@ -160,7 +160,7 @@ echo
 echo "model: $model   threads: $threads   repeat: $repeat (median)   OMP_WAIT_POLICY: ${OMP_WAIT_POLICY:-unset}"
 echo "llama.cpp: node-llama-cpp 3.21.1 CPU, batch = N, flash attention $flash, KV cache $kvcache"
 echo "conversion check: $check"
-echo "load average (1, 5, 15 min) at start: $load_start, at end: $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo '?') ($(nproc) cores)"
+echo "load average (1, 5, 15 min) at start: $load_start, at end: $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo '?') ($(getconf _NPROCESSORS_ONLN) cores)"
 printf '%8s %13s %13s %13s %9s %9s %21s\n' tokens "kvfold tok/s" "llama f32" "llama bf16" "kv/f32" "kv/bf16" \
     "peak GB kv/f32/bf16"
 for row in "${rows[@]}"; do
