@@ -687,7 +687,9 @@ static void test_compacted_frame_equals_am_frame(void) {
         question_logits(&c, q, 7, b); /* at D, D+1, ... */
         double diff = kf_max_abs_diff(a, b, (size_t)7 * V);
         printf("\n    %s: compacted vs AM frame max |dlogit| %.2e", kf_method_name((kf_method)method), diff);
-        CU_ASSERT(diff < 1e-3);
+        /* fp32 rounding of two RoPE frames: 3.7e-4 .. 5.8e-4 in the release build, fold 1.35e-3 in the
+         * -O2 sanitizer build (its compaction rounds differently); a wrong rotation is off by O(1) */
+        CU_ASSERT(diff < 2e-3);
         kf_compacted_free(&c);
     }
     printf("\n");
