@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Cross-references that a reader of the repository can follow, checked mechanically.
 
-  1. No tracker references: no "issue 12", "issue #12", "#12" (a number after '#') and no "the
+  1. No tracker references: no "issue N", "issue #N", "#N" (a number after '#') and no "the
      issue's ..." in any source, test, script or document: the repository explains itself (vLLM's
      layouts are named by vLLM version, not by its pull requests).
   2. No references to material outside the repository: a design document that is not here
