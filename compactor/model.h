@@ -27,6 +27,7 @@
 #include "formats/error.h"
 #include "formats/hfconfig.h"
 #include "kernels/backend.h"
+#include "compactor/weights.h"
 
 #define KF_DEFAULT_CHUNK 512
 
@@ -118,19 +119,11 @@ typedef struct {
  *   F32   fp32, 4 bytes per parameter (bf16 and f16 widened exactly)
  *   BF16  bf16, 2 bytes per parameter (fp32 and f16 tensors rounded to nearest even)
  * F32 or BF16 on a backend that cannot store it is an error (KF_ERR_UNSUPPORTED). */
-typedef enum { KF_WEIGHTS_AUTO = 0, KF_WEIGHTS_F32 = 1, KF_WEIGHTS_BF16 = 2 } kf_weights;
 
 typedef struct {
     kf_weights weights;
 } kf_model_opts;
 
-/* "auto", "fp32" (or "f32"), "bf16": 0, or -1 for anything else. */
-int kf_weights_parse(const char *s, kf_weights *out);
-const char *kf_weights_name(kf_weights w);
-/* The storage dtype `w` gives the checkpoint in dir on a backend that can store both fp32 and bf16
- * (the CPU's), reading only the safetensors headers (for predictions: nothing is loaded); with no
- * checkpoint in dir (a config alone), c's dtype stands for every tensor's ("bfloat16": BF16). */
-kf_status kf_weights_resolve(const char *dir, const kf_hfconfig *c, kf_weights w, kf_dtype *out, kf_error *err);
 
 /* kf_model_load_opts with the default options (AUTO). */
 kf_status kf_model_load(kf_model **out, const char *dir, kf_backend *backend, kf_error *err);
