@@ -262,3 +262,32 @@ int cli_prefill_option(const char *cmd, int opt, const char *arg, kf_quoka_param
 const kf_quoka_params *cli_prefill_params(const kf_quoka_params *p) {
     return p->mode == KF_PREFILL_QUOKA ? p : NULL;
 }
+
+char *cli_read_all(FILE *f, size_t *len) {
+    size_t cap = 1 << 16, n = 0;
+    char *buf = malloc(cap + 1);
+    if (!buf)
+        return NULL;
+    for (;;) {
+        if (n == cap) {
+            cap *= 2;
+            char *b = realloc(buf, cap + 1);
+            if (!b) {
+                free(buf);
+                return NULL;
+            }
+            buf = b;
+        }
+        size_t got = fread(buf + n, 1, cap - n, f);
+        n += got;
+        if (got == 0)
+            break;
+    }
+    if (ferror(f)) {
+        free(buf);
+        return NULL;
+    }
+    buf[n] = 0;
+    *len = n;
+    return buf;
+}

@@ -4,6 +4,7 @@
 
 #include <getopt.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "compactor/model.h"
 #include "compactor/quoka.h"
@@ -83,5 +84,9 @@ kf_quoka_params cli_prefill_defaults(void); /* dense, with QUOKA's defaults for 
 int cli_prefill_option(const char *cmd, int opt, const char *arg, kf_quoka_params *p);
 /* NULL for dense, else p (for kf_forward_args.quoka). */
 const kf_quoka_params *cli_prefill_params(const kf_quoka_params *p);
+
+/* All of f (a pipe too) in a malloc'd, NUL-terminated buffer; *len its bytes (the NUL not
+ * counted). NULL when out of memory or on a read error. */
+char *cli_read_all(FILE *f, size_t *len);
 
 #endif

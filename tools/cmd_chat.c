@@ -27,29 +27,6 @@ static const char kHelp[] =
     "  --digest               print the template's digest (XXH3-128) and nothing else\n"
     "  -h, --help             show this help\n";
 
-static char *read_stdin(size_t *len) {
-    size_t cap = 1 << 16, n = 0;
-    char *buf = malloc(cap + 1);
-    for (size_t got = 1; buf && got > 0; n += got) {
-        if (n == cap) {
-            char *b = realloc(buf, (cap *= 2) + 1);
-            if (!b)
-                free(buf);
-            buf = b;
-            if (!buf)
-                break;
-        }
-        got = fread(buf + n, 1, cap - n, stdin);
-    }
-    if (buf && ferror(stdin)) {
-        free(buf);
-        buf = NULL;
-    }
-    if (buf)
-        buf[n] = 0, *len = n;
-    return buf;
-}
-
 static int print_ids(const char *dir, const char *text, size_t len) {
     kf_error err = {0};
     kf_tokenizer *tok = NULL;
@@ -102,7 +79,7 @@ int cmd_chat_template(int argc, char **argv) {
         return KF_EXIT_OK;
     }
     size_t len = 0, out_len = 0;
-    char *input = read_stdin(&len), *out = NULL;
+    char *input = cli_read_all(stdin, &len), *out = NULL;
     int rc = KF_EXIT_OK;
     if (!input) {
         cli_error("chat-template", "cannot read standard input");

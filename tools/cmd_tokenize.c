@@ -22,35 +22,6 @@ static const char kHelp[] =
     "  --skip-special   leave special added tokens out when decoding\n"
     "  -h, --help       show this help\n";
 
-static char *read_all(FILE *f, size_t *len) {
-    size_t cap = 1 << 16, n = 0;
-    char *buf = malloc(cap + 1);
-    if (!buf)
-        return NULL;
-    for (;;) {
-        if (n == cap) {
-            cap *= 2;
-            char *b = realloc(buf, cap + 1);
-            if (!b) {
-                free(buf);
-                return NULL;
-            }
-            buf = b;
-        }
-        size_t got = fread(buf + n, 1, cap - n, f);
-        n += got;
-        if (got == 0)
-            break;
-    }
-    if (ferror(f)) {
-        free(buf);
-        return NULL;
-    }
-    buf[n] = 0;
-    *len = n;
-    return buf;
-}
-
 int cmd_tokenize(int argc, char **argv) {
     static const struct option opts[] = {
         {"help", no_argument, 0, 'h'},         {"model", required_argument, 0, 'm'},
@@ -85,7 +56,7 @@ int cmd_tokenize(int argc, char **argv) {
         return KF_EXIT_FAIL;
     }
     size_t len = 0;
-    char *input = read_all(stdin, &len);
+    char *input = cli_read_all(stdin, &len);
     if (!input) {
         cli_error("tokenize", "cannot read standard input");
         kf_tokenizer_close(tok);
