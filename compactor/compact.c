@@ -237,8 +237,8 @@ int64_t kf_choice_training_order(int64_t n_pos, int G, const uint8_t *kind, cons
 /* out [t, d] = the kept keys folded along u (fitted on q [R, d] with lambda); fi->ok = 0: none. */
 static kf_status fold_selection(const kf_backend *be, const float *q, int R, int d, float scale, double lambda,
                                 const float *kc, const float *beta, int t, float *u, float *out, kf_fold_info *fi,
-                                kf_error *err) {
-    KF_TRY(kf_fold_direction(be, q, R, d, lambda, u, fi, err));
+                                kf_ws *ws, kf_error *err) {
+    KF_TRY(kf_fold_direction(be, q, R, d, lambda, u, fi, ws, err));
     if (fi->ok)
         kf_fold_keys(kc, d, beta, t, d, scale, u, out, d);
     return KF_OK;
@@ -250,22 +250,32 @@ typedef struct {
     float *keys, *vals;  /* [t, d] a candidate's keys (folded) and values */
     kf_gram_tiles tiles; /* [256, t] the normal equations' row tiles (logits included) */
     kf_value_gram gm;    /* [t, t], [t, d] a candidate's value normal equations (G NULL: none) */
+    kf_ws *ws;           /* where they live (NULL: the heap) and every fit's scratch */
 } choice_ws;
 
 static void choice_ws_free(choice_ws *w) {
-    free(w->beta), free(w->u), free(w->keys), free(w->vals);
+    if (!w->ws)
+        free(w->beta), free(w->u), free(w->keys), free(w->vals);
     kf_gram_tiles_free(&w->tiles);
     kf_value_gram_free(&w->gm);
 }
 
-/* gram: also the candidates' normal equations (am, fold). 0, or -1 when out of memory. */
-static int choice_ws_alloc(choice_ws *w, const kf_backend *be, int t, int d, int gram) {
+/* gram: also the candidates' normal equations (am, fold); from ws (NULL: the heap). 0, or -1 when
+ * out of memory. */
+static int choice_ws_alloc(choice_ws *w, const kf_backend *be, int t, int d, int gram, kf_ws *ws) {
     const size_t t1 = (size_t)(t ? t : 1);
     memset(w, 0, sizeof *w);
-    w->beta = malloc(sizeof(float) * t1), w->u = malloc(sizeof(float) * (size_t)d);
-    w->keys = malloc(sizeof(float) * t1 * d), w->vals = malloc(sizeof(float) * t1 * d);
-    if (!w->beta || !w->u || !w->keys || !w->vals || kf_gram_tiles_alloc(&w->tiles, t, d, 1) != 0 ||
-        (gram && kf_value_gram_alloc(&w->gm, be, t, d) != 0))
+    w->ws = ws;
+    if (ws) {
+        w->beta = kf_ws_alloc(ws, (int64_t)t1, sizeof(float)), w->u = kf_ws_alloc(ws, d, sizeof(float));
+        w->keys = kf_ws_alloc(ws, (int64_t)t1 * d, sizeof(float));
+        w->vals = kf_ws_alloc(ws, (int64_t)t1 * d, sizeof(float));
+    } else {
+        w->beta = malloc(sizeof(float) * t1), w->u = malloc(sizeof(float) * (size_t)d);
+        w->keys = malloc(sizeof(float) * t1 * d), w->vals = malloc(sizeof(float) * t1 * d);
+    }
+    if (!w->beta || !w->u || !w->keys || !w->vals || kf_gram_tiles_alloc(&w->tiles, t, d, 1, ws) != 0 ||
+        (gram && kf_value_gram_alloc(&w->gm, be, t, d, ws) != 0))
         return -1;
     return 0;
 }
@@ -307,7 +317,7 @@ static kf_status try_folds(const kf_compact_params *p, const kf_am_head *htr, co
     for (size_t li = 0; li < sizeof kLambdaGrid / sizeof *kLambdaGrid && rc == KF_OK; li++) {
         const double lambda = kLambdaGrid[li] * p->lambda_rel;
         kf_fold_info fi;
-        rc = kf_fold_direction_cov(cov, lambda, w->u, &fi, err);
+        rc = kf_fold_direction_cov(cov, lambda, w->u, &fi, w->ws, err);
         if (rc == KF_OK && fi.ok) {
             kf_fold_keys(kc, htr->d, w->beta, t, htr->d, htr->scale, w->u, w->keys, htr->d);
             rc = try_alphas(htr, ttr->Y, w->keys, NULL, v0, KF_METHOD_FOLD, lambda, 1 + p->choice_margin, val, w, best,
@@ -325,10 +335,10 @@ static kf_status method_fits(const kf_compact_params *p, const kf_am_head *htr, 
                              kf_beta_normal *bn, kf_value_gram *dg, kf_head_pick *best, kf_error *err) {
     kf_fold_cov cov = {0};
     if (p->method == KF_METHOD_FOLD)
-        KF_TRY(kf_fold_cov_compute(htr->be, htr->q, htr->R, htr->d, &cov, err));
-    kf_status rc = kf_kept_normal_build(htr, ttr, kc, t, &w->tiles, bn, dg, err);
+        KF_TRY(kf_fold_cov_compute(htr->be, htr->q, htr->R, htr->d, &cov, w->ws, err));
+    kf_status rc = kf_kept_normal_build(htr, ttr, kc, t, &w->tiles, bn, dg, w->ws, err);
     if (rc == KF_OK)
-        rc = kf_am_fit_beta_normal(bn, seed, p->beta_fit, w->beta, NULL, err);
+        rc = kf_am_fit_beta_normal(bn, seed, p->beta_fit, w->beta, NULL, w->ws, err);
     if (rc == KF_OK && p->method == KF_METHOD_AM)
         rc = try_alphas(htr, ttr->Y, kc, w->beta, v0, KF_METHOD_AM, 0, 1 + p->choice_margin, val, w, best, err);
     else if (rc == KF_OK)
@@ -346,7 +356,7 @@ static kf_status choose_fits(const kf_compact_params *p, const kf_am_head *htr, 
     if (p->method == KF_METHOD_AM || p->method == KF_METHOD_FOLD) {
         KF_TRY(method_fits(p, htr, ttr, t, kc, v0, val, seed, w, bn, dg, best, err));
     } else {
-        if (kf_value_gram_alloc(dg, htr->be, t, d) != 0)
+        if (kf_value_gram_alloc(dg, htr->be, t, d, w->ws) != 0)
             return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for drop's normal equations (t %d)", t);
         kf_value_gram_rebuild(htr->q, htr->R, htr->scale, kc, d, NULL, ttr->Y, &w->tiles, dg);
     }
@@ -359,7 +369,7 @@ void kf_choice_fits_free(kf_choice_fits *f) {
 }
 
 kf_status kf_choice_refit_add(kf_choice_fits *f, int beta, const kf_am_head *parts, const kf_am_targets *tgs,
-                              int n_parts, const float *kc, int t, kf_error *err) {
+                              int n_parts, const float *kc, int t, kf_ws *ws, kf_error *err) {
     if (beta ? !f->beta.G : !f->drop.G)
         return kf_fail(err, KF_ERR_INVALID, "compact: refit: the choice kept no normal equations for %s",
                        beta ? "beta" : "drop's values");
@@ -367,18 +377,21 @@ kf_status kf_choice_refit_add(kf_choice_fits *f, int beta, const kf_am_head *par
         const kf_am_head *h = &parts[k];
         if (h->R == 0)
             continue;
+        const size_t mark = ws ? kf_ws_mark(ws) : 0; /* each part is scratch */
         if (beta) {
             kf_beta_normal part;
-            KF_TRY(kf_beta_normal_build(h, &tgs[k], kc, t, &part, err));
+            KF_TRY(kf_beta_normal_build(h, &tgs[k], kc, t, &part, ws, err));
             kf_beta_normal_add(&f->beta, &part);
             kf_beta_normal_free(&part);
         } else {
             kf_value_gram part;
             KF_TRY(kf_value_gram_build(h->be, h->q, h->R, h->d, h->scale, kc, (size_t)h->d, NULL, t, tgs[k].Y, &part,
-                                       err));
+                                       ws, err));
             kf_value_gram_add(&f->drop, &part);
             kf_value_gram_free(&part);
         }
+        if (ws)
+            kf_ws_reset(ws, mark);
     }
     return KF_OK;
 }
@@ -392,7 +405,7 @@ int kf_choice_rows(const kf_compact_params *p, int R, int t) {
 
 kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr,
                          const int32_t *sel, int t, const float *kc, const float *vo, kf_val_head *val, uint64_t seed,
-                         kf_head_pick *best, kf_choice_fits *keep, kf_error *err) {
+                         kf_head_pick *best, kf_choice_fits *keep, kf_ws *ws, kf_error *err) {
     (void)sel; /* the kept keys are kc */
     const int d = htr->d;
     kf_am_head hsub = *htr; /* every candidate's fits: the training rows' first kf_choice_rows */
@@ -403,7 +416,8 @@ kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, cons
     *best = (kf_head_pick){KF_METHOD_KEEP, p->lambda_rel, 0, INFINITY};
     kf_status rc = KF_OK;
     const kf_kv_block kb = {kc, vo, (size_t)d, NULL, t};
-    if (choice_ws_alloc(&w, htr->be, t, d, p->method == KF_METHOD_AM || p->method == KF_METHOD_FOLD) != 0)
+    const size_t mark = ws ? kf_ws_mark(ws) : 0;
+    if (choice_ws_alloc(&w, htr->be, t, d, p->method == KF_METHOD_AM || p->method == KF_METHOD_FOLD, ws) != 0)
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the per-head choice (t %d)", t);
     else if (p->method != KF_METHOD_KEEP)
         rc = choose_fits(p, &hsub, ttr, t, kc, v0, val, seed, &w, &f.beta, &f.drop, best, err);
@@ -420,6 +434,8 @@ kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, cons
     else
         kf_choice_fits_free(&f);
     choice_ws_free(&w);
+    if (ws && !(rc == KF_OK && keep)) /* kept fits stay in ws, above the choice's buffers */
+        kf_ws_reset(ws, mark);
     return rc;
 }
 
@@ -1252,24 +1268,21 @@ static kf_status head_check_finite(const kf_compact_prep *x, int l, int g, const
     return KF_OK;
 }
 
+/* The head's targets live in the thread's workspace (or the pool's): forgotten, not freed. */
 static void head_targets_free(head_shared *hs) {
-    if (hs->tg_view)
-        free(hs->tg.score);
-    else
-        kf_am_targets_free(&hs->tg);
     memset(&hs->tg, 0, sizeof hs->tg);
     hs->tg_view = 0;
 }
 
 /* The targets of the rows the forwards did not fuse (n_un positions): computed on those rows
  * alone, written into hs->tg's rows (the pool's), their score sums added to sum [T]. */
-static kf_status unfused_targets(const kf_compact_prep *x, head_shared *hs, int64_t n_un, double *sum,
+static kf_status unfused_targets(const kf_compact_prep *x, head_shared *hs, int64_t n_un, double *sum, kf_ws *ws,
                                  kf_error *err) {
     const int d = x->d, G = x->G;
     const int64_t n_pos = x->rq.n_pos, Rs = (int64_t)G * n_un;
-    float *qs = malloc(sizeof(float) * (size_t)Rs * d); /* [Rs, d] */
+    float *qs = kf_ws_alloc(ws, Rs * d, sizeof(float)); /* [Rs, d] */
     if (!qs)
-        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for a head's reference queries");
+        return kf_fail(err, KF_ERR_NOMEM, "compact: the workspace is too small for a head's reference queries");
     for (int j = 0, i = 0; j < G; j++)
         for (int64_t p = 0; p < n_pos; p++)
             if (!x->tg.fused[p])
@@ -1277,10 +1290,7 @@ static kf_status unfused_targets(const kf_compact_prep *x, head_shared *hs, int6
     kf_am_head h = hs->h;
     h.q = qs, h.R = (int)Rs;
     kf_am_targets ts;
-    kf_status rc = kf_am_targets_compute(&h, x->p.score, &ts, err);
-    free(qs);
-    if (rc != KF_OK)
-        return rc;
+    KF_TRY(kf_am_targets_compute_ws(&h, x->p.score, &ts, ws, err));
     for (int j = 0, i = 0; j < G; j++)
         for (int64_t p = 0; p < n_pos; p++) {
             if (x->tg.fused[p])
@@ -1291,60 +1301,59 @@ static kf_status unfused_targets(const kf_compact_prep *x, head_shared *hs, int6
         }
     for (int c = 0; c < x->n_doc; c++) /* back from RMS or mean to the sum over the Rs rows */
         sum[c] += x->p.score == KF_SCORE_RMS ? (double)ts.score[c] * ts.score[c] * Rs : (double)ts.score[c] * Rs;
-    kf_am_targets_free(&ts);
     return KF_OK;
 }
 
 /* AM's targets of head hs (kf_am_targets_compute's results, by summation order only): the fused
  * rows' from the pool x->tg (layer hs->l is the one held), the others' computed, the score over
  * all R rows. */
-static kf_status head_targets(kf_compact_prep *x, head_shared *hs, kf_error *err) {
+static kf_status head_targets(kf_compact_prep *x, head_shared *hs, kf_ws *ws, kf_error *err) {
     if (!x->tg.m)
-        return kf_am_targets_compute(&hs->h, x->p.score, &hs->tg, err);
+        return kf_am_targets_compute_ws(&hs->h, x->p.score, &hs->tg, ws, err);
     const int d = x->d, T = x->n_doc;
     const int64_t R = x->rq.R;
     const size_t r0 = kf_refq_targets_row0(&x->tg, hs->l, hs->g);
-    hs->tg = (kf_am_targets){x->tg.m + r0, x->tg.y + r0, x->tg.Y + r0 * d, malloc(sizeof(float) * T)};
+    hs->tg = (kf_am_targets){x->tg.m + r0, x->tg.y + r0, x->tg.Y + r0 * d, kf_ws_alloc(ws, T, sizeof(float))};
     hs->tg_view = 1;
-    double *sum = malloc(sizeof(double) * T); /* [T] */
+    const size_t mark = kf_ws_mark(ws);
+    double *sum = kf_ws_alloc(ws, T, sizeof(double)); /* [T] */
     if (!hs->tg.score || !sum) {
-        free(sum);
         head_targets_free(hs);
-        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for a head's scores");
+        return kf_fail(err, KF_ERR_NOMEM, "compact: the workspace is too small for a head's scores");
     }
     memcpy(sum, kf_refq_targets_score(&x->tg, hs->l, hs->g), sizeof(double) * T);
     int64_t n_un = 0;
     for (int64_t p = 0; p < x->rq.n_pos; p++)
         n_un += !x->tg.fused[p];
-    kf_status rc = n_un > 0 ? unfused_targets(x, hs, n_un, sum, err) : KF_OK;
+    kf_status rc = n_un > 0 ? unfused_targets(x, hs, n_un, sum, ws, err) : KF_OK;
     for (int c = 0; c < T; c++)
         hs->tg.score[c] = (float)(x->p.score == KF_SCORE_RMS ? sqrt(sum[c] / R) : sum[c] / R);
-    free(sum);
+    kf_ws_reset(ws, mark);
     if (rc != KF_OK)
         head_targets_free(hs);
     return rc;
 }
 
+/* ws: the thread's workspace (everything the head holds; the caller resets it after the head);
+ * t_max: the most keys a variant keeps (the validation head's candidates). */
 static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, const float *V, head_split *sp,
-                              head_shared *hs, kf_error *err) {
+                              head_shared *hs, kf_ws *ws, int t_max, kf_error *err) {
     const size_t row = (size_t)x->kvh * x->d;
     memset(hs, 0, sizeof *hs);
     hs->l = l, hs->g = g;
-    if (x->rq.qh && !(hs->q_own = malloc(sizeof(float) * (size_t)x->rq.R * x->d)))
-        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for a head's reference queries");
+    if (x->rq.qh && !(hs->q_own = kf_ws_alloc(ws, x->rq.R * x->d, sizeof(float))))
+        return kf_fail(err, KF_ERR_NOMEM, "compact: the workspace is too small for a head's reference queries");
     hs->q = kf_refq_head(&x->rq, l, g, hs->q_own);
     hs->h = (kf_am_head){.k = K + (size_t)x->n_pre * row + (size_t)g * x->d, .k_stride = row,
                          .v = V + (size_t)x->n_pre * row + (size_t)g * x->d, .v_stride = row,
                          .T = x->n_doc, .q = hs->q, .R = (int)x->rq.R, .d = x->d, .scale = x->scale,
                          .be = kf_model_backend(x->m)};
     double ts = now_s();
-    kf_status rc = head_targets(x, hs, err);
+    kf_status rc = head_targets(x, hs, ws, err);
     if (rc == KF_OK && !sp && (rc = head_check_finite(x, l, g, K, V, hs->q, &hs->tg, NULL, err)) != KF_OK)
         head_targets_free(hs);
-    if (rc != KF_OK) {
-        free(hs->q_own);
+    if (rc != KF_OK)
         return rc;
-    }
     hs->targets_s = now_s() - ts;
     if (!sp)
         return KF_OK;
@@ -1352,12 +1361,11 @@ static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, 
     split_head(sp, &x->rq, hs->q, &hs->tg, x->is_val, x->tr_order, x->pos_src, x->pos_local, &x->ap, g);
     /* the original block's attention on the validation rows is their targets */
     rc = kf_val_head_init_targets(&hs->vh, hs->h.be, sp->val_q, (int)sp->n_val, x->d, x->scale, sp->val_w, sp->val_m,
-                                  sp->val_y, sp->val_Y, sp->val_app, sp->val_vis, err);
+                                  sp->val_y, sp->val_Y, sp->val_app, sp->val_vis, t_max, ws, err);
     if (rc == KF_OK && (rc = head_check_finite(x, l, g, K, V, hs->q, &hs->tg, &hs->vh, err)) != KF_OK)
         kf_val_head_free(&hs->vh);
     if (rc != KF_OK) {
         head_targets_free(hs);
-        free(hs->q_own);
         return rc;
     }
     hs->sp = sp;
@@ -1367,7 +1375,7 @@ static kf_status head_prepare(kf_compact_prep *x, int l, int g, const float *K, 
 
 static void head_shared_free(head_shared *hs) {
     head_targets_free(hs);
-    free(hs->q_own);
+    hs->q_own = NULL;
     if (hs->sp)
         kf_val_head_free(&hs->vh);
 }
@@ -1441,18 +1449,18 @@ static int refit_parts(const head_shared *hs, int rows, kf_am_head *hv, kf_am_ta
 /* The picked candidate's beta: from the choice's normal equations (plus the other training rows'
  * and the validation rows' parts with refit_all) when it kept them, else fitted on hf/tf. */
 static kf_status fit_beta(const variant_ws *w, const head_shared *hs, const kf_am_head *hf, const kf_am_targets *tf,
-                          kf_choice_fits *fits, int th, uint64_t seed, kf_error *err) {
+                          kf_choice_fits *fits, int th, uint64_t seed, kf_ws *ws, kf_error *err) {
     const kf_compact_params *p = &w->p;
     kf_am_stats *st = &w->out->stats.solver;
     if (!fits || !fits->beta.G)
-        return kf_am_fit_beta_ex(hf, tf, w->sel, th, seed, p->beta_fit, w->beta, st, err);
+        return kf_am_fit_beta_ex(hf, tf, w->sel, th, seed, p->beta_fit, w->beta, st, ws, err);
     if (p->refit_all) { /* the other training rows, then the validation rows */
         kf_am_head hv[2];
         kf_am_targets tv[2];
         const int n = refit_parts(hs, fits->rows, hv, tv);
-        KF_TRY(kf_choice_refit_add(fits, 1, hv, tv, n, w->kc, th, err));
+        KF_TRY(kf_choice_refit_add(fits, 1, hv, tv, n, w->kc, th, ws, err));
     }
-    return kf_am_fit_beta_normal(&fits->beta, seed, p->beta_fit, w->beta, st, err);
+    return kf_am_fit_beta_normal(&fits->beta, seed, p->beta_fit, w->beta, st, ws, err);
 }
 
 /* The values for keys kk [th, d] (bias: am's beta): drop's from the choice's normal equations
@@ -1460,19 +1468,19 @@ static kf_status fit_beta(const variant_ws *w, const head_shared *hs, const kf_a
  * them, else fitted on hf/tf. */
 static kf_status fit_values(const kf_compact_prep *x, variant_ws *w, const head_shared *hs, const kf_am_head *hf,
                             const kf_am_targets *tf, kf_choice_fits *fits, kf_method method, const float *kk,
-                            double alpha, int th, kf_error *err) {
+                            double alpha, int th, kf_ws *ws, kf_error *err) {
     const kf_compact_params *p = &w->p;
     const float *v0 = p->ridge_to == KF_RIDGE_TO_ORIG ? w->vo : NULL;
     kf_am_stats *st = &w->out->stats.solver;
     if (method != KF_METHOD_DROP || !fits || !fits->drop.G)
         return kf_am_fit_values_ridge(hf->be, hf->q, hf->R, x->d, x->scale, kk, x->d,
                                       method == KF_METHOD_AM ? w->beta : NULL, th, tf->Y, alpha, v0, x->d, w->vals, st,
-                                      err);
+                                      ws, err);
     if (p->refit_all) { /* the other training rows, then the validation rows */
         kf_am_head hv[2];
         kf_am_targets tv[2];
         const int n = refit_parts(hs, fits->rows, hv, tv);
-        KF_TRY(kf_choice_refit_add(fits, 0, hv, tv, n, kk, th, err));
+        KF_TRY(kf_choice_refit_add(fits, 0, hv, tv, n, kk, th, ws, err));
     }
     return kf_value_gram_solve(&fits->drop, alpha, v0, x->d, w->vals, st, err);
 }
@@ -1481,14 +1489,14 @@ static kf_status fit_values(const kf_compact_prep *x, variant_ws *w, const head_
  * choice kept in fits, NULL: nothing), then written. */
 static kf_status variant_fit(const kf_compact_prep *x, variant_ws *w, const head_shared *hs, const kf_am_head *hf,
                              const kf_am_targets *tf, const kf_head_pick *pick, kf_choice_fits *fits, int th,
-                             float *qsub, kf_error *err) {
+                             float *qsub, kf_ws *ws, kf_error *err) {
     kf_compacted *out = w->out;
     const kf_compact_params *p = &w->p;
     const int d = x->d, hi = hs->l * x->kvh + hs->g;
     kf_method method = pick->method;
     double ts = now_s();
     if (method != KF_METHOD_KEEP && method != KF_METHOD_DROP) {
-        KF_TRY(fit_beta(w, hs, hf, tf, fits, th, p->seed + (uint64_t)hi, err));
+        KF_TRY(fit_beta(w, hs, hf, tf, fits, th, p->seed + (uint64_t)hi, ws, err));
         out->stats.beta_s += now_s() - ts;
     }
     const float *kk = w->kc; /* [th, d] keys the values are fitted for */
@@ -1500,7 +1508,7 @@ static kf_status variant_fit(const kf_compact_prep *x, variant_ws *w, const head
         const int fR = on_probes ? probe_rows(&x->rq, hs->q, d, qsub) : hf->R;
         kf_fold_info fi;
         KF_TRY(fold_selection(hf->be, on_probes ? qsub : hf->q, fR, d, x->scale, pick->lambda, w->kc, w->beta, th, u,
-                              w->kfold, &fi, err));
+                              w->kfold, &fi, ws, err));
         if (fi.ok) {
             kk = w->kfold;
             w->folded++;
@@ -1515,7 +1523,7 @@ static kf_status variant_fit(const kf_compact_prep *x, variant_ws *w, const head
     }
     if (method != KF_METHOD_KEEP) {
         ts = now_s();
-        KF_TRY(fit_values(x, w, hs, hf, tf, fits, method, kk, pick->alpha, th, err));
+        KF_TRY(fit_values(x, w, hs, hf, tf, fits, method, kk, pick->alpha, th, ws, err));
         out->stats.values_s += now_s() - ts;
         out->stats.heads_ridged += pick->alpha > 0;
         out->head_alpha[hi] = (float)pick->alpha;
@@ -1541,8 +1549,8 @@ static kf_status head_output_check(const kf_compact_prep *x, const variant_ws *w
 }
 
 /* One variant on one head: its selection, the per-head choice when on, then the fits. */
-static kf_status variant_head(const kf_compact_prep *x, variant_ws *w, head_shared *hs, float *qsub,
-                              kf_error *err) {
+static kf_status variant_head_ws(const kf_compact_prep *x, variant_ws *w, head_shared *hs, float *qsub, kf_ws *ws,
+                                 kf_error *err) {
     kf_compacted *out = w->out;
     const kf_compact_params *p = &w->p;
     const int d = x->d, hi = hs->l * x->kvh + hs->g;
@@ -1550,7 +1558,7 @@ static kf_status variant_head(const kf_compact_prep *x, variant_ws *w, head_shar
     double ts = now_s();
     /* am pads a smaller head with no-weight slots; the bias-free methods keep t keys */
     const int th = p->method == KF_METHOD_AM ? w->budgets[hi] : w->t;
-    KF_TRY(kf_am_select(hs->tg.score, x->n_doc, th, w->sel, err));
+    KF_TRY(kf_am_select(hs->tg.score, x->n_doc, th, w->sel, ws, err));
     out->stats.select_s += hs->targets_s + (now_s() - ts);
     for (int j = 0; j < th; j++) { /* the kept keys and their original values */
         memcpy(w->kc + (size_t)j * d, hs->h.k + (size_t)w->sel[j] * row, sizeof(float) * d);
@@ -1567,17 +1575,26 @@ static kf_status variant_head(const kf_compact_prep *x, variant_ws *w, head_shar
         htr.q = sp->tr_q, htr.R = (int)sp->n_tr;
         kf_am_targets ttr = {sp->tr_m, sp->tr_y, sp->tr_Y, NULL};
         KF_TRY(kf_choose_head(p, &htr, &ttr, w->sel, th, w->kc, w->vo, &hs->vh, p->seed + (uint64_t)hi, &pick, &fits,
-                              err));
+                              ws, err));
         if (!p->refit_all) { /* ship the fit that was validated: on the training rows' subsample */
             hf = htr, tf = ttr;
             hf.R = kf_choice_rows(p, htr.R, th);
         }
         out->stats.choice_s += hs->split_s + (now_s() - ts);
     }
-    kf_status rc = variant_fit(x, w, hs, &hf, &tf, &pick, w->choice ? &fits : NULL, th, qsub, err);
+    kf_status rc = variant_fit(x, w, hs, &hf, &tf, &pick, w->choice ? &fits : NULL, th, qsub, ws, err);
     kf_choice_fits_free(&fits);
     if (rc == KF_OK)
         rc = head_output_check(x, w, hs, th, err);
+    return rc;
+}
+
+/* variant_head_ws, its scratch given back after it (the next variant reuses it). */
+static kf_status variant_head(const kf_compact_prep *x, variant_ws *w, head_shared *hs, float *qsub, kf_ws *ws,
+                              kf_error *err) {
+    const size_t mark = kf_ws_mark(ws);
+    const kf_status rc = variant_head_ws(x, w, hs, qsub, ws, err);
+    kf_ws_reset(ws, mark);
     return rc;
 }
 
@@ -1592,6 +1609,7 @@ typedef struct {
     float *kfold, *vals, *kc, *vo; /* [t_max, d] each */
     variant_ws *w;                 /* [n] the thread's views of the variants (variant_ws) */
     kf_compacted *out;             /* [n] the views' outputs */
+    int t_max;                     /* the most keys a variant keeps */
 } thread_ws;
 
 /* What one (head, variant) adds to the variant: its stats, folded and var_sum. */
@@ -1611,6 +1629,11 @@ typedef struct {
     kf_error *err;       /* [kvh] its cause */
     head_add *add;       /* [kvh, n] */
     atomic_int *heads_done; /* the layer's heads finished so far (progress) */
+    int threads;         /* tw's count */
+    kf_ws *ws;           /* [n_ws] the heads' workspaces (solve_ws_bytes each), one per head in flight */
+    atomic_int *ws_busy; /* [n_ws] 1 while a head holds it */
+    int n_ws;            /* min(threads, kvh): never more heads at once */
+    int64_t ws_bytes;    /* each workspace's bytes (0: not allocated yet) */
 } layer_job;
 
 static void thread_free(thread_ws *t) {
@@ -1628,6 +1651,7 @@ static kf_status thread_init(const kf_compact_prep *x, const variant_ws *w, int 
     for (int i = 0; i < n; i++)
         tm = w[i].t > tm ? w[i].t : tm;
     memset(t, 0, sizeof *t);
+    t->t_max = tm;
     t->sel = malloc(sizeof(int32_t) * (size_t)tm);
     t->beta = malloc(sizeof(float) * (size_t)tm);
     t->kfold = malloc(sizeof(float) * (size_t)tm * d);
@@ -1657,6 +1681,17 @@ static kf_status thread_init(const kf_compact_prep *x, const variant_ws *w, int 
     return KF_OK;
 }
 
+/* A workspace no other head holds: there are as many as heads can run at once (min(threads, kvh)),
+ * so one is always free. Which one a head gets does not change its bytes. */
+static int ws_acquire(const layer_job *j) {
+    for (;;)
+        for (int s = 0; s < j->n_ws; s++) {
+            int free_ = 0;
+            if (atomic_compare_exchange_strong(&j->ws_busy[s], &free_, 1))
+                return s;
+        }
+}
+
 /* Item g of a layer_job: head g's shared work, then every variant on it (the first failing one
  * stops it); its stats go to add[g, :]. */
 static void head_item(void *ctx, int g, int thread) {
@@ -1667,12 +1702,16 @@ static void head_item(void *ctx, int g, int thread) {
         t->w[i].folded = 0, t->w[i].var_sum = 0;
     }
     head_shared hs;
-    kf_status rc = head_prepare(j->x, j->l, g, j->K, j->V, j->any_choice ? &t->sp : NULL, &hs, &j->err[g]);
+    const int s = ws_acquire(j);
+    kf_ws *ws = &j->ws[s];
+    kf_status rc = head_prepare(j->x, j->l, g, j->K, j->V, j->any_choice ? &t->sp : NULL, &hs, ws, t->t_max, &j->err[g]);
     if (rc == KF_OK) {
         for (int i = 0; i < j->n && rc == KF_OK; i++)
-            rc = variant_head(j->x, &t->w[i], &hs, t->qsub, &j->err[g]);
+            rc = variant_head(j->x, &t->w[i], &hs, t->qsub, ws, &j->err[g]);
         head_shared_free(&hs);
     }
+    kf_ws_reset(ws, 0);
+    atomic_store(&j->ws_busy[s], 0);
     for (int i = 0; i < j->n; i++)
         j->add[(size_t)g * j->n + i] = (head_add){t->out[i].stats, t->w[i].folded, t->w[i].var_sum};
     j->rc[g] = rc;
@@ -1698,10 +1737,43 @@ static void head_merge(variant_ws *w, const head_add *a) {
     w->var_sum += a->var_sum;
 }
 
+/* Each solve thread's workspace: the memory formula's ws (kf_compact_head_ws_bytes) for this job's
+ * shape, t_max kept keys at most; known once the sources' forwards are set up (which rows they fuse
+ * targets for). */
+static int64_t solve_ws_bytes(const kf_compact_prep *x, int t_max, int any_choice) {
+    kf_mem_shape s = {.T = x->n_doc, .R = x->rq.R, .t = t_max, .choice = any_choice, .refq_bf16 = x->rq.qh != NULL,
+                      .fused = x->tg.m != NULL};
+    s.Rv = any_choice ? x->n_val_pos * x->G : 0;
+    for (int i = 0; i < x->n_sources; i++) /* the longest prompt a validation row sees */
+        if (x->src[i].kind != KF_REFQ_CONTEXT)
+            s.S = x->src[i].n > s.S ? x->src[i].n : s.S;
+    for (int64_t p = 0; s.fused && p < x->rq.n_pos; p++)
+        s.Ru += x->tg.fused[p] ? 0 : x->G;
+    return kf_compact_head_ws_bytes(&s, x->d);
+}
+
+/* The heads' workspaces, once per kf_compact_solve (before the first layer's heads). */
+static kf_status job_ws_init(layer_job *j, kf_error *err) {
+    const int64_t bytes = solve_ws_bytes(j->x, j->tw[0].t_max, j->any_choice);
+    j->n_ws = j->threads < j->x->kvh ? j->threads : j->x->kvh;
+    j->ws = calloc((size_t)j->n_ws, sizeof *j->ws);
+    j->ws_busy = calloc((size_t)j->n_ws, sizeof *j->ws_busy);
+    for (int s = 0; j->ws && j->ws_busy && s < j->n_ws; s++)
+        if (kf_ws_init(&j->ws[s], bytes) != 0)
+            return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the solve's workspaces (%lld bytes each)",
+                           (long long)bytes);
+    if (!j->ws || !j->ws_busy)
+        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
+    j->ws_bytes = bytes;
+    return KF_OK;
+}
+
 /* Layer l: its K, V [D, kvh * d] read once, then its heads in parallel (each head's shared work,
  * then every variant), then their stats merged in head order; the first failing head's error. */
 static kf_status solve_layer(kf_compact_prep *x, variant_ws *w, int n, int l, float *K, float *V, layer_job *j,
                              kf_error *err) {
+    if (j->ws_bytes == 0)
+        KF_TRY(job_ws_init(j, err));
     KF_TRY(kf_seq_read_kv(x->ar, &x->seq, l, 0, x->D, K, V, err));
     if (j->any_choice)
         KF_TRY(appended_load(&x->src_ar, x->D, &x->ap, l, err));
@@ -1745,7 +1817,7 @@ static kf_status solve_on_layer(void *ctx, int l, kf_error *err) {
 /* The job's per-head results and every thread's scratch (tw [threads], zeroed by the caller). */
 static kf_status job_init(kf_compact_prep *x, const variant_ws *w, int n, int any_choice, int threads,
                           layer_job *j, kf_error *err) {
-    j->x = x, j->n = n, j->any_choice = any_choice;
+    j->x = x, j->n = n, j->any_choice = any_choice, j->threads = threads;
     j->rc = calloc((size_t)x->kvh, sizeof *j->rc);
     j->err = calloc((size_t)x->kvh, sizeof *j->err);
     j->add = calloc((size_t)x->kvh * n, sizeof *j->add);
@@ -1759,6 +1831,9 @@ static kf_status job_init(kf_compact_prep *x, const variant_ws *w, int n, int an
 static void job_free(layer_job *j, int threads) {
     for (int t = 0; j->tw && t < threads; t++)
         thread_free(&j->tw[t]);
+    for (int s = 0; j->ws && s < j->n_ws; s++)
+        kf_ws_free(&j->ws[s]);
+    free(j->ws), free((void *)j->ws_busy);
     free(j->tw), free(j->rc), free(j->err), free(j->add);
 }
 
@@ -1787,6 +1862,10 @@ kf_status kf_compact_solve(kf_compact_prep *x, const kf_compact_variant *v, int 
     for (int i = 0; i < n; i++) {
         if (rc == KF_OK) { /* the compacted frame: questions at C, C+1, ... see what they would at D, D+1, ... */
             outs[i].stats.refq_s = x->refq_s;
+            outs[i].stats.ws_bytes = j.ws_bytes;
+            for (int s = 0; s < j.n_ws; s++)
+                outs[i].stats.ws_peak = (int64_t)j.ws[s].peak > outs[i].stats.ws_peak ? (int64_t)j.ws[s].peak
+                                                                                       : outs[i].stats.ws_peak;
             outs[i].stats.mean_var_gain = w[i].folded ? w[i].var_sum / w[i].folded : 0;
             kf_compacted_set_frame(&outs[i], x->m, 1);
         } else {
