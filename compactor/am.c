@@ -702,16 +702,23 @@ int64_t kf_kept_normal_build_bytes(int t, int d, int own_tiles) {
     return kf_beta_normal_bytes(t) + kf_value_gram_bytes(t, d) + (own_tiles ? kf_gram_tiles_bytes(t, d, 1) : 0);
 }
 
-kf_status kf_kept_normal_build(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
-                               kf_gram_tiles *tiles, kf_beta_normal *bn, kf_value_gram *drop, kf_ws *ws, kf_error *err) {
-    const int R = h->R, d = h->d;
+int kf_kept_normal_alloc(kf_beta_normal *bn, kf_value_gram *drop, const kf_backend *be, int t, int d, kf_ws *ws) {
     memset(bn, 0, sizeof *bn);
-    bn->t = t, bn->be = h->be;
+    bn->t = t, bn->be = be;
     const int ok0 = beta_normal_alloc(bn, t, 1, ws) == 0;
+    if (kf_value_gram_alloc(drop, be, t, d, ws) == 0 && ok0)
+        return 0;
+    kf_beta_normal_free(bn);
+    kf_value_gram_free(drop);
+    return -1;
+}
+
+kf_status kf_kept_normal_fill(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
+                              kf_gram_tiles *tiles, kf_beta_normal *bn, kf_value_gram *drop, kf_ws *ws, kf_error *err) {
+    const int R = h->R, d = h->d;
     kf_gram_tiles own = {0}, *w = tiles ? tiles : &own; /* tiles [GRAM_TILE, t] */
-    const int ok1 = kf_value_gram_alloc(drop, h->be, t, d, ws) == 0;
-    const size_t mark = ws ? kf_ws_mark(ws) : 0; /* own tiles: scratch */
-    const int ok = ok0 && ok1 && (tiles || kf_gram_tiles_alloc(&own, t, d, 1, ws) == 0);
+    const size_t mark = ws ? kf_ws_mark(ws) : 0;        /* own tiles: scratch */
+    const int ok = tiles || kf_gram_tiles_alloc(&own, t, d, 1, ws) == 0;
     for (int i0 = 0; ok && t > 0 && i0 < R; i0 += GRAM_TILE) {
         const int n = R - i0 < GRAM_TILE ? R - i0 : GRAM_TILE;
         kf_solve_sgemm(h->be, KF_NO_TRANS, KF_TRANS, n, t, d, h->scale, h->q + (size_t)i0 * d, d, kc, d, 0.0f, w->Z,
@@ -721,16 +728,26 @@ kf_status kf_kept_normal_build(const kf_am_head *h, const kf_am_targets *tg, con
     kf_gram_tiles_free(&own);
     if (ws)
         kf_ws_reset(ws, mark);
-    if (!ok) {
-        kf_beta_normal_free(bn);
-        kf_value_gram_free(drop);
+    if (!ok)
         return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the kept keys' normal equations (R %d, t %d)", R, t);
-    }
     for (int r = 0; r < t; r++)
         for (int c = 0; c < r; c++)
             bn->G[(size_t)r * t + c] = bn->G[(size_t)c * t + r];
     gram_finish(drop);
     return KF_OK;
+}
+
+kf_status kf_kept_normal_build(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
+                               kf_gram_tiles *tiles, kf_beta_normal *bn, kf_value_gram *drop, kf_ws *ws, kf_error *err) {
+    if (kf_kept_normal_alloc(bn, drop, h->be, t, h->d, ws) != 0)
+        return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the kept keys' normal equations (R %d, t %d)", h->R,
+                       t);
+    const kf_status rc = kf_kept_normal_fill(h, tg, kc, t, tiles, bn, drop, ws, err);
+    if (rc != KF_OK) {
+        kf_beta_normal_free(bn);
+        kf_value_gram_free(drop);
+    }
+    return rc;
 }
 
 void kf_value_gram_add(kf_value_gram *acc, const kf_value_gram *part) {

@@ -187,6 +187,12 @@ kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float 
 kf_status kf_kept_normal_build(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
                                kf_gram_tiles *tiles, kf_beta_normal *bn, kf_value_gram *drop, kf_ws *ws, kf_error *err);
 int64_t kf_kept_normal_build_bytes(int t, int d, int own_tiles);
+/* kf_kept_normal_build in two steps, so that a caller can take the results' buffers from a
+ * workspace before its own scratch (the per-head choice keeps them for the refit): bn, drop
+ * allocated zeroed for t keys (0, or -1 when out of memory, nothing left), then filled. */
+int kf_kept_normal_alloc(kf_beta_normal *bn, kf_value_gram *drop, const kf_backend *be, int t, int d, kf_ws *ws);
+kf_status kf_kept_normal_fill(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
+                              kf_gram_tiles *tiles, kf_beta_normal *bn, kf_value_gram *drop, kf_ws *ws, kf_error *err);
 /* acc += part (the same keys and bias on another set of rows: training + validation = all). */
 void kf_value_gram_add(kf_value_gram *acc, const kf_value_gram *part);
 void kf_value_gram_free(kf_value_gram *g);

@@ -328,15 +328,16 @@ static kf_status try_folds(const kf_compact_params *p, const kf_am_head *htr, co
 }
 
 /* The method's candidates (am, fold): beta fitted on the training rows from one pass that also
- * builds drop's normal equations (bn, dg, kept for the refit); fold's covariance first, while the
- * least is held (the memory formula's P1). */
+ * builds drop's normal equations (bn, dg, kept for the refit; with a workspace, already allocated
+ * there by kf_choose_head); fold's covariance first. */
 static kf_status method_fits(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr, int t,
                              const float *kc, const float *v0, kf_val_head *val, uint64_t seed, choice_ws *w,
                              kf_beta_normal *bn, kf_value_gram *dg, kf_head_pick *best, kf_error *err) {
     kf_fold_cov cov = {0};
     if (p->method == KF_METHOD_FOLD)
         KF_TRY(kf_fold_cov_compute(htr->be, htr->q, htr->R, htr->d, &cov, w->ws, err));
-    kf_status rc = kf_kept_normal_build(htr, ttr, kc, t, &w->tiles, bn, dg, w->ws, err);
+    kf_status rc = w->ws ? kf_kept_normal_fill(htr, ttr, kc, t, &w->tiles, bn, dg, w->ws, err)
+                         : kf_kept_normal_build(htr, ttr, kc, t, &w->tiles, bn, dg, NULL, err);
     if (rc == KF_OK)
         rc = kf_am_fit_beta_normal(bn, seed, p->beta_fit, w->beta, NULL, w->ws, err);
     if (rc == KF_OK && p->method == KF_METHOD_AM)
@@ -356,7 +357,7 @@ static kf_status choose_fits(const kf_compact_params *p, const kf_am_head *htr, 
     if (p->method == KF_METHOD_AM || p->method == KF_METHOD_FOLD) {
         KF_TRY(method_fits(p, htr, ttr, t, kc, v0, val, seed, w, bn, dg, best, err));
     } else {
-        if (kf_value_gram_alloc(dg, htr->be, t, d, w->ws) != 0)
+        if (!w->ws && kf_value_gram_alloc(dg, htr->be, t, d, NULL) != 0) /* with ws: kf_choose_head's */
             return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for drop's normal equations (t %d)", t);
         kf_value_gram_rebuild(htr->q, htr->R, htr->scale, kc, d, NULL, ttr->Y, &w->tiles, dg);
     }
@@ -412,12 +413,19 @@ kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, cons
     hsub.R = kf_choice_rows(p, htr->R, t);
     const float *v0 = p->ridge_to == KF_RIDGE_TO_ORIG ? vo : NULL;
     kf_choice_fits f = {0};
-    choice_ws w;
+    choice_ws w = {0};
     *best = (kf_head_pick){KF_METHOD_KEEP, p->lambda_rel, 0, INFINITY};
     kf_status rc = KF_OK;
     const kf_kv_block kb = {kc, vo, (size_t)d, NULL, t};
+    const int am_fold = p->method == KF_METHOD_AM || p->method == KF_METHOD_FOLD;
     const size_t mark = ws ? kf_ws_mark(ws) : 0;
-    if (choice_ws_alloc(&w, htr->be, t, d, p->method == KF_METHOD_AM || p->method == KF_METHOD_FOLD, ws) != 0)
+    int kept_ok = 1; /* with ws, the normal equations kept for the refit first, below the choice's own buffers */
+    if (ws && am_fold)
+        kept_ok = kf_kept_normal_alloc(&f.beta, &f.drop, htr->be, t, d, ws) == 0;
+    else if (ws && p->method != KF_METHOD_KEEP)
+        kept_ok = kf_value_gram_alloc(&f.drop, htr->be, t, d, ws) == 0;
+    const size_t own = ws ? kf_ws_mark(ws) : 0;
+    if (!kept_ok || choice_ws_alloc(&w, htr->be, t, d, am_fold, ws) != 0)
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the per-head choice (t %d)", t);
     else if (p->method != KF_METHOD_KEEP)
         rc = choose_fits(p, &hsub, ttr, t, kc, v0, val, seed, &w, &f.beta, &f.drop, best, err);
@@ -434,8 +442,8 @@ kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, cons
     else
         kf_choice_fits_free(&f);
     choice_ws_free(&w);
-    if (ws && !(rc == KF_OK && keep)) /* kept fits stay in ws, above the choice's buffers */
-        kf_ws_reset(ws, mark);
+    if (ws) /* the kept normal equations stay in ws */
+        kf_ws_reset(ws, rc == KF_OK && keep ? own : mark);
     return rc;
 }
 

@@ -10,28 +10,31 @@ static int64_t max64(int64_t a, int64_t b) {
     return a > b ? a : b;
 }
 
-/* What one variant's per-head choice holds from its fits to the head's end: its buffers (beta, u,
- * a candidate's keys and values, the row tiles with logits, the candidates' value normal
- * equations), beta's and drop's normal equations kept for the refit, the fold's covariance. */
-static int64_t choice_held_bytes(int64_t t, int d) {
-    return kf_ws_bytes(t, 4) + kf_ws_bytes(d, 4) + 2 * kf_ws_bytes(t * d, 4) + kf_gram_tiles_bytes((int)t, d, 1) +
-           kf_value_gram_bytes((int)t, d) + kf_beta_normal_bytes((int)t) + kf_value_gram_bytes((int)t, d) +
-           kf_fold_cov_bytes(d);
+/* The per-head choice: the normal equations it keeps for the refit (beta's and drop's), then its
+ * own buffers (beta, u, a candidate's keys and values, the row tiles with logits, the candidates'
+ * value normal equations, the fold's covariance) beside its largest step (the covariance's row
+ * tiles, beta's fit, a fold direction); its own are given back before the refit. */
+static int64_t choice_kept_bytes(int t, int d) {
+    return kf_beta_normal_bytes(t) + kf_value_gram_bytes(t, d);
 }
 
-/* The most one step of a variant's fits takes and gives back: the choice's (the covariance's row
- * tiles, beta's fit, a fold direction) and the final fits' (a refit part of beta's or of the values'
- * normal equations, beta's fit with or without the kept normal equations, the fold direction, the
- * values' normal equations). */
-static int64_t fit_step_bytes(int64_t t, int d) {
-    const int tt = (int)t;
-    int64_t most = kf_fold_cov_compute_bytes(d) - kf_fold_cov_bytes(d);
-    most = kf_ws_max(most, kf_am_fit_beta_normal_bytes(tt));
-    most = kf_ws_max(most, kf_fold_direction_cov_bytes(d));
-    most = kf_ws_max(most, kf_beta_normal_build_bytes(tt));
-    most = kf_ws_max(most, kf_am_fit_beta_bytes(tt, d));
+static int64_t choice_own_bytes(int t, int d) {
+    const int64_t bufs = kf_ws_bytes(t, 4) + kf_ws_bytes(d, 4) + 2 * kf_ws_bytes((int64_t)t * d, 4) +
+                         kf_gram_tiles_bytes(t, d, 1) + kf_value_gram_bytes(t, d) + kf_fold_cov_bytes(d);
+    int64_t step = kf_fold_cov_compute_bytes(d) - kf_fold_cov_bytes(d);
+    step = kf_ws_max(step, kf_am_fit_beta_normal_bytes(t));
+    return bufs + kf_ws_max(step, kf_fold_direction_cov_bytes(d));
+}
+
+/* The largest step of the final fits: a refit part of beta's or of the values' normal equations,
+ * beta's fit with or without the kept normal equations, the fold direction, the values' normal
+ * equations. */
+static int64_t fit_step_bytes(int t, int d) {
+    int64_t most = kf_beta_normal_build_bytes(t);
+    most = kf_ws_max(most, kf_am_fit_beta_normal_bytes(t));
+    most = kf_ws_max(most, kf_am_fit_beta_bytes(t, d));
     most = kf_ws_max(most, kf_fold_direction_bytes(d));
-    return kf_ws_max(most, kf_value_gram_build_bytes(tt, d));
+    return kf_ws_max(most, kf_value_gram_build_bytes(t, d));
 }
 
 int64_t kf_compact_head_ws_bytes(const kf_mem_shape *s, int d) {
@@ -48,9 +51,13 @@ int64_t kf_compact_head_ws_bytes(const kf_mem_shape *s, int d) {
                                                          kf_am_targets_ws_bytes((int)s->Ru, (int)T, d)
                                                    : 0)
                  : kf_am_targets_ws_bytes((int)R, (int)T, d) - kf_am_targets_bytes((int)R, (int)T, d);
-    /* then each variant in turn: the selection, or the choice's holdings and one fit step */
-    const int64_t variant =
-        kf_ws_max(kf_am_select_bytes((int)T), (s->choice ? choice_held_bytes(t, d) : 0) + fit_step_bytes(t, d));
+    /* then each variant in turn: the selection, then the choice (what it keeps for the refit, beside
+     * its own buffers, then beside the final fits' largest step) or the final fits alone */
+    const int tt = (int)t;
+    const int64_t fits = s->choice ? choice_kept_bytes(tt, d) +
+                                         kf_ws_max(choice_own_bytes(tt, d), fit_step_bytes(tt, d))
+                                   : fit_step_bytes(tt, d);
+    const int64_t variant = kf_ws_max(kf_am_select_bytes((int)T), fits);
     return head + kf_ws_max(targets, variant);
 }
 

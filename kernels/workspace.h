@@ -57,8 +57,7 @@ kf_ws *kf_ws_or_own(kf_ws *ws, kf_ws *own, int64_t bytes);
 static inline size_t kf_ws_mark(const kf_ws *ws) {
     return ws->used;
 }
-static inline void kf_ws_reset(kf_ws *ws, size_t mark) {
-    ws->used = mark;
-}
+/* Gives back everything handed out since mark (kf_ws_mark). */
+void kf_ws_reset(kf_ws *ws, size_t mark);
 
 #endif
