@@ -79,9 +79,30 @@ static void test_sort(void) {
     }
 }
 
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+/* Under AddressSanitizer the bytes not handed out are poisoned: a request's bytes are usable, its
+ * padding and everything given back by a reset are not. */
+static void test_poison(void) {
+    kf_ws ws;
+    CU_ASSERT_EQUAL_FATAL(kf_ws_init(&ws, 256), 0);
+    CU_ASSERT(__asan_address_is_poisoned(ws.base));
+    const size_t m = kf_ws_mark(&ws);
+    char *a = kf_ws_alloc(&ws, 40, 1);
+    CU_ASSERT(!__asan_address_is_poisoned(a) && !__asan_address_is_poisoned(a + 39));
+    CU_ASSERT(__asan_address_is_poisoned(a + 40)); /* the padding up to 64 */
+    kf_ws_reset(&ws, m);
+    CU_ASSERT(__asan_address_is_poisoned(a));
+    kf_ws_free(&ws);
+}
+#endif
+
 static CU_TestInfo tests[] = {
     {"bump allocation: alignment, rounding, refusal, mark and reset, own block", test_bump},
     {"merge sort into scratch: qsort's order, stable", test_sort},
+#if defined(__SANITIZE_ADDRESS__)
+    {"under AddressSanitizer, what is not handed out is poisoned", test_poison},
+#endif
     CU_TEST_INFO_NULL,
 };
 static CU_SuiteInfo suites[] = {
