@@ -128,4 +128,22 @@ void kf_split_head(head_split *s, const kf_refq *rq, const float *q, const kf_am
                    const int64_t *tr_order, const int *pos_src, const int64_t *pos_local, const appended_kv *ap,
                    int g);
 
+/* ---- sources.c: the reference sources and the context ---- */
+
+/* src [n_sources]: the document's own rows, the repeat's spans, the probes; *n_cand their length. */
+kf_status kf_sources_plan(const kf_compact_prep *x, const kf_prompt *doc, source *src, int64_t *n_cand,
+                          kf_error *err);
+/* Every source's capture rows (x->rows, x->first) from the sorted sample [n_pos]. */
+void kf_sources_rows(kf_compact_prep *x, const int64_t *sample, int64_t n_pos);
+/* The pool of fused targets (x->tg) when a source past the context can have them. */
+kf_status kf_sources_targets_init(kf_compact_prep *x, kf_error *err);
+/* The context's prefill (from `shared` on), capturing the document's own sampled rows into x->ctxq. */
+kf_status kf_context_prefill(kf_compact_prep *x, const kf_compact_reuse *reuse, int64_t shared,
+                             const int32_t *ctx_ids, kf_error *err);
+/* Layer l of the context's own rows into the pool (before the layer is solved). */
+void kf_context_rows_load(kf_compact_prep *x, int l);
+/* Every source, layer by layer, on its fork of the context; hook's on_layer after each layer. */
+kf_status kf_sources_run(kf_compact_prep *x, const kf_layer_hook *hook, kf_error *err);
+void kf_sources_arena_free(kf_compact_prep *x);
+
 #endif
