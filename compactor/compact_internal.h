@@ -108,6 +108,38 @@ struct kf_compact_prep {
     kf_progress_sink pg;       /* the caller's progress calls (p.progress) and this document's totals */
 };
 
+/* One variant's state in kf_compact_solve, or one thread's view of it. kf_compact_solve keeps
+ * one per variant (its budgets, its output, folded and var_sum merged so far); every thread holds
+ * a view per variant for the head it solves: the same p, choice, t and budgets, the thread's head
+ * buffers, `out` a copy of the output's header (the variant's arrays, written at the head's own
+ * slots only; stats of this head alone) and folded / var_sum of this head alone, merged in head
+ * order after the layer (solve_layer). */
+typedef struct {
+    kf_compact_params p;           /* the prep's, with this variant's method and budget */
+    int choice, t;                 /* per-head choice on; kept keys per head (the largest) */
+    int *budgets;                  /* [L * kvh] kept keys of each head (the variant's) */
+    int32_t *sel;                  /* [t] (views only: the thread's buffers) */
+    float *beta;                   /* [t] */
+    float *kfold, *vals, *kc, *vo; /* [t, d] each */
+    int folded;
+    double var_sum;
+    kf_compacted *out;
+} variant_ws;
+
+/* What one (layer, KV head) shares between the variants: its block and reference rows, AM's
+ * targets over them and, when a variant chooses per head, the validation split. */
+typedef struct {
+    int l, g;
+    const float *q;      /* [R, d] the head's reference queries */
+    float *q_own;        /* [R, d] q converted from a bf16 pool, or NULL */
+    kf_am_head h;
+    kf_am_targets tg;    /* m, y, Y point into the prep's pool of fused targets when tg_view */
+    int tg_view;
+    const head_split *sp; /* NULL: no variant chooses per head */
+    kf_val_head vh;
+    double targets_s, split_s;
+} head_shared;
+
 /* ---- choice.c: the per-head choice's validation split ---- */
 
 /* The per-head choice's validation plan: every sampled position's source, index inside it and
@@ -145,5 +177,16 @@ void kf_context_rows_load(kf_compact_prep *x, int l);
 /* Every source, layer by layer, on its fork of the context; hook's on_layer after each layer. */
 kf_status kf_sources_run(kf_compact_prep *x, const kf_layer_hook *hook, kf_error *err);
 void kf_sources_arena_free(kf_compact_prep *x);
+
+/* ---- head_solve.c: one (layer, KV head) ---- */
+
+/* Head g of layer l's shared work (K, V [D, kvh * d] the layer's): its rows, AM's targets and, with
+ * sp (the thread's buffers; NULL: no variant chooses per head), its validation split. */
+kf_status kf_head_prepare(kf_compact_prep *x, int l, int g, const float *K, const float *V, head_split *sp,
+                          head_shared *hs, kf_error *err);
+void kf_head_release(head_shared *hs);
+/* One variant on the head: its selection, the per-head choice when on, the fits, the slots written
+ * (qsub [R, d]: the thread's probe-row buffer, or NULL). */
+kf_status kf_head_variant(const kf_compact_prep *x, variant_ws *w, head_shared *hs, float *qsub, kf_error *err);
 
 #endif
