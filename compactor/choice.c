@@ -13,7 +13,6 @@ static const double kAlphaGrid[] = {0, 1e-3, 1e-2, 1e-1};
  * so large that rounding the cache to bf16 moved the records model's logits by 7 (test_e2e) */
 static const double kLambdaGrid[] = {1, 10};
 
-
 /* The validation split of the sampled positions: n_val of them, probe positions first (drawn
  * evenly when there are more than needed), then repeat positions; context rows never (they have
  * no prompt of their own to append). is_val [n_pos] is filled; returns the count. */

@@ -1,17 +1,15 @@
-#include "compactor/compact_internal.h"
+/* compact.c — the compaction's orchestration: parameters, kf_compact_prepare (plan and prefill),
+ * kf_compact_solve (the sources layer by layer, each layer's heads solved for every variant),
+ * kf_compact_ex, the variants' budgets and outputs, the compacted cache's frame. The stages are in
+ * sources.c, choice.c, head_solve.c and solve_pool.c (compact_internal.h). */
+#include "compactor/compact.h"
 
 #include <math.h>
-#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
-#include "compactor/diag.h"
-#include "compactor/fold.h"
-#include "compactor/refq.h"
-#include "compactor/refq_targets.h"
+#include "compactor/compact_internal.h"
 #include "kernels/cpu/cpu_kernels.h"
-
 
 static const char *const kMethodNames[] = {"keep", "drop", "am", "fold"};
 
@@ -48,8 +46,6 @@ kf_compact_params kf_compact_params_default(void) {
     p.quoka_margin = 16;
     return p;
 }
-
-
 
 int kf_head_choice_active(const kf_compact_params *p) {
     if (p->method == KF_METHOD_KEEP)
@@ -112,12 +108,12 @@ static void head_budgets(const kf_compact_params *p, int n_heads, int T, int t, 
     free(capped);
 }
 
-
 kf_status kf_compact(kf_model *m, const kf_prompt *prefix, const kf_prompt *doc, const kf_prompt *suffix,
                      const kf_compact_params *p, kf_compacted *out, kf_error *err) {
     return kf_compact_ex(m, NULL, prefix, doc, suffix, p, out, err);
 }
 
+/* ---- stage 1: plan and context prefill (kf_compact_prepare) ---- */
 
 static kf_status check_variant(const kf_compact_variant *v, kf_error *err) {
     if (!(v->budget > 0 && v->budget <= 1))
@@ -164,7 +160,6 @@ static kf_status check_repeat(const kf_compact_params *p, kf_error *err) {
                        KF_REPEAT_SPANS_MAX);
     return KF_OK;
 }
-
 
 int64_t kf_compact_arena_pages(const kf_compact_params *p, int64_t n_ctx, int n_doc) {
     (void)p, (void)n_doc; /* the sources run in an arena of their own */
@@ -354,206 +349,6 @@ static kf_status variant_init(const kf_compact_prep *x, const kf_compact_variant
     return KF_OK;
 }
 
-/* Layer l's prefix and suffix, verbatim, with their positions; K, V [D, kvh * d]. */
-static void variant_edges(const kf_compact_prep *x, variant_ws *w, int l, const float *K, const float *V) {
-    kf_compacted *out = w->out;
-    const size_t row = (size_t)x->kvh * x->d;
-    const int n_pre = x->n_pre, n_suf = x->n_suf, t = w->t;
-    float *ok = out->keys + (size_t)l * out->C * row, *ov = out->values + (size_t)l * out->C * row;
-    memcpy(ok, K, sizeof(float) * n_pre * row);
-    memcpy(ov, V, sizeof(float) * n_pre * row);
-    memcpy(ok + (size_t)(n_pre + t) * row, K + (size_t)(n_pre + x->n_doc) * row, sizeof(float) * n_suf * row);
-    memcpy(ov + (size_t)(n_pre + t) * row, V + (size_t)(n_pre + x->n_doc) * row, sizeof(float) * n_suf * row);
-    for (int g = 0; g < x->kvh; g++) {
-        int32_t *hp = out->positions + ((size_t)l * x->kvh + g) * out->C;
-        for (int i = 0; i < n_pre; i++)
-            hp[i] = i;
-        for (int i = 0; i < n_suf; i++)
-            hp[n_pre + t + i] = (int32_t)(n_pre + x->n_doc + i);
-    }
-}
-
-/* ---- the solve over the KV heads of a layer, in parallel (backend.h's parallel_for) ---- */
-
-/* One thread's scratch for the heads it solves, allocated once per kf_compact_solve. */
-typedef struct {
-    head_split sp;                 /* the head's validation split (when a variant chooses per head) */
-    float *qsub;                   /* [R, d] probe rows (fold on probes), else NULL */
-    int32_t *sel;                  /* [t_max] shared by the views: a head runs its variants in turn */
-    float *beta;                   /* [t_max] */
-    float *kfold, *vals, *kc, *vo; /* [t_max, d] each */
-    variant_ws *w;                 /* [n] the thread's views of the variants (variant_ws) */
-    kf_compacted *out;             /* [n] the views' outputs */
-} thread_ws;
-
-/* What one (head, variant) adds to the variant: its stats, folded and var_sum. */
-typedef struct {
-    kf_compact_stats st;
-    int folded;
-    double var_sum;
-} head_add;
-
-/* One layer's heads as a parallel_for job: item g solves head g on thread ws tw[thread]. */
-typedef struct {
-    kf_compact_prep *x;
-    int n, l, any_choice;
-    const float *K, *V;  /* [D, kvh * d] the layer's keys and values */
-    thread_ws *tw;       /* [threads] */
-    kf_status *rc;       /* [kvh] each head's status */
-    kf_error *err;       /* [kvh] its cause */
-    head_add *add;       /* [kvh, n] */
-    atomic_int *heads_done; /* the layer's heads finished so far (progress) */
-} layer_job;
-
-static void thread_free(thread_ws *t) {
-    kf_split_free(&t->sp);
-    free(t->qsub), free(t->sel), free(t->beta), free(t->kfold), free(t->vals), free(t->kc), free(t->vo);
-    free(t->w), free(t->out);
-    memset(t, 0, sizeof *t);
-}
-
-/* Thread t's buffers for the largest of the n variants w and its views of them. */
-static kf_status thread_init(const kf_compact_prep *x, const variant_ws *w, int n, int any_choice, thread_ws *t,
-                             kf_error *err) {
-    const int d = x->d;
-    int tm = 1;
-    for (int i = 0; i < n; i++)
-        tm = w[i].t > tm ? w[i].t : tm;
-    memset(t, 0, sizeof *t);
-    t->sel = malloc(sizeof(int32_t) * (size_t)tm);
-    t->beta = malloc(sizeof(float) * (size_t)tm);
-    t->kfold = malloc(sizeof(float) * (size_t)tm * d);
-    t->vals = malloc(sizeof(float) * (size_t)tm * d);
-    t->kc = malloc(sizeof(float) * (size_t)tm * d);
-    t->vo = malloc(sizeof(float) * (size_t)tm * d);
-    t->w = calloc((size_t)n, sizeof *t->w);
-    t->out = calloc((size_t)n, sizeof *t->out);
-    if (x->p.fold_queries == KF_FOLD_ON_PROBES)
-        t->qsub = malloc(sizeof(float) * (size_t)x->rq.R * d);
-    if (!t->sel || !t->beta || !t->kfold || !t->vals || !t->kc || !t->vo || !t->w || !t->out ||
-        (x->p.fold_queries == KF_FOLD_ON_PROBES && !t->qsub))
-        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the solve's per-thread buffers (t %d)", tm);
-    if (any_choice) {
-        if (kf_split_alloc(&t->sp, x->rq.R, x->n_val_pos * x->G, d, x->n_sources) != 0)
-            return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the validation split");
-        t->sp.n_val = x->n_val_pos * x->G;
-        t->sp.n_tr = x->rq.R - t->sp.n_val;
-    }
-    for (int i = 0; i < n; i++) {
-        t->w[i] = w[i];
-        t->out[i] = *w[i].out;
-        t->w[i].out = &t->out[i];
-        t->w[i].sel = t->sel, t->w[i].beta = t->beta, t->w[i].kfold = t->kfold;
-        t->w[i].vals = t->vals, t->w[i].kc = t->kc, t->w[i].vo = t->vo;
-    }
-    return KF_OK;
-}
-
-/* Item g of a layer_job: head g's shared work, then every variant on it (the first failing one
- * stops it); its stats go to add[g, :]. */
-static void head_item(void *ctx, int g, int thread) {
-    const layer_job *j = ctx;
-    thread_ws *t = &j->tw[thread];
-    for (int i = 0; i < j->n; i++) {
-        memset(&t->out[i].stats, 0, sizeof t->out[i].stats);
-        t->w[i].folded = 0, t->w[i].var_sum = 0;
-    }
-    head_shared hs;
-    kf_status rc = kf_head_prepare(j->x, j->l, g, j->K, j->V, j->any_choice ? &t->sp : NULL, &hs, &j->err[g]);
-    if (rc == KF_OK) {
-        for (int i = 0; i < j->n && rc == KF_OK; i++)
-            rc = kf_head_variant(j->x, &t->w[i], &hs, t->qsub, &j->err[g]);
-        kf_head_release(&hs);
-    }
-    for (int i = 0; i < j->n; i++)
-        j->add[(size_t)g * j->n + i] = (head_add){t->out[i].stats, t->w[i].folded, t->w[i].var_sum};
-    j->rc[g] = rc;
-    const int done = atomic_fetch_add(j->heads_done, 1) + 1;
-    if (thread == 0 && done < j->x->kvh) /* thread 0 is the caller's: the layer's end is reported there */
-        kf_progress_solve(&j->x->pg, j->l, done, j->x->kvh);
-}
-
-/* The variant's stats += one head's (head order: the sums one thread would make). */
-static void head_merge(variant_ws *w, const head_add *a) {
-    kf_compact_stats *s = &w->out->stats;
-    s->select_s += a->st.select_s, s->beta_s += a->st.beta_s, s->values_s += a->st.values_s;
-    s->fold_s += a->st.fold_s, s->choice_s += a->st.choice_s;
-    s->fold_fallback_heads += a->st.fold_fallback_heads;
-    s->heads_ridged += a->st.heads_ridged;
-    for (int k = 0; k < 4; k++)
-        s->heads_by_method[k] += a->st.heads_by_method[k];
-    s->solver.beta_fallbacks += a->st.solver.beta_fallbacks;
-    s->solver.value_fallbacks += a->st.solver.value_fallbacks;
-    s->solver.failures += a->st.solver.failures;
-    s->solver.beta_restarts += a->st.solver.beta_restarts;
-    w->folded += a->folded;
-    w->var_sum += a->var_sum;
-}
-
-/* Layer l: its K, V [D, kvh * d] read once, then its heads in parallel (each head's shared work,
- * then every variant), then their stats merged in head order; the first failing head's error. */
-static kf_status solve_layer(kf_compact_prep *x, variant_ws *w, int n, int l, float *K, float *V, layer_job *j,
-                             kf_error *err) {
-    KF_TRY(kf_seq_read_kv(x->ar, &x->seq, l, 0, x->D, K, V, err));
-    if (j->any_choice)
-        KF_TRY(kf_appended_load(&x->src_ar, x->D, &x->ap, l, err));
-    kf_progress_solve(&x->pg, l, 0, x->kvh);
-    for (int i = 0; i < n; i++)
-        variant_edges(x, &w[i], l, K, V);
-    atomic_int heads_done = 0;
-    j->l = l, j->K = K, j->V = V, j->heads_done = &heads_done;
-    kf_backend_parallel_for(kf_model_backend(x->m), x->kvh, head_item, j);
-    for (int g = 0; g < x->kvh; g++) {
-        if (j->rc[g] != KF_OK) {
-            if (err)
-                *err = j->err[g];
-            return j->rc[g];
-        }
-        for (int i = 0; i < n; i++)
-            head_merge(&w[i], &j->add[(size_t)g * n + i]);
-    }
-    kf_progress_solve(&x->pg, l, x->kvh, x->kvh);
-    return KF_OK;
-}
-
-/* What the per-layer hook of the sources' forward solves with. */
-typedef struct {
-    kf_compact_prep *x;
-    variant_ws *w;
-    int n;
-    float *K, *V; /* [D, kvh * d] */
-    layer_job *j;
-} solve_hook;
-
-/* kf_model_forward_layers' on_layer: every source's layer l is in the arena and its queries in the
- * pool; solve the layer's heads for every variant. */
-static kf_status solve_on_layer(void *ctx, int l, kf_error *err) {
-    solve_hook *h = ctx;
-    if (h->x->ctxq.n_pos > 0)
-        kf_context_rows_load(h->x, l);
-    return solve_layer(h->x, h->w, h->n, l, h->K, h->V, h->j, err);
-}
-
-/* The job's per-head results and every thread's scratch (tw [threads], zeroed by the caller). */
-static kf_status job_init(kf_compact_prep *x, const variant_ws *w, int n, int any_choice, int threads,
-                          layer_job *j, kf_error *err) {
-    j->x = x, j->n = n, j->any_choice = any_choice;
-    j->rc = calloc((size_t)x->kvh, sizeof *j->rc);
-    j->err = calloc((size_t)x->kvh, sizeof *j->err);
-    j->add = calloc((size_t)x->kvh * n, sizeof *j->add);
-    if (!j->rc || !j->err || !j->add)
-        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
-    for (int t = 0; t < threads; t++)
-        KF_TRY(thread_init(x, w, n, any_choice, &j->tw[t], err));
-    return KF_OK;
-}
-
-static void job_free(layer_job *j, int threads) {
-    for (int t = 0; j->tw && t < threads; t++)
-        thread_free(&j->tw[t]);
-    free(j->tw), free(j->rc), free(j->err), free(j->add);
-}
-
 kf_status kf_compact_solve(kf_compact_prep *x, const kf_compact_variant *v, int n, kf_compacted *outs,
                            kf_error *err) {
     if (n <= 0)
@@ -563,17 +358,17 @@ kf_status kf_compact_solve(kf_compact_prep *x, const kf_compact_variant *v, int 
     const int threads = kf_backend_threads(kf_model_backend(x->m));
     variant_ws *w = calloc((size_t)n, sizeof *w);
     float *K = malloc(sizeof(float) * (size_t)x->D * row), *V = malloc(sizeof(float) * (size_t)x->D * row);
-    layer_job j = {.tw = calloc((size_t)threads, sizeof(thread_ws))};
-    kf_status rc = !w || !K || !V || !j.tw ? kf_fail(err, KF_ERR_NOMEM, "compact: out of memory") : KF_OK;
+    layer_job j = {0};
+    kf_status rc = !w || !K || !V ? kf_fail(err, KF_ERR_NOMEM, "compact: out of memory") : KF_OK;
     int any_choice = 0;
     for (int i = 0; i < n && rc == KF_OK; i++) {
         rc = variant_init(x, &v[i], &outs[i], &w[i], err);
         any_choice |= w[i].choice;
     }
     if (rc == KF_OK)
-        rc = job_init(x, w, n, any_choice, threads, &j, err);
+        rc = kf_pool_init(x, w, n, any_choice, threads, &j, err);
     solve_hook sh = {x, w, n, K, V, &j};
-    const kf_layer_hook hook = {.on_layer = solve_on_layer, .ctx = &sh};
+    const kf_layer_hook hook = {.on_layer = kf_pool_on_layer, .ctx = &sh};
     if (rc == KF_OK)
         rc = kf_sources_run(x, &hook, err);
     for (int i = 0; i < n; i++) {
@@ -587,7 +382,7 @@ kf_status kf_compact_solve(kf_compact_prep *x, const kf_compact_variant *v, int 
         if (w)
             variant_free(&w[i]);
     }
-    job_free(&j, threads);
+    kf_pool_free(&j, threads);
     free(w), free(K), free(V);
     return rc;
 }
@@ -602,7 +397,6 @@ kf_status kf_compact_ex(kf_model *m, const kf_compact_reuse *reuse, const kf_pro
     kf_compact_prep_free(x, rc == KF_OK && reuse && reuse->keep ? reuse->keep : NULL);
     return rc;
 }
-
 
 void kf_compacted_set_frame(kf_compacted *c, const kf_model *m, int compacted) {
     if (compacted == c->rotated || c->C == c->D)

@@ -189,4 +189,38 @@ void kf_head_release(head_shared *hs);
  * (qsub [R, d]: the thread's probe-row buffer, or NULL). */
 kf_status kf_head_variant(const kf_compact_prep *x, variant_ws *w, head_shared *hs, float *qsub, kf_error *err);
 
+/* ---- solve_pool.c: a layer's KV heads in parallel ---- */
+
+typedef struct thread_ws thread_ws; /* one thread's buffers for the heads it solves */
+typedef struct head_add head_add;   /* what one (head, variant) adds to the variant */
+
+/* One layer's heads as a parallel_for job: item g solves head g on thread ws tw[thread]. */
+typedef struct {
+    kf_compact_prep *x;
+    int n, l, any_choice;
+    const float *K, *V;  /* [D, kvh * d] the layer's keys and values */
+    thread_ws *tw;       /* [threads] */
+    kf_status *rc;       /* [kvh] each head's status */
+    kf_error *err;       /* [kvh] its cause */
+    head_add *add;       /* [kvh, n] */
+    atomic_int *heads_done; /* the layer's heads finished so far (progress) */
+} layer_job;
+
+/* What the per-layer hook of the sources' forward solves with. */
+typedef struct {
+    kf_compact_prep *x;
+    variant_ws *w;
+    int n;
+    float *K, *V; /* [D, kvh * d] */
+    layer_job *j;
+} solve_hook;
+
+/* The job's per-head results and every thread's buffers (j zeroed by the caller) for the n
+ * variants w. */
+kf_status kf_pool_init(kf_compact_prep *x, const variant_ws *w, int n, int any_choice, int threads, layer_job *j,
+                       kf_error *err);
+void kf_pool_free(layer_job *j, int threads);
+/* kf_model_forward_layers' on_layer (ctx: a solve_hook): solve layer l's heads for every variant. */
+kf_status kf_pool_on_layer(void *ctx, int l, kf_error *err);
+
 #endif
