@@ -113,7 +113,7 @@ struct kf_compact_prep {
  * a view per variant for the head it solves: the same p, choice, t and budgets, the thread's head
  * buffers, `out` a copy of the output's header (the variant's arrays, written at the head's own
  * slots only; stats of this head alone) and folded / var_sum of this head alone, merged in head
- * order after the layer (solve_layer). */
+ * order after the layer (solve_pool.c). */
 typedef struct {
     kf_compact_params p;           /* the prep's, with this variant's method and budget */
     int choice, t;                 /* per-head choice on; kept keys per head (the largest) */
@@ -132,11 +132,11 @@ typedef struct {
     int l, g;
     const float *q;      /* [R, d] the head's reference queries */
     float *q_own;        /* [R, d] q converted from a bf16 pool, or NULL */
-    kf_am_head h;
-    kf_am_targets tg;    /* m, y, Y point into the prep's pool of fused targets when tg_view */
+    kf_am_head h;        /* the document block's K, V [T, d] (the layer's row stride) and q */
+    kf_am_targets tg;    /* m [R], y [R], Y [R, d], score [T]; m, y, Y point into the prep's pool of fused targets when tg_view */
     int tg_view;
     const head_split *sp; /* NULL: no variant chooses per head */
-    kf_val_head vh;
+    kf_val_head vh;      /* the validation rows' queries, targets and appended blocks (with sp) */
     double targets_s, split_s;
 } head_shared;
 
