@@ -738,7 +738,8 @@ kf_status kf_kept_normal_fill(const kf_am_head *h, const kf_am_targets *tg, cons
 }
 
 kf_status kf_kept_normal_build(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
-                               kf_gram_tiles *tiles, kf_beta_normal *bn, kf_value_gram *drop, kf_ws *ws, kf_error *err) {
+                               kf_gram_tiles *tiles, kf_beta_normal *bn, kf_value_gram *drop, kf_ws *ws,
+                               kf_error *err) {
     if (kf_kept_normal_alloc(bn, drop, h->be, t, h->d, ws) != 0)
         return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the kept keys' normal equations (R %d, t %d)", h->R,
                        t);

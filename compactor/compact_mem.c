@@ -102,7 +102,7 @@ void kf_compact_mem_shape(const kf_hfconfig *c, const kf_compact_params *p, int6
         out->Rv = (int64_t)G * (int64_t)llround(p->val_frac * elig);
     out->solve_heads = attn_threads < c->n_kv_heads ? attn_threads : c->n_kv_heads;
     const int quoka_repeat = p->quoka && p->quoka_repeat && p->quoka->mode == KF_PREFILL_QUOKA;
-    out->fused = probes > 0 || (repeat > 0 && !quoka_repeat); /* compact.c's targets_init */
+    out->fused = probes > 0 || (repeat > 0 && !quoka_repeat); /* sources.c's kf_sources_targets_init */
     if (out->fused) /* the rows the solve still computes targets for: the context's, a QUOKA repeat's */
         out->Ru = out->Rc + (quoka_repeat && n_cand > 0
                                  ? (int64_t)G * (int64_t)llround((double)n_pos * (double)repeat / (double)n_cand)

@@ -128,7 +128,8 @@ static void test_val_head_appended(void) {
     kf_val_head vt;
     CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
     CU_ASSERT_EQUAL_FATAL(
-        kf_val_head_init_targets(&vt, NULL, c->Q, NV, D, scale, c->w, tg.m, tg.y, tg.Y, c->app, c->vis, 0, NULL, &err), KF_OK);
+        kf_val_head_init_targets(&vt, NULL, c->Q, NV, D, scale, c->w, tg.m, tg.y, tg.Y, c->app, c->vis, 0, NULL, &err),
+        KF_OK);
     double worst_t = 0;
     for (size_t k = 0; k < (size_t)NV * D; k++)
         worst_t = fmax(worst_t, fabs(vt.o_full[k] - vh.o_full[k]));
@@ -323,7 +324,8 @@ static void test_normal_equations_add(void) {
     CU_ASSERT_EQUAL(kf_am_fit_beta(&h, &tg, sel, NK, 7, beta_all, NULL, &err), KF_OK);
     CU_ASSERT_EQUAL(kf_value_gram_solve(&gm, 1e-3, V, ND, v_sum, NULL, &err), KF_OK);
     CU_ASSERT_EQUAL(
-        kf_am_fit_values_ridge(NULL, Q, NR, ND, scale, kc, ND, NULL, NK, tg.Y, 1e-3, V, ND, v_all, NULL, NULL, &err), KF_OK);
+        kf_am_fit_values_ridge(NULL, Q, NR, ND, scale, kc, ND, NULL, NK, tg.Y, 1e-3, V, ND, v_all, NULL, NULL, &err),
+        KF_OK);
     double db = 0, dv = 0, mb = 0;
     for (int j = 0; j < NK; j++)
         db = fmax(db, fabs(beta_sum[j] - beta_all[j])), mb = fmax(mb, fabs(beta_all[j]));
@@ -441,7 +443,47 @@ static void test_training_order_stratified(void) {
     CU_ASSERT(ascending > n / 3 && ascending < 2 * n / 3); /* shuffled, not in row order */
 }
 
-/* A head where one candidate is clearly best (the planted cases of test_am's per-head choice, with
+/* The pick of the per-head choice on a planted head (all 200 rows) (test_util.h: kf_planted_init), and the
+ * validation error of keep. */
+static kf_head_pick planted_choice(int dup, float val_sign, kf_ridge_target to, double *err_out) {
+    kf_planted_head ph;
+    kf_planted_init(&ph, dup, val_sign, to, 200);
+    kf_error err = {0};
+    kf_head_pick pick = {KF_METHOD_KEEP, 0, 0, NAN};
+    CU_ASSERT_EQUAL(
+        kf_choose_head(&ph.p, &ph.h, &ph.tg, ph.sel, KF_PLANT_KEPT, ph.K, ph.V, &ph.vh, 1, &pick, NULL, NULL, &err),
+        KF_OK);
+    /* the errors of keep and of the winner, for the message */
+    const kf_kv_block kb = {ph.K, ph.V, KF_PLANT_D, NULL, KF_PLANT_KEPT};
+    *err_out = kf_val_err(&ph.vh, &kb);
+    kf_planted_free(&ph);
+    return pick;
+}
+
+static void test_head_choice_planted(void) {
+    struct {
+        int dup;
+        float sign;
+        kf_ridge_target to;
+        kf_method want;
+        const char *why;
+    } cases[] = {
+        {1, 1, KF_RIDGE_TO_ORIG, KF_METHOD_FOLD, "mass to restore, questions like the training queries"},
+        {1, -1, KF_RIDGE_TO_ORIG, KF_METHOD_DROP, "mass to restore, questions whose gain q.u is -1"},
+        {0, 1, KF_RIDGE_TO_ZERO, KF_METHOD_KEEP, "no mass lost: the original values are exact"},
+    };
+    for (int k = 0; k < 3; k++) {
+        double keep_err;
+        const kf_head_pick pk = planted_choice(cases[k].dup, cases[k].sign, cases[k].to, &keep_err);
+        printf("\n    %s: picked %s (lambda %g, alpha %g, err %.2e; keep %.2e)", cases[k].why, kf_method_name(pk.method),
+               pk.lambda, pk.alpha, pk.err, keep_err);
+        CU_ASSERT_EQUAL(pk.method, cases[k].want);
+        CU_ASSERT(pk.err <= keep_err);
+    }
+    printf("\n");
+}
+
+/* A head where one candidate is clearly best (the planted cases of test_head_choice_planted, with
  * five times the training rows): the choice on its subsample of them (choice_rows 4: 512 of 1000)
  * picks it as the choice on all of them does, and keeps its normal equations for the refit, naming
  * the rows they cover. */
@@ -453,8 +495,9 @@ static kf_head_pick planted_on(int dup, float val_sign, kf_ridge_target to, doub
     ph.p.choice_rows = choice_rows;
     *rows = kf_choice_rows(&ph.p, ph.h.R, KF_PLANT_KEPT);
     kf_choice_fits fits = {0};
-    CU_ASSERT_EQUAL(kf_choose_head(&ph.p, &ph.h, &ph.tg, ph.sel, KF_PLANT_KEPT, ph.K, ph.V, &ph.vh, 1, &pick, &fits, NULL, &err),
-                    KF_OK);
+    CU_ASSERT_EQUAL(
+        kf_choose_head(&ph.p, &ph.h, &ph.tg, ph.sel, KF_PLANT_KEPT, ph.K, ph.V, &ph.vh, 1, &pick, &fits, NULL, &err),
+        KF_OK);
     *kept = (fits.beta.G != NULL) + (fits.drop.G != NULL) + 10 * (fits.rows == *rows); /* what the refit reuses */
     kf_choice_fits_free(&fits);
     kf_planted_free(&ph);
@@ -595,8 +638,8 @@ static void test_refit_three_parts(void) {
     kf_error err = {0};
     kf_head_pick pick;
     kf_choice_fits fits = {0};
-    CU_ASSERT_EQUAL_FATAL(kf_choose_head(&ph.p, &ph.h, &ph.tg, ph.sel, RF_t, ph.K, ph.V, &ph.vh, 1, &pick, &fits, NULL, &err),
-                          KF_OK);
+    CU_ASSERT_EQUAL_FATAL(
+        kf_choose_head(&ph.p, &ph.h, &ph.tg, ph.sel, RF_t, ph.K, ph.V, &ph.vh, 1, &pick, &fits, NULL, &err), KF_OK);
     CU_ASSERT_FATAL(fits.rows == 512 && fits.beta.G && fits.drop.G);
     /* the parts: training rows [512, 1000) and the validation rows, with their own targets */
     kf_am_head parts[2] = {ph.h, ph.h};
@@ -659,6 +702,7 @@ static CU_TestInfo val_tests[] = {
     {"normal equations: training + validation == all rows (fp64)", test_normal_equations_add},
     {"normal equations rebuilt in place == a fresh build, bit for bit", test_gram_rebuild_fresh},
     {"training rows' order: a seeded permutation, every prefix stratified", test_training_order_stratified},
+    {"per-head choice picks fold, drop and keep on planted heads", test_head_choice_planted},
     {"subsampled choice picks the planted best candidate, as on all rows", test_subsampled_choice_planted},
     {"choice rows: per kept key, floor, all", test_choice_rows},
     {"winner's refit: subsample's normal equations + two parts == one fit on all rows", test_refit_three_parts},

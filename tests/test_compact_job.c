@@ -436,7 +436,8 @@ static void test_memory_formula(void) {
      * used most of it (ws is their peak, up to what one variant's choice never holds at once) */
     CU_ASSERT_EQUAL(out.stats.ws_bytes, real.head_ws);
     CU_ASSERT(out.stats.ws_peak <= out.stats.ws_bytes && out.stats.ws_peak > out.stats.ws_bytes / 2);
-    printf("\n    workspace %lld bytes, %lld used at most ", (long long)out.stats.ws_bytes, (long long)out.stats.ws_peak);
+    printf("\n    workspace %lld bytes, %lld used at most ", (long long)out.stats.ws_bytes,
+           (long long)out.stats.ws_peak);
     kf_compacted_free(&out);
 }
 
