@@ -695,6 +695,41 @@ static void test_refit_three_parts(void) {
     kf_planted_free(&ph);
 }
 
+/* kf_choose_head on a workspace: the heap's pick and kept normal equations to the bit; only those
+ * stay in the workspace (the choice's own buffers given back), and a refit from them after more
+ * scratch is carved over what was given back gives the heap's beta. */
+static void test_choice_on_workspace(void) {
+    static kf_planted_head ph;
+    kf_planted_init(&ph, 1, 1, KF_RIDGE_TO_ORIG, 1000);
+    const int t = KF_PLANT_KEPT, d = KF_PLANT_D;
+    kf_error err = {0};
+    kf_head_pick ph_pick, ws_pick;
+    kf_choice_fits hf = {0}, wf = {0};
+    CU_ASSERT_EQUAL_FATAL(
+        kf_choose_head(&ph.p, &ph.h, &ph.tg, ph.sel, t, ph.K, ph.V, &ph.vh, 3, &ph_pick, &hf, NULL, &err), KF_OK);
+    kf_ws ws;
+    CU_ASSERT_EQUAL_FATAL(kf_ws_init(&ws, 1 << 22), 0);
+    CU_ASSERT_EQUAL_FATAL(
+        kf_choose_head(&ph.p, &ph.h, &ph.tg, ph.sel, t, ph.K, ph.V, &ph.vh, 3, &ws_pick, &wf, &ws, &err), KF_OK);
+    CU_ASSERT(ws_pick.method == ph_pick.method && ws_pick.lambda == ph_pick.lambda && ws_pick.alpha == ph_pick.alpha &&
+              ws_pick.err == ph_pick.err);
+    CU_ASSERT_FATAL(wf.beta.G && wf.drop.G && wf.rows == hf.rows);
+    CU_ASSERT_EQUAL(memcmp(wf.beta.G, hf.beta.G, sizeof(double) * t * t), 0);
+    CU_ASSERT_EQUAL(memcmp(wf.drop.G, hf.drop.G, sizeof(double) * t * t), 0);
+    CU_ASSERT_EQUAL(memcmp(wf.drop.B, hf.drop.B, sizeof(double) * t * d), 0);
+    CU_ASSERT_EQUAL((int64_t)ws.used, kf_beta_normal_bytes(t) + kf_value_gram_bytes(t, d));
+    CU_ASSERT(ws.peak > ws.used); /* the choice's own buffers were there */
+    memset(kf_ws_alloc(&ws, (int64_t)(ws.peak - ws.used), 1), 0xff, ws.peak - ws.used);
+    float bh[KF_PLANT_KEPT], bw[KF_PLANT_KEPT];
+    CU_ASSERT_EQUAL(kf_am_fit_beta_normal(&hf.beta, 7, KF_BETA_AM, bh, NULL, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_am_fit_beta_normal(&wf.beta, 7, KF_BETA_AM, bw, NULL, &ws, &err), KF_OK);
+    CU_ASSERT_EQUAL(memcmp(bh, bw, sizeof bh), 0);
+    kf_choice_fits_free(&hf);
+    kf_choice_fits_free(&wf);
+    kf_ws_free(&ws);
+    kf_planted_free(&ph);
+}
+
 static CU_TestInfo val_tests[] = {
     {"validation head: appended and original attention == fp64", test_val_head_appended},
     {"validation error == fp64; weights shared between value sets", test_val_err_reference},
@@ -706,6 +741,8 @@ static CU_TestInfo val_tests[] = {
     {"subsampled choice picks the planted best candidate, as on all rows", test_subsampled_choice_planted},
     {"choice rows: per kept key, floor, all", test_choice_rows},
     {"winner's refit: subsample's normal equations + two parts == one fit on all rows", test_refit_three_parts},
+    {"the choice on a workspace: the heap's pick and kept normal equations, its own buffers given back",
+     test_choice_on_workspace},
     CU_TEST_INFO_NULL,
 };
 static CU_SuiteInfo suites[] = {
