@@ -100,22 +100,32 @@ typedef struct {
     float *keys, *vals;  /* [t, d] a candidate's keys (folded) and values */
     kf_gram_tiles tiles; /* [256, t] the normal equations' row tiles (logits included) */
     kf_value_gram gm;    /* [t, t], [t, d] a candidate's value normal equations (G NULL: none) */
+    kf_ws *ws;           /* where they live (NULL: the heap) and every fit's scratch */
 } choice_ws;
 
 static void choice_ws_free(choice_ws *w) {
-    free(w->beta), free(w->u), free(w->keys), free(w->vals);
+    if (!w->ws)
+        free(w->beta), free(w->u), free(w->keys), free(w->vals);
     kf_gram_tiles_free(&w->tiles);
     kf_value_gram_free(&w->gm);
 }
 
-/* gram: also the candidates' normal equations (am, fold). 0, or -1 when out of memory. */
-static int choice_ws_alloc(choice_ws *w, const kf_backend *be, int t, int d, int gram) {
+/* gram: also the candidates' normal equations (am, fold); from ws (NULL: the heap). 0, or -1 when
+ * out of memory. */
+static int choice_ws_alloc(choice_ws *w, const kf_backend *be, int t, int d, int gram, kf_ws *ws) {
     const size_t t1 = (size_t)(t ? t : 1);
     memset(w, 0, sizeof *w);
-    w->beta = malloc(sizeof(float) * t1), w->u = malloc(sizeof(float) * (size_t)d);
-    w->keys = malloc(sizeof(float) * t1 * d), w->vals = malloc(sizeof(float) * t1 * d);
-    if (!w->beta || !w->u || !w->keys || !w->vals || kf_gram_tiles_alloc(&w->tiles, t, d, 1) != 0 ||
-        (gram && kf_value_gram_alloc(&w->gm, be, t, d) != 0))
+    w->ws = ws;
+    if (ws) {
+        w->beta = kf_ws_alloc(ws, (int64_t)t1, sizeof(float)), w->u = kf_ws_alloc(ws, d, sizeof(float));
+        w->keys = kf_ws_alloc(ws, (int64_t)t1 * d, sizeof(float));
+        w->vals = kf_ws_alloc(ws, (int64_t)t1 * d, sizeof(float));
+    } else {
+        w->beta = malloc(sizeof(float) * t1), w->u = malloc(sizeof(float) * (size_t)d);
+        w->keys = malloc(sizeof(float) * t1 * d), w->vals = malloc(sizeof(float) * t1 * d);
+    }
+    if (!w->beta || !w->u || !w->keys || !w->vals || kf_gram_tiles_alloc(&w->tiles, t, d, 1, ws) != 0 ||
+        (gram && kf_value_gram_alloc(&w->gm, be, t, d, ws) != 0))
         return -1;
     return 0;
 }
@@ -157,7 +167,7 @@ static kf_status try_folds(const kf_compact_params *p, const kf_am_head *htr, co
     for (size_t li = 0; li < sizeof kLambdaGrid / sizeof *kLambdaGrid && rc == KF_OK; li++) {
         const double lambda = kLambdaGrid[li] * p->lambda_rel;
         kf_fold_info fi;
-        rc = kf_fold_direction_cov(cov, lambda, w->u, &fi, err);
+        rc = kf_fold_direction_cov(cov, lambda, w->u, &fi, w->ws, err);
         if (rc == KF_OK && fi.ok) {
             kf_fold_keys(kc, htr->d, w->beta, t, htr->d, htr->scale, w->u, w->keys, htr->d);
             rc = try_alphas(htr, ttr->Y, w->keys, NULL, v0, KF_METHOD_FOLD, lambda, 1 + p->choice_margin, val, w, best,
@@ -168,17 +178,18 @@ static kf_status try_folds(const kf_compact_params *p, const kf_am_head *htr, co
 }
 
 /* The method's candidates (am, fold): beta fitted on the training rows from one pass that also
- * builds drop's normal equations (bn, dg, kept for the refit); fold's covariance first, while the
- * least is held (the memory formula's P1). */
+ * builds drop's normal equations (bn, dg, kept for the refit; with a workspace, already allocated
+ * there by kf_choose_head); fold's covariance first. */
 static kf_status method_fits(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr, int t,
                              const float *kc, const float *v0, kf_val_head *val, uint64_t seed, choice_ws *w,
                              kf_beta_normal *bn, kf_value_gram *dg, kf_head_pick *best, kf_error *err) {
     kf_fold_cov cov = {0};
     if (p->method == KF_METHOD_FOLD)
-        KF_TRY(kf_fold_cov_compute(htr->be, htr->q, htr->R, htr->d, &cov, err));
-    kf_status rc = kf_kept_normal_build(htr, ttr, kc, t, &w->tiles, bn, dg, err);
+        KF_TRY(kf_fold_cov_compute(htr->be, htr->q, htr->R, htr->d, &cov, w->ws, err));
+    kf_status rc = w->ws ? kf_kept_normal_fill(htr, ttr, kc, t, &w->tiles, bn, dg, w->ws, err)
+                         : kf_kept_normal_build(htr, ttr, kc, t, &w->tiles, bn, dg, NULL, err);
     if (rc == KF_OK)
-        rc = kf_am_fit_beta_normal(bn, seed, p->beta_fit, w->beta, NULL, err);
+        rc = kf_am_fit_beta_normal(bn, seed, p->beta_fit, w->beta, NULL, w->ws, err);
     if (rc == KF_OK && p->method == KF_METHOD_AM)
         rc = try_alphas(htr, ttr->Y, kc, w->beta, v0, KF_METHOD_AM, 0, 1 + p->choice_margin, val, w, best, err);
     else if (rc == KF_OK)
@@ -196,7 +207,7 @@ static kf_status choose_fits(const kf_compact_params *p, const kf_am_head *htr, 
     if (p->method == KF_METHOD_AM || p->method == KF_METHOD_FOLD) {
         KF_TRY(method_fits(p, htr, ttr, t, kc, v0, val, seed, w, bn, dg, best, err));
     } else {
-        if (kf_value_gram_alloc(dg, htr->be, t, d) != 0)
+        if (!w->ws && kf_value_gram_alloc(dg, htr->be, t, d, NULL) != 0) /* with ws: kf_choose_head's */
             return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for drop's normal equations (t %d)", t);
         kf_value_gram_rebuild(htr->q, htr->R, htr->scale, kc, d, NULL, ttr->Y, &w->tiles, dg);
     }
@@ -209,7 +220,7 @@ void kf_choice_fits_free(kf_choice_fits *f) {
 }
 
 kf_status kf_choice_refit_add(kf_choice_fits *f, int beta, const kf_am_head *parts, const kf_am_targets *tgs,
-                              int n_parts, const float *kc, int t, kf_error *err) {
+                              int n_parts, const float *kc, int t, kf_ws *ws, kf_error *err) {
     if (beta ? !f->beta.G : !f->drop.G)
         return kf_fail(err, KF_ERR_INVALID, "compact: refit: the choice kept no normal equations for %s",
                        beta ? "beta" : "drop's values");
@@ -217,18 +228,21 @@ kf_status kf_choice_refit_add(kf_choice_fits *f, int beta, const kf_am_head *par
         const kf_am_head *h = &parts[k];
         if (h->R == 0)
             continue;
+        const size_t mark = ws ? kf_ws_mark(ws) : 0; /* each part is scratch */
         if (beta) {
             kf_beta_normal part;
-            KF_TRY(kf_beta_normal_build(h, &tgs[k], kc, t, &part, err));
+            KF_TRY(kf_beta_normal_build(h, &tgs[k], kc, t, &part, ws, err));
             kf_beta_normal_add(&f->beta, &part);
             kf_beta_normal_free(&part);
         } else {
             kf_value_gram part;
             KF_TRY(kf_value_gram_build(h->be, h->q, h->R, h->d, h->scale, kc, (size_t)h->d, NULL, t, tgs[k].Y, &part,
-                                       err));
+                                       ws, err));
             kf_value_gram_add(&f->drop, &part);
             kf_value_gram_free(&part);
         }
+        if (ws)
+            kf_ws_reset(ws, mark);
     }
     return KF_OK;
 }
@@ -242,18 +256,26 @@ int kf_choice_rows(const kf_compact_params *p, int R, int t) {
 
 kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr,
                          const int32_t *sel, int t, const float *kc, const float *vo, kf_val_head *val, uint64_t seed,
-                         kf_head_pick *best, kf_choice_fits *keep, kf_error *err) {
+                         kf_head_pick *best, kf_choice_fits *keep, kf_ws *ws, kf_error *err) {
     (void)sel; /* the kept keys are kc */
     const int d = htr->d;
     kf_am_head hsub = *htr; /* every candidate's fits: the training rows' first kf_choice_rows */
     hsub.R = kf_choice_rows(p, htr->R, t);
     const float *v0 = p->ridge_to == KF_RIDGE_TO_ORIG ? vo : NULL;
     kf_choice_fits f = {0};
-    choice_ws w;
+    choice_ws w = {0};
     *best = (kf_head_pick){KF_METHOD_KEEP, p->lambda_rel, 0, INFINITY};
     kf_status rc = KF_OK;
     const kf_kv_block kb = {kc, vo, (size_t)d, NULL, t};
-    if (choice_ws_alloc(&w, htr->be, t, d, p->method == KF_METHOD_AM || p->method == KF_METHOD_FOLD) != 0)
+    const int am_fold = p->method == KF_METHOD_AM || p->method == KF_METHOD_FOLD;
+    const size_t mark = ws ? kf_ws_mark(ws) : 0;
+    int kept_ok = 1; /* with ws, the normal equations kept for the refit first, below the choice's own buffers */
+    if (ws && am_fold)
+        kept_ok = kf_kept_normal_alloc(&f.beta, &f.drop, htr->be, t, d, ws) == 0;
+    else if (ws && p->method != KF_METHOD_KEEP)
+        kept_ok = kf_value_gram_alloc(&f.drop, htr->be, t, d, ws) == 0;
+    const size_t own = ws ? kf_ws_mark(ws) : 0;
+    if (!kept_ok || choice_ws_alloc(&w, htr->be, t, d, am_fold, ws) != 0)
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the per-head choice (t %d)", t);
     else if (p->method != KF_METHOD_KEEP)
         rc = choose_fits(p, &hsub, ttr, t, kc, v0, val, seed, &w, &f.beta, &f.drop, best, err);
@@ -270,6 +292,8 @@ kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, cons
     else
         kf_choice_fits_free(&f);
     choice_ws_free(&w);
+    if (ws) /* the kept normal equations stay in ws */
+        kf_ws_reset(ws, rc == KF_OK && keep ? own : mark);
     return rc;
 }
 

@@ -374,6 +374,10 @@ kf_status kf_compact_solve(kf_compact_prep *x, const kf_compact_variant *v, int 
     for (int i = 0; i < n; i++) {
         if (rc == KF_OK) { /* the compacted frame: questions at C, C+1, ... see what they would at D, D+1, ... */
             outs[i].stats.refq_s = x->refq_s;
+            outs[i].stats.ws_bytes = j.ws_bytes;
+            for (int s = 0; s < j.n_ws; s++)
+                outs[i].stats.ws_peak = (int64_t)j.ws[s].peak > outs[i].stats.ws_peak ? (int64_t)j.ws[s].peak
+                                                                                       : outs[i].stats.ws_peak;
             outs[i].stats.mean_var_gain = w[i].folded ? w[i].var_sum / w[i].folded : 0;
             kf_compacted_set_frame(&outs[i], x->m, 1);
         } else {

@@ -181,13 +181,16 @@ void kf_sources_arena_free(kf_compact_prep *x);
 /* ---- head_solve.c: one (layer, KV head) ---- */
 
 /* Head g of layer l's shared work (K, V [D, kvh * d] the layer's): its rows, AM's targets and, with
- * sp (the thread's buffers; NULL: no variant chooses per head), its validation split. */
+ * sp (the thread's buffers; NULL: no variant chooses per head), its validation split. Every buffer
+ * the head holds comes from ws (kf_compact_head_ws_bytes; the caller resets it after the head);
+ * t_max: the most keys a variant keeps (the validation head's candidates). */
 kf_status kf_head_prepare(kf_compact_prep *x, int l, int g, const float *K, const float *V, head_split *sp,
-                          head_shared *hs, kf_error *err);
+                          head_shared *hs, kf_ws *ws, int t_max, kf_error *err);
 void kf_head_release(head_shared *hs);
 /* One variant on the head: its selection, the per-head choice when on, the fits, the slots written
- * (qsub [R, d]: the thread's probe-row buffer, or NULL). */
-kf_status kf_head_variant(const kf_compact_prep *x, variant_ws *w, head_shared *hs, float *qsub, kf_error *err);
+ * (qsub [R, d]: the thread's probe-row buffer, or NULL); its scratch from ws, given back after it. */
+kf_status kf_head_variant(const kf_compact_prep *x, variant_ws *w, head_shared *hs, float *qsub, kf_ws *ws,
+                          kf_error *err);
 
 /* ---- solve_pool.c: a layer's KV heads in parallel ---- */
 
@@ -204,6 +207,11 @@ typedef struct {
     kf_error *err;       /* [kvh] its cause */
     head_add *add;       /* [kvh, n] */
     atomic_int *heads_done; /* the layer's heads finished so far (progress) */
+    int threads;         /* tw's count */
+    kf_ws *ws;           /* [n_ws] the heads' workspaces (kf_compact_head_ws_bytes each), one per head in flight */
+    atomic_int *ws_busy; /* [n_ws] 1 while a head holds it */
+    int n_ws;            /* min(threads, kvh): never more heads at once */
+    int64_t ws_bytes;    /* each workspace's bytes (0: not allocated yet) */
 } layer_job;
 
 /* What the per-layer hook of the sources' forward solves with. */

@@ -10,8 +10,8 @@
 /* out [t, d] = the kept keys folded along u (fitted on q [R, d] with lambda); fi->ok = 0: none. */
 static kf_status fold_selection(const kf_backend *be, const float *q, int R, int d, float scale, double lambda,
                                 const float *kc, const float *beta, int t, float *u, float *out, kf_fold_info *fi,
-                                kf_error *err) {
-    KF_TRY(kf_fold_direction(be, q, R, d, lambda, u, fi, err));
+                                kf_ws *ws, kf_error *err) {
+    KF_TRY(kf_fold_direction(be, q, R, d, lambda, u, fi, ws, err));
     if (fi->ok)
         kf_fold_keys(kc, d, beta, t, d, scale, u, out, d);
     return KF_OK;
@@ -81,24 +81,21 @@ static kf_status head_check_finite(const kf_compact_prep *x, int l, int g, const
     return KF_OK;
 }
 
+/* The head's targets live in the thread's workspace (or the pool's): forgotten, not freed. */
 static void head_targets_free(head_shared *hs) {
-    if (hs->tg_view)
-        free(hs->tg.score);
-    else
-        kf_am_targets_free(&hs->tg);
     memset(&hs->tg, 0, sizeof hs->tg);
     hs->tg_view = 0;
 }
 
 /* The targets of the rows the forwards did not fuse (n_un positions): computed on those rows
  * alone, written into hs->tg's rows (the pool's), their score sums added to sum [T]. */
-static kf_status unfused_targets(const kf_compact_prep *x, head_shared *hs, int64_t n_un, double *sum,
+static kf_status unfused_targets(const kf_compact_prep *x, head_shared *hs, int64_t n_un, double *sum, kf_ws *ws,
                                  kf_error *err) {
     const int d = x->d, G = x->G;
     const int64_t n_pos = x->rq.n_pos, Rs = (int64_t)G * n_un;
-    float *qs = malloc(sizeof(float) * (size_t)Rs * d); /* [Rs, d] */
+    float *qs = kf_ws_alloc(ws, Rs * d, sizeof(float)); /* [Rs, d] */
     if (!qs)
-        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for a head's reference queries");
+        return kf_fail(err, KF_ERR_NOMEM, "compact: the workspace is too small for a head's reference queries");
     for (int j = 0, i = 0; j < G; j++)
         for (int64_t p = 0; p < n_pos; p++)
             if (!x->tg.fused[p])
@@ -106,10 +103,7 @@ static kf_status unfused_targets(const kf_compact_prep *x, head_shared *hs, int6
     kf_am_head h = hs->h;
     h.q = qs, h.R = (int)Rs;
     kf_am_targets ts;
-    kf_status rc = kf_am_targets_compute(&h, x->p.score, &ts, err);
-    free(qs);
-    if (rc != KF_OK)
-        return rc;
+    KF_TRY(kf_am_targets_compute_ws(&h, x->p.score, &ts, ws, err));
     for (int j = 0, i = 0; j < G; j++)
         for (int64_t p = 0; p < n_pos; p++) {
             if (x->tg.fused[p])
@@ -120,60 +114,57 @@ static kf_status unfused_targets(const kf_compact_prep *x, head_shared *hs, int6
         }
     for (int c = 0; c < x->n_doc; c++) /* back from RMS or mean to the sum over the Rs rows */
         sum[c] += x->p.score == KF_SCORE_RMS ? (double)ts.score[c] * ts.score[c] * Rs : (double)ts.score[c] * Rs;
-    kf_am_targets_free(&ts);
     return KF_OK;
 }
 
 /* AM's targets of head hs (kf_am_targets_compute's results, by summation order only): the fused
  * rows' from the pool x->tg (layer hs->l is the one held), the others' computed, the score over
  * all R rows. */
-static kf_status head_targets(kf_compact_prep *x, head_shared *hs, kf_error *err) {
+static kf_status head_targets(kf_compact_prep *x, head_shared *hs, kf_ws *ws, kf_error *err) {
     if (!x->tg.m)
-        return kf_am_targets_compute(&hs->h, x->p.score, &hs->tg, err);
+        return kf_am_targets_compute_ws(&hs->h, x->p.score, &hs->tg, ws, err);
     const int d = x->d, T = x->n_doc;
     const int64_t R = x->rq.R;
     const size_t r0 = kf_refq_targets_row0(&x->tg, hs->l, hs->g);
-    hs->tg = (kf_am_targets){x->tg.m + r0, x->tg.y + r0, x->tg.Y + r0 * d, malloc(sizeof(float) * T)};
+    hs->tg = (kf_am_targets){x->tg.m + r0, x->tg.y + r0, x->tg.Y + r0 * d, kf_ws_alloc(ws, T, sizeof(float))};
     hs->tg_view = 1;
-    double *sum = malloc(sizeof(double) * T); /* [T] */
+    const size_t mark = kf_ws_mark(ws);
+    double *sum = kf_ws_alloc(ws, T, sizeof(double)); /* [T] */
     if (!hs->tg.score || !sum) {
-        free(sum);
         head_targets_free(hs);
-        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for a head's scores");
+        return kf_fail(err, KF_ERR_NOMEM, "compact: the workspace is too small for a head's scores");
     }
     memcpy(sum, kf_refq_targets_score(&x->tg, hs->l, hs->g), sizeof(double) * T);
     int64_t n_un = 0;
     for (int64_t p = 0; p < x->rq.n_pos; p++)
         n_un += !x->tg.fused[p];
-    kf_status rc = n_un > 0 ? unfused_targets(x, hs, n_un, sum, err) : KF_OK;
+    kf_status rc = n_un > 0 ? unfused_targets(x, hs, n_un, sum, ws, err) : KF_OK;
     for (int c = 0; c < T; c++)
         hs->tg.score[c] = (float)(x->p.score == KF_SCORE_RMS ? sqrt(sum[c] / R) : sum[c] / R);
-    free(sum);
+    kf_ws_reset(ws, mark);
     if (rc != KF_OK)
         head_targets_free(hs);
     return rc;
 }
 
 kf_status kf_head_prepare(kf_compact_prep *x, int l, int g, const float *K, const float *V, head_split *sp,
-                          head_shared *hs, kf_error *err) {
+                          head_shared *hs, kf_ws *ws, int t_max, kf_error *err) {
     const size_t row = (size_t)x->kvh * x->d;
     memset(hs, 0, sizeof *hs);
     hs->l = l, hs->g = g;
-    if (x->rq.qh && !(hs->q_own = malloc(sizeof(float) * (size_t)x->rq.R * x->d)))
-        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for a head's reference queries");
+    if (x->rq.qh && !(hs->q_own = kf_ws_alloc(ws, x->rq.R * x->d, sizeof(float))))
+        return kf_fail(err, KF_ERR_NOMEM, "compact: the workspace is too small for a head's reference queries");
     hs->q = kf_refq_head(&x->rq, l, g, hs->q_own);
     hs->h = (kf_am_head){.k = K + (size_t)x->n_pre * row + (size_t)g * x->d, .k_stride = row,
                          .v = V + (size_t)x->n_pre * row + (size_t)g * x->d, .v_stride = row,
                          .T = x->n_doc, .q = hs->q, .R = (int)x->rq.R, .d = x->d, .scale = x->scale,
                          .be = kf_model_backend(x->m)};
     double ts = now_s();
-    kf_status rc = head_targets(x, hs, err);
+    kf_status rc = head_targets(x, hs, ws, err);
     if (rc == KF_OK && !sp && (rc = head_check_finite(x, l, g, K, V, hs->q, &hs->tg, NULL, err)) != KF_OK)
         head_targets_free(hs);
-    if (rc != KF_OK) {
-        free(hs->q_own);
+    if (rc != KF_OK)
         return rc;
-    }
     hs->targets_s = now_s() - ts;
     if (!sp)
         return KF_OK;
@@ -181,12 +172,11 @@ kf_status kf_head_prepare(kf_compact_prep *x, int l, int g, const float *K, cons
     kf_split_head(sp, &x->rq, hs->q, &hs->tg, x->is_val, x->tr_order, x->pos_src, x->pos_local, &x->ap, g);
     /* the original block's attention on the validation rows is their targets */
     rc = kf_val_head_init_targets(&hs->vh, hs->h.be, sp->val_q, (int)sp->n_val, x->d, x->scale, sp->val_w, sp->val_m,
-                                  sp->val_y, sp->val_Y, sp->val_app, sp->val_vis, err);
+                                  sp->val_y, sp->val_Y, sp->val_app, sp->val_vis, t_max, ws, err);
     if (rc == KF_OK && (rc = head_check_finite(x, l, g, K, V, hs->q, &hs->tg, &hs->vh, err)) != KF_OK)
         kf_val_head_free(&hs->vh);
     if (rc != KF_OK) {
         head_targets_free(hs);
-        free(hs->q_own);
         return rc;
     }
     hs->sp = sp;
@@ -196,7 +186,7 @@ kf_status kf_head_prepare(kf_compact_prep *x, int l, int g, const float *K, cons
 
 void kf_head_release(head_shared *hs) {
     head_targets_free(hs);
-    free(hs->q_own);
+    hs->q_own = NULL; /* the workspace's */
     if (hs->sp)
         kf_val_head_free(&hs->vh);
 }
@@ -270,18 +260,18 @@ static int refit_parts(const head_shared *hs, int rows, kf_am_head *hv, kf_am_ta
 /* The picked candidate's beta: from the choice's normal equations (plus the other training rows'
  * and the validation rows' parts with refit_all) when it kept them, else fitted on hf/tf. */
 static kf_status fit_beta(const variant_ws *w, const head_shared *hs, const kf_am_head *hf, const kf_am_targets *tf,
-                          kf_choice_fits *fits, int th, uint64_t seed, kf_error *err) {
+                          kf_choice_fits *fits, int th, uint64_t seed, kf_ws *ws, kf_error *err) {
     const kf_compact_params *p = &w->p;
     kf_am_stats *st = &w->out->stats.solver;
     if (!fits || !fits->beta.G)
-        return kf_am_fit_beta_ex(hf, tf, w->sel, th, seed, p->beta_fit, w->beta, st, err);
+        return kf_am_fit_beta_ex(hf, tf, w->sel, th, seed, p->beta_fit, w->beta, st, ws, err);
     if (p->refit_all) { /* the other training rows, then the validation rows */
         kf_am_head hv[2];
         kf_am_targets tv[2];
         const int n = refit_parts(hs, fits->rows, hv, tv);
-        KF_TRY(kf_choice_refit_add(fits, 1, hv, tv, n, w->kc, th, err));
+        KF_TRY(kf_choice_refit_add(fits, 1, hv, tv, n, w->kc, th, ws, err));
     }
-    return kf_am_fit_beta_normal(&fits->beta, seed, p->beta_fit, w->beta, st, err);
+    return kf_am_fit_beta_normal(&fits->beta, seed, p->beta_fit, w->beta, st, ws, err);
 }
 
 /* The values for keys kk [th, d] (bias: am's beta): drop's from the choice's normal equations
@@ -289,19 +279,19 @@ static kf_status fit_beta(const variant_ws *w, const head_shared *hs, const kf_a
  * them, else fitted on hf/tf. */
 static kf_status fit_values(const kf_compact_prep *x, variant_ws *w, const head_shared *hs, const kf_am_head *hf,
                             const kf_am_targets *tf, kf_choice_fits *fits, kf_method method, const float *kk,
-                            double alpha, int th, kf_error *err) {
+                            double alpha, int th, kf_ws *ws, kf_error *err) {
     const kf_compact_params *p = &w->p;
     const float *v0 = p->ridge_to == KF_RIDGE_TO_ORIG ? w->vo : NULL;
     kf_am_stats *st = &w->out->stats.solver;
     if (method != KF_METHOD_DROP || !fits || !fits->drop.G)
         return kf_am_fit_values_ridge(hf->be, hf->q, hf->R, x->d, x->scale, kk, x->d,
                                       method == KF_METHOD_AM ? w->beta : NULL, th, tf->Y, alpha, v0, x->d, w->vals, st,
-                                      err);
+                                      ws, err);
     if (p->refit_all) { /* the other training rows, then the validation rows */
         kf_am_head hv[2];
         kf_am_targets tv[2];
         const int n = refit_parts(hs, fits->rows, hv, tv);
-        KF_TRY(kf_choice_refit_add(fits, 0, hv, tv, n, kk, th, err));
+        KF_TRY(kf_choice_refit_add(fits, 0, hv, tv, n, kk, th, ws, err));
     }
     return kf_value_gram_solve(&fits->drop, alpha, v0, x->d, w->vals, st, err);
 }
@@ -310,14 +300,14 @@ static kf_status fit_values(const kf_compact_prep *x, variant_ws *w, const head_
  * choice kept in fits, NULL: nothing), then written. */
 static kf_status variant_fit(const kf_compact_prep *x, variant_ws *w, const head_shared *hs, const kf_am_head *hf,
                              const kf_am_targets *tf, const kf_head_pick *pick, kf_choice_fits *fits, int th,
-                             float *qsub, kf_error *err) {
+                             float *qsub, kf_ws *ws, kf_error *err) {
     kf_compacted *out = w->out;
     const kf_compact_params *p = &w->p;
     const int d = x->d, hi = hs->l * x->kvh + hs->g;
     kf_method method = pick->method;
     double ts = now_s();
     if (method != KF_METHOD_KEEP && method != KF_METHOD_DROP) {
-        KF_TRY(fit_beta(w, hs, hf, tf, fits, th, p->seed + (uint64_t)hi, err));
+        KF_TRY(fit_beta(w, hs, hf, tf, fits, th, p->seed + (uint64_t)hi, ws, err));
         out->stats.beta_s += now_s() - ts;
     }
     const float *kk = w->kc; /* [th, d] keys the values are fitted for */
@@ -329,7 +319,7 @@ static kf_status variant_fit(const kf_compact_prep *x, variant_ws *w, const head
         const int fR = on_probes ? probe_rows(&x->rq, hs->q, d, qsub) : hf->R;
         kf_fold_info fi;
         KF_TRY(fold_selection(hf->be, on_probes ? qsub : hf->q, fR, d, x->scale, pick->lambda, w->kc, w->beta, th, u,
-                              w->kfold, &fi, err));
+                              w->kfold, &fi, ws, err));
         if (fi.ok) {
             kk = w->kfold;
             w->folded++;
@@ -344,7 +334,7 @@ static kf_status variant_fit(const kf_compact_prep *x, variant_ws *w, const head
     }
     if (method != KF_METHOD_KEEP) {
         ts = now_s();
-        KF_TRY(fit_values(x, w, hs, hf, tf, fits, method, kk, pick->alpha, th, err));
+        KF_TRY(fit_values(x, w, hs, hf, tf, fits, method, kk, pick->alpha, th, ws, err));
         out->stats.values_s += now_s() - ts;
         out->stats.heads_ridged += pick->alpha > 0;
         out->head_alpha[hi] = (float)pick->alpha;
@@ -370,7 +360,8 @@ static kf_status head_output_check(const kf_compact_prep *x, const variant_ws *w
 }
 
 /* One variant on one head: its selection, the per-head choice when on, then the fits. */
-kf_status kf_head_variant(const kf_compact_prep *x, variant_ws *w, head_shared *hs, float *qsub, kf_error *err) {
+static kf_status variant_head(const kf_compact_prep *x, variant_ws *w, head_shared *hs, float *qsub, kf_ws *ws,
+                              kf_error *err) {
     kf_compacted *out = w->out;
     const kf_compact_params *p = &w->p;
     const int d = x->d, hi = hs->l * x->kvh + hs->g;
@@ -378,7 +369,7 @@ kf_status kf_head_variant(const kf_compact_prep *x, variant_ws *w, head_shared *
     double ts = now_s();
     /* am pads a smaller head with no-weight slots; the bias-free methods keep t keys */
     const int th = p->method == KF_METHOD_AM ? w->budgets[hi] : w->t;
-    KF_TRY(kf_am_select(hs->tg.score, x->n_doc, th, w->sel, err));
+    KF_TRY(kf_am_select(hs->tg.score, x->n_doc, th, w->sel, ws, err));
     out->stats.select_s += hs->targets_s + (now_s() - ts);
     for (int j = 0; j < th; j++) { /* the kept keys and their original values */
         memcpy(w->kc + (size_t)j * d, hs->h.k + (size_t)w->sel[j] * row, sizeof(float) * d);
@@ -395,16 +386,24 @@ kf_status kf_head_variant(const kf_compact_prep *x, variant_ws *w, head_shared *
         htr.q = sp->tr_q, htr.R = (int)sp->n_tr;
         kf_am_targets ttr = {sp->tr_m, sp->tr_y, sp->tr_Y, NULL};
         KF_TRY(kf_choose_head(p, &htr, &ttr, w->sel, th, w->kc, w->vo, &hs->vh, p->seed + (uint64_t)hi, &pick, &fits,
-                              err));
+                              ws, err));
         if (!p->refit_all) { /* ship the fit that was validated: on the training rows' subsample */
             hf = htr, tf = ttr;
             hf.R = kf_choice_rows(p, htr.R, th);
         }
         out->stats.choice_s += hs->split_s + (now_s() - ts);
     }
-    kf_status rc = variant_fit(x, w, hs, &hf, &tf, &pick, w->choice ? &fits : NULL, th, qsub, err);
+    kf_status rc = variant_fit(x, w, hs, &hf, &tf, &pick, w->choice ? &fits : NULL, th, qsub, ws, err);
     kf_choice_fits_free(&fits);
     if (rc == KF_OK)
         rc = head_output_check(x, w, hs, th, err);
+    return rc;
+}
+
+kf_status kf_head_variant(const kf_compact_prep *x, variant_ws *w, head_shared *hs, float *qsub, kf_ws *ws,
+                          kf_error *err) {
+    const size_t mark = kf_ws_mark(ws);
+    const kf_status rc = variant_head(x, w, hs, qsub, ws, err);
+    kf_ws_reset(ws, mark); /* the next variant reuses the scratch */
     return rc;
 }

@@ -15,6 +15,7 @@ struct thread_ws {
     float *kfold, *vals, *kc, *vo; /* [t_max, d] each */
     variant_ws *w;                 /* [n] the thread's views of the variants (variant_ws) */
     kf_compacted *out;             /* [n] the views' outputs */
+    int t_max;                     /* the most keys a variant keeps */
 };
 
 /* What one (head, variant) adds to the variant: its stats, folded and var_sum. */
@@ -58,6 +59,7 @@ static kf_status thread_init(const kf_compact_prep *x, const variant_ws *w, int 
     for (int i = 0; i < n; i++)
         tm = w[i].t > tm ? w[i].t : tm;
     memset(t, 0, sizeof *t);
+    t->t_max = tm;
     t->sel = malloc(sizeof(int32_t) * (size_t)tm);
     t->beta = malloc(sizeof(float) * (size_t)tm);
     t->kfold = malloc(sizeof(float) * (size_t)tm * d);
@@ -87,6 +89,17 @@ static kf_status thread_init(const kf_compact_prep *x, const variant_ws *w, int 
     return KF_OK;
 }
 
+/* A workspace no other head holds: there are as many as heads can run at once (min(threads, kvh)),
+ * so one is always free. Which one a head gets does not change its bytes. */
+static int ws_acquire(const layer_job *j) {
+    for (;;)
+        for (int s = 0; s < j->n_ws; s++) {
+            int free_ = 0;
+            if (atomic_compare_exchange_strong(&j->ws_busy[s], &free_, 1))
+                return s;
+        }
+}
+
 /* Item g of a layer_job: head g's shared work, then every variant on it (the first failing one
  * stops it); its stats go to add[g, :]. */
 static void head_item(void *ctx, int g, int thread) {
@@ -97,12 +110,17 @@ static void head_item(void *ctx, int g, int thread) {
         t->w[i].folded = 0, t->w[i].var_sum = 0;
     }
     head_shared hs;
-    kf_status rc = kf_head_prepare(j->x, j->l, g, j->K, j->V, j->any_choice ? &t->sp : NULL, &hs, &j->err[g]);
+    const int s = ws_acquire(j);
+    kf_ws *ws = &j->ws[s];
+    kf_status rc =
+        kf_head_prepare(j->x, j->l, g, j->K, j->V, j->any_choice ? &t->sp : NULL, &hs, ws, t->t_max, &j->err[g]);
     if (rc == KF_OK) {
         for (int i = 0; i < j->n && rc == KF_OK; i++)
-            rc = kf_head_variant(j->x, &t->w[i], &hs, t->qsub, &j->err[g]);
+            rc = kf_head_variant(j->x, &t->w[i], &hs, t->qsub, ws, &j->err[g]);
         kf_head_release(&hs);
     }
+    kf_ws_reset(ws, 0);
+    atomic_store(&j->ws_busy[s], 0);
     for (int i = 0; i < j->n; i++)
         j->add[(size_t)g * j->n + i] = (head_add){t->out[i].stats, t->w[i].folded, t->w[i].var_sum};
     j->rc[g] = rc;
@@ -128,10 +146,43 @@ static void head_merge(variant_ws *w, const head_add *a) {
     w->var_sum += a->var_sum;
 }
 
+/* Each head's workspace: the memory formula's ws (kf_compact_head_ws_bytes) for this job's shape,
+ * t_max kept keys at most; known once the sources' forwards are set up (which rows they fuse
+ * targets for). */
+static int64_t solve_ws_bytes(const kf_compact_prep *x, int t_max, int any_choice) {
+    kf_mem_shape s = {.T = x->n_doc, .R = x->rq.R, .t = t_max, .choice = any_choice, .refq_bf16 = x->rq.qh != NULL,
+                      .fused = x->tg.m != NULL};
+    s.Rv = any_choice ? x->n_val_pos * x->G : 0;
+    for (int i = 0; i < x->n_sources; i++) /* the longest prompt a validation row sees */
+        if (x->src[i].kind != KF_REFQ_CONTEXT)
+            s.S = x->src[i].n > s.S ? x->src[i].n : s.S;
+    for (int64_t p = 0; s.fused && p < x->rq.n_pos; p++)
+        s.Ru += x->tg.fused[p] ? 0 : x->G;
+    return kf_compact_head_ws_bytes(&s, x->d);
+}
+
+/* The heads' workspaces, once per kf_compact_solve (before the first layer's heads). */
+static kf_status job_ws_init(layer_job *j, kf_error *err) {
+    const int64_t bytes = solve_ws_bytes(j->x, j->tw[0].t_max, j->any_choice);
+    j->n_ws = j->threads < j->x->kvh ? j->threads : j->x->kvh;
+    j->ws = calloc((size_t)j->n_ws, sizeof *j->ws);
+    j->ws_busy = calloc((size_t)j->n_ws, sizeof *j->ws_busy);
+    for (int s = 0; j->ws && j->ws_busy && s < j->n_ws; s++)
+        if (kf_ws_init(&j->ws[s], bytes) != 0)
+            return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the solve's workspaces (%lld bytes each)",
+                           (long long)bytes);
+    if (!j->ws || !j->ws_busy)
+        return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
+    j->ws_bytes = bytes;
+    return KF_OK;
+}
+
 /* Layer l: its K, V [D, kvh * d] read once, then its heads in parallel (each head's shared work,
  * then every variant), then their stats merged in head order; the first failing head's error. */
 static kf_status solve_layer(kf_compact_prep *x, variant_ws *w, int n, int l, float *K, float *V, layer_job *j,
                              kf_error *err) {
+    if (j->ws_bytes == 0)
+        KF_TRY(job_ws_init(j, err));
     KF_TRY(kf_seq_read_kv(x->ar, &x->seq, l, 0, x->D, K, V, err));
     if (j->any_choice)
         KF_TRY(kf_appended_load(&x->src_ar, x->D, &x->ap, l, err));
@@ -165,7 +216,7 @@ kf_status kf_pool_on_layer(void *ctx, int l, kf_error *err) {
 
 kf_status kf_pool_init(kf_compact_prep *x, const variant_ws *w, int n, int any_choice, int threads, layer_job *j,
                        kf_error *err) {
-    j->x = x, j->n = n, j->any_choice = any_choice;
+    j->x = x, j->n = n, j->any_choice = any_choice, j->threads = threads;
     j->tw = calloc((size_t)threads, sizeof *j->tw);
     j->rc = calloc((size_t)x->kvh, sizeof *j->rc);
     j->err = calloc((size_t)x->kvh, sizeof *j->err);
@@ -180,5 +231,7 @@ kf_status kf_pool_init(kf_compact_prep *x, const variant_ws *w, int n, int any_c
 void kf_pool_free(layer_job *j, int threads) {
     for (int t = 0; j->tw && t < threads; t++)
         thread_free(&j->tw[t]);
-    free(j->tw), free(j->rc), free(j->err), free(j->add);
+    for (int s = 0; j->ws && s < j->n_ws; s++)
+        kf_ws_free(&j->ws[s]);
+    free(j->tw), free(j->rc), free(j->err), free(j->add), free(j->ws), free((void *)j->ws_busy);
 }

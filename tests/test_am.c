@@ -171,10 +171,10 @@ static void test_selection_recovers_planted_keys(void) {
     kf_error err = {0};
     CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
     int32_t sel[5];
-    CU_ASSERT_EQUAL(kf_am_select(tg.score, s.T, 5, sel, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_am_select(tg.score, s.T, 5, sel, NULL, &err), KF_OK);
     for (int p = 0; p < 5; p++)
         CU_ASSERT_EQUAL(sel[p], planted[p]); /* and in position order */
-    CU_ASSERT_EQUAL(kf_am_select(tg.score, s.T, 201, sel, &err), KF_ERR_INVALID);
+    CU_ASSERT_EQUAL(kf_am_select(tg.score, s.T, 201, sel, NULL, &err), KF_ERR_INVALID);
     kf_am_targets_free(&tg);
     free_synth(&s);
 }
@@ -242,7 +242,7 @@ static void test_fold_identities(void) {
     float u[16];
     kf_fold_info fi;
     kf_error err = {0};
-    CU_ASSERT_EQUAL_FATAL(kf_fold_direction(NULL, s.Q, s.R, s.d, 1e-2, u, &fi, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_fold_direction(NULL, s.Q, s.R, s.d, 1e-2, u, &fi, NULL, &err), KF_OK);
     CU_ASSERT_FATAL(fi.ok);
     double mu[16] = {0}, mtu = 0, mean_gain = 0;
     for (int i = 0; i < s.R; i++)
@@ -278,7 +278,7 @@ static void test_fold_identities(void) {
     for (int i = 0; i < 4; i++)
         for (int c = 0; c < 16; c++)
             zq[i * 16 + c] = (i % 2 ? -1.0f : 1.0f) * (c + 1);
-    CU_ASSERT_EQUAL(kf_fold_direction(NULL, zq, 4, 16, 1e-2, u, &fi, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_fold_direction(NULL, zq, 4, 16, 1e-2, u, &fi, NULL, &err), KF_OK);
     CU_ASSERT_FALSE(fi.ok);
     free_synth(&s);
 }
@@ -297,12 +297,12 @@ static void test_synthetic_ordering(void) {
     const int t = 30, d = 16;
     int32_t sel[30];
     float beta[30], ks[30 * 16], kfold[30 * 16], v_am[30 * 16], v_drop[30 * 16], v_fold[30 * 16], u[16];
-    CU_ASSERT_EQUAL(kf_am_select(tg.score, 300, t, sel, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_am_select(tg.score, 300, t, sel, NULL, &err), KF_OK);
     CU_ASSERT_EQUAL(kf_am_fit_beta(&h, &tg, sel, t, 3, beta, NULL, &err), KF_OK);
     for (int j = 0; j < t; j++)
         memcpy(ks + j * d, s.K + sel[j] * d, sizeof(float) * d);
     kf_fold_info fi;
-    CU_ASSERT_EQUAL(kf_fold_direction(NULL, s.Q, s.R, d, 1e-2, u, &fi, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_fold_direction(NULL, s.Q, s.R, d, 1e-2, u, &fi, NULL, &err), KF_OK);
     kf_fold_keys(ks, d, beta, t, d, h.scale, u, kfold, d);
     CU_ASSERT_EQUAL(kf_am_fit_values(NULL, s.Q, s.R, d, h.scale, ks, d, beta, t, tg.Y, v_am, NULL, &err), KF_OK);
     CU_ASSERT_EQUAL(kf_am_fit_values(NULL, s.Q, s.R, d, h.scale, ks, d, NULL, t, tg.Y, v_drop, NULL, &err), KF_OK);
@@ -402,7 +402,7 @@ static void check_tikhonov(int R, double alpha, int towards_orig) {
     gauss_solve(G, t, B, d);
     kf_error err = {0};
     CU_ASSERT_EQUAL(kf_am_fit_values_ridge(NULL, Q, R, d, scale, K, d, beta, t, Y, alpha, towards_orig ? V0 : NULL, d,
-                                           C, NULL, &err),
+                                           C, NULL, NULL, &err),
                     KF_OK);
     double worst = 0, moved = 0;
     for (int k = 0; k < t * d; k++) {
@@ -485,8 +485,8 @@ static void test_box_fit_reaches_kkt(void) {
     float beta_box[24], beta_am[24];
     for (int j = 0; j < tk; j++)
         sel[j] = 2 * j + 1;
-    CU_ASSERT_EQUAL(kf_am_fit_beta_ex(&h, &tg, sel, tk, 5, KF_BETA_BOX, beta_box, NULL, &err), KF_OK);
-    CU_ASSERT_EQUAL(kf_am_fit_beta_ex(&h, &tg, sel, tk, 5, KF_BETA_AM, beta_am, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_am_fit_beta_ex(&h, &tg, sel, tk, 5, KF_BETA_BOX, beta_box, NULL, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_am_fit_beta_ex(&h, &tg, sel, tk, 5, KF_BETA_AM, beta_am, NULL, NULL, &err), KF_OK);
     double *Gb = calloc((size_t)tk * tk, sizeof(double)), *bb = calloc(tk, sizeof(double));
     double w_box[24], w_am[24];
     for (int i = 0; i < s.R; i++) {
