@@ -32,7 +32,7 @@
 #include "compactor/diag.h"
 #include "compactor/model.h"
 #include "compactor/progress.h"
-#include "formats/error.h"
+#include "kernels/base/error.h"
 
 typedef enum { KF_METHOD_KEEP = 0, KF_METHOD_DROP = 1, KF_METHOD_AM = 2, KF_METHOD_FOLD = 3 } kf_method;
 typedef enum { KF_FOLD_ON_ALL = 0, KF_FOLD_ON_PROBES = 1 } kf_fold_queries;

@@ -38,7 +38,7 @@ ext = Extension(
     sources=[
         "connector/ext/kvfold_ext.c",
         "connector/ext/blockcopy.c",
-        "formats/error.c",
+        "kernels/base/error.c",
         "formats/escape.c",
         "formats/kvf.c",
         "formats/kvf_read.c",

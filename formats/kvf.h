@@ -115,7 +115,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "formats/error.h"
+#include "kernels/base/error.h"
 
 #define KVF_FORMAT_NAME "kvfold-kvf"
 #define KVF_VERSION 2

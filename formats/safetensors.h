@@ -31,7 +31,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "formats/error.h"
+#include "kernels/base/error.h"
 
 #define KF_ST_MAX_HEADER (100u * 1000u * 1000u)
 #define KF_ST_MAX_DIMS 8

@@ -29,7 +29,7 @@
 
 #include <stdint.h>
 
-#include "formats/error.h"
+#include "kernels/base/error.h"
 #include "formats/kvf.h"
 
 typedef enum { KVB_KV_FIRST = 0, KVB_BLOCKS_FIRST = 1, KVB_CPU = 2, KVB_PACKED = 3 } kvb_layout;
