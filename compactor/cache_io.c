@@ -3,24 +3,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-kvf_method kf_method_to_kvf(kf_method m) {
-    switch (m) {
-    case KF_METHOD_KEEP: return KVF_METHOD_KEEP;
-    case KF_METHOD_DROP: return KVF_METHOD_DROP;
-    case KF_METHOD_AM: return KVF_METHOD_AM;
-    default: return KVF_METHOD_FOLD;
-    }
-}
-
-kf_method kf_method_from_kvf(kvf_method m) {
-    switch (m) {
-    case KVF_METHOD_KEEP: return KF_METHOD_KEEP;
-    case KVF_METHOD_DROP: return KF_METHOD_DROP;
-    case KVF_METHOD_AM: return KF_METHOD_AM;
-    default: return KF_METHOD_FOLD;
-    }
-}
-
 void kf_compacted_to_kvf(const kf_compacted *c, kvf_cache *out) {
     memset(out, 0, sizeof *out);
     kvf_header_init(&out->hdr);
@@ -38,10 +20,7 @@ void kf_compacted_to_kvf(const kf_compacted *c, kvf_cache *out) {
     out->beta = c->beta;
     out->u = c->u;
     out->positions = c->positions;
-    /* kf_method and kvf_method number the methods alike: the per-head bytes pass as they are */
-    _Static_assert(KF_METHOD_KEEP == (int)KVF_METHOD_KEEP && KF_METHOD_DROP == (int)KVF_METHOD_DROP &&
-                       KF_METHOD_AM == (int)KVF_METHOD_AM && KF_METHOD_FOLD == (int)KVF_METHOD_FOLD,
-                   "kf_method and kvf_method differ");
+    /* a head_method byte is the head's kf_method (formats/kvf.h) */
     out->head_method = c->head_method;
 }
 

@@ -39,6 +39,8 @@ ext = Extension(
         "connector/ext/kvfold_ext.c",
         "connector/ext/blockcopy.c",
         "kernels/base/error.c",
+        "kernels/base/dtype.c",
+        "kernels/base/method.c",
         "formats/escape.c",
         "formats/kvf.c",
         "formats/kvf_read.c",

@@ -18,9 +18,17 @@
 
 /* ---- names ---- */
 
-static const char *const kMethods[] = {"keep", "drop", "am", "fold"};
-static const char *const kDtypes[] = {"bfloat16", "float16", "float32"};
 static const char *const kFrames[] = {"compacted", "original"};
+
+/* The file's own spellings of the methods and dtypes it stores (kvf.h): written and read through
+ * these tables only, so that no change to the program's names or numbers changes a file. */
+const char *const kvf_method_attrs[KVF_N_METHODS] = {"keep", "drop", "am", "fold"}; /* by head_method byte */
+const char *const kvf_dtype_attrs[KVF_N_DTYPES] = {"bfloat16", "float16", "float32"};
+const kvf_dtype kvf_dtype_of_attr[KVF_N_DTYPES] = {KVF_BF16, KVF_F16, KVF_F32};
+/* a head_method byte is the head's kf_method */
+_Static_assert(KVF_METHOD_KEEP == 0 && KVF_METHOD_DROP == 1 && KVF_METHOD_AM == 2 && KVF_METHOD_FOLD == 3 &&
+                   KVF_N_METHODS == KF_METHOD_COUNT,
+               "kvf: the head_method bytes are kf_method's numbers");
 
 void kvf_header_init(kvf_header *h) {
     memset(h, 0, sizeof *h);
@@ -35,19 +43,24 @@ void kvf_header_init(kvf_header *h) {
     memset(h->recipe_digest, '0', KVF_DIGEST_LEN);
 }
 
-const char *kvf_method_name(kvf_method m) {
-    return (unsigned)m < 4 ? kMethods[m] : "?";
-}
-const char *kvf_dtype_name(kvf_dtype d) {
-    return (unsigned)d < 3 ? kDtypes[d] : "?";
-}
 const char *kvf_rope_frame_name(kvf_rope_frame f) {
     return (unsigned)f < 2 ? kFrames[f] : "?";
 }
 
-int kvf_method_parse(const char *s, kvf_method *out) {
-    for (int i = 0; i < 4; i++)
-        if (strcmp(s, kMethods[i]) == 0) {
+const char *kvf_method_attr(kvf_method m) {
+    return (unsigned)m < KVF_N_METHODS ? kvf_method_attrs[m] : NULL;
+}
+
+const char *kvf_dtype_attr(kvf_dtype d) {
+    for (int i = 0; i < KVF_N_DTYPES; i++)
+        if (kvf_dtype_of_attr[i] == d)
+            return kvf_dtype_attrs[i];
+    return NULL;
+}
+
+int kvf_method_from_attr(const char *s, kvf_method *out) {
+    for (int i = 0; i < KVF_N_METHODS; i++)
+        if (strcmp(s, kvf_method_attrs[i]) == 0) {
             *out = (kvf_method)i;
             return 0;
         }
@@ -55,21 +68,11 @@ int kvf_method_parse(const char *s, kvf_method *out) {
 }
 
 int kvf_dtype_parse(const char *s, kvf_dtype *out) {
-    static const struct {
-        const char *name;
-        kvf_dtype d;
-    } names[] = {{"bfloat16", KVF_BF16}, {"bf16", KVF_BF16},   {"float16", KVF_F16}, {"f16", KVF_F16},
-                 {"fp16", KVF_F16},      {"float32", KVF_F32}, {"f32", KVF_F32},     {"fp32", KVF_F32}};
-    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
-        if (strcmp(s, names[i].name) == 0) {
-            *out = names[i].d;
-            return 0;
-        }
-    return -1;
-}
-
-size_t kvf_dtype_size(kvf_dtype d) {
-    return d == KVF_F32 ? 4 : 2;
+    kvf_dtype d;
+    if (kf_dtype_parse(s, &d) != 0 || !kvf_dtype_attr(d))
+        return -1;
+    *out = d;
+    return 0;
 }
 
 int64_t kvf_kv_bytes(const kvf_header *h) {
@@ -173,7 +176,7 @@ kf_status kvf_cache_path(const char *root, const char *model_fp, const char *doc
         return kf_fail(err, KF_ERR_INVALID, "kvf: cache path under '%s' is too long", root);
     if (create_dirs && make_dirs(out) != 0)
         return kf_fail(err, KF_ERR_IO, "kvf: cannot create directory %s: %s", out, strerror(errno));
-    int m = snprintf(out + n, out_len - (size_t)n, "/%s.%s-%s.%.16s.kvf", doc_digest, kvf_method_name(method), b,
+    int m = snprintf(out + n, out_len - (size_t)n, "/%s.%s-%s.%.16s.kvf", doc_digest, kvf_method_attr(method), b,
                      recipe_digest);
     if (m < 0 || (size_t)m >= out_len - (size_t)n)
         return kf_fail(err, KF_ERR_INVALID, "kvf: cache path under '%s' is too long", root);
@@ -200,7 +203,7 @@ static bool parse_cache_name(const char *name, cache_name *cn) {
     snprintf(cn->method, sizeof cn->method, "%.*s", (int)(dash - mid), mid);
     snprintf(cn->budget, sizeof cn->budget, "%.*s", (int)(name + n - 21 - (dash + 1)), dash + 1);
     kvf_method m;
-    return is_hex(cn->digest, KVF_DIGEST_LEN) && is_hex(cn->recipe16, 16) && kvf_method_parse(cn->method, &m) == 0;
+    return is_hex(cn->digest, KVF_DIGEST_LEN) && is_hex(cn->recipe16, 16) && kvf_method_from_attr(cn->method, &m) == 0;
 }
 
 kf_status kvf_check_name(const char *path, const kvf_header *h, kf_error *err) {
@@ -212,7 +215,7 @@ kf_status kvf_check_name(const char *path, const kvf_header *h, kf_error *err) {
     char b[32];
     kvf_format_budget(h->budget, b, sizeof b);
     const char *field = strcmp(cn.digest, h->document_digest)           ? "document"
-                        : strcmp(cn.method, kvf_method_name(h->method)) ? "method"
+                        : strcmp(cn.method, kvf_method_attr(h->method)) ? "method"
                         : strcmp(cn.budget, b)                          ? "budget"
                         : strncmp(cn.recipe16, h->recipe_digest, 16)    ? "recipe"
                                                                         : NULL;
@@ -303,64 +306,6 @@ kf_status kvf_clean_temps(const char *root, double older_than_s, bool dry_run,
 }
 
 /* ---- dtype conversions ---- */
-
-uint16_t kvf_f32_to_bf16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40); /* quiet NaN, sign kept */
-    u += 0x7fffu + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
-}
-
-float kvf_bf16_to_f32(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float x;
-    memcpy(&x, &u, 4);
-    return x;
-}
-
-uint16_t kvf_f32_to_f16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
-    uint32_t a = u & 0x7fffffffu;
-    if (a > 0x7f800000u)
-        return sign | 0x7e00 | (uint16_t)((a >> 13) & 0x3ff);
-    if (a >= 0x477ff000u) /* >= 65520 rounds to infinity */
-        return sign | 0x7c00;
-    if (a < 0x38800000u) {   /* below 2^-14: a subnormal half (or zero) */
-        if (a < 0x33000000u) /* below 2^-25 */
-            return sign;
-        uint32_t e = a >> 23, m = (a & 0x7fffffu) | 0x800000u;
-        uint32_t shift = 126 - e; /* 14..24 */
-        uint32_t r = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
-        if (rem > half || (rem == half && (r & 1)))
-            r++;
-        return sign | (uint16_t)r;
-    }
-    uint32_t v = a - 0x38000000u; /* rebias the exponent from 127 to 15 */
-    uint32_t r = v >> 13, rem = v & 0x1fffu;
-    if (rem > 0x1000u || (rem == 0x1000u && (r & 1)))
-        r++;
-    return sign | (uint16_t)r;
-}
-
-float kvf_f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
-    if (e == 0) {
-        float f = (float)m * 0x1p-24f;
-        memcpy(&u, &f, 4);
-        u |= sign;
-    } else if (e == 31) {
-        u = sign | 0x7f800000u | (m << 13);
-    } else {
-        u = sign | ((e + 112) << 23) | (m << 13);
-    }
-    float x;
-    memcpy(&x, &u, 4);
-    return x;
-}
 
 void kvf_convert_to(kvf_dtype d, const float *src, void *dst, size_t n) {
     uint16_t *o = dst;
@@ -617,7 +562,7 @@ kf_status kvf_header_check(const kvf_header *h, const char *path, kf_error *err)
         return kf_fail(err, KF_ERR_FORMAT,
                        "%s: placeholder '%s' is not \"" KVF_PLACEHOLDER "\", the only placeholder policy of version %d",
                        path, h->placeholder, KVF_VERSION);
-    if ((unsigned)h->method > KVF_METHOD_FOLD || (unsigned)h->dtype > KVF_F32 ||
+    if ((unsigned)h->method > KVF_METHOD_FOLD || !kvf_dtype_attr(h->dtype) ||
         (unsigned)h->rope_frame > KVF_FRAME_ORIGINAL)
         return kf_fail(err, KF_ERR_FORMAT, "%s: method, dtype or rope_frame out of range", path);
     if (h->n_layers < 1 || h->n_layers > 4096 || h->kv_heads < 1 || h->kv_heads > 4096 || h->head_dim < 1 ||

@@ -115,7 +115,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kernels/base/dtype.h"
 #include "kernels/base/error.h"
+#include "kernels/base/method.h"
 
 #define KVF_FORMAT_NAME "kvfold-kvf"
 #define KVF_VERSION 2
@@ -124,8 +126,6 @@
 #define KVF_ALL_LAYERS (-1)
 #define KVF_PLACEHOLDER "digest" /* the placeholder attribute's only value */
 
-typedef enum { KVF_METHOD_KEEP, KVF_METHOD_DROP, KVF_METHOD_AM, KVF_METHOD_FOLD } kvf_method;
-typedef enum { KVF_BF16, KVF_F16, KVF_F32 } kvf_dtype;
 typedef enum { KVF_FRAME_COMPACTED, KVF_FRAME_ORIGINAL } kvf_rope_frame;
 typedef enum { KVF_KEYS, KVF_VALUES } kvf_which;
 
@@ -139,12 +139,12 @@ typedef struct {
     char payload_digest[KVF_DIGEST_LEN + 1]; /* filled by kvf_write / read by kvf_open */
     int64_t n_doc_tokens;                  /* D */
     int64_t n_tokens;                      /* C */
-    kvf_method method;
+    kvf_method method;                     /* the method attribute (kvf_method_attr) */
     double budget;
     double lambda;
     kvf_rope_frame rope_frame;
     char placeholder[64];
-    kvf_dtype dtype;
+    kvf_dtype dtype;                       /* bf16, f16 or f32 (kvf_dtype_attr) */
     int n_layers, kv_heads, head_dim;
     int block_size;                        /* KVF_BLOCK */
 } kvf_header;
@@ -170,13 +170,15 @@ typedef struct kvf_file kvf_file;
 /* Defaults: version, creator, block size 16, rope_frame compacted, placeholder "digest", bf16,
  * recipe_digest 32 zeros. */
 void kvf_header_init(kvf_header *h);
-const char *kvf_method_name(kvf_method m);      /* "keep", "drop", "am", "fold" */
-const char *kvf_dtype_name(kvf_dtype d);        /* "bfloat16", "float16", "float32" */
 const char *kvf_rope_frame_name(kvf_rope_frame f);
-/* Parse a name (also "bf16", "f16", "f32", "fp16", "fp32" for dtypes); 0 or -1 when unknown. */
-int kvf_method_parse(const char *s, kvf_method *out);
+/* The file's spellings of what it stores: the method attribute and a file name's method ("keep",
+ * "drop", "am", "fold"; the head_method bytes are kf_method's numbers), the dtype attribute
+ * ("bfloat16", "float16", "float32"). NULL for a method or dtype the file cannot hold. */
+const char *kvf_method_attr(kvf_method m);
+const char *kvf_dtype_attr(kvf_dtype d);
+/* kf_dtype_parse (also "bf16", "fp16", "fp32", ...) for a dtype the file stores: 0, or -1 for an
+ * unknown name or another dtype (out unchanged). */
 int kvf_dtype_parse(const char *s, kvf_dtype *out);
-size_t kvf_dtype_size(kvf_dtype d);
 /* Bytes of keys plus values: 2 * n_layers * C * kv_heads * head_dim * dtype size. */
 int64_t kvf_kv_bytes(const kvf_header *h);
 
@@ -198,12 +200,7 @@ bool kvf_is_clean_utf8(const char *s);
 /* True when name (a path or base name) is a writer's temporary file: "*.tmp-<pid>-<16 hex>". */
 bool kvf_is_temp_name(const char *name);
 
-/* f32 <-> bf16 / f16 bit patterns, round-to-nearest-even (NaN stays NaN). */
-uint16_t kvf_f32_to_bf16(float x);
-float kvf_bf16_to_f32(uint16_t b);
-uint16_t kvf_f32_to_f16(float x);
-float kvf_f16_to_f32(uint16_t h);
-/* n elements stored in dtype d to fp32. */
+/* n elements stored in dtype d to fp32 (the scalar conversions: kernels/base/convert.h). */
 void kvf_to_f32(kvf_dtype d, const void *src, float *dst /* [n] */, size_t n);
 
 /* ---- writing ---- */

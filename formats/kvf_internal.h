@@ -8,6 +8,17 @@
 #include <stdint.h>
 
 #include "formats/kvf.h"
+#include "kernels/base/convert.h"
+
+/* The method and dtype attributes' values (kvf.c): method i is kvf_method i; dtype i is
+ * kvf_dtype_of_attr[i]. */
+#define KVF_N_METHODS 4
+#define KVF_N_DTYPES 3
+extern const char *const kvf_method_attrs[KVF_N_METHODS];
+extern const char *const kvf_dtype_attrs[KVF_N_DTYPES];
+extern const kvf_dtype kvf_dtype_of_attr[KVF_N_DTYPES];
+/* A method attribute's (or a file name's) value to its method: 0, or -1 when unknown. */
+int kvf_method_from_attr(const char *s, kvf_method *out);
 
 /* Switches HDF5's automatic error printing off (once per process; library code never prints). */
 void kvf_h5_quiet(void);

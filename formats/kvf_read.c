@@ -219,8 +219,7 @@ static kf_status read_enum(kvf_file *f, const char *name, const char *const *nam
 
 static kf_status read_header(kvf_file *f, kf_error *err) {
     kvf_header *h = &f->hdr;
-    static const char *const methods[] = {"keep", "drop", "am", "fold"}, *const frames[] = {"compacted", "original"},
-                             *const dtypes[] = {"bfloat16", "float16", "float32"};
+    static const char *const frames[] = {"compacted", "original"};
     int64_t v;
     int e;
     KF_TRY(read_str(f, "creator", h->creator, sizeof h->creator, err));
@@ -234,15 +233,15 @@ static kf_status read_header(kvf_file *f, kf_error *err) {
                        h->payload_digest, KVF_DIGEST_LEN);
     KF_TRY(read_int(f, "n_doc_tokens", 1, INT32_MAX, &h->n_doc_tokens, err));
     KF_TRY(read_int(f, "n_tokens", 1, h->n_doc_tokens, &h->n_tokens, err));
-    KF_TRY(read_enum(f, "method", methods, 4, &e, err));
+    KF_TRY(read_enum(f, "method", kvf_method_attrs, KVF_N_METHODS, &e, err));
     h->method = (kvf_method)e;
     KF_TRY(read_num(f, "budget", true, &h->budget, err));
     KF_TRY(read_num(f, "lambda", true, &h->lambda, err));
     KF_TRY(read_enum(f, "rope_frame", frames, 2, &e, err));
     h->rope_frame = (kvf_rope_frame)e;
     KF_TRY(read_str(f, "placeholder", h->placeholder, sizeof h->placeholder, err));
-    KF_TRY(read_enum(f, "dtype", dtypes, 3, &e, err));
-    h->dtype = (kvf_dtype)e;
+    KF_TRY(read_enum(f, "dtype", kvf_dtype_attrs, KVF_N_DTYPES, &e, err));
+    h->dtype = kvf_dtype_of_attr[e];
     KF_TRY(read_int(f, "n_layers", 1, 4096, &v, err));
     h->n_layers = (int)v;
     KF_TRY(read_int(f, "kv_heads", 1, 4096, &v, err));
@@ -379,7 +378,7 @@ static kf_status open_dataset(kvf_file *f, int which, kf_error *err) {
         f->f = d; /* read_str reads attributes of f->f */
         st = read_str(f, "dtype", dt, sizeof dt, err);
         f->f = keep;
-        if (st == KF_OK && strcmp(dt, kvf_dtype_name(f->hdr.dtype)) != 0)
+        if (st == KF_OK && strcmp(dt, kvf_dtype_attr(f->hdr.dtype)) != 0)
             st = kf_fail(err, KF_ERR_FORMAT, "%s: dataset '%s' has dtype attribute '%s', the file says '%s'", f->path,
                          name, dt, kvf_dtype_name(f->hdr.dtype));
     }

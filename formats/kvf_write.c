@@ -70,12 +70,12 @@ static herr_t write_attrs(hid_t f, const kvf_header *h, const char *payload_dige
     rc |= attr_str(f, "payload_digest", payload_digest);
     rc |= attr_i64(f, "n_doc_tokens", h->n_doc_tokens);
     rc |= attr_i64(f, "n_tokens", h->n_tokens);
-    rc |= attr_str(f, "method", kvf_method_name(h->method));
+    rc |= attr_str(f, "method", kvf_method_attr(h->method));
     rc |= attr_f64(f, "budget", h->budget);
     rc |= attr_f64(f, "lambda", h->lambda);
     rc |= attr_str(f, "rope_frame", kvf_rope_frame_name(h->rope_frame));
     rc |= attr_str(f, "placeholder", h->placeholder);
-    rc |= attr_str(f, "dtype", kvf_dtype_name(h->dtype));
+    rc |= attr_str(f, "dtype", kvf_dtype_attr(h->dtype));
     rc |= attr_i64(f, "n_layers", h->n_layers);
     rc |= attr_i64(f, "kv_heads", h->kv_heads);
     rc |= attr_i64(f, "head_dim", h->head_dim);
@@ -246,7 +246,7 @@ static kf_status write_contents(hid_t f, const kvf_cache *c, wctx *w) {
         ds[W_HM] = make_dataset(f, "head_method", H5T_STD_U8LE, 2, hd, NULL, hc);
         dig = make_dataset(f, "head_digest", H5T_STD_U8LE, 3, dd, NULL, dd);
         for (int i = 0; i < W_N && st == KF_OK; i++)
-            if (ds[i] < 0 || dig < 0 || (i < 2 && attr_str(ds[i], "dtype", kvf_dtype_name(h->dtype)) < 0))
+            if (ds[i] < 0 || dig < 0 || (i < 2 && attr_str(ds[i], "dtype", kvf_dtype_attr(h->dtype)) < 0))
                 st = h5fail(w, "create the datasets");
     }
     for (int l = 0; l < (int)L && st == KF_OK; l++)

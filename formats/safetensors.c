@@ -10,25 +10,16 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+/* The header's dtype strings and the dtypes they stand for (sizes: kf_dtype_size). */
 static const struct {
     const char *name;
     kf_st_dtype dt;
-    size_t size;
 } kDtypes[] = {
-    {"BOOL", KF_ST_BOOL, 1}, {"U8", KF_ST_U8, 1},   {"I8", KF_ST_I8, 1},
-    {"I16", KF_ST_I16, 2},   {"U16", KF_ST_U16, 2}, {"F16", KF_ST_F16, 2},
-    {"BF16", KF_ST_BF16, 2}, {"I32", KF_ST_I32, 4}, {"U32", KF_ST_U32, 4},
-    {"F32", KF_ST_F32, 4},   {"I64", KF_ST_I64, 8}, {"U64", KF_ST_U64, 8},
-    {"F64", KF_ST_F64, 8},
+    {"BOOL", KF_ST_BOOL}, {"U8", KF_ST_U8},   {"I8", KF_ST_I8},   {"I16", KF_ST_I16}, {"U16", KF_ST_U16},
+    {"F16", KF_ST_F16},   {"BF16", KF_ST_BF16}, {"I32", KF_ST_I32}, {"U32", KF_ST_U32}, {"F32", KF_ST_F32},
+    {"I64", KF_ST_I64},   {"U64", KF_ST_U64}, {"F64", KF_ST_F64},
 };
 #define N_DTYPES (sizeof kDtypes / sizeof kDtypes[0])
-
-size_t kf_st_dtype_size(kf_st_dtype dt) {
-    for (size_t i = 0; i < N_DTYPES; i++)
-        if (kDtypes[i].dt == dt)
-            return kDtypes[i].size;
-    return 0;
-}
 
 const char *kf_st_dtype_name(kf_st_dtype dt) {
     for (size_t i = 0; i < N_DTYPES; i++)
