@@ -8,7 +8,7 @@ void kf_compacted_to_kvf(const kf_compacted *c, kvf_cache *out) {
     kvf_header_init(&out->hdr);
     out->hdr.n_doc_tokens = c->D;
     out->hdr.n_tokens = c->C;
-    out->hdr.method = kf_method_to_kvf(c->method);
+    out->hdr.method = c->method;
     out->hdr.budget = c->budget;
     out->hdr.lambda = c->method == KF_METHOD_FOLD ? c->lambda_rel : 0;
     out->hdr.rope_frame = c->rotated ? KVF_FRAME_COMPACTED : KVF_FRAME_ORIGINAL;
@@ -30,7 +30,7 @@ static kf_status load_layers(kvf_file *f, kf_compacted *out, kf_error *err) {
     const kvf_header *h = kvf_file_header(f);
     const size_t per_layer = (size_t)h->n_tokens * (size_t)h->kv_heads * (size_t)h->head_dim;
     const size_t HC = (size_t)h->kv_heads * (size_t)h->n_tokens, HD = (size_t)h->kv_heads * (size_t)h->head_dim;
-    void *kraw = malloc(per_layer * kvf_dtype_size(h->dtype)), *vraw = malloc(per_layer * kvf_dtype_size(h->dtype));
+    void *kraw = malloc(per_layer * kf_dtype_size(h->dtype)), *vraw = malloc(per_layer * kf_dtype_size(h->dtype));
     kf_status rc = KF_OK;
     if (!kraw || !vraw)
         rc = kf_fail(err, KF_ERR_NOMEM, "%s: out of memory for a layer", kvf_file_path(f));
@@ -59,7 +59,7 @@ kf_status kf_compacted_load(kvf_file *f, kf_compacted *out, kf_error *err) {
     out->D = h->n_doc_tokens;
     out->C = C;
     out->t = C;
-    out->method = kf_method_from_kvf(h->method);
+    out->method = h->method;
     out->budget = h->budget;
     out->lambda_rel = h->lambda;
     out->rotated = h->rope_frame == KVF_FRAME_COMPACTED;

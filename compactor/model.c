@@ -62,9 +62,9 @@ static kf_status load_tensor(kf_model *m, const char *name, int64_t d0, int64_t 
     }
     kf_dtype dt;
     switch (t->dtype) {
-    case KF_ST_BF16: dt = KF_DTYPE_BF16; break;
-    case KF_ST_F16: dt = KF_DTYPE_F16; break;
-    case KF_ST_F32: dt = KF_DTYPE_F32; break;
+    case KF_DTYPE_BF16: dt = KF_DTYPE_BF16; break;
+    case KF_DTYPE_F16: dt = KF_DTYPE_F16; break;
+    case KF_DTYPE_F32: dt = KF_DTYPE_F32; break;
     default:
         return kf_fail(err, KF_ERR_UNSUPPORTED, "%s: tensor '%s' has dtype %s (supported: BF16, F16, F32)", m->dir,
                        name, kf_st_dtype_name(t->dtype));

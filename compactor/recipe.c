@@ -73,11 +73,11 @@ static void put_quoka(XXH3_state_t *st, const kf_quoka_params *q) {
 
 /* The stored dtype as the digest numbers it (bf16 0, f16 1, f32 2, the order the file format once
  * had): kf_dtype's own numbers would change every digest, and so every file name. */
-static int64_t dtype_code(kvf_dtype d) {
-    return d == KVF_BF16 ? 0 : d == KVF_F16 ? 1 : 2;
+static int64_t dtype_code(kf_dtype d) {
+    return d == KF_DTYPE_BF16 ? 0 : d == KF_DTYPE_F16 ? 1 : 2;
 }
 
-void kf_recipe_digest(const kf_compact_params *p, kvf_dtype dtype, int64_t n_head_budgets,
+void kf_recipe_digest(const kf_compact_params *p, kf_dtype dtype, int64_t n_head_budgets,
                       char out[KVF_DIGEST_LEN + 1]) {
     XXH3_state_t st;
     XXH3_128bits_reset(&st);

@@ -137,7 +137,7 @@ typedef struct {
 static kf_status head_kv(const kvf_cache *c, int i, int l, size_t hd, unsigned char *chunk, wctx *w) {
     const kvf_header *h = &c->hdr;
     const size_t H = (size_t)h->kv_heads, D = (size_t)h->head_dim, C = (size_t)h->n_tokens;
-    const size_t esz = kvf_dtype_size(h->dtype);
+    const size_t esz = kf_dtype_size(h->dtype);
     const float *src = i ? c->values : c->keys;
     const void *raw = i ? c->values_raw : c->keys_raw;
     for (size_t t = 0; t < C; t++) {
@@ -152,7 +152,7 @@ static kf_status head_kv(const kvf_cache *c, int i, int l, size_t hd, unsigned c
         return KF_OK;
     return kf_fail(w->err, KF_ERR_INVALID, "%s: %s of layer %d, slot %lld, head %zu %s in %s", w->path,
                    i ? "values" : "keys", l, (long long)((size_t)bad / D), hd,
-                   src ? "is not finite or overflows" : "is not finite", kvf_dtype_name(h->dtype));
+                   src ? "is not finite or overflows" : "is not finite", kf_dtype_name(h->dtype));
 }
 
 /* Writes one layer: one K and one V chunk per head (each converted, checked, hashed and summed
@@ -160,7 +160,7 @@ static kf_status head_kv(const kvf_cache *c, int i, int l, size_t hd, unsigned c
 static kf_status write_layer(hid_t ds[W_N], const kvf_cache *c, int l, wbufs *b, uint8_t *digests, wctx *w) {
     const kvf_header *h = &c->hdr;
     const size_t H = (size_t)h->kv_heads, C = (size_t)h->n_tokens, D = (size_t)h->head_dim;
-    const size_t cb = C * D * kvf_dtype_size(h->dtype); /* bytes of one (layer, head) chunk */
+    const size_t cb = C * D * kf_dtype_size(h->dtype); /* bytes of one (layer, head) chunk */
     const float *beta = c->beta ? c->beta + (size_t)l * H * C : b->zeros;
     const float *u = c->u ? c->u + (size_t)l * H * D : b->zeros;
     const int32_t *pos = c->positions ? c->positions + (size_t)l * H * C : b->ident;
@@ -203,7 +203,7 @@ static kf_status write_layer(hid_t ds[W_N], const kvf_cache *c, int l, wbufs *b,
 static kf_status wbufs_init(wbufs *b, const kvf_cache *c, wctx *w) {
     const kvf_header *h = &c->hdr;
     const size_t H = (size_t)h->kv_heads, C = (size_t)h->n_tokens, D = (size_t)h->head_dim;
-    const size_t esz = kvf_dtype_size(h->dtype), blk = C * D * esz; /* one (layer, head) chunk */
+    const size_t esz = kf_dtype_size(h->dtype), blk = C * D * esz; /* one (layer, head) chunk */
     size_t big = blk > H * C * 4 ? blk : H * C * 4;
     big = big > H * D * 4 ? big : H * D * 4;
     memset(b, 0, sizeof *b);

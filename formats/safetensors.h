@@ -39,7 +39,7 @@
 
 typedef struct {
     char *name;
-    kf_st_dtype dtype;
+    kf_dtype dtype;
     int ndim;
     int64_t shape[KF_ST_MAX_DIMS];
     int64_t numel;
@@ -84,6 +84,6 @@ const kf_st_tensor *kf_st_find(const kf_st_set *set, const char *name);
 int64_t kf_st_first_nonfinite(const kf_st_tensor *t, int *is_nan);
 
 /* The header's spelling of a dtype ("BF16", "F32", "I64", ...); "?" for one safetensors lacks. */
-const char *kf_st_dtype_name(kf_st_dtype dt);
+const char *kf_st_dtype_name(kf_dtype dt);
 
 #endif
