@@ -10,6 +10,7 @@
 #include "compactor/compact.h"
 #include "compactor/engine.h"
 #include "compactor/prefix_plan.h"
+#include "kernels/base/convert.h"
 #include "test_util.h"
 
 /* ---- the plan ---- */

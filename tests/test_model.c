@@ -11,6 +11,7 @@
 #include "compactor/model.h"
 #include "compactor/refq.h"
 #include "formats/kvf.h"
+#include "kernels/base/convert.h"
 #include "formats/safetensors.h"
 #include "test_util.h"
 

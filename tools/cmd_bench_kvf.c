@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "formats/kvf.h"
+#include "kernels/base/convert.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
 

@@ -1,5 +1,6 @@
 /* blockcopy.c — decoded kvf cache -> paged KV block tensors (see blockcopy.h). */
 #include "connector/ext/blockcopy.h"
+#include "kernels/base/convert.h"
 
 #include <stdio.h>
 #include <string.h>

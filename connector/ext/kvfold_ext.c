@@ -58,6 +58,7 @@
 
 #include "connector/ext/blockcopy.h"
 #include "formats/kvf.h"
+#include "kernels/base/convert.h"
 
 static PyObject *KvfError;
 

@@ -8,6 +8,7 @@
 
 #include "compactor/compact.h"
 #include "formats/kvf.h"
+#include "kernels/base/convert.h"
 
 typedef struct {
     kf_backend *b;
