@@ -247,12 +247,13 @@ static void test_names_paths_digests(void) {
 /* ---- round trips ---- */
 
 static void test_round_trip_every_method_and_dtype(void) {
+    static const kf_dtype dts[] = {KF_DTYPE_BF16, KF_DTYPE_F16, KF_DTYPE_F32};
     int cases = 0;
     for (int m = KF_METHOD_KEEP; m <= KF_METHOD_FOLD; m++)
-        for (int dt = KF_DTYPE_BF16; dt <= KF_DTYPE_F32; dt++) {
-            int64_t C = (m + dt) % 2 ? 37 : 5; /* partial last block; a single short block */
+        for (int di = 0; di < 3; di++) {
+            int64_t C = (m + di) % 2 ? 37 : 5; /* partial last block; a single short block */
             synth s;
-            synth_make(&s, 3, 2, 8, C, (kf_dtype)dt, (kf_method)m, 100 + (uint64_t)(m * 3 + dt));
+            synth_make(&s, 3, 2, 8, C, dts[di], (kf_method)m, 100 + (uint64_t)(m * 3 + di));
             const char *path = cache_file("rt", &s);
             write_ok(path, &s);
             CU_ASSERT(kvf_exists_valid(path, kFp, NULL));
