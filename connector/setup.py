@@ -40,6 +40,7 @@ ext = Extension(
         "connector/ext/blockcopy.c",
         "kernels/base/error.c",
         "kernels/base/dtype.c",
+        "kernels/base/convert.c",
         "kernels/base/method.c",
         "formats/escape.c",
         "formats/kvf.c",

@@ -305,36 +305,6 @@ kf_status kvf_clean_temps(const char *root, double older_than_s, bool dry_run,
     return KF_OK;
 }
 
-/* ---- dtype conversions ---- */
-
-void kvf_convert_to(kf_dtype d, const float *src, void *dst, size_t n) {
-    uint16_t *o = dst;
-    if (d == KF_DTYPE_F32)
-        memcpy(dst, src, n * 4);
-    else if (d == KF_DTYPE_BF16)
-        for (size_t i = 0; i < n; i++)
-            o[i] = kf_f32_to_bf16(src[i]);
-    else
-        for (size_t i = 0; i < n; i++)
-            o[i] = kf_f32_to_f16(src[i]);
-}
-
-void kvf_to_f32(kf_dtype d, const void *src, float *dst, size_t n) {
-    kvf_convert_from(d, src, dst, n);
-}
-
-void kvf_convert_from(kf_dtype d, const void *src, float *dst, size_t n) {
-    const uint16_t *s = src;
-    if (d == KF_DTYPE_F32)
-        memcpy(dst, src, n * 4);
-    else if (d == KF_DTYPE_BF16)
-        for (size_t i = 0; i < n; i++)
-            dst[i] = kf_bf16_to_f32(s[i]);
-    else
-        for (size_t i = 0; i < n; i++)
-            dst[i] = kf_f16_to_f32(s[i]);
-}
-
 /* ---- HDF5 glue ---- */
 
 static pthread_once_t g_quiet_once = PTHREAD_ONCE_INIT;

@@ -115,6 +115,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kernels/base/convert.h"
 #include "kernels/base/dtype.h"
 #include "kernels/base/error.h"
 #include "kernels/base/method.h"
@@ -200,8 +201,8 @@ bool kvf_is_clean_utf8(const char *s);
 /* True when name (a path or base name) is a writer's temporary file: "*.tmp-<pid>-<16 hex>". */
 bool kvf_is_temp_name(const char *name);
 
-/* n elements stored in dtype d to fp32 (the scalar conversions: kernels/base/convert.h). */
-void kvf_to_f32(kf_dtype d, const void *src, float *dst /* [n] */, size_t n);
+/* The stored elements to fp32 and back: kf_convert_to_f32 / kf_convert_from_f32
+ * (kernels/base/convert.h). */
 
 /* ---- writing ---- */
 

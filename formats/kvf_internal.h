@@ -34,10 +34,6 @@ void kvf_h5_capture(void);
 /* The HDF5 type of a keys/values element for dtype (LE): H5Tclose it. */
 hid_t kvf_h5_type(kf_dtype d);
 
-/* Element-wise conversion between fp32 and the stored dtype. */
-void kvf_convert_to(kf_dtype d, const float *src, void *dst, size_t n);
-void kvf_convert_from(kf_dtype d, const void *src, float *dst, size_t n);
-
 /* Checks every header field the format constrains (not the version); msg names path. */
 kf_status kvf_header_check(const kvf_header *h, const char *path, kf_error *err);
 

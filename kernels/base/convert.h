@@ -1,7 +1,8 @@
 /* convert.h — fp32 to and from the 16-bit floats of checkpoints, the bf16 arena and cache files:
- * bfloat16 (the top half of an fp32) and IEEE binary16. The one definition of each; static inline,
- * because the loops that call them per element (row kernels, file conversions) must inline them (a
- * call per value across a shared library costs 30 times the loop).
+ * bfloat16 (the top half of an fp32) and IEEE binary16. The one definition of each; the scalar
+ * conversions static inline, because the loops that call them per element (row kernels, file
+ * conversions) must inline them (a call per value across a shared library costs 30 times the
+ * loop); the array conversions in convert.c.
  *
  * Narrowing rounds to nearest, ties to even; a NaN stays a quiet NaN of the same sign, the top bits
  * of its payload kept; binary16 overflows (|x| >= 65520) to infinity and underflows to subnormals
@@ -10,8 +11,16 @@
 #ifndef KF_CONVERT_H
 #define KF_CONVERT_H
 
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "kernels/base/dtype.h"
+
+/* n values of BF16, F16 or F32 (src or dst may be unaligned) to and from fp32, each element as
+ * below; any other dtype: nothing is written (callers refuse such data first). */
+void kf_convert_to_f32(float *dst, const void *src, kf_dtype src_dtype, size_t n);
+void kf_convert_from_f32(void *dst, kf_dtype dst_dtype, const float *src, size_t n);
 
 static inline float kf_bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;

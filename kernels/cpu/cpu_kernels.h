@@ -26,9 +26,7 @@
 #define KF_ROW_CLONES
 #endif
 
-/* dtype conversion (n values of BF16, F16 or F32; src may be unaligned); the scalar conversions
- * are kernels/base/convert.h's */
-void kf_convert_to_f32(float *dst, const void *src, kf_dtype src_dtype, size_t n);
+/* dtype conversions: kernels/base/convert.h */
 /* n values, aligned: bf16 widened to fp32 (exact), fp32 rounded to bf16 (nearest even) */
 void kf_bf16_to_f32_n(float *dst, const uint16_t *src, size_t n);
 void kf_f32_to_bf16_n(uint16_t *dst, const float *src, size_t n);
