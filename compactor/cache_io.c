@@ -38,8 +38,8 @@ static kf_status load_layers(kvf_file *f, kf_compacted *out, kf_error *err) {
         rc = kvf_read_layer_all(f, l, kraw, vraw, out->beta + (size_t)l * HC, out->u + (size_t)l * HD,
                                 out->positions + (size_t)l * HC, out->head_method + (size_t)l * h->kv_heads, err);
         if (rc == KF_OK) {
-            kvf_to_f32(h->dtype, kraw, out->keys + (size_t)l * per_layer, per_layer);
-            kvf_to_f32(h->dtype, vraw, out->values + (size_t)l * per_layer, per_layer);
+            kf_convert_to_f32(out->keys + (size_t)l * per_layer, kraw, h->dtype, per_layer);
+            kf_convert_to_f32(out->values + (size_t)l * per_layer, vraw, h->dtype, per_layer);
         }
     }
     free(kraw);

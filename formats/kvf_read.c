@@ -852,7 +852,7 @@ kf_status kvf_read_layer(kvf_file *f, int layer, kvf_which which, float *out, kf
         return kvf_read_layer_raw(f, layer, which, out, err);
     KF_TRY(layer_buffer(f, &f->conv, err));
     KF_TRY(kvf_read_layer_raw(f, layer, which, f->conv, err));
-    kvf_convert_from(h->dtype, f->conv, out, layer_n(h));
+    kf_convert_to_f32(out, f->conv, h->dtype, layer_n(h));
     return KF_OK;
 }
 
@@ -883,7 +883,7 @@ kf_status kvf_read_block(kvf_file *f, int layer, int64_t block, kvf_which which,
     int nt;
     KF_TRY(layer_buffer(f, &f->conv, err));
     KF_TRY(kvf_read_block_raw(f, layer, block, which, f->conv, &nt, err));
-    kvf_convert_from(f->hdr.dtype, f->conv, out, (size_t)nt * (size_t)f->hdr.kv_heads * (size_t)f->hdr.head_dim);
+    kf_convert_to_f32(out, f->conv, f->hdr.dtype, (size_t)nt * (size_t)f->hdr.kv_heads * (size_t)f->hdr.head_dim);
     if (n_tokens)
         *n_tokens = nt;
     return KF_OK;

@@ -143,7 +143,7 @@ static kf_status head_kv(const kvf_cache *c, int i, int l, size_t hd, unsigned c
     for (size_t t = 0; t < C; t++) {
         const size_t at = (((size_t)l * C + t) * H + hd) * D; /* element offset of [l, t, hd, 0] */
         if (src)
-            kvf_convert_to(h->dtype, src + at, chunk + t * D * esz, D);
+            kf_convert_from_f32(chunk + t * D * esz, h->dtype, src + at, D);
         else
             memcpy(chunk + t * D * esz, (const char *)raw + at * esz, D * esz);
     }

@@ -242,11 +242,11 @@ static void test_rows_match_scalars(void) {
             bad += f32_bits(back[i]) != f32_bits(kf_bf16_to_f32(row[i]));
             h[i] = kf_f32_to_f16(x[i]);
         }
-        kvf_to_f32(KF_DTYPE_F16, h, viak, N);
+        kf_convert_to_f32(viak, h, KF_DTYPE_F16, N);
         kf_convert_to_f32(back, h, KF_DTYPE_F16, N);
         for (int i = 0; i < N; i++)
             bad += f32_bits(viak[i]) != f32_bits(kf_f16_to_f32(h[i])) || f32_bits(back[i]) != f32_bits(viak[i]);
-        kvf_to_f32(KF_DTYPE_BF16, row, viak, N);
+        kf_convert_to_f32(viak, row, KF_DTYPE_BF16, N);
         kf_convert_to_f32(back, row, KF_DTYPE_BF16, N);
         for (int i = 0; i < N; i++)
             bad += f32_bits(viak[i]) != f32_bits(kf_bf16_to_f32(row[i])) || f32_bits(back[i]) != f32_bits(viak[i]);

@@ -210,8 +210,8 @@ int cmd_inspect(int argc, char **argv) {
             cli_error("inspect", "%s", err.msg);
             goto out;
         }
-        kvf_to_f32(h->dtype, kr, k, ln);
-        kvf_to_f32(h->dtype, vr, v, ln);
+        kf_convert_to_f32(k, kr, h->dtype, ln);
+        kf_convert_to_f32(v, vr, h->dtype, ln);
         for (int hh = 0; hh < H; hh++) {
             head_stats *s = &st[(size_t)l * H + hh];
             const int32_t *p = pos + (size_t)hh * (size_t)C;
