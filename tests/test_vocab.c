@@ -223,12 +223,14 @@ static void test_narrow(void) {
     CU_ASSERT_EQUAL(kf_f32_to_f16(bits_f32(0x7f800001u)), 0x7e00); /* signalling NaN made quiet */
 }
 
-/* The row conversions (the bf16 arena's, branch-free) and the file's element conversion are the
- * scalar ones, element for element. */
+/* The arena's row conversions (branch-free, vectorized) and the array conversions (unaligned
+ * buffers) are the scalar ones, element for element. */
 static void test_rows_match_scalars(void) {
     enum { N = 4096 };
-    static float x[N], back[N], viak[N];
-    static uint16_t row[N], h[N];
+    static float x[N], back[N], wide[N + 1];
+    static uint16_t row[N];
+    static unsigned char raw[4 * N + 1]; /* raw + 1: unaligned */
+    static const kf_dtype dts[] = {KF_DTYPE_BF16, KF_DTYPE_F16, KF_DTYPE_F32};
     int bad = 0;
     for (int rep = 0; rep < 64; rep++) {
         for (int i = 0; i < N; i++)
@@ -240,16 +242,23 @@ static void test_rows_match_scalars(void) {
         for (int i = 0; i < N; i++) {
             bad += row[i] != kf_f32_to_bf16(x[i]);
             bad += f32_bits(back[i]) != f32_bits(kf_bf16_to_f32(row[i]));
-            h[i] = kf_f32_to_f16(x[i]);
         }
-        kf_convert_to_f32(viak, h, KF_DTYPE_F16, N);
-        kf_convert_to_f32(back, h, KF_DTYPE_F16, N);
-        for (int i = 0; i < N; i++)
-            bad += f32_bits(viak[i]) != f32_bits(kf_f16_to_f32(h[i])) || f32_bits(back[i]) != f32_bits(viak[i]);
-        kf_convert_to_f32(viak, row, KF_DTYPE_BF16, N);
-        kf_convert_to_f32(back, row, KF_DTYPE_BF16, N);
-        for (int i = 0; i < N; i++)
-            bad += f32_bits(viak[i]) != f32_bits(kf_bf16_to_f32(row[i])) || f32_bits(back[i]) != f32_bits(viak[i]);
+        for (int k = 0; k < 3; k++) {
+            kf_convert_from_f32(raw + 1, dts[k], x, N);
+            kf_convert_to_f32(wide + 1, raw + 1, dts[k], N);
+            for (int i = 0; i < N; i++) {
+                uint16_t s;
+                uint32_t w;
+                memcpy(&s, raw + 1 + 2 * i, 2);
+                memcpy(&w, raw + 1 + 4 * i, 4);
+                const uint16_t want = dts[k] == KF_DTYPE_BF16 ? kf_f32_to_bf16(x[i]) : kf_f32_to_f16(x[i]);
+                const float wback = dts[k] == KF_DTYPE_BF16 ? kf_bf16_to_f32(want) : kf_f16_to_f32(want);
+                if (dts[k] == KF_DTYPE_F32)
+                    bad += w != f32_bits(x[i]) || f32_bits(wide[1 + i]) != f32_bits(x[i]);
+                else
+                    bad += s != want || f32_bits(wide[1 + i]) != f32_bits(wback);
+            }
+        }
     }
     CU_ASSERT_EQUAL(bad, 0);
 }
