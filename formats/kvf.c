@@ -1,4 +1,4 @@
-/* kvf.c — names, digests, paths, dtype conversions and the HDF5 glue shared by the kvf reader
+/* kvf.c — the file's spellings, names, digests, paths and the HDF5 glue shared by the kvf reader
  * and writer. */
 #include <errno.h>
 #include <ftw.h>
