@@ -15,9 +15,10 @@ static const struct {
     const char *name;
     kf_dtype dt;
 } kDtypes[] = {
-    {"BOOL", KF_DTYPE_BOOL}, {"U8", KF_DTYPE_U8},   {"I8", KF_DTYPE_I8},   {"I16", KF_DTYPE_I16}, {"U16", KF_DTYPE_U16},
-    {"F16", KF_DTYPE_F16},   {"BF16", KF_DTYPE_BF16}, {"I32", KF_DTYPE_I32}, {"U32", KF_DTYPE_U32}, {"F32", KF_DTYPE_F32},
-    {"I64", KF_DTYPE_I64},   {"U64", KF_DTYPE_U64}, {"F64", KF_DTYPE_F64},
+    {"BOOL", KF_DTYPE_BOOL}, {"U8", KF_DTYPE_U8},   {"I8", KF_DTYPE_I8},     {"I16", KF_DTYPE_I16},
+    {"U16", KF_DTYPE_U16},   {"F16", KF_DTYPE_F16}, {"BF16", KF_DTYPE_BF16}, {"I32", KF_DTYPE_I32},
+    {"U32", KF_DTYPE_U32},   {"F32", KF_DTYPE_F32}, {"I64", KF_DTYPE_I64},   {"U64", KF_DTYPE_U64},
+    {"F64", KF_DTYPE_F64},
 };
 #define N_DTYPES (sizeof kDtypes / sizeof kDtypes[0])
 

@@ -487,12 +487,12 @@ static void test_round_trip_through_kvf(void) {
             r.keys = malloc(sizeof(float) * n);
             r.values = malloc(sizeof(float) * n);
             for (size_t i = 0; i < n; i++) {
-                r.keys[i] = dtypes[di] == KF_DTYPE_BF16 ? kf_bf16_to_f32(kf_f32_to_bf16(c.keys[i]))
+                r.keys[i] = dtypes[di] == KF_DTYPE_BF16  ? kf_bf16_to_f32(kf_f32_to_bf16(c.keys[i]))
                             : dtypes[di] == KF_DTYPE_F16 ? kf_f16_to_f32(kf_f32_to_f16(c.keys[i]))
-                                                    : c.keys[i];
-                r.values[i] = dtypes[di] == KF_DTYPE_BF16 ? kf_bf16_to_f32(kf_f32_to_bf16(c.values[i]))
+                                                         : c.keys[i];
+                r.values[i] = dtypes[di] == KF_DTYPE_BF16  ? kf_bf16_to_f32(kf_f32_to_bf16(c.values[i]))
                               : dtypes[di] == KF_DTYPE_F16 ? kf_f16_to_f32(kf_f32_to_f16(c.values[i]))
-                                                      : c.values[i];
+                                                           : c.values[i];
             }
             kf_engine e;
             CU_ASSERT_EQUAL_FATAL(kf_engine_from_compacted(&e, g_m, &r, 16, &err), KF_OK);

@@ -79,7 +79,9 @@ static void synth_free(synth *s) {
 /* |got - want| within the dtype's rounding (f32: exact). */
 static int close_enough(kf_dtype dt, const float *got, const float *want, size_t n) {
     for (size_t i = 0; i < n; i++) {
-        double tol = dt == KF_DTYPE_F32 ? 0 : dt == KF_DTYPE_BF16 ? fabs(want[i]) * 0x1p-8 : fmax(fabs(want[i]) * 0x1p-11, 0x1p-25);
+        double tol = dt == KF_DTYPE_F32    ? 0
+                     : dt == KF_DTYPE_BF16 ? fabs(want[i]) * 0x1p-8
+                                           : fmax(fabs(want[i]) * 0x1p-11, 0x1p-25);
         if (fabs((double)got[i] - want[i]) > tol)
             return 0;
     }
@@ -175,9 +177,9 @@ static void test_conversions(void) {
     CU_ASSERT_EQUAL(kf_f32_to_f16(65519.0f), 0x7bff);
     CU_ASSERT_EQUAL(kf_f32_to_f16(65520.0f), 0x7c00);
     CU_ASSERT_EQUAL(kf_f32_to_f16(0x1p-24f), 0x0001);
-    CU_ASSERT_EQUAL(kf_f32_to_f16(0x1p-25f), 0x0000);       /* tie to even */
+    CU_ASSERT_EQUAL(kf_f32_to_f16(0x1p-25f), 0x0000); /* tie to even */
     CU_ASSERT_EQUAL(kf_f32_to_f16(0x1.8p-25f), 0x0001);
-    CU_ASSERT_EQUAL(kf_f32_to_f16(0x1.ffcp-15f), 0x0400);   /* rounds up into the normals */
+    CU_ASSERT_EQUAL(kf_f32_to_f16(0x1.ffcp-15f), 0x0400);    /* rounds up into the normals */
     CU_ASSERT_EQUAL(kf_f32_to_f16(1.0f + 0x1p-11f), 0x3c00); /* tie to even */
     CU_ASSERT_EQUAL(kf_f32_to_f16(1.0f + 0x1.8p-10f), 0x3c02);
     CU_ASSERT_EQUAL(kf_f32_to_f16(-0.0f), 0x8000);
@@ -223,14 +225,16 @@ static void test_names_paths_digests(void) {
     char rootcopy[1024];
     snprintf(rootcopy, sizeof rootcopy, "%s/deep/root/", root);
     kf_error err = {0};
-    CU_ASSERT_EQUAL_FATAL(kvf_cache_path(rootcopy, kFp, d1, KF_METHOD_FOLD, 0.1, kOtherFp, true, p, sizeof p, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kvf_cache_path(rootcopy, kFp, d1, KF_METHOD_FOLD, 0.1, kOtherFp, true, p, sizeof p, &err),
+                          KF_OK);
     char want[4096];
     snprintf(want, sizeof want, "%s/deep/root/%s/%s.fold-0.1.fedcba9876543210.kvf", root, kFp, d1);
     CU_ASSERT_STRING_EQUAL(p, want);
     struct stat sb;
     snprintf(want, sizeof want, "%s/deep/root/%s", root, kFp);
     CU_ASSERT(stat(want, &sb) == 0 && S_ISDIR(sb.st_mode));
-    CU_ASSERT_EQUAL(kvf_cache_path(root, "nothex", d1, KF_METHOD_AM, 0.1, kFp, false, p, sizeof p, &err), KF_ERR_INVALID);
+    CU_ASSERT_EQUAL(kvf_cache_path(root, "nothex", d1, KF_METHOD_AM, 0.1, kFp, false, p, sizeof p, &err),
+                    KF_ERR_INVALID);
     CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "nothex"));
     CU_ASSERT(kvf_is_temp_name("/a/b/x.fold-0.1.kvf.tmp-123-0123456789abcdef"));
     CU_ASSERT(!kvf_is_temp_name("/a/b/x.fold-0.1.kvf"));
@@ -536,7 +540,8 @@ static void test_direct_reads_match_h5dread(void) {
         int H, D;
         int64_t C;
         kf_dtype dt;
-    } shapes[] = {{1, 1, 17, KF_DTYPE_BF16}, {1, 1, 33, KF_DTYPE_F16}, {2, 8, 37, KF_DTYPE_F32}, {1, 2, 16, KF_DTYPE_BF16}};
+    } shapes[] = {
+        {1, 1, 17, KF_DTYPE_BF16}, {1, 1, 33, KF_DTYPE_F16}, {2, 8, 37, KF_DTYPE_F32}, {1, 2, 16, KF_DTYPE_BF16}};
     for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
         synth s;
         synth_make(&s, 2, shapes[k].H, shapes[k].D, shapes[k].C, shapes[k].dt, KF_METHOD_AM, 300 + k);
@@ -844,7 +849,7 @@ static void test_h5py_reads_the_file(void) {
         snprintf(path, sizeof path, "%s", cache_file(dt == KF_DTYPE_BF16 ? "h5py-bf16" : "h5py-f16", &s));
         write_ok(path, &s);
         float want = dt == KF_DTYPE_BF16 ? kf_bf16_to_f32(kf_f32_to_bf16(s.keys[1 * 20 * 16 + 5 * 16 + 3]))
-                                    : kf_f16_to_f32(kf_f32_to_f16(s.keys[1 * 20 * 16 + 5 * 16 + 3]));
+                                         : kf_f16_to_f32(kf_f32_to_f16(s.keys[1 * 20 * 16 + 5 * 16 + 3]));
         char cmd[8192];
         snprintf(cmd, sizeof cmd,
                  "/usr/bin/python3 - <<'EOF'\n"
@@ -1048,8 +1053,8 @@ static void test_identity_and_name(void) {
     snprintf(path_a, sizeof path_a, "%s", cache_file("ident", &a));
     snprintf(path_b, sizeof path_b, "%s", cache_file("ident", &b));
     const kvf_header *ha = &a.c.hdr;
-    const kvf_identity want_a = {kFp, ha->document_digest, ha->recipe_digest, KF_METHOD_FOLD, ha->budget, KF_DTYPE_BF16,
-                                 ha->n_doc_tokens};
+    const kvf_identity want_a = {kFp,        ha->document_digest, ha->recipe_digest, KF_METHOD_FOLD,
+                                 ha->budget, KF_DTYPE_BF16,       ha->n_doc_tokens};
     kf_error err = {0};
     CU_ASSERT_EQUAL(kvf_check_existing(path_a, &want_a, &err), KF_ERR_NOTFOUND);
     write_ok(path_a, &b); /* document B under A's name */

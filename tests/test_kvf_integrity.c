@@ -626,7 +626,7 @@ static void test_recipe_digest(void) {
 #define DIFFERS(stmt)                                                                                                  \
     do {                                                                                                               \
         kf_compact_params q = p;                                                                                       \
-        kf_dtype dt = KF_DTYPE_BF16;                                                                                       \
+        kf_dtype dt = KF_DTYPE_BF16;                                                                                   \
         stmt;                                                                                                          \
         kf_recipe_digest(&q, dt, 4, d);                                                                                \
         cases++;                                                                                                       \

@@ -210,9 +210,10 @@ static void test_all_dtypes(void) {
         const char *name;
         kf_dtype dt;
         size_t size;
-    } dts[] = {{"BOOL", KF_DTYPE_BOOL, 1}, {"U8", KF_DTYPE_U8, 1},   {"I8", KF_DTYPE_I8, 1},     {"I16", KF_DTYPE_I16, 2},
-               {"U16", KF_DTYPE_U16, 2},   {"F16", KF_DTYPE_F16, 2}, {"BF16", KF_DTYPE_BF16, 2}, {"I32", KF_DTYPE_I32, 4},
-               {"U32", KF_DTYPE_U32, 4},   {"F32", KF_DTYPE_F32, 4}, {"I64", KF_DTYPE_I64, 8},   {"U64", KF_DTYPE_U64, 8},
+    } dts[] = {{"BOOL", KF_DTYPE_BOOL, 1}, {"U8", KF_DTYPE_U8, 1},   {"I8", KF_DTYPE_I8, 1},
+               {"I16", KF_DTYPE_I16, 2},   {"U16", KF_DTYPE_U16, 2}, {"F16", KF_DTYPE_F16, 2},
+               {"BF16", KF_DTYPE_BF16, 2}, {"I32", KF_DTYPE_I32, 4}, {"U32", KF_DTYPE_U32, 4},
+               {"F32", KF_DTYPE_F32, 4},   {"I64", KF_DTYPE_I64, 8}, {"U64", KF_DTYPE_U64, 8},
                {"F64", KF_DTYPE_F64, 8}};
     char json[4096] = "{";
     size_t off = 0;
@@ -859,11 +860,13 @@ static void test_mutations(void) {
 static void check_nonfinite(kf_dtype dt, size_t esz) {
     enum { N = 3000 };
     unsigned char *buf = calloc(N * 8 + 1, 1), *data = buf + 1;
-    const uint64_t maxfin = esz == 2 ? (dt == KF_DTYPE_BF16 ? 0x7f7f : 0x7bff)
-                            : esz == 4 ? 0x7f7fffffull : 0x7fefffffffffffffull;
+    const uint64_t maxfin = esz == 2   ? (dt == KF_DTYPE_BF16 ? 0x7f7f : 0x7bff)
+                            : esz == 4 ? 0x7f7fffffull
+                                       : 0x7fefffffffffffffull;
     const uint64_t sign = 1ull << (esz * 8 - 1);
-    const uint64_t inf = esz == 2 ? (dt == KF_DTYPE_BF16 ? 0x7f80 : 0x7c00)
-                         : esz == 4 ? 0x7f800000ull : 0x7ff0000000000000ull;
+    const uint64_t inf = esz == 2   ? (dt == KF_DTYPE_BF16 ? 0x7f80 : 0x7c00)
+                         : esz == 4 ? 0x7f800000ull
+                                    : 0x7ff0000000000000ull;
     for (size_t i = 0; i < N; i++) {
         const uint64_t v = i % 4 == 0 ? maxfin : i % 4 == 1 ? (maxfin | sign) : i % 4 == 2 ? 1 : sign;
         memcpy(data + i * esz, &v, esz); /* little-endian host */

@@ -43,7 +43,7 @@ static void test_dtype_names_sizes(void) {
     static const struct {
         const char *s;
         kf_dtype dt;
-    } shorts[] = {{"bf16", KF_DTYPE_BF16}, {"f16", KF_DTYPE_F16}, {"fp16", KF_DTYPE_F16},
+    } shorts[] = {{"bf16", KF_DTYPE_BF16}, {"f16", KF_DTYPE_F16},  {"fp16", KF_DTYPE_F16},
                   {"f32", KF_DTYPE_F32},   {"fp32", KF_DTYPE_F32}, {"f64", KF_DTYPE_F64}};
     for (size_t i = 0; i < sizeof shorts / sizeof shorts[0]; i++) {
         kf_dtype back = (kf_dtype)-1;
@@ -159,7 +159,8 @@ static void test_widen_exhaustive(void) {
         const double rh = ref_half_value(h), rb = ref_bf16_value(h);
         const float fh = kf_f16_to_f32(h), fb = kf_bf16_to_f32(h);
         if (isnan(rh)) /* NaN: a NaN of the same sign and payload (quiet or not, as it was) */
-            bad_h += !isnan(fh) || !!signbit(fh) != (h >> 15) || (f32_bits(fh) & 0x7fffff) != (uint32_t)(h & 1023) << 13;
+            bad_h +=
+                !isnan(fh) || !!signbit(fh) != (h >> 15) || (f32_bits(fh) & 0x7fffff) != (uint32_t)(h & 1023) << 13;
         else
             bad_h += !same(fh, rh);
         if (isnan(rb))
@@ -208,17 +209,18 @@ static void test_narrow(void) {
     }
     for (int i = 0; i < (1 << 24); i++)
         bad += narrow_bad(bits_f32(rnd32()));
-    const float special[] = {0.0f, -0.0f, INFINITY, -INFINITY, 65504.0f, 65519.996f, 65520.0f, 0x1p-25f, 0x1.8p-25f,
-                             0x1p-24f, 0x1p-149f, 0x1.fffffep127f, 0x1.ffp127f, NAN, -NAN};
+    const float special[] = {0.0f,       -0.0f,           INFINITY,    -INFINITY,  65504.0f,
+                             65519.996f, 65520.0f,        0x1p-25f,    0x1.8p-25f, 0x1p-24f,
+                             0x1p-149f,  0x1.fffffep127f, 0x1.ffp127f, NAN,        -NAN};
     for (size_t i = 0; i < sizeof special / sizeof special[0]; i++)
         bad += narrow_bad(special[i]);
     CU_ASSERT_EQUAL(bad, 0);
     /* the values pinned, in case both a conversion and its reference drift */
-    CU_ASSERT_EQUAL(kf_f32_to_f16(1.0f + 0x1p-11f), 0x3c00);  /* tie to even */
-    CU_ASSERT_EQUAL(kf_f32_to_f16(1.0f + 0x3p-11f), 0x3c02);  /* tie to even, upwards */
-    CU_ASSERT_EQUAL(kf_f32_to_f16(65520.0f), 0x7c00);         /* overflow */
-    CU_ASSERT_EQUAL(kf_f32_to_f16(0x1.8p-25f), 0x0001);       /* above the tie: the smallest subnormal */
-    CU_ASSERT_EQUAL(kf_f32_to_bf16(1.0f + 0x1p-8f), 0x3f80);  /* tie to even */
+    CU_ASSERT_EQUAL(kf_f32_to_f16(1.0f + 0x1p-11f), 0x3c00); /* tie to even */
+    CU_ASSERT_EQUAL(kf_f32_to_f16(1.0f + 0x3p-11f), 0x3c02); /* tie to even, upwards */
+    CU_ASSERT_EQUAL(kf_f32_to_f16(65520.0f), 0x7c00);        /* overflow */
+    CU_ASSERT_EQUAL(kf_f32_to_f16(0x1.8p-25f), 0x0001);      /* above the tie: the smallest subnormal */
+    CU_ASSERT_EQUAL(kf_f32_to_bf16(1.0f + 0x1p-8f), 0x3f80); /* tie to even */
     CU_ASSERT_EQUAL(kf_f32_to_bf16(-3.0f), 0xc040);
     CU_ASSERT_EQUAL(kf_f32_to_f16(bits_f32(0x7f800001u)), 0x7e00); /* signalling NaN made quiet */
 }
