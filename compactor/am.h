@@ -30,7 +30,7 @@
 
 #include <stdint.h>
 
-#include "formats/error.h"
+#include "kernels/base/error.h"
 #include "kernels/backend.h"
 
 typedef enum { KF_SCORE_RMS = 0, KF_SCORE_MEAN = 1 } kf_score_method;

@@ -11,20 +11,6 @@
 #include "compactor/compact_internal.h"
 #include "kernels/cpu/cpu_kernels.h"
 
-static const char *const kMethodNames[] = {"keep", "drop", "am", "fold"};
-
-const char *kf_method_name(kf_method m) {
-    return (unsigned)m < 4 ? kMethodNames[m] : "?";
-}
-
-int kf_method_parse(const char *name, kf_method *out) {
-    for (int i = 0; i < 4; i++)
-        if (strcmp(name, kMethodNames[i]) == 0) {
-            *out = (kf_method)i;
-            return 0;
-        }
-    return -1;
-}
 
 kf_compact_params kf_compact_params_default(void) {
     kf_compact_params p = {0};

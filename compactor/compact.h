@@ -32,9 +32,9 @@
 #include "compactor/diag.h"
 #include "compactor/model.h"
 #include "compactor/progress.h"
-#include "formats/error.h"
+#include "kernels/base/error.h"
+#include "kernels/base/method.h"
 
-typedef enum { KF_METHOD_KEEP = 0, KF_METHOD_DROP = 1, KF_METHOD_AM = 2, KF_METHOD_FOLD = 3 } kf_method;
 typedef enum { KF_FOLD_ON_ALL = 0, KF_FOLD_ON_PROBES = 1 } kf_fold_queries;
 /* What the Tikhonov term of a value refit pulls towards: zero, or the kept keys' original values. */
 typedef enum { KF_RIDGE_TO_ZERO = 0, KF_RIDGE_TO_ORIG = 1 } kf_ridge_target;
@@ -48,10 +48,6 @@ typedef enum { KF_RIDGE_TO_ZERO = 0, KF_RIDGE_TO_ORIG = 1 } kf_ridge_target;
  * 1 + choice_margin. The winner is refitted on all the queries (refit_all).
  * Why: docs/decisions/per-head-choice.md. */
 typedef enum { KF_CHOICE_DEFAULT = -1, KF_CHOICE_OFF = 0, KF_CHOICE_ON = 1 } kf_head_choice;
-
-const char *kf_method_name(kf_method m);
-/* 0 on success, -1 for an unknown name. */
-int kf_method_parse(const char *name, kf_method *out);
 
 typedef struct {
     const int32_t *ids;

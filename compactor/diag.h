@@ -14,7 +14,7 @@
 
 #include <stddef.h>
 
-#include "formats/error.h"
+#include "kernels/base/error.h"
 #include "kernels/backend.h"
 
 typedef struct {

@@ -11,7 +11,7 @@
 #ifndef KF_FOLD_H
 #define KF_FOLD_H
 
-#include "formats/error.h"
+#include "kernels/base/error.h"
 #include "kernels/backend.h"
 
 typedef struct {

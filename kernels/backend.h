@@ -24,14 +24,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kernels/base/dtype.h"
 #include "kernels/workspace.h"
 
 #define KF_PAGE_TOKENS 16
 #define KF_MAX_HEAD_DIM 1024 /* kernels keep per-token scratch of this size on the stack */
-
-typedef enum { KF_DTYPE_F32 = 0, KF_DTYPE_BF16 = 1, KF_DTYPE_F16 = 2 } kf_dtype;
-
-size_t kf_dtype_size(kf_dtype dt);
 
 /* RoPE frequencies: the three rope types of Llama/Qwen checkpoints. */
 typedef enum { KF_ROPE_DEFAULT = 0, KF_ROPE_LINEAR = 1, KF_ROPE_LLAMA3 = 2 } kf_rope_kind;

@@ -10,6 +10,7 @@
 #include "compactor/compact.h"
 #include "compactor/engine.h"
 #include "compactor/prefix_plan.h"
+#include "kernels/base/convert.h"
 #include "test_util.h"
 
 /* ---- the plan ---- */
@@ -471,7 +472,7 @@ static void test_refq_bf16_close(void) {
 static void test_round_trip_through_kvf(void) {
     kf_error err = {0};
     const kf_method methods[] = {KF_METHOD_FOLD, KF_METHOD_AM, KF_METHOD_KEEP, KF_METHOD_DROP};
-    const kvf_dtype dtypes[] = {KVF_F32, KVF_BF16, KVF_F16};
+    const kf_dtype dtypes[] = {KF_DTYPE_F32, KF_DTYPE_BF16, KF_DTYPE_F16};
     const int V = kf_model_config(g_m)->vocab_size;
     const int32_t answer[] = {1541, 2644, 10};
     kf_prompt q = {kQuestion, 7}, ans = {answer, 3};
@@ -490,7 +491,7 @@ static void test_round_trip_through_kvf(void) {
             snprintf(kc.hdr.model_fingerprint, sizeof kc.hdr.model_fingerprint, "%s", kf_model_fingerprint(g_m));
             kvf_document_digest(doc.ids, doc.n, kc.hdr.document_digest);
             char path[4096];
-            snprintf(path, sizeof path, "%s/%s-%s.kvf", dir, kf_method_name(methods[mi]), kvf_dtype_name(dtypes[di]));
+            snprintf(path, sizeof path, "%s/%s-%s.kvf", dir, kf_method_name(methods[mi]), kf_dtype_name(dtypes[di]));
             CU_ASSERT_EQUAL_FATAL(kvf_write(path, &kc, &err), KF_OK);
             /* the in-memory cache as the file stores it */
             kf_compacted r = c;
@@ -498,12 +499,12 @@ static void test_round_trip_through_kvf(void) {
             r.keys = malloc(sizeof(float) * n);
             r.values = malloc(sizeof(float) * n);
             for (size_t i = 0; i < n; i++) {
-                r.keys[i] = dtypes[di] == KVF_BF16 ? kvf_bf16_to_f32(kvf_f32_to_bf16(c.keys[i]))
-                            : dtypes[di] == KVF_F16 ? kvf_f16_to_f32(kvf_f32_to_f16(c.keys[i]))
-                                                    : c.keys[i];
-                r.values[i] = dtypes[di] == KVF_BF16 ? kvf_bf16_to_f32(kvf_f32_to_bf16(c.values[i]))
-                              : dtypes[di] == KVF_F16 ? kvf_f16_to_f32(kvf_f32_to_f16(c.values[i]))
-                                                      : c.values[i];
+                r.keys[i] = dtypes[di] == KF_DTYPE_BF16  ? kf_bf16_to_f32(kf_f32_to_bf16(c.keys[i]))
+                            : dtypes[di] == KF_DTYPE_F16 ? kf_f16_to_f32(kf_f32_to_f16(c.keys[i]))
+                                                         : c.keys[i];
+                r.values[i] = dtypes[di] == KF_DTYPE_BF16  ? kf_bf16_to_f32(kf_f32_to_bf16(c.values[i]))
+                              : dtypes[di] == KF_DTYPE_F16 ? kf_f16_to_f32(kf_f32_to_f16(c.values[i]))
+                                                           : c.values[i];
             }
             kf_engine e;
             CU_ASSERT_EQUAL_FATAL(kf_engine_from_compacted(&e, g_m, &r, 16, &err), KF_OK);
@@ -528,7 +529,7 @@ static void test_round_trip_through_kvf(void) {
             /* the file's cache against the in-memory one (computed before the file was read) */
             CU_ASSERT_EQUAL(memcmp(lp_mem, lp_file, sizeof(float) * 3 * V), 0);
             if (memcmp(lp_mem, lp_file, sizeof(float) * 3 * V) != 0)
-                fprintf(stderr, "%s %s: file vs memory %g\n", kf_method_name(methods[mi]), kvf_dtype_name(dtypes[di]),
+                fprintf(stderr, "%s %s: file vs memory %g\n", kf_method_name(methods[mi]), kf_dtype_name(dtypes[di]),
                         kf_max_abs_diff(lp_mem, lp_file, (size_t)3 * V));
             /* and the log-probabilities are real ones: finite, each row a distribution */
             for (int row = 0; row < 3; row++) {

@@ -8,7 +8,7 @@
 
 #include "compactor/model.h"
 #include "compactor/quoka.h"
-#include "formats/error.h"
+#include "kernels/base/error.h"
 
 enum { KF_EXIT_OK = 0, KF_EXIT_FAIL = 1, KF_EXIT_USAGE = 2 };
 /* A stage's result when the command goes on (the others are exit statuses). */

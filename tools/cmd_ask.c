@@ -161,8 +161,8 @@ int cmd_ask(int argc, char **argv) {
         }
     if (!quiet)
         fprintf(stderr, "cache: %lld of %lld document tokens (%.2fx smaller), %s, budget %g, %s\n", (long long)c.C,
-                (long long)c.D, (double)c.D / (double)c.C, kvf_method_name(hdr.method), hdr.budget,
-                kvf_dtype_name(hdr.dtype));
+                (long long)c.D, (double)c.D / (double)c.C, kf_method_name(hdr.method), hdr.budget,
+                kf_dtype_name(hdr.dtype));
     if (kf_engine_from_compacted(&ec, m, &c, longest + max_tokens, &e) != KF_OK) {
         cli_error(CMD, "%s", e.msg);
         goto done;

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "formats/kvf.h"
+#include "kernels/base/convert.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
 
@@ -38,13 +39,13 @@ static const char kHelp[] =
     "Last lines: 'write_ratio <kvf/plain>' and 'read_ratio <kvf/plain>' (speed, warm), then\n"
     "'write_time_ratio' and 'verify_time_ratio' (time kvf / time plain) for scripts.\n";
 
-static void to_dtype(kvf_dtype dt, const float *x, void *out, size_t n) {
+static void to_dtype(kf_dtype dt, const float *x, void *out, size_t n) {
     uint16_t *o = out;
     for (size_t i = 0; i < n; i++)
-        if (dt == KVF_F32)
+        if (dt == KF_DTYPE_F32)
             memcpy((float *)out + i, x + i, 4);
         else
-            o[i] = dt == KVF_BF16 ? kvf_f32_to_bf16(x[i]) : kvf_f32_to_f16(x[i]);
+            o[i] = dt == KF_DTYPE_BF16 ? kf_f32_to_bf16(x[i]) : kf_f32_to_f16(x[i]);
 }
 
 static int cmp_double(const void *a, const void *b) {
@@ -88,7 +89,7 @@ int cmd_bench_kvf(int argc, char **argv) {
                                          {"dtype", required_argument, 0, 't'}, {"dir", required_argument, 0, 'd'},
                                          {"repeat", required_argument, 0, 'r'}, {0, 0, 0, 0}};
     long long mb = 256, repeat = 3;
-    kvf_dtype dt = KVF_BF16;
+    kf_dtype dt = KF_DTYPE_BF16;
     const char *dir = getenv("TMPDIR") && *getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
     optind = 1;
     for (int c; (c = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
@@ -120,14 +121,14 @@ int cmd_bench_kvf(int argc, char **argv) {
     h->kv_heads = 8;
     h->head_dim = 128;
     h->dtype = dt;
-    const size_t esz = kvf_dtype_size(dt), row = (size_t)h->kv_heads * (size_t)h->head_dim;
+    const size_t esz = kf_dtype_size(dt), row = (size_t)h->kv_heads * (size_t)h->head_dim;
     const size_t per_token = 2 * (size_t)h->n_layers * row * esz;
     h->n_tokens = (int64_t)((size_t)mb * 1000000 / per_token);
     if (h->n_tokens < 1)
         h->n_tokens = 1;
     h->n_doc_tokens = h->n_tokens * 4;
     h->budget = 0.25;
-    h->method = KVF_METHOD_FOLD;
+    h->method = KF_METHOD_FOLD;
     memset(h->model_fingerprint, 'a', KVF_DIGEST_LEN);
     int32_t ids[2] = {1, 2};
     kvf_document_digest(ids, 2, h->document_digest);
@@ -163,7 +164,7 @@ int cmd_bench_kvf(int argc, char **argv) {
     c.keys_raw = keys;
     c.values_raw = values;
     fprintf(stderr, "bench kvf: %lld tokens x 32 layers x 8 heads x 128, %s: %.1f MB of K/V in %s\n",
-            (long long)h->n_tokens, kvf_dtype_name(dt), bytes / 1e6, dir);
+            (long long)h->n_tokens, kf_dtype_name(dt), bytes / 1e6, dir);
 
     for (long long r = 0; r < repeat; r++) {
         /* both write new files (as a compaction job does): replacing a file would add the cost of

@@ -424,15 +424,15 @@ static int parse_variants(const char *methods_s, const char *budgets_s, kf_compa
     return nm * nb;
 }
 
-static kvf_dtype model_dtype(const kf_hfconfig *cfg) {
-    kvf_dtype d;
-    return kvf_dtype_parse(cfg->dtype, &d) == 0 ? d : KVF_BF16;
+static kf_dtype model_dtype(const kf_hfconfig *cfg) {
+    kf_dtype d;
+    return kvf_dtype_parse(cfg->dtype, &d) == 0 ? d : KF_DTYPE_BF16;
 }
 
 /* What names a document's files and goes into their headers. */
 typedef struct {
     const char *root, *fp; /* cache root, model fingerprint */
-    kvf_dtype dtype;
+    kf_dtype dtype;
     int64_t n_head_budgets;
 } file_ids;
 
@@ -440,7 +440,7 @@ typedef struct {
  * (a file copied over another's name, or a header at odds with it, is compacted again). */
 static kvf_identity file_identity(const job_doc *d, const job_file *f, const kf_compact_variant *var,
                                   const file_ids *ids) {
-    return (kvf_identity){ids->fp, d->digest, f->recipe, kf_method_to_kvf(var->method), var->budget, ids->dtype, d->n};
+    return (kvf_identity){ids->fp, d->digest, f->recipe, var->method, var->budget, ids->dtype, d->n};
 }
 
 /* Whether the file f stands for (identity want) is already there and valid: KF_OK; nothing there:
@@ -469,7 +469,7 @@ static int doc_files(job_doc *d, const kf_compact_params *dp, const kf_compact_v
         vp.budget = vars[v].budget;
         kf_recipe_digest(&vp, ids->dtype, ids->n_head_budgets, f->recipe);
         kf_error e = {0};
-        if (kvf_cache_path(ids->root, ids->fp, d->digest, kf_method_to_kvf(vp.method), vp.budget, f->recipe, true,
+        if (kvf_cache_path(ids->root, ids->fp, d->digest, vp.method, vp.budget, f->recipe, true,
                            f->path, sizeof f->path, &e) != KF_OK) {
             doc_fail(d->source, d->name, e.msg);
             d->state = ST_FAILED;
@@ -562,7 +562,7 @@ typedef struct {
     long long max_line;                    /* --max-line-bytes */
     int share, quiet, dtype_given;
     double progress_interval;              /* --progress-interval: seconds between log lines */
-    kvf_dtype dtype;
+    kf_dtype dtype;
     cli_compact_opts q;                    /* the compaction's parameters (shared with eval quality) */
     kf_compact_variant vars[MAX_VARIANTS]; /* [n_vars] (method, budget) pairs, methods outer */
     int n_vars;
@@ -645,7 +645,7 @@ static int compact_validate(compact_opts *o) {
 
 static int compact_parse(int argc, char **argv, compact_opts *o) {
     *o = (compact_opts){.root = DEFAULT_ROOT, .instruction = DEFAULT_INSTRUCTION, .methods_s = "fold",
-                        .budgets_s = "0.1", .shard_n = 1, .share = 1, .dtype = KVF_BF16,
+                        .budgets_s = "0.1", .shard_n = 1, .share = 1, .dtype = KF_DTYPE_BF16,
                         .progress_interval = CLI_PROGRESS_DEFAULT_S,
                         .max_line = MANIFEST_MAX_LINE_DEFAULT};
     cli_compact_opts_init(&o->q);
@@ -670,7 +670,7 @@ typedef struct {
     kf_model *m;
     const kf_hfconfig *cfg;
     const char *fp;          /* the model's fingerprint */
-    kvf_dtype dtype;         /* of the files */
+    kf_dtype dtype;         /* of the files */
     doc_text text;
     double t_start;
     doc_list docs;
@@ -1091,12 +1091,12 @@ static void print_tokens(const compact_job *j) {
     if (o->n_vars == 1)
         printf("tokens: %lld document tokens -> %lld cached (C/D %.3f, %.2fx smaller), %s %s, budget %g\n",
                (long long)j->d_total, (long long)j->c_total, c_total / d_total, d_total / c_total,
-               kf_method_name(j->base.method), kvf_dtype_name(j->dtype), j->base.budget);
+               kf_method_name(j->base.method), kf_dtype_name(j->dtype), j->base.budget);
     else
         printf("tokens: %lld document tokens -> %lld cached over %d files per document (C/D %.3f), "
                "methods %s, budgets %s, %s\n",
                (long long)j->d_total, (long long)j->c_total, o->n_vars, c_total / d_total, o->methods_s,
-               o->budgets_s, kvf_dtype_name(j->dtype));
+               o->budgets_s, kf_dtype_name(j->dtype));
     printf("prefix sharing: %lld tokens computed, %lld without sharing (%s)\n", (long long)j->computed,
            (long long)j->doc_tokens,
            !o->share ? "off: --no-share" : j->sharing ? "on" : j->plan.saved_s > 0 ? "off: does not pay" : "nothing shared");

@@ -120,9 +120,9 @@ static int print_json(const char *path, kvf_file *f, const struct stat *sb, cons
         "file", path, "format", KVF_FORMAT_NAME, "version", h->version, "creator", h->creator, "model_fingerprint",
         h->model_fingerprint, "tokenizer_digest", h->tokenizer_digest, "document_digest", h->document_digest,
         "recipe_digest", h->recipe_digest, "payload_digest", h->payload_digest, "n_doc_tokens",
-        (json_int_t)h->n_doc_tokens, "n_tokens", (json_int_t)C, "method", kvf_method_name(h->method), "budget",
+        (json_int_t)h->n_doc_tokens, "n_tokens", (json_int_t)C, "method", kf_method_name(h->method), "budget",
         h->budget, "lambda", h->lambda, "rope_frame", kvf_rope_frame_name(h->rope_frame), "placeholder", h->placeholder,
-        "dtype", kvf_dtype_name(h->dtype), "n_layers", L, "kv_heads", H, "head_dim", D, "block_size", h->block_size);
+        "dtype", kf_dtype_name(h->dtype), "n_layers", L, "kv_heads", H, "head_dim", D, "block_size", h->block_size);
     if (!root) { /* json_pack gives NULL for a string that is not UTF-8 (the path) */
         json_decref(layers);
         cli_error("inspect", "%s: cannot write the JSON (a name that is not UTF-8?)", path);
@@ -189,13 +189,13 @@ int cmd_inspect(int argc, char **argv) {
     stat(path, &sb);
     const int64_t payload = kvf_kv_bytes(h); /* < 2^40 elements x 4 bytes: kvf_open bounds it */
     /* D may be 2^31 - 1: in doubles (2 L D H d bytes would overflow int64) */
-    const double full = 2.0 * L * (double)h->n_doc_tokens * H * D * (double)kvf_dtype_size(h->dtype);
+    const double full = 2.0 * L * (double)h->n_doc_tokens * H * D * (double)kf_dtype_size(h->dtype);
     const double on_disk = (double)sb.st_size;
 
     size_t ln = (size_t)C * (size_t)H * (size_t)D;
     float *k = malloc(ln * 4), *v = malloc(ln * 4), *beta = malloc((size_t)H * (size_t)C * 4),
           *u = malloc((size_t)H * (size_t)D * 4);
-    void *raw = malloc(2 * ln * kvf_dtype_size(h->dtype)); /* [2, C, H, D] as stored */
+    void *raw = malloc(2 * ln * kf_dtype_size(h->dtype)); /* [2, C, H, D] as stored */
     int32_t *pos = malloc((size_t)H * (size_t)C * 4);
     uint8_t *hm = malloc((size_t)L * (size_t)H);                /* [L, H] */
     head_stats *st = calloc((size_t)L * (size_t)H, sizeof *st); /* [L, H] */
@@ -205,13 +205,13 @@ int cmd_inspect(int argc, char **argv) {
         goto out;
     }
     for (int l = 0; l < L; l++) {
-        char *kr = raw, *vr = kr + ln * kvf_dtype_size(h->dtype);
+        char *kr = raw, *vr = kr + ln * kf_dtype_size(h->dtype);
         if (kvf_read_layer_all(f, l, kr, vr, beta, u, pos, hm + (size_t)l * H, &err) != KF_OK) {
             cli_error("inspect", "%s", err.msg);
             goto out;
         }
-        kvf_to_f32(h->dtype, kr, k, ln);
-        kvf_to_f32(h->dtype, vr, v, ln);
+        kf_convert_to_f32(k, kr, h->dtype, ln);
+        kf_convert_to_f32(v, vr, h->dtype, ln);
         for (int hh = 0; hh < H; hh++) {
             head_stats *s = &st[(size_t)l * H + hh];
             const int32_t *p = pos + (size_t)hh * (size_t)C;
@@ -261,12 +261,12 @@ int cmd_inspect(int argc, char **argv) {
         printf("payload      %s (XXH3-128 over the head digests)\n", h->payload_digest);
         printf("compacted    C = %lld slots (%lld blocks of %d)\n", (long long)C, (long long)kvf_n_blocks(f),
                h->block_size);
-        printf("method       %s, budget %s, lambda %g\n", kvf_method_name(h->method), budget, h->lambda);
+        printf("method       %s, budget %s, lambda %g\n", kf_method_name(h->method), budget, h->lambda);
         printf("rope frame   %s%s\n", kvf_rope_frame_name(h->rope_frame),
                h->rope_frame == KVF_FRAME_COMPACTED ? " (question starts at position C)"
                                                     : " (question starts at position D)");
         printf("placeholder  %s\n", KF_ESC(h->placeholder));
-        printf("shape        %d layers x %d kv heads x head_dim %d, %s\n", L, H, D, kvf_dtype_name(h->dtype));
+        printf("shape        %d layers x %d kv heads x head_dim %d, %s\n", L, H, D, kf_dtype_name(h->dtype));
         printf("sizes        %.0f bytes on disk, %lld of K/V; a full cache of D tokens: %.0f\n", on_disk,
                (long long)payload, full);
         printf("compression  %.2fx in tokens (D/C), %.2fx in bytes (full cache / file)\n",

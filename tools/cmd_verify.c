@@ -111,8 +111,8 @@ int cmd_verify(int argc, char **argv) {
     if (cache_load(CMD, path, m, 1, &c, &hdr))
         goto done;
     printf("%s: checksums ok, model %s ok (%d layers x %d kv heads x %d), %s %s budget %g, C %lld of D %lld\n",
-           KF_ESC(path), hdr.model_fingerprint, hdr.n_layers, hdr.kv_heads, hdr.head_dim, kvf_method_name(hdr.method),
-           kvf_dtype_name(hdr.dtype), hdr.budget, (long long)hdr.n_tokens, (long long)hdr.n_doc_tokens);
+           KF_ESC(path), hdr.model_fingerprint, hdr.n_layers, hdr.kv_heads, hdr.head_dim, kf_method_name(hdr.method),
+           kf_dtype_name(hdr.dtype), hdr.budget, (long long)hdr.n_tokens, (long long)hdr.n_doc_tokens);
     if (doc_path) {
         char digest[KVF_DIGEST_LEN + 1];
         if (cache_doc_read(CMD, &text, doc_path, path, &hdr, &doc, &n_doc, digest))

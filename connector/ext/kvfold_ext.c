@@ -58,6 +58,7 @@
 
 #include "connector/ext/blockcopy.h"
 #include "formats/kvf.h"
+#include "kernels/base/convert.h"
 
 static PyObject *KvfError;
 
@@ -79,7 +80,7 @@ static PyObject *raise_kf(const kf_error *err, kf_status st) {
     return NULL;
 }
 
-static int parse_dtype(const char *s, kvf_dtype *out) {
+static int parse_dtype(const char *s, kf_dtype *out) {
     if (kvf_dtype_parse(s, out) == 0)
         return 0;
     if (!strncmp(s, "float8", 6) || !strncmp(s, "fp8", 3))
@@ -95,9 +96,9 @@ static PyObject *header_dict(const kvf_header *h) {
         "creator", h->creator, "model_fingerprint", h->model_fingerprint, "tokenizer_digest", h->tokenizer_digest,
         "document_digest", h->document_digest, "recipe_digest", h->recipe_digest, "payload_digest",
         h->payload_digest, "n_doc_tokens", (long long)h->n_doc_tokens, "n_tokens",
-        (long long)h->n_tokens, "method", kvf_method_name(h->method), "budget", h->budget, "lambda", h->lambda,
+        (long long)h->n_tokens, "method", kf_method_name(h->method), "budget", h->budget, "lambda", h->lambda,
         "rope_frame", kvf_rope_frame_name(h->rope_frame), "placeholder", h->placeholder, "dtype",
-        kvf_dtype_name(h->dtype), "n_layers", h->n_layers, "kv_heads", h->kv_heads, "head_dim", h->head_dim,
+        kf_dtype_name(h->dtype), "n_layers", h->n_layers, "kv_heads", h->kv_heads, "head_dim", h->head_dim,
         "block_size", h->block_size);
 }
 
@@ -124,22 +125,22 @@ static PyObject *py_read_header(PyObject *self, PyObject *args) {
 }
 
 /* Elements [i0, i1) from src in the file's dtype to dst in dtype. */
-static void convert_run(const kvf_header *h, kvf_dtype dtype, const unsigned char *src, unsigned char *dst, size_t i0,
+static void convert_run(const kvf_header *h, kf_dtype dtype, const unsigned char *src, unsigned char *dst, size_t i0,
                         size_t i1) {
-    const size_t ds = kvf_dtype_size(dtype);
+    const size_t ds = kf_dtype_size(dtype);
     for (size_t i = i0; i < i1; i++) {
             float x;
-            if (h->dtype == KVF_F32) {
+            if (h->dtype == KF_DTYPE_F32) {
                 memcpy(&x, src + 4 * i, 4);
             } else {
                 uint16_t b;
                 memcpy(&b, src + 2 * i, 2);
-                x = h->dtype == KVF_BF16 ? kvf_bf16_to_f32(b) : kvf_f16_to_f32(b);
+                x = h->dtype == KF_DTYPE_BF16 ? kf_bf16_to_f32(b) : kf_f16_to_f32(b);
             }
-            if (dtype == KVF_F32) {
+            if (dtype == KF_DTYPE_F32) {
                 memcpy(dst + 4 * i, &x, 4);
             } else {
-                uint16_t o = dtype == KVF_BF16 ? kvf_f32_to_bf16(x) : kvf_f32_to_f16(x);
+                uint16_t o = dtype == KF_DTYPE_BF16 ? kf_f32_to_bf16(x) : kf_f32_to_f16(x);
                 memcpy(dst + ds * i, &o, 2);
             }
     }
@@ -147,7 +148,7 @@ static void convert_run(const kvf_header *h, kvf_dtype dtype, const unsigned cha
 
 /* Heads [h0, h1) of a layer side ([C, H, D], or [H, C, D] when head_major) from src in the file's
  * dtype to dst in dtype. */
-static void convert_heads(const kvf_header *h, kvf_dtype dtype, const unsigned char *src, unsigned char *dst, int h0,
+static void convert_heads(const kvf_header *h, kf_dtype dtype, const unsigned char *src, unsigned char *dst, int h0,
                           int h1, bool head_major) {
     const size_t H = (size_t)h->kv_heads, D = (size_t)h->head_dim, C = (size_t)h->n_tokens;
     if (head_major) {
@@ -162,11 +163,11 @@ static int64_t g_kv_bytes_read; /* every load's K/V chunk bytes (atomic: loads r
 
 /* Reads heads [h0, h1) of layers [l0, l1) raw (each head checked against its digest) and converts
  * into out ([2, L, C, H, D] in dtype). */
-static kf_status load_all(kvf_file *f, kvf_dtype dtype, unsigned char *out, int l0, int l1, int h0, int h1,
+static kf_status load_all(kvf_file *f, kf_dtype dtype, unsigned char *out, int l0, int l1, int h0, int h1,
                           bool head_major, kf_error *err) {
     const kvf_header *h = kvf_file_header(f);
     const size_t n = (size_t)h->n_tokens * (size_t)h->kv_heads * (size_t)h->head_dim; /* per layer */
-    const size_t fs = kvf_dtype_size(h->dtype), ds = kvf_dtype_size(dtype);
+    const size_t fs = kf_dtype_size(h->dtype), ds = kf_dtype_size(dtype);
     const int64_t read_before = kvf_kv_bytes_read(f);
     unsigned char *scratch = NULL; /* [2, C, H, D] in the file's dtype */
     if (h->dtype != dtype && !(scratch = malloc(2 * n * fs)))
@@ -191,8 +192,8 @@ static PyObject *py_kv_bytes_read(PyObject *self, PyObject *unused) {
 }
 
 /* 2 * n_layers * C * kv_heads * head_dim elements of dtype, without overflow. */
-static int payload_size(const kvf_header *h, kvf_dtype dtype, size_t *out) {
-    const int64_t f[6] = {2, h->n_layers, h->n_tokens, h->kv_heads, h->head_dim, (int64_t)kvf_dtype_size(dtype)};
+static int payload_size(const kvf_header *h, kf_dtype dtype, size_t *out) {
+    const int64_t f[6] = {2, h->n_layers, h->n_tokens, h->kv_heads, h->head_dim, (int64_t)kf_dtype_size(dtype)};
     int64_t p = 1;
     for (int i = 0; i < 6; i++)
         if (f[i] < 1 || __builtin_mul_overflow(p, f[i], &p) || p > PY_SSIZE_T_MAX) {
@@ -226,7 +227,7 @@ static PyObject *py_load(PyObject *self, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTupleAndKeywords(args, kw, "ss|ziiiO(ii)(ii)p", kwlist, &path, &dtname, &fp, &n_layers, &kv_heads,
                                      &head_dim, &out_obj, &l0, &l1, &h0, &h1, &head_major))
         return NULL;
-    kvf_dtype dtype;
+    kf_dtype dtype;
     if (parse_dtype(dtname, &dtype) < 0)
         return NULL;
     kvf_file *f = NULL;
@@ -470,10 +471,10 @@ static void stream_copy(unsigned char *dst, const unsigned char *src, size_t n) 
 
 /* Heads [h0, h1) of one layer side, head-major in the file's dtype (src: [kv_heads, C, head_dim]),
  * into token-major dst ([C, kv_heads, head_dim] in dtype), slot by slot. */
-static void heads_to_tokens(const kvf_header *h, kvf_dtype dtype, const unsigned char *src, unsigned char *dst, int h0,
+static void heads_to_tokens(const kvf_header *h, kf_dtype dtype, const unsigned char *src, unsigned char *dst, int h0,
                             int h1) {
     const size_t C = (size_t)h->n_tokens, H = (size_t)h->kv_heads, D = (size_t)h->head_dim;
-    const size_t fs = kvf_dtype_size(h->dtype), ds = kvf_dtype_size(dtype);
+    const size_t fs = kf_dtype_size(h->dtype), ds = kf_dtype_size(dtype);
     for (size_t t = 0; t < C; t++)
         for (size_t hd = (size_t)h0; hd < (size_t)h1; hd++) {
             const unsigned char *s = src + (hd * C + t) * D * fs;
@@ -494,7 +495,7 @@ static void heads_to_tokens(const kvf_header *h, kvf_dtype dtype, const unsigned
  * head_dim] in dtype, token-major: what load() gives, which the retention pool keeps). */
 typedef struct {
     const kvf_header *h;
-    kvf_dtype dtype;        /* of out */
+    kf_dtype dtype;        /* of out */
     unsigned char *out;
     int h0, h1;
     unsigned char *scratch; /* [2, kv_heads, C, head_dim] in the file's dtype: one layer, head-major */
@@ -505,7 +506,7 @@ typedef struct {
 static kf_status one_layer(kvf_file *f, one_pass *p, int l, kf_error *err) {
     const kvf_header *h = p->h;
     const size_t side = (size_t)h->kv_heads * (size_t)h->n_tokens * (size_t)h->head_dim; /* elements */
-    unsigned char *k = p->scratch, *v = p->scratch + side * kvf_dtype_size(h->dtype);
+    unsigned char *k = p->scratch, *v = p->scratch + side * kf_dtype_size(h->dtype);
     KF_TRY(kvf_read_heads_hm(f, l, p->h0, p->h1, k, v, err));
     for (int i = 0; i < p->tg->n_dst; i++)
         if (p->tg->tensors[i].layer == l) {
@@ -516,7 +517,7 @@ static kf_status one_layer(kvf_file *f, one_pass *p, int l, kf_error *err) {
             a.n_dst = 1;
             KF_TRY(kvb_copy(&a, err));
         }
-    const size_t ds = kvf_dtype_size(p->dtype);
+    const size_t ds = kf_dtype_size(p->dtype);
     heads_to_tokens(h, p->dtype, k, p->out + (size_t)l * side * ds, p->h0, p->h1);
     heads_to_tokens(h, p->dtype, v, p->out + ((size_t)h->n_layers + (size_t)l) * side * ds, p->h0, p->h1);
     return KF_OK;
@@ -591,7 +592,7 @@ static PyObject *py_load_blocks(PyObject *self, PyObject *args, PyObject *kw) {
         goto out;
     }
     const size_t side = (size_t)p.h->kv_heads * (size_t)p.h->n_tokens * (size_t)p.h->head_dim;
-    if (!(p.scratch = malloc(2 * side * kvf_dtype_size(p.h->dtype)))) {
+    if (!(p.scratch = malloc(2 * side * kf_dtype_size(p.h->dtype)))) {
         PyErr_NoMemory();
         goto out;
     }
@@ -600,7 +601,7 @@ static PyObject *py_load_blocks(PyObject *self, PyObject *args, PyObject *kw) {
     p.h1 = h1;
     p.tg = &tg;
     p.a.src = p.scratch;
-    p.a.src_bytes = (int64_t)(2 * side * kvf_dtype_size(p.h->dtype));
+    p.a.src_bytes = (int64_t)(2 * side * kf_dtype_size(p.h->dtype));
     p.a.src_dtype = p.h->dtype;
     p.a.n_layers = 1;
     p.a.C = p.h->n_tokens;
@@ -667,7 +668,7 @@ static int header_from_dict(PyObject *d, kvf_header *h) {
         const char *s = PyUnicode_AsUTF8(v);
         if (!s)
             return -1;
-        if (kvf_method_parse(s, &h->method) < 0) {
+        if (kf_method_parse(s, &h->method) < 0) {
             PyErr_Format(PyExc_ValueError, "unknown method '%s'", s);
             return -1;
         }
@@ -696,22 +697,22 @@ static PyObject *py_write(PyObject *self, PyObject *args, PyObject *kw) {
         return NULL;
     PyObject *res = NULL;
     kvf_cache c = {0};
-    kvf_dtype kd;
+    kf_dtype kd;
     if (header_from_dict(hd, &c.hdr) < 0 || parse_dtype(kdt, &kd) < 0)
         goto out;
-    if (kd != KVF_F32 && kd != c.hdr.dtype) {
+    if (kd != KF_DTYPE_F32 && kd != c.hdr.dtype) {
         PyErr_Format(PyExc_ValueError, "write: keys in %s must be float32 or the header's dtype %s", kdt,
-                     kvf_dtype_name(c.hdr.dtype));
+                     kf_dtype_name(c.hdr.dtype));
         goto out;
     }
     const size_t n = (size_t)c.hdr.n_layers * (size_t)c.hdr.n_tokens * (size_t)c.hdr.kv_heads * (size_t)c.hdr.head_dim;
-    if (c.hdr.n_layers < 1 || c.hdr.n_tokens < 1 || (size_t)k.len != n * kvf_dtype_size(kd) ||
-        (size_t)v.len != n * kvf_dtype_size(kd)) {
+    if (c.hdr.n_layers < 1 || c.hdr.n_tokens < 1 || (size_t)k.len != n * kf_dtype_size(kd) ||
+        (size_t)v.len != n * kf_dtype_size(kd)) {
         PyErr_Format(PyExc_ValueError, "write: keys/values hold %zd/%zd bytes, the header needs %zu", k.len, v.len,
-                     n * kvf_dtype_size(kd));
+                     n * kf_dtype_size(kd));
         goto out;
     }
-    if (kd == KVF_F32) {
+    if (kd == KF_DTYPE_F32) {
         c.keys = k.buf;
         c.values = v.buf;
     } else {
