@@ -166,6 +166,10 @@ int cli_weights_option(const char *cmd, int opt, const char *arg) {
     return 1;
 }
 
+int cli_weights_set(const char *arg) {
+    return kf_weights_parse(arg, &g_weights) ? -1 : 0;
+}
+
 kf_weights cli_weights(void) {
     return g_weights;
 }

@@ -49,6 +49,7 @@ enum { CLI_OPT_WEIGHTS = 0x1200 };
     "                       activations stay fp32) or fp32 (4 bytes; CPU backend)\n"
 int cli_weights_option(const char *cmd, int opt, const char *arg);
 kf_weights cli_weights(void);
+int cli_weights_set(const char *arg); /* 0, or -1 when arg is not auto, bf16 or fp32 */
 
 double cli_now(void); /* monotonic seconds */
 

@@ -3,6 +3,12 @@
 #ifndef KF_COMMANDS_H
 #define KF_COMMANDS_H
 
+#include "tools/options.h"
+
+/* The option tables of the commands built from them (tools/options.h), for the tests. */
+extern const cli_command cli_compact_command, cli_eval_command, cli_bench_compact_command,
+    cli_logits_command;
+
 int cmd_model_info(int argc, char **argv);
 int cmd_logits(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
