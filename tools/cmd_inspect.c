@@ -1,5 +1,4 @@
 /* kvfold inspect FILE — what a kvf cache file holds: header, sizes, per-layer and per-head stats. */
-#include <getopt.h>
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
@@ -12,29 +11,41 @@
 #include "tools/cli.h"
 #include "tools/commands.h"
 
-static const char kHelp[] =
-    "Usage: kvfold inspect [--json] [--layers-only] FILE\n"
-    "\n"
-    "Show a kvf cache file (written by kvfold compact): its header (model fingerprint, document\n"
-    "digest, D and C, method, budget, lambda, RoPE frame, dtype, shape), its sizes (bytes on disk,\n"
-    "the K/V payload, and the compression against a full cache of the D document tokens in the same\n"
-    "dtype), and statistics per layer and per KV head: L2 norms of the keys and values (mean, max),\n"
-    "AM's bias beta (min, mean, max), the norm of the fold direction |u|, and padding slots.\n"
-    "Padding slots (original position -1) are left out of the statistics.\n"
-    "\n"
-    "Also the method each KV head was compacted with (counts per method and a per-layer map:\n"
-    "k keep, d drop, a am, f fold).\n"
-    "\n"
-    "Every chunk of the file is read and checked against its checksum, every layer against its\n"
-    "digest, every value against its allowed range: a damaged file is refused (exit 1; with --json\n"
-    "nothing is printed on stdout, the message goes to stderr).\n"
-    "\n"
-    "Options:\n"
-    "  --json          one JSON object on stdout instead of text\n"
-    "  --layers-only   per-layer statistics only (no per-head rows)\n"
-    "  -h, --help      show this help\n"
-    "\n"
-    "Exit status: 0 when the file is valid, 1 when it is refused (the message names the cause).\n";
+#define CMD "inspect"
+
+typedef struct {
+    int format, layers_only; /* format: 0 text, 1 json */
+} inspect_opts;
+
+static const cli_opt kRows[] = {
+    {"format", 0, OPT_CHOICE, "F", OFF(inspect_opts, format), .choices = "text|json", .def = "text",
+     .help = "text, or json: one JSON object on stdout"},
+    {"json", 0, OPT_ALIAS, .target = "format", .fixed = "json"},
+    {"layers-only", 0, OPT_FLAG, NULL, OFF(inspect_opts, layers_only), .help = "per-layer statistics only (no per-head rows)"},
+    {0}};
+
+const cli_command cli_inspect_command = {
+    .name = CMD,
+    .usage = "kvfold inspect [--format text|json] [--layers-only] FILE\n",
+    .about = "Show a kvf cache file (written by kvfold compact): its header (model fingerprint, document\n"
+             "digest, D and C, method, budget, lambda, RoPE frame, dtype, shape), its sizes (bytes on disk,\n"
+             "the K/V payload, and the compression against a full cache of the D document tokens in the same\n"
+             "dtype), and statistics per layer and per KV head: L2 norms of the keys and values (mean, max),\n"
+             "AM's bias beta (min, mean, max), the norm of the fold direction |u|, and padding slots.\n"
+             "Padding slots (original position -1) are left out of the statistics.\n"
+             "\n"
+             "Also the method each KV head was compacted with (counts per method and a per-layer map:\n"
+             "k keep, d drop, a am, f fold).\n"
+             "\n"
+             "Every chunk of the file is read and checked against its checksum, every layer against its\n"
+             "digest, every value against its allowed range: a damaged file is refused.\n",
+    .groups = (const cli_group[]){{NULL, kRows, 0}, {0}},
+    .exit_status = "  0  the file is valid\n"
+                   "  1  the file is refused (the message names the cause; with --format json nothing is\n"
+                   "     printed on stdout, the message goes to stderr)\n"
+                   "  2  usage errors\n",
+    .example = "  kvfold inspect --format json kvf-cache/<fingerprint>/<digest>.fold-0.1.<recipe>.kvf\n",
+};
 
 typedef struct {
     double k_mean, k_max, v_mean, v_max; /* L2 norms over the head's slots */
@@ -125,7 +136,7 @@ static int print_json(const char *path, kvf_file *f, const struct stat *sb, cons
         "dtype", kvf_dtype_name(h->dtype), "n_layers", L, "kv_heads", H, "head_dim", D, "block_size", h->block_size);
     if (!root) { /* json_pack gives NULL for a string that is not UTF-8 (the path) */
         json_decref(layers);
-        cli_error("inspect", "%s: cannot write the JSON (a name that is not UTF-8?)", path);
+        cli_error(CMD, "%s: cannot write the JSON (a name that is not UTF-8?)", path);
         return -1;
     }
     json_object_set_new(root, "sizes",
@@ -151,7 +162,7 @@ static int print_json(const char *path, kvf_file *f, const struct stat *sb, cons
     if (s)
         puts(s);
     else
-        cli_error("inspect", "%s: cannot write the JSON (a name that is not UTF-8?)", path);
+        cli_error(CMD, "%s: cannot write the JSON (a name that is not UTF-8?)", path);
     const int rc = s ? 0 : -1;
     free(s);
     json_decref(root);
@@ -159,27 +170,19 @@ static int print_json(const char *path, kvf_file *f, const struct stat *sb, cons
 }
 
 int cmd_inspect(int argc, char **argv) {
-    static const struct option opts[] = {{"help", no_argument, 0, 'h'},
-                                         {"json", no_argument, 0, 'j'},
-                                         {"layers-only", no_argument, 0, 'l'},
-                                         {0, 0, 0, 0}};
-    int as_json = 0, layers_only = 0;
-    optind = 1;
-    for (int c; (c = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
-        switch (c) {
-        case 'h': fputs(kHelp, stdout); return KF_EXIT_OK;
-        case 'j': as_json = 1; break;
-        case 'l': layers_only = 1; break;
-        default: return cli_usage_error("inspect", "unknown option '%s'", argv[optind - 1]);
-        }
-    }
-    if (optind != argc - 1)
-        return cli_usage_error("inspect", "expected one cache file");
-    const char *path = argv[optind];
+    inspect_opts o = {0};
+    int first;
+    const int prc = cli_opts_parse(&cli_inspect_command, argc, argv, &o, &first);
+    if (prc != CLI_CONTINUE)
+        return prc;
+    if (first != argc - 1)
+        return cli_usage_error(CMD, "expected one cache file");
+    const char *path = argv[first];
+    const int as_json = o.format == 1, layers_only = o.layers_only;
     kf_error err = {0};
     kvf_file *f;
     if (kvf_open(path, &f, &err) != KF_OK) {
-        cli_error("inspect", "%s", err.msg);
+        cli_error(CMD, "%s", err.msg);
         return KF_EXIT_FAIL;
     }
     const kvf_header *h = kvf_file_header(f);
@@ -201,13 +204,13 @@ int cmd_inspect(int argc, char **argv) {
     head_stats *st = calloc((size_t)L * (size_t)H, sizeof *st); /* [L, H] */
     int rc = KF_EXIT_FAIL;
     if (!k || !v || !beta || !u || !pos || !st || !raw || !hm) {
-        cli_error("inspect", "out of memory");
+        cli_error(CMD, "out of memory");
         goto out;
     }
     for (int l = 0; l < L; l++) {
         char *kr = raw, *vr = kr + ln * kvf_dtype_size(h->dtype);
         if (kvf_read_layer_all(f, l, kr, vr, beta, u, pos, hm + (size_t)l * H, &err) != KF_OK) {
-            cli_error("inspect", "%s", err.msg);
+            cli_error(CMD, "%s", err.msg);
             goto out;
         }
         kvf_to_f32(h->dtype, kr, k, ln);

@@ -62,7 +62,7 @@ check "after recompute: verify accepts every file" bash -c "for f in \$(find '$t
 check "inspect: exit 0" test $? -eq 0
 check "inspect: head methods line" has "$tmp/i.txt" "head methods"
 check "inspect: recipe line" has "$tmp/i.txt" "recipe "
-"$kvfold" inspect --json "$first" >"$tmp/i.json" 2>"$tmp/i.err"
+"$kvfold" inspect --format json "$first" >"$tmp/i.json" 2>"$tmp/i.err"
 check "inspect --json: exit 0" test $? -eq 0
 check "inspect --json: valid JSON with head_methods and recipe_digest" "$py" -c "
 import json, sys
@@ -82,7 +82,7 @@ with h5py.File(sys.argv[1], "r+") as f:
     a = h5py.h5a.create(f.id, b"placeholder", tid, h5py.h5s.create(h5py.h5s.SCALAR))
     a.write(np.array(b"ab\xff\xfe", dtype="S5"), mtype=tid)
 PY
-"$kvfold" inspect --json "$tmp/bad-utf8.kvf" >"$tmp/b.json" 2>"$tmp/b.err"
+"$kvfold" inspect --format json "$tmp/bad-utf8.kvf" >"$tmp/b.json" 2>"$tmp/b.err"
 check "invalid UTF-8, --json: exit 1" test $? -eq 1
 check "invalid UTF-8, --json: nothing on stdout" test ! -s "$tmp/b.json"
 check "invalid UTF-8, --json: the cause on stderr" has "$tmp/b.err" "'placeholder' is not printable UTF-8"
