@@ -1,5 +1,4 @@
 /* kvfold verify — integrity of a kvf cache file and, with the document, how close its answers are. */
-#include <getopt.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,73 +12,77 @@
 
 #define CMD "verify"
 
-static const char kHelp[] =
-    "Usage: kvfold verify FILE.kvf --model DIR [--doc FILE [--question TEXT]...]\n"
-    "\n"
-    "Checks a cache file: its structure, every chunk's checksum, every value (finite K/V and beta,\n"
-    "positions in [0, D)) and every layer's digest, and that it was written for\n"
-    "this model (fingerprint of config, tensor index and weights; layers, KV heads, head_dim).\n"
-    "With --doc, also that the file is the cache of that document (digest and length).\n"
-    "With --doc and --question, the answer distributions: the full document's greedy answer is\n"
-    "teacher-forced on both the full context and the cache, and the mean KL(full || cache) over its\n"
-    "tokens is reported (also for the first token alone), with whether the cache's own greedy\n"
-    "answer is the same. A --question without --doc is a usage error.\n"
-    "\n"
-    "Options:\n"
-    "  --model DIR          the model\n"
-    "  --doc FILE           the document: text, a JSON list of ids, or a manifest line\n"
-    "  --question TEXT      a question (repeatable)\n"
-    "  --max-tokens N       most tokens of the full context's answer (default 16; fewer where the\n"
-    "                       model's positions end: a question that leaves no room after the\n"
-    "                       document's D tokens is a usage error, exit 2)\n"
-    "  --stop TEXT          the answer ends once it contains TEXT (e.g. $'\\n'); EOS always ends it\n"
-    "  --max-kl X           exit 1 when a question's mean KL exceeds X\n"
-    "  -h, --help           show this help\n"
-    "\n"
-    "A file under a content-addressed name (<document digest>.<method>-<budget>.<recipe>.kvf, as\n"
-    "kvfold compact writes) must hold what its name says: its header's document digest, method,\n"
-    "budget and recipe; a file copied over another's name fails.\n"
-    "\n"
-    "Exit status: 0 when every check passed, 1 when one failed, 2 for usage errors.\n";
+typedef struct {
+    const char *model_dir, *doc_path, *stop;
+    const char **questions; /* [n_q] (room for every argument) */
+    int n_q;
+    long long max_tokens;
+    double max_kl;
+} verify_opts;
+
+/* --question, repeatable */
+static int add_question(void *ctx, const cli_opt *o, const char *arg, char *err, size_t n) {
+    (void)o, (void)err, (void)n;
+    verify_opts *v = ctx;
+    v->questions[v->n_q++] = arg;
+    return 0;
+}
+
+#define V(field) OFF(verify_opts, field)
+static const cli_opt kRows[] = {
+    {"model", 0, OPT_STR, "DIR", V(model_dir), .help = "the model"},
+    {"doc", 0, OPT_STR, "FILE", V(doc_path), .help = "the document: text, a JSON list of ids, or a manifest line"},
+    {"question", 0, OPT_FN, "TEXT", 0, .set = add_question, .help = "a question (repeatable)"},
+    {"max-tokens", 0, OPT_LLONG, "N", V(max_tokens), .lo = 1, .hi = 1 << 20, .must = "must be a positive count",
+     .def = "16",
+     .help = "most tokens of the full context's answer (fewer where the model's positions end: a question "
+             "that leaves no room after the document's D tokens is a usage error, exit 2)"},
+    {"stop", 0, OPT_STR, "TEXT", V(stop), .help = "the answer ends once it contains TEXT (e.g. $'\\n'); EOS always ends it"},
+    {"max-kl", 0, OPT_REAL, "X", V(max_kl), .lo = 0, .hi = INFINITY, .must = "must be a number >= 0",
+     .help = "exit 1 when a question's mean KL exceeds X"},
+    {0}};
+
+const cli_command cli_verify_command = {
+    .name = CMD,
+    .usage = "kvfold verify FILE.kvf --model DIR [--doc FILE [--question TEXT]...]\n",
+    .about = "Checks a cache file: its structure, every chunk's checksum, every value (finite K/V and beta,\n"
+             "positions in [0, D)) and every layer's digest, and that it was written for\n"
+             "this model (fingerprint of config, tensor index and weights; layers, KV heads, head_dim).\n"
+             "With --doc, also that the file is the cache of that document (digest and length).\n"
+             "With --doc and --question, the answer distributions: the full document's greedy answer is\n"
+             "teacher-forced on both the full context and the cache, and the mean KL(full || cache) over its\n"
+             "tokens is reported (also for the first token alone), with whether the cache's own greedy\n"
+             "answer is the same. A --question without --doc is a usage error.\n"
+             "\n"
+             "A file under a content-addressed name (<document digest>.<method>-<budget>.<recipe>.kvf, as\n"
+             "kvfold compact writes) must hold what its name says: its header's document digest, method,\n"
+             "budget and recipe; a file copied over another's name fails.\n",
+    .groups = (const cli_group[]){{NULL, kRows, 0}, {0}},
+    .exit_status = "  0  every check passed\n"
+                   "  1  a check failed (the message names it)\n"
+                   "  2  usage errors\n",
+    .example = "  kvfold verify doc.kvf --model records-qwen3 --doc doc.txt --question $'Q: Alice?\\nA:' --max-kl 0.5\n",
+};
 
 int cmd_verify(int argc, char **argv) {
-    static const struct option opts[] = {
-        {"help", no_argument, 0, 'h'},           {"model", required_argument, 0, 'm'},
-        {"doc", required_argument, 0, 'd'},      {"question", required_argument, 0, 'Q'},
-        {"max-tokens", required_argument, 0, 'n'}, {"stop", required_argument, 0, 's'},
-        {"max-kl", required_argument, 0, 'k'},   {0, 0, 0, 0}};
-    const char *model_dir = NULL, *doc_path = NULL, *stop = NULL;
-    const char **questions = calloc((size_t)argc + 1, sizeof *questions);
-    int n_q = 0;
-    long long max_tokens = 16;
-    double max_kl = INFINITY;
-    optind = 1;
-    for (int c; (c = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
-        switch (c) {
-        case 'h': fputs(kHelp, stdout); free(questions); return KF_EXIT_OK;
-        case 'm': model_dir = optarg; break;
-        case 'd': doc_path = optarg; break;
-        case 'Q': questions[n_q++] = optarg; break;
-        case 's': stop = optarg; break;
-        case 'n':
-            if (cli_parse_int(optarg, 1, 1 << 20, &max_tokens)) {
-                free(questions);
-                return cli_usage_error(CMD, "--max-tokens must be a positive count, not '%s'", optarg);
-            }
-            break;
-        case 'k': {
-            char *end;
-            max_kl = strtod(optarg, &end);
-            if (end == optarg || *end || !(max_kl >= 0)) {
-                free(questions);
-                return cli_usage_error(CMD, "--max-kl must be a number >= 0, not '%s'", optarg);
-            }
-            break;
-        }
-        default: free(questions); return cli_usage_error(CMD, "unknown option");
-        }
+    verify_opts o = {.questions = calloc((size_t)argc + 1, sizeof(const char *)), .max_tokens = 16,
+                     .max_kl = INFINITY};
+    if (!o.questions) {
+        cli_error(CMD, "out of memory");
+        return KF_EXIT_FAIL;
     }
-    if (!model_dir || optind != argc - 1) {
+    int first;
+    const int prc = cli_opts_parse(&cli_verify_command, argc, argv, &o, &first);
+    if (prc != CLI_CONTINUE) {
+        free(o.questions);
+        return prc;
+    }
+    const char *model_dir = o.model_dir, *doc_path = o.doc_path, *stop = o.stop;
+    const char **questions = o.questions;
+    const int n_q = o.n_q;
+    const long long max_tokens = o.max_tokens;
+    const double max_kl = o.max_kl;
+    if (!model_dir || first != argc - 1) {
         free(questions);
         return cli_usage_error(CMD, "give one FILE.kvf and --model DIR");
     }
@@ -87,7 +90,7 @@ int cmd_verify(int argc, char **argv) {
         free(questions);
         return cli_usage_error(CMD, "--question needs the document (--doc FILE)");
     }
-    const char *path = argv[optind];
+    const char *path = argv[first];
     kf_backend *b;
     kf_model *m = cli_load_model(CMD, model_dir, &b);
     if (!m) {
