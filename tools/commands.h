@@ -6,8 +6,9 @@
 #include "tools/options.h"
 
 /* The option tables of the commands built from them (tools/options.h), for the tests. */
-extern const cli_command cli_compact_command, cli_eval_command, cli_bench_compact_command,
-    cli_logits_command;
+extern const cli_command cli_compact_command, cli_eval_command, cli_bench_compact_command, cli_logits_command,
+    cli_model_info_command, cli_tokenize_command, cli_chat_template_command, cli_inspect_command, cli_ask_command,
+    cli_verify_command;
 
 int cmd_model_info(int argc, char **argv);
 int cmd_logits(int argc, char **argv);
