@@ -12,14 +12,8 @@ model=$data/records-llama3-induct
 py=/usr/bin/python3
 tmp=$(mktemp -d)
 trap '[ -n "${KEEP_TMP:-}" ] || rm -rf "$tmp"' EXIT
-fails=0
-check() { # check NAME CONDITION...
-    local name=$1
-    shift
-    if "$@"; then echo "ok   $name"; else echo "FAIL $name"; fails=$((fails + 1)); fi
-}
-has() { grep -qF -- "$2" "$1"; }
-hasnt() { ! grep -qF -- "$2" "$1"; }
+# shellcheck source=lib.sh
+. "$(dirname "$0")/lib.sh"
 
 "$py" -c 'import h5py' || { echo "FAIL /usr/bin/python3 cannot import h5py (install python3-h5py)"; exit 1; }
 # Three short records documents (ids), named a, b, c.
@@ -225,5 +219,4 @@ PY
 check "num_hidden_layers 1 of 2: refused (exit 1, was 0)" test $? -eq 1
 check "num_hidden_layers 1 of 2: the message" has "$tmp/fewer.err" "the checkpoint holds layer 1 (tensor 'model.layers.1."
 
-echo "$fails failed"
-exit $((fails > 0))
+finish

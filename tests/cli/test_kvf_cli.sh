@@ -11,13 +11,8 @@ model=$data/records-qwen3
 py=/usr/bin/python3
 tmp=$(mktemp -d)
 trap '[ -n "${KEEP_TMP:-}" ] || rm -rf "$tmp"' EXIT
-fails=0
-check() { # check NAME CONDITION...
-    local name=$1
-    shift
-    if "$@"; then echo "ok   $name"; else echo "FAIL $name"; fails=$((fails + 1)); fi
-}
-has() { grep -qF -- "$2" "$1"; }
+# shellcheck source=lib.sh
+. "$(dirname "$0")/lib.sh"
 nfiles() { find "$1" -name '*.kvf' | wc -l; }
 
 "$py" -c 'import h5py' || { echo "FAIL /usr/bin/python3 cannot import h5py (install python3-h5py)"; exit 1; }
@@ -98,5 +93,4 @@ rc=$?
 check "non-UTF-8 name, --json: exit 1 or valid JSON" bash -c "[ $rc -eq 1 ] && [ ! -s '$tmp/n.json' ] || '$py' -c 'import json; json.load(open(\"$tmp/n.json\"))'"
 check "non-UTF-8 name, --json: the cause on stderr" has "$tmp/n.err" "not UTF-8"
 
-echo "$fails failed"
-exit $((fails > 0))
+finish

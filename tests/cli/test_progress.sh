@@ -13,12 +13,8 @@ data=$2
 model=$data/records-llama3-induct
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-fails=0
-check() { # check NAME CONDITION...
-    local name=$1
-    shift
-    if "$@"; then echo "ok   $name"; else echo "FAIL $name"; fails=$((fails + 1)); fi
-}
+# shellcheck source=lib.sh
+. "$(dirname "$0")/lib.sh"
 
 # Two documents cut to 150 and 90 tokens (3 and 2 chunks of 64), and two whole small ones for eval.
 python3 - "$data/records-dev.jsonl" "$tmp" <<'PY'
@@ -173,5 +169,4 @@ check "eval (terminal): frames fit, line cleared before the table" test "$(grep 
 grep '^BAD' "$tmp/te.got" | head -3
 check "eval (terminal): every stage drawn in place, in order" diff "$tmp/e.want" <(grep -v '^BAD' "$tmp/te.got")
 
-echo "$fails failed"
-[ "$fails" -eq 0 ]
+finish
