@@ -40,8 +40,8 @@ static const cli_group kGroups[] = {
 
 const cli_command cli_logits_command = {
     .name = CMD,
-    .usage = "kvfold logits --model DIR --ids 1,2,3 [--top K] [--chunk N] [--format text|json] [--device DEV]\n"
-             "                     [--prefill dense|quoka]\n",
+    .usage = "kvfold logits --model DIR --ids 1,2,3 [--top K] [--chunk N] [--format text|json]\n"
+             "                     [--device DEV] [--prefill dense|quoka]\n",
     .about = "Prefill the token ids (chunked, through the paged KV arena) and print the K most likely\n"
              "next tokens after the last one, with logits and probabilities.\n",
     .groups = kGroups,

@@ -285,9 +285,9 @@ void cli_opts_help(const cli_command *cmd, FILE *out) {
     fprintf(out, "Usage: %s", cmd->usage);
     if (cmd->about)
         fprintf(out, "\n%s", cmd->about);
-    fprintf(out, "\nOptions:%s\n", cmd->lists_recipe && has_recipe(cmd)
-                                      ? " (* marks those that change the file's bytes: part of its recipe)"
-                                      : "");
+    fprintf(out, "\nOptions:\n%s", cmd->lists_recipe && has_recipe(cmd)
+                                       ? "(* marks those that change the file's bytes: part of its recipe)\n"
+                                       : "");
     for (const cli_group *g = cmd->groups; g && g->rows; g++) {
         if (g->title)
             fprintf(out, "%s%s:\n", g == cmd->groups ? "" : "\n", g->title);
