@@ -13,12 +13,13 @@
 #define HELP_WIDTH 99 /* the widest help line */
 enum { ID_HELP = 0x7000, ID_ROW = 0x8000 }; /* getopt_long ids: ID_ROW + the row's index */
 
-/* Every row of cmd in order, with the offset of its group; its count, at most max. */
+/* A row with the offset of its group's struct in the command's. */
 typedef struct {
     const cli_opt *o;
     size_t base;
 } flat_row;
 
+/* Every row of cmd in order into out [max]; their count. */
 static int flatten(const cli_command *cmd, flat_row *out, int max) {
     int n = 0;
     for (const cli_group *g = cmd->groups; g && g->rows; g++)
@@ -27,7 +28,7 @@ static int flatten(const cli_command *cmd, flat_row *out, int max) {
     return n;
 }
 
-#define MAX_ROWS 160
+#define MAX_ROWS 160 /* rows of one command, old spellings included (compact has about 40) */
 
 const cli_opt *cli_opts_find(const cli_command *cmd, const char *name) {
     for (const cli_group *g = cmd->groups; g && g->rows; g++)
@@ -146,12 +147,11 @@ static void getopt_tables(const flat_row *rows, int n, struct option *lo, char *
     so[s++] = 'h';
     for (int i = 0; i < n; i++) {
         const cli_opt *o = rows[i].o;
-        const cli_opt *t = o->type == OPT_ALIAS ? NULL : o;
         int has_arg = o->type == OPT_FLAG ? no_argument : required_argument;
-        if (o->type == OPT_ALIAS) {
+        if (o->type == OPT_ALIAS) { /* takes a value when its target does, unless it fixes one */
             const int ti = find_row(rows, n, o->target);
-            t = ti >= 0 ? rows[ti].o : NULL;
-            has_arg = o->fixed || (t && t->type == OPT_FLAG) ? no_argument : required_argument;
+            const int flag = ti >= 0 && rows[ti].o->type == OPT_FLAG;
+            has_arg = o->fixed || flag ? no_argument : required_argument;
         }
         lo[k++] = (struct option){o->name, has_arg, 0, ID_ROW + i};
         if (o->short_name) {
