@@ -185,7 +185,7 @@ def test_cli_logits_match_golden(name):
 def test_reference_cli_logits_json():
     ids = "1,2,3,4,5"
     proc = subprocess.run([sys.executable, REF_SCRIPT, "logits", "--model", RECORDS, "--ids", ids,
-                           "--top", "3", "--format", "json"], capture_output=True, text=True, timeout=120)
+                           "--top", "3", "--json"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     top = json.loads(proc.stdout)["top"]
     model = ref.load_model(RECORDS)
