@@ -85,12 +85,15 @@ check "invalid UTF-8, --json: the cause on stderr" has "$tmp/b.err" "'placeholde
 check "invalid UTF-8, text: exit 1" test $? -eq 1
 check "invalid UTF-8, text: no raw bytes written" bash -c "! LC_ALL=C grep -q \$'\\xff' '$tmp/b.txt'"
 
-# a file name that is not UTF-8: text mode works, --json is a clear error
+# a file name that is not UTF-8: text mode works, --json (the old spelling of --format json) is a
+# clear error
 bad_name=$(printf '%s/name-\377.kvf' "$tmp")
 cp "$first" "$bad_name"
 "$kvfold" inspect --json "$bad_name" >"$tmp/n.json" 2>"$tmp/n.err"
 rc=$?
 check "non-UTF-8 name, --json: exit 1 or valid JSON" bash -c "[ $rc -eq 1 ] && [ ! -s '$tmp/n.json' ] || '$py' -c 'import json; json.load(open(\"$tmp/n.json\"))'"
 check "non-UTF-8 name, --json: the cause on stderr" has "$tmp/n.err" "not UTF-8"
+check "inspect --json (old spelling): a note naming --format json" \
+    has "$tmp/n.err" "kvfold inspect: note: --json is now --format json"
 
 finish
