@@ -32,7 +32,7 @@ static const cli_opt kRows[] = {
              "against the cache's document digest"},
     {"compare", 0, OPT_FLAG, NULL, A(compare),
      .help = "with --doc: also answer from the full document and report agreement (exit status 0 either way)"},
-    {"format", 0, OPT_CHOICE, "F", A(format), .choices = "text|json", .def = "text",
+    {"format", 0, OPT_CHOICE, "text|json", A(format), .choices = "text|json", .def = "text",
      .help = "text, or json: one JSON object per question: question, answer, answer_ids, and with --compare "
              "full_answer, full_answer_ids, agree"},
     {"json", 0, OPT_ALIAS, .target = "format", .fixed = "json"},

@@ -502,7 +502,8 @@ static const cli_opt kEvalRows[] = {
              "pads the others with slots of bias -inf"},
     {"limit", 0, OPT_LLONG, "N", E(limit), .lo = 1, .hi = 1 << 30, .must = "must be a positive count",
      .help = "only the first N documents"},
-    {"format", 0, OPT_CHOICE, "F", E(tsv), .choices = "table|tsv", .def = "table", .help = "output format"},
+    {"format", 0, OPT_CHOICE, "table|tsv", E(tsv), .choices = "table|tsv", .def = "table",
+     .help = "a table, or tab-separated values with a header row"},
     {0}};
 
 static const cli_group kGroups[] = {

@@ -18,7 +18,7 @@ typedef struct {
 } inspect_opts;
 
 static const cli_opt kRows[] = {
-    {"format", 0, OPT_CHOICE, "F", OFF(inspect_opts, format), .choices = "text|json", .def = "text",
+    {"format", 0, OPT_CHOICE, "text|json", OFF(inspect_opts, format), .choices = "text|json", .def = "text",
      .help = "text, or json: one JSON object on stdout"},
     {"json", 0, OPT_ALIAS, .target = "format", .fixed = "json"},
     {"layers-only", 0, OPT_FLAG, NULL, OFF(inspect_opts, layers_only), .help = "per-layer statistics only (no per-head rows)"},

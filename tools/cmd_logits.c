@@ -26,7 +26,7 @@ static const cli_opt kRows[] = {
      .help = "how many tokens to show"},
     {"chunk", 0, OPT_INT, "N", L(chunk), .lo = 1, .hi = 1 << 20, .must = "must be a positive integer",
      .def = "512", .help = "prefill chunk size in tokens"},
-    {"format", 0, OPT_CHOICE, "F", L(format), .choices = "text|json", .def = "text",
+    {"format", 0, OPT_CHOICE, "text|json", L(format), .choices = "text|json", .def = "text",
      .help = "text (a table) or json (one JSON object)"},
     {"json", 0, OPT_ALIAS, .target = "format", .fixed = "json"},
     {"device", 0, OPT_STR, "DEV", L(device), .def = "cpu",
