@@ -109,7 +109,7 @@ static int print_json(const char *path, kvf_file *f, const struct stat *sb, cons
                       const head_stats *st, const uint8_t *hm /* [L, H] */, const int by_method[4], int layers_only) {
     const kvf_header *h = kvf_file_header(f);
     const int L = h->n_layers, H = h->kv_heads, D = h->head_dim;
-    const int64_t C = h->n_tokens, payload = kvf_kv_bytes(h);
+    const int64_t C = h->n_tokens, payload = kvf_kv_bytes(h); /* < 2^40 elements x 4 bytes: kvf_open bounds it */
     const double on_disk = (double)sb->st_size;
     (void)budget_s;
     json_t *layers = json_array();
@@ -169,6 +169,87 @@ static int print_json(const char *path, kvf_file *f, const struct stat *sb, cons
     return rc;
 }
 
+/* The statistics of KV head hh of one layer: k, v [C, H, D] (fp32), beta [H, C], u [H, D], and
+ * p [C] the head's original positions (-1: a padding slot, left out). */
+static void head_stat(const float *k, const float *v, const float *beta, const float *u, const int32_t *p, int64_t C,
+                      int H, int D, int hh, head_stats *s) {
+    norms(k, C, H, D, hh, p, &s->k_mean, &s->k_max);
+    norms(v, C, H, D, hh, p, &s->v_mean, &s->v_max);
+    s->b_min = INFINITY;
+    s->b_max = -INFINITY;
+    int64_t n = 0;
+    for (int64_t t = 0; t < C; t++) {
+        if (p[t] < 0) {
+            s->padding++;
+            continue;
+        }
+        double b = beta[(size_t)hh * (size_t)C + (size_t)t];
+        s->b_min = fmin(s->b_min, b);
+        s->b_max = fmax(s->b_max, b);
+        s->b_mean += b;
+        n++;
+    }
+    s->b_mean = n ? s->b_mean / (double)n : 0;
+    if (!n)
+        s->b_min = s->b_max = 0;
+    double un = 0;
+    for (int d = 0; d < D; d++)
+        un += (double)u[(size_t)hh * D + d] * u[(size_t)hh * D + d];
+    s->u_norm = sqrt(un);
+}
+
+/* The text form: the header, the sizes, the heads' methods, the statistics table. */
+static void print_text(const char *path, kvf_file *f, double on_disk, double full, const char *budget,
+                       const head_stats *st /* [L, H] */, const uint8_t *hm /* [L, H] */, const int by_method[4],
+                       int layers_only) {
+    const kvf_header *h = kvf_file_header(f);
+    const int L = h->n_layers, H = h->kv_heads, D = h->head_dim;
+    const int64_t C = h->n_tokens, payload = kvf_kv_bytes(h); /* < 2^40 elements x 4 bytes: kvf_open bounds it */
+    /* the path as given may hold anything; the header's strings are checked clean (kvf_open) and
+     * escaped all the same, by the one helper */
+    printf("file         %s\n", KF_ESC(path));
+    printf("format       %s version %d, written by %s\n", KVF_FORMAT_NAME, h->version, KF_ESC(h->creator));
+    printf("model        %s\n", h->model_fingerprint);
+    printf("tokenizer    %s\n", h->tokenizer_digest[0] ? h->tokenizer_digest : "(unknown)");
+    printf("document     %s, D = %lld tokens\n", h->document_digest, (long long)h->n_doc_tokens);
+    printf("recipe       %s\n", h->recipe_digest);
+    printf("payload      %s (XXH3-128 over the head digests)\n", h->payload_digest);
+    printf("compacted    C = %lld slots (%lld blocks of %d)\n", (long long)C, (long long)kvf_n_blocks(f),
+           h->block_size);
+    printf("method       %s, budget %s, lambda %g\n", kvf_method_name(h->method), budget, h->lambda);
+    printf("rope frame   %s%s\n", kvf_rope_frame_name(h->rope_frame),
+           h->rope_frame == KVF_FRAME_COMPACTED ? " (question starts at position C)"
+                                                : " (question starts at position D)");
+    printf("placeholder  %s\n", KF_ESC(h->placeholder));
+    printf("shape        %d layers x %d kv heads x head_dim %d, %s\n", L, H, D, kvf_dtype_name(h->dtype));
+    printf("sizes        %.0f bytes on disk, %lld of K/V; a full cache of D tokens: %.0f\n", on_disk,
+           (long long)payload, full);
+    printf("compression  %.2fx in tokens (D/C), %.2fx in bytes (full cache / file)\n",
+           (double)h->n_doc_tokens / (double)C, (double)full / on_disk);
+    printf("checksums    ok (every chunk, every layer's digest)\n");
+    printf("head methods keep %d, drop %d, am %d, fold %d (of %d heads)\n", by_method[0], by_method[1],
+           by_method[2], by_method[3], L * H);
+    if (by_method[h->method] != L * H)
+        for (int l = 0; l < L; l++) {
+            printf("  layer %-4d ", l);
+            for (int hh = 0; hh < H; hh++)
+                putchar("kdaf"[hm[(size_t)l * H + hh] & 3]);
+            putchar('\n');
+        }
+    printf("\n  %-8s %9s %9s %9s %9s %9s %9s %9s %8s %7s\n", "layer", "|k|mean", "|k|max", "|v|mean", "|v|max",
+           "beta min", "beta mean", "beta max", "|u|", "padding");
+    for (int l = 0; l < L; l++) {
+        char label[32];
+        snprintf(label, sizeof label, "%d", l);
+        head_stats sum = layer_summary(st + (size_t)l * H, H);
+        stats_row(label, &sum);
+        for (int hh = 0; hh < H && !layers_only; hh++) {
+            snprintf(label, sizeof label, "  h%d", hh);
+            stats_row(label, &st[(size_t)l * H + hh]);
+        }
+    }
+}
+
 int cmd_inspect(int argc, char **argv) {
     inspect_opts o = {0};
     int first;
@@ -190,7 +271,6 @@ int cmd_inspect(int argc, char **argv) {
     const int64_t C = h->n_tokens;
     struct stat sb;
     stat(path, &sb);
-    const int64_t payload = kvf_kv_bytes(h); /* < 2^40 elements x 4 bytes: kvf_open bounds it */
     /* D may be 2^31 - 1: in doubles (2 L D H d bytes would overflow int64) */
     const double full = 2.0 * L * (double)h->n_doc_tokens * H * D * (double)kvf_dtype_size(h->dtype);
     const double on_disk = (double)sb.st_size;
@@ -215,33 +295,8 @@ int cmd_inspect(int argc, char **argv) {
         }
         kvf_to_f32(h->dtype, kr, k, ln);
         kvf_to_f32(h->dtype, vr, v, ln);
-        for (int hh = 0; hh < H; hh++) {
-            head_stats *s = &st[(size_t)l * H + hh];
-            const int32_t *p = pos + (size_t)hh * (size_t)C;
-            norms(k, C, H, D, hh, p, &s->k_mean, &s->k_max);
-            norms(v, C, H, D, hh, p, &s->v_mean, &s->v_max);
-            s->b_min = INFINITY;
-            s->b_max = -INFINITY;
-            int64_t n = 0;
-            for (int64_t t = 0; t < C; t++) {
-                if (p[t] < 0) {
-                    s->padding++;
-                    continue;
-                }
-                double b = beta[(size_t)hh * (size_t)C + (size_t)t];
-                s->b_min = fmin(s->b_min, b);
-                s->b_max = fmax(s->b_max, b);
-                s->b_mean += b;
-                n++;
-            }
-            s->b_mean = n ? s->b_mean / (double)n : 0;
-            if (!n)
-                s->b_min = s->b_max = 0;
-            double un = 0;
-            for (int d = 0; d < D; d++)
-                un += (double)u[(size_t)hh * D + d] * u[(size_t)hh * D + d];
-            s->u_norm = sqrt(un);
-        }
+        for (int hh = 0; hh < H; hh++)
+            head_stat(k, v, beta, u, pos + (size_t)hh * (size_t)C, C, H, D, hh, &st[(size_t)l * H + hh]);
     }
 
     char budget[32];
@@ -253,49 +308,7 @@ int cmd_inspect(int argc, char **argv) {
         if (print_json(path, f, &sb, budget, full, st, hm, by_method, layers_only) != 0)
             goto out;
     } else {
-        /* the path as given may hold anything; the header's strings are checked clean (kvf_open) and
-         * escaped all the same, by the one helper */
-        printf("file         %s\n", KF_ESC(path));
-        printf("format       %s version %d, written by %s\n", KVF_FORMAT_NAME, h->version, KF_ESC(h->creator));
-        printf("model        %s\n", h->model_fingerprint);
-        printf("tokenizer    %s\n", h->tokenizer_digest[0] ? h->tokenizer_digest : "(unknown)");
-        printf("document     %s, D = %lld tokens\n", h->document_digest, (long long)h->n_doc_tokens);
-        printf("recipe       %s\n", h->recipe_digest);
-        printf("payload      %s (XXH3-128 over the head digests)\n", h->payload_digest);
-        printf("compacted    C = %lld slots (%lld blocks of %d)\n", (long long)C, (long long)kvf_n_blocks(f),
-               h->block_size);
-        printf("method       %s, budget %s, lambda %g\n", kvf_method_name(h->method), budget, h->lambda);
-        printf("rope frame   %s%s\n", kvf_rope_frame_name(h->rope_frame),
-               h->rope_frame == KVF_FRAME_COMPACTED ? " (question starts at position C)"
-                                                    : " (question starts at position D)");
-        printf("placeholder  %s\n", KF_ESC(h->placeholder));
-        printf("shape        %d layers x %d kv heads x head_dim %d, %s\n", L, H, D, kvf_dtype_name(h->dtype));
-        printf("sizes        %.0f bytes on disk, %lld of K/V; a full cache of D tokens: %.0f\n", on_disk,
-               (long long)payload, full);
-        printf("compression  %.2fx in tokens (D/C), %.2fx in bytes (full cache / file)\n",
-               (double)h->n_doc_tokens / (double)C, (double)full / on_disk);
-        printf("checksums    ok (every chunk, every layer's digest)\n");
-        printf("head methods keep %d, drop %d, am %d, fold %d (of %d heads)\n", by_method[0], by_method[1],
-               by_method[2], by_method[3], L * H);
-        if (by_method[h->method] != L * H)
-            for (int l = 0; l < L; l++) {
-                printf("  layer %-4d ", l);
-                for (int hh = 0; hh < H; hh++)
-                    putchar("kdaf"[hm[(size_t)l * H + hh] & 3]);
-                putchar('\n');
-            }
-        printf("\n  %-8s %9s %9s %9s %9s %9s %9s %9s %8s %7s\n", "layer", "|k|mean", "|k|max", "|v|mean", "|v|max",
-               "beta min", "beta mean", "beta max", "|u|", "padding");
-        for (int l = 0; l < L; l++) {
-            char label[32];
-            snprintf(label, sizeof label, "%d", l);
-            head_stats sum = layer_summary(st + (size_t)l * H, H);
-            stats_row(label, &sum);
-            for (int hh = 0; hh < H && !layers_only; hh++) {
-                snprintf(label, sizeof label, "  h%d", hh);
-                stats_row(label, &st[(size_t)l * H + hh]);
-            }
-        }
+        print_text(path, f, on_disk, full, budget, st, hm, by_method, layers_only);
     }
     rc = KF_EXIT_OK;
 out:
