@@ -64,6 +64,84 @@ const cli_command cli_verify_command = {
     .example = "  kvfold verify doc.kvf --model records-qwen3 --doc doc.txt --question $'Q: Alice?\\nA:' --max-kl 0.5\n",
 };
 
+/* What the questions are answered with: the model, both engines, the stop rule, the buffers
+ * ans, mine [max_tokens] and lp, lq [max_tokens, V]. */
+typedef struct {
+    kf_model *m;
+    doc_text *text;
+    kf_engine *ec, *ef; /* the cache's, the full document's */
+    const int32_t *eos;
+    int n_eos;
+    stop_text *st;
+    int32_t *ans, *mine;
+    float *lp, *lq;
+    int n_doc;
+    long long max_tokens;
+    double max_kl;
+} verify_engines;
+
+/* One question: the full context's greedy answer teacher-forced on both, its KL reported. The exit
+ * status it leaves (KF_EXIT_OK, or 1 / 2 reported); *stop when the other questions are not run. */
+static int verify_question(const verify_engines *r, int i, const char *question, int *stop) {
+    const kf_hfconfig *cfg = kf_model_config(r->m);
+    const int V = cfg->vocab_size;
+    int32_t *q = NULL;
+    int nq = 0, n_ans = 0, n_mine = 0, rc = KF_EXIT_FAIL;
+    char err[1024];
+    kf_error e = {0};
+    *stop = 1;
+    if (doc_tokenize(r->text, question, strlen(question), 0, &q, &nq, err, sizeof err)) {
+        cli_error(CMD, "question %d: %s", i + 1, err);
+        return KF_EXIT_FAIL;
+    }
+    /* the full context puts the question at D: it and one answer token must fit the positions */
+    const int64_t max_pos = cfg->max_position_embeddings, room = max_pos - r->n_doc - nq;
+    if (max_pos > 0 && room < 1) {
+        rc = cli_usage_error(CMD, "question %d: %d document tokens + %d question tokens leave no room within the "
+                                  "model's %lld positions (max_position_embeddings)",
+                             i + 1, r->n_doc, nq, (long long)max_pos);
+        goto out;
+    }
+    if (nq > 4096) { /* the engines' room */
+        cli_error(CMD, "question %d: longer than 4096 tokens", i + 1);
+        goto out;
+    }
+    const int n_gen = max_pos > 0 && room < r->max_tokens ? (int)room : (int)r->max_tokens;
+    kf_prompt qp = {q, nq};
+    if (kf_engine_greedy(r->ef, r->m, &qp, n_gen, r->eos, r->n_eos, stop_on_text, r->st, r->ans, &n_ans, &e) != KF_OK ||
+        kf_engine_greedy(r->ec, r->m, &qp, n_gen, r->eos, r->n_eos, stop_on_text, r->st, r->mine, &n_mine, &e) != KF_OK) {
+        cli_error(CMD, "%s", e.msg);
+        goto out;
+    }
+    double kl = 0, kl1 = 0;
+    if (n_ans > 0) {
+        kf_prompt ap = {r->ans, n_ans};
+        if (kf_engine_logprobs(r->ef, r->m, &qp, &ap, r->lp, &e) != KF_OK ||
+            kf_engine_logprobs(r->ec, r->m, &qp, &ap, r->lq, &e) != KF_OK) {
+            cli_error(CMD, "%s", e.msg);
+            goto out;
+        }
+        kl = kf_mean_kl(r->lp, r->lq, n_ans, V);
+        kl1 = kf_mean_kl(r->lp, r->lq, 1, V);
+    }
+    const int same = n_ans == n_mine && memcmp(r->ans, r->mine, sizeof(int32_t) * n_ans) == 0;
+    char *a = doc_decode(r->text, r->ans, n_ans);
+    printf("question %d: KL(full || cache) %.5f mean over %d answer tokens, %.5f first token; full answer %s%s%s, "
+           "cache's greedy answer %s\n",
+           i + 1, kl, n_ans, kl1, a ? "\"" : "", a ? a : "(not decodable)", a ? "\"" : "",
+           same ? "the same" : "differs");
+    free(a);
+    *stop = 0;
+    rc = KF_EXIT_OK;
+    if (kl > r->max_kl) {
+        cli_error(CMD, "question %d: KL %.5f exceeds --max-kl %g", i + 1, kl, r->max_kl);
+        rc = KF_EXIT_FAIL;
+    }
+out:
+    free(q);
+    return rc;
+}
+
 int cmd_verify(int argc, char **argv) {
     verify_opts o = {.questions = calloc((size_t)argc + 1, sizeof(const char *)), .max_tokens = 16,
                      .max_kl = INFINITY};
@@ -105,10 +183,9 @@ int cmd_verify(int argc, char **argv) {
     kf_compacted c = {0};
     kvf_header hdr;
     kf_engine ec = {0}, ef = {0};
-    int32_t *doc = NULL, *q = NULL, *ans = NULL, *mine = NULL;
+    int32_t *doc = NULL, *ans = NULL, *mine = NULL;
     float *lp = NULL, *lq = NULL;
     int n_doc = 0;
-    char err[1024];
     kf_error e = {0};
     /* every checksum, then the model */
     if (cache_load(CMD, path, m, 1, &c, &hdr))
@@ -139,65 +216,19 @@ int cmd_verify(int argc, char **argv) {
         rc = KF_EXIT_FAIL;
         goto done;
     }
+    const verify_engines r = {m, &text, &ec, &ef, eos, n_eos, &st, ans, mine, lp, lq, n_doc, max_tokens, max_kl};
     for (int i = 0; i < n_q; i++) {
-        int nq = 0, n_ans = 0, n_mine = 0;
-        free(q);
-        q = NULL;
-        if (doc_tokenize(&text, questions[i], strlen(questions[i]), 0, &q, &nq, err, sizeof err)) {
-            cli_error(CMD, "question %d: %s", i + 1, err);
-            rc = KF_EXIT_FAIL;
+        int stop_now = 0;
+        const int qrc = verify_question(&r, i, questions[i], &stop_now);
+        rc = qrc != KF_EXIT_OK ? qrc : rc;
+        if (stop_now)
             break;
-        }
-        /* the full context puts the question at D: it and one answer token must fit the positions */
-        const int64_t max_pos = cfg->max_position_embeddings, room = max_pos - n_doc - nq;
-        if (max_pos > 0 && room < 1) {
-            rc = cli_usage_error(CMD, "question %d: %d document tokens + %d question tokens leave no room within the "
-                                      "model's %lld positions (max_position_embeddings)",
-                                 i + 1, n_doc, nq, (long long)max_pos);
-            break;
-        }
-        if (nq > 4096) { /* the engines' room */
-            cli_error(CMD, "question %d: longer than 4096 tokens", i + 1);
-            rc = KF_EXIT_FAIL;
-            break;
-        }
-        const int n_gen = max_pos > 0 && room < max_tokens ? (int)room : (int)max_tokens;
-        kf_prompt qp = {q, nq};
-        if (kf_engine_greedy(&ef, m, &qp, n_gen, eos, n_eos, stop_on_text, &st, ans, &n_ans, &e) != KF_OK ||
-            kf_engine_greedy(&ec, m, &qp, n_gen, eos, n_eos, stop_on_text, &st, mine, &n_mine, &e) != KF_OK) {
-            cli_error(CMD, "%s", e.msg);
-            rc = KF_EXIT_FAIL;
-            break;
-        }
-        double kl = 0, kl1 = 0;
-        if (n_ans > 0) {
-            kf_prompt ap = {ans, n_ans};
-            if (kf_engine_logprobs(&ef, m, &qp, &ap, lp, &e) != KF_OK || kf_engine_logprobs(&ec, m, &qp, &ap, lq, &e) != KF_OK) {
-                cli_error(CMD, "%s", e.msg);
-                rc = KF_EXIT_FAIL;
-                break;
-            }
-            kl = kf_mean_kl(lp, lq, n_ans, V);
-            kl1 = kf_mean_kl(lp, lq, 1, V);
-        }
-        const int same = n_ans == n_mine && memcmp(ans, mine, sizeof(int32_t) * n_ans) == 0;
-        char *a = doc_decode(&text, ans, n_ans);
-        printf("question %d: KL(full || cache) %.5f mean over %d answer tokens, %.5f first token; full answer %s%s%s, "
-               "cache's greedy answer %s\n",
-               i + 1, kl, n_ans, kl1, a ? "\"" : "", a ? a : "(not decodable)", a ? "\"" : "",
-               same ? "the same" : "differs");
-        free(a);
-        if (kl > max_kl) {
-            cli_error(CMD, "question %d: KL %.5f exceeds --max-kl %g", i + 1, kl, max_kl);
-            rc = KF_EXIT_FAIL;
-        }
     }
 done:
     kf_engine_free(&ec);
     kf_engine_free(&ef);
     kf_compacted_free(&c);
     free(doc);
-    free(q);
     free(ans);
     free(mine);
     free(lp);
