@@ -16,30 +16,29 @@ static const int kOnOff[] = {KF_CHOICE_ON, KF_CHOICE_OFF};
 static const int kAllTrain[] = {1, 0};
 
 const cli_opt cli_choice_rows[] = {
-    {"head-choice", 0, OPT_CHOICE, "on|off", Q(head_choice), .choices = "on|off", .values = kOnOff,
+    {"head-choice", 0, OPT_CHOICE, "C", Q(head_choice), .choices = "on|off", .values = kOnOff,
      .def = "on for am, fold", .recipe = "head_choice",
-     .help = "per (layer, KV head) choose the method, drop or keep by output error on held-out reference "
-             "queries"},
+     .help = "on: each KV head takes the method, drop or keep, by held-out error; or off"},
     {"value-ridge", 0, OPT_REAL, "A", Q(value_ridge), .lo = 0, .hi = 1e6, .must = "must be a non-negative number",
      .def = "0: plain least squares", .recipe = "value_ridge",
-     .help = "Tikhonov alpha of value refits without the choice: mu = A tr(X^T X) / t"},
+     .help = "value refits' ridge without the choice, A tr(X^T X) / t"},
     {"ridge-to", 0, OPT_CHOICE, "T", Q(ridge_to), .choices = "zero|orig", .def = "orig", .recipe = "ridge_to",
-     .help = "the refit's ridge pulls towards orig (the kept keys' values) or zero"},
+     .help = "the ridge pulls towards orig (the keys' values) or zero"},
     {"beta-fit", 0, OPT_CHOICE, "F", Q(beta_fit), .choices = "am|box", .def = "am", .recipe = "beta_fit",
-     .help = "am (least squares, clamp, two gradient steps) or box (converged in [e^-3, e^3])"},
+     .help = "am (least squares, two gradient steps) or box (converged)"},
     {"val-frac", 0, OPT_REAL, "F", Q(val_frac), .lo = 0, .hi = 0.9, .must = "must be a fraction in [0, 0.9]",
      .def = "0.2", .recipe = "val_frac", .help = "share of reference positions held out for the choice"},
     {"refit", 0, OPT_CHOICE, "all|train", Q(refit_all), .choices = "all|train", .values = kAllTrain, .def = "all",
      .recipe = "refit_all",
-     .help = "refit the chosen fit on all the queries, or keep the validated one"},
+     .help = "refit the winner on all queries, or keep the validated fit"},
     {"choice-margin", 0, OPT_REAL, "M", Q(choice_margin), .lo = 0, .hi = 10, .def = "0.5", .recipe = "choice_margin",
-     .help = "am or fold wins a head only when 1 + M times below drop's and keep's error"},
+     .help = "am/fold win a head when 1 + M times better than drop, keep"},
     {0}};
 
 const cli_opt cli_refq_dtype_rows[] = {
-    {"refq-dtype", 0, OPT_CHOICE, "f32|bf16", Q(refq_bf16), .choices = "f32|bf16", .def = "f32",
+    {"refq-dtype", 0, OPT_CHOICE, "T", Q(refq_bf16), .choices = "f32|bf16", .def = "f32",
      .recipe = "refq_bf16",
-     .help = "reference queries in fp32 or bf16 (half their memory)"},
+     .help = "reference queries in f32 or bf16 (half the memory)"},
     {0}};
 
 static int set_arena_dtype(void *ctx, const cli_opt *o, const char *arg, char *err, size_t n) {
@@ -48,9 +47,9 @@ static int set_arena_dtype(void *ctx, const cli_opt *o, const char *arg, char *e
 }
 
 const cli_opt cli_arena_dtype_rows[] = {
-    {"arena-dtype", 0, OPT_FN, "f32|bf16", Q(arena_dtype), .set = set_arena_dtype, .must = "is f32 or bf16",
+    {"arena-dtype", 0, OPT_FN, "T", Q(arena_dtype), .set = set_arena_dtype, .must = "is f32 or bf16",
      .def = "f32", .recipe = "arena_dtype",
-     .help = "the compaction's paged KV arena in fp32 or bf16 (half its memory; CPU backend)"},
+     .help = "the KV arena in f32 or bf16 (half the memory; CPU backend)"},
     {0}};
 
 /* --queries: a partial repeat with no repeat is refused whichever comes first. */
@@ -87,12 +86,11 @@ static int set_repeat(void *ctx, const cli_opt *o, const char *arg, char *err, s
 const cli_opt cli_refq_source_rows[] = {
     {"queries", 0, OPT_FN, "S", OFF(cli_compact_opts, p), .set = set_queries, .must = "is repeat, context or both",
      .def = "repeat", .recipe = "use_context_queries",
-     .help = "the reference queries: repeat (the document repeated after the instruction), context (the "
-             "document's own, no repeat: cheapest, no per-head choice) or both; probes are added to each"},
+     .help = "repeat (the document after the instruction), context (its own: cheapest, no "
+             "per-head choice) or both; probes are added to each"},
     {"repeat-fraction", 0, OPT_FN, "F", Q(repeat_fraction), .set = set_repeat,
      .must = "must be a fraction in (0, 1]", .def = "1", .recipe = "repeat_fraction",
-     .help = "the repeat covers a share F in (0, 1] of the document in --repeat-spans runs (cheaper, but it "
-             "loses facts outside them: docs/performance.md)"},
+     .help = "repeat a share F of the document in --repeat-spans runs (docs/performance.md)"},
     {"repeat-spans", 0, OPT_FN, "K", Q(repeat_spans), .set = set_repeat,
      .must = "must be a whole number from 1 to 64", .def = "4", .recipe = "repeat_spans",
      .help = "runs of a partial repeat, 1 to 64"},
@@ -149,12 +147,12 @@ static int set_quoka_budget(void *ctx, const cli_opt *o, const char *arg, char *
 const cli_opt cli_prefill_rows[] = {
     {"prefill", 0, OPT_CHOICE, "MODE", P(mode), .choices = "dense|quoka", .values = kPrefillModes, .def = "dense",
      .recipe = "quoka",
-     .help = "dense or quoka: attention over a query-chosen subset of a history longer than the budget"},
+     .help = "dense, or quoka: attention over the history's keys queries choose"},
     {"quoka-nq", 0, OPT_INT, "N", P(n_q), .lo = 1, .hi = 1 << 20, .must = "must be a positive integer",
      .def = "16", .recipe = "quoka", .help = "queries kept per head to choose keys"},
     {"quoka-budget", 0, OPT_FN, "B", 0, .set = set_quoka_budget,
      .must = "must be a key count >= 1 or a fraction like 0.25", .def = "1024", .recipe = "quoka",
-     .help = "history keys kept per KV head: a count or a fraction such as 0.25"},
+     .help = "history keys kept per KV head: a count, or a fraction like 0.25"},
     {"quoka-sinks", 0, OPT_INT, "N", P(n_sink), .lo = 0, .hi = 1 << 20, .must = "must be an integer >= 0",
      .def = "0", .recipe = "quoka", .help = "always keep the first N tokens"},
     {0}};
@@ -166,14 +164,13 @@ static int set_weights(void *ctx, const cli_opt *o, const char *arg, char *err, 
 
 const cli_opt cli_weights_rows[] = {
     {"weights", 0, OPT_FN, "W", 0, .set = set_weights, .must = "is auto, bf16 or fp32", .def = "auto",
-     .help = "the weights in memory: auto (bf16 for a bf16 checkpoint, else fp32), bf16 (the GEMMs widen "
-             "them to fp32) or fp32 (CPU backend)"},
+     .help = "the weights in memory: auto (as stored), bf16 or fp32"},
     {0}};
 
 const cli_opt cli_progress_rows[] = {
     {"progress-interval", 0, OPT_REAL, "S", OFF(cli_progress_opts, interval), .lo = 0, .hi = 1e6, .def = "10",
      .must = "must be a number of seconds, 0 or more",
-     .help = "off a terminal, at most one progress line every S seconds (0: every stage)"},
+     .help = "off a terminal, a progress line every S seconds at most"},
     {"quiet", 'q', OPT_FLAG, NULL, OFF(cli_progress_opts, quiet),
      .help = "no progress: only errors and the results"},
     {0}};

@@ -266,7 +266,7 @@ static void row_help(FILE *out, const cli_command *cmd, const cli_opt *o) {
             }
     if (*sep == ',' && at < (int)sizeof text)
         snprintf(text + at, sizeof text - (size_t)at, ")");
-    if (2 + strlen(f) > HELP_COL - 2)
+    if (2 + strlen(f) > HELP_COL - 1) /* at least one space before the text */
         fprintf(out, "%c %s\n%*s", mark, f, HELP_COL, "");
     else
         fprintf(out, "%c %-*s", mark, HELP_COL - 2, f);
