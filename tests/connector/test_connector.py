@@ -155,19 +155,22 @@ def test_several_requests_documented_outcomes(root, attn_metadata, hooks):
     assert answers["plain"] == {(0, False)}
     assert answers["good1"] == {(40, False)} and answers["good2"] == {(23, False)}
     assert answers["retried"] == {(40, False)} and sum(a[0] == "retried" for a in asked) == 3
-    assert answers["short"] == {(20, False)}  # the placeholder run is claimed, then fails
-    assert answers["only"] == {(22, False)}
-    assert answers["missing"] == answers["other"] == {(32, False)}
+    assert answers["short"] == {(20, True)}  # the placeholder run is claimed (async: never shared), then fails
+    assert answers["only"] == {(22, True)}
+    assert answers["missing"] == answers["other"] == {(32, True)}
     assert torch.equal(loaded(eng, reqs["retried"], 40), expect(good1))
     eng.shutdown()
 
 
 def test_on_invalid_ignore_claims_nothing(root):
+    """"ignore" claims nothing for a request it cannot serve, except under kvfold's own salt."""
     path = cache(root, "x.kvf", 32, 21)
     eng = Engine(MODEL, {"cache_root": root, "on_invalid": "ignore"})
     r, _ = request("r", path, [1], root)
     os.remove(path)
-    assert eng.scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert eng.scheduler.get_num_new_matched_tokens(r, 0) == (32, True)
+    plain = Request("plain", r.prompt_token_ids, r.kv_transfer_params, "another salt")
+    assert eng.scheduler.get_num_new_matched_tokens(plain, 0) == (0, False)
 
 
 def test_idempotent_and_metadata_once(root):
@@ -353,7 +356,7 @@ def test_refusals(root):
     eng = Engine(MODEL, {"cache_root": root})
     r, _ = request("r", path, [1], root)
     r.kv_transfer_params["kvfold"]["cache"] = "../../etc/passwd"
-    assert eng.scheduler.get_num_new_matched_tokens(r, 0) == (16, False)  # claimed to fail it
+    assert eng.scheduler.get_num_new_matched_tokens(r, 0) == (16, True)  # claimed (asynchronously) to fail it
     assert "outside cache_root" in eng.scheduler._decisions["r"].reason
 
 
@@ -367,8 +370,8 @@ def test_refuses_to_start_unless_failure_policy_is_fail(root, policy):
 
 def test_prefix_hit_path_fails_an_unservable_request(root):
     """A request whose claim the local prefix-cache hit already covers still fails when its cache
-    cannot be served: one more token is claimed and its block reported; with no token left, the
-    last hit block is reported. A good request sharing those blocks is unaffected in the first case."""
+    cannot be served: one more token is claimed (asynchronously, so its block stays private) and
+    reported, also when it is the prompt's last token; the hit blocks stay cached."""
     path = cache(root, "ph.kvf", 32, 91)
     eng = Engine(MODEL, {"cache_root": root}, prefix_caching=True, num_blocks=64)
     a, _ = request("a", path, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], root)
@@ -382,13 +385,14 @@ def test_prefix_hit_path_fails_an_unservable_request(root):
     spec = eng.metas[-1].loads[0]
     assert spec.reason and (spec.t0, spec.t1) == (48, 49)  # hit 3 blocks (48 tokens) > C = 32: one token more
     assert eng.finished["b"].status == "FINISHED_ERROR"
-    # the whole prompt but its last token hit: the last hit block is reported instead
+    # the whole prompt but its last token hit: that token is claimed
     c = Request("c", a.prompt_token_ids[:49], a.kv_transfer_params, a.cache_salt, max_tokens=1)
     eng.add_request(c)
     eng.step()
     spec = eng.metas[-1].loads[0]
-    assert spec.reason and (spec.t0, spec.t1) == (47, 48)
+    assert spec.reason and spec.asynchronous and (spec.t0, spec.t1) == (48, 49)
     assert eng.finished["c"].status == "FINISHED_ERROR"
+    assert eng.cached_blocks(c, 3) == 3
 
 
 def test_malformed_params_fail_the_request(root):
@@ -618,20 +622,27 @@ def test_stub_follows_vllm(root):
     assert eng.steps[-1]["scheduled"] == {"a": 1, "b": 20} and calls == [("a", 32), ("b", 0)]
 
 
-def test_recompute_policy_would_poison_the_prefix_cache(root, monkeypatch):
-    """Why the connector refuses "recompute": with the check bypassed, a failed load is computed
-    from the placeholder ids, the request finishes normally, and its placeholder blocks stay in the
-    prefix cache where a later request with the same ids would hit them."""
+def test_claiming_nothing_would_poison_the_prefix_cache(root, monkeypatch):
+    """Why a failing request under kvfold's salt never gets "nothing here" (on_invalid "ignore"
+    applies to other salts only): with that rule bypassed, the request is computed from the
+    placeholder ids, its blocks enter the prefix cache under the cache's hashes, and a well-formed
+    request after it hits them and attends to placeholder K/V. (Under kv_load_failure_policy
+    "recompute" vLLM would do the same to a failed load: the connector refuses to start then.)"""
     import kvfold.connector as kc
-    monkeypatch.setattr(kc, "check_failure_policy", lambda cfg: None)
+    monkeypatch.setattr(kc, "_in_kvfold_namespace", lambda request: False)
     path = cache(root, "rc.kvf", 32, 101)
-    eng = Engine(MODEL, {"cache_root": root}, policy="recompute", prefix_caching=True)
-    r, _ = request("r", path, [1, 2], root)
-    os.remove(path)
+    eng = Engine(MODEL, {"cache_root": root, "on_invalid": "ignore"}, prefix_caching=True)
+    r, p = request("r", path, [1, 2], root)
+    r.kv_transfer_params = {"kvfold": dict(p.kv_transfer_params["kvfold"], cache="missing.kvf")}
     eng.add_request(r)
     eng.run()
-    assert eng.finished["r"].status == "FINISHED_LENGTH" and "r" in eng.recomputed
+    assert eng.finished["r"].status == "FINISHED_LENGTH"
     assert eng.cached_blocks(r, 2) == 2  # both placeholder blocks are reusable
+    g, _ = request("g", path, [3], root)
+    eng.add_request(g)
+    eng.run()
+    assert eng.finished["g"].status == "FINISHED_LENGTH"
+    assert not torch.equal(loaded(eng, g, 32), expect(path))  # served the placeholders' K/V
 
 
 def test_pipelined_cold_load(root):
