@@ -4,8 +4,9 @@ the same bytes measured in the same run.
 
   cold  a retention-pool miss as the connector does it for host tensors: open the kvf file once,
         and read each layer's chunks (Fletcher32, values and digests checked), copying the layer
-        into the blocks and into a reused staging buffer while it is in cache (one pass; the file
-        is in the OS page cache: it was just written); also the connector's path for device
+        into the blocks and into a reused staging buffer while it is in cache (one pass; a helper
+        thread reads the next layer meanwhile; the file is in the OS page cache: it was just
+        written); the same on one thread; also the connector's path for device
         tensors (--parts layer ranges read by a helper thread, each copied into the blocks while
         the next is read), the same without the overlap, and into a fresh buffer per load (how
         cold loads worked first)
@@ -97,7 +98,7 @@ def main():
         copy_to_blocks(data, "bfloat16", L, C, H, D, caches[l0:l1], a.layout, ids, bs, 0, C,
                        destinations=dests[l0:l1], layers=range(l0, l1))
 
-    def load(evict, parts=None):  # what the connector does; parts: the device tensors' pipelined path
+    def load(evict, parts=None, overlap=True):  # what the connector does; parts: the device tensors' path
         if evict:
             pool.evict()
         copied = []
@@ -105,7 +106,7 @@ def main():
         def cold(buf):
             copied.append(1)
             if parts is None:
-                return one_pass_load(path, "bfloat16", buf, dests, a.layout, ids, bs, 0, C), buf
+                return one_pass_load(path, "bfloat16", buf, dests, a.layout, ids, bs, 0, C, overlap=overlap), buf
             return pipelined_load(path, "bfloat16", buf, L, lambda h, l0, l1: copy_layers(buf, l0, l1), parts=parts)
         e, _ = pool.get(path, "bfloat16", cold, nbytes)
         if not copied:
@@ -121,6 +122,7 @@ def main():
     t_fresh = median_time(load_fresh, a.repeat)
     load(True)  # the first load creates the staging buffer; the timed ones reuse it
     t_cold = median_time(lambda: load(True), a.repeat)
+    t_one = median_time(lambda: load(True, overlap=False), a.repeat)
     t_pipe = median_time(lambda: load(True, a.parts), a.repeat)
     t_serial = median_time(lambda: load(True, 1), a.repeat)
     load(False)
@@ -159,7 +161,8 @@ def main():
     print(f"kvfold connector load: {L} layers x {C} tokens x {H} kv heads x {D}, bf16, {gb * 1e3:.0f} MB, "
           f"layout {a.layout}, blocks of {bs}, median of {a.repeat}, torch threads {torch.get_num_threads()}")
     print(f"{'path':<34}{'time ms':>10}{'GB/s':>9}{'vs copy_':>10}{'vs scatter':>12}")
-    for name, t in (("cold: kvf file -> blocks", t_cold), (f"cold, {a.parts} ranges read, then copied", t_pipe),
+    for name, t in (("cold: kvf file -> blocks", t_cold), ("cold, one thread (no read-ahead)", t_one),
+                    (f"cold, {a.parts} ranges read, then copied", t_pipe),
                     ("cold, read all then copy", t_serial),
                     ("cold, fresh buffer per load", t_fresh), ("warm: retention pool -> blocks", t_warm),
                     ("plain read + copy_ (baseline)", t_plain), ("torch copy_ (contiguous)", t_copy),
@@ -169,6 +172,7 @@ def main():
     print(f"cold with a fresh buffer per load vs plain read+copy: {t_plain / t_fresh:.2f}")
     print(f"cold reading all layers before copying vs plain read+copy: {t_plain / t_serial:.2f}")
     print(f"cold in {a.parts} pipelined layer ranges (device tensors' path) vs plain read+copy: {t_plain / t_pipe:.2f}")
+    print(f"cold on one thread (no read-ahead) vs plain read+copy: {t_plain / t_one:.2f}")
     print(f"cold vs plain read+copy: {t_plain / t_cold:.2f}")
     os.remove(path)
     os.rmdir(tmp)

@@ -53,10 +53,13 @@ def pipelined_load(path: str, dtype: str, buf: Any, n_layers: int,
 def one_pass_load(path: str, dtype: str, buf: Any, destinations: List[Any], layout: str, block_ids: List[int],
                   block_size: int, t0: int, t1: int, *, model_fingerprint: Optional[str] = None, n_layers: int = -1,
                   kv_heads: int = -1, head_dim: int = -1, heads: Tuple[int, int] = (0, -1),
-                  payload_digest: Optional[str] = None, cp: Tuple[int, int, int] = (1, 0, 1)) -> Dict[str, Any]:
+                  payload_digest: Optional[str] = None, cp: Tuple[int, int, int] = (1, 0, 1),
+                  overlap: bool = True) -> Dict[str, Any]:
     """Decode path into buf ([2, n_layers, C, kv_heads, head_dim] in dtype, as load() gives; only
     heads `heads` are written) and tokens [t0, t1) into the host tensors described by destinations
     (blocks.host_destination of each, holding those heads), a layer at a time; the header.
-    payload_digest: the file must still be the one scheduled."""
+    payload_digest: the file must still be the one scheduled. overlap: a helper thread reads the
+    next layer while this one is copied (False: the same on one thread)."""
     return _kvfold.load_blocks(path, dtype, buf, destinations, layout, list(block_ids), block_size, t0, t1,
-                               model_fingerprint, n_layers, kv_heads, head_dim, tuple(heads), payload_digest, *cp)
+                               model_fingerprint, n_layers, kv_heads, head_dim, tuple(heads), payload_digest, *cp,
+                               overlap)

@@ -749,10 +749,12 @@ def test_head_major_decode_copies_the_same_blocks(root, use_torch):
 
 @pytest.mark.parametrize("layout,order", PROFILE_LAYOUTS)
 @pytest.mark.parametrize("file_dtype,cache_dtype", [("bfloat16", torch.bfloat16), ("float32", torch.float16)])
-def test_one_pass_load_writes_what_load_then_copy_writes(root, layout, order, file_dtype, cache_dtype):
-    """load_blocks (a cold load in one pass) fills the buffer as load() does and the blocks as
-    copy_to_blocks from it does, for a head range, tokens [t0, t1), every layout; a
-    payload digest other than the file's, or a damaged last layer, is refused."""
+@pytest.mark.parametrize("overlap", [True, False])
+def test_one_pass_load_writes_what_load_then_copy_writes(root, layout, order, file_dtype, cache_dtype, overlap):
+    """load_blocks (a cold load in one pass, with the next layer read ahead on a helper thread or
+    not) fills the buffer as load() does and the blocks as copy_to_blocks from it does, for a head
+    range, tokens [t0, t1), every layout; a payload digest other than the file's, or a damaged
+    layer (read ahead while the one before is copied), is refused."""
     from harness import make_cache
     from kvfold.blocks import copy_to_blocks, host_destination
     from kvfold.loader import one_pass_load
@@ -770,7 +772,7 @@ def test_one_pass_load_writes_what_load_then_copy_writes(root, layout, order, fi
     dests = [host_destination(t, i) for i, t in enumerate(got)]
     payload = _kvfold.read_header(path)["payload_digest"]
     h = one_pass_load(path, dt, buf, dests, layout, ids, bs, t0, t1, n_layers=L, kv_heads=H, head_dim=D,
-                      heads=(h0, h1), payload_digest=payload)
+                      heads=(h0, h1), payload_digest=payload, overlap=overlap)
     assert h["payload_digest"] == payload and bytes(buf) == bytes(ref)
     for a, b in zip(got, want):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))  # NaN fill outside [t0, t1) too
@@ -778,4 +780,7 @@ def test_one_pass_load_writes_what_load_then_copy_writes(root, layout, order, fi
         one_pass_load(path, dt, buf, dests, layout, ids, bs, t0, t1, payload_digest="0" * 32)
     damage_chunk(path, "values", (L - 1, 0, h1 - 1, 0))
     with pytest.raises(_kvfold.KvfError, match="checksum mismatch in values, layer 2 head 2"):
-        one_pass_load(path, dt, buf, dests, layout, ids, bs, t0, t1, heads=(h0, h1))
+        one_pass_load(path, dt, buf, dests, layout, ids, bs, t0, t1, heads=(h0, h1), overlap=overlap)
+    damage_chunk(path, "keys", (1, 0, h0, 0))  # the earlier damage is found first
+    with pytest.raises(_kvfold.KvfError, match="checksum mismatch in keys, layer 1 head 1"):
+        one_pass_load(path, dt, buf, dests, layout, ids, bs, t0, t1, heads=(h0, h1), overlap=overlap)
