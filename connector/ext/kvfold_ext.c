@@ -507,6 +507,37 @@ typedef struct {
     kvb_copy_args a;        /* the copy of one tensor from the scratch */
 } one_pass;
 
+/* The one-pass scratches, kept between loads so that a load writes into pages already mapped
+ * (a fresh malloc of this size is a fresh mmap: every page faulted in again). One set is kept;
+ * a load that finds it taken, or too small, allocates its own. */
+static pthread_mutex_t g_scratch_lock = PTHREAD_MUTEX_INITIALIZER;
+static unsigned char *g_scratch;
+static size_t g_scratch_bytes;
+
+static unsigned char *scratch_take(size_t n) {
+    unsigned char *s = NULL;
+    pthread_mutex_lock(&g_scratch_lock);
+    if (g_scratch && g_scratch_bytes >= n) {
+        s = g_scratch;
+        g_scratch = NULL;
+    }
+    pthread_mutex_unlock(&g_scratch_lock);
+    return s ? s : malloc(n);
+}
+
+static void scratch_give(unsigned char *s, size_t n) {
+    if (!s)
+        return;
+    pthread_mutex_lock(&g_scratch_lock);
+    if (!g_scratch && n <= ((size_t)1 << 30)) { /* keep it (up to 1 GiB) */
+        g_scratch = s;
+        g_scratch_bytes = n;
+        s = NULL;
+    }
+    pthread_mutex_unlock(&g_scratch_lock);
+    free(s);
+}
+
 /* Reads and checks heads [h0, h1) of layer l into scratch ([2, kv_heads, C, head_dim], head-major). */
 static kf_status read_layer(kvf_file *f, const one_pass *p, int l, unsigned char *scratch, kf_error *err) {
     const size_t side = (size_t)p->h->kv_heads * (size_t)p->h->n_tokens * (size_t)p->h->head_dim; /* elements */
@@ -612,6 +643,7 @@ static PyObject *py_load_blocks(PyObject *self, PyObject *args, PyObject *kw) {
     PyObject *res = NULL;
     kf_error err = {0};
     kf_status st = KF_OK;
+    size_t scratch_bytes = 0; /* one layer's; p.scratch holds two */
     if (parse_dtype(dtname, &p.dtype) < 0 || parse_layout(lay, &p.a.layout) < 0 || targets_parse(dst, ids, &tg) < 0 ||
         PyObject_GetBuffer(out_obj, &ov, PyBUF_WRITABLE) < 0)
         goto out;
@@ -637,11 +669,13 @@ static PyObject *py_load_blocks(PyObject *self, PyObject *args, PyObject *kw) {
         goto out;
     }
     const size_t side = (size_t)p.h->kv_heads * (size_t)p.h->n_tokens * (size_t)p.h->head_dim;
-    if (!(p.scratch = malloc(2 * side * kvf_dtype_size(p.h->dtype))) ||
-        (overlap && p.h->n_layers > 1 && !(p.scratch2 = malloc(2 * side * kvf_dtype_size(p.h->dtype))))) {
+    scratch_bytes = 2 * side * kvf_dtype_size(p.h->dtype);
+    if (!(p.scratch = scratch_take(2 * scratch_bytes))) { /* two layers: the second one read ahead */
         PyErr_NoMemory();
         goto out;
     }
+    if (overlap && p.h->n_layers > 1)
+        p.scratch2 = p.scratch + scratch_bytes;
     p.out = ov.buf;
     p.h0 = h0;
     p.h1 = h1;
@@ -664,8 +698,7 @@ static PyObject *py_load_blocks(PyObject *self, PyObject *args, PyObject *kw) {
     else
         res = header_dict(p.h);
 out:
-    free(p.scratch);
-    free(p.scratch2);
+    scratch_give(p.scratch, 2 * scratch_bytes);
     kvf_close(f);
     PyBuffer_Release(&ov);
     targets_free(&tg);

@@ -784,3 +784,39 @@ def test_one_pass_load_writes_what_load_then_copy_writes(root, layout, order, fi
     damage_chunk(path, "keys", (1, 0, h0, 0))  # the earlier damage is found first
     with pytest.raises(_kvfold.KvfError, match="checksum mismatch in keys, layer 1 head 1"):
         one_pass_load(path, dt, buf, dests, layout, ids, bs, t0, t1, heads=(h0, h1), overlap=overlap)
+
+
+def test_one_pass_loads_on_threads_at_once(root):
+    """Loads of files of different shapes on several threads at once (the scratches are kept
+    between loads, one set shared): each writes exactly what load() gives."""
+    import threading
+    from kvfold.blocks import host_destination
+    from kvfold.loader import one_pass_load
+    from harness import make_cache
+    shapes = [(3, 4, 45), (2, 2, 130), (4, 4, 16), (3, 2, 64)]  # layers, kv heads, C
+    paths = []
+    for i, (L, H, C) in enumerate(shapes):
+        paths.append(os.path.join(root, FP, f"t{i}.kvf"))
+        write_cache(paths[-1], L, H, D_, C, 300 + i)
+    errors = []
+
+    def run(i):
+        L, H, C = shapes[i]
+        try:
+            for _ in range(20):
+                ref = bytearray(2 * L * H * C * D_ * 2)
+                _kvfold.load(paths[i], "bfloat16", out=ref)
+                buf = bytearray(len(ref))
+                ids = list(range(-(-C // 16)))
+                caches = [make_cache("blocks_first", len(ids), 16, H, D_, torch.bfloat16, "nhd") for _ in range(L)]
+                dests = [host_destination(t, l) for l, t in enumerate(caches)]
+                one_pass_load(paths[i], "bfloat16", buf, dests, "blocks_first", ids, 16, 0, C)
+                assert bytes(buf) == bytes(ref), paths[i]
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(shapes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
