@@ -34,8 +34,8 @@ stopped writing (vLLM keeps the blocks of a WAITING_FOR_REMOTE_KVS request until
 that ends mid-block loads synchronously even in async mode: older vLLM marks every allocated
 block computed when an async load finishes, which would skip the question tokens in that block.
 A cold load into host tensors runs in one pass (kvfold.loader.one_pass_load): layer by layer,
-the chunks are read and checked, and the layer copied into the blocks while still in cache, the
-next layer read meanwhile on a helper thread.
+the chunks are read and checked, and the layer copied into the blocks while still in cache (the
+next layer read meanwhile on a helper thread when a core is idle).
 Decoded caches stay in a host retention pool (kvfold.pool). Layers that share another layer's KV tensor are written once, as that layer; layers beyond
 the model's (EAGLE/MTP draft layers) get zeros in the loaded slots. Context parallelism (decode and
 prefill CP) spreads each scheduler block over the CP ranks as vLLM's block table does; each rank

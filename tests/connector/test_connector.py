@@ -820,3 +820,18 @@ def test_one_pass_loads_on_threads_at_once(root):
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def test_read_ahead_only_with_a_spare_core(monkeypatch):
+    """one_pass_load reads ahead on a helper thread only when the load average leaves a core idle."""
+    import kvfold.loader as ld
+    seen = []
+    monkeypatch.setattr(ld, "_kvfold", type("X", (), {"load_blocks": staticmethod(lambda *a: seen.append(a[-1]))}))
+    monkeypatch.setattr(ld.os, "cpu_count", lambda: 2)
+    for load, want in ((0.2, True), (1.0, True), (1.5, False), (12.0, False)):
+        monkeypatch.setattr(ld.os, "getloadavg", lambda load=load: (load, load, load))
+        assert ld.spare_core() is want
+        ld.one_pass_load("f.kvf", "bfloat16", None, [], "blocks_first", [], 16, 0, 0)
+        assert seen.pop() is want
+    ld.one_pass_load("f.kvf", "bfloat16", None, [], "blocks_first", [], 16, 0, 0, overlap=True)
+    assert seen.pop() is True
