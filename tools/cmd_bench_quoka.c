@@ -357,6 +357,137 @@ static int run_prefill(kf_model *m, const prompt *p, int chunk, const kf_quoka_p
     return st == KF_OK ? 0 : -1;
 }
 
+enum { N_VAR = 3 }; /* plain QUOKA, with sinks, with the repeat's window aligned */
+
+/* One QUOKA sweep's buffers and sums. */
+typedef struct {
+    const int32_t *chunks, *budgets;
+    int n_chunks, n_budgets, V;
+    long long nq, sinks, margin;
+    float *dense, *test; /* [max_n, V] logits */
+    double *lp, *lq;     /* [V] log-probabilities */
+    int32_t *rows;       /* [max_n] 0..max_n-1 */
+    double *acc;         /* [chunk, budget, variant, 4] sums over documents */
+    double dense_acc;
+    int n_dense_acc;
+} quoka_sweep;
+
+static int sweep_alloc(quoka_sweep *w, int max_n) {
+    const size_t n_cells = (size_t)w->n_chunks * w->n_budgets * N_VAR;
+    w->dense = malloc(sizeof(float) * (size_t)max_n * w->V);
+    w->test = malloc(sizeof(float) * (size_t)max_n * w->V);
+    w->lp = malloc(sizeof(double) * (size_t)w->V);
+    w->lq = malloc(sizeof(double) * (size_t)w->V);
+    w->rows = malloc(sizeof(int32_t) * (size_t)max_n);
+    w->acc = calloc(n_cells * 4, sizeof(double));
+    if (!w->dense || !w->test || !w->lp || !w->lq || !w->rows || !w->acc)
+        return -1;
+    for (int i = 0; i < max_n; i++)
+        w->rows[i] = i;
+    return 0;
+}
+
+static void sweep_free(quoka_sweep *w) {
+    free(w->dense), free(w->test), free(w->lp), free(w->lq), free(w->rows), free(w->acc);
+}
+
+/* QUOKA's settings for variant v at one budget on prompt p. */
+static kf_quoka_params variant_params(const quoka_sweep *w, int v, int budget, const prompt *p) {
+    kf_quoka_params qp = kf_quoka_params_default();
+    qp.n_q = (int)w->nq;
+    qp.budget = budget;
+    if (v == 1)
+        qp.n_sink = (int)w->sinks;
+    if (v == 2) {
+        qp.align_start = p->nd + p->ni;
+        qp.align_shift = p->nd + p->ni;
+        qp.align_margin = (int)w->margin;
+    }
+    return qp;
+}
+
+/* Every (chunk, budget, variant) on one prompt, added to w->acc; 0, or -1 with err. */
+static int sweep_prompt(kf_model *m, const prompt *p, quoka_sweep *w, kf_error *err) {
+    for (int ci = 0; ci < w->n_chunks; ci++) {
+        if (run_prefill(m, p, w->chunks[ci], NULL, w->rows, w->dense, err) != 0)
+            return -1;
+        w->dense_acc += compare(w->dense, w->dense, p->ids, p->n, p->nd, p->ni, w->V, w->lp, w->lq).acc;
+        w->n_dense_acc++;
+        for (int bi = 0; bi < w->n_budgets; bi++)
+            for (int v = 0; v < N_VAR; v++) {
+                const kf_quoka_params qp = variant_params(w, v, w->budgets[bi], p);
+                if (run_prefill(m, p, w->chunks[ci], &qp, w->rows, w->test, err) != 0)
+                    return -1;
+                const metrics r = compare(w->dense, w->test, p->ids, p->n, p->nd, p->ni, w->V, w->lp, w->lq);
+                double *cell = w->acc + (((size_t)ci * w->n_budgets + bi) * N_VAR + v) * 4;
+                cell[0] += r.kl_doc;
+                cell[1] += r.kl_copy;
+                cell[2] += r.agree;
+                cell[3] += r.acc;
+            }
+    }
+    return 0;
+}
+
+static void sweep_print(const quoka_sweep *w, int n_ps) {
+    static const char *var_name[N_VAR] = {"plain", "sinks", "window"};
+    printf("dense copy accuracy %.3f\n", w->dense_acc / w->n_dense_acc);
+    printf("%6s %7s %8s %8s %8s %7s %9s\n", "chunk", "budget", "variant", "kl_doc", "kl_copy", "agree", "copy_acc");
+    for (int ci = 0; ci < w->n_chunks; ci++)
+        for (int bi = 0; bi < w->n_budgets; bi++)
+            for (int v = 0; v < N_VAR; v++) {
+                const double *cell = w->acc + (((size_t)ci * w->n_budgets + bi) * N_VAR + v) * 4;
+                printf("%6d %7d %8s %8.3f %8.3f %7.3f %9.3f\n", w->chunks[ci], w->budgets[bi], var_name[v],
+                       cell[0] / n_ps, cell[1] / n_ps, cell[2] / n_ps, cell[3] / n_ps);
+            }
+}
+
+/* The prompts, the model and the sweep; the exit status. */
+static int quoka_run(const char *cmd, const quoka_opts *o, const int32_t *lines, int n_lines, quoka_sweep *w) {
+    prompt *ps = NULL;
+    int n_ps = 0, rc = KF_EXIT_FAIL;
+    kf_backend *b = NULL;
+    kf_model *m = NULL;
+    kf_error err = {0};
+    if (load_prompts(cmd, o->docs, lines, n_lines, (int)o->max_docs, &ps, &n_ps) != 0)
+        goto out;
+    if (n_ps == 0) {
+        cli_error(cmd, "no document in %s has a line count in {%s}", o->docs, o->lines_text);
+        goto out;
+    }
+    if (!(m = cli_load_model(cmd, o->dir, &b)))
+        goto out;
+    w->V = kf_model_config(m)->vocab_size;
+    int max_n = 0;
+    for (int i = 0; i < n_ps; i++)
+        max_n = ps[i].n > max_n ? ps[i].n : max_n;
+    if (sweep_alloc(w, max_n) != 0) {
+        cli_error(cmd, "out of memory");
+        goto out;
+    }
+    printf("QUOKA vs dense prefill on %d repeat prompt(s) of %s (N_Q %lld):\n", n_ps, KF_ESC(o->docs), w->nq);
+    for (int d = 0; d < n_ps; d++) {
+        const prompt *p = &ps[d];
+        fprintf(stderr, "  %s: %d tokens (document %d, instruction %d)\n", p->id, p->n, p->nd, p->ni);
+        if (sweep_prompt(m, p, w, &err) != 0) {
+            cli_error(cmd, "%s", err.msg);
+            goto out;
+        }
+    }
+    sweep_print(w, n_ps);
+    rc = KF_EXIT_OK;
+out:
+    for (int i = 0; i < n_ps; i++)
+        free(ps[i].ids);
+    free(ps);
+    sweep_free(w);
+    if (m)
+        kf_model_free(m);
+    if (b)
+        b->destroy(b);
+    return rc;
+}
+
 int cmd_bench_quoka(int argc, char **argv) {
     const char *cmd = "bench quoka";
     quoka_opts o = {.lines_text = "128,256", .chunks_text = "128,512", .budgets_text = "128,256,512,1024",
@@ -367,120 +498,21 @@ int cmd_bench_quoka(int argc, char **argv) {
         return prc;
     if (!o.dir || !o.docs || first != argc)
         return cli_usage_error(cmd, "--model and --docs are required");
-    const char *dir = o.dir, *docs = o.docs, *lines_text = o.lines_text, *chunks_text = o.chunks_text,
-               *budgets_text = o.budgets_text;
-    const long long max_docs = o.max_docs, nq = o.nq, sinks = o.sinks, margin = o.margin;
     int32_t *lines = NULL, *chunks = NULL, *budgets = NULL;
     int n_lines = 0, n_chunks = 0, n_budgets = 0;
     char msg[128];
-    if (cli_parse_ids(lines_text, &lines, &n_lines, msg, sizeof msg) ||
-        cli_parse_ids(chunks_text, &chunks, &n_chunks, msg, sizeof msg) ||
-        cli_parse_ids(budgets_text, &budgets, &n_budgets, msg, sizeof msg)) {
+    if (cli_parse_ids(o.lines_text, &lines, &n_lines, msg, sizeof msg) ||
+        cli_parse_ids(o.chunks_text, &chunks, &n_chunks, msg, sizeof msg) ||
+        cli_parse_ids(o.budgets_text, &budgets, &n_budgets, msg, sizeof msg)) {
         free(lines);
         free(chunks);
         return cli_usage_error(cmd, "bad list: %s", msg);
     }
-    prompt *ps = NULL;
-    int n_ps = 0;
-    kf_backend *b = NULL;
-    kf_model *m = NULL;
-    int rc = KF_EXIT_FAIL;
-    float *dense = NULL, *test = NULL;
-    double *lp = NULL, *lq = NULL, *acc = NULL, dense_acc = 0;
-    int32_t *rows = NULL;
-    if (load_prompts(cmd, docs, lines, n_lines, (int)max_docs, &ps, &n_ps) != 0)
-        goto out;
-    if (n_ps == 0) {
-        cli_error(cmd, "no document in %s has a line count in {%s}", docs, lines_text);
-        goto out;
-    }
-    m = cli_load_model(cmd, dir, &b);
-    if (!m)
-        goto out;
-    const int V = kf_model_config(m)->vocab_size;
-    int max_n = 0;
-    for (int i = 0; i < n_ps; i++)
-        max_n = ps[i].n > max_n ? ps[i].n : max_n;
-    enum { N_VAR = 3 };
-    static const char *var_name[N_VAR] = {"plain", "sinks", "window"};
-    const size_t n_cells = (size_t)n_chunks * n_budgets * N_VAR;
-    dense = malloc(sizeof(float) * (size_t)max_n * V);
-    test = malloc(sizeof(float) * (size_t)max_n * V);
-    lp = malloc(sizeof(double) * (size_t)V);
-    lq = malloc(sizeof(double) * (size_t)V);
-    rows = malloc(sizeof(int32_t) * (size_t)max_n);
-    acc = calloc(n_cells * 4, sizeof(double)); /* [chunk, budget, variant, metric] sums over documents */
-    if (!dense || !test || !lp || !lq || !rows || !acc) {
-        cli_error(cmd, "out of memory");
-        goto out;
-    }
-    for (int i = 0; i < max_n; i++)
-        rows[i] = i;
-    printf("QUOKA vs dense prefill on %d repeat prompt(s) of %s (N_Q %lld):\n", n_ps, KF_ESC(docs), nq);
-    kf_error err = {0};
-    int n_dense_acc = 0;
-    for (int d = 0; d < n_ps; d++) {
-        const prompt *p = &ps[d];
-        fprintf(stderr, "  %s: %d tokens (document %d, instruction %d)\n", p->id, p->n, p->nd, p->ni);
-        for (int ci = 0; ci < n_chunks; ci++) {
-            if (run_prefill(m, p, chunks[ci], NULL, rows, dense, &err)) {
-                cli_error(cmd, "%s", err.msg);
-                goto out;
-            }
-            metrics self = compare(dense, dense, p->ids, p->n, p->nd, p->ni, V, lp, lq);
-            dense_acc += self.acc;
-            n_dense_acc++;
-            for (int bi = 0; bi < n_budgets; bi++)
-                for (int v = 0; v < N_VAR; v++) {
-                    kf_quoka_params qp = kf_quoka_params_default();
-                    qp.n_q = (int)nq;
-                    qp.budget = budgets[bi];
-                    if (v == 1)
-                        qp.n_sink = (int)sinks;
-                    if (v == 2) {
-                        qp.align_start = p->nd + p->ni;
-                        qp.align_shift = p->nd + p->ni;
-                        qp.align_margin = (int)margin;
-                    }
-                    if (run_prefill(m, p, chunks[ci], &qp, rows, test, &err)) {
-                        cli_error(cmd, "%s", err.msg);
-                        goto out;
-                    }
-                    metrics r = compare(dense, test, p->ids, p->n, p->nd, p->ni, V, lp, lq);
-                    double *cell = acc + (((size_t)ci * n_budgets + bi) * N_VAR + v) * 4;
-                    cell[0] += r.kl_doc;
-                    cell[1] += r.kl_copy;
-                    cell[2] += r.agree;
-                    cell[3] += r.acc;
-                }
-        }
-    }
-    printf("dense copy accuracy %.3f\n", dense_acc / n_dense_acc);
-    printf("%6s %7s %8s %8s %8s %7s %9s\n", "chunk", "budget", "variant", "kl_doc", "kl_copy", "agree", "copy_acc");
-    for (int ci = 0; ci < n_chunks; ci++)
-        for (int bi = 0; bi < n_budgets; bi++)
-            for (int v = 0; v < N_VAR; v++) {
-                const double *cell = acc + (((size_t)ci * n_budgets + bi) * N_VAR + v) * 4;
-                printf("%6d %7d %8s %8.3f %8.3f %7.3f %9.3f\n", chunks[ci], budgets[bi], var_name[v], cell[0] / n_ps,
-                       cell[1] / n_ps, cell[2] / n_ps, cell[3] / n_ps);
-            }
-    rc = KF_EXIT_OK;
-out:
-    for (int i = 0; i < n_ps; i++)
-        free(ps[i].ids);
-    free(ps);
-    free(dense);
-    free(test);
-    free(lp);
-    free(lq);
-    free(rows);
-    free(acc);
+    quoka_sweep w = {.chunks = chunks, .budgets = budgets, .n_chunks = n_chunks, .n_budgets = n_budgets,
+                     .nq = o.nq, .sinks = o.sinks, .margin = o.margin};
+    const int rc = quoka_run(cmd, &o, lines, n_lines, &w);
     free(lines);
     free(chunks);
     free(budgets);
-    if (m)
-        kf_model_free(m);
-    if (b)
-        b->destroy(b);
     return rc;
 }
