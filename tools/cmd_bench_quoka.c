@@ -65,6 +65,80 @@ static double median_time(double *t, int n) {
     return t[n / 2];
 }
 
+/* Times dense attention, QUOKA's attention and its selection on one history (run 0 warms up) and
+ * prints the row; the exit status. t: [3 * (repeat + 1)] scratch. */
+static int time_history(const char *cmd, kf_backend *b, const kf_quoka_params *qp, const kf_attn_args *at, int P,
+                        long long repeat, double *t) {
+    kf_quoka_ws ws;
+    kf_error err = {0};
+    if (kf_quoka_ws_init(&ws, b, qp, at->kv.kv_heads, at->n_keys, &err) != KF_OK) {
+        cli_error(cmd, "%s", err.msg);
+        return KF_EXIT_FAIL;
+    }
+    double *td = t, *tq = t + repeat + 1, *ts = t + 2 * (repeat + 1);
+    kf_quoka_select_args sel = {.q = at->q, .q_stride = at->q_stride, .n_q = at->n_q, .n_heads = at->n_heads,
+                                .n_hist = P, .pages = at->pages, .kv = at->kv, .n_keep = qp->n_q,
+                                .budget = kf_quoka_budget(qp, P), .n_sink = qp->n_sink, .out_idx = ws.idx,
+                                .idx_stride = ws.cap};
+    for (int r = 0; r <= repeat; r++) {
+        double t0 = cli_now();
+        b->attention(b, at);
+        td[r] = cli_now() - t0;
+        t0 = cli_now();
+        kf_quoka_attention(&ws, at);
+        tq[r] = cli_now() - t0;
+        t0 = cli_now();
+        b->quoka_select(b, &sel);
+        ts[r] = cli_now() - t0;
+    }
+    int rc = KF_EXIT_OK;
+    if (b->take_error(b)) {
+        cli_error(cmd, "the backend ran out of memory");
+        rc = KF_EXIT_FAIL;
+    } else {
+        const double d = median_time(td + 1, (int)repeat), s = median_time(tq + 1, (int)repeat),
+                     sl = median_time(ts + 1, (int)repeat);
+        printf("%10d %12.2f %12.2f %12.2f %9.2fx%s\n", P, d * 1e3, s * 1e3, sl * 1e3, d / s,
+               ws.n_sparse ? "" : "  (history fits the budget: dense)");
+        printf("ratio %d %.3f\n", P, d / s);
+        fflush(stdout);
+    }
+    kf_quoka_ws_free(&ws);
+    return rc;
+}
+
+/* One history of P keys plus a chunk of queries, random K/V and queries; the exit status. */
+static int bench_history(const char *cmd, kf_backend *b, const attn_opts *o, const kf_quoka_params *qp, int P,
+                         double *t) {
+    const long long chunk = o->chunk, nh = o->nh, kvh = o->kvh, hd = o->hd;
+    const int nk = P + (int)chunk, n_pages = (nk + KF_PAGE_TOKENS - 1) / KF_PAGE_TOKENS;
+    const size_t row = (size_t)kvh * hd, block = (size_t)KF_PAGE_TOKENS * row;
+    float *pool = malloc(sizeof(float) * (size_t)n_pages * 2 * block); /* [pages, K|V, 16, kvh, hd] */
+    float *q = malloc(sizeof(float) * (size_t)chunk * nh * hd);        /* [chunk, nh, hd] */
+    float *out = malloc(sizeof(float) * (size_t)chunk * nh * hd);      /* [chunk, nh, hd] */
+    int32_t *pages = malloc(sizeof(int32_t) * (size_t)n_pages);
+    int rc = KF_EXIT_FAIL;
+    if (!pool || !q || !out || !pages || !t) {
+        cli_error(cmd, "out of memory for a history of %d keys", P);
+    } else {
+        fill_uniform(pool, (size_t)n_pages * 2 * block, (unsigned long long)P);
+        fill_uniform(q, (size_t)chunk * nh * hd, 7);
+        for (int p = 0; p < n_pages; p++)
+            pages[p] = p;
+        const kf_attn_args at = {.q = q, .q_stride = (size_t)(nh * hd), .out = out, .out_stride = (size_t)(nh * hd),
+                                 .n_q = (int)chunk, .n_heads = (int)nh, .n_keys = nk, .pages = pages,
+                                 .kv = {.k = pool, .v = pool + block, .page_stride = 2 * block,
+                                        .kv_heads = (int)kvh, .head_dim = (int)hd},
+                                 .scale = 1.0f / sqrtf((float)hd)};
+        rc = time_history(cmd, b, qp, &at, P, o->repeat, t);
+    }
+    free(pool);
+    free(q);
+    free(out);
+    free(pages);
+    return rc;
+}
+
 int cmd_bench_attention(int argc, char **argv) {
     const char *cmd = "bench attention";
     attn_opts o = {.hist_text = "4096,16384,65536", .chunk = 512, .nh = 4, .kvh = 2, .hd = 64, .repeat = 3,
@@ -75,10 +149,8 @@ int cmd_bench_attention(int argc, char **argv) {
         return prc;
     if (first != argc)
         return cli_usage_error(cmd, "unexpected argument '%s'", argv[first]);
-    const char *hist_text = o.hist_text;
-    const long long chunk = o.chunk, nh = o.nh, kvh = o.kvh, hd = o.hd, repeat = o.repeat;
     kf_quoka_params qp = o.qp;
-    if (nh % kvh || hd > KF_MAX_HEAD_DIM)
+    if (o.nh % o.kvh || o.hd > KF_MAX_HEAD_DIM)
         return cli_usage_error(cmd, "--heads must be a multiple of --kv-heads and --head-dim at most %d",
                                KF_MAX_HEAD_DIM);
     qp.mode = KF_PREFILL_QUOKA;
@@ -88,9 +160,8 @@ int cmd_bench_attention(int argc, char **argv) {
     int32_t *hist;
     int n_hist;
     char msg[128];
-    if (cli_parse_ids(hist_text, &hist, &n_hist, msg, sizeof msg))
+    if (cli_parse_ids(o.hist_text, &hist, &n_hist, msg, sizeof msg))
         return cli_usage_error(cmd, "--history: %s", msg);
-
     kf_backend *b = kf_backend_cpu_create();
     if (!b) {
         free(hist);
@@ -98,72 +169,13 @@ int cmd_bench_attention(int argc, char **argv) {
         return KF_EXIT_FAIL;
     }
     char desc[160];
-    printf("chunk %lld queries, heads %lld/%lld, head_dim %lld, %s, median of %lld\n", chunk, nh, kvh, hd,
-           kf_quoka_describe(&qp, desc, sizeof desc), repeat);
+    printf("chunk %lld queries, heads %lld/%lld, head_dim %lld, %s, median of %lld\n", o.chunk, o.nh, o.kvh, o.hd,
+           kf_quoka_describe(&qp, desc, sizeof desc), o.repeat);
     printf("%10s %12s %12s %12s %10s\n", "history", "dense ms", "quoka ms", "select ms", "ratio");
     int rc = KF_EXIT_OK;
-    double *t = malloc(sizeof(double) * (size_t)(repeat + 1) * 3);
-    for (int hi = 0; hi < n_hist && rc == KF_EXIT_OK; hi++) {
-        const int P = hist[hi], nk = P + (int)chunk, n_pages = (nk + KF_PAGE_TOKENS - 1) / KF_PAGE_TOKENS;
-        const size_t row = (size_t)kvh * hd, block = (size_t)KF_PAGE_TOKENS * row;
-        float *pool = malloc(sizeof(float) * (size_t)n_pages * 2 * block);      /* [pages, K|V, 16, kvh, hd] */
-        float *q = malloc(sizeof(float) * (size_t)chunk * nh * hd);             /* [chunk, nh, hd] */
-        float *out = malloc(sizeof(float) * (size_t)chunk * nh * hd);           /* [chunk, nh, hd] */
-        int32_t *pages = malloc(sizeof(int32_t) * (size_t)n_pages);
-        if (!pool || !q || !out || !pages || !t) {
-            cli_error(cmd, "out of memory for a history of %d keys", P);
-            rc = KF_EXIT_FAIL;
-        } else {
-            fill_uniform(pool, (size_t)n_pages * 2 * block, (unsigned long long)P);
-            fill_uniform(q, (size_t)chunk * nh * hd, 7);
-            for (int p = 0; p < n_pages; p++)
-                pages[p] = p;
-            kf_attn_args at = {.q = q, .q_stride = (size_t)(nh * hd), .out = out, .out_stride = (size_t)(nh * hd),
-                               .n_q = (int)chunk, .n_heads = (int)nh, .n_keys = nk, .pages = pages,
-                               .kv = {.k = pool, .v = pool + block, .page_stride = 2 * block,
-                                      .kv_heads = (int)kvh, .head_dim = (int)hd},
-                               .scale = 1.0f / sqrtf((float)hd)};
-            kf_quoka_ws ws;
-            if (kf_quoka_ws_init(&ws, b, &qp, (int)kvh, nk, &err) != KF_OK) {
-                cli_error(cmd, "%s", err.msg);
-                rc = KF_EXIT_FAIL;
-            } else {
-                double *td = t, *tq = t + repeat + 1, *ts = t + 2 * (repeat + 1);
-                const int budget = kf_quoka_budget(&qp, P);
-                kf_quoka_select_args sel = {.q = q, .q_stride = at.q_stride, .n_q = at.n_q, .n_heads = at.n_heads,
-                                            .n_hist = P, .pages = pages, .kv = at.kv, .n_keep = qp.n_q,
-                                            .budget = budget, .n_sink = qp.n_sink, .out_idx = ws.idx,
-                                            .idx_stride = ws.cap};
-                for (int r = 0; r <= repeat; r++) { /* run 0 is the warm-up */
-                    double t0 = cli_now();
-                    b->attention(b, &at);
-                    td[r] = cli_now() - t0;
-                    t0 = cli_now();
-                    kf_quoka_attention(&ws, &at);
-                    tq[r] = cli_now() - t0;
-                    t0 = cli_now();
-                    b->quoka_select(b, &sel);
-                    ts[r] = cli_now() - t0;
-                }
-                if (b->take_error(b)) {
-                    cli_error(cmd, "the backend ran out of memory");
-                    rc = KF_EXIT_FAIL;
-                } else {
-                    const double d = median_time(td + 1, (int)repeat), s = median_time(tq + 1, (int)repeat),
-                                 sl = median_time(ts + 1, (int)repeat);
-                    printf("%10d %12.2f %12.2f %12.2f %9.2fx%s\n", P, d * 1e3, s * 1e3, sl * 1e3, d / s,
-                           ws.n_sparse ? "" : "  (history fits the budget: dense)");
-                    printf("ratio %d %.3f\n", P, d / s);
-                    fflush(stdout);
-                }
-                kf_quoka_ws_free(&ws);
-            }
-        }
-        free(pool);
-        free(q);
-        free(out);
-        free(pages);
-    }
+    double *t = malloc(sizeof(double) * (size_t)(o.repeat + 1) * 3);
+    for (int hi = 0; hi < n_hist && rc == KF_EXIT_OK; hi++)
+        rc = bench_history(cmd, b, &o, &qp, hist[hi], t);
     free(t);
     free(hist);
     b->destroy(b);
