@@ -140,23 +140,10 @@ static void bf16_scores(kf_cpu_quoka_scratch *s, const kf_quoka_select_args *a, 
     }
 }
 
-int kf_cpu_quoka_select(kf_cpu_quoka_scratch *s, const kf_quoka_select_args *a) {
-    const int hd = a->kv.head_dim, kvh = a->kv.kv_heads, nh = a->n_heads, nq = a->n_q, nt = a->n_hist;
-    if (nq <= 0 || nt <= 0 || a->budget < 1 || a->n_keep < 1 || kvh <= 0 || nh % kvh != 0 ||
-        (a->kv.dtype == KF_DTYPE_BF16 && hd > KF_MAX_HEAD_DIM))
-        return -1;
-    const int rep = nh / kvh;
-    /* a chunk no longer than N_Q keeps every query, in position order (Algorithm 1, step 1) */
-    const int n_keep = nq > a->n_keep ? a->n_keep : nq;
-    const size_t row = (size_t)kvh * hd;
-    if (kf_cpu_grow((void **)&s->mean, &s->mean_cap, (size_t)hd, sizeof(double)) ||
-        kf_cpu_grow((void **)&s->keys, &s->keys_cap, (size_t)(nq > nt ? nq : nt), sizeof(uint32_t)) ||
-        kf_cpu_grow((void **)&s->kept, &s->kept_cap, (size_t)nh * n_keep, sizeof(int32_t)) ||
-        kf_cpu_grow((void **)&s->qbar, &s->qbar_cap, (size_t)kvh * n_keep * hd, sizeof(float)) ||
-        kf_cpu_grow((void **)&s->score, &s->score_cap, (size_t)kvh * nt, sizeof(float)))
-        return -1;
-
-    /* steps 1-2: kept queries per head, normalized, averaged rank by rank over each group */
+/* Steps 1-2: each head's kept queries, normalized, averaged rank by rank over its group into
+ * s->qbar [kvh, n_keep, hd]; s->kept [nh, n_keep]. */
+static void mean_queries(kf_cpu_quoka_scratch *s, const kf_quoka_select_args *a, int n_keep) {
+    const int hd = a->kv.head_dim, kvh = a->kv.kv_heads, nh = a->n_heads, nq = a->n_q, rep = nh / kvh;
     memset(s->qbar, 0, sizeof(float) * (size_t)kvh * n_keep * hd);
     for (int h = 0; h < nh; h++) {
         int32_t *kept = s->kept + (size_t)h * n_keep;
@@ -176,61 +163,86 @@ int kf_cpu_quoka_select(kf_cpu_quoka_scratch *s, const kf_quoka_select_args *a) 
                 qb[(size_t)j * hd + d] += q[d] * w;
         }
     }
+}
 
-    /* step 3: cosine scores of every history key, max over the kept queries */
+/* Step 3 on an fp32 pool: cosine scores of every history key, max over the kept queries, into
+ * s->score [kvh, nt]. */
+static void f32_scores(kf_cpu_quoka_scratch *s, const kf_quoka_select_args *a, int n_keep) {
+    const int hd = a->kv.head_dim, kvh = a->kv.kv_heads, nt = a->n_hist;
+    const size_t row = (size_t)kvh * hd;
     const int n_pages = (nt + KF_PAGE_TOKENS - 1) / KF_PAGE_TOKENS;
-    if (a->kv.dtype == KF_DTYPE_BF16)
-        bf16_scores(s, a, n_keep);
-    else {
 #pragma omp parallel for schedule(static) if (nt > 2048)
-        for (int p = 0; p < n_pages; p++) {
-            const int ntok = (p + 1) * KF_PAGE_TOKENS <= nt ? KF_PAGE_TOKENS : nt - p * KF_PAGE_TOKENS;
-            const float *page = (const float *)a->kv.k + (size_t)a->pages[p] * a->kv.page_stride;
-            for (int slot = 0; slot < ntok; slot++) {
-                const int t = p * KF_PAGE_TOKENS + slot;
-                for (int g = 0; g < kvh; g++) {
-                    const float *k = page + (size_t)slot * row + (size_t)g * hd;
-                    s->score[(size_t)g * nt + t] = key_score(k, s->qbar + (size_t)g * n_keep * hd, n_keep, hd);
-                }
+    for (int p = 0; p < n_pages; p++) {
+        const int ntok = (p + 1) * KF_PAGE_TOKENS <= nt ? KF_PAGE_TOKENS : nt - p * KF_PAGE_TOKENS;
+        const float *page = (const float *)a->kv.k + (size_t)a->pages[p] * a->kv.page_stride;
+        for (int slot = 0; slot < ntok; slot++) {
+            const int t = p * KF_PAGE_TOKENS + slot;
+            for (int g = 0; g < kvh; g++) {
+                const float *k = page + (size_t)slot * row + (size_t)g * hd;
+                s->score[(size_t)g * nt + t] = key_score(k, s->qbar + (size_t)g * n_keep * hd, n_keep, hd);
             }
         }
     }
+}
+
+/* Step 4 for group g: the window [w_lo, w_hi) and the top budget of the other keys (sinks first),
+ * emitted in ascending order into out; the count. */
+static int select_group(kf_cpu_quoka_scratch *s, const kf_quoka_select_args *a, int g, int w_lo, int w_hi,
+                        int budget, int32_t *out) {
+    const int nt = a->n_hist, n_cand = nt - (w_hi - w_lo);
+    const float *sc = s->score + (size_t)g * nt;
+    int n = 0;
+    if (budget == n_cand) { /* everything fits: the whole history */
+        for (int t = 0; t < nt; t++)
+            out[n++] = t;
+        return n;
+    }
+    int c = 0; /* candidates are the keys outside the window, compacted in key order */
+    for (int t = 0; t < nt; t++) {
+        if (t >= w_lo && t < w_hi)
+            continue;
+        s->keys[c++] = t < a->n_sink ? UINT32_MAX : kf_cpu_order_key(sc[t]);
+    }
+    int take_eq = 0;
+    const uint32_t thr = budget > 0 ? kf_cpu_radix_select(s->keys, n_cand, budget, &take_eq) : UINT32_MAX;
+    c = 0;
+    for (int t = 0; t < nt; t++) {
+        if (t >= w_lo && t < w_hi) {
+            out[n++] = t;
+            continue;
+        }
+        const uint32_t k = s->keys[c++];
+        if (budget > 0 && (k > thr || (k == thr && take_eq-- > 0)))
+            out[n++] = t;
+    }
+    return n;
+}
+
+int kf_cpu_quoka_select(kf_cpu_quoka_scratch *s, const kf_quoka_select_args *a) {
+    const int hd = a->kv.head_dim, kvh = a->kv.kv_heads, nh = a->n_heads, nq = a->n_q, nt = a->n_hist;
+    if (nq <= 0 || nt <= 0 || a->budget < 1 || a->n_keep < 1 || kvh <= 0 || nh % kvh != 0 ||
+        (a->kv.dtype == KF_DTYPE_BF16 && hd > KF_MAX_HEAD_DIM))
+        return -1;
+    /* a chunk no longer than N_Q keeps every query, in position order (Algorithm 1, step 1) */
+    const int n_keep = nq > a->n_keep ? a->n_keep : nq;
+    if (kf_cpu_grow((void **)&s->mean, &s->mean_cap, (size_t)hd, sizeof(double)) ||
+        kf_cpu_grow((void **)&s->keys, &s->keys_cap, (size_t)(nq > nt ? nq : nt), sizeof(uint32_t)) ||
+        kf_cpu_grow((void **)&s->kept, &s->kept_cap, (size_t)nh * n_keep, sizeof(int32_t)) ||
+        kf_cpu_grow((void **)&s->qbar, &s->qbar_cap, (size_t)kvh * n_keep * hd, sizeof(float)) ||
+        kf_cpu_grow((void **)&s->score, &s->score_cap, (size_t)kvh * nt, sizeof(float)))
+        return -1;
+    mean_queries(s, a, n_keep);
+    if (a->kv.dtype == KF_DTYPE_BF16)
+        bf16_scores(s, a, n_keep);
+    else
+        f32_scores(s, a, n_keep);
     if (a->scores)
         memcpy(a->scores, s->score, sizeof(float) * (size_t)kvh * nt);
-
-    /* step 4: window + top-budget of the other keys, emitted in ascending order */
     const int w_lo = a->win_lo < 0 ? 0 : (a->win_lo > nt ? nt : a->win_lo);
     const int w_hi = a->win_hi > nt ? nt : (a->win_hi < w_lo ? w_lo : a->win_hi);
     const int n_cand = nt - (w_hi - w_lo);
     const int budget = a->budget < n_cand ? a->budget : n_cand;
-    for (int g = 0; g < kvh; g++) {
-        const float *sc = s->score + (size_t)g * nt;
-        int32_t *out = a->out_idx + (size_t)g * a->idx_stride;
-        int n = 0;
-        if (budget == n_cand) { /* everything fits: the whole history */
-            for (int t = 0; t < nt; t++)
-                out[n++] = t;
-            continue;
-        }
-        /* candidates are the keys outside the window, compacted in key order */
-        int c = 0;
-        for (int t = 0; t < nt; t++) {
-            if (t >= w_lo && t < w_hi)
-                continue;
-            s->keys[c++] = t < a->n_sink ? UINT32_MAX : kf_cpu_order_key(sc[t]);
-        }
-        int take_eq = 0;
-        const uint32_t thr = budget > 0 ? kf_cpu_radix_select(s->keys, n_cand, budget, &take_eq) : UINT32_MAX;
-        c = 0;
-        for (int t = 0; t < nt; t++) {
-            if (t >= w_lo && t < w_hi) {
-                out[n++] = t;
-                continue;
-            }
-            const uint32_t k = s->keys[c++];
-            if (budget > 0 && (k > thr || (k == thr && take_eq-- > 0)))
-                out[n++] = t;
-        }
-    }
+    for (int g = 0; g < kvh; g++)
+        select_group(s, a, g, w_lo, w_hi, budget, a->out_idx + (size_t)g * a->idx_stride);
     return 0;
 }
