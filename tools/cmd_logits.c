@@ -102,13 +102,8 @@ static void print_top(const float *logits, int V, const int *best, int top, int 
     }
 }
 
-int cmd_logits(int argc, char **argv) {
-    logits_opts o;
-    const int prc = logits_parse(argc, argv, &o);
-    if (prc != CLI_CONTINUE)
-        return prc;
-    const char *ids_text = o.ids_text;
-    int top = o.top;
+/* --ids as given, or read from stdin for "-"; 0, else the exit status (reported). */
+static int read_ids(const char *ids_text, int32_t **ids, int *n) {
     char *stdin_text = NULL;
     if (strcmp(ids_text, "-") == 0) {
         size_t len;
@@ -119,65 +114,72 @@ int cmd_logits(int argc, char **argv) {
         }
         ids_text = stdin_text;
     }
+    char msg[128];
+    const int bad = cli_parse_ids(ids_text, ids, n, msg, sizeof msg);
+    free(stdin_text);
+    return bad ? cli_usage_error(CMD, "--ids: %s", msg) : 0;
+}
+
+/* The forward pass over ids and the top next tokens after the last; the exit status. */
+static int run_logits(kf_model *m, const logits_opts *o, const int32_t *ids, int n) {
+    const int V = kf_model_config(m)->vocab_size, top = o->top > V ? V : o->top;
+    int rc = KF_EXIT_FAIL;
+    kf_arena arena;
+    kf_seq seq;
+    kf_seq_init(&seq);
+    kf_error err = {0};
+    float *logits = malloc(sizeof(float) * (size_t)V); /* [V] */
+    int32_t last = n - 1;
+    if (!logits) {
+        cli_error(CMD, "out of memory");
+        return KF_EXIT_FAIL;
+    }
+    if (kf_model_arena(m, &arena, n, &err) != KF_OK) {
+        cli_error(CMD, "%s", err.msg);
+        free(logits);
+        return KF_EXIT_FAIL;
+    }
+    kf_forward_args fa = {.ids = ids, .n_tokens = n, .chunk = o->chunk, .logit_rows = &last, .n_logit_rows = 1,
+                          .logits = logits, .quoka = cli_prefill_params(&o->prefill)};
+    int *best = NULL; /* [top] */
+    if (kf_model_forward(m, &arena, &seq, &fa, &err) != KF_OK)
+        cli_error(CMD, "%s", err.msg);
+    else if (!(best = malloc(sizeof(int) * (size_t)top)) || top_k(logits, V, top, best))
+        cli_error(CMD, "out of memory");
+    else {
+        print_top(logits, V, best, top, n, o->format == 1);
+        rc = KF_EXIT_OK;
+    }
+    free(best);
+    kf_seq_release(&arena, &seq);
+    kf_arena_free(&arena);
+    free(logits);
+    return rc;
+}
+
+int cmd_logits(int argc, char **argv) {
+    logits_opts o;
+    const int prc = logits_parse(argc, argv, &o);
+    if (prc != CLI_CONTINUE)
+        return prc;
     int32_t *ids;
     int n;
-    char msg[128];
-    int bad = cli_parse_ids(ids_text, &ids, &n, msg, sizeof msg);
-    free(stdin_text);
+    const int bad = read_ids(o.ids_text, &ids, &n);
     if (bad)
-        return cli_usage_error(CMD, "--ids: %s", msg);
-
+        return bad;
     kf_backend *b;
     kf_model *m = cli_load_model_on(CMD, o.model_dir, o.device, &b);
     if (!m) {
         free(ids);
         return KF_EXIT_FAIL;
     }
-    const int V = kf_model_config(m)->vocab_size, max_pos = kf_model_config(m)->max_position_embeddings;
-    if (max_pos > 0 && n > max_pos) { /* RoPE past the trained positions: outputs that mean nothing */
-        free(ids);
-        kf_model_free(m);
-        b->destroy(b);
-        return cli_usage_error(CMD, "--ids: %d tokens run past the model's %d positions (max_position_embeddings)",
-                               n, max_pos);
-    }
-    if (top > V)
-        top = V;
-    int rc = KF_EXIT_FAIL;
-    kf_arena arena;
-    kf_seq seq;
-    kf_seq_init(&seq);
-    kf_error err = {0};
-    float *logits = malloc(sizeof(float) * (size_t)V);
-    int32_t last = n - 1;
-    if (!logits) {
-        cli_error(CMD, "out of memory");
-        goto out_model;
-    }
-    if (kf_model_arena(m, &arena, n, &err) != KF_OK) {
-        cli_error(CMD, "%s", err.msg);
-        goto out_model;
-    }
-    kf_forward_args fa = {.ids = ids, .n_tokens = n, .chunk = o.chunk, .logit_rows = &last, .n_logit_rows = 1,
-                          .logits = logits, .quoka = cli_prefill_params(&o.prefill)};
-    if (kf_model_forward(m, &arena, &seq, &fa, &err) != KF_OK) {
-        cli_error(CMD, "%s", err.msg);
-        goto out_arena;
-    }
-    int *best = malloc(sizeof(int) * (size_t)top); /* [top] */
-    if (!best || top_k(logits, V, top, best)) {
-        free(best);
-        cli_error(CMD, "out of memory");
-        goto out_arena;
-    }
-    print_top(logits, V, best, top, n, o.format == 1);
-    free(best);
-    rc = KF_EXIT_OK;
-out_arena:
-    kf_seq_release(&arena, &seq);
-    kf_arena_free(&arena);
-out_model:
-    free(logits);
+    const int max_pos = kf_model_config(m)->max_position_embeddings;
+    int rc;
+    if (max_pos > 0 && n > max_pos) /* RoPE past the trained positions: outputs that mean nothing */
+        rc = cli_usage_error(CMD, "--ids: %d tokens run past the model's %d positions (max_position_embeddings)", n,
+                             max_pos);
+    else
+        rc = run_logits(m, &o, ids, n);
     free(ids);
     kf_model_free(m);
     b->destroy(b);
