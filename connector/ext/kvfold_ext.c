@@ -622,6 +622,37 @@ static int check_head_counts(const targets *tg, kvb_layout layout, int h0, int h
     return 0;
 }
 
+/* kvf_open, then the model's shape and fingerprint and, when given, the payload digest the request
+ * was scheduled with; without the GIL. */
+static kf_status open_checked(const char *path, const char *fp, int n_layers, int kv_heads, int head_dim,
+                              const char *payload, kvf_file **f, kf_error *err) {
+    KF_TRY(kvf_open(path, f, err));
+    KF_TRY(kvf_check_model(*f, fp, n_layers, kv_heads, head_dim, err));
+    if (payload && strcmp(kvf_file_header(*f)->payload_digest, payload) != 0)
+        return kf_fail(err, KF_ERR_MISMATCH, "%s: changed since the request was scheduled (payload %s, expected %s)",
+                       path, kvf_file_header(*f)->payload_digest, payload);
+    return KF_OK;
+}
+
+/* The copy's shape for one layer at a time: heads [h0, h1) of the file's p->h into tg's blocks;
+ * side: one layer's keys (or values) in elements. */
+static void one_pass_shape(one_pass *p, void *out, const targets *tg, int h0, int h1, size_t side) {
+    p->out = out;
+    p->h0 = h0;
+    p->h1 = h1;
+    p->tg = tg;
+    p->a.src_bytes = (int64_t)(2 * side * kf_dtype_size(p->h->dtype));
+    p->a.src_dtype = p->h->dtype;
+    p->a.n_layers = 1;
+    p->a.C = p->h->n_tokens;
+    p->a.src_heads = p->h->kv_heads;
+    p->a.head_dim = p->h->head_dim;
+    p->a.head_start = h0;
+    p->a.kv_heads = h1 - h0;
+    p->a.block_ids = tg->block_ids;
+    p->a.n_block_ids = tg->n_block_ids;
+}
+
 static PyObject *py_load_blocks(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
     static char *kwlist[] = {"path", "dtype", "out", "dst", "layout", "block_ids", "block_size", "t0", "t1",
@@ -649,12 +680,7 @@ static PyObject *py_load_blocks(PyObject *self, PyObject *args, PyObject *kw) {
         PyObject_GetBuffer(out_obj, &ov, PyBUF_WRITABLE) < 0)
         goto out;
     Py_BEGIN_ALLOW_THREADS
-    st = kvf_open(path, &f, &err);
-    if (st == KF_OK)
-        st = kvf_check_model(f, fp, n_layers, kv_heads, head_dim, &err);
-    if (st == KF_OK && payload && strcmp(kvf_file_header(f)->payload_digest, payload) != 0)
-        st = kf_fail(&err, KF_ERR_MISMATCH, "%s: changed since the request was scheduled (payload %s, expected %s)",
-                     path, kvf_file_header(f)->payload_digest, payload);
+    st = open_checked(path, fp, n_layers, kv_heads, head_dim, payload, &f, &err);
     Py_END_ALLOW_THREADS
     if (st != KF_OK) {
         raise_kf(&err, st);
@@ -677,20 +703,7 @@ static PyObject *py_load_blocks(PyObject *self, PyObject *args, PyObject *kw) {
     }
     if (overlap && p.h->n_layers > 1)
         p.scratch2 = p.scratch + scratch_bytes;
-    p.out = ov.buf;
-    p.h0 = h0;
-    p.h1 = h1;
-    p.tg = &tg;
-    p.a.src_bytes = (int64_t)(2 * side * kf_dtype_size(p.h->dtype));
-    p.a.src_dtype = p.h->dtype;
-    p.a.n_layers = 1;
-    p.a.C = p.h->n_tokens;
-    p.a.src_heads = p.h->kv_heads;
-    p.a.head_dim = p.h->head_dim;
-    p.a.head_start = h0;
-    p.a.kv_heads = h1 - h0;
-    p.a.block_ids = tg.block_ids;
-    p.a.n_block_ids = tg.n_block_ids;
+    one_pass_shape(&p, ov.buf, &tg, h0, h1, side);
     Py_BEGIN_ALLOW_THREADS
     st = load_one_pass(f, &p, &err);
     Py_END_ALLOW_THREADS
