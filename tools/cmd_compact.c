@@ -20,12 +20,14 @@
 #include "tools/cli.h"
 #include "tools/cli_quality.h"
 #include "tools/commands.h"
+#include "tools/doc_chat.h"
 #include "tools/doc_input.h"
 #include "tools/manifest.h"
 #include "tools/progress.h"
 
 #define CMD "compact"
 #define DEFAULT_INSTRUCTION "Repeat the previous context verbatim.\n"
+#define DEFAULT_CHAT_INSTRUCTION "Repeat the previous context verbatim." /* a user turn's content */
 #define DEFAULT_ROOT "kvf-cache"
 /* Writers' temporary files (kvf_write: <file>.tmp-<pid>-<hex>) older than this are a killed
  * writer's and are removed when a job starts. A live writer's temporary file exists only inside
@@ -84,7 +86,15 @@ static const char kHelp[] =
     "  --repeat-instruction TEXT\n"
     "                       the instruction between the document and its repeat, whose queries\n"
     "                       drive the compaction (default \"Repeat the previous context verbatim.\\n\";\n"
-    "                       for a chat model pass its chat-template form of that request)\n"
+    "                       for a chat model pass its chat-template form of that request, or --chat)\n"
+    "  --chat               through the model's chat template (tokenizer_config.json): each document\n"
+    "                       is the content of the first user turn (text rendered by the template;\n"
+    "                       ids follow the template's beginning), the repeat instruction a second\n"
+    "                       user turn's content (default \"" DEFAULT_CHAT_INSTRUCTION "\") and the\n"
+    "                       repeat the assistant's turn, each probe a second user turn's content\n"
+    "                       followed by the generation prompt. The file records the template's\n"
+    "                       digest and the ids around the document (kvfold inspect; kvfold ask\n"
+    "                       --chat). A model without a chat template is a usage error\n"
     "  --probes-from FILE   extra probe prompts for every document: one JSON value per line, a\n"
     "                       string (text) or a list of token ids (read whole before any work: a\n"
     "                       file that cannot be read, a line that cannot be parsed, is too long or\n"
@@ -189,9 +199,10 @@ static void doc_fail(const char *source, const char *name, const char *msg) {
 }
 
 /* One manifest line into d; 0, or -1 with the reason in err. */
+static int chat_turns(const doc_chat *c, job_doc *d, char *err, size_t err_len);
 static int parse_line(doc_text *t, const char *line, job_doc *d, char *err, size_t err_len) {
     manifest_doc md;
-    const int rc = manifest_parse_line(t, line, &md, err, err_len);
+    int rc = manifest_parse_line(t, line, &md, err, err_len);
     memcpy(d->name, md.name, sizeof d->name);
     d->ids = md.ids;
     d->n = md.n;
@@ -199,7 +210,32 @@ static int parse_line(doc_text *t, const char *line, job_doc *d, char *err, size
     d->n_instr = md.n_instr;
     d->probes = md.probes;
     d->n_probes = md.n_probes;
+    if (rc == 0 && t->chat)
+        rc = chat_turns(t->chat, d, err, err_len);
     return rc;
+}
+
+/* ids replaced by the user turn around them (wrap: doc_chat_question or doc_chat_instruction). */
+static int wrap_turn(const doc_chat *c, int (*wrap)(const doc_chat *, const int32_t *, int, int32_t **, int *),
+                     int32_t **ids, int *n) {
+    int32_t *w = NULL;
+    int nw = 0;
+    if (wrap(c, *ids, *n, &w, &nw))
+        return -1;
+    free(*ids);
+    *ids = w;
+    *n = nw;
+    return 0;
+}
+
+/* A manifest document's own instruction and probes as the chat's user turns. */
+static int chat_turns(const doc_chat *c, job_doc *d, char *err, size_t err_len) {
+    int bad = d->instr && wrap_turn(c, doc_chat_instruction, &d->instr, &d->n_instr);
+    for (int i = 0; i < d->n_probes && !bad; i++)
+        bad = wrap_turn(c, doc_chat_question, (int32_t **)&d->probes[i].ids, &d->probes[i].n);
+    if (bad)
+        snprintf(err, err_len, "out of memory");
+    return bad ? -1 : 0;
 }
 
 /* Checks that apply to ids from anywhere: length against the model. */
@@ -523,7 +559,7 @@ static int claim_files(job_doc *d, const kf_compact_variant *vars, int n_vars, c
 /* Writes the claimed files' caches cc (in variant order; st: their compaction's status), frees
  * them and releases every claim; the first failure. */
 static kf_status write_files(job_doc *d, int n_vars, kf_compacted *cc, kf_status st, const file_ids *ids,
-                             const char *tokenizer_digest, kf_error *e) {
+                             const char *tokenizer_digest, const doc_chat *chat, kf_error *e) {
     kf_status first = st;
     for (int v = 0, i = 0; v < n_vars; v++) {
         job_file *f = &d->files[v];
@@ -539,6 +575,8 @@ static kf_status write_files(job_doc *d, int n_vars, kf_compacted *cc, kf_status
             snprintf(kc.hdr.tokenizer_digest, sizeof kc.hdr.tokenizer_digest, "%s", tokenizer_digest);
             snprintf(kc.hdr.document_digest, sizeof kc.hdr.document_digest, "%s", d->digest);
             snprintf(kc.hdr.recipe_digest, sizeof kc.hdr.recipe_digest, "%s", f->recipe);
+            if (chat)
+                doc_chat_record(chat, &kc.hdr);
             fs = kvf_write(f->path, &kc, &we);
             f->C = cc[i].C;
             kf_compacted_free(&cc[i++]);
@@ -560,7 +598,7 @@ typedef struct {
     const char *model_dir, *root, *manifest, *probes_from, *instruction, *methods_s, *budgets_s;
     long long shard_i, shard_n;
     long long max_line;                    /* --max-line-bytes */
-    int share, quiet, dtype_given;
+    int share, quiet, dtype_given, chat;
     double progress_interval;              /* --progress-interval: seconds between log lines */
     kvf_dtype dtype;
     cli_compact_opts q;                    /* the compaction's parameters (shared with eval quality) */
@@ -585,6 +623,7 @@ static const struct option kOpts[] = {
     {"quiet", no_argument, 0, 'q'},
     CLI_PROGRESS_OPTION,
     {"max-line-bytes", required_argument, 0, 'L'},
+    {"chat", no_argument, 0, 'c'},
     CLI_COMPACT_OPTIONS,
     {0, 0, 0, 0}};
 
@@ -615,6 +654,7 @@ static int compact_option(void *ctx, int c, const char *arg) {
         break;
     case 'S': o->share = 0; break;
     case 'q': o->quiet = 1; break;
+    case 'c': o->chat = 1; break;
     case CLI_OPT_PROGRESS_INTERVAL:
         if (cli_progress_interval(CMD, arg, &o->progress_interval))
             return KF_EXIT_USAGE;
@@ -672,6 +712,8 @@ typedef struct {
     const char *fp;          /* the model's fingerprint */
     kvf_dtype dtype;         /* of the files */
     doc_text text;
+    doc_chat chat;           /* --chat: the template's pieces (text.chat points here) */
+    const char *tok_digest;  /* tokenizer.json's, "" when the model has none */
     double t_start;
     doc_list docs;
     kf_prompt *extra_probes; /* [n_extra] --probes-from's (ids owned) */
@@ -705,6 +747,7 @@ static void job_free(compact_job *j) {
     free(j->extra_probes);
     free(j->probes);
     doc_text_free(&j->text);
+    doc_chat_free(&j->chat);
     if (j->mf)
         fclose(j->mf);
     if (j->pf)
@@ -750,6 +793,14 @@ static int job_open(compact_job *j) {
     j->fp = kf_model_fingerprint(j->m);
     j->dtype = o->dtype_given ? o->dtype : model_dtype(j->cfg);
     doc_text_init(&j->text, o->model_dir, j->cfg->vocab_size);
+    j->tok_digest = doc_text_digest(&j->text); /* every file names its tokenizer, ids documents too */
+    char err[1024];
+    if (o->chat && doc_chat_open(&j->chat, &j->text, err, sizeof err))
+        return cli_usage_error(CMD, "--chat: %s: %s", o->model_dir, err);
+    if (o->chat) {
+        j->text.chat = &j->chat;
+        j->base.chat_template = j->chat.digest;
+    }
     j->t_start = cli_now();
     char model_root[PATH_MAX];
     snprintf(model_root, sizeof model_root, "%s/%s", o->root, j->fp);
@@ -773,7 +824,12 @@ static int add_extra_probe(compact_job *j, const char *line, int lineno) {
         cli_error(CMD, "%s:%d: %s", j->o->probes_from, lineno, v ? err : "not JSON (a string or a list of ids)");
         rc = -1;
     } else {
-        j->extra_probes[j->n_extra++] = (kf_prompt){ids, n};
+        if (j->text.chat && wrap_turn(j->text.chat, doc_chat_question, &ids, &n)) {
+            cli_error(CMD, "out of memory");
+            free(ids);
+            rc = -1;
+        } else
+            j->extra_probes[j->n_extra++] = (kf_prompt){ids, n};
     }
     json_decref(v);
     return rc;
@@ -865,6 +921,19 @@ static int read_files(compact_job *j) {
 
 /* ---- the plan ---- */
 
+/* --repeat-instruction's ids (with --chat, a user turn's content: the default without its newline). */
+static int default_instruction(compact_job *j, char *err, size_t err_len) {
+    const char *s = j->o->chat && !strcmp(j->o->instruction, DEFAULT_INSTRUCTION) ? DEFAULT_CHAT_INSTRUCTION
+                                                                                   : j->o->instruction;
+    if (doc_tokenize(&j->text, s, strlen(s), 0, &j->def_instr, &j->n_def_instr, err, err_len))
+        return -1;
+    if (j->text.chat && wrap_turn(j->text.chat, doc_chat_instruction, &j->def_instr, &j->n_def_instr)) {
+        snprintf(err, err_len, "out of memory");
+        return -1;
+    }
+    return 0;
+}
+
 /* Identity and existing files: each document's files (recipe, path, a valid one already there);
  * counts the documents left to compute. */
 static int plan_files(compact_job *j) {
@@ -874,9 +943,7 @@ static int plan_files(compact_job *j) {
         job_doc *d = &j->docs.docs[i];
         if (d->state != ST_TODO)
             continue;
-        if (!d->instr && !j->def_instr &&
-            doc_tokenize(&j->text, o->instruction, strlen(o->instruction), 0, &j->def_instr, &j->n_def_instr, err,
-                         sizeof err)) {
+        if (!d->instr && !j->def_instr && default_instruction(j, err, sizeof err)) {
             cli_error(CMD, "--repeat-instruction: %s", err);
             return KF_EXIT_USAGE;
         }
@@ -945,7 +1012,8 @@ static int plan_arena(compact_job *j) {
             cli_error(CMD, "out of memory");
             return KF_EXIT_FAIL;
         }
-        const int64_t pages = kf_pages_for(j->sharing ? prev_len : 0) + kf_compact_arena_pages(&dp, d->n, d->n) + 1;
+        const int64_t pages =
+            kf_pages_for(j->sharing ? prev_len : 0) + kf_compact_arena_pages(&dp, d->n, d->n - j->chat.n_prefix) + 1;
         need = pages > need ? pages : need;
         prev_len = d->n;
     }
@@ -989,14 +1057,15 @@ static kf_status doc_solve(compact_job *j, int k, const job_doc *d, const kf_com
     kf_seq_init(&cur);
     kf_compact_reuse reuse = {.arena = &j->arena, .parent = parent_ok ? &j->prev : NULL, .shared = *shared,
                               .keep = next_shares ? &cur : NULL};
-    kf_prompt doc = {d->ids, d->n};
+    const int n_pre = j->chat.n_prefix; /* the chat template's beginning: in the cache verbatim */
+    kf_prompt pre = {d->ids, n_pre}, doc = {d->ids + n_pre, d->n - n_pre};
     kf_compact_variant cv[MAX_VARIANTS]; /* [nv] the claimed files' variants */
     int nv = 0;
     for (int v = 0; v < j->o->n_vars; v++)
         if (d->files[v].state == ST_TODO)
             cv[nv++] = j->o->vars[v];
     kf_compact_prep *prep = NULL; /* one prefill, one set of queries and targets for every file */
-    kf_status st = kf_compact_prepare(j->m, &reuse, NULL, &doc, NULL, p, cv, nv, &prep, e);
+    kf_status st = kf_compact_prepare(j->m, &reuse, n_pre ? &pre : NULL, &doc, NULL, p, cv, nv, &prep, e);
     if (st == KF_OK)
         st = kf_compact_solve(prep, cv, nv, cc, e);
     kf_compact_prep_free(prep, st == KF_OK ? reuse.keep : NULL);
@@ -1055,7 +1124,7 @@ static int compact_doc(compact_job *j, int k) {
     kf_error e = {0};
     int64_t shared = 0;
     kf_status st = doc_solve(j, k, d, &p, cc, &shared, &e);
-    st = write_files(d, j->o->n_vars, cc, st, &ids, j->text.digest, &e);
+    st = write_files(d, j->o->n_vars, cc, st, &ids, j->tok_digest, j->text.chat, &e);
     j->pg.finished++;
     if (st != KF_OK) {
         doc_fail(d->source, d->name, e.msg);

@@ -11,8 +11,13 @@
 #include "formats/kvf.h"
 #include "formats/tokenizer.h"
 
+struct doc_chat;
+
 typedef struct {
     const char *model_dir;
+    struct doc_chat *chat;           /* NULL, or documents are the first user turn of this chat
+                                        template (tools/doc_chat.h): text through it, ids after
+                                        its prefix */
     kf_tokenizer *tok;               /* opened on first use */
     int vocab;                       /* ids must be below this (the model's vocabulary) */
     char digest[KVF_DIGEST_LEN + 1]; /* XXH3-128 of tokenizer.json, once it has been used */
@@ -21,8 +26,8 @@ typedef struct {
 void doc_text_init(doc_text *t, const char *model_dir, int vocab);
 void doc_text_free(doc_text *t);
 
-/* Text to ids (special: the tokenizer's template, e.g. a BOS, as for a document). 0 or -1 with a
- * message in err. */
+/* Text to ids (special: the tokenizer's template, e.g. a BOS, as for a document; with t->chat, a
+ * document through the chat template instead). 0 or -1 with a message in err. */
 int doc_tokenize(doc_text *t, const char *text, size_t len, int special, int32_t **ids, int *n, char *err,
                  size_t err_len);
 /* A JSON array of ids (each checked against the vocabulary) or a string (tokenized without special
@@ -35,6 +40,12 @@ int doc_read_text(doc_text *t, const char *path, int32_t **ids, int *n, char *er
 /* A document from a file: a JSON array of ids, a JSON object with "ids" or "text" (a manifest
  * line), or else plain UTF-8 text (tokenized with special tokens). */
 int doc_read_file(doc_text *t, const char *path, int32_t **ids, int *n, char *err, size_t err_len);
+
+/* Ids read as a document's: with t->chat, replaced by the chat prefix + ids. 0, or -1 (err). */
+int doc_as_document(doc_text *t, int32_t **ids, int *n, char *err, size_t err_len);
+
+/* The digest of the model's tokenizer.json (opening it): "" when it has none. */
+const char *doc_text_digest(doc_text *t);
 
 /* Decoded text of ids (malloc'ed), or NULL when the tokenizer is missing. */
 char *doc_decode(doc_text *t, const int32_t *ids, int n);
