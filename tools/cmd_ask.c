@@ -8,6 +8,7 @@
 #include "compactor/engine.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
+#include "tools/doc_chat.h"
 #include "tools/doc_input.h"
 
 #define CMD "ask"
@@ -23,19 +24,29 @@ static const char kHelp[] =
     "Options:\n"
     "  --model DIR          the model the cache was written for\n"
     "  --question-ids LIST  a question as token ids (comma separated), in addition to QUESTIONs\n"
+    "  --chat               the cache was made with --chat (kvfold compact): each QUESTION (or\n"
+    "                       --question-ids) is the content of a user turn after the document's,\n"
+    "                       its ids put between the ids the file records (the end of the\n"
+    "                       document's turn and the next turn's header; the end of the question's\n"
+    "                       turn and the generation prompt). The model's template must be the\n"
+    "                       file's (digest). A chat cache without --chat, or --chat on a cache made\n"
+    "                       from bare text, is refused (exit 2)\n"
     "  --max-tokens N       most tokens per answer (default 32); decoding stops earlier at EOS\n"
     "                       and at the model's last position (max_position_embeddings); a\n"
     "                       question that leaves no room there after the cache's C tokens (the\n"
     "                       document's D with --compare) is a usage error (exit 2)\n"
     "  --stop TEXT          also stop once the answer contains TEXT (e.g. $'\\n')\n"
     "  --doc FILE           the document the cache was built from (text, a JSON list of ids, or a\n"
-    "                       manifest line); checked against the cache's document digest\n"
+    "                       manifest line; with --chat, through the chat template as compact\n"
+    "                       --chat reads it); checked against the cache's document digest\n"
     "  --compare            with --doc: also answer from the full document and report agreement\n"
     "                       (exit status 0 either way)\n"
     "  --json               one JSON object per question: question, answer, answer_ids, and with\n"
     "                       --compare full_answer, full_answer_ids, agree\n"
     "  -q, --quiet          no cache summary on stderr\n"
     "  -h, --help           show this help\n"
+    "\n"
+    "The file's tokenizer (tokenizer_digest) must be the model's tokenizer.json.\n"
     "\n"
     "Records model example (tests/data/records-qwen3): questions are \"Q: <name>?\\nA:\".\n";
 
@@ -71,16 +82,38 @@ static json_t *ids_json(const int32_t *ids, int n) {
     return a;
 }
 
+/* --chat against the file's record: a chat cache is asked with --chat, a bare-text one without; with
+ * --chat, the model's template (the file's) opened into dc and set for --doc. The exit status. */
+static int ask_chat(const char *path, const kvf_header *h, int chat, doc_text *text, doc_chat *dc) {
+    char err[1024];
+    if (chat && !h->chat_template_digest[0])
+        return cli_usage_error(CMD, "%s was compacted from bare text, not through a chat template: ask without --chat",
+                               path);
+    if (!chat && h->chat_template_digest[0])
+        return cli_usage_error(CMD,
+                               "%s was compacted through a chat template (%s): ask with --chat, which puts the "
+                               "question in its user turn",
+                               path, h->chat_template_digest);
+    if (!chat)
+        return KF_EXIT_OK;
+    if (doc_chat_for_cache(dc, text, h, err, sizeof err)) {
+        cli_error(CMD, "%s: %s", path, err);
+        return KF_EXIT_FAIL;
+    }
+    text->chat = dc;
+    return KF_EXIT_OK;
+}
+
 int cmd_ask(int argc, char **argv) {
     static const struct option opts[] = {
         {"help", no_argument, 0, 'h'},       {"model", required_argument, 0, 'm'},
         {"max-tokens", required_argument, 0, 'n'}, {"stop", required_argument, 0, 's'},
         {"doc", required_argument, 0, 'd'},  {"compare", no_argument, 0, 'c'},
         {"json", no_argument, 0, 'j'},       {"quiet", no_argument, 0, 'q'},
-        {"question-ids", required_argument, 0, 'i'}, {0, 0, 0, 0}};
+        {"question-ids", required_argument, 0, 'i'}, {"chat", no_argument, 0, 'C'}, {0, 0, 0, 0}};
     const char *model_dir = NULL, *stop = NULL, *doc_path = NULL, *qids_s = NULL;
     long long max_tokens = 32;
-    int compare = 0, as_json = 0, quiet = 0;
+    int compare = 0, as_json = 0, quiet = 0, chat = 0;
     optind = 1;
     for (int c; (c = getopt_long(argc, argv, "hq", opts, NULL)) != -1;) {
         switch (c) {
@@ -96,6 +129,7 @@ int cmd_ask(int argc, char **argv) {
         case 'j': as_json = 1; break;
         case 'q': quiet = 1; break;
         case 'i': qids_s = optarg; break;
+        case 'C': chat = 1; break;
         default: return cli_usage_error(CMD, "unknown option");
         }
     }
@@ -121,18 +155,23 @@ int cmd_ask(int argc, char **argv) {
     kf_compacted c = {0};
     kvf_header hdr;
     kf_engine ec = {0}, ef = {0};
+    doc_chat dc = {0};
     int32_t *doc = NULL, *out = malloc(sizeof(int32_t) * (size_t)max_tokens * 2);
     int n_doc = 0, agree = 0;
     int32_t **qs = calloc((size_t)n_q, sizeof *qs);
     int *qn = calloc((size_t)n_q, sizeof *qn);
+    char **disp = calloc((size_t)n_q, sizeof *disp); /* [n_q] the questions' text */
     char err[1024];
     kf_error e = {0};
-    if (!out || !qs || !qn) {
+    if (!out || !qs || !qn || !disp) {
         cli_error(CMD, "out of memory");
         goto done;
     }
-    if (cache_load(CMD, path, m, 0, &c, &hdr))
+    if (cache_load(CMD, path, m, 0, &c, &hdr) || cache_check_tokenizer(CMD, &text, path, &hdr))
         goto done;
+    if ((rc = ask_chat(path, &hdr, chat, &text, &dc)) != KF_EXIT_OK)
+        goto done;
+    rc = KF_EXIT_FAIL;
     int longest = 0;
     for (int i = 0; i < n_q; i++) {
         const int is_ids = i == n_text_q;
@@ -149,6 +188,16 @@ int cmd_ask(int argc, char **argv) {
                 cli_error(CMD, "question %d: token id %d is outside the vocabulary", i + 1, qs[i][j]);
                 goto done;
             }
+        disp[i] = doc_decode(&text, qs[i], qn[i]); /* the question as asked, without the template */
+        int32_t *w = NULL;
+        if (chat && doc_chat_question(&dc, qs[i], qn[i], &w, &qn[i])) {
+            cli_error(CMD, "out of memory");
+            goto done;
+        }
+        if (chat) {
+            free(qs[i]);
+            qs[i] = w;
+        }
         longest = qn[i] > longest ? qn[i] : longest;
     }
     char digest[KVF_DIGEST_LEN + 1];
@@ -192,7 +241,8 @@ int cmd_ask(int argc, char **argv) {
         }
         const int same = n_out == n_full && memcmp(out, full, sizeof(int32_t) * n_out) == 0;
         agree += same;
-        char *qtext = doc_decode(&text, qs[i], qn[i]), *ans = doc_decode(&text, out, n_out);
+        const char *qtext = disp[i];
+        char *ans = doc_decode(&text, out, n_out);
         char *fans = compare ? doc_decode(&text, full, n_full) : NULL;
         if (as_json) {
             json_t *o = json_pack("{s:s, s:s, s:o}", "question", qtext ? qtext : "", "answer", ans ? ans : "",
@@ -216,7 +266,6 @@ int cmd_ask(int argc, char **argv) {
             if (!ans || !*ans || ans[strlen(ans) - 1] != '\n')
                 putchar('\n');
         }
-        free(qtext);
         free(ans);
         free(fans);
     }
@@ -228,6 +277,10 @@ done:
     kf_compacted_free(&c);
     for (int i = 0; qs && i < n_q; i++)
         free(qs[i]);
+    for (int i = 0; disp && i < n_q; i++)
+        free(disp[i]);
+    free(disp);
+    doc_chat_free(&dc);
     free(qs);
     free(qn);
     free(doc);

@@ -202,3 +202,35 @@ void doc_chat_record(const doc_chat *c, kvf_header *h) {
     doc_ids_join(c->qhead, c->n_qhead, h->chat_question_prefix_ids, sizeof h->chat_question_prefix_ids);
     doc_ids_join(c->qtail, c->n_qtail, h->chat_question_suffix_ids, sizeof h->chat_question_suffix_ids);
 }
+
+/* A recorded id list into *ids [*n] (replacing what was there). */
+static int record_ids(const char *s, int32_t **ids, int *n) {
+    const int k = kvf_parse_ids(s, NULL, KVF_CHAT_IDS_LEN);
+    int32_t *a = k >= 0 ? malloc(sizeof(int32_t) * (size_t)(k + 1)) : NULL;
+    if (!a)
+        return -1;
+    kvf_parse_ids(s, a, k);
+    free(*ids);
+    *ids = a;
+    *n = k;
+    return 0;
+}
+
+int doc_chat_for_cache(doc_chat *c, doc_text *t, const kvf_header *h, char *err, size_t err_len) {
+    if (doc_chat_open(c, t, err, err_len))
+        return -1;
+    if (strcmp(c->digest, h->chat_template_digest) != 0) {
+        snprintf(err, err_len,
+                 "made with another chat template (chat_template_digest %s) than the model's (%s): compact the "
+                 "document again with this model's template",
+                 h->chat_template_digest, c->digest);
+        return -1;
+    }
+    if (record_ids(h->chat_prefix_ids, &c->prefix, &c->n_prefix) ||
+        record_ids(h->chat_question_prefix_ids, &c->qhead, &c->n_qhead) ||
+        record_ids(h->chat_question_suffix_ids, &c->qtail, &c->n_qtail)) {
+        snprintf(err, err_len, "out of memory");
+        return -1;
+    }
+    return 0;
+}

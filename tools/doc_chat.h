@@ -55,6 +55,10 @@ int doc_chat_document_ids(const doc_chat *c, const int32_t *ids, int n, int32_t 
 int doc_chat_question(const doc_chat *c, const int32_t *ids, int n, int32_t **out, int *n_out);
 int doc_chat_instruction(const doc_chat *c, const int32_t *ids, int n, int32_t **out, int *n_out);
 
+/* The model's template for serving the chat cache whose header is h: its digest must be the
+ * file's (else -1, err naming both); the question's pieces are then the file's record. */
+int doc_chat_for_cache(doc_chat *c, doc_text *t, const kvf_header *h, char *err, size_t err_len);
+
 /* The chat record of a file (formats/kvf.h) from c. */
 void doc_chat_record(const doc_chat *c, kvf_header *h);
 

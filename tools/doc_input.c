@@ -262,6 +262,17 @@ int cache_load(const char *cmd, const char *path, kf_model *m, int verify, kf_co
     return 0;
 }
 
+int cache_check_tokenizer(const char *cmd, doc_text *t, const char *cache_path, const kvf_header *hdr) {
+    const char *mine = doc_text_digest(t);
+    if (!hdr->tokenizer_digest[0] || !mine[0] || !strcmp(hdr->tokenizer_digest, mine))
+        return 0;
+    cli_error(cmd,
+              "%s: made with another tokenizer (tokenizer_digest %s) than the model's %s/tokenizer.json (%s): its "
+              "token ids mean other text here",
+              cache_path, hdr->tokenizer_digest, t->model_dir, mine);
+    return -1;
+}
+
 int cache_doc_read(const char *cmd, doc_text *t, const char *doc_path, const char *cache_path, const kvf_header *hdr,
                    int32_t **ids, int *n, char digest[KVF_DIGEST_LEN + 1]) {
     char err[1024];

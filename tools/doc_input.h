@@ -55,6 +55,10 @@ char *doc_decode(doc_text *t, const int32_t *ids, int n);
  * shape; then reads it whole into c. Prints the cause and returns -1 on failure. */
 int cache_load(const char *cmd, const char *path, kf_model *m, int verify, kf_compacted *c, kvf_header *hdr);
 
+/* The file's tokenizer against the model's (tokenizer.json's digest): -1 (printed, naming both
+ * digests) when they differ; a file or model without one is not checked. */
+int cache_check_tokenizer(const char *cmd, doc_text *t, const char *cache_path, const kvf_header *hdr);
+
 /* The document the cache at cache_path (header hdr) was built from, read from doc_path
  * (doc_read_file) into ids [n]; its digest into digest. Prints the cause and returns -1 when the file
  * cannot be read or holds another document (digest or length). */
