@@ -41,7 +41,9 @@ static const char kHelp[] =
     "                       --chat reads it); checked against the cache's document digest\n"
     "  --compare            with --doc: also answer from the full document and report agreement\n"
     "                       (exit status 0 either way)\n"
-    "  --json               one JSON object per question: question, answer, answer_ids, and with\n"
+    "  --json               one JSON object per question: question, question_ids (the ids after the\n"
+    "                       cache: with --chat, the template's pieces around the question), answer,\n"
+    "                       answer_ids, and with\n"
     "                       --compare full_answer, full_answer_ids, agree\n"
     "  -q, --quiet          no cache summary on stderr\n"
     "  -h, --help           show this help\n"
@@ -245,8 +247,8 @@ int cmd_ask(int argc, char **argv) {
         char *ans = doc_decode(&text, out, n_out);
         char *fans = compare ? doc_decode(&text, full, n_full) : NULL;
         if (as_json) {
-            json_t *o = json_pack("{s:s, s:s, s:o}", "question", qtext ? qtext : "", "answer", ans ? ans : "",
-                                  "answer_ids", ids_json(out, n_out));
+            json_t *o = json_pack("{s:s, s:o, s:s, s:o}", "question", qtext ? qtext : "", "question_ids",
+                                  ids_json(qs[i], qn[i]), "answer", ans ? ans : "", "answer_ids", ids_json(out, n_out));
             if (compare) {
                 json_object_set_new(o, "full_answer", json_string(fans ? fans : ""));
                 json_object_set_new(o, "full_answer_ids", ids_json(full, n_full));
