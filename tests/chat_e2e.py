@@ -12,7 +12,8 @@ records-llama3-chat: records-llama3-induct with Llama 3's chat template and its 
      answer (up to 4 tokens, EOS or "\n" ends it) is token for token the full context's (kvfold ask
      --compare). At budget 1 (keep, float32: every key, the exact K/V) every answer must agree; at
      budget 0.5 (fold) the agreement is measured and must reach a floor.
-  3. Refusals: --chat on a bare-text cache and the reverse (exit 2), a model without a chat
+  3. eval quality --chat measures a chat document (the full row at KL 0, no row failed).
+  4. Refusals: --chat on a bare-text cache and the reverse (exit 2), a model without a chat
      template given --chat (exit 2), a cache made with another tokenizer (exit 1, both digests).
 
 Usage: chat_e2e.py KVFOLD DATA_DIR
@@ -110,6 +111,22 @@ def check_refusals(kvfold, data, chat_file, doc_path, tmp):
     assert "another tokenizer" in p.stderr, p.stderr
 
 
+def check_eval(kvfold, data):
+    """eval quality --chat: the chat context's reference and caches (the template's beginning kept
+    verbatim) measure like any other: the full row at KL 0, every row measured, none failed."""
+    model = os.path.join(data, "records-llama3-chat")
+    p = run(kvfold, "eval", "quality", "--chat", "--model", model, "--docs", os.path.join(data, "records-dev.jsonl"),
+            "--limit", "1", "--methods", "full,fold", "--budgets", "0.5", "--format", "tsv", "-q")
+    rows = [dict(zip(p.stdout.splitlines()[0].split("\t"), line.split("\t"))) for line in p.stdout.splitlines()[1:]]
+    assert [r["method"] for r in rows] == ["full", "fold"], p.stdout
+    assert all(r["docs"] == "1" and r["failed"] == "0" for r in rows), p.stdout
+    assert float(rows[0]["kl_repeat"]) == 0 and float(rows[0]["kl_answer"]) == 0, p.stdout
+    assert float(rows[1]["kl_repeat"]) > 0, p.stdout
+    p = run(kvfold, "eval", "quality", "--chat", "--model", os.path.join(data, "records-llama3-induct"), "--docs",
+            os.path.join(data, "records-dev.jsonl"), ok=(2,))
+    assert "--chat needs the model's chat template" in p.stderr, p.stderr
+
+
 def main():
     kvfold, data = sys.argv[1], sys.argv[2]
     model = os.path.join(data, "records-llama3-chat")
@@ -137,6 +154,7 @@ def main():
             e, _ = agreement(kvfold, model, full, doc_path, qs)
             a, a1 = agreement(kvfold, model, fold, doc_path, qs)
             exact, half, first, n = exact + e, half + a, first + a1, n + len(qs)
+    check_eval(kvfold, data)
     print(f"chat_e2e: agreement with the full chat context: budget 1 (keep, f32) {exact}/{n}, budget 0.5 (fold) "
           f"{half}/{n} (first token {first}/{n})")
     if exact != n or half < FLOOR_HALF:
