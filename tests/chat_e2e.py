@@ -75,6 +75,13 @@ def check_oracle(kvfold, model, cfg, path, exact, text, questions, tmp):
     with open(body, "w") as f:
         json.dump(want[len(pre):D], f)
     run(kvfold, "ask", "--chat", path, "--model", model, "--doc", body, "--max-tokens", "1", "-q", "x")
+    chat_ids = os.path.join(tmp, "chat-ids.jsonl")  # a manifest's ids with --chat: after the template's beginning
+    with open(chat_ids, "w") as f:
+        f.write(json.dumps({"ids": want[len(pre):D]}) + "\n")
+    run(kvfold, "compact", "--chat", "--model", model, "--out", os.path.join(tmp, "chat-ids"), "-q", "--budget", "0.5",
+        "--manifest", chat_ids)
+    other = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(tmp, "chat-ids")) for f in fs if f.endswith(".kvf")]
+    assert os.path.basename(other[0]) == os.path.basename(path), (other, path)  # same document, same recipe
     manifest = os.path.join(tmp, "oracle.jsonl")  # the same context as ids, compacted as bare text
     with open(manifest, "w") as f:
         f.write(json.dumps({"ids": want[:D]}) + "\n")
