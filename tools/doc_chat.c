@@ -16,13 +16,14 @@
 static char *render(const doc_chat *c, const char *const *roles, const char *const *contents, const size_t *clen,
                     int n, int gen, size_t *len, char *err, size_t err_len) {
     json_t *msgs = json_array();
-    for (int i = 0; msgs && i < n; i++)
-        json_array_append_new(msgs, json_pack("{s:s, s:s#}", "role", roles[i], "content", contents[i], clen[i]));
-    char *conv = msgs ? json_dumps(msgs, JSON_COMPACT) : NULL, *out = NULL;
+    int bad = !msgs;
+    for (int i = 0; !bad && i < n; i++) /* json_pack refuses text that is not UTF-8 */
+        bad = json_array_append_new(msgs, json_pack("{s:s, s:s#}", "role", roles[i], "content", contents[i], clen[i]));
+    char *conv = bad ? NULL : json_dumps(msgs, JSON_COMPACT), *out = NULL;
     json_decref(msgs);
     kf_error e = {0};
     if (!conv)
-        snprintf(err, err_len, "out of memory");
+        snprintf(err, err_len, "%s", bad && msgs ? "the text is not UTF-8" : "out of memory");
     else if (kf_chat_render(c->chat, conv, strlen(conv), gen, &out, len, &e) != KF_OK)
         snprintf(err, err_len, "the chat template: %s", e.msg);
     free(conv);
