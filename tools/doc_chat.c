@@ -133,9 +133,12 @@ static int join3(const int32_t *h, int nh, const int32_t *ids, int n, const int3
     *n_out = nh + n + nt;
     if (!(*out = malloc(sizeof(int32_t) * (size_t)(*n_out + 1))))
         return -1;
-    memcpy(*out, h, sizeof(int32_t) * (size_t)nh);
-    memcpy(*out + nh, ids, sizeof(int32_t) * (size_t)n);
-    memcpy(*out + nh + n, tl, sizeof(int32_t) * (size_t)nt);
+    if (nh) /* memcpy's pointers must not be NULL, even for 0 bytes */
+        memcpy(*out, h, sizeof(int32_t) * (size_t)nh);
+    if (n)
+        memcpy(*out + nh, ids, sizeof(int32_t) * (size_t)n);
+    if (nt)
+        memcpy(*out + nh + n, tl, sizeof(int32_t) * (size_t)nt);
     return 0;
 }
 
