@@ -13,7 +13,8 @@ records-llama3-chat: records-llama3-induct with Llama 3's chat template and its 
      --compare). At budget 1 (keep, float32: every key, the exact K/V) every answer must agree; at
      budget 0.5 (fold) the agreement is measured and must reach a floor.
   3. eval quality --chat measures a chat document (the full row at KL 0, no row failed).
-  4. Refusals: --chat on a bare-text cache and the reverse (exit 2), a model without a chat
+  4. Refusals: --chat on a bare-text cache and the reverse (exit 2), another chat template (exit 1,
+     both digests), a model without a chat
      template given --chat (exit 2), a cache made with another tokenizer (exit 1, both digests).
 
 Usage: chat_e2e.py KVFOLD DATA_DIR
@@ -116,6 +117,18 @@ def check_refusals(kvfold, data, chat_file, doc_path, tmp):
     assert "another tokenizer" in p.stderr and digests[0] in p.stderr, p.stderr
     p = run(kvfold, "verify", chat_file, "--model", plain_model, ok=(1,))
     assert "another tokenizer" in p.stderr, p.stderr
+    edited = os.path.join(tmp, "edited-template")  # the same model and tokenizer, another template
+    os.mkdir(edited)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        os.symlink(os.path.abspath(os.path.join(chat_model, name)), os.path.join(edited, name))
+    with open(os.path.join(chat_model, "tokenizer_config.json")) as f:
+        cfg = json.load(f)
+    cfg["chat_template"] = cfg["chat_template"].replace("| trim", "")
+    with open(os.path.join(edited, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f)
+    p = run(kvfold, "ask", "--chat", chat_file, "--model", edited, "q", ok=(1,))
+    assert "another chat template" in p.stderr and re.search(r"\(chat_template_digest [0-9a-f]{32}\) than the "
+                                                               r"model's \([0-9a-f]{32}\)", p.stderr), p.stderr
 
 
 def check_eval(kvfold, data):
