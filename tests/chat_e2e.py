@@ -14,8 +14,8 @@ records-llama3-chat: records-llama3-induct with Llama 3's chat template and its 
      budget 0.5 (fold) the agreement is measured and must reach a floor.
   3. eval quality --chat measures a chat document (the full row at KL 0, no row failed).
   4. Refusals: --chat on a bare-text cache and the reverse (exit 2), another chat template (exit 1,
-     both digests), a model without a chat
-     template given --chat (exit 2), a cache made with another tokenizer (exit 1, both digests).
+     both digests), a model without a chat template given --chat (exit 2), a cache made with
+     another tokenizer (exit 1, both digests).
 
 Usage: chat_e2e.py KVFOLD DATA_DIR
 """
