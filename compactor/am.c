@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "kernels/backend.h"
+#include "kernels/sort.h"
 
 #define Q_TILE 256
 
@@ -20,21 +21,63 @@ void kf_am_targets_free(kf_am_targets *t) {
     memset(t, 0, sizeof *t);
 }
 
+int64_t kf_am_targets_bytes(int R, int T, int d) {
+    return 2 * kf_ws_bytes(R, sizeof(float)) + kf_ws_bytes((int64_t)R * d, sizeof(float)) +
+           kf_ws_bytes(T, sizeof(float));
+}
+
+/* The targets' scratch: the fp64 score sums [T] and one tile's logits [Q_TILE, T]. */
+static int64_t targets_scratch_bytes(int T) {
+    return kf_ws_bytes(T, sizeof(double)) + kf_ws_bytes((int64_t)Q_TILE * T, sizeof(float));
+}
+
+int64_t kf_am_targets_ws_bytes(int R, int T, int d) {
+    return kf_am_targets_bytes(R, T, d) + targets_scratch_bytes(T);
+}
+
+static void targets_tiles(const kf_am_head *h, kf_score_method method, kf_am_targets *out, double *score, float *Z);
+
 kf_status kf_am_targets_compute(const kf_am_head *h, kf_score_method method, kf_am_targets *out, kf_error *err) {
     memset(out, 0, sizeof *out);
     const int T = h->T, R = h->R, d = h->d;
     out->m = malloc(sizeof(float) * (size_t)R);
     out->y = malloc(sizeof(float) * (size_t)R);
     out->Y = malloc(sizeof(float) * (size_t)R * d);
-    double *score = calloc((size_t)T, sizeof(double));
-    float *Z = malloc(sizeof(float) * (size_t)Q_TILE * T); /* [tile, T] */
     out->score = malloc(sizeof(float) * (size_t)T);
+    kf_ws own, *w = kf_ws_or_own(NULL, &own, targets_scratch_bytes(T));
+    double *score = w ? kf_ws_zalloc(w, T, sizeof(double)) : NULL; /* [T] */
+    float *Z = w ? kf_ws_alloc(w, (int64_t)Q_TILE * T, sizeof(float)) : NULL; /* [tile, T] */
     if (!out->m || !out->y || !out->Y || !score || !Z || !out->score) {
-        free(score);
-        free(Z);
+        kf_ws_free(&own);
         kf_am_targets_free(out);
         return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for targets (R %d, T %d)", R, T);
     }
+    targets_tiles(h, method, out, score, Z);
+    kf_ws_free(&own);
+    return KF_OK;
+}
+
+kf_status kf_am_targets_compute_ws(const kf_am_head *h, kf_score_method method, kf_am_targets *out, kf_ws *ws,
+                                   kf_error *err) {
+    memset(out, 0, sizeof *out);
+    const int T = h->T, R = h->R, d = h->d;
+    out->m = kf_ws_alloc(ws, R, sizeof(float));
+    out->y = kf_ws_alloc(ws, R, sizeof(float));
+    out->Y = kf_ws_alloc(ws, (int64_t)R * d, sizeof(float));
+    out->score = kf_ws_alloc(ws, T, sizeof(float));
+    const size_t mark = kf_ws_mark(ws);
+    double *score = kf_ws_zalloc(ws, T, sizeof(double));          /* [T] */
+    float *Z = kf_ws_alloc(ws, (int64_t)Q_TILE * T, sizeof(float)); /* [tile, T] */
+    if (!out->m || !out->y || !out->Y || !score || !Z || !out->score)
+        return kf_fail(err, KF_ERR_NOMEM, "AM: the workspace is too small for targets (R %d, T %d)", R, T);
+    targets_tiles(h, method, out, score, Z);
+    kf_ws_reset(ws, mark);
+    return KF_OK;
+}
+
+/* The targets in tiles of Q_TILE rows; score [T] zeroed, Z [Q_TILE, T] scratch. */
+static void targets_tiles(const kf_am_head *h, kf_score_method method, kf_am_targets *out, double *score, float *Z) {
+    const int T = h->T, R = h->R, d = h->d;
     float *acc = out->score; /* per-tile column sums in fp32, flushed into fp64 score[] */
     for (int i0 = 0; i0 < R; i0 += Q_TILE) {
         const int n = R - i0 < Q_TILE ? R - i0 : Q_TILE;
@@ -64,9 +107,6 @@ kf_status kf_am_targets_compute(const kf_am_head *h, kf_score_method method, kf_
     }
     for (int j = 0; j < T; j++)
         out->score[j] = (float)(method == KF_SCORE_RMS ? sqrt(score[j] / R) : score[j] / R);
-    free(score);
-    free(Z);
-    return KF_OK;
 }
 
 typedef struct {
@@ -86,25 +126,35 @@ static int by_index(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-kf_status kf_am_select(const float *score, int T, int t, int32_t *sel, kf_error *err) {
+int64_t kf_am_select_bytes(int T) {
+    return 2 * kf_ws_bytes(T, sizeof(scored)); /* the scores, the sort's scratch */
+}
+
+kf_status kf_am_select(const float *score, int T, int t, int32_t *sel, kf_ws *ws, kf_error *err) {
     if (t < 0 || t > T)
         return kf_fail(err, KF_ERR_INVALID, "AM: cannot keep %d of %d keys", t, T);
-    scored *s = malloc(sizeof *s * (size_t)(T ? T : 1));
-    if (!s)
+    kf_ws own, *w = kf_ws_or_own(ws, &own, kf_am_select_bytes(T));
+    const size_t mark = w ? kf_ws_mark(w) : 0;
+    scored *s = w ? kf_ws_alloc(w, T, sizeof *s) : NULL;   /* [T] */
+    scored *tmp = w ? kf_ws_alloc(w, T, sizeof *s) : NULL; /* [T] the sorts' scratch */
+    if (!s || !tmp) {
+        kf_ws_free(&own);
         return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for selection");
+    }
     for (int j = 0; j < T; j++)
         s[j] = (scored){isnan(score[j]) ? -INFINITY : score[j], j};
-    qsort(s, (size_t)T, sizeof *s, by_score_desc);
+    kf_sort(s, (size_t)T, sizeof *s, by_score_desc, tmp);
     for (int j = 0; j < t; j++)
         sel[j] = s[j].index;
-    qsort(sel, (size_t)t, sizeof *sel, by_index);
-    free(s);
+    kf_sort(sel, (size_t)t, sizeof *sel, by_index, tmp);
+    kf_ws_reset(w, mark);
+    kf_ws_free(&own);
     return KF_OK;
 }
 
-/* Gather the kept keys into a contiguous [t, d] buffer. */
-static float *gather_rows(const float *x, size_t stride, const int32_t *sel, int t, int d) {
-    float *out = malloc(sizeof(float) * (size_t)(t ? t : 1) * d);
+/* Gather the kept keys into a contiguous [t, d] buffer taken from ws. */
+static float *gather_rows(const float *x, size_t stride, const int32_t *sel, int t, int d, kf_ws *ws) {
+    float *out = kf_ws_alloc(ws, (int64_t)t * d, sizeof(float));
     if (out)
         for (int j = 0; j < t; j++)
             memcpy(out + (size_t)j * d, x + (size_t)sel[j] * stride, sizeof(float) * d);
@@ -153,14 +203,20 @@ int kf_box_lsq(const double *G, const double *b, int t, double lo, double hi, do
  * b = M^T y [t] and yy = y^T y in fp64, M_ij = exp(s q_i.k_j - m_i), accumulated over tiles of
  * BETA_TILE rows (M is never held whole). 0, or -1 when out of memory. */
 #define BETA_TILE 256
+static int64_t beta_tiles_bytes(int t) {
+    return kf_ws_bytes((int64_t)BETA_TILE * t, sizeof(float)) + kf_ws_bytes((int64_t)BETA_TILE * t, sizeof(double)) +
+           kf_ws_bytes(BETA_TILE, sizeof(double));
+}
+
 static int beta_normal(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t, double *G, double *b,
-                       double *yy) {
+                       double *yy, kf_ws *ws) {
     const int R = h->R, d = h->d;
-    float *M = malloc(sizeof(float) * BETA_TILE * (size_t)t);   /* [BETA_TILE, t] */
-    double *Md = malloc(sizeof(double) * BETA_TILE * (size_t)t); /* [BETA_TILE, t] */
-    double *yd = malloc(sizeof(double) * BETA_TILE);
+    const size_t mark = kf_ws_mark(ws);
+    float *M = kf_ws_alloc(ws, (int64_t)BETA_TILE * t, sizeof(float));    /* [BETA_TILE, t] */
+    double *Md = kf_ws_alloc(ws, (int64_t)BETA_TILE * t, sizeof(double)); /* [BETA_TILE, t] */
+    double *yd = kf_ws_alloc(ws, BETA_TILE, sizeof(double));
     if (!M || !Md || !yd) {
-        free(M), free(Md), free(yd);
+        kf_ws_reset(ws, mark);
         return -1;
     }
     memset(G, 0, sizeof(double) * (size_t)t * t);
@@ -182,7 +238,7 @@ static int beta_normal(const kf_am_head *h, const kf_am_targets *tg, const float
     for (int r = 0; r < t; r++)
         for (int c = 0; c < r; c++)
             G[(size_t)r * t + c] = G[(size_t)c * t + r];
-    free(M), free(Md), free(yd);
+    kf_ws_reset(ws, mark);
     return 0;
 }
 
@@ -200,22 +256,30 @@ static double residual_sq(const double *G, const double *b, double yy, int t, co
 }
 
 /* w = argmin ||M w - y||^2 + rho ||w - 1||^2 with rho = rel * tr(M^T M) / t, from the normal
- * equations (Cholesky in fp64); x [t] scratch. */
+ * equations (Cholesky in fp64); x [t] scratch, the rest from ws (ridge_bytes). */
+static int64_t ridge_bytes(int t) {
+    return kf_ws_bytes(t, sizeof(double)) + kf_solve_spd_bytes(t);
+}
+
 static int ridge_to_one(const kf_backend *be, const double *G, const double *b, int t, double rel, double *x,
-                        float *w) {
+                        float *w, kf_ws *ws) {
     double tr = 0;
     for (int j = 0; j < t; j++)
         tr += G[(size_t)j * t + j];
     const double rho = rel * (tr > 0 ? tr / t : 1.0) + 1e-30;
-    double *br = calloc((size_t)(t > 0 ? t : 1), sizeof(double));
+    const size_t mark = kf_ws_mark(ws);
+    double *br = kf_ws_alloc(ws, t, sizeof(double)); /* [t] */
     if (!br)
         return -1;
     for (int j = 0; j < t; j++)
         br[j] = b[j] + rho;
-    const int rc = kf_solve_spd(be, G, t, rho, br, x) == 0 ? KF_LSTSQ_QR : KF_LSTSQ_FAILED;
+    const int spd = kf_solve_spd(be, G, t, rho, br, x, ws);
+    kf_ws_reset(ws, mark);
+    if (spd < 0)
+        return -1;
+    const int rc = spd == 0 ? KF_LSTSQ_QR : KF_LSTSQ_FAILED;
     for (int j = 0; j < t; j++)
         w[j] = rc == KF_LSTSQ_QR ? (float)x[j] : 1.0f;
-    free(br);
     return rc;
 }
 
@@ -248,7 +312,7 @@ static double gram_spectral_sq(const kf_backend *be, const double *G, int t, int
 
 kf_status kf_am_fit_beta(const kf_am_head *h, const kf_am_targets *tg, const int32_t *sel, int t, uint64_t seed,
                          float *beta, kf_am_stats *stats, kf_error *err) {
-    return kf_am_fit_beta_ex(h, tg, sel, t, seed, KF_BETA_AM, beta, stats, err);
+    return kf_am_fit_beta_ex(h, tg, sel, t, seed, KF_BETA_AM, beta, stats, NULL, err);
 }
 
 /* The converged box fit from the start w (in and out); wd [t] scratch. */
@@ -280,19 +344,46 @@ static void pg_steps(const kf_backend *be, const double *G, const double *b, int
 }
 
 void kf_beta_normal_free(kf_beta_normal *ne) {
-    free(ne->G);
-    free(ne->b);
+    if (!ne->in_ws) {
+        free(ne->G);
+        free(ne->b);
+    }
     memset(ne, 0, sizeof *ne);
 }
 
+int64_t kf_beta_normal_bytes(int t) {
+    const int64_t t1 = t ? t : 1;
+    return kf_ws_bytes(t1 * t1, sizeof(double)) + kf_ws_bytes(t1, sizeof(double));
+}
+
+int64_t kf_beta_normal_build_bytes(int t) {
+    return kf_beta_normal_bytes(t) + beta_tiles_bytes(t);
+}
+
+/* G [t1, t1] and b [t1] (t1 = max(t, 1)) from ws (in_ws), or the heap when ws is NULL. */
+static int beta_normal_alloc(kf_beta_normal *ne, int t, int zero, kf_ws *ws) {
+    const int64_t t1 = t ? t : 1;
+    if (ws) {
+        ne->G = zero ? kf_ws_zalloc(ws, t1 * t1, sizeof(double)) : kf_ws_alloc(ws, t1 * t1, sizeof(double));
+        ne->b = zero ? kf_ws_zalloc(ws, t1, sizeof(double)) : kf_ws_alloc(ws, t1, sizeof(double));
+        ne->in_ws = 1;
+    } else {
+        ne->G = zero ? calloc((size_t)(t1 * t1), sizeof(double)) : malloc(sizeof(double) * (size_t)(t1 * t1));
+        ne->b = zero ? calloc((size_t)t1, sizeof(double)) : malloc(sizeof(double) * (size_t)t1);
+    }
+    return ne->G && ne->b ? 0 : -1;
+}
+
 kf_status kf_beta_normal_build(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
-                               kf_beta_normal *out, kf_error *err) {
+                               kf_beta_normal *out, kf_ws *ws, kf_error *err) {
     memset(out, 0, sizeof *out);
     out->t = t, out->be = h->be;
-    const size_t t1 = (size_t)(t ? t : 1);
-    out->G = malloc(sizeof(double) * t1 * t1);
-    out->b = malloc(sizeof(double) * t1);
-    if (!out->G || !out->b || (t > 0 && beta_normal(h, tg, kc, t, out->G, out->b, &out->yy) != 0)) {
+    int ok = beta_normal_alloc(out, t, 0, ws) == 0;
+    kf_ws own, *w = ok ? kf_ws_or_own(ws, &own, beta_tiles_bytes(t)) : NULL;
+    ok = w && (t == 0 || beta_normal(h, tg, kc, t, out->G, out->b, &out->yy, w) == 0);
+    if (w)
+        kf_ws_free(&own);
+    if (!ok) {
         kf_beta_normal_free(out);
         return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the beta fit (R %d, t %d)", h->R, t);
     }
@@ -308,17 +399,23 @@ void kf_beta_normal_add(kf_beta_normal *acc, const kf_beta_normal *part) {
     acc->yy += part->yy;
 }
 
+int64_t kf_am_fit_beta_normal_bytes(int t) {
+    return 2 * kf_ws_bytes(t, sizeof(double)) + kf_ws_bytes(t, sizeof(float)) + ridge_bytes(t);
+}
+
 kf_status kf_am_fit_beta_normal(const kf_beta_normal *ne, uint64_t seed, kf_beta_fit fit, float *beta,
-                                kf_am_stats *stats, kf_error *err) {
+                                kf_am_stats *stats, kf_ws *ws, kf_error *err) {
     const int t = ne->t;
     if (t == 0)
         return KF_OK;
     const float lo = expf(-3.0f), hi = expf(3.0f);
     const double *G = ne->G, *b = ne->b;
-    double *x = calloc((size_t)t, sizeof(double)), *g = calloc((size_t)t, sizeof(double));
-    float *w = calloc((size_t)t, sizeof(float));
+    kf_ws own, *ww = kf_ws_or_own(ws, &own, kf_am_fit_beta_normal_bytes(t));
+    const size_t mark = ww ? kf_ws_mark(ww) : 0;
+    double *x = ww ? kf_ws_zalloc(ww, t, sizeof(double)) : NULL, *g = ww ? kf_ws_zalloc(ww, t, sizeof(double)) : NULL;
+    float *w = ww ? kf_ws_zalloc(ww, t, sizeof(float)) : NULL; /* x, g, w [t] */
     kf_status rc = KF_OK;
-    int path = x && g && w ? ridge_to_one(ne->be, G, b, t, 1e-6, x, w) : -1;
+    int path = x && g && w ? ridge_to_one(ne->be, G, b, t, 1e-6, x, w, ww) : -1;
     /* Least squares on the partition function in fp64 normal equations, with a tiny ridge that
      * pulls towards w = 1 (beta = 0):
      *   min ||M w - y||^2 + rho ||w - 1||^2,   rho = 1e-6 * tr(M^T M) / t.
@@ -349,23 +446,35 @@ kf_status kf_am_fit_beta_normal(const kf_beta_normal *ne, uint64_t seed, kf_beta
     for (int j = 0; j < t; j++)
         beta[j] = logf(w[j]);
 out:
-    free(x), free(g), free(w);
+    if (ww)
+        kf_ws_reset(ww, mark);
+    kf_ws_free(&own);
     return rc;
 }
 
+int64_t kf_am_fit_beta_bytes(int t, int d) {
+    return kf_ws_bytes((int64_t)t * d, sizeof(float)) + kf_beta_normal_bytes(t) +
+           kf_ws_max(beta_tiles_bytes(t), kf_am_fit_beta_normal_bytes(t));
+}
+
 kf_status kf_am_fit_beta_ex(const kf_am_head *h, const kf_am_targets *tg, const int32_t *sel, int t, uint64_t seed,
-                            kf_beta_fit fit, float *beta, kf_am_stats *stats, kf_error *err) {
+                            kf_beta_fit fit, float *beta, kf_am_stats *stats, kf_ws *ws, kf_error *err) {
     if (t == 0)
         return KF_OK;
-    float *kc = gather_rows(h->k, h->k_stride, sel, t, h->d);
-    if (!kc)
+    kf_ws own, *w = kf_ws_or_own(ws, &own, kf_am_fit_beta_bytes(t, h->d));
+    const size_t mark = w ? kf_ws_mark(w) : 0;
+    float *kc = w ? gather_rows(h->k, h->k_stride, sel, t, h->d, w) : NULL; /* [t, d] */
+    if (!kc) {
+        kf_ws_free(&own);
         return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the beta fit (R %d, t %d)", h->R, t);
+    }
     kf_beta_normal ne;
-    kf_status rc = kf_beta_normal_build(h, tg, kc, t, &ne, err);
-    free(kc);
+    kf_status rc = kf_beta_normal_build(h, tg, kc, t, &ne, w, err);
     if (rc == KF_OK)
-        rc = kf_am_fit_beta_normal(&ne, seed, fit, beta, stats, err);
+        rc = kf_am_fit_beta_normal(&ne, seed, fit, beta, stats, w, err);
     kf_beta_normal_free(&ne);
+    kf_ws_reset(w, mark);
+    kf_ws_free(&own);
     return rc;
 }
 
@@ -397,10 +506,12 @@ static float *design(const kf_backend *be, const float *q, int R, int d, float s
 }
 
 void kf_value_gram_free(kf_value_gram *g) {
-    free(g->G);
-    free(g->B);
-    free(g->A);
-    free(g->Bs);
+    if (!g->in_ws) {
+        free(g->G);
+        free(g->B);
+        free(g->A);
+        free(g->Bs);
+    }
     memset(g, 0, sizeof *g);
 }
 
@@ -409,18 +520,33 @@ void kf_value_gram_free(kf_value_gram *g) {
 #define GRAM_TILE 256
 
 void kf_gram_tiles_free(kf_gram_tiles *w) {
-    free(w->Z), free(w->X), free(w->Xd), free(w->Yd);
+    if (!w->in_ws)
+        free(w->Z), free(w->X), free(w->Xd), free(w->Yd);
     memset(w, 0, sizeof *w);
 }
 
-int kf_gram_tiles_alloc(kf_gram_tiles *w, int t, int d, int logits) {
+int64_t kf_gram_tiles_bytes(int t, int d, int logits) {
+    const int64_t t1 = t ? t : 1, d1 = d > 1 ? d : 1;
+    return (logits + 1) * kf_ws_bytes(GRAM_TILE * t1, sizeof(float)) + kf_ws_bytes(GRAM_TILE * t1, sizeof(double)) +
+           kf_ws_bytes(GRAM_TILE * d1, sizeof(double));
+}
+
+int kf_gram_tiles_alloc(kf_gram_tiles *w, int t, int d, int logits, kf_ws *ws) {
     const size_t t1 = (size_t)(t ? t : 1), d1 = (size_t)(d > 1 ? d : 1);
     memset(w, 0, sizeof *w);
+    w->t = t, w->d = d;
+    if (ws) {
+        w->in_ws = 1;
+        w->Z = logits ? kf_ws_alloc(ws, GRAM_TILE * (int64_t)t1, sizeof(float)) : NULL;
+        w->X = kf_ws_alloc(ws, GRAM_TILE * (int64_t)t1, sizeof(float));
+        w->Xd = kf_ws_alloc(ws, GRAM_TILE * (int64_t)t1, sizeof(double));
+        w->Yd = kf_ws_alloc(ws, GRAM_TILE * (int64_t)d1, sizeof(double));
+        return (w->Z || !logits) && w->X && w->Xd && w->Yd ? 0 : -1;
+    }
     w->Z = logits ? malloc(sizeof(float) * GRAM_TILE * t1) : NULL;
     w->X = malloc(sizeof(float) * GRAM_TILE * t1);
     w->Xd = malloc(sizeof(double) * GRAM_TILE * t1);
     w->Yd = malloc(sizeof(double) * GRAM_TILE * d1);
-    w->t = t, w->d = d;
     if ((w->Z || !logits) && w->X && w->Xd && w->Yd)
         return 0;
     kf_gram_tiles_free(w);
@@ -459,14 +585,22 @@ void kf_value_gram_rebuild(const float *q, int R, float scale, const float *keys
     gram_finish(g);
 }
 
+int64_t kf_value_gram_build_bytes(int t, int d) {
+    return kf_value_gram_bytes(t, d) + kf_gram_tiles_bytes(t, d, 0);
+}
+
 kf_status kf_value_gram_build(const kf_backend *be, const float *q, int R, int d, float scale, const float *keys,
                               size_t key_stride, const float *beta, int t, const float *Y, kf_value_gram *out,
-                              kf_error *err) {
+                              kf_ws *ws, kf_error *err) {
     kf_gram_tiles w = {0};
-    const int ok = kf_value_gram_alloc(out, be, t, d) == 0 && kf_gram_tiles_alloc(&w, t, d, 0) == 0;
+    const int ok0 = kf_value_gram_alloc(out, be, t, d, ws) == 0;
+    const size_t mark = ws ? kf_ws_mark(ws) : 0; /* the tiles: scratch */
+    const int ok = ok0 && kf_gram_tiles_alloc(&w, t, d, 0, ws) == 0;
     if (ok)
         kf_value_gram_rebuild(q, R, scale, keys, key_stride, beta, Y, &w, out);
     kf_gram_tiles_free(&w);
+    if (ws)
+        kf_ws_reset(ws, mark);
     if (ok)
         return KF_OK;
     kf_value_gram_free(out);
@@ -501,10 +635,23 @@ kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float 
     return KF_OK;
 }
 
-int kf_value_gram_alloc(kf_value_gram *g, const kf_backend *be, int t, int d) {
+int64_t kf_value_gram_bytes(int t, int d) {
+    const int64_t t1 = t ? t : 1;
+    return 2 * kf_ws_bytes(t1 * t1, sizeof(double)) + 2 * kf_ws_bytes(t1 * d, sizeof(double));
+}
+
+int kf_value_gram_alloc(kf_value_gram *g, const kf_backend *be, int t, int d, kf_ws *ws) {
     memset(g, 0, sizeof *g);
     g->t = t, g->d = d, g->be = be;
     const size_t t1 = (size_t)(t ? t : 1);
+    if (ws) {
+        g->in_ws = 1;
+        g->G = kf_ws_zalloc(ws, (int64_t)(t1 * t1), sizeof(double));
+        g->B = kf_ws_zalloc(ws, (int64_t)(t1 * d), sizeof(double));
+        g->A = kf_ws_alloc(ws, (int64_t)(t1 * t1), sizeof(double));
+        g->Bs = kf_ws_alloc(ws, (int64_t)(t1 * d), sizeof(double));
+        return g->G && g->B && g->A && g->Bs ? 0 : -1;
+    }
     g->G = calloc(t1 * t1, sizeof(double));
     g->B = calloc(t1 * d, sizeof(double));
     g->A = malloc(sizeof(double) * t1 * t1);
@@ -551,17 +698,27 @@ static void kept_tile(const float *m, const float *y, const float *Y, int n, int
     kf_solve_dgemm(be, KF_TRANS, KF_NO_TRANS, t, d, n, 1.0, Xd, t, Yd, d, first ? 0.0 : 1.0, drop->B, d);
 }
 
-kf_status kf_kept_normal_build(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
-                               kf_gram_tiles *tiles, kf_beta_normal *bn, kf_value_gram *drop, kf_error *err) {
-    const int R = h->R, d = h->d;
-    const size_t t1 = (size_t)(t ? t : 1);
+int64_t kf_kept_normal_build_bytes(int t, int d, int own_tiles) {
+    return kf_beta_normal_bytes(t) + kf_value_gram_bytes(t, d) + (own_tiles ? kf_gram_tiles_bytes(t, d, 1) : 0);
+}
+
+int kf_kept_normal_alloc(kf_beta_normal *bn, kf_value_gram *drop, const kf_backend *be, int t, int d, kf_ws *ws) {
     memset(bn, 0, sizeof *bn);
-    bn->t = t, bn->be = h->be;
-    bn->G = calloc(t1 * t1, sizeof(double));
-    bn->b = calloc(t1, sizeof(double));
+    bn->t = t, bn->be = be;
+    const int ok0 = beta_normal_alloc(bn, t, 1, ws) == 0;
+    if (kf_value_gram_alloc(drop, be, t, d, ws) == 0 && ok0)
+        return 0;
+    kf_beta_normal_free(bn);
+    kf_value_gram_free(drop);
+    return -1;
+}
+
+kf_status kf_kept_normal_fill(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
+                              kf_gram_tiles *tiles, kf_beta_normal *bn, kf_value_gram *drop, kf_ws *ws, kf_error *err) {
+    const int R = h->R, d = h->d;
     kf_gram_tiles own = {0}, *w = tiles ? tiles : &own; /* tiles [GRAM_TILE, t] */
-    const int ok = kf_value_gram_alloc(drop, h->be, t, d) == 0 && bn->G && bn->b &&
-                   (tiles || kf_gram_tiles_alloc(&own, t, d, 1) == 0);
+    const size_t mark = ws ? kf_ws_mark(ws) : 0;        /* own tiles: scratch */
+    const int ok = tiles || kf_gram_tiles_alloc(&own, t, d, 1, ws) == 0;
     for (int i0 = 0; ok && t > 0 && i0 < R; i0 += GRAM_TILE) {
         const int n = R - i0 < GRAM_TILE ? R - i0 : GRAM_TILE;
         kf_solve_sgemm(h->be, KF_NO_TRANS, KF_TRANS, n, t, d, h->scale, h->q + (size_t)i0 * d, d, kc, d, 0.0f, w->Z,
@@ -569,16 +726,29 @@ kf_status kf_kept_normal_build(const kf_am_head *h, const kf_am_targets *tg, con
         kept_tile(tg->m + i0, tg->y + i0, tg->Y + (size_t)i0 * d, n, t, d, w, bn, drop, i0 == 0);
     }
     kf_gram_tiles_free(&own);
-    if (!ok) {
-        kf_beta_normal_free(bn);
-        kf_value_gram_free(drop);
+    if (ws)
+        kf_ws_reset(ws, mark);
+    if (!ok)
         return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the kept keys' normal equations (R %d, t %d)", R, t);
-    }
     for (int r = 0; r < t; r++)
         for (int c = 0; c < r; c++)
             bn->G[(size_t)r * t + c] = bn->G[(size_t)c * t + r];
     gram_finish(drop);
     return KF_OK;
+}
+
+kf_status kf_kept_normal_build(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
+                               kf_gram_tiles *tiles, kf_beta_normal *bn, kf_value_gram *drop, kf_ws *ws,
+                               kf_error *err) {
+    if (kf_kept_normal_alloc(bn, drop, h->be, t, h->d, ws) != 0)
+        return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the kept keys' normal equations (R %d, t %d)", h->R,
+                       t);
+    const kf_status rc = kf_kept_normal_fill(h, tg, kc, t, tiles, bn, drop, ws, err);
+    if (rc != KF_OK) {
+        kf_beta_normal_free(bn);
+        kf_value_gram_free(drop);
+    }
+    return rc;
 }
 
 void kf_value_gram_add(kf_value_gram *acc, const kf_value_gram *part) {
@@ -594,10 +764,14 @@ void kf_value_gram_add(kf_value_gram *acc, const kf_value_gram *part) {
 
 kf_status kf_am_fit_values_ridge(const kf_backend *be, const float *q, int R, int d, float scale, const float *keys,
                                  size_t key_stride, const float *beta, int t, const float *Y, double alpha,
-                                 const float *v0, size_t v0_stride, float *values, kf_am_stats *stats, kf_error *err) {
+                                 const float *v0, size_t v0_stride, float *values, kf_am_stats *stats, kf_ws *ws,
+                                 kf_error *err) {
     kf_value_gram g;
-    KF_TRY(kf_value_gram_build(be, q, R, d, scale, keys, key_stride, beta, t, Y, &g, err));
+    const size_t mark = ws ? kf_ws_mark(ws) : 0;
+    KF_TRY(kf_value_gram_build(be, q, R, d, scale, keys, key_stride, beta, t, Y, &g, ws, err));
     kf_status rc = kf_value_gram_solve(&g, alpha, v0, v0_stride, values, stats, err);
     kf_value_gram_free(&g);
+    if (ws)
+        kf_ws_reset(ws, mark);
     return rc;
 }

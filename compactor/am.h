@@ -30,7 +30,7 @@
 
 #include <stdint.h>
 
-#include "formats/error.h"
+#include "kernels/base/error.h"
 #include "kernels/backend.h"
 
 typedef enum { KF_SCORE_RMS = 0, KF_SCORE_MEAN = 1 } kf_score_method;
@@ -68,18 +68,31 @@ typedef struct {
     int beta_restarts;   /* beta fits whose clamped least-squares start fitted worse than w = 1 */
 } kf_am_stats;
 
+/* Scratch: every function below that takes a kf_ws carves its buffers from it (kernels/workspace.h)
+ * and returns it as it found it, except for the buffers of the results it fills (normal equations,
+ * covariances, targets: in_ws); NULL: a block of its own (results on the heap, as before). The
+ * *_bytes functions beside them say how many bytes of workspace they take for given shapes. */
+
 kf_status kf_am_targets_compute(const kf_am_head *h, kf_score_method method, kf_am_targets *out, kf_error *err);
+/* The same with out's buffers and the scratch from ws (kf_am_targets_ws_bytes): out's stay in ws,
+ * freed with it (never by kf_am_targets_free). */
+kf_status kf_am_targets_compute_ws(const kf_am_head *h, kf_score_method method, kf_am_targets *out, kf_ws *ws,
+                                   kf_error *err);
+int64_t kf_am_targets_bytes(int R, int T, int d);    /* the results m, y, Y, score */
+int64_t kf_am_targets_ws_bytes(int R, int T, int d); /* the results and the scratch */
 void kf_am_targets_free(kf_am_targets *t);
 
 /* sel[t]: indices of the t highest scores, ascending. */
-kf_status kf_am_select(const float *score, int T, int t, int32_t *sel, kf_error *err);
+kf_status kf_am_select(const float *score, int T, int t, int32_t *sel, kf_ws *ws, kf_error *err);
+int64_t kf_am_select_bytes(int T);
 
 /* beta[t] for the kept keys sel (AM's mass matching), fitted on the first h->R rows of the
  * targets; kf_am_fit_beta is the reference fit (KF_BETA_AM). */
 kf_status kf_am_fit_beta(const kf_am_head *h, const kf_am_targets *tg, const int32_t *sel, int t, uint64_t seed,
                          float *beta, kf_am_stats *stats, kf_error *err);
 kf_status kf_am_fit_beta_ex(const kf_am_head *h, const kf_am_targets *tg, const int32_t *sel, int t, uint64_t seed,
-                            kf_beta_fit fit, float *beta, kf_am_stats *stats, kf_error *err);
+                            kf_beta_fit fit, float *beta, kf_am_stats *stats, kf_ws *ws, kf_error *err);
+int64_t kf_am_fit_beta_bytes(int t, int d);
 
 /* The beta fit in two halves (work shared between the per-head choice and the refit):
  * its fp64 normal equations over the kept keys kc [t, d] (contiguous) on the first h->R rows,
@@ -92,12 +105,16 @@ typedef struct {
     double yy;
     int t;
     const kf_backend *be; /* the builder's h->be: the fit's solves run on it */
+    int in_ws;            /* 1: G and b are a workspace's */
 } kf_beta_normal;
 kf_status kf_beta_normal_build(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
-                               kf_beta_normal *out, kf_error *err);
+                               kf_beta_normal *out, kf_ws *ws, kf_error *err);
+int64_t kf_beta_normal_bytes(int t);       /* G and b */
+int64_t kf_beta_normal_build_bytes(int t); /* G, b and the build's row tiles */
 void kf_beta_normal_add(kf_beta_normal *acc, const kf_beta_normal *part);
 kf_status kf_am_fit_beta_normal(const kf_beta_normal *ne, uint64_t seed, kf_beta_fit fit, float *beta,
-                                kf_am_stats *stats, kf_error *err);
+                                kf_am_stats *stats, kf_ws *ws, kf_error *err);
+int64_t kf_am_fit_beta_normal_bytes(int t);
 void kf_beta_normal_free(kf_beta_normal *ne);
 
 /* Box-constrained least squares from its normal equations: w = argmin w^T G w / 2 - b^T w with
@@ -120,7 +137,8 @@ kf_status kf_am_fit_values(const kf_backend *be, const float *q, int R, int d, f
  * kf_am_fit_values' QR: one exponential pass and tiles instead of an R x t QR). */
 kf_status kf_am_fit_values_ridge(const kf_backend *be, const float *q, int R, int d, float scale, const float *keys,
                                  size_t key_stride, const float *beta, int t, const float *Y, double alpha,
-                                 const float *v0, size_t v0_stride, float *values, kf_am_stats *stats, kf_error *err);
+                                 const float *v0, size_t v0_stride, float *values, kf_am_stats *stats, kf_ws *ws,
+                                 kf_error *err); /* ws: kf_value_gram_build_bytes */
 
 /* The normal equations of one value refit, built once and solved for several alphas (the per-head
  * choice). G = X^T X [t, t] (full), B = X^T Y [t, d], fp64, accumulated over tiles of rows (X is never
@@ -131,6 +149,7 @@ typedef struct {
     int t, d;
     double *A, *Bs; /* [t, t], [t, d] the solves' scratch (one solve at a time per gram) */
     const kf_backend *be; /* the builder's: the solves run on it */
+    int in_ws;            /* 1: the buffers are a workspace's */
 } kf_value_gram;
 
 /* The row tiles the normal equations are built over, allocated once for up to t keys and reused
@@ -140,20 +159,24 @@ typedef struct {
     float *X;        /* [256, t] the weights */
     double *Xd, *Yd; /* [256, t], [256, max(d, 1)] their fp64 copies, and the targets' */
     int t, d;
+    int in_ws; /* 1: the buffers are a workspace's */
 } kf_gram_tiles;
 /* 0, or -1 when out of memory (nothing left allocated); logits: also Z. */
-int kf_gram_tiles_alloc(kf_gram_tiles *w, int t, int d, int logits);
+int kf_gram_tiles_alloc(kf_gram_tiles *w, int t, int d, int logits, kf_ws *ws);
+int64_t kf_gram_tiles_bytes(int t, int d, int logits);
 void kf_gram_tiles_free(kf_gram_tiles *w);
 
 /* g's buffers for t keys, head_dim d: G, B zeroed, the solves' scratch; 0, or -1 when out of memory. */
-int kf_value_gram_alloc(kf_value_gram *g, const kf_backend *be, int t, int d);
+int kf_value_gram_alloc(kf_value_gram *g, const kf_backend *be, int t, int d, kf_ws *ws);
+int64_t kf_value_gram_bytes(int t, int d);
 /* kf_value_gram_build into g (allocated for t = g->t keys, its contents replaced) with the tiles w
  * (for at least t keys): the same bits, nothing allocated. */
 void kf_value_gram_rebuild(const float *q, int R, float scale, const float *keys, size_t key_stride,
                            const float *beta, const float *Y, kf_gram_tiles *w, kf_value_gram *g);
 kf_status kf_value_gram_build(const kf_backend *be, const float *q, int R, int d, float scale, const float *keys,
                               size_t key_stride, const float *beta, int t, const float *Y, kf_value_gram *out,
-                              kf_error *err);
+                              kf_ws *ws, kf_error *err);
+int64_t kf_value_gram_build_bytes(int t, int d); /* the gram and its row tiles */
 /* mu = max(alpha, 1e-6) * tr / t (the floor is the least-squares fallback's safety ridge). */
 kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float *v0, size_t v0_stride, float *values,
                               kf_am_stats *stats, kf_error *err);
@@ -162,7 +185,14 @@ kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float 
  * (kf_beta_normal_build, kf_value_gram_build with beta NULL). tiles: with logits, for at least t
  * keys, or NULL (its own). */
 kf_status kf_kept_normal_build(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
-                               kf_gram_tiles *tiles, kf_beta_normal *bn, kf_value_gram *drop, kf_error *err);
+                               kf_gram_tiles *tiles, kf_beta_normal *bn, kf_value_gram *drop, kf_ws *ws, kf_error *err);
+int64_t kf_kept_normal_build_bytes(int t, int d, int own_tiles);
+/* kf_kept_normal_build in two steps, so that a caller can take the results' buffers from a
+ * workspace before its own scratch (the per-head choice keeps them for the refit): bn, drop
+ * allocated zeroed for t keys (0, or -1 when out of memory, nothing left), then filled. */
+int kf_kept_normal_alloc(kf_beta_normal *bn, kf_value_gram *drop, const kf_backend *be, int t, int d, kf_ws *ws);
+kf_status kf_kept_normal_fill(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
+                              kf_gram_tiles *tiles, kf_beta_normal *bn, kf_value_gram *drop, kf_ws *ws, kf_error *err);
 /* acc += part (the same keys and bias on another set of rows: training + validation = all). */
 void kf_value_gram_add(kf_value_gram *acc, const kf_value_gram *part);
 void kf_value_gram_free(kf_value_gram *g);

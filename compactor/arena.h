@@ -29,7 +29,7 @@
 
 #include <stdint.h>
 
-#include "formats/error.h"
+#include "kernels/base/error.h"
 #include "kernels/backend.h"
 
 typedef struct {

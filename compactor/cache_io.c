@@ -3,30 +3,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-kvf_method kf_method_to_kvf(kf_method m) {
-    switch (m) {
-    case KF_METHOD_KEEP: return KVF_METHOD_KEEP;
-    case KF_METHOD_DROP: return KVF_METHOD_DROP;
-    case KF_METHOD_AM: return KVF_METHOD_AM;
-    default: return KVF_METHOD_FOLD;
-    }
-}
-
-kf_method kf_method_from_kvf(kvf_method m) {
-    switch (m) {
-    case KVF_METHOD_KEEP: return KF_METHOD_KEEP;
-    case KVF_METHOD_DROP: return KF_METHOD_DROP;
-    case KVF_METHOD_AM: return KF_METHOD_AM;
-    default: return KF_METHOD_FOLD;
-    }
-}
-
 void kf_compacted_to_kvf(const kf_compacted *c, kvf_cache *out) {
     memset(out, 0, sizeof *out);
     kvf_header_init(&out->hdr);
     out->hdr.n_doc_tokens = c->D;
     out->hdr.n_tokens = c->C;
-    out->hdr.method = kf_method_to_kvf(c->method);
+    out->hdr.method = c->method;
     out->hdr.budget = c->budget;
     out->hdr.lambda = c->method == KF_METHOD_FOLD ? c->lambda_rel : 0;
     out->hdr.rope_frame = c->rotated ? KVF_FRAME_COMPACTED : KVF_FRAME_ORIGINAL;
@@ -38,10 +20,7 @@ void kf_compacted_to_kvf(const kf_compacted *c, kvf_cache *out) {
     out->beta = c->beta;
     out->u = c->u;
     out->positions = c->positions;
-    /* kf_method and kvf_method number the methods alike: the per-head bytes pass as they are */
-    _Static_assert(KF_METHOD_KEEP == (int)KVF_METHOD_KEEP && KF_METHOD_DROP == (int)KVF_METHOD_DROP &&
-                       KF_METHOD_AM == (int)KVF_METHOD_AM && KF_METHOD_FOLD == (int)KVF_METHOD_FOLD,
-                   "kf_method and kvf_method differ");
+    /* a head_method byte is the head's kf_method (formats/kvf.h) */
     out->head_method = c->head_method;
 }
 
@@ -51,7 +30,7 @@ static kf_status load_layers(kvf_file *f, kf_compacted *out, kf_error *err) {
     const kvf_header *h = kvf_file_header(f);
     const size_t per_layer = (size_t)h->n_tokens * (size_t)h->kv_heads * (size_t)h->head_dim;
     const size_t HC = (size_t)h->kv_heads * (size_t)h->n_tokens, HD = (size_t)h->kv_heads * (size_t)h->head_dim;
-    void *kraw = malloc(per_layer * kvf_dtype_size(h->dtype)), *vraw = malloc(per_layer * kvf_dtype_size(h->dtype));
+    void *kraw = malloc(per_layer * kf_dtype_size(h->dtype)), *vraw = malloc(per_layer * kf_dtype_size(h->dtype));
     kf_status rc = KF_OK;
     if (!kraw || !vraw)
         rc = kf_fail(err, KF_ERR_NOMEM, "%s: out of memory for a layer", kvf_file_path(f));
@@ -59,8 +38,8 @@ static kf_status load_layers(kvf_file *f, kf_compacted *out, kf_error *err) {
         rc = kvf_read_layer_all(f, l, kraw, vraw, out->beta + (size_t)l * HC, out->u + (size_t)l * HD,
                                 out->positions + (size_t)l * HC, out->head_method + (size_t)l * h->kv_heads, err);
         if (rc == KF_OK) {
-            kvf_to_f32(h->dtype, kraw, out->keys + (size_t)l * per_layer, per_layer);
-            kvf_to_f32(h->dtype, vraw, out->values + (size_t)l * per_layer, per_layer);
+            kf_convert_to_f32(out->keys + (size_t)l * per_layer, kraw, h->dtype, per_layer);
+            kf_convert_to_f32(out->values + (size_t)l * per_layer, vraw, h->dtype, per_layer);
         }
     }
     free(kraw);
@@ -80,7 +59,7 @@ kf_status kf_compacted_load(kvf_file *f, kf_compacted *out, kf_error *err) {
     out->D = h->n_doc_tokens;
     out->C = C;
     out->t = C;
-    out->method = kf_method_from_kvf(h->method);
+    out->method = h->method;
     out->budget = h->budget;
     out->lambda_rel = h->lambda;
     out->rotated = h->rope_frame == KVF_FRAME_COMPACTED;

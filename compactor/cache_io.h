@@ -5,10 +5,6 @@
 #include "compactor/compact.h"
 #include "formats/kvf.h"
 
-/* The file's method for a compaction method and back (same names: keep, drop, am, fold). */
-kvf_method kf_method_to_kvf(kf_method m);
-kf_method kf_method_from_kvf(kvf_method m);
-
 /* A kvf_cache pointing into c's buffers (fp32; kvf_write converts to out->hdr.dtype): shape, D, C,
  * method, budget, lambda (fold only), rope frame, per-head methods. The caller fills the identity
  * (model fingerprint, tokenizer digest, document digest, recipe digest) and may change the dtype

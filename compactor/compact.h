@@ -32,9 +32,9 @@
 #include "compactor/diag.h"
 #include "compactor/model.h"
 #include "compactor/progress.h"
-#include "formats/error.h"
+#include "kernels/base/error.h"
+#include "kernels/base/method.h"
 
-typedef enum { KF_METHOD_KEEP = 0, KF_METHOD_DROP = 1, KF_METHOD_AM = 2, KF_METHOD_FOLD = 3 } kf_method;
 typedef enum { KF_FOLD_ON_ALL = 0, KF_FOLD_ON_PROBES = 1 } kf_fold_queries;
 /* What the Tikhonov term of a value refit pulls towards: zero, or the kept keys' original values. */
 typedef enum { KF_RIDGE_TO_ZERO = 0, KF_RIDGE_TO_ORIG = 1 } kf_ridge_target;
@@ -48,10 +48,6 @@ typedef enum { KF_RIDGE_TO_ZERO = 0, KF_RIDGE_TO_ORIG = 1 } kf_ridge_target;
  * 1 + choice_margin. The winner is refitted on all the queries (refit_all).
  * Why: docs/decisions/per-head-choice.md. */
 typedef enum { KF_CHOICE_DEFAULT = -1, KF_CHOICE_OFF = 0, KF_CHOICE_ON = 1 } kf_head_choice;
-
-const char *kf_method_name(kf_method m);
-/* 0 on success, -1 for an unknown name. */
-int kf_method_parse(const char *name, kf_method *out);
 
 typedef struct {
     const int32_t *ids;
@@ -134,6 +130,8 @@ typedef struct {
     int heads_by_method[4];     /* (layer, KV head) pairs compacted with each kf_method */
     int heads_ridged;           /* heads whose value refit has a Tikhonov term (alpha > 0) */
     int64_t n_val_queries;      /* validation rows per KV head held out for the per-head choice */
+    int64_t ws_bytes, ws_peak;  /* each head workspace's bytes (the memory formula's ws; one per head in
+                                   flight) and the most any head used of one */
     kf_am_stats solver;
 } kf_compact_stats;
 
@@ -200,12 +198,15 @@ void kf_choice_fits_free(kf_choice_fits *f);
  * kept keys kc [t, d] (contiguous, no bias); the caller then fits from them (kf_am_fit_beta_normal,
  * kf_value_gram_solve). KF_ERR_INVALID when those normal equations were not kept. */
 kf_status kf_choice_refit_add(kf_choice_fits *f, int beta, const kf_am_head *parts, const kf_am_targets *tgs,
-                              int n_parts, const float *kc, int t, kf_error *err);
+                              int n_parts, const float *kc, int t, kf_ws *ws, kf_error *err);
 
-/* keep: NULL, or receives what the refit can reuse (freed by the caller, also on failure). */
+/* keep: NULL, or receives what the refit can reuse (freed by the caller, also on failure).
+ * ws: every buffer from it (val's too: kf_val_head_init_targets with a workspace sized for t keys);
+ * given back on return, except with keep, whose fits stay in it (above the choice's own buffers)
+ * until the caller resets it. NULL: the heap (kf_choice_refit_add likewise). */
 kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *train, const kf_am_targets *train_tg,
                          const int32_t *sel, int t, const float *kc, const float *vo, kf_val_head *val, uint64_t seed,
-                         kf_head_pick *best, kf_choice_fits *keep, kf_error *err);
+                         kf_head_pick *best, kf_choice_fits *keep, kf_ws *ws, kf_error *err);
 
 /* The full context is prefix + doc + suffix (prefix/suffix may be empty: n = 0). */
 kf_status kf_compact(kf_model *m, const kf_prompt *prefix, const kf_prompt *doc, const kf_prompt *suffix,
@@ -336,29 +337,16 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *           + n (8 t + 16 t d                      per thread (thread_init): the kept keys' buffers
  *                + [probes] 4 R d                 the probe rows (fold_queries on probes)
  *                + [choice] 8 R (d + 1) + 20 Rv)  the training/validation split
- *           + h (4 R (d + 2) + 4 T                per head in flight: AM's targets (m, y, Y), scores
- *                                                 ([fused]: 4 T, the scores; m, y, Y are the pool's)
- *                + [bf16] 4 R d                   the head's rows widened to fp32
- *                + [choice] 40 Rv + 12 Rv d + 8 d + 4 max(Rv t, 64 S)
- *                                                 the validation head: outputs, weights, and the
- *                                                 attention weights of a candidate (or appended tile)
- *                + max(ws, 1032 T, [choice] 16 Rv + 512 d,
- *                      [fused] 8 T + [Ru > 0] (4 Ru (2 d + 2) + 1036 T))
- *                                                 the fits, the targets' or the appended blocks' tiles;
- *                                                 fused: the score sums, the Ru unfused rows' queries,
- *                                                 targets and tiles
+ *           + h ws                                per head in flight: its workspace, everything it holds
  *   output  = L C (8 KD + 8 kvh) + L kvh (4 d + 9) the compacted cache
  *   base    = 32 MiB                              binary, libraries, OpenBLAS (about 25 MB here)
  *
- * ws, the fits' peak (fp64 normal equations of t x t and t x d, built in 256-row tiles: no term in
- * R): with the choice, max(40 t^2 + 40 t d + 4108 t + 2060 d + 8 d^2, 16 t^2 + 24 t d + 4100 t +
- * 10252 d + 8 d^2, 24 t^2 + 16 t d + 8 t + 8200 d + 16 d^2) (kf_choose_head's fold candidate: its
- * buffers for the head (the candidates' value normal equations and row tiles, logits included,
- * reused by every candidate), beta's and drop's normal equations kept for the refit, the fold's
- * covariance; or those buffers while the covariance is computed, before the kept ones; or the
- * final fold direction over all R rows beside the kept ones); without it,
- * max(16 t^2 + 16 t d + 3080 t + 2048 d, 16 d^2 + 8200 d) (one refit's normal equations, or the
- * fold direction).
+ * ws (kf_compact_head_ws_bytes) is the declared size of each workspace (one per head in flight),
+ * from which the heads carve every buffer (nothing on the per-head path calls malloc): a head's widened bf16 rows,
+ * its targets (fused: the scores), the validation head; then the largest of the targets' scratch
+ * and one variant's selection or its choice (the candidates' buffers, the normal equations kept for
+ * the refit, the fold's covariance) plus its largest fit step. Each term is the sizing function of
+ * its consumer (compactor/am.h, fold.h, diag.h: kf_ws_bytes of each buffer, 64-byte aligned).
  * Without the per-head choice the [choice] terms are 0. Several variants in one kf_compact_solve
  * add an output each (a thread's buffers are sized for the largest t; a head runs its variants in
  * turn). QUOKA prefill, the GPU backend and a caller's arena
@@ -378,7 +366,7 @@ typedef struct {
     int solve_threads;    /* n: the solve's threads (the backend's; per-thread buffers) */
     int solve_heads;      /* h: KV heads solved at once, min(n, kvh) */
     int fold_on_probes;   /* fold_queries = KF_FOLD_ON_PROBES (a probe-row buffer per thread) */
-    int64_t head_ws;      /* ws: bytes of one head's fits (kf_compact_head_ws_bytes) */
+    int64_t head_ws;      /* ws: bytes of one head's workspace (kf_compact_head_ws_bytes) */
     int fused;            /* the source forwards fuse AM's targets (the targets term) */
     int64_t Ru;           /* fused: the rows per KV head whose targets the solve computes (the context's own,
                              a QUOKA repeat's) */
@@ -389,8 +377,10 @@ typedef struct {
     int64_t targets;
 } kf_mem_peak;
 
-/* ws of the formula for t kept keys, head_dim d, with (choice 1) or without the per-head choice. */
-int64_t kf_compact_head_ws_bytes(int64_t t, int d, int choice);
+/* ws: the bytes of one head's workspace (kernels/workspace.h) for the shape s and head_dim d: what a
+ * head carves from it, composed of the sizing functions beside each consumer (am.h, fold.h, diag.h).
+ * The solve sizes its workspaces (one per head in flight) with it, once per job. */
+int64_t kf_compact_head_ws_bytes(const kf_mem_shape *s, int d);
 /* The shape kf_compact runs for model c, parameters p (method and budget included) and a context
  * of n_pre + n_doc + n_suf tokens; Rv and Rc estimated for the expected shares of the sampled rows.
  * The CPU backend's pool of attn_threads threads also runs the solve: n = attn_threads. */

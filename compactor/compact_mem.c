@@ -2,6 +2,7 @@
 #include <math.h>
 
 #include "compactor/compact.h"
+#include "compactor/fold.h"
 #include "compactor/refq_targets.h"
 #include "kernels/cpu/cpu_kernels.h"
 
@@ -9,14 +10,55 @@ static int64_t max64(int64_t a, int64_t b) {
     return a > b ? a : b;
 }
 
-int64_t kf_compact_head_ws_bytes(int64_t t, int d64, int choice) {
-    const int64_t d = d64;
-    if (choice) /* try_folds' (or am's try_alphas) peak; the choice's fold covariance before the kept fits;
-                 * the fold direction on all rows beside the kept fits */
-        return max64(max64(40 * t * t + 40 * t * d + 4108 * t + 2060 * d + 8 * d * d,
-                           16 * t * t + 24 * t * d + 4100 * t + 10252 * d + 8 * d * d),
-                     24 * t * t + 16 * t * d + 8 * t + 8200 * d + 16 * d * d);
-    return max64(16 * t * t + 16 * t * d + 3080 * t + 2048 * d, 16 * d * d + 8200 * d);
+/* The per-head choice: the normal equations it keeps for the refit (beta's and drop's), then its
+ * own buffers (beta, u, a candidate's keys and values, the row tiles with logits, the candidates'
+ * value normal equations, the fold's covariance) beside its largest step (the covariance's row
+ * tiles, beta's fit, a fold direction); its own are given back before the refit. */
+static int64_t choice_kept_bytes(int t, int d) {
+    return kf_beta_normal_bytes(t) + kf_value_gram_bytes(t, d);
+}
+
+static int64_t choice_own_bytes(int t, int d) {
+    const int64_t bufs = kf_ws_bytes(t, 4) + kf_ws_bytes(d, 4) + 2 * kf_ws_bytes((int64_t)t * d, 4) +
+                         kf_gram_tiles_bytes(t, d, 1) + kf_value_gram_bytes(t, d) + kf_fold_cov_bytes(d);
+    int64_t step = kf_fold_cov_compute_bytes(d) - kf_fold_cov_bytes(d);
+    step = kf_ws_max(step, kf_am_fit_beta_normal_bytes(t));
+    return bufs + kf_ws_max(step, kf_fold_direction_cov_bytes(d));
+}
+
+/* The largest step of the final fits: a refit part of beta's or of the values' normal equations,
+ * beta's fit with or without the kept normal equations, the fold direction, the values' normal
+ * equations. */
+static int64_t fit_step_bytes(int t, int d) {
+    int64_t most = kf_beta_normal_build_bytes(t);
+    most = kf_ws_max(most, kf_am_fit_beta_normal_bytes(t));
+    most = kf_ws_max(most, kf_am_fit_beta_bytes(t, d));
+    most = kf_ws_max(most, kf_fold_direction_bytes(d));
+    return kf_ws_max(most, kf_value_gram_build_bytes(t, d));
+}
+
+int64_t kf_compact_head_ws_bytes(const kf_mem_shape *s, int d) {
+    const int64_t T = s->T, R = s->R, t = s->t > 0 ? s->t : 1;
+    /* held for the head: its rows widened from bf16, its targets (fused: the scores alone, m, y, Y
+     * being the pool's), the validation head (candidates of up to t keys) */
+    const int64_t head = (s->refq_bf16 ? kf_ws_bytes(R * d, 4) : 0) +
+                         (s->fused ? kf_ws_bytes(T, 4) : kf_am_targets_bytes((int)R, (int)T, d)) +
+                         (s->choice ? kf_val_head_bytes((int)s->Rv, d, (int)t, (int)s->S) : 0);
+    /* while the targets are computed: fused, the score sums and the unfused rows' queries and
+     * targets; else the targets' scratch */
+    const int64_t targets =
+        s->fused ? kf_ws_bytes(T, 8) + (s->Ru > 0 ? kf_ws_bytes(s->Ru * d, 4) +
+                                                         kf_am_targets_ws_bytes((int)s->Ru, (int)T, d)
+                                                   : 0)
+                 : kf_am_targets_ws_bytes((int)R, (int)T, d) - kf_am_targets_bytes((int)R, (int)T, d);
+    /* then each variant in turn: the selection, then the choice (what it keeps for the refit, beside
+     * its own buffers, then beside the final fits' largest step) or the final fits alone */
+    const int tt = (int)t;
+    const int64_t fits = s->choice ? choice_kept_bytes(tt, d) +
+                                         kf_ws_max(choice_own_bytes(tt, d), fit_step_bytes(tt, d))
+                                   : fit_step_bytes(tt, d);
+    const int64_t variant = kf_ws_max(kf_am_select_bytes((int)T), fits);
+    return head + kf_ws_max(targets, variant);
 }
 
 static int64_t pg(int64_t n) {
@@ -59,13 +101,13 @@ void kf_compact_mem_shape(const kf_hfconfig *c, const kf_compact_params *p, int6
     if (choice)
         out->Rv = (int64_t)G * (int64_t)llround(p->val_frac * elig);
     out->solve_heads = attn_threads < c->n_kv_heads ? attn_threads : c->n_kv_heads;
-    out->head_ws = kf_compact_head_ws_bytes(t, c->head_dim, choice);
     const int quoka_repeat = p->quoka && p->quoka_repeat && p->quoka->mode == KF_PREFILL_QUOKA;
-    out->fused = probes > 0 || (repeat > 0 && !quoka_repeat); /* compact.c's targets_init */
+    out->fused = probes > 0 || (repeat > 0 && !quoka_repeat); /* sources.c's kf_sources_targets_init */
     if (out->fused) /* the rows the solve still computes targets for: the context's, a QUOKA repeat's */
         out->Ru = out->Rc + (quoka_repeat && n_cand > 0
                                  ? (int64_t)G * (int64_t)llround((double)n_pos * (double)repeat / (double)n_cand)
                                  : 0);
+    out->head_ws = kf_compact_head_ws_bytes(out, c->head_dim);
 }
 
 /* bf16 weights: the GEMMs' tile of widened rows, the largest over the model's (N, K) shapes. */
@@ -120,12 +162,8 @@ int64_t kf_compact_peak_bytes(const kf_hfconfig *c, const kf_mem_shape *s, kf_me
         m.forward += widen_tile_bytes(c) + 4 * H;
     const int64_t thread = 8 * t + 16 * t * d + (s->fold_on_probes ? 4 * R * d : 0) +
                            (s->choice ? 8 * R * (d + 1) + 20 * Rv : 0);
-    const int64_t Ru = s->Ru, unfused = s->fused ? 8 * T + (Ru > 0 ? 4 * Ru * (2 * d + 2) + 1036 * T : 0) : 0;
-    const int64_t fits = max64(max64(max64(s->head_ws, 1032 * T), s->choice ? 16 * Rv + 512 * d : 0), unfused);
-    const int64_t head = (s->fused ? 4 * T : 4 * R * (d + 2) + 4 * T) + (s->refq_bf16 ? 4 * R * d : 0) +
-                         (s->choice ? 40 * Rv + 12 * Rv * d + 8 * d + 4 * max64(Rv * t, 64 * s->S) : 0) + fits;
     m.solve = 8 * s->D * KD + (s->choice ? 8 * (s->S + s->P) * KD + 8 * R : 0) + (int64_t)s->solve_threads * thread +
-              (int64_t)s->solve_heads * head;
+              (int64_t)s->solve_heads * s->head_ws;
     const int64_t C = s->D - T + t;
     m.output = L * C * (8 * KD + 8 * kvh) + L * kvh * (4 * d + 9);
     m.base = 32 << 20;

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "kernels/backend.h"
+#include "kernels/sort.h"
 
 /* Unnormalised attention over the first n keys of one block for one query, in fp64: returns the
  * block's LSE and (acc not NULL) adds exp(z - ref) * v into acc and exp(z - ref) into *mass, ref a
@@ -117,6 +118,10 @@ kf_status kf_diag_head(const float *q, int R, int d, float scale, const kf_kv_bl
 }
 
 void kf_val_head_free(kf_val_head *v) {
+    if (v->in_ws) {
+        memset(v, 0, sizeof *v);
+        return;
+    }
     free(v->w);
     free(v->lse_a);
     free(v->o_a);
@@ -134,6 +139,8 @@ void kf_val_head_free(kf_val_head *v) {
 static int z_reserve(kf_val_head *v, size_t rows, size_t nk) {
     if (rows * nk <= v->z_cap)
         return 0;
+    if (v->in_ws) /* a workspace's Z has the size its init was given */
+        return -1;
     float *z = realloc(v->Z, sizeof(float) * rows * nk);
     if (!z)
         return -1;
@@ -221,12 +228,19 @@ static void appended_attend(kf_val_head *v, const app_row *r, int nr, float *qt,
     }
 }
 
-/* lse_a and o_a of every row: the rows grouped by appended block, each group attended in tiles. */
-static int appended_all(kf_val_head *v, const kf_kv_block *const *app, const int *visible) {
+static int64_t appended_bytes(int n, int d) {
+    return 2 * kf_ws_bytes(n, sizeof(app_row)) + 2 * kf_ws_bytes((int64_t)APP_TILE * d, sizeof(float));
+}
+
+/* lse_a and o_a of every row: the rows grouped by appended block, each group attended in tiles;
+ * the scratch from ws (appended_bytes). */
+static int appended_all(kf_val_head *v, const kf_kv_block *const *app, const int *visible, kf_ws *ws) {
     const int n = v->n, d = v->d;
-    app_row *r = malloc(sizeof *r * (size_t)(n ? n : 1));
-    float *qt = malloc(sizeof(float) * APP_TILE * (size_t)d), *ot = malloc(sizeof(float) * APP_TILE * (size_t)d);
-    int nr = 0, rc = r && qt && ot ? 0 : -1;
+    const size_t mark = kf_ws_mark(ws);
+    app_row *r = kf_ws_alloc(ws, n, sizeof *r), *tmp = kf_ws_alloc(ws, n, sizeof *r); /* [n] rows, the sort's */
+    float *qt = kf_ws_alloc(ws, (int64_t)APP_TILE * d, sizeof(float));
+    float *ot = kf_ws_alloc(ws, (int64_t)APP_TILE * d, sizeof(float)); /* [APP_TILE, d] */
+    int nr = 0, rc = r && tmp && qt && ot ? 0 : -1;
     for (int i = 0; i < n && rc == 0; i++) {
         const kf_kv_block *a = app ? app[i] : NULL;
         const int na = a ? (visible ? visible[i] : a->n) : 0;
@@ -235,7 +249,7 @@ static int appended_all(kf_val_head *v, const kf_kv_block *const *app, const int
             r[nr++] = (app_row){a, na, i};
     }
     if (rc == 0)
-        qsort(r, (size_t)nr, sizeof *r, by_block_then_visible);
+        kf_sort(r, (size_t)nr, sizeof *r, by_block_then_visible, tmp);
     for (int g0 = 0, g1; rc == 0 && g0 < nr; g0 = g1) {
         for (g1 = g0; g1 < nr && r[g1].a == r[g0].a; g1++)
             ;
@@ -243,7 +257,7 @@ static int appended_all(kf_val_head *v, const kf_kv_block *const *app, const int
         if (rc == 0)
             appended_attend(v, r + g0, g1 - g0, qt, ot);
     }
-    free(r), free(qt), free(ot);
+    kf_ws_reset(ws, mark);
     return rc;
 }
 
@@ -274,12 +288,66 @@ static int original_all(kf_val_head *v, const kf_kv_block *orig) {
     return 0;
 }
 
-/* The head's buffers, weights and appended blocks (what both initialisations share). */
+/* The rows' weights w [n] (NULL: uniform), normalised. */
+static void val_weights(kf_val_head *v, const double *w) {
+    double wsum = 0;
+    for (int i = 0; i < v->n; i++)
+        wsum += (v->w[i] = w ? w[i] : 1.0);
+    for (int i = 0; i < v->n; i++)
+        v->w[i] = wsum > 0 ? v->w[i] / wsum : 0;
+}
+
+/* The head's buffers from ws, Z for z_cap floats (in_ws); 0 or -1. */
+static int val_head_carve(kf_val_head *v, int64_t z_cap, kf_ws *ws) {
+    const int64_t n1 = v->n ? v->n : 1, d = v->d;
+    v->in_ws = 1;
+    v->w = kf_ws_alloc(ws, n1, sizeof(double));
+    v->lse_a = kf_ws_alloc(ws, n1, sizeof(double));
+    v->o_a = kf_ws_zalloc(ws, n1 * d, sizeof(float));
+    v->o_full = kf_ws_alloc(ws, n1 * d, sizeof(float));
+    v->lse_b = kf_ws_alloc(ws, n1, sizeof(double));
+    v->wa = kf_ws_alloc(ws, n1, sizeof(double));
+    v->den = kf_ws_alloc(ws, n1, sizeof(double));
+    v->o_b = kf_ws_alloc(ws, n1 * d, sizeof(float));
+    v->tmp = kf_ws_alloc(ws, d, sizeof(double));
+    v->Z = kf_ws_alloc(ws, z_cap, sizeof(float));
+    v->z_cap = (size_t)z_cap;
+    return v->w && v->lse_a && v->o_a && v->o_full && v->lse_b && v->wa && v->den && v->o_b && v->tmp && v->Z ? 0
+                                                                                                              : -1;
+}
+
+/* The most keys of an appended block a row sees. */
+static int max_visible(int n, const kf_kv_block *const *app, const int *visible) {
+    int most = 0;
+    for (int i = 0; i < n; i++) {
+        const int na = app && app[i] ? (visible ? visible[i] : app[i]->n) : 0;
+        most = na > most ? na : most;
+    }
+    return most;
+}
+
+int64_t kf_val_head_bytes(int n, int d, int max_keys, int max_vis) {
+    const int64_t n1 = n ? n : 1;
+    const int64_t z = kf_ws_max(n1 * max_keys, (int64_t)APP_TILE * max_vis);
+    return 5 * kf_ws_bytes(n1, sizeof(double)) + 3 * kf_ws_bytes(n1 * d, sizeof(float)) +
+           kf_ws_bytes(d, sizeof(double)) + kf_ws_bytes(z, sizeof(float)) + appended_bytes(n, d);
+}
+
+/* The head's buffers, weights and appended blocks (what both initialisations share): from ws with
+ * Z for max_keys keys, or (ws NULL) from the heap, Z grown as needed. */
 static int val_head_common(kf_val_head *v, const kf_backend *be, const float *q, int n, int d, float scale,
-                           const double *w, const kf_kv_block *const *app, const int *visible) {
+                           const double *w, const kf_kv_block *const *app, const int *visible, int max_keys,
+                           kf_ws *ws) {
     memset(v, 0, sizeof *v);
     v->n = n, v->d = d, v->scale = scale, v->q = q, v->be = be;
     const size_t n1 = (size_t)(n ? n : 1);
+    if (ws) {
+        const int64_t z = kf_ws_max((int64_t)n1 * max_keys, (int64_t)APP_TILE * max_visible(n, app, visible));
+        if (val_head_carve(v, z, ws) != 0 || appended_all(v, app, visible, ws) != 0)
+            return -1;
+        val_weights(v, w);
+        return 0;
+    }
     v->w = malloc(sizeof(double) * n1);
     v->lse_a = malloc(sizeof(double) * n1);
     v->o_a = calloc(n1 * d, sizeof(float));
@@ -289,21 +357,21 @@ static int val_head_common(kf_val_head *v, const kf_backend *be, const float *q,
     v->den = malloc(sizeof(double) * n1);
     v->o_b = malloc(sizeof(float) * n1 * d);
     v->tmp = malloc(sizeof(double) * (size_t)d);
-    if (!v->w || !v->lse_a || !v->o_a || !v->o_full || !v->lse_b || !v->wa || !v->den || !v->o_b || !v->tmp ||
-        appended_all(v, app, visible) != 0)
+    if (!v->w || !v->lse_a || !v->o_a || !v->o_full || !v->lse_b || !v->wa || !v->den || !v->o_b || !v->tmp)
         return -1;
-    double wsum = 0;
-    for (int i = 0; i < n; i++)
-        wsum += (v->w[i] = w ? w[i] : 1.0);
-    for (int i = 0; i < n; i++)
-        v->w[i] = wsum > 0 ? v->w[i] / wsum : 0;
+    kf_ws own, *sw = kf_ws_or_own(NULL, &own, appended_bytes(n, d));
+    const int rc = sw ? appended_all(v, app, visible, sw) : -1;
+    kf_ws_free(&own);
+    if (rc != 0)
+        return -1;
+    val_weights(v, w);
     return 0;
 }
 
 kf_status kf_val_head_init(kf_val_head *v, const kf_backend *be, const float *q, int n, int d, float scale,
                            const double *w, const kf_kv_block *orig, const kf_kv_block *const *app, const int *visible,
                            kf_error *err) {
-    if (val_head_common(v, be, q, n, d, scale, w, app, visible) != 0 || original_all(v, orig) != 0) {
+    if (val_head_common(v, be, q, n, d, scale, w, app, visible, 0, NULL) != 0 || original_all(v, orig) != 0) {
         kf_val_head_free(v);
         return kf_fail(err, KF_ERR_NOMEM, "validation: out of memory (%d queries, %d keys)", n, orig->n);
     }
@@ -313,8 +381,9 @@ kf_status kf_val_head_init(kf_val_head *v, const kf_backend *be, const float *q,
 
 kf_status kf_val_head_init_targets(kf_val_head *v, const kf_backend *be, const float *q, int n, int d, float scale,
                                    const double *w, const float *m, const float *y, const float *Y,
-                                   const kf_kv_block *const *app, const int *visible, kf_error *err) {
-    if (val_head_common(v, be, q, n, d, scale, w, app, visible) != 0) {
+                                   const kf_kv_block *const *app, const int *visible, int max_keys, kf_ws *ws,
+                                   kf_error *err) {
+    if (val_head_common(v, be, q, n, d, scale, w, app, visible, max_keys, ws) != 0) {
         kf_val_head_free(v);
         return kf_fail(err, KF_ERR_NOMEM, "validation: out of memory (%d queries)", n);
     }

@@ -14,7 +14,7 @@
 
 #include <stddef.h>
 
-#include "formats/error.h"
+#include "kernels/base/error.h"
 #include "kernels/backend.h"
 
 typedef struct {
@@ -76,6 +76,7 @@ typedef struct {
     double *den;     /* [n] ||o_full_i||^2, summed in index order (the error's denominator) */
     float *o_b;      /* [n, d] its output */
     double *tmp;     /* [d] */
+    int in_ws;       /* 1: every buffer is a workspace's (kf_val_head_free only forgets them) */
 } kf_val_head;
 
 /* q [n, d]; w [n] (NULL: uniform; normalised here); app[i] the appended block of row i (NULL:
@@ -84,10 +85,14 @@ kf_status kf_val_head_init(kf_val_head *v, const kf_backend *be, const float *q,
                            const double *w, const kf_kv_block *orig, const kf_kv_block *const *app, const int *visible,
                            kf_error *err);
 /* kf_val_head_init with the original block's attention given instead of computed: AM's targets
- * of these rows (m [n], y [n], Y [n, d]: lse = m + ln y, output Y), which the solve has already. */
+ * of these rows (m [n], y [n], Y [n, d]: lse = m + ln y, output Y), which the solve has already.
+ * ws: v's buffers stay in it, Z sized for candidates of up to max_keys keys (kf_val_head_bytes,
+ * max_vis the most appended keys a row sees); NULL: the heap, Z grown as needed. */
 kf_status kf_val_head_init_targets(kf_val_head *v, const kf_backend *be, const float *q, int n, int d, float scale,
                                    const double *w, const float *m, const float *y, const float *Y,
-                                   const kf_kv_block *const *app, const int *visible, kf_error *err);
+                                   const kf_kv_block *const *app, const int *visible, int max_keys, kf_ws *ws,
+                                   kf_error *err);
+int64_t kf_val_head_bytes(int n, int d, int max_keys, int max_vis);
 /* Weighted mean relative output error of a compacted block (n keys; beta may be NULL); NAN when
  * out of memory. */
 double kf_val_err(kf_val_head *v, const kf_kv_block *comp);

@@ -26,7 +26,7 @@
 
 #include <stdbool.h>
 
-#include "formats/error.h"
+#include "kernels/base/error.h"
 
 #define KF_FINGERPRINT_FILE ".kvfold-fingerprint"
 

@@ -11,7 +11,7 @@
 #ifndef KF_FOLD_H
 #define KF_FOLD_H
 
-#include "formats/error.h"
+#include "kernels/base/error.h"
 #include "kernels/backend.h"
 
 typedef struct {
@@ -21,9 +21,11 @@ typedef struct {
     int ok;           /* 1 when u was fitted */
 } kf_fold_info;
 
-/* u[d] from the rows of q [R, d]; be runs the math (kf_solve_backend: NULL = the CPU's). */
+/* u[d] from the rows of q [R, d]; be runs the math (kf_solve_backend: NULL = the CPU's). Scratch:
+ * ws (kf_fold_direction_bytes; as compactor/am.h says: NULL, a block of its own). */
 kf_status kf_fold_direction(const kf_backend *be, const float *q, int R, int d, double lambda_rel, float *u,
-                            kf_fold_info *info, kf_error *err);
+                            kf_fold_info *info, kf_ws *ws, kf_error *err);
+int64_t kf_fold_direction_bytes(int d);
 
 /* The queries' mean and covariance, computed once for several lambdas (the per-head choice's
  * grid): kf_fold_direction(q, ...) == kf_fold_cov_compute(q, ...) then kf_fold_direction_cov. */
@@ -32,11 +34,17 @@ typedef struct {
     double *S;  /* [d, d] Sigma, full */
     int R, d;
     const kf_backend *be; /* kf_fold_cov_compute's: kf_fold_direction_cov's solve runs on it */
+    int in_ws;            /* 1: mu and S are a workspace's (kf_fold_cov_free only forgets them) */
 } kf_fold_cov;
 
-kf_status kf_fold_cov_compute(const kf_backend *be, const float *q, int R, int d, kf_fold_cov *out, kf_error *err);
-kf_status kf_fold_direction_cov(const kf_fold_cov *c, double lambda_rel, float *u, kf_fold_info *info,
+/* ws: the results mu and S stay in it (kf_fold_cov_bytes), the row tiles are scratch. */
+kf_status kf_fold_cov_compute(const kf_backend *be, const float *q, int R, int d, kf_fold_cov *out, kf_ws *ws,
+                              kf_error *err);
+int64_t kf_fold_cov_bytes(int d);
+int64_t kf_fold_cov_compute_bytes(int d);
+kf_status kf_fold_direction_cov(const kf_fold_cov *c, double lambda_rel, float *u, kf_fold_info *info, kf_ws *ws,
                                 kf_error *err);
+int64_t kf_fold_direction_cov_bytes(int d);
 void kf_fold_cov_free(kf_fold_cov *c);
 
 /* out[j] = keys[j] + beta[j] * u / scale for t keys of width d (row strides in elements). */

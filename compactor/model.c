@@ -60,15 +60,10 @@ static kf_status load_tensor(kf_model *m, const char *name, int64_t d0, int64_t 
         return kf_fail(err, KF_ERR_FORMAT, "%s: tensor '%s' has shape [%s], config.json implies [%lld]", m->dir, name,
                        got, (long long)d0);
     }
-    kf_dtype dt;
-    switch (t->dtype) {
-    case KF_ST_BF16: dt = KF_DTYPE_BF16; break;
-    case KF_ST_F16: dt = KF_DTYPE_F16; break;
-    case KF_ST_F32: dt = KF_DTYPE_F32; break;
-    default:
+    const kf_dtype dt = t->dtype;
+    if (dt != KF_DTYPE_BF16 && dt != KF_DTYPE_F16 && dt != KF_DTYPE_F32)
         return kf_fail(err, KF_ERR_UNSUPPORTED, "%s: tensor '%s' has dtype %s (supported: BF16, F16, F32)", m->dir,
-                       name, kf_st_dtype_name(t->dtype));
-    }
+                       name, kf_st_dtype_name(dt));
     int is_nan = 0;
     const int64_t bad = kf_st_first_nonfinite(t, &is_nan);
     if (bad >= 0)

@@ -24,7 +24,7 @@
 
 #include "compactor/arena.h"
 #include "compactor/quoka.h"
-#include "formats/error.h"
+#include "kernels/base/error.h"
 #include "formats/hfconfig.h"
 #include "kernels/backend.h"
 #include "compactor/weights.h"

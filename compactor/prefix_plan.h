@@ -33,7 +33,7 @@
 
 #include <stdint.h>
 
-#include "formats/error.h"
+#include "kernels/base/error.h"
 
 typedef struct {
     double flops_per_token;     /* forward FLOPs per token, ~2 x parameters */

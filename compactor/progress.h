@@ -34,8 +34,8 @@ typedef struct {
 
 typedef void (*kf_progress_fn)(void *user, const kf_progress *p);
 
-/* The library's side (compactor/compact.c): one compaction's totals, and its calls. fn NULL: every
- * call does nothing. */
+/* The library's side (compactor/compact.c, sources.c and solve_pool.c): one compaction's totals,
+ * and its calls. fn NULL: every call does nothing. */
 typedef struct {
     kf_progress_fn fn;
     void *user;

@@ -24,7 +24,7 @@
 
 #include <stdint.h>
 
-#include "formats/error.h"
+#include "kernels/base/error.h"
 #include "kernels/backend.h"
 
 typedef enum { KF_PREFILL_DENSE = 0, KF_PREFILL_QUOKA = 1 } kf_prefill_mode;

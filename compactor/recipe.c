@@ -71,13 +71,19 @@ static void put_quoka(XXH3_state_t *st, const kf_quoka_params *q) {
     put_i(st, "quoka.align_margin", q->align_margin);
 }
 
-void kf_recipe_digest(const kf_compact_params *p, kvf_dtype dtype, int64_t n_head_budgets,
+/* The stored dtype as the digest numbers it (bf16 0, f16 1, f32 2, the order the file format once
+ * had): kf_dtype's own numbers would change every digest, and so every file name. */
+static int64_t dtype_code(kf_dtype d) {
+    return d == KF_DTYPE_BF16 ? 0 : d == KF_DTYPE_F16 ? 1 : 2;
+}
+
+void kf_recipe_digest(const kf_compact_params *p, kf_dtype dtype, int64_t n_head_budgets,
                       char out[KVF_DIGEST_LEN + 1]) {
     XXH3_state_t st;
     XXH3_128bits_reset(&st);
     /* one line per field; keep the order (it is part of the digest) */
     put_i(&st, "kvf_version", KVF_VERSION);
-    put_i(&st, "dtype", dtype);
+    put_i(&st, "dtype", dtype_code(dtype));
     put_i(&st, "method", p->method);
     put_f(&st, "budget", p->budget);
     put_f(&st, "lambda_rel", p->lambda_rel);

@@ -27,7 +27,7 @@
 #include "formats/kvf.h"
 
 /* n_head_budgets: n_layers * kv_heads, the length of p->head_budgets (ignored when NULL). */
-void kf_recipe_digest(const kf_compact_params *p, kvf_dtype dtype, int64_t n_head_budgets,
+void kf_recipe_digest(const kf_compact_params *p, kf_dtype dtype, int64_t n_head_budgets,
                       char out[KVF_DIGEST_LEN + 1]);
 
 #endif

@@ -20,7 +20,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "formats/error.h"
+#include "kernels/base/error.h"
 
 enum { KF_REFQ_CONTEXT = 0, KF_REFQ_REPEAT = 1, KF_REFQ_PROBE = 2 };
 

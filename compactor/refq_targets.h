@@ -30,7 +30,7 @@
 
 #include "compactor/model.h"
 #include "compactor/refq.h"
-#include "formats/error.h"
+#include "kernels/base/error.h"
 
 typedef struct {
     int n_layers, n_held, kv_heads, head_dim, group, n_doc;

@@ -39,7 +39,7 @@ const char *kf_weights_name(kf_weights w) {
 /* AUTO's test: every tensor of the checkpoint is BF16. */
 static int all_bf16(const kf_st_set *st) {
     for (size_t i = 0; i < st->n_tensors; i++)
-        if (st->tensors[i].dtype != KF_ST_BF16)
+        if (st->tensors[i].dtype != KF_DTYPE_BF16)
             return 0;
     return st->n_tensors > 0;
 }

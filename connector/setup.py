@@ -38,7 +38,10 @@ ext = Extension(
     sources=[
         "connector/ext/kvfold_ext.c",
         "connector/ext/blockcopy.c",
-        "formats/error.c",
+        "kernels/base/error.c",
+        "kernels/base/dtype.c",
+        "kernels/base/convert.c",
+        "kernels/base/method.c",
         "formats/escape.c",
         "formats/kvf.c",
         "formats/kvf_read.c",

@@ -13,7 +13,7 @@
 #ifndef KF_BUDGETS_H
 #define KF_BUDGETS_H
 
-#include "formats/error.h"
+#include "kernels/base/error.h"
 
 /* shares[n_layers * kv_heads] (layer-major), renormalised to sum to 1. */
 kf_status kf_head_budgets_load(const char *path, int n_layers, int kv_heads, float *shares, kf_error *err);

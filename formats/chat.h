@@ -21,7 +21,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-#include "error.h"
+#include "kernels/base/error.h"
 
 typedef struct kf_chat kf_chat;
 

@@ -23,7 +23,7 @@
 
 #include <stddef.h>
 
-#include "formats/error.h"
+#include "kernels/base/error.h"
 
 typedef enum { KF_ARCH_QWEN3 = 0, KF_ARCH_LLAMA = 1 } kf_arch;
 

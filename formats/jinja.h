@@ -56,7 +56,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "error.h"
+#include "kernels/base/error.h"
 
 typedef struct kf_jinja kf_jinja;
 

@@ -13,7 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "error.h"
+#include "kernels/base/error.h"
 #include "jinja.h"
 
 /* ---- arena ---- */

@@ -1,4 +1,4 @@
-/* kvf.c — names, digests, paths, dtype conversions and the HDF5 glue shared by the kvf reader
+/* kvf.c — the file's spellings, names, digests, paths and the HDF5 glue shared by the kvf reader
  * and writer. */
 #include <errno.h>
 #include <ftw.h>
@@ -18,62 +18,65 @@
 
 /* ---- names ---- */
 
-static const char *const kMethods[] = {"keep", "drop", "am", "fold"};
-static const char *const kDtypes[] = {"bfloat16", "float16", "float32"};
 static const char *const kFrames[] = {"compacted", "original"};
+
+/* The file's own spellings of the methods and dtypes it stores (kvf.h): written and read through
+ * these tables only, so that no change to the program's names or numbers changes a file. */
+const char *const kvf_method_attrs[KVF_N_METHODS] = {"keep", "drop", "am", "fold"}; /* by head_method byte */
+const char *const kvf_dtype_attrs[KVF_N_DTYPES] = {"bfloat16", "float16", "float32"};
+const kf_dtype kvf_dtype_of_attr[KVF_N_DTYPES] = {KF_DTYPE_BF16, KF_DTYPE_F16, KF_DTYPE_F32};
+/* a head_method byte is the head's kf_method */
+_Static_assert(KF_METHOD_KEEP == 0 && KF_METHOD_DROP == 1 && KF_METHOD_AM == 2 && KF_METHOD_FOLD == 3 &&
+                   KVF_N_METHODS == KF_METHOD_COUNT,
+               "kvf: the head_method bytes are kf_method's numbers");
 
 void kvf_header_init(kvf_header *h) {
     memset(h, 0, sizeof *h);
     h->version = KVF_VERSION;
     snprintf(h->creator, sizeof h->creator, "kvfold %s", KVFOLD_VERSION);
-    h->method = KVF_METHOD_FOLD;
+    h->method = KF_METHOD_FOLD;
     h->budget = 1.0;
     h->rope_frame = KVF_FRAME_COMPACTED;
     snprintf(h->placeholder, sizeof h->placeholder, "%s", KVF_PLACEHOLDER);
-    h->dtype = KVF_BF16;
+    h->dtype = KF_DTYPE_BF16;
     h->block_size = KVF_BLOCK;
     memset(h->recipe_digest, '0', KVF_DIGEST_LEN);
 }
 
-const char *kvf_method_name(kvf_method m) {
-    return (unsigned)m < 4 ? kMethods[m] : "?";
-}
-const char *kvf_dtype_name(kvf_dtype d) {
-    return (unsigned)d < 3 ? kDtypes[d] : "?";
-}
 const char *kvf_rope_frame_name(kvf_rope_frame f) {
     return (unsigned)f < 2 ? kFrames[f] : "?";
 }
 
-int kvf_method_parse(const char *s, kvf_method *out) {
-    for (int i = 0; i < 4; i++)
-        if (strcmp(s, kMethods[i]) == 0) {
-            *out = (kvf_method)i;
+const char *kvf_method_attr(kf_method m) {
+    return (unsigned)m < KVF_N_METHODS ? kvf_method_attrs[m] : NULL;
+}
+
+const char *kvf_dtype_attr(kf_dtype d) {
+    for (int i = 0; i < KVF_N_DTYPES; i++)
+        if (kvf_dtype_of_attr[i] == d)
+            return kvf_dtype_attrs[i];
+    return NULL;
+}
+
+int kvf_method_from_attr(const char *s, kf_method *out) {
+    for (int i = 0; i < KVF_N_METHODS; i++)
+        if (strcmp(s, kvf_method_attrs[i]) == 0) {
+            *out = (kf_method)i;
             return 0;
         }
     return -1;
 }
 
-int kvf_dtype_parse(const char *s, kvf_dtype *out) {
-    static const struct {
-        const char *name;
-        kvf_dtype d;
-    } names[] = {{"bfloat16", KVF_BF16}, {"bf16", KVF_BF16},   {"float16", KVF_F16}, {"f16", KVF_F16},
-                 {"fp16", KVF_F16},      {"float32", KVF_F32}, {"f32", KVF_F32},     {"fp32", KVF_F32}};
-    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
-        if (strcmp(s, names[i].name) == 0) {
-            *out = names[i].d;
-            return 0;
-        }
-    return -1;
-}
-
-size_t kvf_dtype_size(kvf_dtype d) {
-    return d == KVF_F32 ? 4 : 2;
+int kvf_dtype_parse(const char *s, kf_dtype *out) {
+    kf_dtype d;
+    if (kf_dtype_parse(s, &d) != 0 || !kvf_dtype_attr(d))
+        return -1;
+    *out = d;
+    return 0;
 }
 
 int64_t kvf_kv_bytes(const kvf_header *h) {
-    return 2 * (int64_t)h->n_layers * h->n_tokens * h->kv_heads * h->head_dim * (int64_t)kvf_dtype_size(h->dtype);
+    return 2 * (int64_t)h->n_layers * h->n_tokens * h->kv_heads * h->head_dim * (int64_t)kf_dtype_size(h->dtype);
 }
 
 /* ---- digests and paths ---- */
@@ -145,7 +148,7 @@ static int make_dirs(char *path) {
     return 0;
 }
 
-kf_status kvf_cache_path(const char *root, const char *model_fp, const char *doc_digest, kvf_method method,
+kf_status kvf_cache_path(const char *root, const char *model_fp, const char *doc_digest, kf_method method,
                          double budget, const char *recipe_digest, bool create_dirs, char *out, size_t out_len,
                          kf_error *err) {
     if (!root || !*root)
@@ -156,7 +159,7 @@ kf_status kvf_cache_path(const char *root, const char *model_fp, const char *doc
     if (!doc_digest || !is_hex(doc_digest, KVF_DIGEST_LEN))
         return kf_fail(err, KF_ERR_INVALID, "kvf: document digest '%s' is not %d hex digits",
                        doc_digest ? doc_digest : "(null)", KVF_DIGEST_LEN);
-    if ((unsigned)method > KVF_METHOD_FOLD)
+    if ((unsigned)method > KF_METHOD_FOLD)
         return kf_fail(err, KF_ERR_INVALID, "kvf: unknown method %d", (int)method);
     if (!recipe_digest || !is_hex(recipe_digest, KVF_DIGEST_LEN))
         return kf_fail(err, KF_ERR_INVALID, "kvf: recipe digest '%s' is not %d hex digits",
@@ -173,7 +176,7 @@ kf_status kvf_cache_path(const char *root, const char *model_fp, const char *doc
         return kf_fail(err, KF_ERR_INVALID, "kvf: cache path under '%s' is too long", root);
     if (create_dirs && make_dirs(out) != 0)
         return kf_fail(err, KF_ERR_IO, "kvf: cannot create directory %s: %s", out, strerror(errno));
-    int m = snprintf(out + n, out_len - (size_t)n, "/%s.%s-%s.%.16s.kvf", doc_digest, kvf_method_name(method), b,
+    int m = snprintf(out + n, out_len - (size_t)n, "/%s.%s-%s.%.16s.kvf", doc_digest, kvf_method_attr(method), b,
                      recipe_digest);
     if (m < 0 || (size_t)m >= out_len - (size_t)n)
         return kf_fail(err, KF_ERR_INVALID, "kvf: cache path under '%s' is too long", root);
@@ -199,8 +202,8 @@ static bool parse_cache_name(const char *name, cache_name *cn) {
         return false;
     snprintf(cn->method, sizeof cn->method, "%.*s", (int)(dash - mid), mid);
     snprintf(cn->budget, sizeof cn->budget, "%.*s", (int)(name + n - 21 - (dash + 1)), dash + 1);
-    kvf_method m;
-    return is_hex(cn->digest, KVF_DIGEST_LEN) && is_hex(cn->recipe16, 16) && kvf_method_parse(cn->method, &m) == 0;
+    kf_method m;
+    return is_hex(cn->digest, KVF_DIGEST_LEN) && is_hex(cn->recipe16, 16) && kvf_method_from_attr(cn->method, &m) == 0;
 }
 
 kf_status kvf_check_name(const char *path, const kvf_header *h, kf_error *err) {
@@ -212,7 +215,7 @@ kf_status kvf_check_name(const char *path, const kvf_header *h, kf_error *err) {
     char b[32];
     kvf_format_budget(h->budget, b, sizeof b);
     const char *field = strcmp(cn.digest, h->document_digest)           ? "document"
-                        : strcmp(cn.method, kvf_method_name(h->method)) ? "method"
+                        : strcmp(cn.method, kvf_method_attr(h->method)) ? "method"
                         : strcmp(cn.budget, b)                          ? "budget"
                         : strncmp(cn.recipe16, h->recipe_digest, 16)    ? "recipe"
                                                                         : NULL;
@@ -221,7 +224,7 @@ kf_status kvf_check_name(const char *path, const kvf_header *h, kf_error *err) {
     return kf_fail(err, KF_ERR_MISMATCH,
                    "%s: its name says %s.%s-%s.%s, its header %s.%s-%s.%.16s: the %s differs (a file copied or "
                    "renamed over another's name)",
-                   path, cn.digest, cn.method, cn.budget, cn.recipe16, h->document_digest, kvf_method_name(h->method),
+                   path, cn.digest, cn.method, cn.budget, cn.recipe16, h->document_digest, kf_method_name(h->method),
                    b, h->recipe_digest, field);
 }
 
@@ -302,94 +305,6 @@ kf_status kvf_clean_temps(const char *root, double older_than_s, bool dry_run,
     return KF_OK;
 }
 
-/* ---- dtype conversions ---- */
-
-uint16_t kvf_f32_to_bf16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40); /* quiet NaN, sign kept */
-    u += 0x7fffu + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
-}
-
-float kvf_bf16_to_f32(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float x;
-    memcpy(&x, &u, 4);
-    return x;
-}
-
-uint16_t kvf_f32_to_f16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
-    uint32_t a = u & 0x7fffffffu;
-    if (a > 0x7f800000u)
-        return sign | 0x7e00 | (uint16_t)((a >> 13) & 0x3ff);
-    if (a >= 0x477ff000u) /* >= 65520 rounds to infinity */
-        return sign | 0x7c00;
-    if (a < 0x38800000u) {   /* below 2^-14: a subnormal half (or zero) */
-        if (a < 0x33000000u) /* below 2^-25 */
-            return sign;
-        uint32_t e = a >> 23, m = (a & 0x7fffffu) | 0x800000u;
-        uint32_t shift = 126 - e; /* 14..24 */
-        uint32_t r = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
-        if (rem > half || (rem == half && (r & 1)))
-            r++;
-        return sign | (uint16_t)r;
-    }
-    uint32_t v = a - 0x38000000u; /* rebias the exponent from 127 to 15 */
-    uint32_t r = v >> 13, rem = v & 0x1fffu;
-    if (rem > 0x1000u || (rem == 0x1000u && (r & 1)))
-        r++;
-    return sign | (uint16_t)r;
-}
-
-float kvf_f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
-    if (e == 0) {
-        float f = (float)m * 0x1p-24f;
-        memcpy(&u, &f, 4);
-        u |= sign;
-    } else if (e == 31) {
-        u = sign | 0x7f800000u | (m << 13);
-    } else {
-        u = sign | ((e + 112) << 23) | (m << 13);
-    }
-    float x;
-    memcpy(&x, &u, 4);
-    return x;
-}
-
-void kvf_convert_to(kvf_dtype d, const float *src, void *dst, size_t n) {
-    uint16_t *o = dst;
-    if (d == KVF_F32)
-        memcpy(dst, src, n * 4);
-    else if (d == KVF_BF16)
-        for (size_t i = 0; i < n; i++)
-            o[i] = kvf_f32_to_bf16(src[i]);
-    else
-        for (size_t i = 0; i < n; i++)
-            o[i] = kvf_f32_to_f16(src[i]);
-}
-
-void kvf_to_f32(kvf_dtype d, const void *src, float *dst, size_t n) {
-    kvf_convert_from(d, src, dst, n);
-}
-
-void kvf_convert_from(kvf_dtype d, const void *src, float *dst, size_t n) {
-    const uint16_t *s = src;
-    if (d == KVF_F32)
-        memcpy(dst, src, n * 4);
-    else if (d == KVF_BF16)
-        for (size_t i = 0; i < n; i++)
-            dst[i] = kvf_bf16_to_f32(s[i]);
-    else
-        for (size_t i = 0; i < n; i++)
-            dst[i] = kvf_f16_to_f32(s[i]);
-}
-
 /* ---- HDF5 glue ---- */
 
 static pthread_once_t g_quiet_once = PTHREAD_ONCE_INIT;
@@ -467,10 +382,10 @@ void kvf_h5_take_error(char *buf, size_t n, bool *checksum, bool *truncated) {
         *truncated = t;
 }
 
-hid_t kvf_h5_type(kvf_dtype d) {
-    if (d == KVF_F32)
+hid_t kvf_h5_type(kf_dtype d) {
+    if (d == KF_DTYPE_F32)
         return H5Tcopy(H5T_IEEE_F32LE);
-    if (d == KVF_BF16)
+    if (d == KF_DTYPE_BF16)
         return H5Tcopy(H5T_STD_U16LE);
     /* IEEE binary16: sign bit 15, exponent bits 10..14 (bias 15), mantissa bits 0..9 */
     hid_t t = H5Tcopy(H5T_IEEE_F32LE);
@@ -653,7 +568,7 @@ kf_status kvf_header_check(const kvf_header *h, const char *path, kf_error *err)
         return kf_fail(err, KF_ERR_FORMAT,
                        "%s: placeholder '%s' is not \"" KVF_PLACEHOLDER "\", the only placeholder policy of version %d",
                        path, h->placeholder, KVF_VERSION);
-    if ((unsigned)h->method > KVF_METHOD_FOLD || (unsigned)h->dtype > KVF_F32 ||
+    if ((unsigned)h->method > KF_METHOD_FOLD || !kvf_dtype_attr(h->dtype) ||
         (unsigned)h->rope_frame > KVF_FRAME_ORIGINAL)
         return kf_fail(err, KF_ERR_FORMAT, "%s: method, dtype or rope_frame out of range", path);
     if (h->n_layers < 1 || h->n_layers > 4096 || h->kv_heads < 1 || h->kv_heads > 4096 || h->head_dim < 1 ||
@@ -667,7 +582,7 @@ kf_status kvf_header_check(const kvf_header *h, const char *path, kf_error *err)
     if ((double)h->n_tokens * h->kv_heads * h->head_dim > (double)((int64_t)1 << 40))
         return kf_fail(err, KF_ERR_FORMAT, "%s: a layer of C = %lld tokens is too large", path, (long long)h->n_tokens);
     /* HDF5 chunks stay below 4 GiB: a K/V chunk [C, D] of one (layer, head) and a side layer [H, C] */
-    if ((int64_t)h->n_tokens * h->head_dim * (int64_t)kvf_dtype_size(h->dtype) + 4 >= ((int64_t)1 << 32) ||
+    if ((int64_t)h->n_tokens * h->head_dim * (int64_t)kf_dtype_size(h->dtype) + 4 >= ((int64_t)1 << 32) ||
         (int64_t)h->kv_heads * h->head_dim > ((int64_t)1 << 24) ||
         (int64_t)h->kv_heads * h->n_tokens > ((int64_t)1 << 29))
         return kf_fail(err, KF_ERR_FORMAT, "%s: kv_heads %d x head_dim %d x C %lld is too large for one chunk", path,
@@ -684,25 +599,25 @@ kf_status kvf_header_check(const kvf_header *h, const char *path, kf_error *err)
 
 /* ---- values and digests ---- */
 
-KVF_CLONES int64_t kvf_first_nonfinite(kvf_dtype d, const void *x, size_t n) {
+KVF_CLONES int64_t kvf_first_nonfinite(kf_dtype d, const void *x, size_t n) {
     /* a vectorizable OR over all elements first; the index only when something is wrong */
     int bad = 0;
-    if (d == KVF_F32) {
+    if (d == KF_DTYPE_F32) {
         const uint32_t *p = x;
         for (size_t i = 0; i < n; i++)
             bad |= (p[i] & 0x7f800000u) == 0x7f800000u;
     } else {
         const uint16_t *p = x;
-        const uint16_t m = d == KVF_BF16 ? 0x7f80 : 0x7c00;
+        const uint16_t m = d == KF_DTYPE_BF16 ? 0x7f80 : 0x7c00;
         for (size_t i = 0; i < n; i++)
             bad |= (p[i] & m) == m;
     }
     if (!bad)
         return -1;
     for (size_t i = 0; i < n; i++) {
-        bool nf = d == KVF_F32 ? (((const uint32_t *)x)[i] & 0x7f800000u) == 0x7f800000u
-                               : (((const uint16_t *)x)[i] & (d == KVF_BF16 ? 0x7f80 : 0x7c00)) ==
-                                     (d == KVF_BF16 ? 0x7f80 : 0x7c00);
+        bool nf = d == KF_DTYPE_F32 ? (((const uint32_t *)x)[i] & 0x7f800000u) == 0x7f800000u
+                               : (((const uint16_t *)x)[i] & (d == KF_DTYPE_BF16 ? 0x7f80 : 0x7c00)) ==
+                                     (d == KF_DTYPE_BF16 ? 0x7f80 : 0x7c00);
         if (nf)
             return (int64_t)i;
     }
@@ -727,7 +642,7 @@ kf_status kvf_check_side(const kvf_header *h, const char *path, int layer, const
         if (!isfinite(u[i]))
             return kf_fail(err, KF_ERR_FORMAT, "%s: u of layer %d, head %zu is not finite", path, layer, i / D);
     for (size_t i = 0; i < H; i++)
-        if (hm[i] > KVF_METHOD_FOLD)
+        if (hm[i] > KF_METHOD_FOLD)
             return kf_fail(err, KF_ERR_FORMAT, "%s: head_method %u of layer %d, head %zu is not a method (0..3)", path,
                            hm[i], layer, i);
     return KF_OK;

@@ -128,7 +128,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "formats/error.h"
+#include "kernels/base/convert.h"
+#include "kernels/base/dtype.h"
+#include "kernels/base/error.h"
+#include "kernels/base/method.h"
 
 #define KVF_FORMAT_NAME "kvfold-kvf"
 #define KVF_VERSION 2
@@ -138,8 +141,6 @@
 #define KVF_PLACEHOLDER "digest" /* the placeholder attribute's only value */
 #define KVF_CHAT_IDS_LEN 4096  /* bytes of a chat id list attribute, NUL included */
 
-typedef enum { KVF_METHOD_KEEP, KVF_METHOD_DROP, KVF_METHOD_AM, KVF_METHOD_FOLD } kvf_method;
-typedef enum { KVF_BF16, KVF_F16, KVF_F32 } kvf_dtype;
 typedef enum { KVF_FRAME_COMPACTED, KVF_FRAME_ORIGINAL } kvf_rope_frame;
 typedef enum { KVF_KEYS, KVF_VALUES } kvf_which;
 
@@ -158,12 +159,12 @@ typedef struct {
     char payload_digest[KVF_DIGEST_LEN + 1]; /* filled by kvf_write / read by kvf_open */
     int64_t n_doc_tokens;                  /* D */
     int64_t n_tokens;                      /* C */
-    kvf_method method;
+    kf_method method;                     /* the method attribute (kvf_method_attr) */
     double budget;
     double lambda;
     kvf_rope_frame rope_frame;
     char placeholder[64];
-    kvf_dtype dtype;
+    kf_dtype dtype;                       /* bf16, f16 or f32 (kvf_dtype_attr) */
     int n_layers, kv_heads, head_dim;
     int block_size;                        /* KVF_BLOCK */
 } kvf_header;
@@ -179,7 +180,7 @@ typedef struct {
     const float *beta;          /* [n_layers, kv_heads, C] or NULL: zeros */
     const float *u;             /* [n_layers, kv_heads, head_dim] or NULL: zeros */
     const int32_t *positions;   /* [n_layers, kv_heads, C] or NULL: slot j holds token j (keep) */
-    const uint8_t *head_method; /* [n_layers, kv_heads] kvf_method per head, or NULL: every head uses hdr.method */
+    const uint8_t *head_method; /* [n_layers, kv_heads] kf_method per head, or NULL: every head uses hdr.method */
 } kvf_cache;
 
 typedef struct kvf_file kvf_file;
@@ -189,13 +190,15 @@ typedef struct kvf_file kvf_file;
 /* Defaults: version, creator, block size 16, rope_frame compacted, placeholder "digest", bf16,
  * recipe_digest 32 zeros. */
 void kvf_header_init(kvf_header *h);
-const char *kvf_method_name(kvf_method m);      /* "keep", "drop", "am", "fold" */
-const char *kvf_dtype_name(kvf_dtype d);        /* "bfloat16", "float16", "float32" */
 const char *kvf_rope_frame_name(kvf_rope_frame f);
-/* Parse a name (also "bf16", "f16", "f32", "fp16", "fp32" for dtypes); 0 or -1 when unknown. */
-int kvf_method_parse(const char *s, kvf_method *out);
-int kvf_dtype_parse(const char *s, kvf_dtype *out);
-size_t kvf_dtype_size(kvf_dtype d);
+/* The file's spellings of what it stores: the method attribute and a file name's method ("keep",
+ * "drop", "am", "fold"; the head_method bytes are kf_method's numbers), the dtype attribute
+ * ("bfloat16", "float16", "float32"). NULL for a method or dtype the file cannot hold. */
+const char *kvf_method_attr(kf_method m);
+const char *kvf_dtype_attr(kf_dtype d);
+/* kf_dtype_parse (also "bf16", "fp16", "fp32", ...) for a dtype the file stores: 0, or -1 for an
+ * unknown name or another dtype (out unchanged). */
+int kvf_dtype_parse(const char *s, kf_dtype *out);
 /* Bytes of keys plus values: 2 * n_layers * C * kv_heads * head_dim * dtype size. */
 int64_t kvf_kv_bytes(const kvf_header *h);
 
@@ -206,7 +209,7 @@ void kvf_document_digest(const int32_t *ids /* [n] */, int64_t n, char out[KVF_D
 void kvf_format_budget(double budget, char *out, size_t out_len);
 /* <root>/<model_fp>/<doc_digest>.<method>-<budget>.<first 16 hex of recipe_digest>.kvf; with
  * create_dirs, makes the directories. */
-kf_status kvf_cache_path(const char *root, const char *model_fp, const char *doc_digest, kvf_method method,
+kf_status kvf_cache_path(const char *root, const char *model_fp, const char *doc_digest, kf_method method,
                          double budget, const char *recipe_digest, bool create_dirs, char *out, size_t out_len,
                          kf_error *err);
 /* A chat id list attribute ("", or decimal ids in [0, 2^31) joined by commas) into out [cap]: the
@@ -220,13 +223,8 @@ bool kvf_is_clean_utf8(const char *s);
 /* True when name (a path or base name) is a writer's temporary file: "*.tmp-<pid>-<16 hex>". */
 bool kvf_is_temp_name(const char *name);
 
-/* f32 <-> bf16 / f16 bit patterns, round-to-nearest-even (NaN stays NaN). */
-uint16_t kvf_f32_to_bf16(float x);
-float kvf_bf16_to_f32(uint16_t b);
-uint16_t kvf_f32_to_f16(float x);
-float kvf_f16_to_f32(uint16_t h);
-/* n elements stored in dtype d to fp32. */
-void kvf_to_f32(kvf_dtype d, const void *src, float *dst /* [n] */, size_t n);
+/* The stored elements to fp32 and back: kf_convert_to_f32 / kf_convert_from_f32
+ * (kernels/base/convert.h). */
 
 /* ---- writing ---- */
 
@@ -245,9 +243,9 @@ bool kvf_exists_valid(const char *path, const char *model_fp, const char *recipe
  * A NULL string, a negative method, dtype or n_doc_tokens, a budget of 0: not checked. */
 typedef struct {
     const char *model_fingerprint, *document_digest, *recipe_digest; /* 32 hex digits each */
-    int method;                                                      /* kvf_method */
+    int method;                                                      /* kf_method */
     double budget;
-    int dtype;                                                       /* kvf_dtype */
+    int dtype;                                                       /* kf_dtype */
     int64_t n_doc_tokens;                                            /* D */
 } kvf_identity;
 
@@ -287,14 +285,14 @@ kf_status kvf_check_model(const kvf_file *f, const char *model_fp, int n_layers,
                           kf_error *err);
 
 /* Everything of one layer, checked against its layer digest: keys and values as stored
- * (kvf_dtype_size bytes per element), beta, u, positions and head methods. Any pointer may be NULL
+ * (kf_dtype_size bytes per element), beta, u, positions and head methods. Any pointer may be NULL
  * (read into the file's scratch, still checked). */
 kf_status kvf_read_layer_all(kvf_file *f, int layer, void *keys_raw /* [C, kv_heads, head_dim] */,
                              void *values_raw /* [C, kv_heads, head_dim] */, float *beta /* [kv_heads, C] */,
                              float *u /* [kv_heads, head_dim] */, int32_t *positions /* [kv_heads, C] */,
                              uint8_t *head_method /* [kv_heads] */, kf_error *err);
 
-/* One layer of keys or values, converted to fp32 / as stored (kvf_dtype_size bytes per element),
+/* One layer of keys or values, converted to fp32 / as stored (kf_dtype_size bytes per element),
  * checked against the layer digest (the layer's other half is kept, so reading keys then values of
  * a layer reads it once). */
 kf_status kvf_read_layer(kvf_file *f, int layer, kvf_which which, float *out /* [C, kv_heads, head_dim] */,
@@ -327,7 +325,7 @@ int64_t kvf_n_blocks(const kvf_file *f); /* ceil(C / 16) */
 kf_status kvf_read_beta(kvf_file *f, int layer, float *out /* [kv_heads, C] */, kf_error *err);
 kf_status kvf_read_u(kvf_file *f, int layer, float *out /* [kv_heads, head_dim] */, kf_error *err);
 kf_status kvf_read_positions(kvf_file *f, int layer, int32_t *out /* [kv_heads, C] */, kf_error *err);
-/* Every head's kvf_method. */
+/* Every head's kf_method. */
 kf_status kvf_read_head_methods(kvf_file *f, uint8_t *out /* [n_layers, kv_heads] */, kf_error *err);
 
 /* KF_ERR_MISMATCH when the document (D) or the cache (C) is longer than the model's positions

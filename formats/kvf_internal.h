@@ -8,6 +8,17 @@
 #include <stdint.h>
 
 #include "formats/kvf.h"
+#include "kernels/base/convert.h"
+
+/* The method and dtype attributes' values (kvf.c): method i is kf_method i; dtype i is
+ * kvf_dtype_of_attr[i]. */
+#define KVF_N_METHODS 4
+#define KVF_N_DTYPES 3
+extern const char *const kvf_method_attrs[KVF_N_METHODS];
+extern const char *const kvf_dtype_attrs[KVF_N_DTYPES];
+extern const kf_dtype kvf_dtype_of_attr[KVF_N_DTYPES];
+/* A method attribute's (or a file name's) value to its method: 0, or -1 when unknown. */
+int kvf_method_from_attr(const char *s, kf_method *out);
 
 /* Switches HDF5's automatic error printing off (once per process; library code never prints). */
 void kvf_h5_quiet(void);
@@ -21,17 +32,13 @@ void kvf_h5_take_error(char *buf, size_t n, bool *checksum, bool *truncated);
 void kvf_h5_capture(void);
 
 /* The HDF5 type of a keys/values element for dtype (LE): H5Tclose it. */
-hid_t kvf_h5_type(kvf_dtype d);
-
-/* Element-wise conversion between fp32 and the stored dtype. */
-void kvf_convert_to(kvf_dtype d, const float *src, void *dst, size_t n);
-void kvf_convert_from(kvf_dtype d, const void *src, float *dst, size_t n);
+hid_t kvf_h5_type(kf_dtype d);
 
 /* Checks every header field the format constrains (not the version); msg names path. */
 kf_status kvf_header_check(const kvf_header *h, const char *path, kf_error *err);
 
 /* Index of the first NaN or infinity among n elements stored in dtype d, or -1. */
-int64_t kvf_first_nonfinite(kvf_dtype d, const void *x, size_t n);
+int64_t kvf_first_nonfinite(kf_dtype d, const void *x, size_t n);
 /* One layer's side data has only allowed values: positions in [-1, D), beta finite or -inf at a
  * padding slot, u finite, head methods 0..3. KF_ERR_FORMAT naming path, layer, head and slot. */
 kf_status kvf_check_side(const kvf_header *h, const char *path, int layer, const float *beta /* [H, C] */,

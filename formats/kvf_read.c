@@ -79,10 +79,10 @@ static size_t layer_n(const kvf_header *h) {
     return (size_t)h->n_tokens * (size_t)h->kv_heads * (size_t)h->head_dim;
 }
 static size_t row_bytes(const kvf_header *h) {
-    return (size_t)h->kv_heads * (size_t)h->head_dim * kvf_dtype_size(h->dtype);
+    return (size_t)h->kv_heads * (size_t)h->head_dim * kf_dtype_size(h->dtype);
 }
 static size_t head_chunk_bytes(const kvf_header *h) { /* one (layer, head) chunk's data: [C, head_dim] */
-    return (size_t)h->n_tokens * (size_t)h->head_dim * kvf_dtype_size(h->dtype);
+    return (size_t)h->n_tokens * (size_t)h->head_dim * kf_dtype_size(h->dtype);
 }
 int64_t kvf_kv_bytes_read(const kvf_file *f) {
     return f->kv_bytes_read;
@@ -233,8 +233,7 @@ static kf_status read_enum(kvf_file *f, const char *name, const char *const *nam
 
 static kf_status read_header(kvf_file *f, kf_error *err) {
     kvf_header *h = &f->hdr;
-    static const char *const methods[] = {"keep", "drop", "am", "fold"}, *const frames[] = {"compacted", "original"},
-                             *const dtypes[] = {"bfloat16", "float16", "float32"};
+    static const char *const frames[] = {"compacted", "original"};
     int64_t v;
     int e;
     KF_TRY(read_str(f, "creator", h->creator, sizeof h->creator, err));
@@ -248,15 +247,15 @@ static kf_status read_header(kvf_file *f, kf_error *err) {
                        h->payload_digest, KVF_DIGEST_LEN);
     KF_TRY(read_int(f, "n_doc_tokens", 1, INT32_MAX, &h->n_doc_tokens, err));
     KF_TRY(read_int(f, "n_tokens", 1, h->n_doc_tokens, &h->n_tokens, err));
-    KF_TRY(read_enum(f, "method", methods, 4, &e, err));
-    h->method = (kvf_method)e;
+    KF_TRY(read_enum(f, "method", kvf_method_attrs, KVF_N_METHODS, &e, err));
+    h->method = (kf_method)e;
     KF_TRY(read_num(f, "budget", true, &h->budget, err));
     KF_TRY(read_num(f, "lambda", true, &h->lambda, err));
     KF_TRY(read_enum(f, "rope_frame", frames, 2, &e, err));
     h->rope_frame = (kvf_rope_frame)e;
     KF_TRY(read_str(f, "placeholder", h->placeholder, sizeof h->placeholder, err));
-    KF_TRY(read_enum(f, "dtype", dtypes, 3, &e, err));
-    h->dtype = (kvf_dtype)e;
+    KF_TRY(read_enum(f, "dtype", kvf_dtype_attrs, KVF_N_DTYPES, &e, err));
+    h->dtype = kvf_dtype_of_attr[e];
     KF_TRY(read_int(f, "n_layers", 1, 4096, &v, err));
     h->n_layers = (int)v;
     KF_TRY(read_int(f, "kv_heads", 1, 4096, &v, err));
@@ -278,7 +277,7 @@ static kf_status read_header(kvf_file *f, kf_error *err) {
  * claiming 4,096 layers or C = 2^21 in a few KB is refused before anything is allocated. */
 static double claimed_bytes(const kvf_header *h) {
     const double L = h->n_layers, H = h->kv_heads, C = (double)h->n_tokens, D = h->head_dim;
-    const double kv = 2 * L * H * (C * D * (double)kvf_dtype_size(h->dtype) + 4);
+    const double kv = 2 * L * H * (C * D * (double)kf_dtype_size(h->dtype) + 4);
     return kv + L * (2 * (H * C * 4 + 4) + H * D * 4 + 4 + H + 4) + L * H * 16 + 4;
 }
 
@@ -399,9 +398,9 @@ static kf_status open_dataset(kvf_file *f, int which, kf_error *err) {
         f->f = d; /* read_str reads attributes of f->f */
         st = read_str(f, "dtype", dt, sizeof dt, err);
         f->f = keep;
-        if (st == KF_OK && strcmp(dt, kvf_dtype_name(f->hdr.dtype)) != 0)
+        if (st == KF_OK && strcmp(dt, kvf_dtype_attr(f->hdr.dtype)) != 0)
             st = kf_fail(err, KF_ERR_FORMAT, "%s: dataset '%s' has dtype attribute '%s', the file says '%s'", f->path,
-                         name, dt, kvf_dtype_name(f->hdr.dtype));
+                         name, dt, kf_dtype_name(f->hdr.dtype));
     }
     if (st != KF_OK) {
         H5Dclose(d);
@@ -482,7 +481,7 @@ static kf_status alloc_buffers(kvf_file *f, kf_error *err) {
 }
 
 static kf_status layer_buffer(kvf_file *f, void **b, kf_error *err) {
-    if (!*b && !(*b = malloc(layer_n(&f->hdr) * kvf_dtype_size(f->hdr.dtype))))
+    if (!*b && !(*b = malloc(layer_n(&f->hdr) * kf_dtype_size(f->hdr.dtype))))
         return kf_fail(err, KF_ERR_NOMEM, "%s: out of memory for a layer (%lld slots)", f->path,
                        (long long)f->hdr.n_tokens);
     return KF_OK;
@@ -514,7 +513,7 @@ static kf_status read_head_chunk(kvf_file *f, int which, int layer, int hd, unsi
 /* Heads [h0, h1) from head-major src ([h1 - h0, C, head_dim]) into token-major out ([C, kv_heads,
  * head_dim]): written slot by slot, in order (a scatter head by head is several times slower). */
 static void heads_to_tokens(const kvf_header *h, int h0, int h1, const unsigned char *src, unsigned char *out) {
-    const size_t C = (size_t)h->n_tokens, hb = (size_t)h->head_dim * kvf_dtype_size(h->dtype);
+    const size_t C = (size_t)h->n_tokens, hb = (size_t)h->head_dim * kf_dtype_size(h->dtype);
     const size_t row = (size_t)h->kv_heads * hb, nh = (size_t)(h1 - h0);
 #if defined(__SSE2__)
     if (hb % 16 == 0 && (uintptr_t)out % 16 == 0 && row % 16 == 0) { /* streaming stores: out is not read back here */
@@ -696,13 +695,13 @@ kf_status kvf_check_identity(const kvf_file *f, const kvf_identity *want, kf_err
         return kf_fail(err, KF_ERR_MISMATCH, "%s: holds a document of %lld tokens, not %lld", f->path,
                        (long long)h->n_doc_tokens, (long long)want->n_doc_tokens);
     if (want->method >= 0 && (int)h->method != want->method)
-        return kf_fail(err, KF_ERR_MISMATCH, "%s: holds method %s, not %s", f->path, kvf_method_name(h->method),
-                       kvf_method_name((kvf_method)want->method));
+        return kf_fail(err, KF_ERR_MISMATCH, "%s: holds method %s, not %s", f->path, kf_method_name(h->method),
+                       kf_method_name((kf_method)want->method));
     if (want->budget != 0 && h->budget != want->budget)
         return kf_fail(err, KF_ERR_MISMATCH, "%s: holds budget %.17g, not %.17g", f->path, h->budget, want->budget);
     if (want->dtype >= 0 && (int)h->dtype != want->dtype)
-        return kf_fail(err, KF_ERR_MISMATCH, "%s: holds %s, not %s", f->path, kvf_dtype_name(h->dtype),
-                       kvf_dtype_name((kvf_dtype)want->dtype));
+        return kf_fail(err, KF_ERR_MISMATCH, "%s: holds %s, not %s", f->path, kf_dtype_name(h->dtype),
+                       kf_dtype_name((kf_dtype)want->dtype));
     KF_TRY(same_str(f, "recipe", h->recipe_digest, want->recipe_digest, err));
     return same_str(f, "model", h->model_fingerprint, want->model_fingerprint, err);
 }
@@ -852,7 +851,7 @@ static kf_status check_args(kvf_file *f, int layer, kvf_which which, const void 
 
 kf_status kvf_read_layer_raw(kvf_file *f, int layer, kvf_which which, void *out, kf_error *err) {
     KF_TRY(check_args(f, layer, which, out, err));
-    const size_t bytes = layer_n(&f->hdr) * kvf_dtype_size(f->hdr.dtype);
+    const size_t bytes = layer_n(&f->hdr) * kf_dtype_size(f->hdr.dtype);
     if (f->pending_layer == layer && f->pending_which == which) {
         memcpy(out, which == KVF_KEYS ? f->kbuf : f->vbuf, bytes);
         f->pending_layer = -1;
@@ -869,11 +868,11 @@ kf_status kvf_read_layer_raw(kvf_file *f, int layer, kvf_which which, void *out,
 kf_status kvf_read_layer(kvf_file *f, int layer, kvf_which which, float *out, kf_error *err) {
     KF_TRY(check_args(f, layer, which, out, err));
     const kvf_header *h = &f->hdr;
-    if (h->dtype == KVF_F32)
+    if (h->dtype == KF_DTYPE_F32)
         return kvf_read_layer_raw(f, layer, which, out, err);
     KF_TRY(layer_buffer(f, &f->conv, err));
     KF_TRY(kvf_read_layer_raw(f, layer, which, f->conv, err));
-    kvf_convert_from(h->dtype, f->conv, out, layer_n(h));
+    kf_convert_to_f32(out, f->conv, h->dtype, layer_n(h));
     return KF_OK;
 }
 
@@ -904,7 +903,7 @@ kf_status kvf_read_block(kvf_file *f, int layer, int64_t block, kvf_which which,
     int nt;
     KF_TRY(layer_buffer(f, &f->conv, err));
     KF_TRY(kvf_read_block_raw(f, layer, block, which, f->conv, &nt, err));
-    kvf_convert_from(f->hdr.dtype, f->conv, out, (size_t)nt * (size_t)f->hdr.kv_heads * (size_t)f->hdr.head_dim);
+    kf_convert_to_f32(out, f->conv, f->hdr.dtype, (size_t)nt * (size_t)f->hdr.kv_heads * (size_t)f->hdr.head_dim);
     if (n_tokens)
         *n_tokens = nt;
     return KF_OK;

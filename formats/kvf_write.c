@@ -70,12 +70,12 @@ static herr_t write_attrs(hid_t f, const kvf_header *h, const char *payload_dige
     rc |= attr_str(f, "payload_digest", payload_digest);
     rc |= attr_i64(f, "n_doc_tokens", h->n_doc_tokens);
     rc |= attr_i64(f, "n_tokens", h->n_tokens);
-    rc |= attr_str(f, "method", kvf_method_name(h->method));
+    rc |= attr_str(f, "method", kvf_method_attr(h->method));
     rc |= attr_f64(f, "budget", h->budget);
     rc |= attr_f64(f, "lambda", h->lambda);
     rc |= attr_str(f, "rope_frame", kvf_rope_frame_name(h->rope_frame));
     rc |= attr_str(f, "placeholder", h->placeholder);
-    rc |= attr_str(f, "dtype", kvf_dtype_name(h->dtype));
+    rc |= attr_str(f, "dtype", kvf_dtype_attr(h->dtype));
     rc |= attr_i64(f, "n_layers", h->n_layers);
     rc |= attr_i64(f, "kv_heads", h->kv_heads);
     rc |= attr_i64(f, "head_dim", h->head_dim);
@@ -143,13 +143,13 @@ typedef struct {
 static kf_status head_kv(const kvf_cache *c, int i, int l, size_t hd, unsigned char *chunk, wctx *w) {
     const kvf_header *h = &c->hdr;
     const size_t H = (size_t)h->kv_heads, D = (size_t)h->head_dim, C = (size_t)h->n_tokens;
-    const size_t esz = kvf_dtype_size(h->dtype);
+    const size_t esz = kf_dtype_size(h->dtype);
     const float *src = i ? c->values : c->keys;
     const void *raw = i ? c->values_raw : c->keys_raw;
     for (size_t t = 0; t < C; t++) {
         const size_t at = (((size_t)l * C + t) * H + hd) * D; /* element offset of [l, t, hd, 0] */
         if (src)
-            kvf_convert_to(h->dtype, src + at, chunk + t * D * esz, D);
+            kf_convert_from_f32(chunk + t * D * esz, h->dtype, src + at, D);
         else
             memcpy(chunk + t * D * esz, (const char *)raw + at * esz, D * esz);
     }
@@ -158,7 +158,7 @@ static kf_status head_kv(const kvf_cache *c, int i, int l, size_t hd, unsigned c
         return KF_OK;
     return kf_fail(w->err, KF_ERR_INVALID, "%s: %s of layer %d, slot %lld, head %zu %s in %s", w->path,
                    i ? "values" : "keys", l, (long long)((size_t)bad / D), hd,
-                   src ? "is not finite or overflows" : "is not finite", kvf_dtype_name(h->dtype));
+                   src ? "is not finite or overflows" : "is not finite", kf_dtype_name(h->dtype));
 }
 
 /* Writes one layer: one K and one V chunk per head (each converted, checked, hashed and summed
@@ -166,7 +166,7 @@ static kf_status head_kv(const kvf_cache *c, int i, int l, size_t hd, unsigned c
 static kf_status write_layer(hid_t ds[W_N], const kvf_cache *c, int l, wbufs *b, uint8_t *digests, wctx *w) {
     const kvf_header *h = &c->hdr;
     const size_t H = (size_t)h->kv_heads, C = (size_t)h->n_tokens, D = (size_t)h->head_dim;
-    const size_t cb = C * D * kvf_dtype_size(h->dtype); /* bytes of one (layer, head) chunk */
+    const size_t cb = C * D * kf_dtype_size(h->dtype); /* bytes of one (layer, head) chunk */
     const float *beta = c->beta ? c->beta + (size_t)l * H * C : b->zeros;
     const float *u = c->u ? c->u + (size_t)l * H * D : b->zeros;
     const int32_t *pos = c->positions ? c->positions + (size_t)l * H * C : b->ident;
@@ -209,7 +209,7 @@ static kf_status write_layer(hid_t ds[W_N], const kvf_cache *c, int l, wbufs *b,
 static kf_status wbufs_init(wbufs *b, const kvf_cache *c, wctx *w) {
     const kvf_header *h = &c->hdr;
     const size_t H = (size_t)h->kv_heads, C = (size_t)h->n_tokens, D = (size_t)h->head_dim;
-    const size_t esz = kvf_dtype_size(h->dtype), blk = C * D * esz; /* one (layer, head) chunk */
+    const size_t esz = kf_dtype_size(h->dtype), blk = C * D * esz; /* one (layer, head) chunk */
     size_t big = blk > H * C * 4 ? blk : H * C * 4;
     big = big > H * D * 4 ? big : H * D * 4;
     memset(b, 0, sizeof *b);
@@ -252,7 +252,7 @@ static kf_status write_contents(hid_t f, const kvf_cache *c, wctx *w) {
         ds[W_HM] = make_dataset(f, "head_method", H5T_STD_U8LE, 2, hd, NULL, hc);
         dig = make_dataset(f, "head_digest", H5T_STD_U8LE, 3, dd, NULL, dd);
         for (int i = 0; i < W_N && st == KF_OK; i++)
-            if (ds[i] < 0 || dig < 0 || (i < 2 && attr_str(ds[i], "dtype", kvf_dtype_name(h->dtype)) < 0))
+            if (ds[i] < 0 || dig < 0 || (i < 2 && attr_str(ds[i], "dtype", kvf_dtype_attr(h->dtype)) < 0))
                 st = h5fail(w, "create the datasets");
     }
     for (int l = 0; l < (int)L && st == KF_OK; l++)

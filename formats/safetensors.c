@@ -10,34 +10,26 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+/* The header's dtype strings and the dtypes they stand for (sizes: kf_dtype_size). */
 static const struct {
     const char *name;
-    kf_st_dtype dt;
-    size_t size;
+    kf_dtype dt;
 } kDtypes[] = {
-    {"BOOL", KF_ST_BOOL, 1}, {"U8", KF_ST_U8, 1},   {"I8", KF_ST_I8, 1},
-    {"I16", KF_ST_I16, 2},   {"U16", KF_ST_U16, 2}, {"F16", KF_ST_F16, 2},
-    {"BF16", KF_ST_BF16, 2}, {"I32", KF_ST_I32, 4}, {"U32", KF_ST_U32, 4},
-    {"F32", KF_ST_F32, 4},   {"I64", KF_ST_I64, 8}, {"U64", KF_ST_U64, 8},
-    {"F64", KF_ST_F64, 8},
+    {"BOOL", KF_DTYPE_BOOL}, {"U8", KF_DTYPE_U8},   {"I8", KF_DTYPE_I8},     {"I16", KF_DTYPE_I16},
+    {"U16", KF_DTYPE_U16},   {"F16", KF_DTYPE_F16}, {"BF16", KF_DTYPE_BF16}, {"I32", KF_DTYPE_I32},
+    {"U32", KF_DTYPE_U32},   {"F32", KF_DTYPE_F32}, {"I64", KF_DTYPE_I64},   {"U64", KF_DTYPE_U64},
+    {"F64", KF_DTYPE_F64},
 };
 #define N_DTYPES (sizeof kDtypes / sizeof kDtypes[0])
 
-size_t kf_st_dtype_size(kf_st_dtype dt) {
-    for (size_t i = 0; i < N_DTYPES; i++)
-        if (kDtypes[i].dt == dt)
-            return kDtypes[i].size;
-    return 0;
-}
-
-const char *kf_st_dtype_name(kf_st_dtype dt) {
+const char *kf_st_dtype_name(kf_dtype dt) {
     for (size_t i = 0; i < N_DTYPES; i++)
         if (kDtypes[i].dt == dt)
             return kDtypes[i].name;
     return "?";
 }
 
-static int parse_dtype(const char *s, kf_st_dtype *out) {
+static int parse_dtype(const char *s, kf_dtype *out) {
     for (size_t i = 0; i < N_DTYPES; i++)
         if (strcmp(kDtypes[i].name, s) == 0) {
             *out = kDtypes[i].dt;
@@ -197,7 +189,7 @@ static kf_status parse_header(kf_st_set *set, int fi, kf_error *err) {
                 overflow = 1;
             numel *= dim;
         }
-        size_t esize = kf_st_dtype_size(t.dtype);
+        size_t esize = kf_dtype_size(t.dtype);
         if (overflow || numel > UINT64_MAX / esize) {
             rc = kf_fail(err, KF_ERR_FORMAT, "%s: tensor '%s': shape overflows 64 bits", f->path, key);
             goto done;
@@ -435,10 +427,10 @@ int64_t kf_st_first_nonfinite(const kf_st_tensor *t, int *is_nan) {
         is_nan = &dummy;
     *is_nan = 0;
     switch (t->dtype) {
-    case KF_ST_BF16: NONFINITE_SCAN(uint16_t, 0x7f80u, 0x007fu); break;
-    case KF_ST_F16: NONFINITE_SCAN(uint16_t, 0x7c00u, 0x03ffu); break;
-    case KF_ST_F32: NONFINITE_SCAN(uint32_t, 0x7f800000u, 0x007fffffu); break;
-    case KF_ST_F64: NONFINITE_SCAN(uint64_t, 0x7ff0000000000000ull, 0x000fffffffffffffull); break;
+    case KF_DTYPE_BF16: NONFINITE_SCAN(uint16_t, 0x7f80u, 0x007fu); break;
+    case KF_DTYPE_F16: NONFINITE_SCAN(uint16_t, 0x7c00u, 0x03ffu); break;
+    case KF_DTYPE_F32: NONFINITE_SCAN(uint32_t, 0x7f800000u, 0x007fffffu); break;
+    case KF_DTYPE_F64: NONFINITE_SCAN(uint64_t, 0x7ff0000000000000ull, 0x000fffffffffffffull); break;
     default: break;
     }
     return -1;

@@ -31,19 +31,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "formats/error.h"
+#include "kernels/base/dtype.h"
+#include "kernels/base/error.h"
 
 #define KF_ST_MAX_HEADER (100u * 1000u * 1000u)
 #define KF_ST_MAX_DIMS 8
 
-typedef enum {
-    KF_ST_BOOL, KF_ST_U8, KF_ST_I8, KF_ST_I16, KF_ST_U16, KF_ST_F16, KF_ST_BF16,
-    KF_ST_I32, KF_ST_U32, KF_ST_F32, KF_ST_I64, KF_ST_U64, KF_ST_F64,
-} kf_st_dtype;
-
 typedef struct {
     char *name;
-    kf_st_dtype dtype;
+    kf_dtype dtype;
     int ndim;
     int64_t shape[KF_ST_MAX_DIMS];
     int64_t numel;
@@ -87,7 +83,7 @@ const kf_st_tensor *kf_st_find(const kf_st_set *set, const char *name);
  * in *is_nan, which of the two it is; -1 when every element is finite or the dtype is not floating. */
 int64_t kf_st_first_nonfinite(const kf_st_tensor *t, int *is_nan);
 
-size_t kf_st_dtype_size(kf_st_dtype dt);
-const char *kf_st_dtype_name(kf_st_dtype dt);
+/* The header's spelling of a dtype ("BF16", "F32", "I64", ...); "?" for one safetensors lacks. */
+const char *kf_st_dtype_name(kf_dtype dt);
 
 #endif

@@ -57,7 +57,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "error.h"
+#include "kernels/base/error.h"
 
 typedef struct kf_tokenizer kf_tokenizer;
 

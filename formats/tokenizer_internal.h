@@ -10,7 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "error.h"
+#include "kernels/base/error.h"
 #include "tokenizer.h"
 
 /* ---- tokenizer_hash.c: a byte-string -> int32 map and a (int32, int32) -> (rank, id) map ---- */

@@ -24,12 +24,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kernels/base/dtype.h"
+#include "kernels/workspace.h"
+
 #define KF_PAGE_TOKENS 16
 #define KF_MAX_HEAD_DIM 1024 /* kernels keep per-token scratch of this size on the stack */
-
-typedef enum { KF_DTYPE_F32 = 0, KF_DTYPE_BF16 = 1, KF_DTYPE_F16 = 2 } kf_dtype;
-
-size_t kf_dtype_size(kf_dtype dt);
 
 /* RoPE frequencies: the three rope types of Llama/Qwen checkpoints. */
 typedef enum { KF_ROPE_DEFAULT = 0, KF_ROPE_LINEAR = 1, KF_ROPE_LLAMA3 = 2 } kf_rope_kind;
@@ -400,9 +399,11 @@ static inline void kf_solve_exp_rows(const kf_backend *be, float *x, size_t ldx,
     be->exp_rows(be, x, ldx, rows, n, shift);
 }
 /* x = (S + lambda I)^-1 rhs for a symmetric positive semi-definite S [d, d] (fp64, whole, row
- * stride d, not modified) by dpotrf + dpotrs on a copy. Returns 0, 1 when the factorization or
- * the solve failed, -1 when out of memory. (kernels/solve.c) */
-int kf_solve_spd(const kf_backend *be, const double *S, int d, double lambda, const double *rhs, double *x);
+ * stride d, not modified) by dpotrf + dpotrs on a copy taken from ws (kf_solve_spd_bytes; NULL: a
+ * block of its own). Returns 0, 1 when the factorization or the solve failed, -1 when out of
+ * memory. (kernels/solve.c) */
+int kf_solve_spd(const kf_backend *be, const double *S, int d, double lambda, const double *rhs, double *x, kf_ws *ws);
+int64_t kf_solve_spd_bytes(int d);
 
 /* The CPU backend (OpenBLAS GEMMs; row kernels and attention on a pthread pool of as many
  * threads as OpenBLAS has). Returns NULL when out of memory. */

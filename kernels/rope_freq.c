@@ -3,10 +3,6 @@
 
 #include "kernels/backend.h"
 
-size_t kf_dtype_size(kf_dtype dt) {
-    return dt == KF_DTYPE_F32 ? 4 : 2;
-}
-
 void kf_rope_inv_freq(const kf_rope_spec *spec, int head_dim, double *inv_freq) {
     const int half = head_dim / 2;
     for (int i = 0; i < half; i++) {

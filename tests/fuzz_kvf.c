@@ -35,7 +35,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 /* One seed: L layers x H heads x D, C slots, in dtype dt, with method m. */
-static void write_seed(const char *dir, int k, int L, int H, int D, int64_t C, kvf_dtype dt, kvf_method m) {
+static void write_seed(const char *dir, int k, int L, int H, int D, int64_t C, kf_dtype dt, kf_method m) {
     kvf_cache c = {0};
     kvf_header *h = &c.hdr;
     kvf_header_init(h);
@@ -47,7 +47,7 @@ static void write_seed(const char *dir, int k, int L, int H, int D, int64_t C, k
     h->n_tokens = C;
     h->method = m;
     h->budget = 0.5;
-    h->lambda = m == KVF_METHOD_FOLD ? 0.01 : 0;
+    h->lambda = m == KF_METHOD_FOLD ? 0.01 : 0;
     h->dtype = dt;
     h->n_layers = L;
     h->kv_heads = H;
@@ -60,12 +60,12 @@ static void write_seed(const char *dir, int k, int L, int H, int D, int64_t C, k
         kv[i] = (float)sin((double)i * 0.37 + k);
     for (size_t i = 0; i < nb; i++) {
         pos[i] = i % 9 == 8 ? -1 : (int32_t)(i % (size_t)h->n_doc_tokens);
-        beta[i] = pos[i] < 0 && m == KVF_METHOD_AM ? -INFINITY : (float)(i % 5) * 0.25f;
+        beta[i] = pos[i] < 0 && m == KF_METHOD_AM ? -INFINITY : (float)(i % 5) * 0.25f;
     }
     for (size_t i = 0; i < nu; i++)
         u[i] = (float)cos((double)i);
     for (size_t i = 0; i < (size_t)L * H; i++)
-        hm[i] = (uint8_t)(i % 2 ? m : KVF_METHOD_DROP);
+        hm[i] = (uint8_t)(i % 2 ? m : KF_METHOD_DROP);
     c.keys = kv;
     c.values = kv + n;
     c.beta = beta;
@@ -94,11 +94,11 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
     const char *seeds = getenv("KF_FUZZ_KVF_SEEDS");
     if (seeds) {
         mkdir(seeds, 0755);
-        write_seed(seeds, 0, 1, 1, 4, 3, KVF_BF16, KVF_METHOD_KEEP);
-        write_seed(seeds, 1, 2, 2, 8, 20, KVF_BF16, KVF_METHOD_AM);
-        write_seed(seeds, 2, 2, 1, 16, 33, KVF_F16, KVF_METHOD_FOLD);
-        write_seed(seeds, 3, 3, 2, 4, 16, KVF_F32, KVF_METHOD_DROP);
-        write_seed(seeds, 4, 1, 4, 8, 40, KVF_BF16, KVF_METHOD_AM);
+        write_seed(seeds, 0, 1, 1, 4, 3, KF_DTYPE_BF16, KF_METHOD_KEEP);
+        write_seed(seeds, 1, 2, 2, 8, 20, KF_DTYPE_BF16, KF_METHOD_AM);
+        write_seed(seeds, 2, 2, 1, 16, 33, KF_DTYPE_F16, KF_METHOD_FOLD);
+        write_seed(seeds, 3, 3, 2, 4, 16, KF_DTYPE_F32, KF_METHOD_DROP);
+        write_seed(seeds, 4, 1, 4, 8, 40, KF_DTYPE_BF16, KF_METHOD_AM);
     }
     return 0;
 }

@@ -71,7 +71,7 @@ static void check_set(const kf_st_set *set) {
                 fail("bad dimension", t);
             numel *= t->shape[d];
         }
-        if (numel != t->numel || (uint64_t)t->numel * kf_st_dtype_size(t->dtype) != t->nbytes)
+        if (numel != t->numel || (uint64_t)t->numel * kf_dtype_size(t->dtype) != t->nbytes)
             fail("numel or nbytes inconsistent", t);
         const unsigned char *p = t->data;
         if (t->nbytes > 0 && (p < lo || p > hi || t->nbytes > (size_t)(hi - p)))

@@ -128,7 +128,8 @@ static void test_val_head_appended(void) {
     kf_val_head vt;
     CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
     CU_ASSERT_EQUAL_FATAL(
-        kf_val_head_init_targets(&vt, NULL, c->Q, NV, D, scale, c->w, tg.m, tg.y, tg.Y, c->app, c->vis, &err), KF_OK);
+        kf_val_head_init_targets(&vt, NULL, c->Q, NV, D, scale, c->w, tg.m, tg.y, tg.Y, c->app, c->vis, 0, NULL, &err),
+        KF_OK);
     double worst_t = 0;
     for (size_t k = 0; k < (size_t)NV * D; k++)
         worst_t = fmax(worst_t, fabs(vt.o_full[k] - vh.o_full[k]));
@@ -292,7 +293,7 @@ static void test_normal_equations_add(void) {
     kf_error err = {0};
     CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
     int32_t sel[NK];
-    CU_ASSERT_EQUAL_FATAL(kf_am_select(tg.score, NT, NK, sel, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_am_select(tg.score, NT, NK, sel, NULL, &err), KF_OK);
     for (int j = 0; j < NK; j++)
         memcpy(kc + j * ND, K + sel[j] * ND, sizeof(float) * ND);
     /* training rows [0, NTR), validation rows [NTR, NR): heads and targets over each */
@@ -301,11 +302,11 @@ static void test_normal_equations_add(void) {
     kf_am_targets tv = {tg.m + NTR, tg.y + NTR, tg.Y + NTR * ND, NULL};
     kf_beta_normal bn, part;
     kf_value_gram gm, gpart;
-    CU_ASSERT_EQUAL_FATAL(kf_beta_normal_build(&htr, &tg, kc, NK, &bn, &err), KF_OK);
-    CU_ASSERT_EQUAL_FATAL(kf_beta_normal_build(&hv, &tv, kc, NK, &part, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_beta_normal_build(&htr, &tg, kc, NK, &bn, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_beta_normal_build(&hv, &tv, kc, NK, &part, NULL, &err), KF_OK);
     kf_beta_normal_add(&bn, &part);
-    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(NULL, Q, NTR, ND, scale, kc, ND, NULL, NK, tg.Y, &gm, &err), KF_OK);
-    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(NULL, hv.q, hv.R, ND, scale, kc, ND, NULL, NK, tv.Y, &gpart, &err),
+    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(NULL, Q, NTR, ND, scale, kc, ND, NULL, NK, tg.Y, &gm, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(NULL, hv.q, hv.R, ND, scale, kc, ND, NULL, NK, tv.Y, &gpart, NULL, &err),
                           KF_OK);
     kf_value_gram_add(&gm, &gpart);
     double GM[NK * NK], bM[NK], yy, GX[NK * NK], BX[NK * ND], tr = 0;
@@ -319,11 +320,12 @@ static void test_normal_equations_add(void) {
     CU_ASSERT(eG < 1e-5 && eb < 1e-5 && ey < 1e-6);
     CU_ASSERT(eGX < 1e-5 && eBX < 1e-5 && etr < 1e-6);
     /* and the fits from the sums equal the fits on all the rows */
-    CU_ASSERT_EQUAL(kf_am_fit_beta_normal(&bn, 7, KF_BETA_AM, beta_sum, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_am_fit_beta_normal(&bn, 7, KF_BETA_AM, beta_sum, NULL, NULL, &err), KF_OK);
     CU_ASSERT_EQUAL(kf_am_fit_beta(&h, &tg, sel, NK, 7, beta_all, NULL, &err), KF_OK);
     CU_ASSERT_EQUAL(kf_value_gram_solve(&gm, 1e-3, V, ND, v_sum, NULL, &err), KF_OK);
     CU_ASSERT_EQUAL(
-        kf_am_fit_values_ridge(NULL, Q, NR, ND, scale, kc, ND, NULL, NK, tg.Y, 1e-3, V, ND, v_all, NULL, &err), KF_OK);
+        kf_am_fit_values_ridge(NULL, Q, NR, ND, scale, kc, ND, NULL, NK, tg.Y, 1e-3, V, ND, v_all, NULL, NULL, &err),
+        KF_OK);
     double db = 0, dv = 0, mb = 0;
     for (int j = 0; j < NK; j++)
         db = fmax(db, fabs(beta_sum[j] - beta_all[j])), mb = fmax(mb, fabs(beta_all[j]));
@@ -337,9 +339,9 @@ static void test_normal_equations_add(void) {
     /* one pass for both (the choice's) == the two builds, over all the rows */
     kf_beta_normal b1, b2;
     kf_value_gram g1, g2;
-    CU_ASSERT_EQUAL_FATAL(kf_kept_normal_build(&h, &tg, kc, NK, NULL, &b1, &g1, &err), KF_OK);
-    CU_ASSERT_EQUAL_FATAL(kf_beta_normal_build(&h, &tg, kc, NK, &b2, &err), KF_OK);
-    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(NULL, Q, NR, ND, scale, kc, ND, NULL, NK, tg.Y, &g2, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_kept_normal_build(&h, &tg, kc, NK, NULL, &b1, &g1, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_beta_normal_build(&h, &tg, kc, NK, &b2, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(NULL, Q, NR, ND, scale, kc, ND, NULL, NK, tg.Y, &g2, NULL, &err), KF_OK);
     const double e1 = rel_diff(b1.G, b2.G, NK * NK), e2 = rel_diff(b1.b, b2.b, NK);
     const double e3 = rel_diff(g1.G, g2.G, NK * NK), e4 = rel_diff(g1.B, g2.B, NK * ND);
     printf("    one pass vs two builds: %.1e %.1e %.1e %.1e, yy %.1e tr %.1e\n", e1, e2, e3, e4, b1.yy - b2.yy,
@@ -369,19 +371,19 @@ static void test_gram_rebuild_fresh(void) {
     kf_error err = {0};
     kf_gram_tiles w;
     kf_value_gram g, fresh, zero;
-    CU_ASSERT_EQUAL_FATAL(kf_gram_tiles_alloc(&w, t, d, 1), 0);
-    CU_ASSERT_EQUAL_FATAL(kf_value_gram_alloc(&g, NULL, t, d), 0);
+    CU_ASSERT_EQUAL_FATAL(kf_gram_tiles_alloc(&w, t, d, 1, NULL), 0);
+    CU_ASSERT_EQUAL_FATAL(kf_value_gram_alloc(&g, NULL, t, d, NULL), 0);
     kf_value_gram_rebuild(Q, R, scale, k1, d, b1, Y, &w, &g); /* the first candidate */
     const double tr1 = g.tr;
     kf_value_gram_rebuild(Q, R, scale, k2, d, NULL, Y, &w, &g); /* the second, in place */
-    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(NULL, Q, R, d, scale, k2, d, NULL, t, Y, &fresh, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(NULL, Q, R, d, scale, k2, d, NULL, t, Y, &fresh, NULL, &err), KF_OK);
     int same = memcmp(g.G, fresh.G, sizeof(double) * t * t) == 0 && memcmp(g.B, fresh.B, sizeof(double) * t * d) == 0;
     printf("\n    rebuilt gram == fresh build: %s (tr %.17g, the first candidate's %.17g)\n", same ? "yes" : "NO",
            g.tr, tr1);
     CU_ASSERT(same && g.tr == fresh.tr);
     CU_ASSERT(tr1 != fresh.tr);
     kf_value_gram_rebuild(Q, 0, scale, k1, d, b1, Y, &w, &g); /* no rows: zero, as a fresh build */
-    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(NULL, Q, 0, d, scale, k1, d, b1, t, Y, &zero, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(NULL, Q, 0, d, scale, k1, d, b1, t, Y, &zero, NULL, &err), KF_OK);
     CU_ASSERT(memcmp(g.G, zero.G, sizeof(double) * t * t) == 0 && memcmp(g.B, zero.B, sizeof(double) * t * d) == 0);
     /* the kept keys' one pass with the tiles the candidates used == with its own */
     kf_am_head h = {k1, d, k1, d, t, Q, R, d, scale, NULL};
@@ -389,8 +391,8 @@ static void test_gram_rebuild_fresh(void) {
     CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
     kf_beta_normal bw, bo;
     kf_value_gram dw, dn;
-    CU_ASSERT_EQUAL_FATAL(kf_kept_normal_build(&h, &tg, k2, t, &w, &bw, &dw, &err), KF_OK);
-    CU_ASSERT_EQUAL_FATAL(kf_kept_normal_build(&h, &tg, k2, t, NULL, &bo, &dn, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_kept_normal_build(&h, &tg, k2, t, &w, &bw, &dw, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_kept_normal_build(&h, &tg, k2, t, NULL, &bo, &dn, NULL, &err), KF_OK);
     CU_ASSERT(memcmp(bw.G, bo.G, sizeof(double) * t * t) == 0 && memcmp(bw.b, bo.b, sizeof(double) * t) == 0);
     CU_ASSERT(memcmp(dw.G, dn.G, sizeof(double) * t * t) == 0 && memcmp(dw.B, dn.B, sizeof(double) * t * d) == 0);
     kf_beta_normal_free(&bw), kf_beta_normal_free(&bo);
@@ -441,7 +443,47 @@ static void test_training_order_stratified(void) {
     CU_ASSERT(ascending > n / 3 && ascending < 2 * n / 3); /* shuffled, not in row order */
 }
 
-/* A head where one candidate is clearly best (the planted cases of test_am's per-head choice, with
+/* The pick of the per-head choice on a planted head (all 200 rows) (test_util.h: kf_planted_init), and the
+ * validation error of keep. */
+static kf_head_pick planted_choice(int dup, float val_sign, kf_ridge_target to, double *err_out) {
+    kf_planted_head ph;
+    kf_planted_init(&ph, dup, val_sign, to, 200);
+    kf_error err = {0};
+    kf_head_pick pick = {KF_METHOD_KEEP, 0, 0, NAN};
+    CU_ASSERT_EQUAL(
+        kf_choose_head(&ph.p, &ph.h, &ph.tg, ph.sel, KF_PLANT_KEPT, ph.K, ph.V, &ph.vh, 1, &pick, NULL, NULL, &err),
+        KF_OK);
+    /* the errors of keep and of the winner, for the message */
+    const kf_kv_block kb = {ph.K, ph.V, KF_PLANT_D, NULL, KF_PLANT_KEPT};
+    *err_out = kf_val_err(&ph.vh, &kb);
+    kf_planted_free(&ph);
+    return pick;
+}
+
+static void test_head_choice_planted(void) {
+    struct {
+        int dup;
+        float sign;
+        kf_ridge_target to;
+        kf_method want;
+        const char *why;
+    } cases[] = {
+        {1, 1, KF_RIDGE_TO_ORIG, KF_METHOD_FOLD, "mass to restore, questions like the training queries"},
+        {1, -1, KF_RIDGE_TO_ORIG, KF_METHOD_DROP, "mass to restore, questions whose gain q.u is -1"},
+        {0, 1, KF_RIDGE_TO_ZERO, KF_METHOD_KEEP, "no mass lost: the original values are exact"},
+    };
+    for (int k = 0; k < 3; k++) {
+        double keep_err;
+        const kf_head_pick pk = planted_choice(cases[k].dup, cases[k].sign, cases[k].to, &keep_err);
+        printf("\n    %s: picked %s (lambda %g, alpha %g, err %.2e; keep %.2e)", cases[k].why, kf_method_name(pk.method),
+               pk.lambda, pk.alpha, pk.err, keep_err);
+        CU_ASSERT_EQUAL(pk.method, cases[k].want);
+        CU_ASSERT(pk.err <= keep_err);
+    }
+    printf("\n");
+}
+
+/* A head where one candidate is clearly best (the planted cases of test_head_choice_planted, with
  * five times the training rows): the choice on its subsample of them (choice_rows 4: 512 of 1000)
  * picks it as the choice on all of them does, and keeps its normal equations for the refit, naming
  * the rows they cover. */
@@ -453,8 +495,9 @@ static kf_head_pick planted_on(int dup, float val_sign, kf_ridge_target to, doub
     ph.p.choice_rows = choice_rows;
     *rows = kf_choice_rows(&ph.p, ph.h.R, KF_PLANT_KEPT);
     kf_choice_fits fits = {0};
-    CU_ASSERT_EQUAL(kf_choose_head(&ph.p, &ph.h, &ph.tg, ph.sel, KF_PLANT_KEPT, ph.K, ph.V, &ph.vh, 1, &pick, &fits, &err),
-                    KF_OK);
+    CU_ASSERT_EQUAL(
+        kf_choose_head(&ph.p, &ph.h, &ph.tg, ph.sel, KF_PLANT_KEPT, ph.K, ph.V, &ph.vh, 1, &pick, &fits, NULL, &err),
+        KF_OK);
     *kept = (fits.beta.G != NULL) + (fits.drop.G != NULL) + 10 * (fits.rows == *rows); /* what the refit reuses */
     kf_choice_fits_free(&fits);
     kf_planted_free(&ph);
@@ -577,9 +620,9 @@ static void refit_ref_beta(const double *M, const double *y, uint64_t seed, floa
                 G[a * RF_t + c] += M[i * RF_t + a] * M[i * RF_t + c];
         }
     }
-    kf_beta_normal ne = {G, b, yy, RF_t, NULL};
+    kf_beta_normal ne = {G, b, yy, RF_t, NULL, 0};
     kf_error err = {0};
-    CU_ASSERT_EQUAL(kf_am_fit_beta_normal(&ne, seed, KF_BETA_AM, beta, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_am_fit_beta_normal(&ne, seed, KF_BETA_AM, beta, NULL, NULL, &err), KF_OK);
     free(G);
 }
 
@@ -595,8 +638,8 @@ static void test_refit_three_parts(void) {
     kf_error err = {0};
     kf_head_pick pick;
     kf_choice_fits fits = {0};
-    CU_ASSERT_EQUAL_FATAL(kf_choose_head(&ph.p, &ph.h, &ph.tg, ph.sel, RF_t, ph.K, ph.V, &ph.vh, 1, &pick, &fits, &err),
-                          KF_OK);
+    CU_ASSERT_EQUAL_FATAL(
+        kf_choose_head(&ph.p, &ph.h, &ph.tg, ph.sel, RF_t, ph.K, ph.V, &ph.vh, 1, &pick, &fits, NULL, &err), KF_OK);
     CU_ASSERT_FATAL(fits.rows == 512 && fits.beta.G && fits.drop.G);
     /* the parts: training rows [512, 1000) and the validation rows, with their own targets */
     kf_am_head parts[2] = {ph.h, ph.h};
@@ -606,9 +649,9 @@ static void test_refit_three_parts(void) {
     CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&parts[1], KF_SCORE_RMS, &tgs[1], &err), KF_OK);
     const double alpha = 1e-2;
     float beta[RF_t], beta_ref[RF_t], vals[RF_t * RF_d];
-    CU_ASSERT_EQUAL(kf_choice_refit_add(&fits, 1, parts, tgs, 2, ph.K, RF_t, &err), KF_OK);
-    CU_ASSERT_EQUAL(kf_choice_refit_add(&fits, 0, parts, tgs, 2, ph.K, RF_t, &err), KF_OK);
-    CU_ASSERT_EQUAL(kf_am_fit_beta_normal(&fits.beta, 7, KF_BETA_AM, beta, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_choice_refit_add(&fits, 1, parts, tgs, 2, ph.K, RF_t, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_choice_refit_add(&fits, 0, parts, tgs, 2, ph.K, RF_t, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_am_fit_beta_normal(&fits.beta, 7, KF_BETA_AM, beta, NULL, NULL, &err), KF_OK);
     CU_ASSERT_EQUAL(kf_value_gram_solve(&fits.drop, alpha, ph.V, RF_d, vals, NULL, &err), KF_OK);
     /* the references over all the rows, in fp64 from the head's keys and values */
     float *q = malloc(sizeof(float) * RF_R * RF_d);
@@ -628,7 +671,7 @@ static void test_refit_three_parts(void) {
     CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&all, KF_SCORE_RMS, &tall, &err), KF_OK);
     CU_ASSERT_EQUAL(kf_am_fit_beta(&all, &tall, ph.sel, RF_t, 7, beta_one, NULL, &err), KF_OK);
     CU_ASSERT_EQUAL(kf_am_fit_values_ridge(NULL, q, RF_R, RF_d, all.scale, ph.K, RF_d, NULL, RF_t, tall.Y, alpha, ph.V,
-                                           RF_d, v_one, NULL, &err),
+                                           RF_d, v_one, NULL, NULL, &err),
                     KF_OK);
     double db = 0, db1 = 0, mb = 0, dv = 0, dv1 = 0, d32 = 0, mv = 0;
     for (int j = 0; j < RF_t; j++) {
@@ -652,6 +695,41 @@ static void test_refit_three_parts(void) {
     kf_planted_free(&ph);
 }
 
+/* kf_choose_head on a workspace: the heap's pick and kept normal equations to the bit; only those
+ * stay in the workspace (the choice's own buffers given back), and a refit from them after more
+ * scratch is carved over what was given back gives the heap's beta. */
+static void test_choice_on_workspace(void) {
+    static kf_planted_head ph;
+    kf_planted_init(&ph, 1, 1, KF_RIDGE_TO_ORIG, 1000);
+    const int t = KF_PLANT_KEPT, d = KF_PLANT_D;
+    kf_error err = {0};
+    kf_head_pick ph_pick, ws_pick;
+    kf_choice_fits hf = {0}, wf = {0};
+    CU_ASSERT_EQUAL_FATAL(
+        kf_choose_head(&ph.p, &ph.h, &ph.tg, ph.sel, t, ph.K, ph.V, &ph.vh, 3, &ph_pick, &hf, NULL, &err), KF_OK);
+    kf_ws ws;
+    CU_ASSERT_EQUAL_FATAL(kf_ws_init(&ws, 1 << 22), 0);
+    CU_ASSERT_EQUAL_FATAL(
+        kf_choose_head(&ph.p, &ph.h, &ph.tg, ph.sel, t, ph.K, ph.V, &ph.vh, 3, &ws_pick, &wf, &ws, &err), KF_OK);
+    CU_ASSERT(ws_pick.method == ph_pick.method && ws_pick.lambda == ph_pick.lambda && ws_pick.alpha == ph_pick.alpha &&
+              ws_pick.err == ph_pick.err);
+    CU_ASSERT_FATAL(wf.beta.G && wf.drop.G && wf.rows == hf.rows);
+    CU_ASSERT_EQUAL(memcmp(wf.beta.G, hf.beta.G, sizeof(double) * t * t), 0);
+    CU_ASSERT_EQUAL(memcmp(wf.drop.G, hf.drop.G, sizeof(double) * t * t), 0);
+    CU_ASSERT_EQUAL(memcmp(wf.drop.B, hf.drop.B, sizeof(double) * t * d), 0);
+    CU_ASSERT_EQUAL((int64_t)ws.used, kf_beta_normal_bytes(t) + kf_value_gram_bytes(t, d));
+    CU_ASSERT(ws.peak > ws.used); /* the choice's own buffers were there */
+    memset(kf_ws_alloc(&ws, (int64_t)(ws.peak - ws.used), 1), 0xff, ws.peak - ws.used);
+    float bh[KF_PLANT_KEPT], bw[KF_PLANT_KEPT];
+    CU_ASSERT_EQUAL(kf_am_fit_beta_normal(&hf.beta, 7, KF_BETA_AM, bh, NULL, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_am_fit_beta_normal(&wf.beta, 7, KF_BETA_AM, bw, NULL, &ws, &err), KF_OK);
+    CU_ASSERT_EQUAL(memcmp(bh, bw, sizeof bh), 0);
+    kf_choice_fits_free(&hf);
+    kf_choice_fits_free(&wf);
+    kf_ws_free(&ws);
+    kf_planted_free(&ph);
+}
+
 static CU_TestInfo val_tests[] = {
     {"validation head: appended and original attention == fp64", test_val_head_appended},
     {"validation error == fp64; weights shared between value sets", test_val_err_reference},
@@ -659,9 +737,12 @@ static CU_TestInfo val_tests[] = {
     {"normal equations: training + validation == all rows (fp64)", test_normal_equations_add},
     {"normal equations rebuilt in place == a fresh build, bit for bit", test_gram_rebuild_fresh},
     {"training rows' order: a seeded permutation, every prefix stratified", test_training_order_stratified},
+    {"per-head choice picks fold, drop and keep on planted heads", test_head_choice_planted},
     {"subsampled choice picks the planted best candidate, as on all rows", test_subsampled_choice_planted},
     {"choice rows: per kept key, floor, all", test_choice_rows},
     {"winner's refit: subsample's normal equations + two parts == one fit on all rows", test_refit_three_parts},
+    {"the choice on a workspace: the heap's pick and kept normal equations, its own buffers given back",
+     test_choice_on_workspace},
     CU_TEST_INFO_NULL,
 };
 static CU_SuiteInfo suites[] = {

@@ -10,6 +10,7 @@
 #include "compactor/compact.h"
 #include "compactor/engine.h"
 #include "compactor/prefix_plan.h"
+#include "kernels/base/convert.h"
 #include "test_util.h"
 
 /* ---- the plan ---- */
@@ -327,10 +328,8 @@ static void test_prep_arena_pages(void) {
  *   queries 4 * 2 * 100 * 16 (one layer) + 4 * 2 * 2 * 20 * 16 (context rows)   = 17,920
  *   forward 4 * 16 * 576 + 8 * 16 + 8 * 78 * 32 + 512 * 2 * 78 + 4 * 64 * 45     = 148,352
  *   solve   8 * 40 * 32 + 8 * 45 * 32 + 8 * 100                             the training rows' order: 8 R
- *           + 2 (8 * 8 + 16 * 8 * 16 + 8 * 100 * 17 + 20 * 20)                 per thread
- *           + 2 (4 * 100 * 18 + 4 * 32 + 40 * 20 + 12 * 20 * 16 + 8 * 16 + 4 * max(160, 64 * 38)
- *                + max(50,000, 1,032 * 32, 16 * 20 + 512 * 16))                per head
- *           = 10,240 + 11,520 + 800 + 2 * 16,112 + 2 * 71,824                   = 198,432
+ *           + 2 (8 * 8 + 16 * 8 * 16 + 8 * 100 * 17 + 20 * 20) + 2 * 50,000      per thread, per head
+ *           = 10,240 + 11,520 + 800 + 2 * 66,112                               = 154,784
  *   output  2 * 16 * (256 + 16) + 2 * 2 * 73                                   = 8,996
  *   targets 0 (sh: no fused targets; the fused case below)
  *   base    32 MiB                                                             = 33,554,432
@@ -348,30 +347,43 @@ static void test_memory_formula(void) {
     CU_ASSERT_EQUAL(m.arena, 61440);
     CU_ASSERT_EQUAL(m.queries, 17920);
     CU_ASSERT_EQUAL(m.forward, 148352);
-    CU_ASSERT_EQUAL(m.solve, 198432);
+    CU_ASSERT_EQUAL(m.solve, 154784);
     CU_ASSERT_EQUAL(m.output, 8996);
     CU_ASSERT_EQUAL(m.base, 33554432);
-    CU_ASSERT_EQUAL(total, 34311620);
+    CU_ASSERT_EQUAL(total, 34267972);
     CU_ASSERT_EQUAL(m.total, total);
-    /* ws with the choice: max(40 t^2 + 40 t d + 4108 t + 2060 d + 8 d^2, 16 t^2 + 24 t d + 4100 t + 10252 d + 8 d^2,
-     * 24 t^2 + 16 t d + 8 t + 8200 d + 16 d^2): the second at d 16 (t 8: 75,552, 202,976, 138,944; t 64:
-     * 502,720, 518,592, 250,496); without: max(16 t^2 + 16 t d + 3080 t + 2048 d, 16 d^2 + 8200 d) */
-    CU_ASSERT_EQUAL(kf_compact_head_ws_bytes(8, 16, 1), 1024 + 3072 + 32800 + 164032 + 2048);
-    CU_ASSERT_EQUAL(kf_compact_head_ws_bytes(64, 16, 1), 65536 + 24576 + 262400 + 164032 + 2048);
-    CU_ASSERT_EQUAL(kf_compact_head_ws_bytes(256, 128, 1), 2621440 + 1310720 + 1051648 + 263680 + 131072);
-    CU_ASSERT_EQUAL(kf_compact_head_ws_bytes(8, 16, 0), 4096 + 131200);
-    CU_ASSERT_EQUAL(kf_compact_head_ws_bytes(64, 16, 0), 65536 + 16384 + 197120 + 32768);
+    /* ws, every buffer 64-byte aligned (kf_ws_bytes), T 32, R 100, t 8, d 16, fused, no choice: the
+     * head's scores 4 * 32 -> 128, then the largest of the score sums (8 * 32 -> 256) and a variant:
+     * the selection (2 * 8 * 32 = 512) or its largest fit step, the fold direction's covariance
+     * (mu 128, Sigma 8 * 256 = 2,048) and its 1,024-row tile 8 * 1,024 * 16 = 131,072 */
+    kf_mem_shape ws = {.T = 32, .R = 100, .t = 8, .fused = 1, .S = 38};
+    CU_ASSERT_EQUAL(kf_compact_head_ws_bytes(&ws, 16), 128 + 2176 + 131072);
+    /* with the choice (Rv 20): the validation head, 5 [20] fp64 (192 each) + 3 [20, 16] fp32 (1,280
+     * each) + [16] fp64 128 + the candidates' weights 4 * max(20 * 8, 64 * 38) = 9,728 + the appended
+     * rows' scratch 2 * 20 * 16 (320) + 2 * 4 * 64 * 16 (4,096 each) = 23,488; the normal equations
+     * the choice keeps for the refit (beta's 512 + 64, drop's 2 * 512 + 2 * 1,024) = 3,648, beside
+     * its own buffers (beta 64, u 64, keys and values 2 * 512, the row tiles: logits 8,192, weights
+     * 8,192, fp64 16,384, targets 8 * 256 * 16 = 32,768; the candidates' value normal equations
+     * 3,072; the covariance 2,176) = 71,936 and the covariance's row tile 131,072 */
+    ws.choice = 1, ws.Rv = 20;
+    CU_ASSERT_EQUAL(kf_compact_head_ws_bytes(&ws, 16), 128 + 23488 + 3648 + 71936 + 131072);
+    /* unfused targets: all R rows' m, y, Y and scores (2 * 448 + 6,400 + 128) held, their scratch
+     * (score sums 256, a tile's logits 4 * 256 * 32 = 32,768) below the variant's */
+    ws.fused = 0;
+    CU_ASSERT_EQUAL(kf_compact_head_ws_bytes(&ws, 16), 896 + 6400 + 128 + 23488 + 3648 + 71936 + 131072);
     /* bf16 reference queries: half the pool, and each head in flight's rows widened (2 * 4 * 100 * 16) */
     kf_mem_shape sh16 = sh;
     sh16.refq_bf16 = 1;
     kf_mem_peak m16;
     kf_compact_peak_bytes(&c, &sh16, &m16);
-    CU_ASSERT(m16.queries == 8960 && m16.solve == 198432 + 12800 && m16.total == total - 17920 + 8960 + 12800);
+    CU_ASSERT(m16.queries == 8960 && m16.solve == 154784 && m16.total == total - 17920 + 8960);
+    ws.refq_bf16 = 1; /* the head's rows widened to fp32 in the workspace: 4 * 100 * 16 */
+    CU_ASSERT_EQUAL(kf_compact_head_ws_bytes(&ws, 16), 6400 + 896 + 6400 + 128 + 23488 + 3648 + 71936 + 131072);
     /* one thread: one thread's buffers and one head in flight */
     kf_mem_shape sh1 = sh;
     sh1.solve_threads = 1, sh1.solve_heads = 1;
     kf_compact_peak_bytes(&c, &sh1, &m16);
-    CU_ASSERT_EQUAL(m16.solve, 198432 - 16112 - 71824);
+    CU_ASSERT_EQUAL(m16.solve, 154784 - 66112);
     /* fused targets (0 above: sh is not fused), one layer held: 2 * (4 * 100 * 18 + 8 * 32) = 14,912
      * in the pool; the attention's logits of r = 2 min(floor(512 / 2), 16) = 32 rows and 8 padding
      * rows per thread, 4 * 2 * 40 * 32 = 10,240; parts of ceil(16 / 16) + ceil(16 / 256) = 2 tiles
@@ -380,15 +392,10 @@ static void test_memory_formula(void) {
     shf.fused = 1;
     kf_mem_peak mf;
     CU_ASSERT_EQUAL(m.targets, 0);
-    /* and each head in flight holds its scores alone (4 * 32), m, y, Y being the pool's: 4 * 100 * 18
-     * = 7,200 less per head; the unfused rows' transient (8 * 32 with Ru 0) stays below ws */
-    CU_ASSERT_EQUAL(kf_compact_peak_bytes(&c, &shf, &mf), total + 14912 + 10240 + 1024 - 2 * 7200);
+    /* (what a head holds of them is in ws) */
+    CU_ASSERT_EQUAL(kf_compact_peak_bytes(&c, &shf, &mf), total + 14912 + 10240 + 1024);
     CU_ASSERT_EQUAL(mf.targets, 14912 + 10240 + 1024);
-    CU_ASSERT_EQUAL(mf.solve, 198432 - 2 * 7200);
-    /* Ru 600 unfused rows: 8 * 32 + 4 * 600 * 34 + 1,036 * 32 = 115,008 > ws 50,000 */
-    shf.Ru = 600;
-    kf_compact_peak_bytes(&c, &shf, &mf);
-    CU_ASSERT_EQUAL(mf.solve, 198432 - 2 * 7200 + 2 * (115008 - 50000));
+    CU_ASSERT_EQUAL(mf.solve, 154784);
     /* chunk 64, so c' = min(64, max(40, 38)) = 40: the target tiles have q = min(256, 40) = 40 queries,
      * those without targets q' = 40 halved once to 20 (2 ceil(40 / 40) = 2 < 2 A = 4 and 80 > 64;
      * then 2 ceil(40 / 20) = 4 is not < 4): logits 4 * 2 * (80 + 8) * 32 = 22,528, the wider tiles
@@ -415,7 +422,7 @@ static void test_memory_formula(void) {
     CU_ASSERT(real.R == 412 && real.Rv == 82 && real.t == 50 && real.S == 206 && real.choice == 1 && real.Rc == 0);
     CU_ASSERT(real.fused == 1 && real.Ru == 0); /* the repeat fuses its targets; no context rows */
     CU_ASSERT(real.solve_threads == 1 && real.solve_heads == 1);
-    CU_ASSERT_EQUAL(real.head_ws, kf_compact_head_ws_bytes(50, 64, 1));
+    CU_ASSERT_EQUAL(real.head_ws, kf_compact_head_ws_bytes(&real, 64));
     kf_mem_shape three;
     kf_compact_mem_shape(kf_model_config(g_m), &p, 0, 200, 0, 3, &three);
     CU_ASSERT(three.solve_threads == 3 && three.solve_heads == 2);
@@ -426,6 +433,12 @@ static void test_memory_formula(void) {
     CU_ASSERT_EQUAL(out.stats.n_queries, real.R);
     CU_ASSERT_EQUAL(out.stats.n_val_queries, real.Rv);
     CU_ASSERT_EQUAL(out.t, real.t);
+    /* the solve's declared buffers are the formula's: each thread's workspace is ws, and its heads
+     * used most of it (ws is their peak, up to what one variant's choice never holds at once) */
+    CU_ASSERT_EQUAL(out.stats.ws_bytes, real.head_ws);
+    CU_ASSERT(out.stats.ws_peak <= out.stats.ws_bytes && out.stats.ws_peak > out.stats.ws_bytes / 2);
+    printf("\n    workspace %lld bytes, %lld used at most ", (long long)out.stats.ws_bytes,
+           (long long)out.stats.ws_peak);
     kf_compacted_free(&out);
 }
 
@@ -459,7 +472,7 @@ static void test_refq_bf16_close(void) {
 static void test_round_trip_through_kvf(void) {
     kf_error err = {0};
     const kf_method methods[] = {KF_METHOD_FOLD, KF_METHOD_AM, KF_METHOD_KEEP, KF_METHOD_DROP};
-    const kvf_dtype dtypes[] = {KVF_F32, KVF_BF16, KVF_F16};
+    const kf_dtype dtypes[] = {KF_DTYPE_F32, KF_DTYPE_BF16, KF_DTYPE_F16};
     const int V = kf_model_config(g_m)->vocab_size;
     const int32_t answer[] = {1541, 2644, 10};
     kf_prompt q = {kQuestion, 7}, ans = {answer, 3};
@@ -478,7 +491,7 @@ static void test_round_trip_through_kvf(void) {
             snprintf(kc.hdr.model_fingerprint, sizeof kc.hdr.model_fingerprint, "%s", kf_model_fingerprint(g_m));
             kvf_document_digest(doc.ids, doc.n, kc.hdr.document_digest);
             char path[4096];
-            snprintf(path, sizeof path, "%s/%s-%s.kvf", dir, kf_method_name(methods[mi]), kvf_dtype_name(dtypes[di]));
+            snprintf(path, sizeof path, "%s/%s-%s.kvf", dir, kf_method_name(methods[mi]), kf_dtype_name(dtypes[di]));
             CU_ASSERT_EQUAL_FATAL(kvf_write(path, &kc, &err), KF_OK);
             /* the in-memory cache as the file stores it */
             kf_compacted r = c;
@@ -486,12 +499,12 @@ static void test_round_trip_through_kvf(void) {
             r.keys = malloc(sizeof(float) * n);
             r.values = malloc(sizeof(float) * n);
             for (size_t i = 0; i < n; i++) {
-                r.keys[i] = dtypes[di] == KVF_BF16 ? kvf_bf16_to_f32(kvf_f32_to_bf16(c.keys[i]))
-                            : dtypes[di] == KVF_F16 ? kvf_f16_to_f32(kvf_f32_to_f16(c.keys[i]))
-                                                    : c.keys[i];
-                r.values[i] = dtypes[di] == KVF_BF16 ? kvf_bf16_to_f32(kvf_f32_to_bf16(c.values[i]))
-                              : dtypes[di] == KVF_F16 ? kvf_f16_to_f32(kvf_f32_to_f16(c.values[i]))
-                                                      : c.values[i];
+                r.keys[i] = dtypes[di] == KF_DTYPE_BF16  ? kf_bf16_to_f32(kf_f32_to_bf16(c.keys[i]))
+                            : dtypes[di] == KF_DTYPE_F16 ? kf_f16_to_f32(kf_f32_to_f16(c.keys[i]))
+                                                         : c.keys[i];
+                r.values[i] = dtypes[di] == KF_DTYPE_BF16  ? kf_bf16_to_f32(kf_f32_to_bf16(c.values[i]))
+                              : dtypes[di] == KF_DTYPE_F16 ? kf_f16_to_f32(kf_f32_to_f16(c.values[i]))
+                                                           : c.values[i];
             }
             kf_engine e;
             CU_ASSERT_EQUAL_FATAL(kf_engine_from_compacted(&e, g_m, &r, 16, &err), KF_OK);
@@ -516,7 +529,7 @@ static void test_round_trip_through_kvf(void) {
             /* the file's cache against the in-memory one (computed before the file was read) */
             CU_ASSERT_EQUAL(memcmp(lp_mem, lp_file, sizeof(float) * 3 * V), 0);
             if (memcmp(lp_mem, lp_file, sizeof(float) * 3 * V) != 0)
-                fprintf(stderr, "%s %s: file vs memory %g\n", kf_method_name(methods[mi]), kvf_dtype_name(dtypes[di]),
+                fprintf(stderr, "%s %s: file vs memory %g\n", kf_method_name(methods[mi]), kf_dtype_name(dtypes[di]),
                         kf_max_abs_diff(lp_mem, lp_file, (size_t)3 * V));
             /* and the log-probabilities are real ones: finite, each row a distribution */
             for (int row = 0; row < 3; row++) {

@@ -31,18 +31,18 @@ typedef struct {
     int32_t *pos;                    /* [L, H, C] */
 } synth;
 
-static void synth_make(synth *s, int L, int H, int D, int64_t C, kvf_dtype dt, kvf_method m, uint64_t seed) {
+static void synth_make(synth *s, int L, int H, int D, int64_t C, kf_dtype dt, kf_method m, uint64_t seed) {
     memset(s, 0, sizeof *s);
     kvf_header *h = &s->c.hdr;
     kvf_header_init(h);
     memcpy(h->model_fingerprint, kFp, sizeof kFp);
     int32_t ids[3] = {(int32_t)seed, 2, 3};
     kvf_document_digest(ids, 3, h->document_digest);
-    h->n_doc_tokens = m == KVF_METHOD_KEEP ? C : 4 * C;
+    h->n_doc_tokens = m == KF_METHOD_KEEP ? C : 4 * C;
     h->n_tokens = C;
     h->method = m;
-    h->budget = m == KVF_METHOD_KEEP ? 1.0 : 0.25;
-    h->lambda = m == KVF_METHOD_FOLD ? 0.5 : 0;
+    h->budget = m == KF_METHOD_KEEP ? 1.0 : 0.25;
+    h->lambda = m == KF_METHOD_FOLD ? 0.5 : 0;
     h->dtype = dt;
     h->n_layers = L;
     h->kv_heads = H;
@@ -77,9 +77,11 @@ static void synth_free(synth *s) {
 }
 
 /* |got - want| within the dtype's rounding (f32: exact). */
-static int close_enough(kvf_dtype dt, const float *got, const float *want, size_t n) {
+static int close_enough(kf_dtype dt, const float *got, const float *want, size_t n) {
     for (size_t i = 0; i < n; i++) {
-        double tol = dt == KVF_F32 ? 0 : dt == KVF_BF16 ? fabs(want[i]) * 0x1p-8 : fmax(fabs(want[i]) * 0x1p-11, 0x1p-25);
+        double tol = dt == KF_DTYPE_F32    ? 0
+                     : dt == KF_DTYPE_BF16 ? fabs(want[i]) * 0x1p-8
+                                           : fmax(fabs(want[i]) * 0x1p-11, 0x1p-25);
         if (fabs((double)got[i] - want[i]) > tol)
             return 0;
     }
@@ -139,10 +141,10 @@ static int check_contents(kvf_file *f, const synth *s) {
             const float *want = (w ? s->values : s->keys) + (size_t)l * ln;
             kvf_which which = w ? KVF_VALUES : KVF_KEYS;
             ok &= kvf_read_layer(f, l, which, buf, &err) == KF_OK && close_enough(h->dtype, buf, want, ln);
-            if (h->dtype != KVF_F32) {
+            if (h->dtype != KF_DTYPE_F32) {
                 ok &= kvf_read_layer_raw(f, l, which, raw, &err) == KF_OK;
                 for (size_t i = 0; i < ln && ok; i++)
-                    ok &= raw[i] == (h->dtype == KVF_BF16 ? kvf_f32_to_bf16(want[i]) : kvf_f32_to_f16(want[i]));
+                    ok &= raw[i] == (h->dtype == KF_DTYPE_BF16 ? kf_f32_to_bf16(want[i]) : kf_f32_to_f16(want[i]));
             }
             for (int64_t b = 0; b < kvf_n_blocks(f) && ok; b++) {
                 int nt = -1;
@@ -169,37 +171,37 @@ static int check_contents(kvf_file *f, const synth *s) {
 /* ---- conversions, names, paths ---- */
 
 static void test_conversions(void) {
-    CU_ASSERT_EQUAL(kvf_f32_to_f16(1.0f), 0x3c00);
-    CU_ASSERT_EQUAL(kvf_f32_to_f16(-2.0f), 0xc000);
-    CU_ASSERT_EQUAL(kvf_f32_to_f16(65504.0f), 0x7bff);
-    CU_ASSERT_EQUAL(kvf_f32_to_f16(65519.0f), 0x7bff);
-    CU_ASSERT_EQUAL(kvf_f32_to_f16(65520.0f), 0x7c00);
-    CU_ASSERT_EQUAL(kvf_f32_to_f16(0x1p-24f), 0x0001);
-    CU_ASSERT_EQUAL(kvf_f32_to_f16(0x1p-25f), 0x0000);       /* tie to even */
-    CU_ASSERT_EQUAL(kvf_f32_to_f16(0x1.8p-25f), 0x0001);
-    CU_ASSERT_EQUAL(kvf_f32_to_f16(0x1.ffcp-15f), 0x0400);   /* rounds up into the normals */
-    CU_ASSERT_EQUAL(kvf_f32_to_f16(1.0f + 0x1p-11f), 0x3c00); /* tie to even */
-    CU_ASSERT_EQUAL(kvf_f32_to_f16(1.0f + 0x1.8p-10f), 0x3c02);
-    CU_ASSERT_EQUAL(kvf_f32_to_f16(-0.0f), 0x8000);
-    CU_ASSERT_EQUAL(kvf_f32_to_f16(INFINITY), 0x7c00);
-    CU_ASSERT((kvf_f32_to_f16(NAN) & 0x7c00) == 0x7c00 && (kvf_f32_to_f16(NAN) & 0x3ff) != 0);
-    CU_ASSERT_EQUAL(kvf_f32_to_bf16(1.0f), 0x3f80);
-    CU_ASSERT_EQUAL(kvf_f32_to_bf16(1.0f + 0x1p-8f), 0x3f80); /* tie to even */
-    CU_ASSERT_EQUAL(kvf_f32_to_bf16(1.0f + 0x1.8p-7f), 0x3f82);
-    CU_ASSERT(isnan(kvf_bf16_to_f32(kvf_f32_to_bf16(NAN))));
+    CU_ASSERT_EQUAL(kf_f32_to_f16(1.0f), 0x3c00);
+    CU_ASSERT_EQUAL(kf_f32_to_f16(-2.0f), 0xc000);
+    CU_ASSERT_EQUAL(kf_f32_to_f16(65504.0f), 0x7bff);
+    CU_ASSERT_EQUAL(kf_f32_to_f16(65519.0f), 0x7bff);
+    CU_ASSERT_EQUAL(kf_f32_to_f16(65520.0f), 0x7c00);
+    CU_ASSERT_EQUAL(kf_f32_to_f16(0x1p-24f), 0x0001);
+    CU_ASSERT_EQUAL(kf_f32_to_f16(0x1p-25f), 0x0000); /* tie to even */
+    CU_ASSERT_EQUAL(kf_f32_to_f16(0x1.8p-25f), 0x0001);
+    CU_ASSERT_EQUAL(kf_f32_to_f16(0x1.ffcp-15f), 0x0400);    /* rounds up into the normals */
+    CU_ASSERT_EQUAL(kf_f32_to_f16(1.0f + 0x1p-11f), 0x3c00); /* tie to even */
+    CU_ASSERT_EQUAL(kf_f32_to_f16(1.0f + 0x1.8p-10f), 0x3c02);
+    CU_ASSERT_EQUAL(kf_f32_to_f16(-0.0f), 0x8000);
+    CU_ASSERT_EQUAL(kf_f32_to_f16(INFINITY), 0x7c00);
+    CU_ASSERT((kf_f32_to_f16(NAN) & 0x7c00) == 0x7c00 && (kf_f32_to_f16(NAN) & 0x3ff) != 0);
+    CU_ASSERT_EQUAL(kf_f32_to_bf16(1.0f), 0x3f80);
+    CU_ASSERT_EQUAL(kf_f32_to_bf16(1.0f + 0x1p-8f), 0x3f80); /* tie to even */
+    CU_ASSERT_EQUAL(kf_f32_to_bf16(1.0f + 0x1.8p-7f), 0x3f82);
+    CU_ASSERT(isnan(kf_bf16_to_f32(kf_f32_to_bf16(NAN))));
     int bad16 = 0, badbf = 0;
     for (uint32_t b = 0; b < 65536; b++) {
-        float x = kvf_f16_to_f32((uint16_t)b);
-        if (!isnan(x) && kvf_f32_to_f16(x) != b)
+        float x = kf_f16_to_f32((uint16_t)b);
+        if (!isnan(x) && kf_f32_to_f16(x) != b)
             bad16++;
-        float y = kvf_bf16_to_f32((uint16_t)b);
-        if (!isnan(y) && kvf_f32_to_bf16(y) != b)
+        float y = kf_bf16_to_f32((uint16_t)b);
+        if (!isnan(y) && kf_f32_to_bf16(y) != b)
             badbf++;
     }
     CU_ASSERT_EQUAL(bad16, 0);
     CU_ASSERT_EQUAL(badbf, 0);
-    CU_ASSERT_EQUAL(kvf_f16_to_f32(0x0001), 0x1p-24f);
-    CU_ASSERT_EQUAL(kvf_f16_to_f32(0x7bff), 65504.0f);
+    CU_ASSERT_EQUAL(kf_f16_to_f32(0x0001), 0x1p-24f);
+    CU_ASSERT_EQUAL(kf_f16_to_f32(0x7bff), 65504.0f);
 }
 
 static void test_names_paths_digests(void) {
@@ -223,36 +225,39 @@ static void test_names_paths_digests(void) {
     char rootcopy[1024];
     snprintf(rootcopy, sizeof rootcopy, "%s/deep/root/", root);
     kf_error err = {0};
-    CU_ASSERT_EQUAL_FATAL(kvf_cache_path(rootcopy, kFp, d1, KVF_METHOD_FOLD, 0.1, kOtherFp, true, p, sizeof p, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kvf_cache_path(rootcopy, kFp, d1, KF_METHOD_FOLD, 0.1, kOtherFp, true, p, sizeof p, &err),
+                          KF_OK);
     char want[4096];
     snprintf(want, sizeof want, "%s/deep/root/%s/%s.fold-0.1.fedcba9876543210.kvf", root, kFp, d1);
     CU_ASSERT_STRING_EQUAL(p, want);
     struct stat sb;
     snprintf(want, sizeof want, "%s/deep/root/%s", root, kFp);
     CU_ASSERT(stat(want, &sb) == 0 && S_ISDIR(sb.st_mode));
-    CU_ASSERT_EQUAL(kvf_cache_path(root, "nothex", d1, KVF_METHOD_AM, 0.1, kFp, false, p, sizeof p, &err), KF_ERR_INVALID);
+    CU_ASSERT_EQUAL(kvf_cache_path(root, "nothex", d1, KF_METHOD_AM, 0.1, kFp, false, p, sizeof p, &err),
+                    KF_ERR_INVALID);
     CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "nothex"));
     CU_ASSERT(kvf_is_temp_name("/a/b/x.fold-0.1.kvf.tmp-123-0123456789abcdef"));
     CU_ASSERT(!kvf_is_temp_name("/a/b/x.fold-0.1.kvf"));
     CU_ASSERT(!kvf_is_temp_name("x.tmp-12-0123456789abcde"));
     CU_ASSERT(!kvf_is_temp_name("x.tmp-12-0123456789abcdef.kvf"));
-    kvf_method m;
-    kvf_dtype dt;
-    CU_ASSERT(kvf_method_parse("am", &m) == 0 && m == KVF_METHOD_AM);
-    CU_ASSERT(kvf_method_parse("xx", &m) != 0);
-    CU_ASSERT(kvf_dtype_parse("bf16", &dt) == 0 && dt == KVF_BF16);
-    CU_ASSERT(kvf_dtype_parse("float16", &dt) == 0 && dt == KVF_F16);
+    kf_method m;
+    kf_dtype dt;
+    CU_ASSERT(kf_method_parse("am", &m) == 0 && m == KF_METHOD_AM);
+    CU_ASSERT(kf_method_parse("xx", &m) != 0);
+    CU_ASSERT(kvf_dtype_parse("bf16", &dt) == 0 && dt == KF_DTYPE_BF16);
+    CU_ASSERT(kvf_dtype_parse("float16", &dt) == 0 && dt == KF_DTYPE_F16);
 }
 
 /* ---- round trips ---- */
 
 static void test_round_trip_every_method_and_dtype(void) {
+    static const kf_dtype dts[] = {KF_DTYPE_BF16, KF_DTYPE_F16, KF_DTYPE_F32};
     int cases = 0;
-    for (int m = KVF_METHOD_KEEP; m <= KVF_METHOD_FOLD; m++)
-        for (int dt = KVF_BF16; dt <= KVF_F32; dt++) {
-            int64_t C = (m + dt) % 2 ? 37 : 5; /* partial last block; a single short block */
+    for (int m = KF_METHOD_KEEP; m <= KF_METHOD_FOLD; m++)
+        for (int di = 0; di < 3; di++) {
+            int64_t C = (m + di) % 2 ? 37 : 5; /* partial last block; a single short block */
             synth s;
-            synth_make(&s, 3, 2, 8, C, (kvf_dtype)dt, (kvf_method)m, 100 + (uint64_t)(m * 3 + dt));
+            synth_make(&s, 3, 2, 8, C, dts[di], (kf_method)m, 100 + (uint64_t)(m * 3 + di));
             const char *path = cache_file("rt", &s);
             write_ok(path, &s);
             CU_ASSERT(kvf_exists_valid(path, kFp, NULL));
@@ -281,12 +286,12 @@ static void test_round_trip_every_method_and_dtype(void) {
 
 static void test_raw_input_and_defaults(void) {
     synth s;
-    synth_make(&s, 2, 1, 4, 20, KVF_BF16, KVF_METHOD_KEEP, 7);
+    synth_make(&s, 2, 1, 4, 20, KF_DTYPE_BF16, KF_METHOD_KEEP, 7);
     size_t n = 2 * 20 * 4;
     uint16_t *rk = malloc(n * 2), *rv = malloc(n * 2);
     for (size_t i = 0; i < n; i++) {
-        rk[i] = kvf_f32_to_bf16(s.keys[i]);
-        rv[i] = kvf_f32_to_bf16(s.values[i]);
+        rk[i] = kf_f32_to_bf16(s.keys[i]);
+        rv[i] = kf_f32_to_bf16(s.values[i]);
     }
     s.c.keys = s.c.values = NULL;
     s.c.keys_raw = rk;
@@ -321,7 +326,7 @@ static void test_raw_input_and_defaults(void) {
     kvf_close(f);
     /* writer refusals */
     synth bad;
-    synth_make(&bad, 1, 1, 4, 4, KVF_F32, KVF_METHOD_AM, 8);
+    synth_make(&bad, 1, 1, 4, 4, KF_DTYPE_F32, KF_METHOD_AM, 8);
     bad.c.hdr.model_fingerprint[3] = 'X';
     CU_ASSERT_EQUAL(kvf_write(path, &bad.c, &err), KF_ERR_INVALID);
     CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "model_fingerprint"));
@@ -356,7 +361,7 @@ static kf_status open_status(const char *path, kf_error *err) {
 
 static void test_refuses_another_model(void) {
     synth s;
-    synth_make(&s, 2, 2, 8, 16, KVF_BF16, KVF_METHOD_FOLD, 11);
+    synth_make(&s, 2, 2, 8, 16, KF_DTYPE_BF16, KF_METHOD_FOLD, 11);
     const char *path = cache_file("model", &s);
     write_ok(path, &s);
     kvf_file *f = open_ok(path);
@@ -375,7 +380,7 @@ static void test_refuses_another_model(void) {
 
 static void test_refuses_truncated_file(void) {
     synth s;
-    synth_make(&s, 2, 2, 8, 40, KVF_F16, KVF_METHOD_AM, 12);
+    synth_make(&s, 2, 2, 8, 40, KF_DTYPE_F16, KF_METHOD_AM, 12);
     const char *path = cache_file("trunc", &s);
     write_ok(path, &s);
     size_t n;
@@ -401,7 +406,7 @@ static void test_refuses_truncated_file(void) {
 
 static void test_refuses_flipped_byte_in_a_chunk(void) {
     synth s;
-    synth_make(&s, 4, 2, 8, 50, KVF_BF16, KVF_METHOD_FOLD, 13);
+    synth_make(&s, 4, 2, 8, 50, KF_DTYPE_BF16, KF_METHOD_FOLD, 13);
     const char *path = cache_file("flip", &s);
     write_ok(path, &s);
     /* where HDF5 put the chunk of keys for layer 3, head 1 (all 50 slots) */
@@ -442,18 +447,18 @@ static void test_refuses_flipped_byte_in_a_chunk(void) {
     const int64_t before = kvf_kv_bytes_read(f);
     CU_ASSERT_EQUAL(kvf_read_heads_raw(f, 3, 0, 1, k, v, &err), KF_OK);
     CU_ASSERT_EQUAL(kvf_kv_bytes_read(f) - before, 2 * (50 * 8 * 2 + 4));
-    CU_ASSERT_EQUAL(k[(7 * 2 + 0) * 8 + 5], kvf_f32_to_bf16(s.keys[((3 * 50 + 7) * 2 + 0) * 8 + 5]));
-    CU_ASSERT_EQUAL(v[(49 * 2 + 0) * 8 + 7], kvf_f32_to_bf16(s.values[((3 * 50 + 49) * 2 + 0) * 8 + 7]));
+    CU_ASSERT_EQUAL(k[(7 * 2 + 0) * 8 + 5], kf_f32_to_bf16(s.keys[((3 * 50 + 7) * 2 + 0) * 8 + 5]));
+    CU_ASSERT_EQUAL(v[(49 * 2 + 0) * 8 + 7], kf_f32_to_bf16(s.values[((3 * 50 + 49) * 2 + 0) * 8 + 7]));
     /* head-major, in place: head 0 at [0], nothing written past it (its sum goes aside) */
     memset(k, 0xab, 50 * 2 * 8 * 2);
     memset(v, 0xab, 50 * 2 * 8 * 2);
     CU_ASSERT_EQUAL(kvf_read_heads_hm(f, 3, 0, 1, k, v, &err), KF_OK);
-    CU_ASSERT_EQUAL(k[7 * 8 + 5], kvf_f32_to_bf16(s.keys[((3 * 50 + 7) * 2 + 0) * 8 + 5]));
-    CU_ASSERT_EQUAL(v[49 * 8 + 7], kvf_f32_to_bf16(s.values[((3 * 50 + 49) * 2 + 0) * 8 + 7]));
+    CU_ASSERT_EQUAL(k[7 * 8 + 5], kf_f32_to_bf16(s.keys[((3 * 50 + 7) * 2 + 0) * 8 + 5]));
+    CU_ASSERT_EQUAL(v[49 * 8 + 7], kf_f32_to_bf16(s.values[((3 * 50 + 49) * 2 + 0) * 8 + 7]));
     CU_ASSERT(k[50 * 8] == 0xabab && v[50 * 8] == 0xabab && k[50 * 8 + 1] == 0xabab);
     CU_ASSERT_EQUAL(kvf_read_heads_hm(f, 2, 1, 2, k, v, &err), KF_OK); /* head 1 at [1], head 0 kept */
-    CU_ASSERT_EQUAL(k[50 * 8 + 9 * 8 + 2], kvf_f32_to_bf16(s.keys[((2 * 50 + 9) * 2 + 1) * 8 + 2]));
-    CU_ASSERT_EQUAL(k[7 * 8 + 5], kvf_f32_to_bf16(s.keys[((3 * 50 + 7) * 2 + 0) * 8 + 5]));
+    CU_ASSERT_EQUAL(k[50 * 8 + 9 * 8 + 2], kf_f32_to_bf16(s.keys[((2 * 50 + 9) * 2 + 1) * 8 + 2]));
+    CU_ASSERT_EQUAL(k[7 * 8 + 5], kf_f32_to_bf16(s.keys[((3 * 50 + 7) * 2 + 0) * 8 + 5]));
     CU_ASSERT_EQUAL(kvf_read_heads_raw(f, 3, 1, 2, k, v, &err), KF_ERR_FORMAT);
     CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "checksum mismatch in keys, layer 3 head 1"));
     CU_ASSERT_EQUAL(kvf_read_heads_raw(f, 3, 1, 3, k, v, &err), KF_ERR_INVALID);
@@ -534,14 +539,15 @@ static void test_direct_reads_match_h5dread(void) {
     const struct {
         int H, D;
         int64_t C;
-        kvf_dtype dt;
-    } shapes[] = {{1, 1, 17, KVF_BF16}, {1, 1, 33, KVF_F16}, {2, 8, 37, KVF_F32}, {1, 2, 16, KVF_BF16}};
+        kf_dtype dt;
+    } shapes[] = {
+        {1, 1, 17, KF_DTYPE_BF16}, {1, 1, 33, KF_DTYPE_F16}, {2, 8, 37, KF_DTYPE_F32}, {1, 2, 16, KF_DTYPE_BF16}};
     for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
         synth s;
-        synth_make(&s, 2, shapes[k].H, shapes[k].D, shapes[k].C, shapes[k].dt, KVF_METHOD_AM, 300 + k);
+        synth_make(&s, 2, shapes[k].H, shapes[k].D, shapes[k].C, shapes[k].dt, KF_METHOD_AM, 300 + k);
         const char *path = cache_file("direct", &s);
         write_ok(path, &s);
-        const size_t row = (size_t)shapes[k].H * (size_t)shapes[k].D * kvf_dtype_size(shapes[k].dt),
+        const size_t row = (size_t)shapes[k].H * (size_t)shapes[k].D * kf_dtype_size(shapes[k].dt),
                      lb = (size_t)shapes[k].C * row;
         unsigned char *want = malloc(lb), *got = malloc(lb), *blk = malloc(16 * row);
         hid_t fapl = H5Pcreate(H5P_FILE_ACCESS);
@@ -587,7 +593,7 @@ static void test_direct_reads_match_h5dread(void) {
 /* Edits a valid file with HDF5 directly. */
 static const char *edited_copy(const char *dirname, int what) {
     synth s;
-    synth_make(&s, 2, 2, 8, 16, KVF_F32, KVF_METHOD_AM, 14);
+    synth_make(&s, 2, 2, 8, 16, KF_DTYPE_F32, KF_METHOD_AM, 14);
     const char *path = cache_file(dirname, &s);
     write_ok(path, &s);
     synth_free(&s);
@@ -652,7 +658,7 @@ static void count_temp(void *ctx, const char *path, double age) {
 static void test_killed_writer_leaves_only_a_temp_file(void) {
     /* a complete file under a temporary name is still never a cache */
     synth s;
-    synth_make(&s, 2, 2, 8, 16, KVF_BF16, KVF_METHOD_FOLD, 15);
+    synth_make(&s, 2, 2, 8, 16, KF_DTYPE_BF16, KF_METHOD_FOLD, 15);
     const char *p = cache_file("killed", &s);
     char final[4096], tmp[4200];
     snprintf(final, sizeof final, "%s", p);
@@ -680,7 +686,7 @@ static void test_killed_writer_leaves_only_a_temp_file(void) {
 
     /* a real writer killed while its temporary file exists */
     synth big;
-    synth_make(&big, 8, 8, 64, 1024, KVF_F32, KVF_METHOD_FOLD, 16); /* 33 MB of keys and values */
+    synth_make(&big, 8, 8, 64, 1024, KF_DTYPE_F32, KF_METHOD_FOLD, 16); /* 33 MB of keys and values */
     int killed_midway = 0;
     for (int attempt = 0; attempt < 5 && !killed_midway; attempt++) {
         char fin[4096];
@@ -718,8 +724,8 @@ static void test_killed_writer_leaves_only_a_temp_file(void) {
 static void test_concurrent_writers_never_expose_a_partial_file(void) {
     enum { N_WRITES = 12 };
     synth s[2];
-    synth_make(&s[0], 4, 2, 32, 200, KVF_BF16, KVF_METHOD_FOLD, 21);
-    synth_make(&s[1], 4, 2, 32, 200, KVF_BF16, KVF_METHOD_FOLD, 22);
+    synth_make(&s[0], 4, 2, 32, 200, KF_DTYPE_BF16, KF_METHOD_FOLD, 21);
+    synth_make(&s[1], 4, 2, 32, 200, KF_DTYPE_BF16, KF_METHOD_FOLD, 22);
     /* same name for both: same fingerprint, digest, method and budget */
     memcpy(s[1].c.hdr.document_digest, s[0].c.hdr.document_digest, sizeof s[0].c.hdr.document_digest);
     char path[4096];
@@ -781,8 +787,8 @@ static void test_concurrent_writers_never_expose_a_partial_file(void) {
 static void test_rename_over_the_name_never_looks_truncated(void) {
     enum { N_LOADS = 10000 };
     synth s[2];
-    synth_make(&s[0], 2, 1, 16, 16, KVF_BF16, KVF_METHOD_FOLD, 31);
-    synth_make(&s[1], 2, 1, 16, 160, KVF_BF16, KVF_METHOD_FOLD, 32);
+    synth_make(&s[0], 2, 1, 16, 16, KF_DTYPE_BF16, KF_METHOD_FOLD, 31);
+    synth_make(&s[1], 2, 1, 16, 160, KF_DTYPE_BF16, KF_METHOD_FOLD, 32);
     char root[1024], src[2][1100], path[1100], tmp[1100];
     snprintf(root, sizeof root, "%s", kf_test_make_dir("renamed"));
     for (int i = 0; i < 2; i++) {
@@ -836,14 +842,14 @@ static void test_h5py_reads_the_file(void) {
     if (have != 0)
         fprintf(stderr, "  /usr/bin/python3 cannot import h5py: install python3-h5py\n");
     CU_ASSERT_EQUAL_FATAL(have, 0);
-    for (int dt = KVF_BF16; dt <= KVF_F16; dt++) {
+    for (int dt = KF_DTYPE_BF16; dt <= KF_DTYPE_F16; dt++) {
         synth s;
-        synth_make(&s, 2, 2, 8, 20, (kvf_dtype)dt, KVF_METHOD_FOLD, 30 + (uint64_t)dt);
+        synth_make(&s, 2, 2, 8, 20, (kf_dtype)dt, KF_METHOD_FOLD, 30 + (uint64_t)dt);
         char path[4096];
-        snprintf(path, sizeof path, "%s", cache_file(dt == KVF_BF16 ? "h5py-bf16" : "h5py-f16", &s));
+        snprintf(path, sizeof path, "%s", cache_file(dt == KF_DTYPE_BF16 ? "h5py-bf16" : "h5py-f16", &s));
         write_ok(path, &s);
-        float want = dt == KVF_BF16 ? kvf_bf16_to_f32(kvf_f32_to_bf16(s.keys[1 * 20 * 16 + 5 * 16 + 3]))
-                                    : kvf_f16_to_f32(kvf_f32_to_f16(s.keys[1 * 20 * 16 + 5 * 16 + 3]));
+        float want = dt == KF_DTYPE_BF16 ? kf_bf16_to_f32(kf_f32_to_bf16(s.keys[1 * 20 * 16 + 5 * 16 + 3]))
+                                         : kf_f16_to_f32(kf_f32_to_f16(s.keys[1 * 20 * 16 + 5 * 16 + 3]));
         char cmd[8192];
         snprintf(cmd, sizeof cmd,
                  "/usr/bin/python3 - <<'EOF'\n"
@@ -866,7 +872,7 @@ static void test_h5py_reads_the_file(void) {
                  "assert float(x) == float.fromhex('%a'), (float(x), '%a')\n"
                  "assert f['positions'].dtype == np.int32 and f['beta'].shape == (2, 2, 20)\n"
                  "EOF\n",
-                 path, kvf_dtype_name((kvf_dtype)dt), (double)want, (double)want);
+                 path, kf_dtype_name((kf_dtype)dt), (double)want, (double)want);
         CU_ASSERT_EQUAL(system(cmd), 0);
         synth_free(&s);
     }
@@ -1041,14 +1047,14 @@ static void test_fingerprint_cache_weights_changed_in_place(void) {
 
 static void test_identity_and_name(void) {
     synth a, b;
-    synth_make(&a, 2, 2, 8, 5, KVF_BF16, KVF_METHOD_FOLD, 31);
-    synth_make(&b, 2, 2, 8, 5, KVF_BF16, KVF_METHOD_FOLD, 32); /* another document, same recipe */
+    synth_make(&a, 2, 2, 8, 5, KF_DTYPE_BF16, KF_METHOD_FOLD, 31);
+    synth_make(&b, 2, 2, 8, 5, KF_DTYPE_BF16, KF_METHOD_FOLD, 32); /* another document, same recipe */
     char path_a[4096], path_b[4096];
     snprintf(path_a, sizeof path_a, "%s", cache_file("ident", &a));
     snprintf(path_b, sizeof path_b, "%s", cache_file("ident", &b));
     const kvf_header *ha = &a.c.hdr;
-    const kvf_identity want_a = {kFp, ha->document_digest, ha->recipe_digest, KVF_METHOD_FOLD, ha->budget, KVF_BF16,
-                                 ha->n_doc_tokens};
+    const kvf_identity want_a = {kFp,        ha->document_digest, ha->recipe_digest, KF_METHOD_FOLD,
+                                 ha->budget, KF_DTYPE_BF16,       ha->n_doc_tokens};
     kf_error err = {0};
     CU_ASSERT_EQUAL(kvf_check_existing(path_a, &want_a, &err), KF_ERR_NOTFOUND);
     write_ok(path_a, &b); /* document B under A's name */
@@ -1065,13 +1071,13 @@ static void test_identity_and_name(void) {
     CU_ASSERT_EQUAL(kvf_check_existing(path_a, &want_a, &err), KF_OK);
     /* each field of the identity on its own */
     kvf_identity w = want_a;
-    w.method = KVF_METHOD_AM;
+    w.method = KF_METHOD_AM;
     CU_ASSERT(kvf_check_existing(path_a, &w, &err) == KF_ERR_MISMATCH && strstr(err.msg, "method fold, not am"));
     w = want_a;
     w.budget = 0.5;
     CU_ASSERT(kvf_check_existing(path_a, &w, &err) == KF_ERR_MISMATCH && strstr(err.msg, "budget"));
     w = want_a;
-    w.dtype = KVF_F32;
+    w.dtype = KF_DTYPE_F32;
     CU_ASSERT(kvf_check_existing(path_a, &w, &err) == KF_ERR_MISMATCH && strstr(err.msg, "float32"));
     w = want_a;
     w.n_doc_tokens = ha->n_doc_tokens + 1;
@@ -1083,7 +1089,7 @@ static void test_identity_and_name(void) {
     w.model_fingerprint = kOtherFp;
     CU_ASSERT(kvf_check_existing(path_a, &w, &err) == KF_ERR_MISMATCH && strstr(err.msg, "model"));
     /* a header whose method is not its name's (the recipe digest kept) */
-    a.c.hdr.method = KVF_METHOD_AM;
+    a.c.hdr.method = KF_METHOD_AM;
     a.c.hdr.lambda = 0;
     write_ok(path_a, &a);
     f = open_ok(path_a);
@@ -1098,7 +1104,7 @@ static void test_identity_and_name(void) {
  * readers, the same check); placeholder has one value. */
 static void test_header_strings_refused(void) {
     synth s;
-    synth_make(&s, 1, 1, 8, 3, KVF_F32, KVF_METHOD_KEEP, 41);
+    synth_make(&s, 1, 1, 8, 3, KF_DTYPE_F32, KF_METHOD_KEEP, 41);
     const char *path = cache_file("strings", &s);
     kf_error err = {0};
     const char *creators[] = {"kvfold \xc2\x9b" "31m", "kvfold \xe2\x80\xae" "1.0", "kvfold\x1b[2J"};
@@ -1109,7 +1115,7 @@ static void test_header_strings_refused(void) {
     }
     kvf_header_init(&s.c.hdr);
     synth_free(&s);
-    synth_make(&s, 1, 1, 8, 3, KVF_F32, KVF_METHOD_KEEP, 41);
+    synth_make(&s, 1, 1, 8, 3, KF_DTYPE_F32, KF_METHOD_KEEP, 41);
     snprintf(s.c.hdr.placeholder, sizeof s.c.hdr.placeholder, "free-form");
     CU_ASSERT_EQUAL(kvf_write(path, &s.c, &err), KF_ERR_INVALID);
     CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "placeholder 'free-form' is not \"digest\""));
@@ -1121,7 +1127,7 @@ static void test_header_strings_refused(void) {
  * values refused by the writer. */
 static void test_chat_record(void) {
     synth s;
-    synth_make(&s, 1, 1, 8, 3, KVF_F32, KVF_METHOD_KEEP, 43);
+    synth_make(&s, 1, 1, 8, 3, KF_DTYPE_F32, KF_METHOD_KEEP, 43);
     const char *path = cache_file("chat", &s);
     write_ok(path, &s);
     kvf_file *f = open_ok(path);

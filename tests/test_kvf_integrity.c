@@ -44,7 +44,7 @@ typedef struct {
     uint8_t *hm;                     /* [L, H] */
 } synth;
 
-static void synth_make(synth *s, int L, int H, int D, int64_t C, kvf_dtype dt, uint64_t seed) {
+static void synth_make(synth *s, int L, int H, int D, int64_t C, kf_dtype dt, uint64_t seed) {
     memset(s, 0, sizeof *s);
     kvf_header *h = &s->c.hdr;
     kvf_header_init(h);
@@ -54,7 +54,7 @@ static void synth_make(synth *s, int L, int H, int D, int64_t C, kvf_dtype dt, u
     kvf_document_digest(ids, 2, h->document_digest);
     h->n_doc_tokens = 3 * C;
     h->n_tokens = C;
-    h->method = KVF_METHOD_AM;
+    h->method = KF_METHOD_AM;
     h->budget = 1.0 / 3;
     h->dtype = dt;
     h->n_layers = L;
@@ -77,7 +77,7 @@ static void synth_make(synth *s, int L, int H, int D, int64_t C, kvf_dtype dt, u
             s->beta[i] = -INFINITY; /* AM's padding slot */
     }
     for (size_t i = 0; i < (size_t)L * H; i++)
-        s->hm[i] = (uint8_t)(i % 3 == 2 ? KVF_METHOD_DROP : KVF_METHOD_AM);
+        s->hm[i] = (uint8_t)(i % 3 == 2 ? KF_METHOD_DROP : KF_METHOD_AM);
     s->c.keys = s->keys;
     s->c.values = s->values;
     s->c.beta = s->beta;
@@ -208,7 +208,7 @@ static void swap_chunks(const char *path, const char *name, const hsize_t *x, co
 
 static void test_swapped_zeroed_masked_chunks(void) {
     synth s;
-    synth_make(&s, 3, 2, 8, 40, KVF_BF16, 1);
+    synth_make(&s, 3, 2, 8, 40, KF_DTYPE_BF16, 1);
     const size_t cb = 40 * 8 * 2; /* one (layer, head) chunk: [C, head_dim] bf16 */
     unsigned char *a = malloc(cb + 8), *b = malloc(cb + 8);
     const hsize_t c0[4] = {0, 0, 1, 0}, c1[4] = {1, 0, 1, 0}, h0[4] = {0, 0, 0, 0};
@@ -285,7 +285,7 @@ static void redo_chunk(const char *path, const char *name, const hsize_t *skip, 
 
 static void test_never_written_chunks(void) {
     synth s;
-    synth_make(&s, 2, 2, 8, 33, KVF_F16, 2);
+    synth_make(&s, 2, 2, 8, 33, KF_DTYPE_F16, 2);
     const char *p = fresh("absent-pos", &s);
     const hsize_t lay1[3] = {1, 0, 0};
     redo_chunk(p, "positions", lay1, 0, 1);
@@ -303,7 +303,7 @@ static void test_never_written_chunks(void) {
 
 static void test_bad_values(void) {
     synth s;
-    synth_make(&s, 2, 2, 8, 20, KVF_F32, 3);
+    synth_make(&s, 2, 2, 8, 20, KF_DTYPE_F32, 3);
     /* a position equal to D in a valid chunk */
     const char *p = fresh("pos-range", &s);
     hid_t f = edit_open(p), d = H5Dopen2(f, "positions", H5P_DEFAULT);
@@ -346,7 +346,7 @@ static void test_bad_values(void) {
     CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "head_method 4"));
     s.hm[1] = 0;
     synth f16;
-    synth_make(&f16, 1, 1, 4, 4, KVF_F16, 4);
+    synth_make(&f16, 1, 1, 4, 4, KF_DTYPE_F16, 4);
     f16.keys[2] = 70000.0f; /* overflows float16 */
     CU_ASSERT_EQUAL(kvf_write(path, &f16.c, &err), KF_ERR_INVALID);
     CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "overflows"));
@@ -357,7 +357,7 @@ static void test_bad_values(void) {
 
 static void test_bad_attributes(void) {
     synth s;
-    synth_make(&s, 2, 2, 8, 20, KVF_BF16, 5);
+    synth_make(&s, 2, 2, 8, 20, KF_DTYPE_BF16, 5);
     const char *p = fresh("c-gt-d", &s);
     set_i64(p, "n_doc_tokens", 19); /* C = 20 > D */
     expect_refusal(p, "attribute 'n_tokens' = 20 is out of range [1, 19]");
@@ -464,7 +464,7 @@ static kf_status read_all(const char *path, snapshot *out, kf_error *err) {
     out->h = *kvf_file_header(f);
     const kvf_header *h = &out->h;
     const size_t H = (size_t)h->kv_heads, C = (size_t)h->n_tokens, D = (size_t)h->head_dim;
-    const size_t kv = C * H * D * kvf_dtype_size(h->dtype), per = 2 * kv + H * C * 8 + H * D * 4 + H;
+    const size_t kv = C * H * D * kf_dtype_size(h->dtype), per = 2 * kv + H * C * 8 + H * D * 4 + H;
     out->n = per * (size_t)h->n_layers;
     out->bytes = calloc(out->n, 1);
     kf_status st = out->bytes ? KF_OK : KF_ERR_NOMEM;
@@ -491,7 +491,7 @@ static int same_header(const kvf_header *a, const kvf_header *b) {
 static void test_seeded_flips(void) {
     const int n_flips = getenv("KVF_FLIPS") ? atoi(getenv("KVF_FLIPS")) : 600;
     synth s;
-    synth_make(&s, 2, 2, 8, 21, KVF_BF16, 6);
+    synth_make(&s, 2, 2, 8, 21, KF_DTYPE_BF16, 6);
     char path[1024];
     snprintf(path, sizeof path, "%s", fresh("flips", &s));
     snapshot want;
@@ -548,7 +548,7 @@ static void test_seeded_flips(void) {
 
 static void test_identity_and_head_methods(void) {
     synth s;
-    synth_make(&s, 3, 4, 8, 17, KVF_F16, 7);
+    synth_make(&s, 3, 4, 8, 17, KF_DTYPE_F16, 7);
     const char *p = fresh("identity", &s);
     char path[1024];
     snprintf(path, sizeof path, "%s", p);
@@ -573,7 +573,7 @@ static void test_identity_and_head_methods(void) {
     CU_ASSERT_EQUAL(kvf_read_head_methods(f, hm, &err), KF_OK);
     int all = 1;
     for (int i = 0; i < 12; i++)
-        all &= hm[i] == KVF_METHOD_AM;
+        all &= hm[i] == KF_METHOD_AM;
     CU_ASSERT(all);
     kvf_close(f);
     /* one flipped data byte: the skip check reads the sums */
@@ -618,15 +618,15 @@ static void test_recipe_digest(void) {
     int32_t instr[3] = {5, 6, 7}, probe[2] = {9, 10};
     p.repeat_instruction = (kf_prompt){instr, 3};
     char base[33], d[33];
-    kf_recipe_digest(&p, KVF_BF16, 4, base);
+    kf_recipe_digest(&p, KF_DTYPE_BF16, 4, base);
     CU_ASSERT_EQUAL(strlen(base), 32);
-    kf_recipe_digest(&p, KVF_BF16, 4, d);
+    kf_recipe_digest(&p, KF_DTYPE_BF16, 4, d);
     CU_ASSERT_STRING_EQUAL(d, base); /* deterministic */
     int changed = 0, cases = 0;
 #define DIFFERS(stmt)                                                                                                  \
     do {                                                                                                               \
         kf_compact_params q = p;                                                                                       \
-        kvf_dtype dt = KVF_BF16;                                                                                       \
+        kf_dtype dt = KF_DTYPE_BF16;                                                                                   \
         stmt;                                                                                                          \
         kf_recipe_digest(&q, dt, 4, d);                                                                                \
         cases++;                                                                                                       \
@@ -642,7 +642,7 @@ static void test_recipe_digest(void) {
     DIFFERS(q.method = KF_METHOD_AM);
     DIFFERS(q.budget = 0.2);
     DIFFERS(q.lambda_rel = 0.02);
-    DIFFERS(dt = KVF_F16);
+    DIFFERS(dt = KF_DTYPE_F16);
     DIFFERS(instr[2] = 8);
     DIFFERS(q.probes = &pr; q.n_probes = 1);
     DIFFERS(q.max_queries = 100);
@@ -670,9 +670,9 @@ static void test_recipe_digest(void) {
     char d1[33], d2[33];
     kf_compact_params q = p;
     q.quoka = &qk;
-    kf_recipe_digest(&q, KVF_BF16, 4, d1);
+    kf_recipe_digest(&q, KF_DTYPE_BF16, 4, d1);
     q.quoka = &qk2;
-    kf_recipe_digest(&q, KVF_BF16, 4, d2);
+    kf_recipe_digest(&q, KF_DTYPE_BF16, 4, d2);
     CU_ASSERT_STRING_NOT_EQUAL(d1, d2);
 #undef DIFFERS
 }
@@ -685,7 +685,7 @@ static void test_recipe_digest(void) {
  * file handle crashed there). */
 static void test_full_disk(void) {
     synth s;
-    synth_make(&s, 4, 4, 64, 300, KVF_F32, 8); /* ~1.2 MB */
+    synth_make(&s, 4, 4, 64, 300, KF_DTYPE_F32, 8); /* ~1.2 MB */
     char dir[1024], path[1100];
     snprintf(dir, sizeof dir, "%s", kf_test_make_dir("full-disk"));
     snprintf(path, sizeof path, "%s/c.kvf", dir);
@@ -728,7 +728,7 @@ static void test_full_disk(void) {
  * (an independent computation: kvfold streams them, with AVX2 where it can). */
 static void test_digests_match_the_spec(void) {
     synth s;
-    synth_make(&s, 2, 4, 64, 40, KVF_BF16, 9);
+    synth_make(&s, 2, 4, 64, 40, KF_DTYPE_BF16, 9);
     const char *p = fresh("digest-spec", &s);
     const size_t L = 2, H = 4, D = 64, C = 40;
     const size_t per = 2 * C * D * 2 + C * 4 + D * 4 + C * 4 + 1 + 16;
@@ -739,7 +739,7 @@ static void test_digests_match_the_spec(void) {
             for (int w = 0; w < 2; w++) /* keys[l, :, h, :] then values[l, :, h, :] */
                 for (size_t t = 0; t < C; t++)
                     for (size_t i = 0; i < D; i++, q += 2) {
-                        uint16_t b = kvf_f32_to_bf16((w ? s.values : s.keys)[((l * C + t) * H + h) * D + i]);
+                        uint16_t b = kf_f32_to_bf16((w ? s.values : s.keys)[((l * C + t) * H + h) * D + i]);
                         memcpy(q, &b, 2);
                     }
             memcpy(q, s.beta + (l * H + h) * C, C * 4), q += C * 4;

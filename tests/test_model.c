@@ -11,6 +11,7 @@
 #include "compactor/model.h"
 #include "compactor/refq.h"
 #include "formats/kvf.h"
+#include "kernels/base/convert.h"
 #include "formats/safetensors.h"
 #include "test_util.h"
 
@@ -28,7 +29,7 @@ static fixture fx_qwen, fx_llama;
 static float *golden_f32(const fixture *f, const char *name, size_t *n) {
     const kf_st_tensor *t = kf_st_find(&f->golden, name);
     CU_ASSERT_PTR_NOT_NULL_FATAL(t);
-    CU_ASSERT_EQUAL_FATAL(t->dtype, KF_ST_F32);
+    CU_ASSERT_EQUAL_FATAL(t->dtype, KF_DTYPE_F32);
     float *x = malloc(t->nbytes);
     memcpy(x, t->data, t->nbytes);
     *n = (size_t)t->numel;
@@ -50,7 +51,7 @@ static int fixture_open(fixture *f, const char *dir) {
         return -1;
     }
     const kf_st_tensor *t = kf_st_find(&f->golden, "input_ids");
-    if (!t || t->dtype != KF_ST_I64)
+    if (!t || t->dtype != KF_DTYPE_I64)
         return -1;
     f->T = (int)t->numel;
     f->ids = malloc(sizeof(int32_t) * (size_t)f->T);
@@ -379,7 +380,7 @@ static void test_capture_into_refq_pool(void) {
                 for (int p = FIRST; p < FIRST + N_ROWS; p++)
                     for (int e = 0; e < hd; e++) {
                         const float want = flat[l][((size_t)(p - FIRST) * nh + g * G + j) * hd + e];
-                        const float r = kvf_bf16_to_f32(kvf_f32_to_bf16(want));
+                        const float r = kf_bf16_to_f32(kf_f32_to_bf16(want));
                         bad_h += memcmp(&got[((size_t)j * N_POS + p) * hd + e], &r, sizeof r) != 0;
                         exact += r == want;
                     }
@@ -845,7 +846,7 @@ static const char *patched_model(const char *dirname, const char *name, int64_t 
     kf_error err = {0};
     CU_ASSERT_EQUAL_FATAL(kf_st_open_file(&set, src, &err), KF_OK);
     const kf_st_tensor *t = kf_st_find(&set, name);
-    CU_ASSERT_FATAL(t != NULL && t->dtype == KF_ST_BF16 && at < t->numel);
+    CU_ASSERT_FATAL(t != NULL && t->dtype == KF_DTYPE_BF16 && at < t->numel);
     const size_t size = set.files[0].size, off = (size_t)((const char *)t->data - (const char *)set.files[0].map);
     unsigned char *bytes = malloc(size);
     memcpy(bytes, set.files[0].map, size);

@@ -122,7 +122,7 @@ static void make_valid_data(void) {
     memcpy(valid_data + 60, &s, 4);
 }
 
-static void check_tensor(const kf_st_set *set, const char *name, kf_st_dtype dt, int ndim, const int64_t *shape,
+static void check_tensor(const kf_st_set *set, const char *name, kf_dtype dt, int ndim, const int64_t *shape,
                          int64_t numel, size_t begin, size_t end) {
     const kf_st_tensor *t = kf_st_find(set, name);
     CU_ASSERT_PTR_NOT_NULL_FATAL(t);
@@ -133,7 +133,7 @@ static void check_tensor(const kf_st_set *set, const char *name, kf_st_dtype dt,
         CU_ASSERT_EQUAL(t->shape[d], shape[d]);
     CU_ASSERT_EQUAL(t->numel, numel);
     CU_ASSERT_EQUAL(t->nbytes, end - begin);
-    CU_ASSERT_EQUAL(t->nbytes, (size_t)numel * kf_st_dtype_size(dt));
+    CU_ASSERT_EQUAL(t->nbytes, (size_t)numel * kf_dtype_size(dt));
     CU_ASSERT_EQUAL(t->file, 0);
     const kf_st_file *f = &set->files[0];
     const unsigned char *base = (const unsigned char *)f->map + 8 + f->header_len;
@@ -159,12 +159,12 @@ static void test_valid_file(void) {
     for (size_t i = 1; i < set.n_tensors; i++)
         CU_ASSERT(strcmp(set.tensors[i - 1].name, set.tensors[i].name) < 0); /* sorted */
 
-    check_tensor(&set, "a.bf16", KF_ST_BF16, 2, (int64_t[]){2, 3}, 6, 0, 12);
-    check_tensor(&set, "b.f16", KF_ST_F16, 1, (int64_t[]){4}, 4, 12, 20);
-    check_tensor(&set, "c.f32", KF_ST_F32, 2, (int64_t[]){2, 2}, 4, 20, 36);
-    check_tensor(&set, "d.i64", KF_ST_I64, 1, (int64_t[]){3}, 3, 36, 60);
-    check_tensor(&set, "e.empty", KF_ST_F32, 2, (int64_t[]){0, 5}, 0, 60, 60);
-    check_tensor(&set, "f.scalar", KF_ST_F32, 0, NULL, 1, 60, 64);
+    check_tensor(&set, "a.bf16", KF_DTYPE_BF16, 2, (int64_t[]){2, 3}, 6, 0, 12);
+    check_tensor(&set, "b.f16", KF_DTYPE_F16, 1, (int64_t[]){4}, 4, 12, 20);
+    check_tensor(&set, "c.f32", KF_DTYPE_F32, 2, (int64_t[]){2, 2}, 4, 20, 36);
+    check_tensor(&set, "d.i64", KF_DTYPE_I64, 1, (int64_t[]){3}, 3, 36, 60);
+    check_tensor(&set, "e.empty", KF_DTYPE_F32, 2, (int64_t[]){0, 5}, 0, 60, 60);
+    check_tensor(&set, "f.scalar", KF_DTYPE_F32, 0, NULL, 1, 60, 64);
 
     /* values read back through the (possibly unaligned) pointers */
     const kf_st_tensor *t = kf_st_find(&set, "d.i64");
@@ -192,28 +192,29 @@ static void test_valid_file(void) {
 }
 
 static void test_dtype_table(void) {
-    CU_ASSERT_EQUAL(kf_st_dtype_size(KF_ST_BOOL), 1);
-    CU_ASSERT_EQUAL(kf_st_dtype_size(KF_ST_BF16), 2);
-    CU_ASSERT_EQUAL(kf_st_dtype_size(KF_ST_F16), 2);
-    CU_ASSERT_EQUAL(kf_st_dtype_size(KF_ST_F32), 4);
-    CU_ASSERT_EQUAL(kf_st_dtype_size(KF_ST_I64), 8);
-    CU_ASSERT_EQUAL(kf_st_dtype_size(KF_ST_F64), 8);
-    CU_ASSERT_STRING_EQUAL(kf_st_dtype_name(KF_ST_BF16), "BF16");
-    CU_ASSERT_STRING_EQUAL(kf_st_dtype_name(KF_ST_U64), "U64");
-    CU_ASSERT_STRING_EQUAL(kf_st_dtype_name((kf_st_dtype)99), "?");
-    CU_ASSERT_EQUAL(kf_st_dtype_size((kf_st_dtype)99), 0);
+    CU_ASSERT_EQUAL(kf_dtype_size(KF_DTYPE_BOOL), 1);
+    CU_ASSERT_EQUAL(kf_dtype_size(KF_DTYPE_BF16), 2);
+    CU_ASSERT_EQUAL(kf_dtype_size(KF_DTYPE_F16), 2);
+    CU_ASSERT_EQUAL(kf_dtype_size(KF_DTYPE_F32), 4);
+    CU_ASSERT_EQUAL(kf_dtype_size(KF_DTYPE_I64), 8);
+    CU_ASSERT_EQUAL(kf_dtype_size(KF_DTYPE_F64), 8);
+    CU_ASSERT_STRING_EQUAL(kf_st_dtype_name(KF_DTYPE_BF16), "BF16");
+    CU_ASSERT_STRING_EQUAL(kf_st_dtype_name(KF_DTYPE_U64), "U64");
+    CU_ASSERT_STRING_EQUAL(kf_st_dtype_name((kf_dtype)99), "?");
+    CU_ASSERT_EQUAL(kf_dtype_size((kf_dtype)99), 0);
 }
 
 /* Every dtype name the reader knows, one tensor each. */
 static void test_all_dtypes(void) {
     static const struct {
         const char *name;
-        kf_st_dtype dt;
+        kf_dtype dt;
         size_t size;
-    } dts[] = {{"BOOL", KF_ST_BOOL, 1}, {"U8", KF_ST_U8, 1},   {"I8", KF_ST_I8, 1},     {"I16", KF_ST_I16, 2},
-               {"U16", KF_ST_U16, 2},   {"F16", KF_ST_F16, 2}, {"BF16", KF_ST_BF16, 2}, {"I32", KF_ST_I32, 4},
-               {"U32", KF_ST_U32, 4},   {"F32", KF_ST_F32, 4}, {"I64", KF_ST_I64, 8},   {"U64", KF_ST_U64, 8},
-               {"F64", KF_ST_F64, 8}};
+    } dts[] = {{"BOOL", KF_DTYPE_BOOL, 1}, {"U8", KF_DTYPE_U8, 1},   {"I8", KF_DTYPE_I8, 1},
+               {"I16", KF_DTYPE_I16, 2},   {"U16", KF_DTYPE_U16, 2}, {"F16", KF_DTYPE_F16, 2},
+               {"BF16", KF_DTYPE_BF16, 2}, {"I32", KF_DTYPE_I32, 4}, {"U32", KF_DTYPE_U32, 4},
+               {"F32", KF_DTYPE_F32, 4},   {"I64", KF_DTYPE_I64, 8}, {"U64", KF_DTYPE_U64, 8},
+               {"F64", KF_DTYPE_F64, 8}};
     char json[4096] = "{";
     size_t off = 0;
     for (size_t i = 0; i < sizeof dts / sizeof dts[0]; i++) {
@@ -237,7 +238,7 @@ static void test_all_dtypes(void) {
         CU_ASSERT_PTR_NOT_NULL_FATAL(t);
         CU_ASSERT_EQUAL(t->dtype, dts[i].dt);
         CU_ASSERT_EQUAL(t->nbytes, 3 * dts[i].size);
-        CU_ASSERT_EQUAL(kf_st_dtype_size(t->dtype), dts[i].size);
+        CU_ASSERT_EQUAL(kf_dtype_size(t->dtype), dts[i].size);
         CU_ASSERT_STRING_EQUAL(kf_st_dtype_name(t->dtype), dts[i].name);
     }
     kf_st_close(&set);
@@ -338,7 +339,7 @@ static void test_real_fixture(void) {
     CU_ASSERT_EQUAL(set.n_tensors, 46); /* 47 header keys, one is __metadata__ */
     const kf_st_tensor *t = kf_st_find(&set, "model.embed_tokens.weight");
     CU_ASSERT_PTR_NOT_NULL_FATAL(t);
-    CU_ASSERT_EQUAL(t->dtype, KF_ST_BF16);
+    CU_ASSERT_EQUAL(t->dtype, KF_DTYPE_BF16);
     CU_ASSERT_EQUAL(t->ndim, 2);
     CU_ASSERT_EQUAL(t->shape[0], 3200);
     CU_ASSERT_EQUAL(t->shape[1], 256);
@@ -644,9 +645,9 @@ static void test_sharded_ok(void) {
     CU_ASSERT_PTR_NOT_NULL(strstr(set.files[b->file].path, "model-00001-of-00002.safetensors"));
     CU_ASSERT_PTR_NOT_NULL(strstr(set.files[c->file].path, "model-00002-of-00002.safetensors"));
     CU_ASSERT_NOT_EQUAL(a->file, c->file);
-    CU_ASSERT_EQUAL(a->dtype, KF_ST_F32);
+    CU_ASSERT_EQUAL(a->dtype, KF_DTYPE_F32);
     CU_ASSERT_EQUAL(b->shape[1], 2);
-    CU_ASSERT_EQUAL(c->dtype, KF_ST_I64);
+    CU_ASSERT_EQUAL(c->dtype, KF_DTYPE_I64);
     /* each pointer is in its own shard's data section */
     const kf_st_file *f1 = &set.files[a->file], *f2 = &set.files[c->file];
     CU_ASSERT_PTR_EQUAL(a->data, (const unsigned char *)f1->map + 8 + f1->header_len);
@@ -826,7 +827,7 @@ static void test_mutations(void) {
                 const kf_st_tensor *t = &set.tensors[i];
                 const unsigned char *p = t->data;
                 CU_ASSERT(p >= lo && p <= hi && t->nbytes <= (size_t)(hi - p));
-                CU_ASSERT_EQUAL(t->nbytes, (size_t)t->numel * kf_st_dtype_size(t->dtype));
+                CU_ASSERT_EQUAL(t->nbytes, (size_t)t->numel * kf_dtype_size(t->dtype));
                 CU_ASSERT_PTR_EQUAL(kf_st_find(&set, t->name), t);
                 if (p >= lo && p <= hi && t->nbytes <= (size_t)(hi - p))
                     for (size_t k = 0; k < t->nbytes; k++)
@@ -856,14 +857,16 @@ static void test_mutations(void) {
 /* n elements of dtype dt at an odd (unaligned) address: finite patterns everywhere (the largest
  * finite value, subnormals, -0), then NaN or +-Inf at chosen indices; the scan must report the
  * first one. F32 and F64 are checked against isnan/isinf of the values themselves. */
-static void check_nonfinite(kf_st_dtype dt, size_t esz) {
+static void check_nonfinite(kf_dtype dt, size_t esz) {
     enum { N = 3000 };
     unsigned char *buf = calloc(N * 8 + 1, 1), *data = buf + 1;
-    const uint64_t maxfin = esz == 2 ? (dt == KF_ST_BF16 ? 0x7f7f : 0x7bff)
-                            : esz == 4 ? 0x7f7fffffull : 0x7fefffffffffffffull;
+    const uint64_t maxfin = esz == 2   ? (dt == KF_DTYPE_BF16 ? 0x7f7f : 0x7bff)
+                            : esz == 4 ? 0x7f7fffffull
+                                       : 0x7fefffffffffffffull;
     const uint64_t sign = 1ull << (esz * 8 - 1);
-    const uint64_t inf = esz == 2 ? (dt == KF_ST_BF16 ? 0x7f80 : 0x7c00)
-                         : esz == 4 ? 0x7f800000ull : 0x7ff0000000000000ull;
+    const uint64_t inf = esz == 2   ? (dt == KF_DTYPE_BF16 ? 0x7f80 : 0x7c00)
+                         : esz == 4 ? 0x7f800000ull
+                                    : 0x7ff0000000000000ull;
     for (size_t i = 0; i < N; i++) {
         const uint64_t v = i % 4 == 0 ? maxfin : i % 4 == 1 ? (maxfin | sign) : i % 4 == 2 ? 1 : sign;
         memcpy(data + i * esz, &v, esz); /* little-endian host */
@@ -878,11 +881,11 @@ static void check_nonfinite(kf_st_dtype dt, size_t esz) {
     } cases[] = {{2999, inf, 0}, {1500, inf | sign, 0}, {1023, inf | 1, 1}, {0, inf | sign | (inf >> 1), 1}};
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         memcpy(data + cases[c].at * esz, &cases[c].bits, esz);
-        if (dt == KF_ST_F32) {
+        if (dt == KF_DTYPE_F32) {
             float f;
             memcpy(&f, data + cases[c].at * esz, 4);
             CU_ASSERT(cases[c].nan ? isnan(f) : isinf(f));
-        } else if (dt == KF_ST_F64) {
+        } else if (dt == KF_DTYPE_F64) {
             double f;
             memcpy(&f, data + cases[c].at * esz, 8);
             CU_ASSERT(cases[c].nan ? isnan(f) : isinf(f));
@@ -894,16 +897,16 @@ static void check_nonfinite(kf_st_dtype dt, size_t esz) {
 }
 
 static void test_first_nonfinite(void) {
-    check_nonfinite(KF_ST_BF16, 2);
-    check_nonfinite(KF_ST_F16, 2);
-    check_nonfinite(KF_ST_F32, 4);
-    check_nonfinite(KF_ST_F64, 8);
+    check_nonfinite(KF_DTYPE_BF16, 2);
+    check_nonfinite(KF_DTYPE_F16, 2);
+    check_nonfinite(KF_DTYPE_F32, 4);
+    check_nonfinite(KF_DTYPE_F64, 8);
     /* integers have no NaN: all-ones bit patterns are ordinary values */
     unsigned char ones[64];
     memset(ones, 0xff, sizeof ones);
-    kf_st_tensor t = {.dtype = KF_ST_I32, .ndim = 1, .shape = {16}, .numel = 16, .data = ones, .nbytes = 64};
+    kf_st_tensor t = {.dtype = KF_DTYPE_I32, .ndim = 1, .shape = {16}, .numel = 16, .data = ones, .nbytes = 64};
     CU_ASSERT_EQUAL(kf_st_first_nonfinite(&t, NULL), -1);
-    t.dtype = KF_ST_U16;
+    t.dtype = KF_DTYPE_U16;
     t.numel = t.shape[0] = 32;
     CU_ASSERT_EQUAL(kf_st_first_nonfinite(&t, NULL), -1);
     /* the real fixture is finite */

@@ -5,7 +5,8 @@
  * training rows' order that the prepare allocates, plus the targets term less its pool (the sources' forwards run inside the
  * solve: the attention's targets scratch grows there), within 2% - on 1 thread and on 3 (3
  * threads' buffers, min(3, 2 KV heads)
- * heads in flight), at two document lengths. Not built with the sanitizers (they own malloc). */
+ * heads in flight), at two document lengths; and each thread's workspace is exactly the formula's
+ * ws. Not built with the sanitizers (they own malloc). */
 #include <malloc.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -90,6 +91,8 @@ static void solve_vs_formula(int threads, int n_doc) {
     kf_compact_mem_shape(c, &p, 0, n_doc, 0, threads, &sh);
     kf_compact_peak_bytes(c, &sh, &t);
     CU_ASSERT(sh.R == out.stats.n_queries && sh.Rv == out.stats.n_val_queries && sh.t == out.t);
+    /* the declared buffers: each thread's workspace is the formula's ws */
+    CU_ASSERT_EQUAL(out.stats.ws_bytes, sh.head_ws);
     /* the validation prompts' K/V and the training rows' order */
     const int64_t prepared = 8 * (sh.S + sh.P) * c->n_kv_heads * c->head_dim + 8 * sh.R;
     /* the sources run in the solve: their attention's targets scratch grows there (the targets term

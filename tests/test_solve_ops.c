@@ -208,7 +208,7 @@ static void test_cholesky(void) {
     memcpy(S, A, sizeof S);
     for (int i = 0; i < n; i++)
         S[i * n + i] -= 2.0;
-    CU_ASSERT_EQUAL(kf_solve_spd(be, S, n, 2.0, b, x), 0);
+    CU_ASSERT_EQUAL(kf_solve_spd(be, S, n, 2.0, b, x, NULL), 0);
     naive_solve(A, n, b, ref);
     e = 0;
     for (int i = 0; i < n; i++)
@@ -218,8 +218,8 @@ static void test_cholesky(void) {
     double I2[4] = {1, 2, 2, 1};
     CU_ASSERT_NOT_EQUAL(kf_solve_dpotrf(be, I2, 2, 2), 0);
     double I2b[4] = {1, 2, 2, 1}, r2[2] = {1, 1}, x2[2];
-    CU_ASSERT_EQUAL(kf_solve_spd(be, I2b, 2, 0.0, r2, x2), 1);
-    CU_ASSERT_EQUAL(kf_solve_spd(be, I2b, 2, 1.5, r2, x2), 0); /* shifted: eigenvalues 4.5, 0.5 */
+    CU_ASSERT_EQUAL(kf_solve_spd(be, I2b, 2, 0.0, r2, x2, NULL), 1);
+    CU_ASSERT_EQUAL(kf_solve_spd(be, I2b, 2, 1.5, r2, x2, NULL), 0); /* shifted: eigenvalues 4.5, 0.5 */
     CU_ASSERT(fabs(x2[0] - 1 / 4.5) < 1e-14 && fabs(x2[1] - 1 / 4.5) < 1e-14);
     /* singular PSD (rank 1) and NaN */
     double P[4] = {1, 1, 1, 1};
@@ -380,7 +380,7 @@ static void reent_item(void *ctx, int i, int thread) {
     for (int a = 0; a < ID; a++)
         for (int c = 0; c < a; c++)
             r->g[i][a * ID + c] = r->g[i][c * ID + a];
-    r->rc[i] = kf_solve_spd(r->be, r->g[i], ID, 1e-3, rhs, r->x[i]);
+    r->rc[i] = kf_solve_spd(r->be, r->g[i], ID, 1e-3, rhs, r->x[i], NULL);
     kf_solve_sgemm(r->be, KF_NO_TRANS, KF_TRANS, IR, IR, ID, 0.25f, r->q[i], ID, r->q[i], ID, 0.0f, r->z[i], IR);
     kf_solve_softmax_rows(r->be, &(kf_softmax_rows_args){.x = r->z[i], .ldx = IR, .rows = IR, .n = IR});
 }

@@ -38,7 +38,7 @@ int kf_test_model_open(const char *name, kf_backend **b, kf_model **m);
 /* Frees what kf_test_model_open made; returns 0 (a suite's clean-up). */
 int kf_test_model_close(kf_backend *b, kf_model *m);
 
-/* A planted head for the per-head choice (test_am, test_choice): T keys of which the first t are
+/* A planted head for the per-head choice (test_choice): T keys of which the first t are
  * kept; `dup`: the others copy the kept keys (mass the kept keys must carry) with different
  * values, else they point away from the queries (no mass). rtr training queries mu + noise;
  * validation queries val_sign * mu + noise; an appended block of comparable mass. Points into

@@ -34,7 +34,7 @@ for lineno, line in enumerate(open(manifest), 1):
     json.dump({"ids": doc["ids"]}, open(docfile, "w"))
     qs = [q["question"] for q in doc["questions"]]
     out = subprocess.run([kvfold, "ask", paths[lineno], "--model", model, "--doc", docfile, "--compare",
-                          "--json", "-q", "--stop", "\n", "--max-tokens", "8", *qs],
+                          "--format", "json", "-q", "--stop", "\n", "--max-tokens", "8", *qs],
                          capture_output=True, text=True, check=True).stdout
     for q, r in zip(doc["questions"], map(json.loads, out.splitlines())):
         n += 1

@@ -4,8 +4,10 @@ the same bytes measured in the same run.
 
   cold  a retention-pool miss as the connector does it for host tensors: open the kvf file once,
         and read each layer's chunks (Fletcher32, values and digests checked), copying the layer
-        into the blocks and into a reused staging buffer while it is in cache (one pass; the file
-        is in the OS page cache: it was just written); also the connector's path for device
+        into the blocks and into a reused staging buffer while it is in cache (one pass; a helper
+        thread reads the next layer meanwhile when a core is idle, as the connector decides; the
+        file is in the OS page cache: it was just written); the same on one thread and with the
+        read-ahead, whatever the load; also the connector's path for device
         tensors (--parts layer ranges read by a helper thread, each copied into the blocks while
         the next is read), the same without the overlap, and into a fresh buffer per load (how
         cold loads worked first)
@@ -69,7 +71,7 @@ def main():
     import torch
     from kvfold import _kvfold
     from kvfold.blocks import copy_to_blocks, host_destination, put_slots
-    from kvfold.loader import one_pass_load, pipelined_load
+    from kvfold.loader import one_pass_load, pipelined_load, spare_core
     from kvfold.pool import RetentionPool
 
     L, C, H, D, bs = a.layers, a.tokens, a.kv_heads, a.head_dim, a.block_size
@@ -97,7 +99,7 @@ def main():
         copy_to_blocks(data, "bfloat16", L, C, H, D, caches[l0:l1], a.layout, ids, bs, 0, C,
                        destinations=dests[l0:l1], layers=range(l0, l1))
 
-    def load(evict, parts=None):  # what the connector does; parts: the device tensors' pipelined path
+    def load(evict, parts=None, overlap=None):  # what the connector does; parts: the device tensors' path
         if evict:
             pool.evict()
         copied = []
@@ -105,7 +107,7 @@ def main():
         def cold(buf):
             copied.append(1)
             if parts is None:
-                return one_pass_load(path, "bfloat16", buf, dests, a.layout, ids, bs, 0, C), buf
+                return one_pass_load(path, "bfloat16", buf, dests, a.layout, ids, bs, 0, C, overlap=overlap), buf
             return pipelined_load(path, "bfloat16", buf, L, lambda h, l0, l1: copy_layers(buf, l0, l1), parts=parts)
         e, _ = pool.get(path, "bfloat16", cold, nbytes)
         if not copied:
@@ -121,6 +123,8 @@ def main():
     t_fresh = median_time(load_fresh, a.repeat)
     load(True)  # the first load creates the staging buffer; the timed ones reuse it
     t_cold = median_time(lambda: load(True), a.repeat)
+    t_one = median_time(lambda: load(True, overlap=False), a.repeat)
+    t_ahead = median_time(lambda: load(True, overlap=True), a.repeat)
     t_pipe = median_time(lambda: load(True, a.parts), a.repeat)
     t_serial = median_time(lambda: load(True, 1), a.repeat)
     load(False)
@@ -159,7 +163,9 @@ def main():
     print(f"kvfold connector load: {L} layers x {C} tokens x {H} kv heads x {D}, bf16, {gb * 1e3:.0f} MB, "
           f"layout {a.layout}, blocks of {bs}, median of {a.repeat}, torch threads {torch.get_num_threads()}")
     print(f"{'path':<34}{'time ms':>10}{'GB/s':>9}{'vs copy_':>10}{'vs scatter':>12}")
-    for name, t in (("cold: kvf file -> blocks", t_cold), (f"cold, {a.parts} ranges read, then copied", t_pipe),
+    for name, t in (("cold: kvf file -> blocks", t_cold), ("cold, one thread (no read-ahead)", t_one),
+                    ("cold, next layer read ahead", t_ahead),
+                    (f"cold, {a.parts} ranges read, then copied", t_pipe),
                     ("cold, read all then copy", t_serial),
                     ("cold, fresh buffer per load", t_fresh), ("warm: retention pool -> blocks", t_warm),
                     ("plain read + copy_ (baseline)", t_plain), ("torch copy_ (contiguous)", t_copy),
@@ -169,6 +175,10 @@ def main():
     print(f"cold with a fresh buffer per load vs plain read+copy: {t_plain / t_fresh:.2f}")
     print(f"cold reading all layers before copying vs plain read+copy: {t_plain / t_serial:.2f}")
     print(f"cold in {a.parts} pipelined layer ranges (device tensors' path) vs plain read+copy: {t_plain / t_pipe:.2f}")
+    print(f"cold on one thread (no read-ahead) vs plain read+copy: {t_plain / t_one:.2f}")
+    print(f"cold with the next layer read ahead on a helper thread vs plain read+copy: {t_plain / t_ahead:.2f}")
+    print(f"the connector's choice here: {'read-ahead' if spare_core() else 'one thread'} (load average "
+          f"{os.getloadavg()[0]:.1f}, {os.cpu_count()} cores)")
     print(f"cold vs plain read+copy: {t_plain / t_cold:.2f}")
     os.remove(path)
     os.rmdir(tmp)

@@ -130,7 +130,7 @@ done
 # The conversion check: 32 random ids, kvfold's top tokens against llama.cpp F32's log-probabilities.
 ids="$("$python" -c 'import random, sys; r = random.Random(7); print(",".join(str(r.randrange(int(sys.argv[1]))) for _ in range(32)))' "$vocab")"
 top=$((vocab < 256 ? vocab : 256))
-"$kvfold" logits --model "$model" --ids "$ids" --json --top "$top" > "$work/kvfold-logits.json" \
+"$kvfold" logits --model "$model" --ids "$ids" --format json --top "$top" > "$work/kvfold-logits.json" \
     || die "kvfold logits failed" 1
 node "$ROOT/tools/llamacpp/llamacpp.mjs" logits --modules "$modules" --model "$work/f32.gguf" --ids "$ids" \
     --threads "$threads" --kv f32 --flash off > "$work/llamacpp-logits.json" || die "llama.cpp logits failed" 1

@@ -156,14 +156,8 @@ static kf_backend *cli_backend(const char *cmd, const char *device) {
 
 static kf_weights g_weights = KF_WEIGHTS_AUTO; /* --weights */
 
-int cli_weights_option(const char *cmd, int opt, const char *arg) {
-    if (opt != CLI_OPT_WEIGHTS)
-        return 0;
-    if (kf_weights_parse(arg, &g_weights) != 0) {
-        cli_usage_error(cmd, "--weights is auto, bf16 or fp32, not '%s'", arg);
-        return -1;
-    }
-    return 1;
+int cli_weights_set(const char *arg) {
+    return kf_weights_parse(arg, &g_weights) ? -1 : 0;
 }
 
 kf_weights cli_weights(void) {
@@ -192,71 +186,10 @@ double cli_now(void) {
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-int cli_parse_options(int argc, char **argv, const char *shortopts, const struct option *opts, cli_option_fn fn,
-                      void *ctx) {
-    optind = 1;
-    for (int c; (c = getopt_long(argc, argv, shortopts, opts, NULL)) != -1;) {
-        const int rc = fn(ctx, c, optarg);
-        if (rc != CLI_CONTINUE)
-            return rc;
-    }
-    return CLI_CONTINUE;
-}
-
 kf_quoka_params cli_prefill_defaults(void) {
     kf_quoka_params p = kf_quoka_params_default();
     p.mode = KF_PREFILL_DENSE;
     return p;
-}
-
-int cli_prefill_option(const char *cmd, int opt, const char *arg, kf_quoka_params *p) {
-    long long v;
-    switch (opt) {
-    case CLI_OPT_PREFILL:
-        if (strcmp(arg, "dense") == 0)
-            p->mode = KF_PREFILL_DENSE;
-        else if (strcmp(arg, "quoka") == 0)
-            p->mode = KF_PREFILL_QUOKA;
-        else {
-            cli_usage_error(cmd, "--prefill must be 'dense' or 'quoka', not '%s'", arg);
-            return -1;
-        }
-        return 1;
-    case CLI_OPT_QUOKA_NQ:
-        if (cli_parse_int(arg, 1, 1 << 20, &v)) {
-            cli_usage_error(cmd, "--quoka-nq must be a positive integer, not '%s'", arg);
-            return -1;
-        }
-        p->n_q = (int)v;
-        return 1;
-    case CLI_OPT_QUOKA_BUDGET:
-        if (strchr(arg, '.')) {
-            char *end;
-            errno = 0;
-            double f = strtod(arg, &end);
-            if (end == arg || *end || errno || !(f > 0.0 && f <= 1.0)) {
-                cli_usage_error(cmd, "--quoka-budget: a fraction must lie in (0, 1], not '%s'", arg);
-                return -1;
-            }
-            p->budget_frac = f;
-        } else {
-            if (cli_parse_int(arg, 1, INT32_MAX, &v)) {
-                cli_usage_error(cmd, "--quoka-budget must be a key count >= 1 or a fraction like 0.25, not '%s'", arg);
-                return -1;
-            }
-            p->budget = (int)v;
-            p->budget_frac = 0;
-        }
-        return 1;
-    case CLI_OPT_QUOKA_SINKS:
-        if (cli_parse_int(arg, 0, 1 << 20, &v)) {
-            cli_usage_error(cmd, "--quoka-sinks must be an integer >= 0, not '%s'", arg);
-            return -1;
-        }
-        p->n_sink = (int)v;
-        return 1;
-    default: return 0;
-    }
 }
 
 const kf_quoka_params *cli_prefill_params(const kf_quoka_params *p) {

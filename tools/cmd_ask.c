@@ -1,5 +1,4 @@
 /* kvfold ask — answer questions from a kvf cache file through the paged engine. */
-#include <getopt.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,44 +12,55 @@
 
 #define CMD "ask"
 
-static const char kHelp[] =
-    "Usage: kvfold ask FILE.kvf --model DIR [options] QUESTION...\n"
-    "\n"
-    "Loads the compacted cache of FILE into the paged engine (after checking that it was written\n"
-    "for this model) and answers each QUESTION greedily on top of it: the question's tokens sit at\n"
-    "positions C, C+1, ... as in a serving engine after a prefix of C tokens. Each question starts\n"
-    "from the cache alone (the previous question's KV is rewound). Prints each answer's text.\n"
-    "\n"
-    "Options:\n"
-    "  --model DIR          the model the cache was written for\n"
-    "  --question-ids LIST  a question as token ids (comma separated), in addition to QUESTIONs\n"
-    "  --chat               the cache was made with --chat (kvfold compact): each QUESTION (or\n"
-    "                       --question-ids) is the content of a user turn after the document's,\n"
-    "                       its ids put between the ids the file records (the end of the\n"
-    "                       document's turn and the next turn's header; the end of the question's\n"
-    "                       turn and the generation prompt). The model's template must be the\n"
-    "                       file's (digest). A chat cache without --chat, or --chat on a cache made\n"
-    "                       from bare text, is refused (exit 2)\n"
-    "  --max-tokens N       most tokens per answer (default 32); decoding stops earlier at EOS\n"
-    "                       and at the model's last position (max_position_embeddings); a\n"
-    "                       question that leaves no room there after the cache's C tokens (the\n"
-    "                       document's D with --compare) is a usage error (exit 2)\n"
-    "  --stop TEXT          also stop once the answer contains TEXT (e.g. $'\\n')\n"
-    "  --doc FILE           the document the cache was built from (text, a JSON list of ids, or a\n"
-    "                       manifest line; with --chat, through the chat template as compact\n"
-    "                       --chat reads it); checked against the cache's document digest\n"
-    "  --compare            with --doc: also answer from the full document and report agreement\n"
-    "                       (exit status 0 either way)\n"
-    "  --json               one JSON object per question: question, question_ids (the ids after the\n"
-    "                       cache: with --chat, the template's pieces around the question), answer,\n"
-    "                       answer_ids, and with\n"
-    "                       --compare full_answer, full_answer_ids, agree\n"
-    "  -q, --quiet          no cache summary on stderr\n"
-    "  -h, --help           show this help\n"
-    "\n"
-    "The file's tokenizer (tokenizer_digest) must be the model's tokenizer.json.\n"
-    "\n"
-    "Records model example (tests/data/records-qwen3): questions are \"Q: <name>?\\nA:\".\n";
+typedef struct {
+    const char *model_dir, *stop, *doc_path, *qids_s;
+    long long max_tokens;
+    int compare, format, quiet, chat; /* format: 0 text, 1 json */
+} ask_opts;
+
+#define A(field) OFF(ask_opts, field)
+static const cli_opt kRows[] = {
+    {"model", 0, OPT_STR, "DIR", A(model_dir), .help = "the model the cache was written for"},
+    {"question-ids", 0, OPT_STR, "LIST", A(qids_s), .help = "a question as token ids (comma separated), in addition to QUESTIONs"},
+    {"chat", 0, OPT_FLAG, NULL, A(chat),
+     .help = "the cache was made with --chat (kvfold compact): each QUESTION (or --question-ids) is the content of "
+             "a user turn after the document's, its ids put between the ids the file records (the end of the "
+             "document's turn and the next turn's header; the end of the question's turn and the generation "
+             "prompt). The model's template must be the file's (digest). A chat cache without --chat, or --chat "
+             "on a cache made from bare text, is refused (exit 2)"},
+    {"max-tokens", 0, OPT_LLONG, "N", A(max_tokens), .lo = 1, .hi = 1 << 20, .must = "must be a positive count",
+     .def = "32",
+     .help = "most tokens per answer; decoding stops earlier at EOS and at the model's last position "
+             "(max_position_embeddings); a question that leaves no room there after the cache's C tokens "
+             "(the document's D with --compare) is a usage error (exit 2)"},
+    {"stop", 0, OPT_STR, "TEXT", A(stop), .help = "also stop once the answer contains TEXT (e.g. $'\\n')"},
+    {"doc", 0, OPT_STR, "FILE", A(doc_path),
+     .help = "the document the cache was built from (text, a JSON list of ids, or a manifest line; with --chat, "
+             "through the chat template as compact --chat reads it); checked against the cache's document digest"},
+    {"compare", 0, OPT_FLAG, NULL, A(compare),
+     .help = "with --doc: also answer from the full document and report agreement (exit status 0 either way)"},
+    {"format", 0, OPT_CHOICE, "text|json", A(format), .choices = "text|json", .def = "text",
+     .help = "text, or json: one JSON object per question: question, question_ids (the ids after the cache: with "
+             "--chat, the template's pieces around the question), answer, answer_ids, and with --compare "
+             "full_answer, full_answer_ids, agree"},
+    {"json", 0, OPT_ALIAS, .target = "format", .fixed = "json"},
+    {"quiet", 'q', OPT_FLAG, NULL, A(quiet), .help = "no cache summary on stderr"},
+    {0}};
+
+const cli_command cli_ask_command = {
+    .name = CMD,
+    .usage = "kvfold ask FILE.kvf --model DIR [options] QUESTION...\n",
+    .about = "Loads the compacted cache of FILE into the paged engine (after checking that it was written\n"
+             "for this model) and answers each QUESTION greedily on top of it: the question's tokens sit at\n"
+             "positions C, C+1, ... as in a serving engine after a prefix of C tokens. Each question starts\n"
+             "from the cache alone (the previous question's KV is rewound). Prints each answer's text.\n",
+    .groups = (const cli_group[]){{NULL, kRows, 0}, {0}},
+    .notes = "The file's tokenizer (tokenizer_digest) must be the model's tokenizer.json.\n",
+    .exit_status = "  0  every question answered (with --compare, whether or not the answers agree)\n"
+                   "  1  the cache, the model or the document cannot be used (the message names the cause)\n"
+                   "  2  usage errors, including a question that leaves no room for an answer\n",
+    .example = "  kvfold ask doc.kvf --model records-qwen3 $'Q: Alice?\\nA:'   (the records model's questions)\n",
+};
 
 static void print_str(const char *label, const char *s) {
     json_t *j = json_string(s ? s : "");
@@ -107,40 +117,20 @@ static int ask_chat(const char *path, const kvf_header *h, int chat, doc_text *t
 }
 
 int cmd_ask(int argc, char **argv) {
-    static const struct option opts[] = {
-        {"help", no_argument, 0, 'h'},       {"model", required_argument, 0, 'm'},
-        {"max-tokens", required_argument, 0, 'n'}, {"stop", required_argument, 0, 's'},
-        {"doc", required_argument, 0, 'd'},  {"compare", no_argument, 0, 'c'},
-        {"json", no_argument, 0, 'j'},       {"quiet", no_argument, 0, 'q'},
-        {"question-ids", required_argument, 0, 'i'}, {"chat", no_argument, 0, 'C'}, {0, 0, 0, 0}};
-    const char *model_dir = NULL, *stop = NULL, *doc_path = NULL, *qids_s = NULL;
-    long long max_tokens = 32;
-    int compare = 0, as_json = 0, quiet = 0, chat = 0;
-    optind = 1;
-    for (int c; (c = getopt_long(argc, argv, "hq", opts, NULL)) != -1;) {
-        switch (c) {
-        case 'h': fputs(kHelp, stdout); return KF_EXIT_OK;
-        case 'm': model_dir = optarg; break;
-        case 'n':
-            if (cli_parse_int(optarg, 1, 1 << 20, &max_tokens))
-                return cli_usage_error(CMD, "--max-tokens must be a positive count, not '%s'", optarg);
-            break;
-        case 's': stop = optarg; break;
-        case 'd': doc_path = optarg; break;
-        case 'c': compare = 1; break;
-        case 'j': as_json = 1; break;
-        case 'q': quiet = 1; break;
-        case 'i': qids_s = optarg; break;
-        case 'C': chat = 1; break;
-        default: return cli_usage_error(CMD, "unknown option");
-        }
-    }
+    ask_opts o = {.max_tokens = 32};
+    int first;
+    const int prc = cli_opts_parse(&cli_ask_command, argc, argv, &o, &first);
+    if (prc != CLI_CONTINUE)
+        return prc;
+    const char *model_dir = o.model_dir, *stop = o.stop, *doc_path = o.doc_path, *qids_s = o.qids_s;
+    const long long max_tokens = o.max_tokens;
+    const int compare = o.compare, as_json = o.format == 1, quiet = o.quiet, chat = o.chat;
     if (!model_dir)
         return cli_usage_error(CMD, "--model DIR is required");
-    if (optind >= argc)
+    if (first >= argc)
         return cli_usage_error(CMD, "give the cache FILE.kvf");
-    const char *path = argv[optind++];
-    const int n_text_q = argc - optind, n_q = n_text_q + (qids_s != NULL);
+    const char *path = argv[first++];
+    const int n_text_q = argc - first, n_q = n_text_q + (qids_s != NULL);
     if (n_q == 0)
         return cli_usage_error(CMD, "give a QUESTION (or --question-ids)");
     if (compare && !doc_path)
@@ -178,7 +168,7 @@ int cmd_ask(int argc, char **argv) {
     for (int i = 0; i < n_q; i++) {
         const int is_ids = i == n_text_q;
         if (is_ids ? cli_parse_ids(qids_s, &qs[i], &qn[i], err, sizeof err)
-                   : doc_tokenize(&text, argv[optind + i], strlen(argv[optind + i]), 0, &qs[i], &qn[i], err, sizeof err)) {
+                   : doc_tokenize(&text, argv[first + i], strlen(argv[first + i]), 0, &qs[i], &qn[i], err, sizeof err)) {
             if (is_ids) /* a malformed --question-ids ("1,,2") is a usage error */
                 rc = cli_usage_error(CMD, "--question-ids: %s", err);
             else
@@ -212,8 +202,8 @@ int cmd_ask(int argc, char **argv) {
         }
     if (!quiet)
         fprintf(stderr, "cache: %lld of %lld document tokens (%.2fx smaller), %s, budget %g, %s\n", (long long)c.C,
-                (long long)c.D, (double)c.D / (double)c.C, kvf_method_name(hdr.method), hdr.budget,
-                kvf_dtype_name(hdr.dtype));
+                (long long)c.D, (double)c.D / (double)c.C, kf_method_name(hdr.method), hdr.budget,
+                kf_dtype_name(hdr.dtype));
     if (kf_engine_from_compacted(&ec, m, &c, longest + max_tokens, &e) != KF_OK) {
         cli_error(CMD, "%s", e.msg);
         goto done;

@@ -1,6 +1,5 @@
 /* kvfold bench — benchmark commands. They print rates; drivers in tools/ put them next to a
  * baseline measured in the same run (never timed tests). */
-#include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -10,23 +9,27 @@
 #include "tools/bench_weights.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
+#include "tools/compact_options.h"
 
-static const char kBenchHelp[] =
-    "Usage: kvfold bench <what> [options]\n"
-    "\n"
-    "  prefill    tokens/s of a chunked prefill of random token ids\n"
-    "  kvf        cache file write/read GB/s against plain fwrite/fread of the same bytes\n"
-    "  tokenize   encoding MB/s (tools/bench-tokenize.sh compares with the JavaScript tokenizer)\n"
-    "  compact    the time of each compaction stage on a records document\n"
-    "  attention  one chunk's attention over long histories: dense against QUOKA, as a ratio\n"
-    "  quoka      QUOKA's accuracy against dense prefill on repeat prompts (KL, copy accuracy)\n"
-    "\n"
-    "Run 'kvfold bench <what> --help' for options. tools/bench-prefill.sh compares the prefill\n"
-    "with a PyTorch implementation of the same model in the same run.\n";
+const cli_command cli_bench_command = {
+    .name = "bench",
+    .usage = "kvfold bench <what> [options]\n",
+    .about = "  prefill    tokens/s of a chunked prefill of random token ids\n"
+             "  kvf        cache file write/read GB/s against plain fwrite/fread of the same bytes\n"
+             "  tokenize   encoding MB/s (tools/bench-tokenize.sh compares with the JavaScript tokenizer)\n"
+             "  compact    the time of each compaction stage on a records document\n"
+             "  attention  one chunk's attention over long histories: dense against QUOKA, as a ratio\n"
+             "  quoka      QUOKA's accuracy against dense prefill on repeat prompts (KL, copy accuracy)\n"
+             "\n"
+             "Run 'kvfold bench <what> --help' for options. tools/bench-prefill.sh compares the prefill\n"
+             "with a PyTorch implementation of the same model in the same run.\n",
+    .exit_status = "  that of the benchmark; 2 for an unknown benchmark\n",
+    .example = "  kvfold bench prefill --model Qwen3-0.6B --tokens 2048\n",
+};
 
 int cmd_bench(int argc, char **argv) {
     if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
-        fputs(kBenchHelp, argc < 2 ? stderr : stdout);
+        cli_opts_help(&cli_bench_command, argc < 2 ? stderr : stdout);
         return argc < 2 ? KF_EXIT_USAGE : KF_EXIT_OK;
     }
     if (strcmp(argv[1], "prefill") == 0)
@@ -43,48 +46,6 @@ int cmd_bench(int argc, char **argv) {
         return cmd_bench_quoka(argc - 1, argv + 1);
     return cli_usage_error("bench", "unknown benchmark '%s'", argv[1]);
 }
-
-static const char kPrefillHelp[] =
-    "Usage: kvfold bench prefill --model DIR --tokens N [--context P] [--chunk C] [--repeat R]\n"
-    "                            [--seed S] [--prefill dense|quoka] [--quoka-budget B] ...\n"
-    "\n"
-    "Prefill N random token ids (fixed seed) into a fresh paged arena, R times after one warm-up,\n"
-    "and print the median time and tokens/s. Only the last position's logits are computed, as in\n"
-    "a compaction prefill. Before and after each timed run, the machine's sgemm peak is measured\n"
-    "on the model's own shapes (one layer's seven projections, M = the chunk, through the\n"
-    "backend's matmul: on the CPU, single-threaded cblas_sgemm calls over the threads' columns,\n"
-    "on tiles of widened weights with bf16 weights);\n"
-    "the report gives the GFLOP/s of the prefill's GEMMs alone and of the whole prefill\n"
-    "(projections + causal attention + lm_head) as ratios to the mean of the two peaks around\n"
-    "each run (medians over the runs, and their range), and the whole prefill's rate over its own\n"
-    "GEMMs' rate, the figure least moved by other load.\n"
-    "The backend's attention calls are timed too: their GFLOP/s (each query over the keys it\n"
-    "sees) against the same peak. With --context P, P other random tokens are prefilled first\n"
-    "(untimed, once) and every timed run prefills the N tokens on top of them (the repeat prefill\n"
-    "of a compaction: each query also attends to the P context keys), then rewinds to P.\n"
-    "\n"
-    "Options:\n"
-    "  --model DIR   model directory\n"
-    "  --tokens N    prompt length (default 512)\n"
-    "  --context P   tokens already in the arena before the timed prefill (default 0)\n"
-    "  --clock C     wall (default) or cpu: the process's CPU time, for a loaded machine with\n"
-    "                OPENBLAS_NUM_THREADS=1 (spinning threads would count)\n"
-    "  --chunk C     chunk size (default 512)\n"
-    "  --repeat R    timed runs (default 3)\n"
-    "  --seed S      seed of the token ids (default 1)\n"
-    "  --compare-weights  instead: the same prefill with bf16 and with fp32 weights (the model\n"
-    "                loaded twice, R runs of each alternated after a warm-up): medians, the speed\n"
-    "                ratio pair by pair, the GEMMs' own ratio and the logits' largest difference;\n"
-    "                last line 'weights_speed_ratio <bf16 / fp32 speed>' (CPU backend; --clock\n"
-    "                applies)\n"
-    CLI_DEVICE_HELP
-    CLI_WEIGHTS_HELP
-    "  -h, --help    show this help\n"
-    "\n"
-    "Prefill attention:\n" CLI_PREFILL_HELP
-    "\n"
-    "Last lines: 'peak_ratio <whole prefill / sgemm peak>' and 'tokens_per_s <value>' for scripts.\n"
-    "tools/bench-quoka.sh compares dense and QUOKA prefill in the same run.\n";
 
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
@@ -401,57 +362,79 @@ static int bench_compare_weights(const char *dir, const char *device, long long 
     return rc;
 }
 
+typedef struct {
+    const char *dir, *device;
+    long long n, chunk, repeat, seed, ctx;
+    int compare, cpu_clock;
+    kf_quoka_params prefill;
+} prefill_opts;
+
+#define P(field) OFF(prefill_opts, field)
+static const cli_opt kPrefillRows[] = {
+    {"model", 0, OPT_STR, "DIR", P(dir), .help = "model directory"},
+    {"tokens", 0, OPT_LLONG, "N", P(n), .lo = 1, .hi = 1 << 24, .must = "must be a positive integer",
+     .def = "512", .help = "prompt length"},
+    {"context", 0, OPT_LLONG, "P", P(ctx), .lo = 0, .hi = 1 << 24, .must = "must be a count of tokens",
+     .def = "0", .help = "tokens already in the arena before the timed prefill"},
+    {"clock", 0, OPT_CHOICE, "C", P(cpu_clock), .choices = "wall|cpu", .def = "wall",
+     .help = "wall, or cpu: the process's CPU time, for a loaded machine with OPENBLAS_NUM_THREADS=1 "
+             "(spinning threads would count)"},
+    {"chunk", 0, OPT_LLONG, "N", P(chunk), .lo = 1, .hi = 1 << 24, .must = "must be a positive integer",
+     .def = "512", .help = "prefill chunk size in tokens"},
+    {"repeat", 0, OPT_LLONG, "R", P(repeat), .lo = 1, .hi = 1000, .must = "must be from 1 to 1000", .def = "3",
+     .help = "timed runs"},
+    {"seed", 0, OPT_LLONG, "S", P(seed), .lo = 1, .hi = 1 << 24, .must = "must be a positive integer",
+     .def = "1", .help = "seed of the token ids"},
+    {"compare-weights", 0, OPT_FLAG, NULL, P(compare),
+     .help = "instead: the same prefill with bf16 and with fp32 weights (the model loaded twice, R runs of "
+             "each alternated after a warm-up): medians, the speed ratio pair by pair, the GEMMs' own ratio "
+             "and the logits' largest difference; last line 'weights_speed_ratio <bf16 / fp32 speed>' (CPU "
+             "backend; --clock applies)"},
+    {"device", 0, OPT_STR, "DEV", P(device), .def = "cpu", .help = "cpu, cuda or cuda:N (builds with the CUDA backend)"},
+    {0}};
+
+const cli_command cli_bench_prefill_command = {
+    .name = "bench prefill",
+    .usage = "kvfold bench prefill --model DIR --tokens N [--context P] [--chunk C] [--repeat R]\n"
+             "                            [--seed S] [--prefill dense|quoka] [--quoka-budget B] ...\n",
+    .about = "Prefill N random token ids (fixed seed) into a fresh paged arena, R times after one warm-up,\n"
+             "and print the median time and tokens/s. Only the last position's logits are computed, as in\n"
+             "a compaction prefill. Before and after each timed run, the machine's sgemm peak is measured\n"
+             "on the model's own shapes (one layer's seven projections, M = the chunk, through the\n"
+             "backend's matmul: on the CPU, single-threaded cblas_sgemm calls over the threads' columns,\n"
+             "on tiles of widened weights with bf16 weights);\n"
+             "the report gives the GFLOP/s of the prefill's GEMMs alone and of the whole prefill\n"
+             "(projections + causal attention + lm_head) as ratios to the mean of the two peaks around\n"
+             "each run (medians over the runs, and their range), and the whole prefill's rate over its own\n"
+             "GEMMs' rate, the figure least moved by other load.\n"
+             "The backend's attention calls are timed too: their GFLOP/s (each query over the keys it\n"
+             "sees) against the same peak. With --context P, P other random tokens are prefilled first\n"
+             "(untimed, once) and every timed run prefills the N tokens on top of them (the repeat prefill\n"
+             "of a compaction: each query also attends to the P context keys), then rewinds to P.\n",
+    .groups = (const cli_group[]){{NULL, kPrefillRows, 0}, {NULL, cli_weights_rows, 0},
+                                  {"Prefill attention", cli_prefill_rows, P(prefill)}, {0}},
+    .notes = "Last lines: 'peak_ratio <whole prefill / sgemm peak>' and 'tokens_per_s <value>' for scripts.\n"
+             "tools/bench-quoka.sh compares dense and QUOKA prefill in the same run.\n",
+    .exit_status = "  0  measured\n"
+                   "  1  the model cannot be loaded or a prefill failed\n"
+                   "  2  usage errors\n",
+    .example = "  kvfold bench prefill --model Qwen3-0.6B --tokens 2048 --context 8192 --repeat 5\n",
+};
+
 int cmd_bench_prefill(int argc, char **argv) {
-    static const struct option opts[] = {{"help", no_argument, 0, 'h'},        {"model", required_argument, 0, 'm'},
-                                         {"tokens", required_argument, 0, 'n'}, {"chunk", required_argument, 0, 'c'},
-                                         {"context", required_argument, 0, 'x'}, {"clock", required_argument, 0, 'k'},
-                                         {"repeat", required_argument, 0, 'r'}, {"seed", required_argument, 0, 's'},
-                                         {"device", required_argument, 0, 'd'}, CLI_PREFILL_OPTIONS,
-                                         CLI_WEIGHTS_OPTION, {"compare-weights", no_argument, 0, 'W'},
-                                         {0, 0, 0, 0}};
-    const char *dir = NULL, *device = NULL;
-    long long n = 512, chunk = 0, repeat = 3, seed = 1, ctx = 0;
-    int compare = 0;
-    kf_quoka_params prefill = cli_prefill_defaults();
-    optind = 1;
-    for (int c; (c = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
-        long long *dst = NULL;
-        switch (c) {
-        case 'h': fputs(kPrefillHelp, stdout); return KF_EXIT_OK;
-        case 'm': dir = optarg; continue;
-        case 'd': device = optarg; continue;
-        case 'W': compare = 1; continue;
-        case 'n': dst = &n; break;
-        case 'c': dst = &chunk; break;
-        case 'k':
-            if (strcmp(optarg, "wall") && strcmp(optarg, "cpu"))
-                return cli_usage_error("bench prefill", "--clock is wall or cpu, not '%s'", optarg);
-            g_now = strcmp(optarg, "cpu") == 0 ? cpu_now : cli_now;
-            continue;
-        case 'x':
-            if (cli_parse_int(optarg, 0, 1 << 24, &ctx))
-                return cli_usage_error("bench prefill", "--context must be a count of tokens, not '%s'", optarg);
-            continue;
-        case 'r': dst = &repeat; break;
-        case 's': dst = &seed; break;
-        default: {
-            int r = cli_prefill_option("bench prefill", c, optarg, &prefill);
-            r = r ? r : cli_weights_option("bench prefill", c, optarg);
-            if (r < 0)
-                return KF_EXIT_USAGE;
-            if (r == 0)
-                return cli_usage_error("bench prefill", "bad option");
-            continue;
-        }
-        }
-        if (cli_parse_int(optarg, 1, 1 << 24, dst))
-            return cli_usage_error("bench prefill", "option value '%s' must be a positive integer", optarg);
-    }
-    if (!dir || optind != argc)
+    prefill_opts o = {.n = 512, .repeat = 3, .seed = 1, .prefill = cli_prefill_defaults()};
+    int first;
+    const int prc = cli_opts_parse(&cli_bench_prefill_command, argc, argv, &o, &first);
+    if (prc != CLI_CONTINUE)
+        return prc;
+    if (!o.dir || first != argc)
         return cli_usage_error("bench prefill", "--model is required");
-    if (repeat > 1000)
-        return cli_usage_error("bench prefill", "--repeat is at most 1000");
-    if (compare)
+    g_now = o.cpu_clock ? cpu_now : cli_now;
+    const char *dir = o.dir, *device = o.device;
+    long long n = o.n, chunk = o.chunk;
+    const long long repeat = o.repeat, seed = o.seed, ctx = o.ctx;
+    const kf_quoka_params prefill = o.prefill;
+    if (o.compare)
         return bench_compare_weights(dir, device, n, chunk, repeat, seed, ctx, &prefill);
     kf_backend *b;
     kf_model *m = cli_load_model_on("bench prefill", dir, device, &b);

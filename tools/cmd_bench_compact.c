@@ -1,6 +1,5 @@
 /* kvfold bench compact — where the time of one compaction goes. */
 #include <cblas.h>
-#include <getopt.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,41 +10,10 @@
 #include "compactor/compact_flops.h"
 #include "tools/cli.h"
 #include "tools/cli_quality.h"
+#include "tools/compact_options.h"
 #include "tools/commands.h"
 
 #define CMD "bench compact"
-
-static const char kHelp[] =
-    "Usage: kvfold bench compact --model DIR --docs FILE.jsonl [--tokens N] [--budget B] [--method M]\n"
-    "\n"
-    "Builds one document of about N tokens (default 4000) by concatenating the documents of a\n"
-    "records-style JSONL file (fields ids and repeat_instruction_ids), compacts it once, and prints\n"
-    "the time of each stage: prefill, repeat prefill (reference queries), selection, beta fit, value\n"
-    "fit, fold and the per-head choice, with the ratio of selection + choice + beta + values + fold\n"
-    "to the prefill; the FLOPs of the forwards no solve avoids (compactor/compact_flops.h: the\n"
-    "document's prefill and the repeat, probes included, as the code runs them), their sum as the\n"
-    "floor in units of the prefill (P) and the total time over the floor; then the peak memory the\n"
-    "formula of compactor/compact.h predicts (by term) and the process's measured peak resident set\n"
-    "(getrusage ru_maxrss, the whole process: loading the model included).\n"
-    "With --predict-only only config.json (and the checkpoint's header) is read: the prediction for a document of N tokens (the\n"
-    "repeat instruction's length from --docs when given, else 8 tokens) and its FLOPs (counted with\n"
-    "the CPU backend's fused targets).\n"
-    "\n"
-    "Options:\n"
-    "  --model DIR      model directory\n"
-    "  --docs FILE      JSONL documents (tests/data/records-dev.jsonl)\n"
-    "  --tokens N       document length (default 4000)\n"
-    "  --budget B       kept fraction (default 0.1)\n"
-    "  --method M       keep, drop, am or fold (default fold)\n"
-    "  --max-queries N  reference queries per KV head (default 50000)\n"
-    "  --refq-dtype T   reference queries in f32 (default) or bf16\n"
-    "  --arena-dtype T  the paged KV arena in f32 (default) or bf16 (half its bytes, CPU backend only;\n"
-    "                   --predict-only counts it too)\n"
-    "  --predict-only   print the predicted peak only (no weights loaded, nothing compacted; the\n"
-    "                   safetensors headers are read for --weights auto)\n"
-    CLI_WEIGHTS_HELP
-    CLI_REFQ_SOURCE_HELP
-    "  -h, --help       show this help\n";
 
 /* The formula's prediction for a document of n tokens and an instruction of n_instr, by term. */
 static void print_peak(const kf_hfconfig *c, const kf_compact_params *base, int n, int n_instr, kf_dtype weights) {
@@ -130,48 +98,65 @@ typedef struct {
     cli_compact_opts q; /* the compaction's parameters (shared with compact and eval quality) */
 } bench_opts;
 
-static const struct option kOpts[] = {
-    {"help", no_argument, 0, 'h'},       {"model", required_argument, 0, 'm'},  {"docs", required_argument, 0, 'd'},
-    {"tokens", required_argument, 0, 'n'}, {"budget", required_argument, 0, 'b'}, {"method", required_argument, 0, 'M'},
-    {"predict-only", no_argument, 0, 'P'}, CLI_OPTION_MAX_QUERIES, CLI_OPTION_REFQ_DTYPE, CLI_OPTION_ARENA_DTYPE,
-    CLI_REFQ_SOURCE_OPTIONS,             CLI_WEIGHTS_OPTION, {0, 0, 0, 0}};
-
-/* One option into o: CLI_CONTINUE, or the exit status (--help, a bad value). */
-static int bench_option(void *ctx, int c, const char *arg) {
-    bench_opts *o = ctx;
-    kf_compact_params *p = &o->q.p;
-    switch (c) {
-    case 'h': fputs(kHelp, stdout); return KF_EXIT_OK;
-    case 'm': o->dir = arg; break;
-    case 'd': o->docs = arg; break;
-    case 'n':
-        if (cli_parse_int(arg, 16, 1 << 24, &o->want))
-            return cli_usage_error(CMD, "--tokens must be from 16 to %d (2^24), not '%s'", 1 << 24, arg);
-        break;
-    case 'b': {
-        char *end;
-        p->budget = strtod(arg, &end);
-        if (*end || !(p->budget > 0 && p->budget <= 1))
-            return cli_usage_error(CMD, "--budget must be in (0, 1], not '%s'", arg);
-        break;
-    }
-    case 'P': o->predict_only = 1; break;
-    case 'M':
-        if (kf_method_parse(arg, &p->method))
-            return cli_usage_error(CMD, "--method is keep, drop, am or fold, not '%s'", arg);
-        break;
-    default: return cli_compact_option_or(CMD, c, arg, &o->q, "bad option");
-    }
-    return CLI_CONTINUE;
+static int set_method(void *ctx, const cli_opt *o, const char *arg, char *err, size_t n) {
+    (void)o, (void)err, (void)n;
+    return kf_method_parse(arg, &((cli_compact_opts *)ctx)->p.method) ? -1 : 0;
 }
+
+#define B(field) OFF(bench_opts, field)
+static const cli_opt kBenchRows[] = {
+    {"model", 0, OPT_STR, "DIR", B(dir), .help = "model directory"},
+    {"docs", 0, OPT_STR, "FILE", B(docs), .help = "JSONL documents (tests/data/records-dev.jsonl)"},
+    {"tokens", 0, OPT_LLONG, "N", B(want), .lo = 16, .hi = 1 << 24, .must = "must be from 16 to 16777216 (2^24)",
+     .def = "4000", .help = "document length"},
+    {"budget", 0, OPT_REAL, "B", B(q.p.budget), .lo = 0, .open_lo = 1, .hi = 1, .must = "must be in (0, 1]",
+     .def = "0.1", .help = "kept fraction"},
+    {"method", 0, OPT_FN, "M", B(q), .set = set_method, .must = "is keep, drop, am or fold", .def = "fold",
+     .help = "keep, drop, am or fold"},
+    {"predict-only", 0, OPT_FLAG, NULL, B(predict_only),
+     .help = "print the predicted peak only (no weights loaded, nothing compacted; the safetensors headers "
+             "are read for --weights auto; --arena-dtype counts too)"},
+    {0}};
+
+static const cli_group kGroups[] = {
+    {NULL, kBenchRows, 0},
+    {NULL, cli_max_queries_rows, B(q)},
+    {NULL, cli_refq_dtype_rows, B(q)},
+    {NULL, cli_arena_dtype_rows, B(q)},
+    {NULL, cli_weights_rows, 0},
+    {"Reference queries", cli_refq_source_rows, B(q)},
+    {0}};
+
+const cli_command cli_bench_compact_command = {
+    .name = CMD,
+    .usage = "kvfold bench compact --model DIR --docs FILE.jsonl [--tokens N] [--budget B] [--method M]\n",
+    .about = "Builds one document of about N tokens by concatenating the documents of a records-style JSONL\n"
+             "file (fields ids and repeat_instruction_ids), compacts it once, and prints the time of each\n"
+             "stage: prefill, repeat prefill (reference queries), selection, beta fit, value fit, fold and the\n"
+             "per-head choice, with the ratio of selection + choice + beta + values + fold to the prefill; the\n"
+             "FLOPs of the forwards no solve avoids (compactor/compact_flops.h: the document's prefill and the\n"
+             "repeat, probes included, as the code runs them), their sum as the floor in units of the prefill\n"
+             "(P) and the total time over the floor; then the peak memory the formula of compactor/compact.h\n"
+             "predicts (by term) and the process's measured peak resident set (getrusage ru_maxrss, the whole\n"
+             "process: loading the model included).\n"
+             "With --predict-only only config.json (and the checkpoint's header) is read: the prediction for a\n"
+             "document of N tokens (the repeat instruction's length from --docs when given, else 8 tokens)\n"
+             "and its FLOPs (counted with the CPU backend's fused targets).\n",
+    .groups = kGroups,
+    .exit_status = "  0  measured (or predicted)\n"
+                   "  1  the documents, the model or the compaction failed (reported)\n"
+                   "  2  usage errors\n",
+    .example = "  kvfold bench compact --model records-qwen3 --docs records-dev.jsonl --tokens 2048\n",
+};
 
 static int bench_parse(int argc, char **argv, bench_opts *o) {
     *o = (bench_opts){.want = 4000};
     cli_compact_opts_init(&o->q);
-    const int rc = cli_parse_options(argc, argv, "h", kOpts, bench_option, o);
+    int first;
+    const int rc = cli_opts_parse(&cli_bench_compact_command, argc, argv, o, &first);
     if (rc != CLI_CONTINUE)
         return rc;
-    if (!o->dir || (!o->docs && !o->predict_only) || optind != argc)
+    if (!o->dir || (!o->docs && !o->predict_only) || first != argc)
         return cli_usage_error(CMD, "--model and --docs are required");
     return CLI_CONTINUE;
 }

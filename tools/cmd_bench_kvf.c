@@ -1,50 +1,72 @@
 /* kvfold bench kvf — write and read throughput of kvf cache files against plain fwrite/fread of the
  * same bytes (+ fsync), measured in the same run. */
 #include <fcntl.h>
-#include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "formats/kvf.h"
+#include "kernels/base/convert.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
 
-static const char kHelp[] =
-    "Usage: kvfold bench kvf [--mb N] [--dtype bf16|f16|f32] [--dir DIR] [--repeat R]\n"
-    "\n"
-    "Builds a synthetic cache of about N MB of keys and values (32 layers x 8 kv heads x head_dim\n"
-    "128, C chosen to fit) and times, R times each (median reported):\n"
-    "  write  kvf_write (temporary name, Fletcher32 per chunk, fsync, rename) against fwrite of the\n"
-    "         same bytes + fsync, each into a new file;\n"
-    "  read   kvf_open + every layer's keys and values as stored (checksums verified) against fread\n"
-    "         of the plain file, from the page cache (warm) and after posix_fadvise(DONTNEED) (cold);\n"
-    "  read   kvf_read_layer (converted to fp32), warm, for the connector's fp32 path;\n"
-    "  verify kvf_open + kvf_verify (every chunk's sum, every value, every head digest), warm,\n"
-    "         against fread of the plain file.\n"
-    "Targets: verify within 1.3x the time of reading the bytes, write within 2x a plain\n"
-    "write of the same bytes with fsync.\n"
-    "Prints GB/s for each and the kvf/plain ratio. Files go to DIR (default $TMPDIR or /tmp) and are\n"
-    "removed afterwards.\n"
-    "\n"
-    "Options:\n"
-    "  --mb N       size of keys + values in MB (default 256)\n"
-    "  --dtype D    bf16 (default), f16 or f32\n"
-    "  --dir DIR    where to write\n"
-    "  --repeat R   timed runs of each (default 3)\n"
-    "  -h, --help   show this help\n"
-    "\n"
-    "Last lines: 'write_ratio <kvf/plain>' and 'read_ratio <kvf/plain>' (speed, warm), then\n"
-    "'write_time_ratio' and 'verify_time_ratio' (time kvf / time plain) for scripts.\n";
+typedef struct {
+    long long mb, repeat;
+    int dtype; /* kf_dtype */
+    const char *dir;
+} kvf_opts;
 
-static void to_dtype(kvf_dtype dt, const float *x, void *out, size_t n) {
+static int set_dtype(void *ctx, const cli_opt *o, const char *arg, char *err, size_t n) {
+    (void)err, (void)n;
+    kf_dtype d;
+    if (kvf_dtype_parse(arg, &d))
+        return -1;
+    *(int *)((char *)ctx + o->off) = (int)d;
+    return 0;
+}
+
+#define K(field) OFF(kvf_opts, field)
+static const cli_opt kRows[] = {
+    {"mb", 0, OPT_LLONG, "N", K(mb), .lo = 1, .hi = 65536, .def = "256", .help = "size of keys + values in MB"},
+    {"dtype", 0, OPT_FN, "T", K(dtype), .set = set_dtype, .must = "is bf16, f16 or f32", .def = "bf16",
+     .help = "bf16, f16 or f32 in the file"},
+    {"dir", 0, OPT_STR, "DIR", K(dir), .def = "$TMPDIR or /tmp", .help = "where to write"},
+    {"repeat", 0, OPT_LLONG, "R", K(repeat), .lo = 1, .hi = 1000, .def = "3", .help = "timed runs of each"},
+    {0}};
+
+const cli_command cli_bench_kvf_command = {
+    .name = "bench kvf",
+    .usage = "kvfold bench kvf [--mb N] [--dtype bf16|f16|f32] [--dir DIR] [--repeat R]\n",
+    .about = "Builds a synthetic cache of about N MB of keys and values (32 layers x 8 kv heads x head_dim\n"
+             "128, C chosen to fit) and times, R times each (median reported):\n"
+             "  write  kvf_write (temporary name, Fletcher32 per chunk, fsync, rename) against fwrite of the\n"
+             "         same bytes + fsync, each into a new file;\n"
+             "  read   kvf_open + every layer's keys and values as stored (checksums verified) against fread\n"
+             "         of the plain file, from the page cache (warm) and after posix_fadvise(DONTNEED) (cold);\n"
+             "  read   kvf_read_layer (converted to fp32), warm, for the connector's fp32 path;\n"
+             "  verify kvf_open + kvf_verify (every chunk's sum, every value, every head digest), warm,\n"
+             "         against fread of the plain file.\n"
+             "Targets: verify within 1.3x the time of reading the bytes, write within 2x a plain\n"
+             "write of the same bytes with fsync.\n"
+             "Prints GB/s for each and the kvf/plain ratio. Files go to DIR and are removed afterwards.\n",
+    .groups = (const cli_group[]){{NULL, kRows, 0}, {0}},
+    .notes = "Last lines: 'write_ratio <kvf/plain>' and 'read_ratio <kvf/plain>' (speed, warm), then\n"
+             "'write_time_ratio' and 'verify_time_ratio' (time kvf / time plain) for scripts.\n",
+    .exit_status = "  0  measured\n"
+                   "  1  a write or read failed (reported)\n"
+                   "  2  usage errors\n",
+    .example = "  kvfold bench kvf --mb 64 --dir /scratch\n",
+};
+
+
+static void to_dtype(kf_dtype dt, const float *x, void *out, size_t n) {
     uint16_t *o = out;
     for (size_t i = 0; i < n; i++)
-        if (dt == KVF_F32)
+        if (dt == KF_DTYPE_F32)
             memcpy((float *)out + i, x + i, 4);
         else
-            o[i] = dt == KVF_BF16 ? kvf_f32_to_bf16(x[i]) : kvf_f32_to_f16(x[i]);
+            o[i] = dt == KF_DTYPE_BF16 ? kf_f32_to_bf16(x[i]) : kf_f32_to_f16(x[i]);
 }
 
 static int cmp_double(const void *a, const void *b) {
@@ -84,34 +106,17 @@ static int plain_read(const char *path, void *a, void *b, size_t n) {
 }
 
 int cmd_bench_kvf(int argc, char **argv) {
-    static const struct option opts[] = {{"help", no_argument, 0, 'h'},       {"mb", required_argument, 0, 'm'},
-                                         {"dtype", required_argument, 0, 't'}, {"dir", required_argument, 0, 'd'},
-                                         {"repeat", required_argument, 0, 'r'}, {0, 0, 0, 0}};
-    long long mb = 256, repeat = 3;
-    kvf_dtype dt = KVF_BF16;
-    const char *dir = getenv("TMPDIR") && *getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
-    optind = 1;
-    for (int c; (c = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
-        switch (c) {
-        case 'h': fputs(kHelp, stdout); return KF_EXIT_OK;
-        case 'm':
-            if (cli_parse_int(optarg, 1, 65536, &mb))
-                return cli_usage_error("bench kvf", "--mb must be an integer in 1..65536");
-            break;
-        case 'r':
-            if (cli_parse_int(optarg, 1, 1000, &repeat))
-                return cli_usage_error("bench kvf", "--repeat must be an integer in 1..1000");
-            break;
-        case 't':
-            if (kvf_dtype_parse(optarg, &dt))
-                return cli_usage_error("bench kvf", "unknown dtype '%s' (bf16, f16, f32)", optarg);
-            break;
-        case 'd': dir = optarg; break;
-        default: return cli_usage_error("bench kvf", "unknown option '%s'", argv[optind - 1]);
-        }
-    }
-    if (optind != argc)
-        return cli_usage_error("bench kvf", "unexpected argument '%s'", argv[optind]);
+    kvf_opts o = {.mb = 256, .repeat = 3, .dtype = KF_DTYPE_BF16,
+                  .dir = getenv("TMPDIR") && *getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp"};
+    int first;
+    const int prc = cli_opts_parse(&cli_bench_kvf_command, argc, argv, &o, &first);
+    if (prc != CLI_CONTINUE)
+        return prc;
+    if (first != argc)
+        return cli_usage_error("bench kvf", "unexpected argument '%s'", argv[first]);
+    const long long mb = o.mb, repeat = o.repeat;
+    const kf_dtype dt = (kf_dtype)o.dtype;
+    const char *dir = o.dir;
 
     kvf_cache c = {0};
     kvf_header *h = &c.hdr;
@@ -120,14 +125,14 @@ int cmd_bench_kvf(int argc, char **argv) {
     h->kv_heads = 8;
     h->head_dim = 128;
     h->dtype = dt;
-    const size_t esz = kvf_dtype_size(dt), row = (size_t)h->kv_heads * (size_t)h->head_dim;
+    const size_t esz = kf_dtype_size(dt), row = (size_t)h->kv_heads * (size_t)h->head_dim;
     const size_t per_token = 2 * (size_t)h->n_layers * row * esz;
     h->n_tokens = (int64_t)((size_t)mb * 1000000 / per_token);
     if (h->n_tokens < 1)
         h->n_tokens = 1;
     h->n_doc_tokens = h->n_tokens * 4;
     h->budget = 0.25;
-    h->method = KVF_METHOD_FOLD;
+    h->method = KF_METHOD_FOLD;
     memset(h->model_fingerprint, 'a', KVF_DIGEST_LEN);
     int32_t ids[2] = {1, 2};
     kvf_document_digest(ids, 2, h->document_digest);
@@ -163,7 +168,7 @@ int cmd_bench_kvf(int argc, char **argv) {
     c.keys_raw = keys;
     c.values_raw = values;
     fprintf(stderr, "bench kvf: %lld tokens x 32 layers x 8 heads x 128, %s: %.1f MB of K/V in %s\n",
-            (long long)h->n_tokens, kvf_dtype_name(dt), bytes / 1e6, dir);
+            (long long)h->n_tokens, kf_dtype_name(dt), bytes / 1e6, dir);
 
     for (long long r = 0; r < repeat; r++) {
         /* both write new files (as a compaction job does): replacing a file would add the cost of

@@ -1,7 +1,6 @@
 /* kvfold bench attention / bench quoka — QUOKA against dense attention, measured in the same run:
  * speed of one chunk's attention over long histories, and accuracy of whole prefills on the
  * records model's repeat prompts. */
-#include <getopt.h>
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
@@ -11,6 +10,7 @@
 #include "formats/escape.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
+#include "tools/compact_options.h"
 
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
@@ -27,25 +27,38 @@ static void fill_uniform(float *x, size_t n, unsigned long long seed) {
 
 /* ---- bench attention ------------------------------------------------------------------ */
 
-static const char kAttnHelp[] =
-    "Usage: kvfold bench attention [--history LIST] [--chunk C] [--heads H] [--kv-heads G]\n"
-    "                              [--head-dim D] [--quoka-budget B] [--quoka-nq N] [--repeat R]\n"
-    "\n"
-    "One chunk of C queries attending to a history of P keys plus its own C keys (causal), on\n"
-    "random data, through the CPU backend: dense attention against QUOKA (selection + sparse\n"
-    "attention, the same driver the prefill uses), median of R runs after a warm-up, in the same\n"
-    "run. Prints a table and one 'ratio <P> <dense/quoka>' line per history for scripts.\n"
-    "\n"
-    "Options:\n"
-    "  --history LIST   history lengths (default 4096,16384,65536)\n"
-    "  --chunk C        queries in the chunk (default 512)\n"
-    "  --heads H        query heads (default 4, the records/hf-qwen3-tiny shape)\n"
-    "  --kv-heads G     KV heads (default 2)\n"
-    "  --head-dim D     head dimension (default 64)\n"
-    "  --quoka-budget B history keys kept per KV head (default 1024)\n"
-    "  --quoka-nq N     queries kept per head (default 16)\n"
-    "  --repeat R       timed runs (default 3)\n"
-    "  -h, --help       show this help\n";
+typedef struct {
+    const char *hist_text;
+    long long chunk, nh, kvh, hd, repeat;
+    kf_quoka_params qp;
+} attn_opts;
+
+#define A(field) OFF(attn_opts, field)
+#define COUNT_ROW(nm, a, field, d, h) \
+    {nm, 0, OPT_LLONG, a, field, .lo = 1, .hi = 1 << 24, .must = "must be a positive integer", .def = d, .help = h}
+static const cli_opt kAttnRows[] = {
+    {"history", 0, OPT_STR, "P[,P...]", A(hist_text), .def = "4096,16384,65536", .help = "history lengths"},
+    COUNT_ROW("chunk", "C", A(chunk), "512", "queries in the chunk"),
+    COUNT_ROW("heads", "H", A(nh), "4", "query heads (4: the records/hf-qwen3-tiny shape)"),
+    COUNT_ROW("kv-heads", "G", A(kvh), "2", "KV heads"),
+    COUNT_ROW("head-dim", "D", A(hd), "64", "head dimension"),
+    COUNT_ROW("repeat", "R", A(repeat), "3", "timed runs"),
+    {0}};
+
+const cli_command cli_bench_attention_command = {
+    .name = "bench attention",
+    .usage = "kvfold bench attention [--history LIST] [--chunk C] [--heads H] [--kv-heads G]\n"
+             "                              [--head-dim D] [--quoka-budget B] [--quoka-nq N] [--repeat R]\n",
+    .about = "One chunk of C queries attending to a history of P keys plus its own C keys (causal), on\n"
+             "random data, through the CPU backend: dense attention against QUOKA (selection + sparse\n"
+             "attention, the same driver the prefill uses), median of R runs after a warm-up, in the same\n"
+             "run. Prints a table and one 'ratio <P> <dense/quoka>' line per history for scripts.\n",
+    .groups = (const cli_group[]){{NULL, kAttnRows, 0}, {"QUOKA", cli_prefill_rows, A(qp)}, {0}},
+    .exit_status = "  0  measured\n"
+                   "  1  out of memory or a failed run\n"
+                   "  2  usage errors\n",
+    .example = "  kvfold bench attention --history 2048,8192 --chunk 64 --quoka-budget 256\n",
+};
 
 static double median_time(double *t, int n) {
     qsort(t, (size_t)n, sizeof *t, cmp_double);
@@ -53,41 +66,18 @@ static double median_time(double *t, int n) {
 }
 
 int cmd_bench_attention(int argc, char **argv) {
-    static const struct option opts[] = {
-        {"help", no_argument, 0, 'h'},          {"history", required_argument, 0, 'p'},
-        {"chunk", required_argument, 0, 'c'},   {"heads", required_argument, 0, 'H'},
-        {"kv-heads", required_argument, 0, 'G'}, {"head-dim", required_argument, 0, 'D'},
-        {"repeat", required_argument, 0, 'r'},  CLI_PREFILL_OPTIONS,
-        {0, 0, 0, 0}};
     const char *cmd = "bench attention";
-    const char *hist_text = "4096,16384,65536";
-    long long chunk = 512, nh = 4, kvh = 2, hd = 64, repeat = 3;
-    kf_quoka_params qp = kf_quoka_params_default();
-    optind = 1;
-    for (int c; (c = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
-        long long *dst = NULL;
-        switch (c) {
-        case 'h': fputs(kAttnHelp, stdout); return KF_EXIT_OK;
-        case 'p': hist_text = optarg; continue;
-        case 'c': dst = &chunk; break;
-        case 'H': dst = &nh; break;
-        case 'G': dst = &kvh; break;
-        case 'D': dst = &hd; break;
-        case 'r': dst = &repeat; break;
-        default: {
-            const int r = cli_prefill_option(cmd, c, optarg, &qp);
-            if (r < 0)
-                return KF_EXIT_USAGE;
-            if (r == 0)
-                return cli_usage_error(cmd, "bad option");
-            continue;
-        }
-        }
-        if (cli_parse_int(optarg, 1, 1 << 24, dst))
-            return cli_usage_error(cmd, "option value '%s' must be a positive integer", optarg);
-    }
-    if (optind != argc)
-        return cli_usage_error(cmd, "unexpected argument '%s'", argv[optind]);
+    attn_opts o = {.hist_text = "4096,16384,65536", .chunk = 512, .nh = 4, .kvh = 2, .hd = 64, .repeat = 3,
+                   .qp = kf_quoka_params_default()};
+    int first;
+    const int prc = cli_opts_parse(&cli_bench_attention_command, argc, argv, &o, &first);
+    if (prc != CLI_CONTINUE)
+        return prc;
+    if (first != argc)
+        return cli_usage_error(cmd, "unexpected argument '%s'", argv[first]);
+    const char *hist_text = o.hist_text;
+    const long long chunk = o.chunk, nh = o.nh, kvh = o.kvh, hd = o.hd, repeat = o.repeat;
+    kf_quoka_params qp = o.qp;
     if (nh % kvh || hd > KF_MAX_HEAD_DIM)
         return cli_usage_error(cmd, "--heads must be a multiple of --kv-heads and --head-dim at most %d",
                                KF_MAX_HEAD_DIM);
@@ -182,32 +172,52 @@ int cmd_bench_attention(int argc, char **argv) {
 
 /* ---- bench quoka (accuracy) ----------------------------------------------------------- */
 
-static const char kQuokaHelp[] =
-    "Usage: kvfold bench quoka --model DIR --docs FILE [--lines LIST] [--max-docs N]\n"
-    "                          [--chunks LIST] [--budgets LIST] [--quoka-nq N] [--sinks N] [--margin M]\n"
-    "\n"
-    "Accuracy of QUOKA prefill against dense prefill on repeat prompts <doc><instruction><doc>\n"
-    "built from a records JSONL file (fields ids, repeat_instruction_ids, lines), all in one run.\n"
-    "For each chunk size and budget, three variants: plain QUOKA, with the first --sinks tokens\n"
-    "always kept, and with the aligned window (the copy's source span +- --margin tokens, added\n"
-    "to the selection during the copy). Reports, averaged over documents:\n"
-    "  kl_doc / kl_copy   mean KL(dense || quoka) of next-token distributions over positions that\n"
-    "                     predict the document / the copy (positions in the first chunks, whose\n"
-    "                     history fits the budget, count with KL 0)\n"
-    "  agree              top-1 agreement with dense over those positions\n"
-    "  copy_acc           teacher-forced copy accuracy (argmax = next copy token); dense's in the header\n"
-    "\n"
-    "Options:\n"
-    "  --model DIR      the records model (tests/data/records-qwen3)\n"
-    "  --docs FILE      records JSONL (tests/data/records-dev.jsonl)\n"
-    "  --lines LIST     use documents with these line counts (default 128,256)\n"
-    "  --max-docs N     at most N documents (default 4)\n"
-    "  --chunks LIST    chunk sizes (default 128,512)\n"
-    "  --budgets LIST   B_KV values (default 128,256,512,1024)\n"
-    "  --quoka-nq N     queries kept per head (default 16)\n"
-    "  --sinks N        sink tokens of the sinks variant (default 4)\n"
-    "  --margin M       margin of the aligned window (default 16)\n"
-    "  -h, --help       show this help\n";
+typedef struct {
+    const char *dir, *docs, *lines_text, *chunks_text, *budgets_text;
+    long long max_docs, nq, sinks, margin;
+} quoka_opts;
+
+#define Q(field) OFF(quoka_opts, field)
+static const cli_opt kQuokaRows[] = {
+    {"model", 0, OPT_STR, "DIR", Q(dir), .help = "the records model (tests/data/records-qwen3)"},
+    {"docs", 0, OPT_STR, "FILE", Q(docs), .help = "records JSONL (tests/data/records-dev.jsonl)"},
+    {"lines", 0, OPT_STR, "N[,N...]", Q(lines_text), .def = "128,256", .help = "use documents with these line counts"},
+    {"max-docs", 0, OPT_LLONG, "N", Q(max_docs), .lo = 1, .hi = 1 << 24, .must = "must be a positive integer",
+     .def = "4", .help = "at most N documents"},
+    {"chunk", 0, OPT_STR, "C[,C...]", Q(chunks_text), .def = "128,512", .help = "prefill chunk sizes"},
+    {"chunks", 0, OPT_ALIAS, .target = "chunk"},
+    {"quoka-budget", 0, OPT_STR, "B[,B...]", Q(budgets_text), .def = "128,256,512,1024",
+     .help = "history keys kept per KV head (B_KV), counts"},
+    {"budgets", 0, OPT_ALIAS, .target = "quoka-budget"},
+    {"quoka-nq", 0, OPT_LLONG, "N", Q(nq), .lo = 1, .hi = 1 << 24, .must = "must be a positive integer", .def = "16",
+     .help = "queries kept per head to choose keys"},
+    {"quoka-sinks", 0, OPT_LLONG, "N", Q(sinks), .lo = 0, .hi = 1 << 24, .must = "must be an integer >= 0",
+     .def = "4", .help = "always-kept first tokens of the sinks variant"},
+    {"sinks", 0, OPT_ALIAS, .target = "quoka-sinks"},
+    {"margin", 0, OPT_LLONG, "M", Q(margin), .lo = 0, .hi = 1 << 24, .must = "must be an integer >= 0", .def = "16",
+     .help = "margin of the aligned window"},
+    {0}};
+
+const cli_command cli_bench_quoka_command = {
+    .name = "bench quoka",
+    .usage = "kvfold bench quoka --model DIR --docs FILE [--lines LIST] [--max-docs N] [--chunk LIST]\n"
+             "                          [--quoka-budget LIST] [--quoka-nq N] [--quoka-sinks N] [--margin M]\n",
+    .about = "Accuracy of QUOKA prefill against dense prefill on repeat prompts <doc><instruction><doc>\n"
+             "built from a records JSONL file (fields ids, repeat_instruction_ids, lines), all in one run.\n"
+             "For each chunk size and budget, three variants: plain QUOKA, with the first --quoka-sinks\n"
+             "tokens always kept, and with the aligned window (the copy's source span +- --margin tokens,\n"
+             "added to the selection during the copy). Reports, averaged over documents:\n"
+             "  kl_doc / kl_copy   mean KL(dense || quoka) of next-token distributions over positions that\n"
+             "                     predict the document / the copy (positions in the first chunks, whose\n"
+             "                     history fits the budget, count with KL 0)\n"
+             "  agree              top-1 agreement with dense over those positions\n"
+             "  copy_acc           teacher-forced copy accuracy (argmax = next copy token); dense's in the header\n",
+    .groups = (const cli_group[]){{NULL, kQuokaRows, 0}, {0}},
+    .exit_status = "  0  measured\n"
+                   "  1  the documents or the model cannot be used, or a prefill failed\n"
+                   "  2  usage errors\n",
+    .example = "  kvfold bench quoka --model records-qwen3 --docs records-dev.jsonl --quoka-budget 256,1024\n",
+};
 
 typedef struct {
     double kl_doc, kl_copy, agree, acc;
@@ -348,38 +358,18 @@ static int run_prefill(kf_model *m, const prompt *p, int chunk, const kf_quoka_p
 }
 
 int cmd_bench_quoka(int argc, char **argv) {
-    static const struct option opts[] = {
-        {"help", no_argument, 0, 'h'},           {"model", required_argument, 0, 'm'},
-        {"docs", required_argument, 0, 'd'},     {"lines", required_argument, 0, 'l'},
-        {"max-docs", required_argument, 0, 'x'}, {"chunks", required_argument, 0, 'c'},
-        {"budgets", required_argument, 0, 'b'},  {"quoka-nq", required_argument, 0, 'q'},
-        {"sinks", required_argument, 0, 's'},    {"margin", required_argument, 0, 'g'},
-        {0, 0, 0, 0}};
     const char *cmd = "bench quoka";
-    const char *dir = NULL, *docs = NULL, *lines_text = "128,256", *chunks_text = "128,512",
-               *budgets_text = "128,256,512,1024";
-    long long max_docs = 4, nq = 16, sinks = 4, margin = 16;
-    optind = 1;
-    for (int c; (c = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
-        long long *dst = NULL;
-        switch (c) {
-        case 'h': fputs(kQuokaHelp, stdout); return KF_EXIT_OK;
-        case 'm': dir = optarg; continue;
-        case 'd': docs = optarg; continue;
-        case 'l': lines_text = optarg; continue;
-        case 'c': chunks_text = optarg; continue;
-        case 'b': budgets_text = optarg; continue;
-        case 'x': dst = &max_docs; break;
-        case 'q': dst = &nq; break;
-        case 's': dst = &sinks; break;
-        case 'g': dst = &margin; break;
-        default: return cli_usage_error(cmd, "bad option");
-        }
-        if (cli_parse_int(optarg, 0, 1 << 24, dst) || (dst != &sinks && dst != &margin && *dst < 1))
-            return cli_usage_error(cmd, "option value '%s' must be a positive integer", optarg);
-    }
-    if (!dir || !docs || optind != argc)
+    quoka_opts o = {.lines_text = "128,256", .chunks_text = "128,512", .budgets_text = "128,256,512,1024",
+                    .max_docs = 4, .nq = 16, .sinks = 4, .margin = 16};
+    int first;
+    const int prc = cli_opts_parse(&cli_bench_quoka_command, argc, argv, &o, &first);
+    if (prc != CLI_CONTINUE)
+        return prc;
+    if (!o.dir || !o.docs || first != argc)
         return cli_usage_error(cmd, "--model and --docs are required");
+    const char *dir = o.dir, *docs = o.docs, *lines_text = o.lines_text, *chunks_text = o.chunks_text,
+               *budgets_text = o.budgets_text;
+    const long long max_docs = o.max_docs, nq = o.nq, sinks = o.sinks, margin = o.margin;
     int32_t *lines = NULL, *chunks = NULL, *budgets = NULL;
     int n_lines = 0, n_chunks = 0, n_budgets = 0;
     char msg[128];

@@ -1,6 +1,5 @@
 /* kvfold bench tokenize — encoding throughput of the tokenizer on a generated (or given) text.
  * tools/bench-tokenize.sh runs the JavaScript tokenizer on the same text and prints the ratio. */
-#include <getopt.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -9,23 +8,35 @@
 #include "formats/tokenizer.h"
 #include "formats/escape.h"
 #include "tools/cli.h"
+#include "tools/commands.h"
 
-static const char kHelp[] =
-    "Usage: kvfold bench tokenize --model DIR [--mb N] [--input FILE] [--save-text FILE]\n"
-    "\n"
-    "Encode N MB of text (default 10) and print MB/s. The text is generated from a fixed seed\n"
-    "(English-like prose, source code, numbers, CJK and other scripts, emoji, in paragraphs), or\n"
-    "read from --input. It is encoded one paragraph at a time: the text is cut after every blank\n"
-    "line (\"\\n\\n\"), as tools/bench-tokenize.sh cuts it for the JavaScript tokenizer.\n"
-    "\n"
-    "Options:\n"
-    "  --model DIR        model directory with tokenizer.json\n"
-    "  --mb N             megabytes of generated text (default 10)\n"
-    "  --input FILE       encode this file instead (UTF-8)\n"
-    "  --save-text FILE   write the text that was encoded to FILE\n"
-    "  -h, --help         show this help\n"
-    "\n"
-    "Last line: 'mb_per_s <value>' for scripts.\n";
+typedef struct {
+    const char *dir, *input, *save;
+    long long mb;
+} tok_opts;
+
+#define T(field) OFF(tok_opts, field)
+static const cli_opt kRows[] = {
+    {"model", 0, OPT_STR, "DIR", T(dir), .help = "model directory with tokenizer.json"},
+    {"mb", 0, OPT_LLONG, "N", T(mb), .lo = 1, .hi = 4096, .def = "10", .help = "megabytes of generated text"},
+    {"input", 0, OPT_STR, "FILE", T(input), .help = "encode this file instead (UTF-8)"},
+    {"save-text", 0, OPT_STR, "FILE", T(save), .help = "write the text that was encoded to FILE"},
+    {0}};
+
+const cli_command cli_bench_tokenize_command = {
+    .name = "bench tokenize",
+    .usage = "kvfold bench tokenize --model DIR [--mb N] [--input FILE] [--save-text FILE]\n",
+    .about = "Encode N MB of text and print MB/s. The text is generated from a fixed seed\n"
+             "(English-like prose, source code, numbers, CJK and other scripts, emoji, in paragraphs), or\n"
+             "read from --input. It is encoded one paragraph at a time: the text is cut after every blank\n"
+             "line (\"\\n\\n\"), as tools/bench-tokenize.sh cuts it for the JavaScript tokenizer.\n",
+    .groups = (const cli_group[]){{NULL, kRows, 0}, {0}},
+    .notes = "Last line: 'mb_per_s <value>' for scripts.\n",
+    .exit_status = "  0  measured\n"
+                   "  1  the tokenizer or the input cannot be read, or the text cannot be saved\n"
+                   "  2  usage errors\n",
+    .example = "  kvfold bench tokenize --model Qwen3-0.6B --mb 50\n",
+};
 
 static uint64_t rng_state;
 static uint32_t rng(void) {
@@ -147,31 +158,17 @@ static char *read_file(const char *path, size_t *len) {
 }
 
 int cmd_bench_tokenize(int argc, char **argv) {
-    static const struct option opts[] = {
-        {"help", no_argument, 0, 'h'},        {"model", required_argument, 0, 'm'},
-        {"mb", required_argument, 0, 'n'},    {"input", required_argument, 0, 'i'},
-        {"save-text", required_argument, 0, 's'}, {0, 0, 0, 0}};
-    const char *dir = NULL, *input = NULL, *save = NULL;
-    long long mb = 10;
-    optind = 1;
-    opterr = 0;
-    for (int c; (c = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
-        switch (c) {
-        case 'h': fputs(kHelp, stdout); return KF_EXIT_OK;
-        case 'm': dir = optarg; break;
-        case 'i': input = optarg; break;
-        case 's': save = optarg; break;
-        case 'n':
-            if (cli_parse_int(optarg, 1, 4096, &mb) != 0)
-                return cli_usage_error("bench tokenize", "--mb must be an integer in 1..4096");
-            break;
-        default: return cli_usage_error("bench tokenize", "unknown option '%s'", argv[optind - 1]);
-        }
-    }
-    if (optind < argc)
-        return cli_usage_error("bench tokenize", "unexpected argument '%s'", argv[optind]);
-    if (!dir)
+    tok_opts o = {.mb = 10};
+    int first;
+    const int prc = cli_opts_parse(&cli_bench_tokenize_command, argc, argv, &o, &first);
+    if (prc != CLI_CONTINUE)
+        return prc;
+    if (first < argc)
+        return cli_usage_error("bench tokenize", "unexpected argument '%s'", argv[first]);
+    if (!o.dir)
         return cli_usage_error("bench tokenize", "--model DIR is required");
+    const char *dir = o.dir, *input = o.input, *save = o.save;
+    const long long mb = o.mb;
 
     kf_error err = {0};
     kf_tokenizer *tok = NULL;

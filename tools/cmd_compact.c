@@ -1,14 +1,11 @@
 /* kvfold compact — the offline job: documents in, one kvf cache file per document out. */
 #include <errno.h>
-#include <fcntl.h>
-#include <getopt.h>
 #include <jansson.h>
 #include <limits.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -19,6 +16,8 @@
 #include "formats/escape.h"
 #include "tools/cli.h"
 #include "tools/cli_quality.h"
+#include "tools/compact_files.h"
+#include "tools/compact_options.h"
 #include "tools/commands.h"
 #include "tools/doc_chat.h"
 #include "tools/doc_input.h"
@@ -36,167 +35,6 @@
  * that and for clock skew between the machines that share a root, so a concurrent writer's file is
  * never taken; the price is that a killed writer's file can outlive it by up to an hour. */
 #define STALE_TEMP_S 3600.0
-
-static const char kHelp[] =
-    "Usage: kvfold compact --model DIR [options] FILE...\n"
-    "       kvfold compact --model DIR [options] --manifest DOCS.jsonl [--shard i/N]\n"
-    "\n"
-    "Compacts each document's KV cache and writes one kvf file per document to\n"
-    "  ROOT/<model fingerprint>/<document digest>.<method>-<budget>.<recipe>.kvf\n"
-    "(content-addressed: <recipe> is the first 16 hex digits of the digest of every setting that\n"
-    "changes the bytes: method, budget, lambda, dtype, repeat instruction, probes, query cap, seed,\n"
-    "QUOKA and prefill chunk, head budgets, the beta fit, value ridge and per-head choice\n"
-    "settings, the reference queries' dtype, the file format's version; compactor/recipe.h).\n"
-    "A document whose file already exists with the same recipe and whose every checksum and\n"
-    "payload digest hold is skipped, so the job can be rerun or resumed.\n"
-    "Files appear atomically (temporary name, fsync, rename); several workers may run on the same\n"
-    "manifest and root at once (also on different machines sharing the root): a document being\n"
-    "compacted holds an flock on '<file>.lock' and the others pass it by ('busy'). A failed write\n"
-    "(a full disk, a file size limit, any I/O error) leaves no partial file and counts the document\n"
-    "as failed. Temporary files of killed writers older than an hour are removed when a job starts.\n"
-    "\n"
-    "Documents:\n"
-    "  FILE...              text files, one document each (UTF-8, tokenized with the model's\n"
-    "                       tokenizer.json, with its special tokens such as a BOS); always text,\n"
-    "                       also when it looks like JSON: token ids come from a --manifest line\n"
-    "                       (\"ids\"). Named by the file name in messages\n"
-    "  --manifest FILE      JSONL, one document per line: \"ids\" (token ids) or \"text\"; optional\n"
-    "                       \"id\" (a name for messages), \"probes\" (a list of question-like prompts,\n"
-    "                       each a text or a list of ids), \"repeat_instruction_ids\" or\n"
-    "                       \"repeat_instruction\" (overrides --repeat-instruction). Blank lines are\n"
-    "                       ignored. A bad line (not JSON, empty, ids outside the vocabulary, too\n"
-    "                       long for the model, longer than --max-line-bytes, holding a NUL byte,\n"
-    "                       too large for memory) is reported as FILE:LINE, counted as failed,\n"
-    "                       and the job goes on with the next line. A device is refused (exit 2)\n"
-    "  --max-line-bytes N   the longest line read from --manifest and --probes-from (default\n"
-    "                       67108864, 64 MiB: a document of millions of tokens)\n"
-    "  --shard i/N          only the documents whose 0-based line number in the manifest (or\n"
-    "                       position among the FILE arguments) modulo N equals i: the N shards\n"
-    "                       i = 0..N-1 cover the input exactly once, whatever runs where\n"
-    "                       (Slurm: --shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT)\n"
-    "\n"
-    "Compaction:\n"
-    "  --model DIR          model directory (config.json, safetensors, tokenizer.json)\n"
-    "  --method M[,M...]    keep, drop, am or fold (default fold)\n"
-    "  --budget B[,B...]    kept fraction of each document, in (0, 1] (default 0.1). Several\n"
-    "                       methods or budgets write one file per (method, budget) and document,\n"
-    "                       each the file a run with that single pair writes; the prefill,\n"
-    "                       reference queries and targets are computed once per document\n"
-    "  --out ROOT           root directory of the cache files (default " DEFAULT_ROOT ")\n"
-    "  --repeat-instruction TEXT\n"
-    "                       the instruction between the document and its repeat, whose queries\n"
-    "                       drive the compaction (default \"Repeat the previous context verbatim.\\n\";\n"
-    "                       for a chat model pass its chat-template form of that request, or --chat)\n"
-    "  --chat               through the model's chat template (tokenizer_config.json): each document\n"
-    "                       is the content of the first user turn (text rendered by the template;\n"
-    "                       ids follow the template's beginning), the repeat instruction a second\n"
-    "                       user turn's content (default \"" DEFAULT_CHAT_INSTRUCTION "\") and the\n"
-    "                       repeat the assistant's turn, each probe a second user turn's content\n"
-    "                       followed by the generation prompt. The file records the template's\n"
-    "                       digest and the ids around the document (kvfold inspect; kvfold ask\n"
-    "                       --chat). A model without a chat template is a usage error\n"
-    "  --probes-from FILE   extra probe prompts for every document: one JSON value per line, a\n"
-    "                       string (text) or a list of token ids (read whole before any work: a\n"
-    "                       file that cannot be read, a line that cannot be parsed, is too long or\n"
-    "                       holds a NUL byte is a usage error and nothing is compacted)\n"
-    "  --lambda X           fold ridge, relative to tr(Sigma)/d (default 0.01)\n"
-    "  --max-queries N      pooled reference queries per KV head (default 50000)\n"
-    "  --chunk N            prefill chunk size (default 512)\n"
-    "  --dtype T            bf16, f16 or f32 in the file (default: the model's torch_dtype, else bf16)\n"
-    CLI_QUALITY_HELP
-    CLI_PREFILL_HELP
-    "\n"
-    "Prefix sharing (Quail): the documents are compacted in sorted token order; a document that\n"
-    "begins like its predecessor takes the whole 16-token pages of the common prefix from it\n"
-    "instead of prefilling them again (QUOKA prefill: whole chunks, so chunk boundaries stay put).\n"
-    "The last token is always computed; sharing is used only when the estimated compute saved\n"
-    "exceeds the extra KV kept. The summary reports tokens computed against tokens without sharing.\n"
-    "  --no-share           prefill every document whole\n"
-    "\n"
-    "Output: progress on stderr, the summary on stdout (done, skipped, busy, failed, tokens,\n"
-    "compression, time). On a terminal the progress is one line redrawn in place: the document\n"
-    "(i/N), its stage (prefill tokens i/n; repeat layer i/L, the reference sources' tokens through\n"
-    "it; solve layer i/L, its KV heads solved), the time its compaction has left (the forwards at\n"
-    "the rate measured so far, the layers still to solve at their measured time) and the run's.\n"
-    "Otherwise (a log) a line per stage as it ends (every prefill chunk, repeat layer and solve\n"
-    "layer, at most one every --progress-interval seconds) and one per file written. The exit\n"
-    "status is 1 when any document failed, 2 for usage errors (including a --manifest or\n"
-    "--probes-from that cannot be read).\n"
-    CLI_PROGRESS_HELP
-    "  -q, --quiet          no progress: only errors and the summary\n"
-    "  -h, --help           show this help\n";
-
-enum { ST_TODO, ST_SKIPPED, ST_BUSY, ST_DONE, ST_FAILED };
-#define MAX_VARIANTS 16
-
-/* One output file of a document: one (method, budget) variant. */
-typedef struct {
-    char path[PATH_MAX];
-    char recipe[KVF_DIGEST_LEN + 1]; /* kf_recipe_digest of this file's parameters */
-    int state;                       /* ST_TODO (to compute; claimed in the compact pass), ST_SKIPPED, ... */
-    int fd;                          /* the lock while claimed */
-    int replaced;                    /* a file was there that could not stand for this one */
-    int64_t C;
-} job_file;
-
-typedef struct {
-    char source[PATH_MAX + 32]; /* "docs.jsonl:12" or the text file's path */
-    char name[128];             /* "id" or the file name */
-    char digest[KVF_DIGEST_LEN + 1]; /* kvf_document_digest of ids, from the identity pass */
-    int32_t *ids;               /* [n] */
-    int n;
-    int32_t *instr;             /* [n_instr] this document's repeat instruction, or NULL: the default */
-    int n_instr;
-    kf_prompt *probes;          /* [n_probes] (ids owned) */
-    int n_probes;
-    job_file *files;            /* [n_variants], or NULL before the identity pass */
-    int state;
-} job_doc;
-
-static void job_doc_free(job_doc *d) {
-    free(d->files);
-    free(d->ids);
-    free(d->instr);
-    for (int i = 0; i < d->n_probes; i++)
-        free((void *)d->probes[i].ids);
-    free(d->probes);
-}
-
-typedef struct {
-    job_doc *docs;
-    int n, cap;
-    int n_failed_input; /* lines or files that never became documents */
-} doc_list;
-
-static job_doc *doc_list_add(doc_list *l) {
-    if (l->n == l->cap) {
-        const int cap = l->cap ? l->cap * 2 : 64;
-        job_doc *g = realloc(l->docs, sizeof *g * (size_t)cap);
-        if (!g)
-            return NULL;
-        l->docs = g;
-        l->cap = cap;
-    }
-    job_doc *d = &l->docs[l->n++];
-    memset(d, 0, sizeof *d);
-    return d;
-}
-
-/* The progress line on a terminal is redrawn in place; messages first clear it. */
-static int g_tty;
-static void clear_line(void) {
-    if (g_tty)
-        fputs("\r\033[K", stderr);
-}
-
-/* A document's message; its source, name and message (paths, ids) escaped. */
-static void doc_fail(const char *source, const char *name, const char *msg) {
-    clear_line();
-    if (name && *name)
-        fprintf(stderr, "kvfold " CMD ": %s (%s): %s\n", KF_ESC(source), KF_ESC(name), KF_ESC(msg));
-    else
-        fprintf(stderr, "kvfold " CMD ": %s: %s\n", KF_ESC(source), KF_ESC(msg));
-}
 
 /* One manifest line into d; 0, or -1 with the reason in err. */
 static int chat_turns(const doc_chat *c, job_doc *d, char *err, size_t err_len);
@@ -290,76 +128,6 @@ static int check_root(const char *root) {
     close(fd);
     unlink(probe);
     return 0;
-}
-
-static int parse_shard(const char *s, long long *i, long long *n) {
-    char *end;
-    errno = 0;
-    *i = strtoll(s, &end, 10);
-    if (end == s || *end != '/' || errno)
-        return -1;
-    const char *q = end + 1;
-    *n = strtoll(q, &end, 10);
-    if (end == q || *end || errno || *n < 1 || *i < 0 || *i >= *n)
-        return -1;
-    return 0;
-}
-
-/* The lock file of path, opened without following a symlink: created exclusively when new, else
- * the existing one, which must be a regular file. The descriptor, or -1 with the cause in err. */
-static int open_lock(const char *lock, char *err, size_t err_len) {
-    for (int tries = 0; tries < 100; tries++) {
-        int fd = open(lock, O_CREAT | O_EXCL | O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
-        if (fd < 0 && errno == EEXIST) {
-            fd = open(lock, O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC); /* another worker's */
-            if (fd < 0 && errno == ENOENT)
-                continue; /* its holder removed it meanwhile: create it again */
-        }
-        if (fd < 0 && errno != ELOOP && errno != EISDIR && errno != ENXIO) {
-            snprintf(err, err_len, "cannot create the lock file %.900s: %s", lock, strerror(errno));
-            return -1;
-        }
-        struct stat sb;
-        if (fd < 0 || fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-            snprintf(err, err_len,
-                     "the lock file %.900s is not a regular file (a symbolic link, directory, FIFO or device): "
-                     "refused; remove it",
-                     lock);
-            if (fd >= 0)
-                close(fd);
-            return -1;
-        }
-        return fd;
-    }
-    snprintf(err, err_len, "cannot create the lock file %.900s: removed again on every try", lock);
-    return -1;
-}
-
-/* Claims a document for this worker: an flock on <path>.lock. 1: claimed (*fd holds it), 0: another
- * worker holds it, -1: error (its cause in err). */
-static int claim(const char *path, int *fd, char *err, size_t err_len) {
-    char lock[PATH_MAX + 8];
-    snprintf(lock, sizeof lock, "%s.lock", path);
-    if ((*fd = open_lock(lock, err, err_len)) < 0)
-        return -1;
-    if (flock(*fd, LOCK_EX | LOCK_NB) == 0)
-        return 1;
-    const int e = errno;
-    close(*fd);
-    *fd = -1;
-    if (e == EWOULDBLOCK)
-        return 0;
-    snprintf(err, err_len, "cannot lock %.900s: %s", lock, strerror(e));
-    return -1;
-}
-
-/* The file is in place (or the work failed): drop the lock file while still holding it, so a
- * worker that opened it meanwhile finds the finished file when it gets the lock. */
-static void unclaim(const char *path, int fd) {
-    char lock[PATH_MAX + 8];
-    snprintf(lock, sizeof lock, "%s.lock", path);
-    unlink(lock);
-    close(fd);
 }
 
 /* Opens the file an option names (--manifest, --probes-from) for reading; one that cannot be opened,
@@ -460,135 +228,9 @@ static int parse_variants(const char *methods_s, const char *budgets_s, kf_compa
     return nm * nb;
 }
 
-static kvf_dtype model_dtype(const kf_hfconfig *cfg) {
-    kvf_dtype d;
-    return kvf_dtype_parse(cfg->dtype, &d) == 0 ? d : KVF_BF16;
-}
-
-/* What names a document's files and goes into their headers. */
-typedef struct {
-    const char *root, *fp; /* cache root, model fingerprint */
-    kvf_dtype dtype;
-    int64_t n_head_budgets;
-} file_ids;
-
-/* What the file of variant var of d must be to be skipped: its whole identity, not its name alone
- * (a file copied over another's name, or a header at odds with it, is compacted again). */
-static kvf_identity file_identity(const job_doc *d, const job_file *f, const kf_compact_variant *var,
-                                  const file_ids *ids) {
-    return (kvf_identity){ids->fp, d->digest, f->recipe, kf_method_to_kvf(var->method), var->budget, ids->dtype, d->n};
-}
-
-/* Whether the file f stands for (identity want) is already there and valid: KF_OK; nothing there:
- * KF_ERR_NOTFOUND; a file that cannot stand for it: reported once and marked to be replaced. */
-static kf_status file_found(const job_doc *d, job_file *f, const kvf_identity *want) {
-    kf_error e = {0};
-    const kf_status st = kvf_check_existing(f->path, want, &e);
-    if (st != KF_OK && st != KF_ERR_NOTFOUND && !f->replaced) {
-        char msg[sizeof e.msg + 64];
-        snprintf(msg, sizeof msg, "%s: compacting it again", e.msg);
-        doc_fail(d->source, d->name, msg);
-        f->replaced = 1;
-    }
-    return st;
-}
-
-/* Each variant's recipe and path, and whether a valid file is already there; 0 when some file is
- * to compute, 1 when none is (d skipped), -1 when a path cannot be made (d failed, reported). */
-static int doc_files(job_doc *d, const kf_compact_params *dp, const kf_compact_variant *vars, int n_vars,
-                     const file_ids *ids) {
-    int todo = 0;
-    for (int v = 0; v < n_vars; v++) {
-        job_file *f = &d->files[v];
-        kf_compact_params vp = *dp;
-        vp.method = vars[v].method;
-        vp.budget = vars[v].budget;
-        kf_recipe_digest(&vp, ids->dtype, ids->n_head_budgets, f->recipe);
-        kf_error e = {0};
-        if (kvf_cache_path(ids->root, ids->fp, d->digest, kf_method_to_kvf(vp.method), vp.budget, f->recipe, true,
-                           f->path, sizeof f->path, &e) != KF_OK) {
-            doc_fail(d->source, d->name, e.msg);
-            d->state = ST_FAILED;
-            return -1;
-        }
-        const kvf_identity want = file_identity(d, f, &vars[v], ids);
-        f->state = file_found(d, f, &want) == KF_OK ? ST_SKIPPED : ST_TODO;
-        todo += f->state == ST_TODO;
-    }
-    if (!todo)
-        d->state = ST_SKIPPED;
-    return todo ? 0 : 1;
-}
-
-static int any_file(const job_doc *d, int n_vars, int state) {
-    for (int v = 0; v < n_vars; v++)
-        if (d->files[v].state == state)
-            return 1;
-    return 0;
-}
-
-/* Claims every file still to compute: those another worker holds become ST_BUSY, those now valid
- * ST_SKIPPED; the number claimed (left ST_TODO with their lock), or -1 with err when a lock file
- * cannot be created (nothing left claimed). */
-static int claim_files(job_doc *d, const kf_compact_variant *vars, int n_vars, const file_ids *ids, char *err,
-                       size_t err_len) {
-    int n = 0;
-    for (int v = 0; v < n_vars; v++) {
-        job_file *f = &d->files[v];
-        if (f->state != ST_TODO)
-            continue;
-        const int c = claim(f->path, &f->fd, err, err_len);
-        if (c < 0) {
-            for (int u = 0; u < v; u++)
-                if (d->files[u].state == ST_TODO)
-                    unclaim(d->files[u].path, d->files[u].fd);
-            return -1;
-        }
-        const kvf_identity want = file_identity(d, f, &vars[v], ids);
-        if (c == 0 || file_found(d, f, &want) == KF_OK) {
-            if (c > 0)
-                unclaim(f->path, f->fd);
-            f->state = c ? ST_SKIPPED : ST_BUSY;
-            continue;
-        }
-        n++;
-    }
-    return n;
-}
-
-/* Writes the claimed files' caches cc (in variant order; st: their compaction's status), frees
- * them and releases every claim; the first failure. */
-static kf_status write_files(job_doc *d, int n_vars, kf_compacted *cc, kf_status st, const file_ids *ids,
-                             const char *tokenizer_digest, const doc_chat *chat, kf_error *e) {
-    kf_status first = st;
-    for (int v = 0, i = 0; v < n_vars; v++) {
-        job_file *f = &d->files[v];
-        if (f->state != ST_TODO)
-            continue;
-        kf_status fs = st;
-        kf_error we = {0};
-        if (st == KF_OK) {
-            kvf_cache kc;
-            kf_compacted_to_kvf(&cc[i], &kc);
-            kc.hdr.dtype = ids->dtype;
-            snprintf(kc.hdr.model_fingerprint, sizeof kc.hdr.model_fingerprint, "%s", ids->fp);
-            snprintf(kc.hdr.tokenizer_digest, sizeof kc.hdr.tokenizer_digest, "%s", tokenizer_digest);
-            snprintf(kc.hdr.document_digest, sizeof kc.hdr.document_digest, "%s", d->digest);
-            snprintf(kc.hdr.recipe_digest, sizeof kc.hdr.recipe_digest, "%s", f->recipe);
-            if (chat)
-                doc_chat_record(chat, &kc.hdr);
-            fs = kvf_write(f->path, &kc, &we);
-            f->C = cc[i].C;
-            kf_compacted_free(&cc[i++]);
-        }
-        unclaim(f->path, f->fd);
-        f->state = fs == KF_OK ? ST_DONE : ST_FAILED;
-        if (first == KF_OK && fs != KF_OK) {
-            first = fs;
-            *e = we;
-        }
-    }
-    return first;
+static kf_dtype model_dtype(const kf_hfconfig *cfg) {
+    kf_dtype d;
+    return kvf_dtype_parse(cfg->dtype, &d) == 0 ? d : KF_DTYPE_BF16;
 }
 
 /* ---- the command line ---- */
@@ -598,9 +240,9 @@ typedef struct {
     const char *model_dir, *root, *manifest, *probes_from, *instruction, *methods_s, *budgets_s;
     long long shard_i, shard_n;
     long long max_line;                    /* --max-line-bytes */
-    int share, quiet, dtype_given, chat;
-    double progress_interval;              /* --progress-interval: seconds between log lines */
-    kvf_dtype dtype;
+    int no_share, dtype_given, chat;
+    kf_dtype dtype;
+    cli_progress_opts pr;                  /* --progress-interval, --quiet */
     cli_compact_opts q;                    /* the compaction's parameters (shared with eval quality) */
     kf_compact_variant vars[MAX_VARIANTS]; /* [n_vars] (method, budget) pairs, methods outer */
     int n_vars;
@@ -608,65 +250,112 @@ typedef struct {
     int n_files;
 } compact_opts;
 
-static const struct option kOpts[] = {
-    {"help", no_argument, 0, 'h'},
-    {"model", required_argument, 0, 'm'},
-    {"method", required_argument, 0, 'M'},
-    {"budget", required_argument, 0, 'b'},
-    {"out", required_argument, 0, 'o'},
-    {"manifest", required_argument, 0, 'f'},
-    {"shard", required_argument, 0, 's'},
-    {"repeat-instruction", required_argument, 0, 'r'},
-    {"probes-from", required_argument, 0, 'p'},
-    {"dtype", required_argument, 0, 't'},
-    {"no-share", no_argument, 0, 'S'},
-    {"quiet", no_argument, 0, 'q'},
-    CLI_PROGRESS_OPTION,
-    {"max-line-bytes", required_argument, 0, 'L'},
-    {"chat", no_argument, 0, 'c'},
-    CLI_COMPACT_OPTIONS,
-    {0, 0, 0, 0}};
-
-/* One option into o: CLI_CONTINUE, or the exit status (--help, a bad value). */
-static int compact_option(void *ctx, int c, const char *arg) {
-    compact_opts *o = ctx;
-    switch (c) {
-    case 'h': fputs(kHelp, stdout); return KF_EXIT_OK;
-    case 'm': o->model_dir = arg; break;
-    case 'M': o->methods_s = arg; break;
-    case 'b': o->budgets_s = arg; break;
-    case 'o': o->root = arg; break;
-    case 'f': o->manifest = arg; break;
-    case 's':
-        if (parse_shard(arg, &o->shard_i, &o->shard_n))
-            return cli_usage_error(CMD, "--shard is i/N with 0 <= i < N, not '%s'", arg);
-        break;
-    case 'r':
-        if (!*arg) /* checked here: documents with their own instruction never tokenize it */
-            return cli_usage_error(CMD, "--repeat-instruction must not be empty");
-        o->instruction = arg;
-        break;
-    case 'p': o->probes_from = arg; break;
-    case 't':
-        if (kvf_dtype_parse(arg, &o->dtype))
-            return cli_usage_error(CMD, "--dtype is bf16, f16 or f32, not '%s'", arg);
-        o->dtype_given = 1;
-        break;
-    case 'S': o->share = 0; break;
-    case 'q': o->quiet = 1; break;
-    case 'c': o->chat = 1; break;
-    case CLI_OPT_PROGRESS_INTERVAL:
-        if (cli_progress_interval(CMD, arg, &o->progress_interval))
-            return KF_EXIT_USAGE;
-        break;
-    case 'L':
-        if (cli_parse_int(arg, 2, 1LL << 40, &o->max_line))
-            return cli_usage_error(CMD, "--max-line-bytes must be a byte count from 2 to 2^40, not '%s'", arg);
-        break;
-    default: return cli_compact_option_or(CMD, c, arg, &o->q, "unknown option");
-    }
-    return CLI_CONTINUE;
+/* --shard i/N */
+static int set_shard(void *ctx, const cli_opt *o, const char *s, char *err, size_t n) {
+    (void)o, (void)err, (void)n;
+    compact_opts *c = ctx;
+    char *end;
+    errno = 0;
+    const long long i = strtoll(s, &end, 10);
+    if (end == s || *end != '/' || errno)
+        return -1;
+    const char *q = end + 1;
+    const long long N = strtoll(q, &end, 10);
+    if (end == q || *end || errno || N < 1 || i < 0 || i >= N)
+        return -1;
+    c->shard_i = i, c->shard_n = N;
+    return 0;
 }
+
+/* --repeat-instruction: checked here, as documents with their own instruction never tokenize it */
+static int set_instruction(void *ctx, const cli_opt *o, const char *arg, char *err, size_t n) {
+    (void)o;
+    if (!*arg)
+        return snprintf(err, n, "must not be empty"), -1;
+    ((compact_opts *)ctx)->instruction = arg;
+    return 0;
+}
+
+static int set_dtype(void *ctx, const cli_opt *o, const char *arg, char *err, size_t n) {
+    (void)o, (void)err, (void)n;
+    compact_opts *c = ctx;
+    c->dtype_given = 1;
+    return kvf_dtype_parse(arg, &c->dtype) ? -1 : 0;
+}
+
+#define C(field) OFF(compact_opts, field)
+static const cli_opt kDocRows[] = {
+    {"manifest", 0, OPT_STR, "FILE", C(manifest),
+     .help = "JSONL, one document a line: \"ids\" or \"text\", optional \"id\", \"probes\", "
+             "\"repeat_instruction\" (docs/compact.md); a bad line fails alone"},
+    {"max-line-bytes", 0, OPT_LLONG, "N", C(max_line), .lo = 2, .hi = 1099511627776.0,
+     .must = "must be a byte count from 2 to 2^40", .def = "64 MiB",
+     .help = "the longest line of --manifest and --probes-from"},
+    {"shard", 0, OPT_FN, "i/N", 0, .set = set_shard, .must = "is i/N with 0 <= i < N",
+     .help = "the documents whose 0-based line (or FILE position) modulo N is i: N shards cover the "
+             "input once (docs/batch.md)"},
+    {0}};
+
+static const cli_opt kCompactRows[] = {
+    {"model", 0, OPT_STR, "DIR", C(model_dir), .help = "model directory (config.json, safetensors, tokenizer.json)"},
+    {"method", 0, OPT_STR, "M[,M...]", C(methods_s), .def = "fold", .recipe = "method",
+     .help = "keep, drop, am or fold"},
+    {"budget", 0, OPT_STR, "B[,B...]", C(budgets_s), .def = "0.1", .recipe = "budget",
+     .help = "kept fraction in (0, 1]; a file per (method, budget), one prefill per document"},
+    {"out", 0, OPT_STR, "ROOT", C(root), .def = DEFAULT_ROOT, .help = "root directory of the cache files"},
+    {"repeat-instruction", 0, OPT_FN, "TEXT", 0, .set = set_instruction, .recipe = "repeat_instruction",
+     .def = "\"Repeat the previous context verbatim.\\n\"",
+     .help = "between the document and its repeat (a chat model: its chat-template form, or --chat)"},
+    {"probes-from", 0, OPT_STR, "FILE", C(probes_from), .recipe = "probe",
+     .help = "extra probes for every document: a JSON string or list of ids a line"},
+    {"dtype", 0, OPT_FN, "T", 0, .set = set_dtype, .must = "is bf16, f16 or f32", .recipe = "dtype",
+     .def = "the model's torch_dtype, else bf16", .help = "bf16, f16 or f32 in the file"},
+    {"chat", 0, OPT_FLAG, NULL, C(chat), .recipe = "chat_template",
+     .help = "through the model's chat template (tokenizer_config.json): each document is the content of the "
+             "first user turn (text rendered by the template; ids follow the template's beginning), the repeat "
+             "instruction a second user turn's content (default \"" DEFAULT_CHAT_INSTRUCTION "\") and the repeat "
+             "the assistant's turn, each probe a second user turn's content followed by the generation prompt. "
+             "The file records the template's digest and the ids around the document (kvfold inspect; kvfold "
+             "ask --chat). A model without a chat template is a usage error"},
+    {0}};
+
+static const cli_opt kShareRows[] = {
+    {"no-share", 0, OPT_FLAG, NULL, C(no_share),
+     .help = "no prefix sharing between documents (docs/compact.md)"},
+    {0}};
+
+static const cli_group kGroups[] = {
+    {"Documents", kDocRows, 0},
+    {"Compaction", kCompactRows, 0},
+    {NULL, cli_lambda_rows, C(q)},
+    {NULL, cli_max_queries_rows, C(q)},
+    {NULL, cli_chunk_rows, C(q)},
+    {NULL, kShareRows, 0},
+    {"Solver (docs/decisions/per-head-choice.md)", cli_choice_rows, C(q)},
+    {NULL, cli_refq_dtype_rows, C(q)},
+    {NULL, cli_arena_dtype_rows, C(q)},
+    {"Reference queries", cli_refq_source_rows, C(q)},
+    {"Prefill", cli_prefill_rows, C(q.prefill)},
+    {NULL, cli_weights_rows, 0},
+    {"Progress", cli_progress_rows, C(pr)},
+    {0}};
+
+const cli_command cli_compact_command = {
+    .name = CMD,
+    .usage = "kvfold compact --model DIR [options] FILE...\n"
+             "       kvfold compact --model DIR [options] --manifest DOCS.jsonl [--shard i/N]\n",
+    .about = "Compacts each document (a text FILE, or a manifest line) into one kvf file per (method, budget):\n"
+             "  ROOT/<model fingerprint>/<document digest>.<method>-<budget>.<recipe>.kvf\n"
+             "A valid file already there is skipped, so a job can be rerun or resumed; several workers may\n"
+             "share a manifest and a root. Details: docs/compact.md.\n",
+    .groups = kGroups,
+    .lists_recipe = 1,
+    .notes = "Progress goes to stderr, the summary (done, skipped, busy, failed, tokens, time) to stdout.\n",
+    .exit_status = "  0  every document compacted or skipped\n"
+                   "  1  a document failed (reported; the others are compacted), or the model cannot be loaded\n"
+                   "  2  usage errors, including a --manifest or --probes-from that cannot be read\n",
+    .example = "  kvfold compact --model Qwen3-0.6B --method am,fold --budget 0.1 --out kvf-cache report.txt\n",
+};
 
 /* After the options: the variants, then what is required; CLI_CONTINUE or the usage status. */
 static int compact_validate(compact_opts *o) {
@@ -685,15 +374,15 @@ static int compact_validate(compact_opts *o) {
 
 static int compact_parse(int argc, char **argv, compact_opts *o) {
     *o = (compact_opts){.root = DEFAULT_ROOT, .instruction = DEFAULT_INSTRUCTION, .methods_s = "fold",
-                        .budgets_s = "0.1", .shard_n = 1, .share = 1, .dtype = KVF_BF16,
-                        .progress_interval = CLI_PROGRESS_DEFAULT_S,
-                        .max_line = MANIFEST_MAX_LINE_DEFAULT};
+                        .budgets_s = "0.1", .shard_n = 1, .dtype = KF_DTYPE_BF16,
+                        .pr = {.interval = CLI_PROGRESS_DEFAULT_S}, .max_line = MANIFEST_MAX_LINE_DEFAULT};
     cli_compact_opts_init(&o->q);
-    const int rc = cli_parse_options(argc, argv, "hq", kOpts, compact_option, o);
+    int first;
+    const int rc = cli_opts_parse(&cli_compact_command, argc, argv, o, &first);
     if (rc != CLI_CONTINUE)
         return rc;
-    o->files = argv + optind;
-    o->n_files = argc - optind;
+    o->files = argv + first;
+    o->n_files = argc - first;
     return compact_validate(o);
 }
 
@@ -710,7 +399,7 @@ typedef struct {
     kf_model *m;
     const kf_hfconfig *cfg;
     const char *fp;          /* the model's fingerprint */
-    kvf_dtype dtype;         /* of the files */
+    kf_dtype dtype;         /* of the files */
     doc_text text;
     doc_chat chat;           /* --chat: the template's pieces (text.chat points here) */
     const char *tok_digest;  /* tokenizer.json's, "" when the model has none */
@@ -804,7 +493,7 @@ static int job_open(compact_job *j) {
     j->t_start = cli_now();
     char model_root[PATH_MAX];
     snprintf(model_root, sizeof model_root, "%s/%s", o->root, j->fp);
-    clean_stale_temps(model_root, o->quiet);
+    clean_stale_temps(model_root, o->pr.quiet);
     return CLI_CONTINUE;
 }
 
@@ -911,7 +600,7 @@ static int read_files(compact_job *j) {
         snprintf(d->source, sizeof d->source, "%s", path);
         snprintf(d->name, sizeof d->name, "%s", base_name ? base_name + 1 : path);
         if (doc_read_text(&j->text, path, &d->ids, &d->n, err, sizeof err) || check_doc(j->cfg, d, err, sizeof err)) {
-            clear_line();
+            compact_clear_line();
             cli_error(CMD, "%s", err);
             d->state = ST_FAILED;
         }
@@ -990,12 +679,12 @@ static int plan_sharing(compact_job *j) {
                                      .kv_bytes_per_token = kv_bytes, .bytes_per_s = 1e10, .writes_kv = 1};
         kf_error e = {0};
         if (kf_prefix_plan_build(seqs, lens, j->n_todo,
-                                 j->o->share && granule % KF_PAGE_TOKENS == 0 ? granule : KF_PAGE_TOKENS, &cost,
+                                 !j->o->no_share && granule % KF_PAGE_TOKENS == 0 ? granule : KF_PAGE_TOKENS, &cost,
                                  &j->plan, &e) != KF_OK) {
             cli_error(CMD, "%s", e.msg);
             rc = KF_EXIT_FAIL;
         }
-        j->sharing = j->o->share && j->plan.enabled && !j->base.use_context_queries; /* those need the whole context */
+        j->sharing = !j->o->no_share && j->plan.enabled && !j->base.use_context_queries; /* those need the whole context */
     }
     free(seqs);
     free(lens);
@@ -1092,7 +781,7 @@ static void doc_done(compact_job *j, job_doc *d, int64_t shared, double t_doc) {
         j->d_total += d->n;
         j->c_total += f->C;
         j->n_replaced += f->replaced;
-        if (!g_tty && !j->o->quiet)
+        if (!compact_tty && !j->o->pr.quiet)
             fprintf(stderr, "[compact] %d/%d %s%s%s%s: %d -> %lld tokens, shared %lld, %.2f s -> %s\n",
                     j->pg.finished, j->pg.total, KF_ESC(d->source), d->name[0] ? " (" : "", KF_ESC(d->name),
                     d->name[0] ? ")" : "", d->n, (long long)f->C, (long long)shared, cli_now() - t_doc,
@@ -1118,7 +807,7 @@ static int compact_doc(compact_job *j, int k) {
         cli_error(CMD, "out of memory");
         return KF_EXIT_FAIL;
     }
-    if (!j->o->quiet) /* not part of the recipe: set after doc_params */
+    if (!j->o->pr.quiet) /* not part of the recipe: set after doc_params */
         p.progress = cli_progress_fn, p.progress_user = &j->pg;
     kf_compacted cc[MAX_VARIANTS]; /* the claimed files' caches, in variant order */
     kf_error e = {0};
@@ -1138,7 +827,7 @@ static int compact_doc(compact_job *j, int k) {
 
 /* Every document of the plan, in its order. */
 static void compact_all(compact_job *j) {
-    cli_progress_start(&j->pg, "[compact]", j->n_todo, j->todo_tokens, j->o->quiet, j->o->progress_interval);
+    cli_progress_start(&j->pg, "[compact]", j->n_todo, j->todo_tokens, j->o->pr.quiet, j->o->pr.interval);
     kf_seq_init(&j->prev);
     j->prev_k = -1;
     for (int k = 0; k < j->n_todo; k++)
@@ -1160,15 +849,15 @@ static void print_tokens(const compact_job *j) {
     if (o->n_vars == 1)
         printf("tokens: %lld document tokens -> %lld cached (C/D %.3f, %.2fx smaller), %s %s, budget %g\n",
                (long long)j->d_total, (long long)j->c_total, c_total / d_total, d_total / c_total,
-               kf_method_name(j->base.method), kvf_dtype_name(j->dtype), j->base.budget);
+               kf_method_name(j->base.method), kf_dtype_name(j->dtype), j->base.budget);
     else
         printf("tokens: %lld document tokens -> %lld cached over %d files per document (C/D %.3f), "
                "methods %s, budgets %s, %s\n",
                (long long)j->d_total, (long long)j->c_total, o->n_vars, c_total / d_total, o->methods_s,
-               o->budgets_s, kvf_dtype_name(j->dtype));
+               o->budgets_s, kf_dtype_name(j->dtype));
     printf("prefix sharing: %lld tokens computed, %lld without sharing (%s)\n", (long long)j->computed,
            (long long)j->doc_tokens,
-           !o->share ? "off: --no-share" : j->sharing ? "on" : j->plan.saved_s > 0 ? "off: does not pay" : "nothing shared");
+           o->no_share ? "off: --no-share" : j->sharing ? "on" : j->plan.saved_s > 0 ? "off: does not pay" : "nothing shared");
 }
 
 static void print_summary(compact_job *j) {
@@ -1218,7 +907,7 @@ int cmd_compact(int argc, char **argv) {
     const int rc = compact_parse(argc, argv, &o);
     if (rc != CLI_CONTINUE)
         return rc;
-    g_tty = isatty(2) && !o.quiet;
+    compact_tty = isatty(2) && !o.pr.quiet;
     compact_job j = {.o = &o, .base = cli_compact_params(&o.q), .rc = KF_EXIT_OK};
     const int status = compact_run(&j);
     job_free(&j);

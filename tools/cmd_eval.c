@@ -1,5 +1,4 @@
 /* kvfold eval quality — compaction quality on a records-style evaluation set. */
-#include <getopt.h>
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
@@ -10,66 +9,10 @@
 #include "formats/budgets.h"
 #include "tools/cli.h"
 #include "tools/cli_quality.h"
+#include "tools/compact_options.h"
 #include "tools/commands.h"
 #include "tools/doc_chat.h"
 #include "tools/progress.h"
-
-static const char kHelp[] =
-    "Usage: kvfold eval quality --model DIR --docs FILE.jsonl [options]\n"
-    "\n"
-    "Compact every document with every (method, budget) and measure against the full context:\n"
-    "  kl_repeat  mean KL(full || compacted) over the teacher-forced repeat continuation\n"
-    "  kl_answer  the same over each question's answer tokens\n"
-    "  copy_acc   teacher-forced copy accuracy of the repeat continuation\n"
-    "  qa_em      exact match of greedy answers\n"
-    "  lse_err    per-head mean |log-sum-exp error| of the compacted block on held-out queries\n"
-    "  out_err    per-head relative attention-output error with the question appended\n"
-    "  fact_acc   teacher-forced accuracy of the recalled fact: the answer token after the name\n"
-    "Then the counts: docs (documents averaged in the row), failed (compactions or measurements that\n"
-    "failed: reported, left out of the averages), fold heads compacted as drop, beta fits restarted\n"
-    "from w = 1, heads per method, documents without probes. The row `full` is the uncompacted\n"
-    "cache measured the same way (KL 0: a sanity check).\n"
-    "Every question (and every probe) runs alone on top of the document: one question per context.\n"
-    "Held-out queries are those of the evaluated questions; they are never used for fitting.\n"
-    "\n"
-    "The JSONL lines carry ids, repeat_instruction_ids and questions[] with question_ids and\n"
-    "answer_ids (tests/data/records-dev.jsonl).\n"
-    "\n"
-    "Options:\n"
-    "  --model DIR          model directory\n"
-    "  --docs FILE          evaluation documents (JSONL)\n"
-    "  --budgets LIST       kept fractions (default 0.25,0.1)\n"
-    "  --methods LIST       full,keep,drop,am,fold (default all five)\n"
-    "  --probes N           add up to N probe questions per document about records that are not\n"
-    "                       evaluated, built from the document's record lines wherever they stand\n"
-    "                       (found from the evaluated answers); documents without any are counted\n"
-    "  --probe-form F       qa (question + the record's answer, default) or question (question only)\n"
-    "  --probes-out FILE    write the probes as built, one JSON line per document\n"
-    "  --fold-queries W     all | probes: the queries the fold direction u is fitted on (default all)\n"
-    "  --lambda X           fold ridge, relative to tr(Sigma)/d (default 0.01)\n"
-    "  --per-head FILE      also write every head's lse_err, out_err and var(q.u) as TSV rows\n"
-    "  --head-budgets FILE  per-head shares in AM's JSON form {\"L<layer>H<head>\": share}; C is set\n"
-    "                       by the largest head, am pads the others with slots of bias -inf\n"
-    "  --max-queries N      pooled reference queries per KV head (default 50000)\n"
-    "  --limit N            only the first N documents\n"
-    "  --chunk N            prefill chunk size (default 512)\n"
-    "  --chat               through the model's chat template, as kvfold compact --chat: the\n"
-    "                       document's ids follow the template's beginning (kept verbatim in every\n"
-    "                       cache), the repeat instruction is a second user turn's content and the\n"
-    "                       repeat the assistant's turn, each question (and probe) a user turn's\n"
-    "                       content followed by the generation prompt, its answer the assistant's\n"
-    CLI_QUALITY_HELP
-    CLI_PREFILL_HELP
-    "                       (QUOKA applies to the compaction's document prefill; the full-context\n"
-    "                       reference is always dense)\n"
-    "  --format tsv|table   output format (default table)\n"
-    "\n"
-    "Progress on stderr: on a terminal one line redrawn in place (the document, its stage: reference,\n"
-    "prefill tokens, repeat layer i/L, solve layer i/L with its KV heads, measure; the time its\n"
-    "compaction and the run have left); otherwise a line per stage and one per document.\n"
-    CLI_PROGRESS_HELP
-    "  -q, --quiet          no progress (errors, the table and the footer only)\n"
-    "  -h, --help           show this help\n";
 
 typedef struct {
     int32_t *ids;
@@ -462,7 +405,7 @@ static void print_footer(const eval_counts *n, long long probes, probe_form form
     printf("%.1f s\n", seconds);
 }
 
-/* --methods: keep, drop, am, fold and full (the uncompacted cache, one row). */
+/* --method: keep, drop, am, fold and full (the uncompacted cache, one row). */
 static int parse_rows(const char *methods_s, const double *budgets, int n_budgets, eval_row **out) {
     eval_row *rows = calloc((size_t)(5 * n_budgets + 1), sizeof *rows);
     int n = 0, seen = 0;
@@ -471,7 +414,7 @@ static int parse_rows(const char *methods_s, const double *budgets, int n_budget
         kf_method m;
         const int full = strcmp(tok, "full") == 0;
         if ((!full && kf_method_parse(tok, &m) != 0) || (seen & (1 << (full ? 4 : (int)m)))) {
-            cli_usage_error("eval quality", "--methods: full, keep, drop, am or fold, each once, not '%s'", tok);
+            cli_usage_error("eval quality", "--method: full, keep, drop, am or fold, each once, not '%s'", tok);
             free(copy);
             free(rows);
             return -1;
@@ -550,90 +493,118 @@ static int eval_documents(const eval_ctx *x, FILE *f, FILE *probes_f, eval_row *
 
 /* ---- the command line ---- */
 
+#define CMD "eval quality"
+
 /* kvfold eval quality's options as given. */
 typedef struct {
     const char *model_dir, *docs, *methods_s, *budgets_s, *head_budgets, *per_head_path, *probes_out;
     long long probes, limit;
-    int tsv, quiet, chat;
-    double progress_interval;           /* --progress-interval */
-    probe_form form;
-    cli_compact_opts q; /* the compaction's parameters (shared with compact); QUOKA: its document prefill */
+    int tsv, chat;
+    cli_progress_opts pr;  /* --progress-interval, --quiet */
+    int form;              /* probe_form */
+    cli_compact_opts q;    /* the compaction's parameters (shared with compact); QUOKA: its document prefill */
 } eval_opts;
 
-static const struct option kOpts[] = {
-    {"help", no_argument, 0, 'h'},               {"model", required_argument, 0, 'm'},
-    {"docs", required_argument, 0, 'd'},         {"budgets", required_argument, 0, 'b'},
-    {"methods", required_argument, 0, 'M'},      {"probes", required_argument, 0, 'p'},
-    {"format", required_argument, 0, 'f'},       {"limit", required_argument, 0, 'l'},
-    {"fold-queries", required_argument, 0, 'F'}, {"head-budgets", required_argument, 0, 'H'},
-    {"per-head", required_argument, 0, 'P'},     {"probe-form", required_argument, 0, 'A'},
-    {"probes-out", required_argument, 0, 'O'},   {"quiet", no_argument, 0, 'q'},
-    {"chat", no_argument, 0, 'C'},
-    CLI_PROGRESS_OPTION,                         CLI_COMPACT_OPTIONS,
-    {0, 0, 0, 0}};
+#define E(field) OFF(eval_opts, field)
+static const int kFoldQueries[] = {KF_FOLD_ON_ALL, KF_FOLD_ON_PROBES};
+static const int kForms[] = {PROBE_QA, PROBE_QUESTION};
 
-/* One option into o: CLI_CONTINUE, or the exit status (--help, a bad value). */
-static int eval_option(void *ctx, int c, const char *arg) {
-    eval_opts *o = ctx;
-    switch (c) {
-    case 'h': fputs(kHelp, stdout); return KF_EXIT_OK;
-    case 'm': o->model_dir = arg; break;
-    case 'd': o->docs = arg; break;
-    case 'b': o->budgets_s = arg; break;
-    case 'M': o->methods_s = arg; break;
-    case 'O': o->probes_out = arg; break;
-    case 'H': o->head_budgets = arg; break;
-    case 'P': o->per_head_path = arg; break;
-    case 'q': o->quiet = 1; break;
-    case 'C': o->chat = 1; break;
-    case CLI_OPT_PROGRESS_INTERVAL:
-        if (cli_progress_interval("eval quality", arg, &o->progress_interval))
-            return KF_EXIT_USAGE;
-        break;
-    case 'p':
-        if (cli_parse_int(arg, 0, 100000, &o->probes))
-            return cli_usage_error("eval quality", "--probes must be a count, not '%s'", arg);
-        break;
-    case 'A':
-        if (strcmp(arg, "qa") && strcmp(arg, "question"))
-            return cli_usage_error("eval quality", "--probe-form is qa or question, not '%s'", arg);
-        o->form = strcmp(arg, "question") == 0 ? PROBE_QUESTION : PROBE_QA;
-        break;
-    case 'l':
-        if (cli_parse_int(arg, 1, 1 << 30, &o->limit))
-            return cli_usage_error("eval quality", "--limit must be a positive count, not '%s'", arg);
-        break;
-    case 'f':
-        if (strcmp(arg, "tsv") && strcmp(arg, "table"))
-            return cli_usage_error("eval quality", "--format is tsv or table, not '%s'", arg);
-        o->tsv = strcmp(arg, "tsv") == 0;
-        break;
-    case 'F':
-        if (strcmp(arg, "all") && strcmp(arg, "probes"))
-            return cli_usage_error("eval quality", "--fold-queries is all or probes, not '%s'", arg);
-        o->q.p.fold_queries = strcmp(arg, "probes") == 0 ? KF_FOLD_ON_PROBES : KF_FOLD_ON_ALL;
-        break;
-    default: return cli_compact_option_or("eval quality", c, arg, &o->q, "bad option");
-    }
-    return CLI_CONTINUE;
-}
+static const cli_opt kEvalRows[] = {
+    {"model", 0, OPT_STR, "DIR", E(model_dir), .help = "model directory"},
+    {"docs", 0, OPT_STR, "FILE", E(docs), .help = "evaluation documents (JSONL)"},
+    {"budget", 0, OPT_STR, "B[,B...]", E(budgets_s), .def = "0.25,0.1", .help = "kept fractions"},
+    {"budgets", 0, OPT_ALIAS, .target = "budget"},
+    {"method", 0, OPT_STR, "M[,M...]", E(methods_s), .def = "all five",
+     .help = "full, keep, drop, am or fold; full is the uncompacted cache"},
+    {"methods", 0, OPT_ALIAS, .target = "method"},
+    {"probes", 0, OPT_LLONG, "N", E(probes), .lo = 0, .hi = 100000, .must = "must be a count",
+     .help = "add up to N probe questions per document about records that are not evaluated, built from the "
+             "document's record lines wherever they stand (found from the evaluated answers); documents "
+             "without any are counted"},
+    {"probe-form", 0, OPT_CHOICE, "F", E(form), .choices = "qa|question", .values = kForms, .def = "qa",
+     .help = "qa (question + the record's answer) or question (question only)"},
+    {"probes-out", 0, OPT_STR, "FILE", E(probes_out), .help = "write the probes as built, one JSON line per document"},
+    {"fold-queries", 0, OPT_CHOICE, "W", E(q.p.fold_queries), .choices = "all|probes", .values = kFoldQueries,
+     .def = "all", .help = "all | probes: the queries the fold direction u is fitted on"},
+    {"per-head", 0, OPT_STR, "FILE", E(per_head_path),
+     .help = "also write every head's lse_err, out_err and var(q.u) as TSV rows"},
+    {"head-budgets", 0, OPT_STR, "FILE", E(head_budgets),
+     .help = "per-head shares in AM's JSON form {\"L<layer>H<head>\": share}; C is set by the largest head, am "
+             "pads the others with slots of bias -inf"},
+    {"limit", 0, OPT_LLONG, "N", E(limit), .lo = 1, .hi = 1 << 30, .must = "must be a positive count",
+     .help = "only the first N documents"},
+    {"format", 0, OPT_CHOICE, "table|tsv", E(tsv), .choices = "table|tsv", .def = "table",
+     .help = "a table, or tab-separated values with a header row"},
+    {"chat", 0, OPT_FLAG, NULL, E(chat),
+     .help = "through the model's chat template, as kvfold compact --chat: the document's ids follow the "
+             "template's beginning (kept verbatim in every cache), the repeat instruction is a second user turn's "
+             "content and the repeat the assistant's turn, each question (and probe) a user turn's content "
+             "followed by the generation prompt, its answer the assistant's"},
+    {0}};
+
+static const cli_group kGroups[] = {
+    {NULL, kEvalRows, 0},
+    {"Compaction", cli_lambda_rows, E(q)},
+    {NULL, cli_max_queries_rows, E(q)},
+    {NULL, cli_chunk_rows, E(q)},
+    {NULL, cli_choice_rows, E(q)},
+    {NULL, cli_refq_dtype_rows, E(q)},
+    {NULL, cli_arena_dtype_rows, E(q)},
+    {"Reference queries", cli_refq_source_rows, E(q)},
+    {"Prefill (of the compaction's document; the full-context reference is always dense)", cli_prefill_rows,
+     E(q.prefill)},
+    {NULL, cli_weights_rows, 0},
+    {"Progress", cli_progress_rows, E(pr)},
+    {0}};
+
+const cli_command cli_eval_command = {
+    .name = CMD,
+    .usage = "kvfold eval quality --model DIR --docs FILE.jsonl [options]\n",
+    .about = "Compact every document with every (method, budget) and measure against the full context:\n"
+             "  kl_repeat  mean KL(full || compacted) over the teacher-forced repeat continuation\n"
+             "  kl_answer  the same over each question's answer tokens\n"
+             "  copy_acc   teacher-forced copy accuracy of the repeat continuation\n"
+             "  qa_em      exact match of greedy answers\n"
+             "  lse_err    per-head mean |log-sum-exp error| of the compacted block on held-out queries\n"
+             "  out_err    per-head relative attention-output error with the question appended\n"
+             "  fact_acc   teacher-forced accuracy of the recalled fact: the answer token after the name\n"
+             "Then the counts: docs (documents averaged in the row), failed (compactions or measurements that\n"
+             "failed: reported, left out of the averages), fold heads compacted as drop, beta fits restarted\n"
+             "from w = 1, heads per method, documents without probes. The row `full` is the uncompacted\n"
+             "cache measured the same way (KL 0: a sanity check).\n"
+             "Every question (and every probe) runs alone on top of the document: one question per context.\n"
+             "Held-out queries are those of the evaluated questions; they are never used for fitting.\n"
+             "\n"
+             "The JSONL lines carry ids, repeat_instruction_ids and questions[] with question_ids and\n"
+             "answer_ids (tests/data/records-dev.jsonl).\n",
+    .groups = kGroups,
+    .notes = "Progress on stderr: on a terminal one line redrawn in place (the document, its stage: reference,\n"
+             "prefill tokens, repeat layer i/L, solve layer i/L with its KV heads, measure; the time its\n"
+             "compaction and the run have left); otherwise a line per stage and one per document.\n",
+    .exit_status = "  0  every document read, compacted and measured\n"
+                   "  1  a document could not be read, compacted or measured (reported; left out of the\n"
+                   "     averages), no documents, or the model cannot be loaded\n"
+                   "  2  usage errors\n",
+    .example = "  kvfold eval quality --model records-qwen3 --docs records-dev.jsonl --method am,fold \\\n"
+               "      --budget 0.1 --format tsv\n",
+};
 
 /* The options, then the required ones and the rows (*rows, *n_rows: every (method, budget) and
  * full); CLI_CONTINUE or the exit status. */
 static int eval_parse(int argc, char **argv, eval_opts *o, eval_row **rows, int *n_rows) {
     *o = (eval_opts){.methods_s = "full,keep,drop,am,fold", .budgets_s = "0.25,0.1", .limit = 1 << 30,
-                     .form = PROBE_QA, .progress_interval = CLI_PROGRESS_DEFAULT_S};
+                     .form = PROBE_QA, .pr = {.interval = CLI_PROGRESS_DEFAULT_S}};
     cli_compact_opts_init(&o->q);
-    const int rc = cli_parse_options(argc, argv, "hq", kOpts, eval_option, o);
+    int first;
+    const int rc = cli_opts_parse(&cli_eval_command, argc, argv, o, &first);
     if (rc != CLI_CONTINUE)
         return rc;
-    if (!o->model_dir || !o->docs || optind != argc)
-        return cli_usage_error("eval quality", "--model and --docs are required");
+    if (!o->model_dir || !o->docs || first != argc)
+        return cli_usage_error(CMD, "--model and --docs are required");
     double budgets[16];
     const int n_budgets = parse_list(o->budgets_s, budgets, 16);
     if (n_budgets <= 0)
-        return cli_usage_error("eval quality", "--budgets: fractions in (0, 1] separated by commas, not '%s'",
-                               o->budgets_s);
+        return cli_usage_error(CMD, "--budget: fractions in (0, 1] separated by commas, not '%s'", o->budgets_s);
     *n_rows = parse_rows(o->methods_s, budgets, n_budgets, rows);
     return *n_rows < 0 ? KF_EXIT_USAGE : CLI_CONTINUE;
 }
@@ -741,18 +712,18 @@ static int eval_run(const eval_opts *o, eval_row *rows, int n_rows) {
     if (opened == 0) {
         eval_counts n = {0};
         const double t0 = cli_now();
-        cli_progress_start(&r.pg, "[eval]", count_docs(r.f, (int)o->limit), 0, o->quiet, o->progress_interval);
+        cli_progress_start(&r.pg, "[eval]", count_docs(r.f, (int)o->limit), 0, o->pr.quiet, o->pr.interval);
         r.x.pg = &r.pg;
-        if (!o->quiet)
+        if (!o->pr.quiet)
             r.x.base.progress = cli_progress_fn, r.x.base.progress_user = &r.pg;
-        rc = eval_documents(&r.x, r.f, r.probes_f, rows, n_rows, (int)o->limit, (int)o->probes, o->form, &n);
+        rc = eval_documents(&r.x, r.f, r.probes_f, rows, n_rows, (int)o->limit, (int)o->probes, (probe_form)o->form, &n);
         if (n.n_read == 0) {
             cli_error("eval quality", "%s: no documents", o->docs);
             rc = KF_EXIT_FAIL;
         } else {
             print_table(rows, n_rows, o->tsv, &n);
             if (!o->tsv)
-                print_footer(&n, o->probes, o->form, cli_now() - t0);
+                print_footer(&n, o->probes, (probe_form)o->form, cli_now() - t0);
         }
     }
     eval_close(&r);
@@ -761,7 +732,7 @@ static int eval_run(const eval_opts *o, eval_row *rows, int n_rows) {
 
 int cmd_eval(int argc, char **argv) {
     if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
-        fputs(kHelp, argc < 2 ? stderr : stdout);
+        cli_opts_help(&cli_eval_command, argc < 2 ? stderr : stdout);
         return argc < 2 ? KF_EXIT_USAGE : KF_EXIT_OK;
     }
     if (strcmp(argv[1], "quality") != 0)

@@ -1,5 +1,4 @@
 /* kvfold inspect FILE — what a kvf cache file holds: header, sizes, per-layer and per-head stats. */
-#include <getopt.h>
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
@@ -12,29 +11,41 @@
 #include "tools/cli.h"
 #include "tools/commands.h"
 
-static const char kHelp[] =
-    "Usage: kvfold inspect [--json] [--layers-only] FILE\n"
-    "\n"
-    "Show a kvf cache file (written by kvfold compact): its header (model fingerprint, document\n"
-    "digest, D and C, method, budget, lambda, RoPE frame, dtype, shape), its sizes (bytes on disk,\n"
-    "the K/V payload, and the compression against a full cache of the D document tokens in the same\n"
-    "dtype), and statistics per layer and per KV head: L2 norms of the keys and values (mean, max),\n"
-    "AM's bias beta (min, mean, max), the norm of the fold direction |u|, and padding slots.\n"
-    "Padding slots (original position -1) are left out of the statistics.\n"
-    "\n"
-    "Also the method each KV head was compacted with (counts per method and a per-layer map:\n"
-    "k keep, d drop, a am, f fold).\n"
-    "\n"
-    "Every chunk of the file is read and checked against its checksum, every layer against its\n"
-    "digest, every value against its allowed range: a damaged file is refused (exit 1; with --json\n"
-    "nothing is printed on stdout, the message goes to stderr).\n"
-    "\n"
-    "Options:\n"
-    "  --json          one JSON object on stdout instead of text\n"
-    "  --layers-only   per-layer statistics only (no per-head rows)\n"
-    "  -h, --help      show this help\n"
-    "\n"
-    "Exit status: 0 when the file is valid, 1 when it is refused (the message names the cause).\n";
+#define CMD "inspect"
+
+typedef struct {
+    int format, layers_only; /* format: 0 text, 1 json */
+} inspect_opts;
+
+static const cli_opt kRows[] = {
+    {"format", 0, OPT_CHOICE, "text|json", OFF(inspect_opts, format), .choices = "text|json", .def = "text",
+     .help = "text, or json: one JSON object on stdout"},
+    {"json", 0, OPT_ALIAS, .target = "format", .fixed = "json"},
+    {"layers-only", 0, OPT_FLAG, NULL, OFF(inspect_opts, layers_only), .help = "per-layer statistics only (no per-head rows)"},
+    {0}};
+
+const cli_command cli_inspect_command = {
+    .name = CMD,
+    .usage = "kvfold inspect [--format text|json] [--layers-only] FILE\n",
+    .about = "Show a kvf cache file (written by kvfold compact): its header (model fingerprint, document\n"
+             "digest, D and C, method, budget, lambda, RoPE frame, dtype, shape), its sizes (bytes on disk,\n"
+             "the K/V payload, and the compression against a full cache of the D document tokens in the same\n"
+             "dtype), and statistics per layer and per KV head: L2 norms of the keys and values (mean, max),\n"
+             "AM's bias beta (min, mean, max), the norm of the fold direction |u|, and padding slots.\n"
+             "Padding slots (original position -1) are left out of the statistics.\n"
+             "\n"
+             "Also the method each KV head was compacted with (counts per method and a per-layer map:\n"
+             "k keep, d drop, a am, f fold).\n"
+             "\n"
+             "Every chunk of the file is read and checked against its checksum, every layer against its\n"
+             "digest, every value against its allowed range: a damaged file is refused.\n",
+    .groups = (const cli_group[]){{NULL, kRows, 0}, {0}},
+    .exit_status = "  0  the file is valid\n"
+                   "  1  the file is refused (the message names the cause; with --format json nothing is\n"
+                   "     printed on stdout, the message goes to stderr)\n"
+                   "  2  usage errors\n",
+    .example = "  kvfold inspect --format json kvf-cache/<fingerprint>/<digest>.fold-0.1.<recipe>.kvf\n",
+};
 
 typedef struct {
     double k_mean, k_max, v_mean, v_max; /* L2 norms over the head's slots */
@@ -98,7 +109,7 @@ static int print_json(const char *path, kvf_file *f, const struct stat *sb, cons
                       const head_stats *st, const uint8_t *hm /* [L, H] */, const int by_method[4], int layers_only) {
     const kvf_header *h = kvf_file_header(f);
     const int L = h->n_layers, H = h->kv_heads, D = h->head_dim;
-    const int64_t C = h->n_tokens, payload = kvf_kv_bytes(h);
+    const int64_t C = h->n_tokens, payload = kvf_kv_bytes(h); /* < 2^40 elements x 4 bytes: kvf_open bounds it */
     const double on_disk = (double)sb->st_size;
     (void)budget_s;
     json_t *layers = json_array();
@@ -120,12 +131,12 @@ static int print_json(const char *path, kvf_file *f, const struct stat *sb, cons
         "file", path, "format", KVF_FORMAT_NAME, "version", h->version, "creator", h->creator, "model_fingerprint",
         h->model_fingerprint, "tokenizer_digest", h->tokenizer_digest, "document_digest", h->document_digest,
         "recipe_digest", h->recipe_digest, "payload_digest", h->payload_digest, "n_doc_tokens",
-        (json_int_t)h->n_doc_tokens, "n_tokens", (json_int_t)C, "method", kvf_method_name(h->method), "budget",
+        (json_int_t)h->n_doc_tokens, "n_tokens", (json_int_t)C, "method", kf_method_name(h->method), "budget",
         h->budget, "lambda", h->lambda, "rope_frame", kvf_rope_frame_name(h->rope_frame), "placeholder", h->placeholder,
-        "dtype", kvf_dtype_name(h->dtype), "n_layers", L, "kv_heads", H, "head_dim", D, "block_size", h->block_size);
+        "dtype", kf_dtype_name(h->dtype), "n_layers", L, "kv_heads", H, "head_dim", D, "block_size", h->block_size);
     if (!root) { /* json_pack gives NULL for a string that is not UTF-8 (the path) */
         json_decref(layers);
-        cli_error("inspect", "%s: cannot write the JSON (a name that is not UTF-8?)", path);
+        cli_error(CMD, "%s: cannot write the JSON (a name that is not UTF-8?)", path);
         return -1;
     }
     json_object_set_new(root, "sizes",
@@ -157,35 +168,116 @@ static int print_json(const char *path, kvf_file *f, const struct stat *sb, cons
     if (s)
         puts(s);
     else
-        cli_error("inspect", "%s: cannot write the JSON (a name that is not UTF-8?)", path);
+        cli_error(CMD, "%s: cannot write the JSON (a name that is not UTF-8?)", path);
     const int rc = s ? 0 : -1;
     free(s);
     json_decref(root);
     return rc;
 }
 
-int cmd_inspect(int argc, char **argv) {
-    static const struct option opts[] = {{"help", no_argument, 0, 'h'},
-                                         {"json", no_argument, 0, 'j'},
-                                         {"layers-only", no_argument, 0, 'l'},
-                                         {0, 0, 0, 0}};
-    int as_json = 0, layers_only = 0;
-    optind = 1;
-    for (int c; (c = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
-        switch (c) {
-        case 'h': fputs(kHelp, stdout); return KF_EXIT_OK;
-        case 'j': as_json = 1; break;
-        case 'l': layers_only = 1; break;
-        default: return cli_usage_error("inspect", "unknown option '%s'", argv[optind - 1]);
+/* The statistics of KV head hh of one layer: k, v [C, H, D] (fp32), beta [H, C], u [H, D], and
+ * p [C] the head's original positions (-1: a padding slot, left out). */
+static void head_stat(const float *k, const float *v, const float *beta, const float *u, const int32_t *p, int64_t C,
+                      int H, int D, int hh, head_stats *s) {
+    norms(k, C, H, D, hh, p, &s->k_mean, &s->k_max);
+    norms(v, C, H, D, hh, p, &s->v_mean, &s->v_max);
+    s->b_min = INFINITY;
+    s->b_max = -INFINITY;
+    int64_t n = 0;
+    for (int64_t t = 0; t < C; t++) {
+        if (p[t] < 0) {
+            s->padding++;
+            continue;
+        }
+        double b = beta[(size_t)hh * (size_t)C + (size_t)t];
+        s->b_min = fmin(s->b_min, b);
+        s->b_max = fmax(s->b_max, b);
+        s->b_mean += b;
+        n++;
+    }
+    s->b_mean = n ? s->b_mean / (double)n : 0;
+    if (!n)
+        s->b_min = s->b_max = 0;
+    double un = 0;
+    for (int d = 0; d < D; d++)
+        un += (double)u[(size_t)hh * D + d] * u[(size_t)hh * D + d];
+    s->u_norm = sqrt(un);
+}
+
+/* The text form: the header, the sizes, the heads' methods, the statistics table. */
+static void print_text(const char *path, kvf_file *f, double on_disk, double full, const char *budget,
+                       const head_stats *st /* [L, H] */, const uint8_t *hm /* [L, H] */, const int by_method[4],
+                       int layers_only) {
+    const kvf_header *h = kvf_file_header(f);
+    const int L = h->n_layers, H = h->kv_heads, D = h->head_dim;
+    const int64_t C = h->n_tokens, payload = kvf_kv_bytes(h); /* < 2^40 elements x 4 bytes: kvf_open bounds it */
+    /* the path as given may hold anything; the header's strings are checked clean (kvf_open) and
+     * escaped all the same, by the one helper */
+    printf("file         %s\n", KF_ESC(path));
+    printf("format       %s version %d, written by %s\n", KVF_FORMAT_NAME, h->version, KF_ESC(h->creator));
+    printf("model        %s\n", h->model_fingerprint);
+    printf("tokenizer    %s\n", h->tokenizer_digest[0] ? h->tokenizer_digest : "(unknown)");
+    printf("document     %s, D = %lld tokens\n", h->document_digest, (long long)h->n_doc_tokens);
+    if (h->chat_template_digest[0]) {
+        printf("chat         template %s (kvfold ask --chat)\n", h->chat_template_digest);
+        printf("  before the document  %s\n", h->chat_prefix_ids);
+        printf("  a question begins    %s\n", h->chat_question_prefix_ids);
+        printf("  after its text       %s\n", h->chat_question_suffix_ids);
+    } else {
+        printf("chat         no (bare text)\n");
+    }
+    printf("recipe       %s\n", h->recipe_digest);
+    printf("payload      %s (XXH3-128 over the head digests)\n", h->payload_digest);
+    printf("compacted    C = %lld slots (%lld blocks of %d)\n", (long long)C, (long long)kvf_n_blocks(f),
+           h->block_size);
+    printf("method       %s, budget %s, lambda %g\n", kf_method_name(h->method), budget, h->lambda);
+    printf("rope frame   %s%s\n", kvf_rope_frame_name(h->rope_frame),
+           h->rope_frame == KVF_FRAME_COMPACTED ? " (question starts at position C)"
+                                                : " (question starts at position D)");
+    printf("placeholder  %s\n", KF_ESC(h->placeholder));
+    printf("shape        %d layers x %d kv heads x head_dim %d, %s\n", L, H, D, kf_dtype_name(h->dtype));
+    printf("sizes        %.0f bytes on disk, %lld of K/V; a full cache of D tokens: %.0f\n", on_disk,
+           (long long)payload, full);
+    printf("compression  %.2fx in tokens (D/C), %.2fx in bytes (full cache / file)\n",
+           (double)h->n_doc_tokens / (double)C, (double)full / on_disk);
+    printf("checksums    ok (every chunk, every layer's digest)\n");
+    printf("head methods keep %d, drop %d, am %d, fold %d (of %d heads)\n", by_method[0], by_method[1],
+           by_method[2], by_method[3], L * H);
+    if (by_method[h->method] != L * H)
+        for (int l = 0; l < L; l++) {
+            printf("  layer %-4d ", l);
+            for (int hh = 0; hh < H; hh++)
+                putchar("kdaf"[hm[(size_t)l * H + hh] & 3]);
+            putchar('\n');
+        }
+    printf("\n  %-8s %9s %9s %9s %9s %9s %9s %9s %8s %7s\n", "layer", "|k|mean", "|k|max", "|v|mean", "|v|max",
+           "beta min", "beta mean", "beta max", "|u|", "padding");
+    for (int l = 0; l < L; l++) {
+        char label[32];
+        snprintf(label, sizeof label, "%d", l);
+        head_stats sum = layer_summary(st + (size_t)l * H, H);
+        stats_row(label, &sum);
+        for (int hh = 0; hh < H && !layers_only; hh++) {
+            snprintf(label, sizeof label, "  h%d", hh);
+            stats_row(label, &st[(size_t)l * H + hh]);
         }
     }
-    if (optind != argc - 1)
-        return cli_usage_error("inspect", "expected one cache file");
-    const char *path = argv[optind];
+}
+
+int cmd_inspect(int argc, char **argv) {
+    inspect_opts o = {0};
+    int first;
+    const int prc = cli_opts_parse(&cli_inspect_command, argc, argv, &o, &first);
+    if (prc != CLI_CONTINUE)
+        return prc;
+    if (first != argc - 1)
+        return cli_usage_error(CMD, "expected one cache file");
+    const char *path = argv[first];
+    const int as_json = o.format == 1, layers_only = o.layers_only;
     kf_error err = {0};
     kvf_file *f;
     if (kvf_open(path, &f, &err) != KF_OK) {
-        cli_error("inspect", "%s", err.msg);
+        cli_error(CMD, "%s", err.msg);
         return KF_EXIT_FAIL;
     }
     const kvf_header *h = kvf_file_header(f);
@@ -193,58 +285,32 @@ int cmd_inspect(int argc, char **argv) {
     const int64_t C = h->n_tokens;
     struct stat sb;
     stat(path, &sb);
-    const int64_t payload = kvf_kv_bytes(h); /* < 2^40 elements x 4 bytes: kvf_open bounds it */
     /* D may be 2^31 - 1: in doubles (2 L D H d bytes would overflow int64) */
-    const double full = 2.0 * L * (double)h->n_doc_tokens * H * D * (double)kvf_dtype_size(h->dtype);
+    const double full = 2.0 * L * (double)h->n_doc_tokens * H * D * (double)kf_dtype_size(h->dtype);
     const double on_disk = (double)sb.st_size;
 
     size_t ln = (size_t)C * (size_t)H * (size_t)D;
     float *k = malloc(ln * 4), *v = malloc(ln * 4), *beta = malloc((size_t)H * (size_t)C * 4),
           *u = malloc((size_t)H * (size_t)D * 4);
-    void *raw = malloc(2 * ln * kvf_dtype_size(h->dtype)); /* [2, C, H, D] as stored */
+    void *raw = malloc(2 * ln * kf_dtype_size(h->dtype)); /* [2, C, H, D] as stored */
     int32_t *pos = malloc((size_t)H * (size_t)C * 4);
     uint8_t *hm = malloc((size_t)L * (size_t)H);                /* [L, H] */
     head_stats *st = calloc((size_t)L * (size_t)H, sizeof *st); /* [L, H] */
     int rc = KF_EXIT_FAIL;
     if (!k || !v || !beta || !u || !pos || !st || !raw || !hm) {
-        cli_error("inspect", "out of memory");
+        cli_error(CMD, "out of memory");
         goto out;
     }
     for (int l = 0; l < L; l++) {
-        char *kr = raw, *vr = kr + ln * kvf_dtype_size(h->dtype);
+        char *kr = raw, *vr = kr + ln * kf_dtype_size(h->dtype);
         if (kvf_read_layer_all(f, l, kr, vr, beta, u, pos, hm + (size_t)l * H, &err) != KF_OK) {
-            cli_error("inspect", "%s", err.msg);
+            cli_error(CMD, "%s", err.msg);
             goto out;
         }
-        kvf_to_f32(h->dtype, kr, k, ln);
-        kvf_to_f32(h->dtype, vr, v, ln);
-        for (int hh = 0; hh < H; hh++) {
-            head_stats *s = &st[(size_t)l * H + hh];
-            const int32_t *p = pos + (size_t)hh * (size_t)C;
-            norms(k, C, H, D, hh, p, &s->k_mean, &s->k_max);
-            norms(v, C, H, D, hh, p, &s->v_mean, &s->v_max);
-            s->b_min = INFINITY;
-            s->b_max = -INFINITY;
-            int64_t n = 0;
-            for (int64_t t = 0; t < C; t++) {
-                if (p[t] < 0) {
-                    s->padding++;
-                    continue;
-                }
-                double b = beta[(size_t)hh * (size_t)C + (size_t)t];
-                s->b_min = fmin(s->b_min, b);
-                s->b_max = fmax(s->b_max, b);
-                s->b_mean += b;
-                n++;
-            }
-            s->b_mean = n ? s->b_mean / (double)n : 0;
-            if (!n)
-                s->b_min = s->b_max = 0;
-            double un = 0;
-            for (int d = 0; d < D; d++)
-                un += (double)u[(size_t)hh * D + d] * u[(size_t)hh * D + d];
-            s->u_norm = sqrt(un);
-        }
+        kf_convert_to_f32(k, kr, h->dtype, ln);
+        kf_convert_to_f32(v, vr, h->dtype, ln);
+        for (int hh = 0; hh < H; hh++)
+            head_stat(k, v, beta, u, pos + (size_t)hh * (size_t)C, C, H, D, hh, &st[(size_t)l * H + hh]);
     }
 
     char budget[32];
@@ -256,57 +322,7 @@ int cmd_inspect(int argc, char **argv) {
         if (print_json(path, f, &sb, budget, full, st, hm, by_method, layers_only) != 0)
             goto out;
     } else {
-        /* the path as given may hold anything; the header's strings are checked clean (kvf_open) and
-         * escaped all the same, by the one helper */
-        printf("file         %s\n", KF_ESC(path));
-        printf("format       %s version %d, written by %s\n", KVF_FORMAT_NAME, h->version, KF_ESC(h->creator));
-        printf("model        %s\n", h->model_fingerprint);
-        printf("tokenizer    %s\n", h->tokenizer_digest[0] ? h->tokenizer_digest : "(unknown)");
-        printf("document     %s, D = %lld tokens\n", h->document_digest, (long long)h->n_doc_tokens);
-        if (h->chat_template_digest[0]) {
-            printf("chat         template %s (kvfold ask --chat)\n", h->chat_template_digest);
-            printf("  before the document  %s\n", h->chat_prefix_ids);
-            printf("  a question begins    %s\n", h->chat_question_prefix_ids);
-            printf("  after its text       %s\n", h->chat_question_suffix_ids);
-        } else {
-            printf("chat         no (bare text)\n");
-        }
-        printf("recipe       %s\n", h->recipe_digest);
-        printf("payload      %s (XXH3-128 over the head digests)\n", h->payload_digest);
-        printf("compacted    C = %lld slots (%lld blocks of %d)\n", (long long)C, (long long)kvf_n_blocks(f),
-               h->block_size);
-        printf("method       %s, budget %s, lambda %g\n", kvf_method_name(h->method), budget, h->lambda);
-        printf("rope frame   %s%s\n", kvf_rope_frame_name(h->rope_frame),
-               h->rope_frame == KVF_FRAME_COMPACTED ? " (question starts at position C)"
-                                                    : " (question starts at position D)");
-        printf("placeholder  %s\n", KF_ESC(h->placeholder));
-        printf("shape        %d layers x %d kv heads x head_dim %d, %s\n", L, H, D, kvf_dtype_name(h->dtype));
-        printf("sizes        %.0f bytes on disk, %lld of K/V; a full cache of D tokens: %.0f\n", on_disk,
-               (long long)payload, full);
-        printf("compression  %.2fx in tokens (D/C), %.2fx in bytes (full cache / file)\n",
-               (double)h->n_doc_tokens / (double)C, (double)full / on_disk);
-        printf("checksums    ok (every chunk, every layer's digest)\n");
-        printf("head methods keep %d, drop %d, am %d, fold %d (of %d heads)\n", by_method[0], by_method[1],
-               by_method[2], by_method[3], L * H);
-        if (by_method[h->method] != L * H)
-            for (int l = 0; l < L; l++) {
-                printf("  layer %-4d ", l);
-                for (int hh = 0; hh < H; hh++)
-                    putchar("kdaf"[hm[(size_t)l * H + hh] & 3]);
-                putchar('\n');
-            }
-        printf("\n  %-8s %9s %9s %9s %9s %9s %9s %9s %8s %7s\n", "layer", "|k|mean", "|k|max", "|v|mean", "|v|max",
-               "beta min", "beta mean", "beta max", "|u|", "padding");
-        for (int l = 0; l < L; l++) {
-            char label[32];
-            snprintf(label, sizeof label, "%d", l);
-            head_stats sum = layer_summary(st + (size_t)l * H, H);
-            stats_row(label, &sum);
-            for (int hh = 0; hh < H && !layers_only; hh++) {
-                snprintf(label, sizeof label, "  h%d", hh);
-                stats_row(label, &st[(size_t)l * H + hh]);
-            }
-        }
+        print_text(path, f, on_disk, full, budget, st, hm, by_method, layers_only);
     }
     rc = KF_EXIT_OK;
 out:

@@ -1,5 +1,4 @@
 /* kvfold model-info DIR — what a model directory holds, without running it. */
-#include <getopt.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -7,37 +6,39 @@
 #include "tools/cli.h"
 #include "tools/commands.h"
 
-static const char kHelp[] =
-    "Usage: kvfold model-info [--no-fingerprint] DIR\n"
-    "\n"
-    "Load a Hugging Face model directory (config.json and model.safetensors, or a sharded\n"
-    "model.safetensors.index.json), check every tensor, and print the architecture, sizes,\n"
-    "RoPE parameters, parameter count, KV bytes per token and the model fingerprint (a digest\n"
-    "of the configuration, the tensor index and every weight byte; cache files record it).\n"
-    "\n"
-    "Options:\n"
-    "  --no-fingerprint   skip hashing the weights (faster on large models)\n"
-    "  -h, --help         show this help\n";
+typedef struct {
+    int no_fingerprint;
+} info_opts;
+
+static const cli_opt kRows[] = {
+    {"no-fingerprint", 0, OPT_FLAG, NULL, OFF(info_opts, no_fingerprint),
+     .help = "skip hashing the weights (faster on large models)"},
+    {0}};
+
+const cli_command cli_model_info_command = {
+    .name = "model-info",
+    .usage = "kvfold model-info [--no-fingerprint] DIR\n",
+    .about = "Load a Hugging Face model directory (config.json and model.safetensors, or a sharded\n"
+             "model.safetensors.index.json), check every tensor, and print the architecture, sizes,\n"
+             "RoPE parameters, parameter count, KV bytes per token and the model fingerprint (a digest\n"
+             "of the configuration, the tensor index and every weight byte; cache files record it).\n",
+    .groups = (const cli_group[]){{NULL, kRows, 0}, {0}},
+    .exit_status = "  0  the model loaded and every tensor checked\n"
+                   "  1  the directory cannot be loaded (the message names the file and the cause)\n"
+                   "  2  usage errors\n",
+    .example = "  kvfold model-info Qwen3-0.6B\n",
+};
 
 int cmd_model_info(int argc, char **argv) {
-    static const struct option opts[] = {
-        {"help", no_argument, 0, 'h'}, {"no-fingerprint", no_argument, 0, 'F'}, {0, 0, 0, 0}};
-    int fingerprint = 1;
-    optind = 1;
-    for (int c; (c = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
-        if (c == 'h') {
-            fputs(kHelp, stdout);
-            return KF_EXIT_OK;
-        } else if (c == 'F') {
-            fingerprint = 0;
-        } else {
-            return cli_usage_error("model-info", "bad option");
-        }
-    }
-    if (optind != argc - 1)
+    info_opts o = {0};
+    int first;
+    const int rc = cli_opts_parse(&cli_model_info_command, argc, argv, &o, &first);
+    if (rc != CLI_CONTINUE)
+        return rc;
+    if (first != argc - 1)
         return cli_usage_error("model-info", "expected one model directory");
     kf_backend *b;
-    kf_model *m = cli_load_model("model-info", argv[optind], &b);
+    kf_model *m = cli_load_model("model-info", argv[first], &b);
     if (!m)
         return KF_EXIT_FAIL;
     const kf_hfconfig *c = kf_model_config(m);
@@ -66,7 +67,7 @@ int cmd_model_info(int argc, char **argv) {
     for (int i = 0; i < c->n_eos; i++)
         printf(" %d", c->eos_token_ids[i]);
     printf("\n");
-    if (fingerprint)
+    if (!o.no_fingerprint)
         printf("fingerprint  %s\n", kf_model_fingerprint(m));
     kf_model_free(m);
     b->destroy(b);

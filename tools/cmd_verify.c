@@ -1,5 +1,4 @@
 /* kvfold verify — integrity of a kvf cache file and, with the document, how close its answers are. */
-#include <getopt.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,76 +13,167 @@
 
 #define CMD "verify"
 
-static const char kHelp[] =
-    "Usage: kvfold verify FILE.kvf --model DIR [--doc FILE [--question TEXT]...]\n"
-    "\n"
-    "Checks a cache file: its structure, every chunk's checksum, every value (finite K/V and beta,\n"
-    "positions in [0, D)) and every layer's digest, and that it was written for\n"
-    "this model (fingerprint of config, tensor index and weights; layers, KV heads, head_dim).\n"
-    "With --doc, also that the file is the cache of that document (digest and length).\n"
-    "The file's tokenizer (tokenizer_digest) must be the model's tokenizer.json. A cache made with\n"
-    "--chat (kvfold compact) is checked as it was made: the model's chat template must be the file's,\n"
-    "--doc is read through it and each --question is a user turn's content (kvfold ask --chat).\n"
-    "With --doc and --question, the answer distributions: the full document's greedy answer is\n"
-    "teacher-forced on both the full context and the cache, and the mean KL(full || cache) over its\n"
-    "tokens is reported (also for the first token alone), with whether the cache's own greedy\n"
-    "answer is the same. A --question without --doc is a usage error.\n"
-    "\n"
-    "Options:\n"
-    "  --model DIR          the model\n"
-    "  --doc FILE           the document: text, a JSON list of ids, or a manifest line\n"
-    "  --question TEXT      a question (repeatable)\n"
-    "  --max-tokens N       most tokens of the full context's answer (default 16; fewer where the\n"
-    "                       model's positions end: a question that leaves no room after the\n"
-    "                       document's D tokens is a usage error, exit 2)\n"
-    "  --stop TEXT          the answer ends once it contains TEXT (e.g. $'\\n'); EOS always ends it\n"
-    "  --max-kl X           exit 1 when a question's mean KL exceeds X\n"
-    "  -h, --help           show this help\n"
-    "\n"
-    "A file under a content-addressed name (<document digest>.<method>-<budget>.<recipe>.kvf, as\n"
-    "kvfold compact writes) must hold what its name says: its header's document digest, method,\n"
-    "budget and recipe; a file copied over another's name fails.\n"
-    "\n"
-    "Exit status: 0 when every check passed, 1 when one failed, 2 for usage errors.\n";
+typedef struct {
+    const char *model_dir, *doc_path, *stop;
+    const char **questions; /* [n_q] (room for every argument) */
+    int n_q;
+    long long max_tokens;
+    double max_kl;
+} verify_opts;
+
+/* --question, repeatable */
+static int add_question(void *ctx, const cli_opt *o, const char *arg, char *err, size_t n) {
+    (void)o, (void)err, (void)n;
+    verify_opts *v = ctx;
+    v->questions[v->n_q++] = arg;
+    return 0;
+}
+
+#define V(field) OFF(verify_opts, field)
+static const cli_opt kRows[] = {
+    {"model", 0, OPT_STR, "DIR", V(model_dir), .help = "the model"},
+    {"doc", 0, OPT_STR, "FILE", V(doc_path), .help = "the document: text, a JSON list of ids, or a manifest line"},
+    {"question", 0, OPT_FN, "TEXT", 0, .set = add_question, .help = "a question (repeatable)"},
+    {"max-tokens", 0, OPT_LLONG, "N", V(max_tokens), .lo = 1, .hi = 1 << 20, .must = "must be a positive count",
+     .def = "16",
+     .help = "most tokens of the full context's answer (fewer where the model's positions end: a question "
+             "that leaves no room after the document's D tokens is a usage error, exit 2)"},
+    {"stop", 0, OPT_STR, "TEXT", V(stop), .help = "the answer ends once it contains TEXT (e.g. $'\\n'); EOS always ends it"},
+    {"max-kl", 0, OPT_REAL, "X", V(max_kl), .lo = 0, .hi = INFINITY, .must = "must be a number >= 0",
+     .help = "exit 1 when a question's mean KL exceeds X"},
+    {0}};
+
+const cli_command cli_verify_command = {
+    .name = CMD,
+    .usage = "kvfold verify FILE.kvf --model DIR [--doc FILE [--question TEXT]...]\n",
+    .about = "Checks a cache file: its structure, every chunk's checksum, every value (finite K/V and beta,\n"
+             "positions in [0, D)) and every layer's digest, and that it was written for\n"
+             "this model (fingerprint of config, tensor index and weights; layers, KV heads, head_dim).\n"
+             "With --doc, also that the file is the cache of that document (digest and length).\n"
+             "The file's tokenizer (tokenizer_digest) must be the model's tokenizer.json. A cache made with\n"
+             "--chat (kvfold compact) is checked as it was made: the model's chat template must be the file's,\n"
+             "--doc is read through it and each --question is a user turn's content (kvfold ask --chat).\n"
+             "With --doc and --question, the answer distributions: the full document's greedy answer is\n"
+             "teacher-forced on both the full context and the cache, and the mean KL(full || cache) over its\n"
+             "tokens is reported (also for the first token alone), with whether the cache's own greedy\n"
+             "answer is the same. A --question without --doc is a usage error.\n"
+             "\n"
+             "A file under a content-addressed name (<document digest>.<method>-<budget>.<recipe>.kvf, as\n"
+             "kvfold compact writes) must hold what its name says: its header's document digest, method,\n"
+             "budget and recipe; a file copied over another's name fails.\n",
+    .groups = (const cli_group[]){{NULL, kRows, 0}, {0}},
+    .exit_status = "  0  every check passed\n"
+                   "  1  a check failed (the message names it)\n"
+                   "  2  usage errors\n",
+    .example = "  kvfold verify doc.kvf --model records-qwen3 --doc doc.txt --question $'Q: Alice?\\nA:' --max-kl 0.5\n",
+};
+
+/* What the questions are answered with: the model, both engines, the stop rule, the buffers
+ * ans, mine [max_tokens] and lp, lq [max_tokens, V]. */
+typedef struct {
+    kf_model *m;
+    doc_text *text;
+    kf_engine *ec, *ef; /* the cache's, the full document's */
+    const int32_t *eos;
+    int n_eos;
+    stop_text *st;
+    int32_t *ans, *mine;
+    float *lp, *lq;
+    int n_doc;
+    long long max_tokens;
+    double max_kl;
+} verify_engines;
+
+/* One question: the full context's greedy answer teacher-forced on both, its KL reported. The exit
+ * status it leaves (KF_EXIT_OK, or 1 / 2 reported); *stop when the other questions are not run. */
+static int verify_question(const verify_engines *r, int i, const char *question, int *stop) {
+    const kf_hfconfig *cfg = kf_model_config(r->m);
+    const int V = cfg->vocab_size;
+    int32_t *q = NULL;
+    int nq = 0, n_ans = 0, n_mine = 0, rc = KF_EXIT_FAIL;
+    char err[1024];
+    kf_error e = {0};
+    *stop = 1;
+    if (doc_tokenize(r->text, question, strlen(question), 0, &q, &nq, err, sizeof err)) {
+        cli_error(CMD, "question %d: %s", i + 1, err);
+        return KF_EXIT_FAIL;
+    }
+    int32_t *w = NULL;
+    if (r->text->chat) { /* a chat cache's question is a user turn's content */
+        if (doc_chat_question(r->text->chat, q, nq, &w, &nq)) {
+            cli_error(CMD, "out of memory");
+            goto out;
+        }
+        free(q);
+        q = w;
+    }
+    /* the full context puts the question at D: it and one answer token must fit the positions */
+    const int64_t max_pos = cfg->max_position_embeddings, room = max_pos - r->n_doc - nq;
+    if (max_pos > 0 && room < 1) {
+        rc = cli_usage_error(CMD, "question %d: %d document tokens + %d question tokens leave no room within the "
+                                  "model's %lld positions (max_position_embeddings)",
+                             i + 1, r->n_doc, nq, (long long)max_pos);
+        goto out;
+    }
+    if (nq > 4096) { /* the engines' room */
+        cli_error(CMD, "question %d: longer than 4096 tokens", i + 1);
+        goto out;
+    }
+    const int n_gen = max_pos > 0 && room < r->max_tokens ? (int)room : (int)r->max_tokens;
+    kf_prompt qp = {q, nq};
+    if (kf_engine_greedy(r->ef, r->m, &qp, n_gen, r->eos, r->n_eos, stop_on_text, r->st, r->ans, &n_ans, &e) != KF_OK ||
+        kf_engine_greedy(r->ec, r->m, &qp, n_gen, r->eos, r->n_eos, stop_on_text, r->st, r->mine, &n_mine, &e) != KF_OK) {
+        cli_error(CMD, "%s", e.msg);
+        goto out;
+    }
+    double kl = 0, kl1 = 0;
+    if (n_ans > 0) {
+        kf_prompt ap = {r->ans, n_ans};
+        if (kf_engine_logprobs(r->ef, r->m, &qp, &ap, r->lp, &e) != KF_OK ||
+            kf_engine_logprobs(r->ec, r->m, &qp, &ap, r->lq, &e) != KF_OK) {
+            cli_error(CMD, "%s", e.msg);
+            goto out;
+        }
+        kl = kf_mean_kl(r->lp, r->lq, n_ans, V);
+        kl1 = kf_mean_kl(r->lp, r->lq, 1, V);
+    }
+    const int same = n_ans == n_mine && memcmp(r->ans, r->mine, sizeof(int32_t) * n_ans) == 0;
+    char *a = doc_decode(r->text, r->ans, n_ans);
+    printf("question %d: KL(full || cache) %.5f mean over %d answer tokens, %.5f first token; full answer %s%s%s, "
+           "cache's greedy answer %s\n",
+           i + 1, kl, n_ans, kl1, a ? "\"" : "", a ? a : "(not decodable)", a ? "\"" : "",
+           same ? "the same" : "differs");
+    free(a);
+    *stop = 0;
+    rc = KF_EXIT_OK;
+    if (kl > r->max_kl) {
+        cli_error(CMD, "question %d: KL %.5f exceeds --max-kl %g", i + 1, kl, r->max_kl);
+        rc = KF_EXIT_FAIL;
+    }
+out:
+    free(q);
+    return rc;
+}
 
 int cmd_verify(int argc, char **argv) {
-    static const struct option opts[] = {
-        {"help", no_argument, 0, 'h'},           {"model", required_argument, 0, 'm'},
-        {"doc", required_argument, 0, 'd'},      {"question", required_argument, 0, 'Q'},
-        {"max-tokens", required_argument, 0, 'n'}, {"stop", required_argument, 0, 's'},
-        {"max-kl", required_argument, 0, 'k'},   {0, 0, 0, 0}};
-    const char *model_dir = NULL, *doc_path = NULL, *stop = NULL;
-    const char **questions = calloc((size_t)argc + 1, sizeof *questions);
-    int n_q = 0;
-    long long max_tokens = 16;
-    double max_kl = INFINITY;
-    optind = 1;
-    for (int c; (c = getopt_long(argc, argv, "h", opts, NULL)) != -1;) {
-        switch (c) {
-        case 'h': fputs(kHelp, stdout); free(questions); return KF_EXIT_OK;
-        case 'm': model_dir = optarg; break;
-        case 'd': doc_path = optarg; break;
-        case 'Q': questions[n_q++] = optarg; break;
-        case 's': stop = optarg; break;
-        case 'n':
-            if (cli_parse_int(optarg, 1, 1 << 20, &max_tokens)) {
-                free(questions);
-                return cli_usage_error(CMD, "--max-tokens must be a positive count, not '%s'", optarg);
-            }
-            break;
-        case 'k': {
-            char *end;
-            max_kl = strtod(optarg, &end);
-            if (end == optarg || *end || !(max_kl >= 0)) {
-                free(questions);
-                return cli_usage_error(CMD, "--max-kl must be a number >= 0, not '%s'", optarg);
-            }
-            break;
-        }
-        default: free(questions); return cli_usage_error(CMD, "unknown option");
-        }
+    verify_opts o = {.questions = calloc((size_t)argc + 1, sizeof(const char *)), .max_tokens = 16,
+                     .max_kl = INFINITY};
+    if (!o.questions) {
+        cli_error(CMD, "out of memory");
+        return KF_EXIT_FAIL;
     }
-    if (!model_dir || optind != argc - 1) {
+    int first;
+    const int prc = cli_opts_parse(&cli_verify_command, argc, argv, &o, &first);
+    if (prc != CLI_CONTINUE) {
+        free(o.questions);
+        return prc;
+    }
+    const char *model_dir = o.model_dir, *doc_path = o.doc_path, *stop = o.stop;
+    const char **questions = o.questions;
+    const int n_q = o.n_q;
+    const long long max_tokens = o.max_tokens;
+    const double max_kl = o.max_kl;
+    if (!model_dir || first != argc - 1) {
         free(questions);
         return cli_usage_error(CMD, "give one FILE.kvf and --model DIR");
     }
@@ -91,7 +181,7 @@ int cmd_verify(int argc, char **argv) {
         free(questions);
         return cli_usage_error(CMD, "--question needs the document (--doc FILE)");
     }
-    const char *path = argv[optind];
+    const char *path = argv[first];
     kf_backend *b;
     kf_model *m = cli_load_model(CMD, model_dir, &b);
     if (!m) {
@@ -107,10 +197,10 @@ int cmd_verify(int argc, char **argv) {
     kvf_header hdr;
     kf_engine ec = {0}, ef = {0};
     doc_chat dc = {0};
-    int32_t *doc = NULL, *q = NULL, *ans = NULL, *mine = NULL;
+    int32_t *doc = NULL, *ans = NULL, *mine = NULL;
+    char err[1024];
     float *lp = NULL, *lq = NULL;
     int n_doc = 0;
-    char err[1024];
     kf_error e = {0};
     /* every checksum, then the model */
     if (cache_load(CMD, path, m, 1, &c, &hdr) || cache_check_tokenizer(CMD, &text, path, &hdr))
@@ -123,8 +213,8 @@ int cmd_verify(int argc, char **argv) {
         text.chat = &dc;
     }
     printf("%s: checksums ok, model %s ok (%d layers x %d kv heads x %d), %s %s budget %g, C %lld of D %lld\n",
-           KF_ESC(path), hdr.model_fingerprint, hdr.n_layers, hdr.kv_heads, hdr.head_dim, kvf_method_name(hdr.method),
-           kvf_dtype_name(hdr.dtype), hdr.budget, (long long)hdr.n_tokens, (long long)hdr.n_doc_tokens);
+           KF_ESC(path), hdr.model_fingerprint, hdr.n_layers, hdr.kv_heads, hdr.head_dim, kf_method_name(hdr.method),
+           kf_dtype_name(hdr.dtype), hdr.budget, (long long)hdr.n_tokens, (long long)hdr.n_doc_tokens);
     if (doc_path) {
         char digest[KVF_DIGEST_LEN + 1];
         if (cache_doc_read(CMD, &text, doc_path, path, &hdr, &doc, &n_doc, digest))
@@ -148,75 +238,19 @@ int cmd_verify(int argc, char **argv) {
         rc = KF_EXIT_FAIL;
         goto done;
     }
+    const verify_engines r = {m, &text, &ec, &ef, eos, n_eos, &st, ans, mine, lp, lq, n_doc, max_tokens, max_kl};
     for (int i = 0; i < n_q; i++) {
-        int nq = 0, n_ans = 0, n_mine = 0;
-        free(q);
-        q = NULL;
-        if (doc_tokenize(&text, questions[i], strlen(questions[i]), 0, &q, &nq, err, sizeof err)) {
-            cli_error(CMD, "question %d: %s", i + 1, err);
-            rc = KF_EXIT_FAIL;
+        int stop_now = 0;
+        const int qrc = verify_question(&r, i, questions[i], &stop_now);
+        rc = qrc != KF_EXIT_OK ? qrc : rc;
+        if (stop_now)
             break;
-        }
-        int32_t *w = NULL;
-        if (text.chat && doc_chat_question(&dc, q, nq, &w, &nq)) {
-            cli_error(CMD, "out of memory");
-            rc = KF_EXIT_FAIL;
-            break;
-        }
-        if (text.chat) {
-            free(q);
-            q = w;
-        }
-        /* the full context puts the question at D: it and one answer token must fit the positions */
-        const int64_t max_pos = cfg->max_position_embeddings, room = max_pos - n_doc - nq;
-        if (max_pos > 0 && room < 1) {
-            rc = cli_usage_error(CMD, "question %d: %d document tokens + %d question tokens leave no room within the "
-                                      "model's %lld positions (max_position_embeddings)",
-                                 i + 1, n_doc, nq, (long long)max_pos);
-            break;
-        }
-        if (nq > 4096) { /* the engines' room */
-            cli_error(CMD, "question %d: longer than 4096 tokens", i + 1);
-            rc = KF_EXIT_FAIL;
-            break;
-        }
-        const int n_gen = max_pos > 0 && room < max_tokens ? (int)room : (int)max_tokens;
-        kf_prompt qp = {q, nq};
-        if (kf_engine_greedy(&ef, m, &qp, n_gen, eos, n_eos, stop_on_text, &st, ans, &n_ans, &e) != KF_OK ||
-            kf_engine_greedy(&ec, m, &qp, n_gen, eos, n_eos, stop_on_text, &st, mine, &n_mine, &e) != KF_OK) {
-            cli_error(CMD, "%s", e.msg);
-            rc = KF_EXIT_FAIL;
-            break;
-        }
-        double kl = 0, kl1 = 0;
-        if (n_ans > 0) {
-            kf_prompt ap = {ans, n_ans};
-            if (kf_engine_logprobs(&ef, m, &qp, &ap, lp, &e) != KF_OK || kf_engine_logprobs(&ec, m, &qp, &ap, lq, &e) != KF_OK) {
-                cli_error(CMD, "%s", e.msg);
-                rc = KF_EXIT_FAIL;
-                break;
-            }
-            kl = kf_mean_kl(lp, lq, n_ans, V);
-            kl1 = kf_mean_kl(lp, lq, 1, V);
-        }
-        const int same = n_ans == n_mine && memcmp(ans, mine, sizeof(int32_t) * n_ans) == 0;
-        char *a = doc_decode(&text, ans, n_ans);
-        printf("question %d: KL(full || cache) %.5f mean over %d answer tokens, %.5f first token; full answer %s%s%s, "
-               "cache's greedy answer %s\n",
-               i + 1, kl, n_ans, kl1, a ? "\"" : "", a ? a : "(not decodable)", a ? "\"" : "",
-               same ? "the same" : "differs");
-        free(a);
-        if (kl > max_kl) {
-            cli_error(CMD, "question %d: KL %.5f exceeds --max-kl %g", i + 1, kl, max_kl);
-            rc = KF_EXIT_FAIL;
-        }
     }
 done:
     kf_engine_free(&ec);
     kf_engine_free(&ef);
     kf_compacted_free(&c);
     free(doc);
-    free(q);
     free(ans);
     free(mine);
     free(lp);

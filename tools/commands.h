@@ -3,6 +3,14 @@
 #ifndef KF_COMMANDS_H
 #define KF_COMMANDS_H
 
+#include "tools/options.h"
+
+/* The option tables of the commands built from them (tools/options.h), for the tests. */
+extern const cli_command cli_compact_command, cli_eval_command, cli_bench_compact_command, cli_logits_command,
+    cli_model_info_command, cli_tokenize_command, cli_chat_template_command, cli_inspect_command, cli_ask_command,
+    cli_verify_command, cli_bench_command, cli_bench_prefill_command, cli_bench_attention_command,
+    cli_bench_quoka_command, cli_bench_kvf_command, cli_bench_tokenize_command;
+
 int cmd_model_info(int argc, char **argv);
 int cmd_logits(int argc, char **argv);
 int cmd_bench(int argc, char **argv);

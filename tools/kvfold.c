@@ -24,7 +24,7 @@ static const command kCommands[] = {
     {"tokenize", "encode text to token ids (or decode ids) with the model's tokenizer", cmd_tokenize},
     {"chat-template", "render a conversation with the model's chat template (as apply_chat_template)", cmd_chat_template},
     {"eval", "measure compaction quality against the full context (eval quality)", cmd_eval},
-    {"bench", "benchmarks (prefill, attention, quoka, tokenize)", cmd_bench},
+    {"bench", "benchmarks (prefill, attention, quoka, compact, kvf, tokenize)", cmd_bench},
 };
 #define N_COMMANDS (sizeof kCommands / sizeof kCommands[0])
 
@@ -40,7 +40,9 @@ static void usage(FILE *out) {
         fprintf(out, "  %-14s %s\n", kCommands[i].name, kCommands[i].summary);
     fprintf(out,
             "\n"
-            "Run 'kvfold <command> --help' for a command's options.\n"
+            "Run 'kvfold <command> --help' for a command's options. Options are spelled the same in every\n"
+            "command (--method, --budget, --format, --quoka-*); old spellings still work for one release and\n"
+            "print a note naming the new one.\n"
             "Models are Hugging Face directories (config.json + model.safetensors) of type qwen3 or llama.\n"
             "\n"
             "Environment:\n"
@@ -48,7 +50,14 @@ static void usage(FILE *out) {
             "  KVFOLD_THREADS           threads of the CPU backend (default: OpenBLAS's); no result\n"
             "                           depends on the number of threads\n"
             "  OPENBLAS_THREAD_TIMEOUT  how long OpenBLAS's idle threads spin, 2^N cycles; kvfold sets 4\n"
-            "                           (the shortest) when it is unset, and runs itself again to apply it\n");
+            "                           (the shortest) when it is unset, and runs itself again to apply it\n"
+            "\n"
+            "Exit status:\n"
+            "  0  success; 1  a failure the message names; 2  usage errors\n"
+            "\n"
+            "Example:\n"
+            "  kvfold compact --model Qwen3-0.6B --budget 0.1 report.txt\n"
+            "  kvfold ask kvf-cache/<fingerprint>/<digest>.fold-0.1.<recipe>.kvf --model Qwen3-0.6B 'Who?'\n");
 }
 
 /* OpenBLAS's worker threads spin after each BLAS call for 2^OPENBLAS_THREAD_TIMEOUT cycles

@@ -15,18 +15,6 @@
 /* On a terminal a step's end is always drawn; what happens inside a step at most this often. */
 #define REDRAW_S 0.1
 
-int cli_progress_interval(const char *cmd, const char *arg, double *out) {
-    char *end;
-    errno = 0;
-    const double v = strtod(arg, &end);
-    if (end == arg || *end || errno || !(v >= 0 && v <= 1e6)) {
-        cli_usage_error(cmd, "--progress-interval must be a number of seconds, 0 or more, not '%s'", arg);
-        return -1;
-    }
-    *out = v;
-    return 0;
-}
-
 static int g_drawn; /* a line is drawn in place: a message clears it first (cli_before_message) */
 
 static void clear_drawn(void) {

@@ -34,16 +34,7 @@ typedef struct {
     char note[128];   /* the command's own stage ("reference", ...), or "" */
 } cli_progress;
 
-enum { CLI_OPT_PROGRESS_INTERVAL = 0x1300 }; /* getopt_long's id of --progress-interval */
-#define CLI_PROGRESS_OPTION {"progress-interval", required_argument, 0, CLI_OPT_PROGRESS_INTERVAL}
-#define CLI_PROGRESS_DEFAULT_S 10.0
-#define CLI_PROGRESS_HELP                                                                                     \
-    "  --progress-interval S\n"                                                                               \
-    "                       off a terminal, at most one progress line every S seconds (default 10; 0:\n"      \
-    "                       a line after every prefill chunk, repeat layer and solve layer)\n"
-
-/* Parses --progress-interval's value (seconds, >= 0); 0 or -1 (a usage error printed for cmd). */
-int cli_progress_interval(const char *cmd, const char *arg, double *out);
+#define CLI_PROGRESS_DEFAULT_S 10.0 /* --progress-interval (tools/compact_options.h) */
 
 /* A run of n_docs documents (0: not known) of `tokens` tokens in all (0: not known), its log lines
  * tagged `tag` ("[compact]"); on a terminal, cli_error clears the line until cli_progress_end. */

@@ -14,9 +14,9 @@ docs=tests/data/records-dev.jsonl
 # records-qwen3 copies but does not retrieve: 16 probe questions per document join the reference
 # queries; records-llama3-induct retrieves: no probes, one question per context
 "$kvfold" eval quality --model tests/data/records-qwen3 --docs "$docs" --limit "$limit" \
-  --probes 16 --budgets 0.25,0.1 --format tsv >"$out/records-qwen3.tsv"
+  --probes 16 --budget 0.25,0.1 --format tsv >"$out/records-qwen3.tsv"
 "$kvfold" eval quality --model tests/data/records-llama3-induct --docs "$docs" --limit "$limit" \
-  --budgets 0.5,0.25,0.1 --format tsv >"$out/records-llama3-induct.tsv"
+  --budget 0.5,0.25,0.1 --format tsv >"$out/records-llama3-induct.tsv"
 /usr/bin/python3 tools/plot-quality.py --out docs/quality.png \
   records-qwen3="$out/records-qwen3.tsv" records-llama3-induct="$out/records-llama3-induct.tsv"
 echo "quality.sh: wrote $out/records-qwen3.tsv, $out/records-llama3-induct.tsv and docs/quality.png"

@@ -1,5 +1,6 @@
 /* blockcopy.c — decoded kvf cache -> paged KV block tensors (see blockcopy.h). */
 #include "connector/ext/blockcopy.h"
+#include "kernels/base/convert.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -44,44 +45,44 @@ static bool supported_block(int64_t bs) {
     return bs == 16 || bs == 32 || bs == 64 || bs == 128;
 }
 
-static float load_f32(const unsigned char *p, kvf_dtype d) {
+static float load_f32(const unsigned char *p, kf_dtype d) {
     uint16_t h;
     float f;
     switch (d) {
-    case KVF_F32:
+    case KF_DTYPE_F32:
         memcpy(&f, p, 4);
         return f;
-    case KVF_BF16:
+    case KF_DTYPE_BF16:
         memcpy(&h, p, 2);
-        return kvf_bf16_to_f32(h);
-    case KVF_F16:
+        return kf_bf16_to_f32(h);
+    case KF_DTYPE_F16:
     default:
         memcpy(&h, p, 2);
-        return kvf_f16_to_f32(h);
+        return kf_f16_to_f32(h);
     }
 }
 
-static void store_f32(unsigned char *p, kvf_dtype d, float f) {
+static void store_f32(unsigned char *p, kf_dtype d, float f) {
     uint16_t h;
     switch (d) {
-    case KVF_F32:
+    case KF_DTYPE_F32:
         memcpy(p, &f, 4);
         return;
-    case KVF_BF16:
-        h = kvf_f32_to_bf16(f);
+    case KF_DTYPE_BF16:
+        h = kf_f32_to_bf16(f);
         break;
-    case KVF_F16:
+    case KF_DTYPE_F16:
     default:
-        h = kvf_f32_to_f16(f);
+        h = kf_f32_to_f16(f);
         break;
     }
     memcpy(p, &h, 2);
 }
 
 /* n elements: source contiguous, destination with element stride dstride. */
-static void copy_run(unsigned char *dst, int64_t dstride, const unsigned char *src, int64_t n, kvf_dtype sd,
-                     kvf_dtype dd) {
-    const size_t ss = kvf_dtype_size(sd), ds = kvf_dtype_size(dd);
+static void copy_run(unsigned char *dst, int64_t dstride, const unsigned char *src, int64_t n, kf_dtype sd,
+                     kf_dtype dd) {
+    const size_t ss = kf_dtype_size(sd), ds = kf_dtype_size(dd);
     if (sd == dd && dstride == 1) {
         memcpy(dst, src, (size_t)n * ss);
         return;
@@ -107,7 +108,7 @@ static bool mul_ok(int64_t *out, int n, const int64_t *f) {
 
 /* Every element the tensor's shape and strides name lies inside its memory. */
 static kf_status check_extent(const kvb_tensor *t, int l, kf_error *err) {
-    const size_t es = kvf_dtype_size(t->dtype);
+    const size_t es = kf_dtype_size(t->dtype);
     int64_t last = t->offset, term; /* offset of the last element */
     if (!t->base || t->nbytes < 0 || t->offset < 0)
         return kf_fail(err, KF_ERR_INVALID, "layer %d: no tensor memory", l);
@@ -127,7 +128,7 @@ static kf_status check_extent(const kvb_tensor *t, int l, kf_error *err) {
 static kf_status check_source(const kvb_copy_args *a, kf_error *err) {
     if (!a->src || !a->dst || a->n_dst < 1 || a->n_layers < 1 || a->C < 1 || a->head_dim < 1 || a->kv_heads < 1 || a->src_heads < 1)
         return kf_fail(err, KF_ERR_INVALID, "block copy: empty source or destination");
-    const int64_t f[6] = {2, a->n_layers, a->C, a->src_heads, a->head_dim, (int64_t)kvf_dtype_size(a->src_dtype)};
+    const int64_t f[6] = {2, a->n_layers, a->C, a->src_heads, a->head_dim, (int64_t)kf_dtype_size(a->src_dtype)};
     int64_t need;
     if (!mul_ok(&need, 6, f) || need > a->src_bytes)
         return kf_fail(err, KF_ERR_INVALID, "block copy: a source of %lld bytes is smaller than 2 x %d layers x %lld "
@@ -188,7 +189,7 @@ static kf_status check_tensor(const kvb_copy_args *a, int l, kf_error *err) {
  * dtypes match and a head's elements are contiguous: 128 and 256 bytes inline). */
 static void copy_head_major(const kvb_copy_args *a, const kvb_tensor *t, const roles *r, unsigned char *dst,
                             const unsigned char *src_layer, int64_t p, int64_t n) {
-    const size_t ss = kvf_dtype_size(a->src_dtype), ds = kvf_dtype_size(t->dtype);
+    const size_t ss = kf_dtype_size(a->src_dtype), ds = kf_dtype_size(t->dtype);
     const int64_t D = a->head_dim;
     const size_t hb = (size_t)D * ss;
     const bool raw = a->src_dtype == t->dtype && r->s_dim == 1;
@@ -212,7 +213,7 @@ static void copy_head_major(const kvb_copy_args *a, const kvb_tensor *t, const r
 /* Tokens [t0, t1) of K or V of one layer into one tensor. */
 static void copy_layer(const kvb_copy_args *a, const kvb_tensor *t, const unsigned char *src_layer, int kv) {
     const roles r = tensor_roles(t, a->layout, a->head_dim);
-    const size_t ss = kvf_dtype_size(a->src_dtype), ds = kvf_dtype_size(t->dtype);
+    const size_t ss = kf_dtype_size(a->src_dtype), ds = kf_dtype_size(t->dtype);
     const int64_t H = a->kv_heads, D = a->head_dim, src_tok = a->src_heads * D; /* source elements per token */
     const bool token_rows = r.s_dim == 1 && r.s_head == D;  /* a token's heads are one run */
     const bool block_rows = token_rows && r.s_tok == H * D; /* so are consecutive tokens */
@@ -264,7 +265,7 @@ kf_status kvb_copy(const kvb_copy_args *a, kf_error *err) {
         return kf_fail(err, KF_ERR_INVALID, "block copy: unknown layout %d", (int)a->layout);
     for (int l = 0; l < a->n_dst; l++)
         KF_TRY(check_tensor(a, l, err));
-    const size_t ss = kvf_dtype_size(a->src_dtype);
+    const size_t ss = kf_dtype_size(a->src_dtype);
     const size_t layer_elems = (size_t)a->C * (size_t)a->src_heads * (size_t)a->head_dim; /* fits: checked */
     for (int i = 0; i < a->n_dst; i++)
         for (int kv = 0; kv < 2; kv++) {

@@ -29,7 +29,7 @@
 
 #include <stdint.h>
 
-#include "formats/error.h"
+#include "kernels/base/error.h"
 #include "formats/kvf.h"
 
 typedef enum { KVB_KV_FIRST = 0, KVB_BLOCKS_FIRST = 1, KVB_CPU = 2, KVB_PACKED = 3 } kvb_layout;
@@ -41,14 +41,14 @@ typedef struct {
     int ndim;           /* 5, or 4 for KVB_PACKED */
     int64_t shape[5];
     int64_t stride[5];  /* elements, each >= 1 */
-    kvf_dtype dtype;
+    kf_dtype dtype;
     int layer;          /* the source layer written into it */
 } kvb_tensor;
 
 typedef struct {
     const void *src;           /* [2, n_layers, C, src_heads, head_dim] */
     int64_t src_bytes;         /* its size, checked against the shape */
-    kvf_dtype src_dtype;
+    kf_dtype src_dtype;
     int n_layers;
     int64_t C;
     int64_t src_heads, head_dim;

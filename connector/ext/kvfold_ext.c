@@ -30,7 +30,7 @@
  *                                              parallelism as vLLM's block table spreads tokens
  *   load_blocks(path, dtype, out, dst, layout, block_ids, block_size, t0, t1, model_fingerprint=None,
  *               n_layers=-1, kv_heads=-1, head_dim=-1, heads=(0, -1), payload_digest=None, cp_size=1,
- *               cp_rank=0, cp_interleave=1) -> header
+ *               cp_rank=0, cp_interleave=1, overlap=True) -> header
  *                                              a cold load in one pass, layer by layer: the layer's
  *                                              chunks of heads [h0, h1) are read and checked (sums,
  *                                              values, digests), then copied, while still in cache,
@@ -38,7 +38,9 @@
  *                                              layer (copy_blocks' dst, each holding heads [h0, h1))
  *                                              and into out ([2, n_layers, C, kv_heads, head_dim] in
  *                                              dtype, what load() gives); payload_digest: refused
- *                                              unless the file's is this one
+ *                                              unless the file's is this one;
+ *                                              overlap: a helper thread reads the next layer
+ *                                              while this one is copied (False: one thread)
  *   write(path, header, keys, values, keys_dtype="float32")   a kvf file (tests, benchmarks)
  *   document_digest(ids) -> str                kvf_document_digest of a list of token ids
  *   bytes_digest(data) -> str                  XXH3-128 of bytes (a tokenizer.json's tokenizer_digest)
@@ -51,6 +53,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #if defined(__SSE2__)
@@ -59,6 +62,8 @@
 
 #include "connector/ext/blockcopy.h"
 #include "formats/kvf.h"
+#include "kernels/base/convert.h"
+#include "formats/kvf_internal.h" /* kvf_h5_quiet: for the read-ahead thread */
 
 #include <xxhash.h>
 
@@ -82,7 +87,7 @@ static PyObject *raise_kf(const kf_error *err, kf_status st) {
     return NULL;
 }
 
-static int parse_dtype(const char *s, kvf_dtype *out) {
+static int parse_dtype(const char *s, kf_dtype *out) {
     if (kvf_dtype_parse(s, out) == 0)
         return 0;
     if (!strncmp(s, "float8", 6) || !strncmp(s, "fp8", 3))
@@ -98,9 +103,9 @@ static PyObject *header_dict_base(const kvf_header *h) {
         "creator", h->creator, "model_fingerprint", h->model_fingerprint, "tokenizer_digest", h->tokenizer_digest,
         "document_digest", h->document_digest, "recipe_digest", h->recipe_digest, "payload_digest",
         h->payload_digest, "n_doc_tokens", (long long)h->n_doc_tokens, "n_tokens",
-        (long long)h->n_tokens, "method", kvf_method_name(h->method), "budget", h->budget, "lambda", h->lambda,
+        (long long)h->n_tokens, "method", kf_method_name(h->method), "budget", h->budget, "lambda", h->lambda,
         "rope_frame", kvf_rope_frame_name(h->rope_frame), "placeholder", h->placeholder, "dtype",
-        kvf_dtype_name(h->dtype), "n_layers", h->n_layers, "kv_heads", h->kv_heads, "head_dim", h->head_dim,
+        kf_dtype_name(h->dtype), "n_layers", h->n_layers, "kv_heads", h->kv_heads, "head_dim", h->head_dim,
         "block_size", h->block_size);
 }
 
@@ -144,22 +149,22 @@ static PyObject *py_read_header(PyObject *self, PyObject *args) {
 }
 
 /* Elements [i0, i1) from src in the file's dtype to dst in dtype. */
-static void convert_run(const kvf_header *h, kvf_dtype dtype, const unsigned char *src, unsigned char *dst, size_t i0,
+static void convert_run(const kvf_header *h, kf_dtype dtype, const unsigned char *src, unsigned char *dst, size_t i0,
                         size_t i1) {
-    const size_t ds = kvf_dtype_size(dtype);
+    const size_t ds = kf_dtype_size(dtype);
     for (size_t i = i0; i < i1; i++) {
             float x;
-            if (h->dtype == KVF_F32) {
+            if (h->dtype == KF_DTYPE_F32) {
                 memcpy(&x, src + 4 * i, 4);
             } else {
                 uint16_t b;
                 memcpy(&b, src + 2 * i, 2);
-                x = h->dtype == KVF_BF16 ? kvf_bf16_to_f32(b) : kvf_f16_to_f32(b);
+                x = h->dtype == KF_DTYPE_BF16 ? kf_bf16_to_f32(b) : kf_f16_to_f32(b);
             }
-            if (dtype == KVF_F32) {
+            if (dtype == KF_DTYPE_F32) {
                 memcpy(dst + 4 * i, &x, 4);
             } else {
-                uint16_t o = dtype == KVF_BF16 ? kvf_f32_to_bf16(x) : kvf_f32_to_f16(x);
+                uint16_t o = dtype == KF_DTYPE_BF16 ? kf_f32_to_bf16(x) : kf_f32_to_f16(x);
                 memcpy(dst + ds * i, &o, 2);
             }
     }
@@ -167,7 +172,7 @@ static void convert_run(const kvf_header *h, kvf_dtype dtype, const unsigned cha
 
 /* Heads [h0, h1) of a layer side ([C, H, D], or [H, C, D] when head_major) from src in the file's
  * dtype to dst in dtype. */
-static void convert_heads(const kvf_header *h, kvf_dtype dtype, const unsigned char *src, unsigned char *dst, int h0,
+static void convert_heads(const kvf_header *h, kf_dtype dtype, const unsigned char *src, unsigned char *dst, int h0,
                           int h1, bool head_major) {
     const size_t H = (size_t)h->kv_heads, D = (size_t)h->head_dim, C = (size_t)h->n_tokens;
     if (head_major) {
@@ -182,11 +187,11 @@ static int64_t g_kv_bytes_read; /* every load's K/V chunk bytes (atomic: loads r
 
 /* Reads heads [h0, h1) of layers [l0, l1) raw (each head checked against its digest) and converts
  * into out ([2, L, C, H, D] in dtype). */
-static kf_status load_all(kvf_file *f, kvf_dtype dtype, unsigned char *out, int l0, int l1, int h0, int h1,
+static kf_status load_all(kvf_file *f, kf_dtype dtype, unsigned char *out, int l0, int l1, int h0, int h1,
                           bool head_major, kf_error *err) {
     const kvf_header *h = kvf_file_header(f);
     const size_t n = (size_t)h->n_tokens * (size_t)h->kv_heads * (size_t)h->head_dim; /* per layer */
-    const size_t fs = kvf_dtype_size(h->dtype), ds = kvf_dtype_size(dtype);
+    const size_t fs = kf_dtype_size(h->dtype), ds = kf_dtype_size(dtype);
     const int64_t read_before = kvf_kv_bytes_read(f);
     unsigned char *scratch = NULL; /* [2, C, H, D] in the file's dtype */
     if (h->dtype != dtype && !(scratch = malloc(2 * n * fs)))
@@ -211,8 +216,8 @@ static PyObject *py_kv_bytes_read(PyObject *self, PyObject *unused) {
 }
 
 /* 2 * n_layers * C * kv_heads * head_dim elements of dtype, without overflow. */
-static int payload_size(const kvf_header *h, kvf_dtype dtype, size_t *out) {
-    const int64_t f[6] = {2, h->n_layers, h->n_tokens, h->kv_heads, h->head_dim, (int64_t)kvf_dtype_size(dtype)};
+static int payload_size(const kvf_header *h, kf_dtype dtype, size_t *out) {
+    const int64_t f[6] = {2, h->n_layers, h->n_tokens, h->kv_heads, h->head_dim, (int64_t)kf_dtype_size(dtype)};
     int64_t p = 1;
     for (int i = 0; i < 6; i++)
         if (f[i] < 1 || __builtin_mul_overflow(p, f[i], &p) || p > PY_SSIZE_T_MAX) {
@@ -246,7 +251,7 @@ static PyObject *py_load(PyObject *self, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTupleAndKeywords(args, kw, "ss|ziiiO(ii)(ii)p", kwlist, &path, &dtname, &fp, &n_layers, &kv_heads,
                                      &head_dim, &out_obj, &l0, &l1, &h0, &h1, &head_major))
         return NULL;
-    kvf_dtype dtype;
+    kf_dtype dtype;
     if (parse_dtype(dtname, &dtype) < 0)
         return NULL;
     kvf_file *f = NULL;
@@ -490,10 +495,10 @@ static void stream_copy(unsigned char *dst, const unsigned char *src, size_t n) 
 
 /* Heads [h0, h1) of one layer side, head-major in the file's dtype (src: [kv_heads, C, head_dim]),
  * into token-major dst ([C, kv_heads, head_dim] in dtype), slot by slot. */
-static void heads_to_tokens(const kvf_header *h, kvf_dtype dtype, const unsigned char *src, unsigned char *dst, int h0,
+static void heads_to_tokens(const kvf_header *h, kf_dtype dtype, const unsigned char *src, unsigned char *dst, int h0,
                             int h1) {
     const size_t C = (size_t)h->n_tokens, H = (size_t)h->kv_heads, D = (size_t)h->head_dim;
-    const size_t fs = kvf_dtype_size(h->dtype), ds = kvf_dtype_size(dtype);
+    const size_t fs = kf_dtype_size(h->dtype), ds = kf_dtype_size(dtype);
     for (size_t t = 0; t < C; t++)
         for (size_t hd = (size_t)h0; hd < (size_t)h1; hd++) {
             const unsigned char *s = src + (hd * C + t) * D * fs;
@@ -514,38 +519,111 @@ static void heads_to_tokens(const kvf_header *h, kvf_dtype dtype, const unsigned
  * head_dim] in dtype, token-major: what load() gives, which the retention pool keeps). */
 typedef struct {
     const kvf_header *h;
-    kvf_dtype dtype;        /* of out */
+    kf_dtype dtype;        /* of out */
     unsigned char *out;
     int h0, h1;
     unsigned char *scratch; /* [2, kv_heads, C, head_dim] in the file's dtype: one layer, head-major */
+    unsigned char *scratch2; /* the same, for the layer read ahead; NULL: no overlap */
     const targets *tg;
     kvb_copy_args a;        /* the copy of one tensor from the scratch */
 } one_pass;
 
-static kf_status one_layer(kvf_file *f, one_pass *p, int l, kf_error *err) {
+/* The one-pass scratches, kept between loads so that a load writes into pages already mapped
+ * (a fresh malloc of this size is a fresh mmap: every page faulted in again). One set is kept;
+ * a load that finds it taken, or too small, allocates its own. */
+static pthread_mutex_t g_scratch_lock = PTHREAD_MUTEX_INITIALIZER;
+static unsigned char *g_scratch;
+static size_t g_scratch_bytes;
+
+static unsigned char *scratch_take(size_t n) {
+    unsigned char *s = NULL;
+    pthread_mutex_lock(&g_scratch_lock);
+    if (g_scratch && g_scratch_bytes >= n) {
+        s = g_scratch;
+        g_scratch = NULL;
+    }
+    pthread_mutex_unlock(&g_scratch_lock);
+    return s ? s : malloc(n);
+}
+
+static void scratch_give(unsigned char *s, size_t n) {
+    if (!s)
+        return;
+    pthread_mutex_lock(&g_scratch_lock);
+    if (!g_scratch && n <= ((size_t)1 << 30)) { /* keep it (up to 1 GiB) */
+        g_scratch = s;
+        g_scratch_bytes = n;
+        s = NULL;
+    }
+    pthread_mutex_unlock(&g_scratch_lock);
+    free(s);
+}
+
+/* Reads and checks heads [h0, h1) of layer l into scratch ([2, kv_heads, C, head_dim], head-major). */
+static kf_status read_layer(kvf_file *f, const one_pass *p, int l, unsigned char *scratch, kf_error *err) {
+    const size_t side = (size_t)p->h->kv_heads * (size_t)p->h->n_tokens * (size_t)p->h->head_dim; /* elements */
+    return kvf_read_heads_hm(f, l, p->h0, p->h1, scratch, scratch + side * kf_dtype_size(p->h->dtype), err);
+}
+
+/* Layer l, read into scratch, into the blocks of its tensors and into out, while in cache. */
+static kf_status copy_layer_out(const one_pass *p, int l, const unsigned char *scratch, kf_error *err) {
     const kvf_header *h = p->h;
     const size_t side = (size_t)h->kv_heads * (size_t)h->n_tokens * (size_t)h->head_dim; /* elements */
-    unsigned char *k = p->scratch, *v = p->scratch + side * kvf_dtype_size(h->dtype);
-    KF_TRY(kvf_read_heads_hm(f, l, p->h0, p->h1, k, v, err));
+    const unsigned char *k = scratch, *v = scratch + side * kf_dtype_size(h->dtype);
     for (int i = 0; i < p->tg->n_dst; i++)
         if (p->tg->tensors[i].layer == l) {
             kvb_tensor t = p->tg->tensors[i];
             t.layer = 0; /* the scratch holds one layer */
             kvb_copy_args a = p->a;
+            a.src = scratch;
             a.dst = &t;
             a.n_dst = 1;
             KF_TRY(kvb_copy(&a, err));
         }
-    const size_t ds = kvf_dtype_size(p->dtype);
+    const size_t ds = kf_dtype_size(p->dtype);
     heads_to_tokens(h, p->dtype, k, p->out + (size_t)l * side * ds, p->h0, p->h1);
     heads_to_tokens(h, p->dtype, v, p->out + ((size_t)h->n_layers + (size_t)l) * side * ds, p->h0, p->h1);
     return KF_OK;
 }
 
+/* The next layer's read, on its own thread while the caller copies the current one. */
+typedef struct {
+    kvf_file *f;
+    const one_pass *p;
+    int l;
+    unsigned char *scratch;
+    kf_status st;
+    kf_error err;
+} layer_read;
+
+static void *read_layer_thread(void *arg) {
+    layer_read *r = arg;
+    kvf_h5_quiet(); /* HDF5's error printing is per thread */
+    r->st = read_layer(r->f, r->p, r->l, r->scratch, &r->err);
+    return NULL;
+}
+
+/* Layer by layer; with two scratches (p->scratch2) layer l + 1 is read by a helper thread while
+ * layer l is copied (the file is only ever touched by one thread at a time). */
 static kf_status load_one_pass(kvf_file *f, one_pass *p, kf_error *err) {
-    kf_status st = KF_OK;
-    for (int l = 0; l < p->h->n_layers && st == KF_OK; l++)
-        st = one_layer(f, p, l, err);
+    const int L = p->h->n_layers;
+    unsigned char *s[2] = {p->scratch, p->scratch2 ? p->scratch2 : p->scratch};
+    kf_status st = read_layer(f, p, 0, s[0], err);
+    for (int l = 0; l < L && st == KF_OK; l++) {
+        layer_read r = {.f = f, .p = p, .l = l + 1, .scratch = s[(l + 1) % 2], .st = KF_OK};
+        pthread_t th;
+        const bool ahead = l + 1 < L && p->scratch2 && pthread_create(&th, NULL, read_layer_thread, &r) == 0;
+        st = copy_layer_out(p, l, s[l % 2], err);
+        if (ahead)
+            pthread_join(th, NULL);
+        else if (st == KF_OK && l + 1 < L)
+            r.st = read_layer(f, p, l + 1, s[(l + 1) % 2], &r.err); /* serial (or no thread to be had) */
+        if (st == KF_OK && r.st != KF_OK) {
+            if (err)
+                *err = r.err;
+            st = r.st;
+        }
+    }
     __atomic_fetch_add(&g_kv_bytes_read, kvf_kv_bytes_read(f), __ATOMIC_RELAXED);
     return st;
 }
@@ -568,15 +646,15 @@ static PyObject *py_load_blocks(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
     static char *kwlist[] = {"path", "dtype", "out", "dst", "layout", "block_ids", "block_size", "t0", "t1",
                              "model_fingerprint", "n_layers", "kv_heads", "head_dim", "heads", "payload_digest",
-                             "cp_size", "cp_rank", "cp_interleave", NULL};
+                             "cp_size", "cp_rank", "cp_interleave", "overlap", NULL};
     const char *path, *dtname, *lay, *fp = NULL, *payload = NULL;
     PyObject *out_obj, *dst, *ids;
     int block_size, n_layers = -1, kv_heads = -1, head_dim = -1, h0 = 0, h1 = -1;
-    int cp_size = 1, cp_rank = 0, cp_inter = 1;
+    int cp_size = 1, cp_rank = 0, cp_inter = 1, overlap = 1;
     long long t0, t1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "ssOOsOiLL|ziii(ii)ziii", kwlist, &path, &dtname, &out_obj, &dst, &lay,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "ssOOsOiLL|ziii(ii)ziiip", kwlist, &path, &dtname, &out_obj, &dst, &lay,
                                      &ids, &block_size, &t0, &t1, &fp, &n_layers, &kv_heads, &head_dim, &h0, &h1,
-                                     &payload, &cp_size, &cp_rank, &cp_inter))
+                                     &payload, &cp_size, &cp_rank, &cp_inter, &overlap))
         return NULL;
     one_pass p = {.a = {.src_head_major = true, .block_size = block_size, .t0 = t0, .t1 = t1, .cp_size = cp_size,
                         .cp_rank = cp_rank, .cp_interleave = cp_inter}};
@@ -586,6 +664,7 @@ static PyObject *py_load_blocks(PyObject *self, PyObject *args, PyObject *kw) {
     PyObject *res = NULL;
     kf_error err = {0};
     kf_status st = KF_OK;
+    size_t scratch_bytes = 0; /* one layer's; p.scratch holds two */
     if (parse_dtype(dtname, &p.dtype) < 0 || parse_layout(lay, &p.a.layout) < 0 || targets_parse(dst, ids, &tg) < 0 ||
         PyObject_GetBuffer(out_obj, &ov, PyBUF_WRITABLE) < 0)
         goto out;
@@ -611,16 +690,18 @@ static PyObject *py_load_blocks(PyObject *self, PyObject *args, PyObject *kw) {
         goto out;
     }
     const size_t side = (size_t)p.h->kv_heads * (size_t)p.h->n_tokens * (size_t)p.h->head_dim;
-    if (!(p.scratch = malloc(2 * side * kvf_dtype_size(p.h->dtype)))) {
+    scratch_bytes = 2 * side * kf_dtype_size(p.h->dtype);
+    if (!(p.scratch = scratch_take(2 * scratch_bytes))) { /* two layers: the second one read ahead */
         PyErr_NoMemory();
         goto out;
     }
+    if (overlap && p.h->n_layers > 1)
+        p.scratch2 = p.scratch + scratch_bytes;
     p.out = ov.buf;
     p.h0 = h0;
     p.h1 = h1;
     p.tg = &tg;
-    p.a.src = p.scratch;
-    p.a.src_bytes = (int64_t)(2 * side * kvf_dtype_size(p.h->dtype));
+    p.a.src_bytes = (int64_t)(2 * side * kf_dtype_size(p.h->dtype));
     p.a.src_dtype = p.h->dtype;
     p.a.n_layers = 1;
     p.a.C = p.h->n_tokens;
@@ -638,7 +719,7 @@ static PyObject *py_load_blocks(PyObject *self, PyObject *args, PyObject *kw) {
     else
         res = header_dict(p.h);
 out:
-    free(p.scratch);
+    scratch_give(p.scratch, 2 * scratch_bytes);
     kvf_close(f);
     PyBuffer_Release(&ov);
     targets_free(&tg);
@@ -691,7 +772,7 @@ static int header_from_dict(PyObject *d, kvf_header *h) {
         const char *s = PyUnicode_AsUTF8(v);
         if (!s)
             return -1;
-        if (kvf_method_parse(s, &h->method) < 0) {
+        if (kf_method_parse(s, &h->method) < 0) {
             PyErr_Format(PyExc_ValueError, "unknown method '%s'", s);
             return -1;
         }
@@ -720,22 +801,22 @@ static PyObject *py_write(PyObject *self, PyObject *args, PyObject *kw) {
         return NULL;
     PyObject *res = NULL;
     kvf_cache c = {0};
-    kvf_dtype kd;
+    kf_dtype kd;
     if (header_from_dict(hd, &c.hdr) < 0 || parse_dtype(kdt, &kd) < 0)
         goto out;
-    if (kd != KVF_F32 && kd != c.hdr.dtype) {
+    if (kd != KF_DTYPE_F32 && kd != c.hdr.dtype) {
         PyErr_Format(PyExc_ValueError, "write: keys in %s must be float32 or the header's dtype %s", kdt,
-                     kvf_dtype_name(c.hdr.dtype));
+                     kf_dtype_name(c.hdr.dtype));
         goto out;
     }
     const size_t n = (size_t)c.hdr.n_layers * (size_t)c.hdr.n_tokens * (size_t)c.hdr.kv_heads * (size_t)c.hdr.head_dim;
-    if (c.hdr.n_layers < 1 || c.hdr.n_tokens < 1 || (size_t)k.len != n * kvf_dtype_size(kd) ||
-        (size_t)v.len != n * kvf_dtype_size(kd)) {
+    if (c.hdr.n_layers < 1 || c.hdr.n_tokens < 1 || (size_t)k.len != n * kf_dtype_size(kd) ||
+        (size_t)v.len != n * kf_dtype_size(kd)) {
         PyErr_Format(PyExc_ValueError, "write: keys/values hold %zd/%zd bytes, the header needs %zu", k.len, v.len,
-                     n * kvf_dtype_size(kd));
+                     n * kf_dtype_size(kd));
         goto out;
     }
-    if (kd == KVF_F32) {
+    if (kd == KF_DTYPE_F32) {
         c.keys = k.buf;
         c.values = v.buf;
     } else {
@@ -809,7 +890,7 @@ static PyMethodDef methods[] = {
      "t0, t1, head_start=0, kv_heads=-1, cp_size=1, cp_rank=0, cp_interleave=1, src_head_major=False)"},
     {"load_blocks", (PyCFunction)(void (*)(void))py_load_blocks, METH_VARARGS | METH_KEYWORDS,
      "load_blocks(path, dtype, out, dst, layout, block_ids, block_size, t0, t1, model_fingerprint=None, n_layers=-1, "
-     "kv_heads=-1, head_dim=-1, heads=(0, -1), payload_digest=None, cp_size=1, cp_rank=0, cp_interleave=1) -> header"},
+     "kv_heads=-1, head_dim=-1, heads=(0, -1), payload_digest=None, cp_size=1, cp_rank=0, cp_interleave=1, overlap=True) -> header"},
     {"write", (PyCFunction)(void (*)(void))py_write, METH_VARARGS | METH_KEYWORDS,
      "write(path, header, keys, values, keys_dtype='float32')"},
     {"document_digest", py_document_digest, METH_O, "document_digest(ids) -> 32 hex digits"},

@@ -8,14 +8,17 @@ A request names its cache in kv_transfer_params["kvfold"] (kvfold.prompt builds 
 is the cache's C placeholder ids followed by the question. Scheduler side: the request is
 claimed (C tokens, minus the local prefix-cache hit) when the prompt and the file check out. When
 a request names a cache that cannot be served (missing, corrupt or another model's file, a prompt
-whose placeholders do not match), the connector still claims its leading placeholder tokens and
-the worker reports their blocks through get_block_ids_with_load_errors, so vLLM (whose
+whose placeholders do not match, a cache_salt not the cache's), the connector claims its leading
+placeholder tokens (at least one token beyond the local prefix-cache hit) asynchronously and the
+worker reports their blocks through get_block_ids_with_load_errors, so vLLM (whose
 kv_load_failure_policy must be "fail": the connector refuses to start otherwise) fails the request
-instead of attending to placeholder ids. When the local prefix-cache hit already covers the
-claim, one more token is claimed (or, when none is left, the last hit block is reported), so the
-request fails on that path too. Set extra config "on_invalid": "ignore" to claim nothing instead
-(vLLM then computes the prompt as given). A request without kvfold parameters is left alone:
-(0, False). Every value a client sends is checked before any work (kvfold.params: types, bounds,
+instead of attending to placeholder ids. An async claim keeps its blocks out of vLLM's prefix
+cache until its load succeeds, so a failing request never shares a block with another request:
+it fails alone. Set extra config "on_invalid": "ignore" to claim nothing instead (vLLM then
+computes the prompt as given), except under a kvfold cache_salt ("kvfold-..."): those salts are
+reserved for K/V loaded from files, so such a request fails even with kvfold parameters missing,
+and never computes placeholder ids into the prefix cache under a cache's identity. Any other
+request without kvfold parameters is left alone: (0, False). Every value a client sends is checked before any work (kvfold.params: types, bounds,
 prompt token ids in the vocabulary), and no exception leaves a scheduler-side method: a request
 the checks refuse fails alone, and an unforeseen fault is logged and answered as "nothing here".
 
@@ -31,7 +34,8 @@ stopped writing (vLLM keeps the blocks of a WAITING_FOR_REMOTE_KVS request until
 that ends mid-block loads synchronously even in async mode: older vLLM marks every allocated
 block computed when an async load finishes, which would skip the question tokens in that block.
 A cold load into host tensors runs in one pass (kvfold.loader.one_pass_load): layer by layer,
-the chunks are read and checked, and the layer copied into the blocks while still in cache.
+the chunks are read and checked, and the layer copied into the blocks while still in cache (the
+next layer read meanwhile on a helper thread when a core is idle).
 Decoded caches stay in a host retention pool (kvfold.pool). Layers that share another layer's KV tensor are written once, as that layer; layers beyond
 the model's (EAGLE/MTP draft layers) get zeros in the loaded slots. Context parallelism (decode and
 prefill CP) spreads each scheduler block over the CP ranks as vLLM's block table does; each rank
@@ -81,7 +85,8 @@ from .fingerprint import read_fingerprint_cache
 from .loader import one_pass_load, pipelined_load
 from .pool import RetentionPool
 from .params import parse_params, show
-from .prompt import PARAMS_KEY, cache_key, placeholder_ids, token_id_error, tokenizer_digest
+from .prompt import (PARAMS_KEY, SALT_PREFIX, cache_key, cache_salt, placeholder_ids, token_id_error,
+                     tokenizer_digest)
 
 logger = logging.getLogger("kvfold.connector")
 
@@ -244,34 +249,38 @@ class KVFoldConnector(KVConnectorBase_V1):
     @_never_raises(lambda self: (0, False))
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         d = self._decide(request)
-        if d is None or (d.claim <= 0 and not d.reason) or (d.reason and self._on_invalid != "fail"):
+        if d is None:
             return 0, False
-        self._computed[request.request_id] = num_computed_tokens
+        rid = request.request_id
+        if d.reason:
+            if self._on_invalid != "fail" and not _in_kvfold_namespace(request):
+                return 0, False
+            # a failing claim is always asynchronous: vLLM caches its blocks only once the load
+            # succeeds, so the failure stays private (see docs/connector.md). At least one token is
+            # claimed; vLLM's local hit leaves at least one, and an async claim may reach the end.
+            if num_computed_tokens >= len(request.prompt_token_ids):
+                return 0, False  # never asked so by vLLM: nothing is left to compute or to fail
+            self._computed[rid] = num_computed_tokens
+            self._async_claims.add(rid)
+            return max(1, d.claim - num_computed_tokens), True
+        self._computed[rid] = num_computed_tokens
         extra = d.claim - num_computed_tokens
-        if d.reason and extra <= 0:  # the local hit covers the claim: fail one more token, when one is left
-            extra = 1 if num_computed_tokens + 1 < len(request.prompt_token_ids) else 0
-        if self._async and not d.reason and extra > 0 and d.claim % self._block_size == 0:
-            self._async_claims.add(request.request_id)
+        if self._async and extra > 0 and d.claim % self._block_size == 0:
+            self._async_claims.add(rid)
             return extra, True
-        self._async_claims.discard(request.request_id)
+        self._async_claims.discard(rid)
         return max(0, extra), False
 
     @_never_raises(lambda self: None)
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
         d = self._decisions.get(rid)
-        if d is None or (num_external_tokens <= 0 and not d.reason) or (d.reason and self._on_invalid != "fail"):
+        if d is None or num_external_tokens <= 0:
             return
         block_ids = [int(b) for b in blocks.get_block_ids()[0]]
         t0 = self._computed.get(rid, d.claim - num_external_tokens)
-        t1 = t0 + num_external_tokens
-        if t1 <= t0:  # a failing request with nothing left to claim: report its last hit block
-            if t0 == 0:
-                logger.error("kvfold: request %s: %s; its prompt leaves nothing to fail it with", rid, d.reason)
-                return
-            t0, t1 = t0 - 1, t0
-        self._pending[rid] = LoadSpec(rid, d.path, d.reason, d.key, d.n_tokens, block_ids, t0, t1, d.elems,
-                                      rid in self._async_claims and num_external_tokens > 0, d.payload)
+        self._pending[rid] = LoadSpec(rid, d.path, d.reason, d.key, d.n_tokens, block_ids, t0,
+                                      t0 + num_external_tokens, d.elems, rid in self._async_claims, d.payload)
 
     @_never_raises(lambda self: KVFoldMetadata(self._block_size))
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
@@ -297,14 +306,21 @@ class KVFoldConnector(KVConnectorBase_V1):
         params = getattr(request, "kv_transfer_params", None)
         spec = params.get(PARAMS_KEY) if isinstance(params, dict) else None
         if spec is None:
-            return None
+            if not _in_kvfold_namespace(request):
+                return None
+            d = _Decision(0, None, f"carries kvfold's cache_salt but no kv_transfer_params['{PARAMS_KEY}'] (the "
+                          "salts 'kvfold-...' are reserved for caches loaded from files)", "", 0)
+            logger.warning("kvfold: request %s: %s (failing it)", rid, d.reason)
+            self._decisions[rid] = d
+            return d
         try:
             d = self._evaluate(request, spec)
         except Exception as e:  # a request the checks above missed still fails alone
             logger.exception("kvfold: request %s: unexpected error while checking it", rid)
             d = _Decision(0, None, f"cannot be served ({type(e).__name__}: {show(str(e))})", "", 0)
         if d.reason:
-            action = "failing it" if self._on_invalid == "fail" else "claiming nothing"
+            action = ("failing it" if self._on_invalid == "fail" or _in_kvfold_namespace(request) else
+                      "claiming nothing")
             logger.warning("kvfold: request %s: %s (%s)", rid, d.reason, action)
         self._decisions[rid] = d
         return d
@@ -322,6 +338,10 @@ class KVFoldConnector(KVConnectorBase_V1):
         why = token_id_error(prompt, self._vocab, "prompt token")
         if why:
             return _Decision(0, None, why, key, C)
+        salt = getattr(request, "cache_salt", None)
+        if salt != cache_salt(key):
+            return _Decision(0, None, f"cache_salt {show(salt)} is not the cache's (kvfold.prompt gives it): K/V loaded "
+                             "from a file enter vLLM's prefix cache only under the cache's own salt", key, C)
         expected = placeholder_ids(key, min(C, T), id_range)  # never more ids than the prompt holds
         run = 0
         while run < min(C, T) and prompt[run] == expected[run]:
@@ -465,8 +485,12 @@ class KVFoldConnector(KVConnectorBase_V1):
             self._executor = ThreadPoolExecutor(max_workers=self._load_threads, thread_name_prefix="kvfold-async")
         if spec.req_id in self._inflight:  # vLLM never schedules a request twice while it loads
             raise RuntimeError(f"kvfold: request {spec.req_id} is already loading")
-        self._inflight[spec.req_id] = (self._executor.submit(self._load_on_thread, spec, block_size), spec,
-                                       block_size)
+        if spec.reason:  # a failing claim: reported by this step's get_finished, no thread needed
+            fut: Future = Future()
+            fut.set_exception(ValueError(spec.reason))
+        else:
+            fut = self._executor.submit(self._load_on_thread, spec, block_size)
+        self._inflight[spec.req_id] = (fut, spec, block_size)
 
     def _load_on_thread(self, spec: LoadSpec, block_size: int) -> bool:
         """An async load; on a CUDA cache the copies run on this thread's own stream, synchronized
@@ -584,6 +608,13 @@ class KVFoldConnector(KVConnectorBase_V1):
         self._inflight.clear()
         self._pool.evict()
         self._tensors = []
+
+
+def _in_kvfold_namespace(request: Any) -> bool:
+    """The request's cache_salt is kvfold's: its blocks in vLLM's prefix cache must hold K/V loaded
+    from a file, never placeholder ids computed as text."""
+    salt = getattr(request, "cache_salt", None)
+    return isinstance(salt, str) and salt.startswith(SALT_PREFIX)
 
 
 def _layer_index(name: str) -> int:

@@ -2,8 +2,10 @@
 
 one_pass_load (host tensors): one open, then layer by layer: the layer's chunks are read into a
 scratch of one layer and checked (sums, values, digests), and the layer is copied into the blocks
-and into the buffer while it is still in cache, all in C without the GIL and on one thread (no
-helper thread competing for the cores).
+and into the buffer while it is still in cache, all in C without the GIL. When a core is idle
+(spare_core: the load average leaves one) a helper thread reads the next layer meanwhile; on a
+busy machine the handoff at every layer waits for the scheduler and costs more than it hides
+(docs/connector.md), so the load stays on one thread.
 
 pipelined_load (any tensors): the file's layers are read in a few ranges by one helper thread (the
 HDF5 library is used from that thread only), and each range is copied into the KV blocks by the
@@ -11,10 +13,19 @@ caller's thread while the next range is read.
 """
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import _kvfold
+
+
+def spare_core() -> bool:
+    """A core idle beside this thread: the last minute's load average leaves one."""
+    try:
+        return os.getloadavg()[0] + 1.0 <= (os.cpu_count() or 1)
+    except OSError:  # no load average on this system
+        return False
 
 
 def layer_ranges(n_layers: int, parts: int) -> List[Tuple[int, int]]:
@@ -53,10 +64,15 @@ def pipelined_load(path: str, dtype: str, buf: Any, n_layers: int,
 def one_pass_load(path: str, dtype: str, buf: Any, destinations: List[Any], layout: str, block_ids: List[int],
                   block_size: int, t0: int, t1: int, *, model_fingerprint: Optional[str] = None, n_layers: int = -1,
                   kv_heads: int = -1, head_dim: int = -1, heads: Tuple[int, int] = (0, -1),
-                  payload_digest: Optional[str] = None, cp: Tuple[int, int, int] = (1, 0, 1)) -> Dict[str, Any]:
+                  payload_digest: Optional[str] = None, cp: Tuple[int, int, int] = (1, 0, 1),
+                  overlap: Optional[bool] = None) -> Dict[str, Any]:
     """Decode path into buf ([2, n_layers, C, kv_heads, head_dim] in dtype, as load() gives; only
     heads `heads` are written) and tokens [t0, t1) into the host tensors described by destinations
     (blocks.host_destination of each, holding those heads), a layer at a time; the header.
-    payload_digest: the file must still be the one scheduled."""
+    payload_digest: the file must still be the one scheduled. overlap: a helper thread reads the
+    next layer while this one is copied (False: the same on one thread; None: when spare_core())."""
+    if overlap is None:
+        overlap = spare_core()
     return _kvfold.load_blocks(path, dtype, buf, destinations, layout, list(block_ids), block_size, t0, t1,
-                               model_fingerprint, n_layers, kv_heads, head_dim, tuple(heads), payload_digest, *cp)
+                               model_fingerprint, n_layers, kv_heads, head_dim, tuple(heads), payload_digest, *cp,
+                               overlap)

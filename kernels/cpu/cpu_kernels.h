@@ -14,6 +14,7 @@
 #include <stdint.h>
 
 #include "kernels/backend.h"
+#include "kernels/base/convert.h"
 
 /* The row kernels' loops are built three times on x86-64 with GCC (AVX-512, AVX2, baseline
  * SSE2) and the loader picks the one the CPU runs (an ifunc): the portable build stays portable
@@ -25,12 +26,7 @@
 #define KF_ROW_CLONES
 #endif
 
-/* dtype conversion (n values; src may be unaligned) */
-float kf_bf16_to_f32(uint16_t h);
-uint16_t kf_f32_to_bf16(float f); /* round to nearest even; NaN stays NaN */
-float kf_f16_to_f32(uint16_t h);
-uint16_t kf_f32_to_f16(float f);  /* round to nearest even */
-void kf_convert_to_f32(float *dst, const void *src, kf_dtype src_dtype, size_t n);
+/* dtype conversions: kernels/base/convert.h */
 /* n values, aligned: bf16 widened to fp32 (exact), fp32 rounded to bf16 (nearest even) */
 void kf_bf16_to_f32_n(float *dst, const uint16_t *src, size_t n);
 void kf_f32_to_bf16_n(uint16_t *dst, const float *src, size_t n);

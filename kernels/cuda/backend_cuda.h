@@ -8,7 +8,7 @@
 #ifndef KF_BACKEND_CUDA_H
 #define KF_BACKEND_CUDA_H
 
-#include "formats/error.h"
+#include "kernels/base/error.h"
 #include "kernels/backend.h"
 
 #ifdef __cplusplus

@@ -7,13 +7,8 @@ data=$2
 model=$data/records-qwen3
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-fails=0
-check() { # check NAME CONDITION...
-    local name=$1
-    shift
-    if "$@"; then echo "ok   $name"; else echo "FAIL $name"; fails=$((fails + 1)); fi
-}
-has() { grep -qF -- "$2" "$1"; }
+# shellcheck source=lib.sh
+. "$(dirname "$0")/lib.sh"
 
 # Six small records documents (ids), named by id.
 python3 - "$data/records-dev.jsonl" "$tmp/docs.jsonl" <<'PY'
@@ -260,5 +255,4 @@ check "several variants: all there: skipped" has "$tmp/multi3.out" "2 documents 
 check "several variants: a pair given twice is a usage error" test $? -eq 2
 check "several variants: bad method in a list named" bash -c '"$0" compact --model "$1" --method fold,nope x 2>&1 | grep -qF "not '"'"'nope'"'"'"' "$kvfold" "$model"
 
-echo "$fails failed"
-exit $((fails > 0))
+finish

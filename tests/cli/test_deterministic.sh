@@ -9,12 +9,8 @@ kvfold=$1
 data=$2
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-fails=0
-check() { # check NAME CONDITION...
-    local name=$1
-    shift
-    if "$@"; then echo "ok   $name"; else echo "FAIL $name"; fails=$((fails + 1)); fi
-}
+# shellcheck source=lib.sh
+. "$(dirname "$0")/lib.sh"
 
 # Three records documents: "shares" begins with the first 208 tokens (13 pages) of "whole".
 python3 - "$data/records-dev.jsonl" "$tmp/docs.jsonl" <<'PY'
@@ -66,5 +62,4 @@ KVFOLD_THREADS=0 "$kvfold" compact --model "$data/records-llama3-induct" --manif
     --out "$tmp/bad" >/dev/null 2>"$tmp/bad.err"
 check "KVFOLD_THREADS=0 refused" grep -q "KVFOLD_THREADS must be a whole number from 1 to 1024, not '0'" "$tmp/bad.err"
 
-echo "$fails failed"
-[ "$fails" -eq 0 ]
+finish

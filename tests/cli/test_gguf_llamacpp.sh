@@ -29,7 +29,7 @@ for m in "${models[@]}"; do
         "$py" "$root/tools/gguf-write.py" "$data/$m" "$tmp/$m-$t.gguf" --type "$t" >/dev/null || exit 1
         files+=("$tmp/$m-$t.gguf")
     done
-    "$kvfold" logits --model "$data/$m" --ids "$ids" --json --top 3200 > "$tmp/$m.kvfold.json" || exit 1
+    "$kvfold" logits --model "$data/$m" --ids "$ids" --format json --top 3200 > "$tmp/$m.kvfold.json" || exit 1
 done
 # one node process for all files: llama.cpp's start-up is most of the time
 node "$root/tools/llamacpp/llamacpp.mjs" logits --modules "$modules" --ids "$ids" --threads 1 --kv f32 \

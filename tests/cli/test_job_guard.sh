@@ -12,14 +12,8 @@ model=$data/records-llama3-induct
 py=/usr/bin/python3
 tmp=$(mktemp -d)
 trap '[ -n "${KEEP_TMP:-}" ] || rm -rf "$tmp"' EXIT
-fails=0
-check() { # check NAME CONDITION...
-    local name=$1
-    shift
-    if "$@"; then echo "ok   $name"; else echo "FAIL $name"; fails=$((fails + 1)); fi
-}
-has() { grep -qF -- "$2" "$1"; }
-hasnt() { ! grep -qF -- "$2" "$1"; }
+# shellcheck source=lib.sh
+. "$(dirname "$0")/lib.sh"
 
 "$py" -c 'import h5py' || { echo "FAIL /usr/bin/python3 cannot import h5py (install python3-h5py)"; exit 1; }
 # Three short records documents (ids), named a, b, c.
@@ -54,7 +48,7 @@ check "b's file under a's name: ask refuses to serve it" bash -c "[ $? -eq 1 ] &
 check "b's file under a's name: compacted again (exit 0)" test $? -eq 0
 check "b's file under a's name: counted in the summary" has "$tmp/3.out" "1 done, 2 skipped (valid file exists), 0 busy (another worker), 0 failed; 1 file replaced"
 check "b's file under a's name: reported with the cause" bash -c "grep -q 'kvf: holds document [0-9a-f]*, not [0-9a-f]*: compacting it again\$' '$tmp/3.err'"
-digest() { "$kvfold" inspect --json "$1" | "$py" -c 'import json, sys; print(json.load(sys.stdin)["document_digest"])'; }
+digest() { "$kvfold" inspect --format json "$1" | "$py" -c 'import json, sys; print(json.load(sys.stdin)["document_digest"])'; }
 check "b's file under a's name: a's own document back" test "$(digest "$a")" = "$(digest "$tmp/a.orig")"
 "$kvfold" verify "$a" --model "$model" >/dev/null 2>&1
 check "b's file under a's name: verify accepts the recompacted file" test $? -eq 0
@@ -189,7 +183,7 @@ printf '{"ids": [3, 1, 4]}' >"$tmp/looks-like-line.txt"
 for f in looks-like-ids looks-like-line; do
     "$kvfold" compact "${common[@]}" -q --out "$tmp/text-root-$f" "$tmp/$f.txt" >"$tmp/$f.out" 2>&1
     want=$("$kvfold" tokenize --model "$model" --add-special <"$tmp/$f.txt" | tr ',' '\n' | grep -c .)
-    got=$("$kvfold" inspect --json "$(find "$tmp/text-root-$f" -name '*.kvf')" | "$py" -c 'import json, sys; print(json.load(sys.stdin)["n_doc_tokens"])')
+    got=$("$kvfold" inspect --format json "$(find "$tmp/text-root-$f" -name '*.kvf')" | "$py" -c 'import json, sys; print(json.load(sys.stdin)["n_doc_tokens"])')
     check "$f.txt: compacted as its text ($want tokens, got $got)" test "$got" = "$want"
 done
 
@@ -225,5 +219,4 @@ PY
 check "num_hidden_layers 1 of 2: refused (exit 1, was 0)" test $? -eq 1
 check "num_hidden_layers 1 of 2: the message" has "$tmp/fewer.err" "the checkpoint holds layer 1 (tensor 'model.layers.1."
 
-echo "$fails failed"
-exit $((fails > 0))
+finish

@@ -11,13 +11,8 @@ model=$data/records-qwen3
 py=/usr/bin/python3
 tmp=$(mktemp -d)
 trap '[ -n "${KEEP_TMP:-}" ] || rm -rf "$tmp"' EXIT
-fails=0
-check() { # check NAME CONDITION...
-    local name=$1
-    shift
-    if "$@"; then echo "ok   $name"; else echo "FAIL $name"; fails=$((fails + 1)); fi
-}
-has() { grep -qF -- "$2" "$1"; }
+# shellcheck source=lib.sh
+. "$(dirname "$0")/lib.sh"
 nfiles() { find "$1" -name '*.kvf' | wc -l; }
 
 "$py" -c 'import h5py' || { echo "FAIL /usr/bin/python3 cannot import h5py (install python3-h5py)"; exit 1; }
@@ -62,7 +57,7 @@ check "after recompute: verify accepts every file" bash -c "for f in \$(find '$t
 check "inspect: exit 0" test $? -eq 0
 check "inspect: head methods line" has "$tmp/i.txt" "head methods"
 check "inspect: recipe line" has "$tmp/i.txt" "recipe "
-"$kvfold" inspect --json "$first" >"$tmp/i.json" 2>"$tmp/i.err"
+"$kvfold" inspect --format json "$first" >"$tmp/i.json" 2>"$tmp/i.err"
 check "inspect --json: exit 0" test $? -eq 0
 check "inspect --json: valid JSON with head_methods and recipe_digest" "$py" -c "
 import json, sys
@@ -82,7 +77,7 @@ with h5py.File(sys.argv[1], "r+") as f:
     a = h5py.h5a.create(f.id, b"placeholder", tid, h5py.h5s.create(h5py.h5s.SCALAR))
     a.write(np.array(b"ab\xff\xfe", dtype="S5"), mtype=tid)
 PY
-"$kvfold" inspect --json "$tmp/bad-utf8.kvf" >"$tmp/b.json" 2>"$tmp/b.err"
+"$kvfold" inspect --format json "$tmp/bad-utf8.kvf" >"$tmp/b.json" 2>"$tmp/b.err"
 check "invalid UTF-8, --json: exit 1" test $? -eq 1
 check "invalid UTF-8, --json: nothing on stdout" test ! -s "$tmp/b.json"
 check "invalid UTF-8, --json: the cause on stderr" has "$tmp/b.err" "'placeholder' is not printable UTF-8"
@@ -90,13 +85,15 @@ check "invalid UTF-8, --json: the cause on stderr" has "$tmp/b.err" "'placeholde
 check "invalid UTF-8, text: exit 1" test $? -eq 1
 check "invalid UTF-8, text: no raw bytes written" bash -c "! LC_ALL=C grep -q \$'\\xff' '$tmp/b.txt'"
 
-# a file name that is not UTF-8: text mode works, --json is a clear error
+# a file name that is not UTF-8: text mode works, --json (the old spelling of --format json) is a
+# clear error
 bad_name=$(printf '%s/name-\377.kvf' "$tmp")
 cp "$first" "$bad_name"
 "$kvfold" inspect --json "$bad_name" >"$tmp/n.json" 2>"$tmp/n.err"
 rc=$?
 check "non-UTF-8 name, --json: exit 1 or valid JSON" bash -c "[ $rc -eq 1 ] && [ ! -s '$tmp/n.json' ] || '$py' -c 'import json; json.load(open(\"$tmp/n.json\"))'"
 check "non-UTF-8 name, --json: the cause on stderr" has "$tmp/n.err" "not UTF-8"
+check "inspect --json (old spelling): a note naming --format json" \
+    has "$tmp/n.err" "kvfold inspect: note: --json is now --format json"
 
-echo "$fails failed"
-exit $((fails > 0))
+finish

@@ -13,12 +13,8 @@ data=$2
 model=$data/records-llama3-induct
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-fails=0
-check() { # check NAME CONDITION...
-    local name=$1
-    shift
-    if "$@"; then echo "ok   $name"; else echo "FAIL $name"; fails=$((fails + 1)); fi
-}
+# shellcheck source=lib.sh
+. "$(dirname "$0")/lib.sh"
 
 # Two documents cut to 150 and 90 tokens (3 and 2 chunks of 64), and two whole small ones for eval.
 python3 - "$data/records-dev.jsonl" "$tmp" <<'PY'
@@ -105,14 +101,14 @@ check "compact --quiet: exit 0" test $? -eq 0
 check "compact --quiet: nothing on stderr" test ! -s "$tmp/q.err"
 check "compact --quiet: the summary" grep -q "2 done" "$tmp/q.out"
 
-"$kvfold" eval quality --model "$model" --docs "$tmp/eval.jsonl" --methods full,fold --budgets 0.25 --max-queries 500 \
+"$kvfold" eval quality --model "$model" --docs "$tmp/eval.jsonl" --method full,fold --budget 0.25 --max-queries 500 \
     --chunk 64 --progress-interval 0 >"$tmp/e.out" 2>"$tmp/e.err"
 check "eval (log): exit 0" test $? -eq 0
 python3 "$tmp/expected.py" eval "$tmp/eval.jsonl" >"$tmp/e.want"
 python3 "$tmp/log.py" eval "$tmp/e.err" >"$tmp/e.got"
 check "eval (log): every line well formed" test "$(grep -c '^BAD' "$tmp/e.got")" -eq 0
 check "eval (log): each document's stages in order with their counts" diff "$tmp/e.want" <(grep -v '^BAD' "$tmp/e.got")
-"$kvfold" eval quality --model "$model" --docs "$tmp/eval.jsonl" --methods full,fold --budgets 0.25 --max-queries 500 \
+"$kvfold" eval quality --model "$model" --docs "$tmp/eval.jsonl" --method full,fold --budget 0.25 --max-queries 500 \
     --chunk 64 --progress-interval 0 --quiet >"$tmp/eq.out" 2>"$tmp/eq.err"
 check "eval --quiet: exit 0" test $? -eq 0
 check "eval --quiet: nothing on stderr" test ! -s "$tmp/eq.err"
@@ -165,7 +161,7 @@ script -qefc "$(q "$kvfold" compact "${common[@]}" --out "$tmp/root-tq" --manife
     </dev/null >"$tmp/tq.raw" 2>&1
 check "compact --quiet (terminal): exit 0" test $? -eq 0
 check "compact --quiet (terminal): nothing drawn" test "$(grep -c $'\033' "$tmp/tq.raw")" -eq 0
-script -qefc "$(q "$kvfold" eval quality --model "$model" --docs "$tmp/eval.jsonl" --methods full,fold --budgets 0.25 \
+script -qefc "$(q "$kvfold" eval quality --model "$model" --docs "$tmp/eval.jsonl" --method full,fold --budget 0.25 \
     --max-queries 500 --chunk 64)" /dev/null </dev/null >"$tmp/te.raw" 2>&1
 check "eval (terminal): exit 0" test $? -eq 0
 python3 "$tmp/frames.py" eval "$tmp/te.raw" "$tmp/eval.jsonl" >"$tmp/te.got"
@@ -173,5 +169,4 @@ check "eval (terminal): frames fit, line cleared before the table" test "$(grep 
 grep '^BAD' "$tmp/te.got" | head -3
 check "eval (terminal): every stage drawn in place, in order" diff "$tmp/e.want" <(grep -v '^BAD' "$tmp/te.got")
 
-echo "$fails failed"
-[ "$fails" -eq 0 ]
+finish

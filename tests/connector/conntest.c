@@ -8,6 +8,7 @@
 
 #include "compactor/compact.h"
 #include "formats/kvf.h"
+#include "kernels/base/convert.h"
 
 typedef struct {
     kf_backend *b;
@@ -98,7 +99,7 @@ int kfct_compacted_write(void *pm, void *pc, const int32_t *doc, int n_doc, cons
     kvf_document_digest(doc, n_doc, k.hdr.document_digest);
     k.hdr.n_doc_tokens = c->D;
     k.hdr.n_tokens = c->C;
-    k.hdr.method = (kvf_method)c->method; /* same order: keep, drop, am, fold */
+    k.hdr.method = (kf_method)c->method; /* same order: keep, drop, am, fold */
     k.hdr.budget = c->budget;
     k.hdr.lambda = c->method == KF_METHOD_FOLD ? c->lambda_rel : 0;
     k.hdr.rope_frame = c->rotated ? KVF_FRAME_COMPACTED : KVF_FRAME_ORIGINAL;
@@ -147,7 +148,7 @@ static int question_logits(kfct_model *h, const kf_compacted *c, const int32_t *
 int kfct_compacted_logits(void *pm, void *pc, const char *round_dtype, const int32_t *q, int nq, float *logits,
                           char *err, int errlen) {
     const kf_compacted *c = pc;
-    kvf_dtype d;
+    kf_dtype d;
     if (kvf_dtype_parse(round_dtype, &d) != 0) {
         snprintf(err, (size_t)errlen, "unknown dtype %s", round_dtype);
         return KF_ERR_INVALID;
@@ -158,12 +159,12 @@ int kfct_compacted_logits(void *pm, void *pc, const char *round_dtype, const int
     r.values = malloc(n * sizeof(float));
     for (size_t i = 0; i < n; i++) {
         float k = c->keys[i], v = c->values[i];
-        if (d == KVF_BF16) {
-            k = kvf_bf16_to_f32(kvf_f32_to_bf16(k));
-            v = kvf_bf16_to_f32(kvf_f32_to_bf16(v));
-        } else if (d == KVF_F16) {
-            k = kvf_f16_to_f32(kvf_f32_to_f16(k));
-            v = kvf_f16_to_f32(kvf_f32_to_f16(v));
+        if (d == KF_DTYPE_BF16) {
+            k = kf_bf16_to_f32(kf_f32_to_bf16(k));
+            v = kf_bf16_to_f32(kf_f32_to_bf16(v));
+        } else if (d == KF_DTYPE_F16) {
+            k = kf_f16_to_f32(kf_f32_to_f16(k));
+            v = kf_f16_to_f32(kf_f32_to_f16(v));
         }
         r.keys[i] = k;
         r.values[i] = v;

@@ -155,19 +155,22 @@ def test_several_requests_documented_outcomes(root, attn_metadata, hooks):
     assert answers["plain"] == {(0, False)}
     assert answers["good1"] == {(40, False)} and answers["good2"] == {(23, False)}
     assert answers["retried"] == {(40, False)} and sum(a[0] == "retried" for a in asked) == 3
-    assert answers["short"] == {(20, False)}  # the placeholder run is claimed, then fails
-    assert answers["only"] == {(22, False)}
-    assert answers["missing"] == answers["other"] == {(32, False)}
+    assert answers["short"] == {(20, True)}  # the placeholder run is claimed (async: never shared), then fails
+    assert answers["only"] == {(22, True)}
+    assert answers["missing"] == answers["other"] == {(32, True)}
     assert torch.equal(loaded(eng, reqs["retried"], 40), expect(good1))
     eng.shutdown()
 
 
 def test_on_invalid_ignore_claims_nothing(root):
+    """"ignore" claims nothing for a request it cannot serve, except under kvfold's own salt."""
     path = cache(root, "x.kvf", 32, 21)
     eng = Engine(MODEL, {"cache_root": root, "on_invalid": "ignore"})
     r, _ = request("r", path, [1], root)
     os.remove(path)
-    assert eng.scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert eng.scheduler.get_num_new_matched_tokens(r, 0) == (32, True)
+    plain = Request("plain", r.prompt_token_ids, r.kv_transfer_params, "another salt")
+    assert eng.scheduler.get_num_new_matched_tokens(plain, 0) == (0, False)
 
 
 def test_idempotent_and_metadata_once(root):
@@ -353,7 +356,7 @@ def test_refusals(root):
     eng = Engine(MODEL, {"cache_root": root})
     r, _ = request("r", path, [1], root)
     r.kv_transfer_params["kvfold"]["cache"] = "../../etc/passwd"
-    assert eng.scheduler.get_num_new_matched_tokens(r, 0) == (16, False)  # claimed to fail it
+    assert eng.scheduler.get_num_new_matched_tokens(r, 0) == (16, True)  # claimed (asynchronously) to fail it
     assert "outside cache_root" in eng.scheduler._decisions["r"].reason
 
 
@@ -367,8 +370,8 @@ def test_refuses_to_start_unless_failure_policy_is_fail(root, policy):
 
 def test_prefix_hit_path_fails_an_unservable_request(root):
     """A request whose claim the local prefix-cache hit already covers still fails when its cache
-    cannot be served: one more token is claimed and its block reported; with no token left, the
-    last hit block is reported. A good request sharing those blocks is unaffected in the first case."""
+    cannot be served: one more token is claimed (asynchronously, so its block stays private) and
+    reported, also when it is the prompt's last token; the hit blocks stay cached."""
     path = cache(root, "ph.kvf", 32, 91)
     eng = Engine(MODEL, {"cache_root": root}, prefix_caching=True, num_blocks=64)
     a, _ = request("a", path, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], root)
@@ -382,13 +385,14 @@ def test_prefix_hit_path_fails_an_unservable_request(root):
     spec = eng.metas[-1].loads[0]
     assert spec.reason and (spec.t0, spec.t1) == (48, 49)  # hit 3 blocks (48 tokens) > C = 32: one token more
     assert eng.finished["b"].status == "FINISHED_ERROR"
-    # the whole prompt but its last token hit: the last hit block is reported instead
+    # the whole prompt but its last token hit: that token is claimed
     c = Request("c", a.prompt_token_ids[:49], a.kv_transfer_params, a.cache_salt, max_tokens=1)
     eng.add_request(c)
     eng.step()
     spec = eng.metas[-1].loads[0]
-    assert spec.reason and (spec.t0, spec.t1) == (47, 48)
+    assert spec.reason and spec.asynchronous and (spec.t0, spec.t1) == (48, 49)
     assert eng.finished["c"].status == "FINISHED_ERROR"
+    assert eng.cached_blocks(c, 3) == 3
 
 
 def test_malformed_params_fail_the_request(root):
@@ -618,20 +622,27 @@ def test_stub_follows_vllm(root):
     assert eng.steps[-1]["scheduled"] == {"a": 1, "b": 20} and calls == [("a", 32), ("b", 0)]
 
 
-def test_recompute_policy_would_poison_the_prefix_cache(root, monkeypatch):
-    """Why the connector refuses "recompute": with the check bypassed, a failed load is computed
-    from the placeholder ids, the request finishes normally, and its placeholder blocks stay in the
-    prefix cache where a later request with the same ids would hit them."""
+def test_claiming_nothing_would_poison_the_prefix_cache(root, monkeypatch):
+    """Why a failing request under kvfold's salt never gets "nothing here" (on_invalid "ignore"
+    applies to other salts only): with that rule bypassed, the request is computed from the
+    placeholder ids, its blocks enter the prefix cache under the cache's hashes, and a well-formed
+    request after it hits them and attends to placeholder K/V. (Under kv_load_failure_policy
+    "recompute" vLLM would do the same to a failed load: the connector refuses to start then.)"""
     import kvfold.connector as kc
-    monkeypatch.setattr(kc, "check_failure_policy", lambda cfg: None)
+    monkeypatch.setattr(kc, "_in_kvfold_namespace", lambda request: False)
     path = cache(root, "rc.kvf", 32, 101)
-    eng = Engine(MODEL, {"cache_root": root}, policy="recompute", prefix_caching=True)
-    r, _ = request("r", path, [1, 2], root)
-    os.remove(path)
+    eng = Engine(MODEL, {"cache_root": root, "on_invalid": "ignore"}, prefix_caching=True)
+    r, p = request("r", path, [1, 2], root)
+    r.kv_transfer_params = {"kvfold": dict(p.kv_transfer_params["kvfold"], cache="missing.kvf")}
     eng.add_request(r)
     eng.run()
-    assert eng.finished["r"].status == "FINISHED_LENGTH" and "r" in eng.recomputed
+    assert eng.finished["r"].status == "FINISHED_LENGTH"
     assert eng.cached_blocks(r, 2) == 2  # both placeholder blocks are reusable
+    g, _ = request("g", path, [3], root)
+    eng.add_request(g)
+    eng.run()
+    assert eng.finished["g"].status == "FINISHED_LENGTH"
+    assert not torch.equal(loaded(eng, g, 32), expect(path))  # served the placeholders' K/V
 
 
 def test_pipelined_cold_load(root):
@@ -738,10 +749,12 @@ def test_head_major_decode_copies_the_same_blocks(root, use_torch):
 
 @pytest.mark.parametrize("layout,order", PROFILE_LAYOUTS)
 @pytest.mark.parametrize("file_dtype,cache_dtype", [("bfloat16", torch.bfloat16), ("float32", torch.float16)])
-def test_one_pass_load_writes_what_load_then_copy_writes(root, layout, order, file_dtype, cache_dtype):
-    """load_blocks (a cold load in one pass) fills the buffer as load() does and the blocks as
-    copy_to_blocks from it does, for a head range, tokens [t0, t1), every layout; a
-    payload digest other than the file's, or a damaged last layer, is refused."""
+@pytest.mark.parametrize("overlap", [True, False])
+def test_one_pass_load_writes_what_load_then_copy_writes(root, layout, order, file_dtype, cache_dtype, overlap):
+    """load_blocks (a cold load in one pass, with the next layer read ahead on a helper thread or
+    not) fills the buffer as load() does and the blocks as copy_to_blocks from it does, for a head
+    range, tokens [t0, t1), every layout; a payload digest other than the file's, or a damaged
+    layer (read ahead while the one before is copied), is refused."""
     from harness import make_cache
     from kvfold.blocks import copy_to_blocks, host_destination
     from kvfold.loader import one_pass_load
@@ -759,7 +772,7 @@ def test_one_pass_load_writes_what_load_then_copy_writes(root, layout, order, fi
     dests = [host_destination(t, i) for i, t in enumerate(got)]
     payload = _kvfold.read_header(path)["payload_digest"]
     h = one_pass_load(path, dt, buf, dests, layout, ids, bs, t0, t1, n_layers=L, kv_heads=H, head_dim=D,
-                      heads=(h0, h1), payload_digest=payload)
+                      heads=(h0, h1), payload_digest=payload, overlap=overlap)
     assert h["payload_digest"] == payload and bytes(buf) == bytes(ref)
     for a, b in zip(got, want):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))  # NaN fill outside [t0, t1) too
@@ -767,4 +780,58 @@ def test_one_pass_load_writes_what_load_then_copy_writes(root, layout, order, fi
         one_pass_load(path, dt, buf, dests, layout, ids, bs, t0, t1, payload_digest="0" * 32)
     damage_chunk(path, "values", (L - 1, 0, h1 - 1, 0))
     with pytest.raises(_kvfold.KvfError, match="checksum mismatch in values, layer 2 head 2"):
-        one_pass_load(path, dt, buf, dests, layout, ids, bs, t0, t1, heads=(h0, h1))
+        one_pass_load(path, dt, buf, dests, layout, ids, bs, t0, t1, heads=(h0, h1), overlap=overlap)
+    damage_chunk(path, "keys", (1, 0, h0, 0))  # the earlier damage is found first
+    with pytest.raises(_kvfold.KvfError, match="checksum mismatch in keys, layer 1 head 1"):
+        one_pass_load(path, dt, buf, dests, layout, ids, bs, t0, t1, heads=(h0, h1), overlap=overlap)
+
+
+def test_one_pass_loads_on_threads_at_once(root):
+    """Loads of files of different shapes on several threads at once (the scratches are kept
+    between loads, one set shared): each writes exactly what load() gives."""
+    import threading
+    from kvfold.blocks import host_destination
+    from kvfold.loader import one_pass_load
+    from harness import make_cache
+    shapes = [(3, 4, 45), (2, 2, 130), (4, 4, 16), (3, 2, 64)]  # layers, kv heads, C
+    paths = []
+    for i, (L, H, C) in enumerate(shapes):
+        paths.append(os.path.join(root, FP, f"t{i}.kvf"))
+        write_cache(paths[-1], L, H, D_, C, 300 + i)
+    errors = []
+
+    def run(i):
+        L, H, C = shapes[i]
+        try:
+            for _ in range(20):
+                ref = bytearray(2 * L * H * C * D_ * 2)
+                _kvfold.load(paths[i], "bfloat16", out=ref)
+                buf = bytearray(len(ref))
+                ids = list(range(-(-C // 16)))
+                caches = [make_cache("blocks_first", len(ids), 16, H, D_, torch.bfloat16, "nhd") for _ in range(L)]
+                dests = [host_destination(t, l) for l, t in enumerate(caches)]
+                one_pass_load(paths[i], "bfloat16", buf, dests, "blocks_first", ids, 16, 0, C)
+                assert bytes(buf) == bytes(ref), paths[i]
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(shapes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_read_ahead_only_with_a_spare_core(monkeypatch):
+    """one_pass_load reads ahead on a helper thread only when the load average leaves a core idle."""
+    import kvfold.loader as ld
+    seen = []
+    monkeypatch.setattr(ld, "_kvfold", type("X", (), {"load_blocks": staticmethod(lambda *a: seen.append(a[-1]))}))
+    monkeypatch.setattr(ld.os, "cpu_count", lambda: 2)
+    for load, want in ((0.2, True), (1.0, True), (1.5, False), (12.0, False)):
+        monkeypatch.setattr(ld.os, "getloadavg", lambda load=load: (load, load, load))
+        assert ld.spare_core() is want
+        ld.one_pass_load("f.kvf", "bfloat16", None, [], "blocks_first", [], 16, 0, 0)
+        assert seen.pop() is want
+    ld.one_pass_load("f.kvf", "bfloat16", None, [], "blocks_first", [], 16, 0, 0, overlap=True)
+    assert seen.pop() is True

@@ -95,14 +95,17 @@ def test_a_bad_value_fails_its_request_alone(root, case, caplog):
     assert torch.equal(loaded(eng, good, 32), expect(path))
     assert any(f"'{entry}'" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
     ignore = Engine(MODEL, {"cache_root": root, "on_invalid": "ignore"})
-    assert ignore.scheduler.get_num_new_matched_tokens(bad, 0) == (0, False)
+    unsalted = Request("unsalted", bad.prompt_token_ids, bad.kv_transfer_params, None)
+    assert ignore.scheduler.get_num_new_matched_tokens(unsalted, 0) == (0, False)
+    claim, load_async = ignore.scheduler.get_num_new_matched_tokens(bad, 0)  # under kvfold's salt: fails anyway
+    assert claim >= 1 and load_async
 
 
 @pytest.mark.parametrize("spec", ["x.kvf", [1, 2], 7, {"cache": "x", "unknown": 1}, {}])
 def test_malformed_entry_fails_alone(root, spec):
     eng = Engine(MODEL, {"cache_root": root})
     r = Request("m", [5] * 40, {"kvfold": spec}, max_tokens=1)
-    assert eng.scheduler.get_num_new_matched_tokens(r, 0) == (1, False)  # one token claimed, to fail it
+    assert eng.scheduler.get_num_new_matched_tokens(r, 0) == (1, True)  # one token claimed, to fail it
     eng.add_request(r)
     eng.run()
     assert eng.finished["m"].status == "FINISHED_ERROR"
@@ -132,7 +135,7 @@ def test_a_huge_n_tokens_builds_no_more_ids_than_the_prompt_holds(root, monkeypa
         r.request_id = f"h{n}"
         r.kv_transfer_params["kvfold"]["n_tokens"] = n
         claim, load_async = eng.scheduler.get_num_new_matched_tokens(r, 0)
-        assert claim < len(r.prompt_token_ids) and not load_async  # claimed to fail
+        assert claim < len(r.prompt_token_ids) and load_async  # claimed to fail
         assert eng.scheduler._decisions[r.request_id].reason
     assert built and max(built) <= len(r.prompt_token_ids)
 
@@ -150,7 +153,7 @@ def test_nothing_leaves_a_scheduler_method(root, monkeypatch):
     assert s.get_num_new_matched_tokens(r, 0) == (0, False)
     monkeypatch.setattr(type(s), "_evaluate", lambda self, req, spec: 1 / 0)
     r2, _ = request("y", path, [1, 2], root)
-    assert s.get_num_new_matched_tokens(r2, 0) == (1, False)  # failed alone
+    assert s.get_num_new_matched_tokens(r2, 0) == (1, True)  # failed alone
     s.update_state_after_alloc(r2, None, 1)  # no blocks object: logged, nothing raised
     s._pending = None  # any fault inside
     assert s.build_connector_meta(None).loads == []

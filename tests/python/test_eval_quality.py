@@ -52,7 +52,7 @@ def _tsv(text):
 
 def test_tsv_header_full_row_and_counts(tmp_path):
     docs = _write(tmp_path, "d.jsonl", _docs()[:1])
-    p = _run("eval", "quality", "--model", LLAMA, "--docs", docs, "--budgets", "0.5,0.25", "--format", "tsv")
+    p = _run("eval", "quality", "--model", LLAMA, "--docs", docs, "--budget", "0.5,0.25", "--format", "tsv")
     header, rows = _tsv(p.stdout)
     assert header[:8] == OLD_COLUMNS  # scripts read these first; new columns come after
     assert header[8] == "fact_acc"
@@ -103,7 +103,7 @@ def test_probes_from_a_document_that_opens_with_prose(tmp_path, form):
     assert not doc["text"].startswith("- ")
     docs = _write(tmp_path, "d.jsonl", [doc])
     out = str(tmp_path / "probes.jsonl")
-    p = _run("eval", "quality", "--model", LLAMA, "--docs", docs, "--methods", "full", "--probes", "6",
+    p = _run("eval", "quality", "--model", LLAMA, "--docs", docs, "--method", "full", "--probes", "6",
              "--probe-form", form, "--probes-out", out)
     assert "6.0 built on average, 0 documents without probes" in p.stdout
     assert ("question + answer" if form == "qa" else "question only") in p.stdout
@@ -120,11 +120,11 @@ def test_documents_without_probes_are_counted(tmp_path):
     other["ids"] = prose * 4
     other["text"] = "At signal meadow north.\n" * 4
     docs = _write(tmp_path, "d.jsonl", [good, other])
-    p = _run("eval", "quality", "--model", LLAMA, "--docs", docs, "--methods", "full,keep", "--budgets", "0.5",
+    p = _run("eval", "quality", "--model", LLAMA, "--docs", docs, "--method", "full,keep", "--budget", "0.5",
              "--probes", "4")
     assert "1 documents without probes (lines 2)" in p.stdout
     assert "docs:2: no probes" in p.stderr or ":2: no probes" in p.stderr
-    t = _run("eval", "quality", "--model", LLAMA, "--docs", docs, "--methods", "keep", "--budgets", "0.5",
+    t = _run("eval", "quality", "--model", LLAMA, "--docs", docs, "--method", "keep", "--budget", "0.5",
              "--probes", "4", "--format", "tsv")
     _, rows = _tsv(t.stdout)
     assert rows[0]["docs_without_probes"] == "1" and rows[0]["docs"] == "2"
@@ -135,7 +135,7 @@ def test_failed_document_leaves_the_averages(tmp_path):
     bad = dict(good, ids=good["ids"][:10] + [99999] + good["ids"][11:])  # outside the vocabulary
     one = _write(tmp_path, "one.jsonl", [good])
     two = _write(tmp_path, "two.jsonl", [good, bad])
-    args = ["eval", "quality", "--model", LLAMA, "--methods", "full,drop", "--budgets", "0.5", "--format", "tsv"]
+    args = ["eval", "quality", "--model", LLAMA, "--method", "full,drop", "--budget", "0.5", "--format", "tsv"]
     a = _run(*args, "--docs", one)
     b = _run(*args, "--docs", two, ok=False)
     assert b.returncode == 1  # reported
@@ -148,7 +148,7 @@ def test_failed_document_leaves_the_averages(tmp_path):
 def test_full_fact_acc_matches_the_torch_reference(tmp_path):
     doc = _docs()[5]
     docs = _write(tmp_path, "d.jsonl", [doc])
-    p = _run("eval", "quality", "--model", LLAMA, "--docs", docs, "--methods", "full", "--format", "tsv")
+    p = _run("eval", "quality", "--model", LLAMA, "--docs", docs, "--method", "full", "--format", "tsv")
     _, rows = _tsv(p.stdout)
     model = ref.load_model(LLAMA)
     hits = 0

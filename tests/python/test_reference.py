@@ -147,7 +147,7 @@ def records_model():
 
 @pytest.mark.parametrize("name,ids,chunk", _records_prompts())
 def test_cli_logits_match_reference(records_model, name, ids, chunk):
-    args = ["logits", "--model", RECORDS, "--ids", ",".join(map(str, ids)), "--top", "5", "--json"]
+    args = ["logits", "--model", RECORDS, "--ids", ",".join(map(str, ids)), "--top", "5", "--format", "json"]
     if chunk:
         args += ["--chunk", chunk]  # chunks that straddle the arena's 16-token pages
     proc = _kvfold(*args)
@@ -173,7 +173,7 @@ def test_cli_logits_match_golden(name):
     model_dir = os.path.join(DATA, name)
     golden = ref.read_safetensors(os.path.join(model_dir, "golden.safetensors"))
     ids = golden["input_ids"].tolist()
-    proc = _kvfold("logits", "--model", model_dir, "--ids", ",".join(map(str, ids)), "--top", "5", "--json")
+    proc = _kvfold("logits", "--model", model_dir, "--ids", ",".join(map(str, ids)), "--top", "5", "--format", "json")
     assert proc.returncode == 0, proc.stderr
     last = golden["logits_last16"][-1]
     got = json.loads(proc.stdout)["top"]

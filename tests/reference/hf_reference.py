@@ -313,7 +313,7 @@ def main(argv=None):
     pl.add_argument("--model", required=True, help="Hugging Face model directory")
     pl.add_argument("--ids", required=True, help="ids separated by commas or spaces; '-' reads stdin")
     pl.add_argument("--top", type=int, default=5)
-    pl.add_argument("--json", action="store_true", help="one JSON object, like `kvfold logits --json`")
+    pl.add_argument("--json", action="store_true", help="one JSON object, like `kvfold logits --format json`")
     pb = sub.add_parser("bench", help="tokens/s of a prefill of random ids (last logits only)")
     pb.add_argument("--model", required=True)
     pb.add_argument("--tokens", type=int, default=512)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Compares kvfold's next-token logits ('kvfold logits --json --top K') with llama.cpp's
+"""Compares kvfold's next-token logits ('kvfold logits --format json --top K') with llama.cpp's
 log-probabilities ('llamacpp.mjs logits') after the same token ids.
 
   compare-logits.py KVFOLD.json LLAMACPP.json [--tol T]

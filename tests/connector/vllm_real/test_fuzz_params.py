@@ -2,9 +2,8 @@
 parameters (wrong types, huge, negative, infinite and NaN numbers, bad names and placeholders,
 valid parameters on the wrong prompt), batched 256 to a step beside well-formed requests. The
 scheduler never raises, every request ends, and every well-formed request is served byte-exact.
-The fuzzed requests carry other salts than the well-formed ones' (a request with a cache's
-placeholder ids and salt whose load fails takes the well-formed requests sharing those blocks
-with it: test_forged_placeholders_fail_their_neighbours_safely).
+The fuzzed requests carry other salts than the well-formed ones' (forged requests under a
+cache's own salt: test_forged_placeholders_fail_alone).
 """
 import logging
 import random
@@ -102,28 +101,78 @@ def _drain(eng, good, want):
     raise AssertionError("a batch did not end")
 
 
+def _run_checked(eng, want):
+    """Runs to the end; each request of want is checked byte-exact in the step that computes it
+    (its first C slots hold the file's K/V then); returns the ids ever scheduled to compute."""
+    computed = set()
+    for _ in range(200):
+        if not (eng.sched.has_unfinished_requests() or eng.delayed):
+            return computed
+        for rid in eng.step()["scheduled"]:
+            computed.add(rid)
+            if rid in want:
+                r, path = want[rid]
+                assert torch.equal(loaded(eng, r, 32), expect(path)), rid
+    raise AssertionError("requests did not finish")
+
+
+FORGERIES = {
+    "missing file": lambda p: ({"kvfold": dict(p.kv_transfer_params["kvfold"], cache="missing.kvf")}, p.cache_salt),
+    "no parameters": lambda p: (None, p.cache_salt),
+    "other salt": lambda p: (p.kv_transfer_params, "kvfold-0"),
+}
+
+
+@pytest.mark.parametrize("forgery", sorted(FORGERIES))
+@pytest.mark.parametrize("first", ["forged", "good"])
+@pytest.mark.parametrize("prefix_caching", [True, False])
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_forged_placeholders_fail_their_neighbours_safely(root, mode):
-    """A request with a cache's placeholder ids and salt but parameters that cannot be served,
-    scheduled just before a well-formed request of that cache: the well-formed one hits the
-    blocks vLLM cached for the bad one, and when the bad one's blocks are reported it fails too
-    (vLLM fails every request holding a block whose load failed): it is never served unloaded
-    slots, but whoever knows a cache's placeholder ids and salt can fail its concurrent users.
-    Alone, the well-formed request is then served byte-exact."""
+def test_forged_placeholders_fail_alone(root, mode, prefix_caching, first, forgery):
+    """A request with a cache's placeholder ids under a kvfold salt but nothing the connector
+    can serve (a missing file, no kvfold parameters, another cache's salt), scheduled in the same
+    step as a well-formed request of that cache: the forged one fails alone (its claim is
+    asynchronous, so vLLM never caches or shares its blocks), is never computed, and the
+    well-formed one, and one after both, are served the file's K/V byte-exact."""
     path = cache(root, "n.kvf", 32, 520)
     p = kvfold.prompt(path, [1], id_range=V_, cache_root=root)
-    eng = RealEngine(MODEL, {"cache_root": root, "load_mode": mode}, prefix_caching=True, num_blocks=64)
-    bad = dict(p.kv_transfer_params["kvfold"], cache="missing.kvf")
-    eng.add_request(Request("bad", p.prompt_token_ids, {"kvfold": bad}, p.cache_salt, max_tokens=1))
+    eng = RealEngine(MODEL, {"cache_root": root, "load_mode": mode}, prefix_caching=prefix_caching,
+                     num_blocks=64)
+    params, salt = FORGERIES[forgery](p)
+    forged = Request("forged", p.prompt_token_ids, params, salt, max_tokens=1)
     good = Request("good", p.prompt_token_ids[:32] + [2, 3], p.kv_transfer_params, p.cache_salt, max_tokens=1)
-    eng.add_request(good)
-    eng.run()
-    assert eng.finished["bad"].status == "FINISHED_ERROR"
-    loads = [(s.req_id, s.t0, s.t1, s.reason is not None) for m in eng.metas for s in m.loads]
-    assert loads == [("bad", 0, 32, True)]  # good's 32 slots were a local hit on bad's blocks
-    assert eng.finished["good"].status == "FINISHED_ERROR" and eng.finished["good"].output_token_ids == []
-    again = Request("again", p.prompt_token_ids[:32] + [2, 3], p.kv_transfer_params, p.cache_salt, max_tokens=1)
+    for r in ((forged, good) if first == "forged" else (good, forged)):
+        eng.add_request(r)
+    computed = _run_checked(eng, {"good": (good, path)})
+    assert eng.finished["forged"].status == "FINISHED_ERROR" and "forged" not in computed
+    assert eng.finished["good"].status == "FINISHED_LENGTH" and "good" in computed
+    specs = [s for m in eng.metas for s in m.loads]
+    assert all(s.reason and s.asynchronous for s in specs if s.req_id == "forged")
+    assert [(s.t0, s.t1, s.reason) for s in specs if s.req_id == "good"] in ([(0, 32, None)], [])
+    again = Request("again", p.prompt_token_ids[:32] + [4], p.kv_transfer_params, p.cache_salt, max_tokens=1)
     eng.add_request(again)
-    eng.run()
+    _run_checked(eng, {"again": (again, path)})
     assert eng.finished["again"].status == "FINISHED_LENGTH"
-    assert torch.equal(loaded(eng, again, 32), expect(path))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_forged_request_after_a_full_hit_fails_alone(root, mode):
+    """The cache's blocks are in vLLM's prefix cache and a forged request's prompt is all hits but
+    its last token: it claims that token (asynchronously) and fails; the cached blocks stay."""
+    path = cache(root, "h.kvf", 32, 521)
+    p = kvfold.prompt(path, [1], id_range=V_, cache_root=root)
+    eng = RealEngine(MODEL, {"cache_root": root, "load_mode": mode, "on_invalid": "ignore"}, prefix_caching=True,
+                     num_blocks=64)
+    first = Request("first", p.prompt_token_ids, p.kv_transfer_params, p.cache_salt, max_tokens=1)
+    eng.add_request(first)
+    _run_checked(eng, {"first": (first, path)})
+    bad = dict(p.kv_transfer_params["kvfold"], cache="missing.kvf")
+    forged = Request("forged", p.prompt_token_ids, {"kvfold": bad}, p.cache_salt, max_tokens=1)
+    good = Request("good", p.prompt_token_ids[:32] + [2, 3], p.kv_transfer_params, p.cache_salt, max_tokens=1)
+    eng.add_request(forged)
+    eng.add_request(good)
+    computed = _run_checked(eng, {"good": (good, path)})
+    assert [(s.t0, s.t1, s.asynchronous) for m in eng.metas for s in m.loads if s.req_id == "forged"] == \
+        [(32, 33, True)]
+    assert eng.finished["forged"].status == "FINISHED_ERROR" and "forged" not in computed
+    assert eng.finished["good"].status == "FINISHED_LENGTH"
+    assert eng.cached_blocks(good, 2) == 2
