@@ -99,6 +99,9 @@ typedef struct kf_compact_params {
                                        rows widened to fp32 for its solve); default 0: fp32 */
     kf_dtype arena_dtype;           /* the KV arena's (the context's and the sources'): KF_DTYPE_F32
                                        (default) or KF_DTYPE_BF16 (half the bytes; the CPU backend only) */
+    const char *chat_template;      /* NULL, or the chat template's digest (32 hex digits) that built the
+                                       context, instruction and probes: a chat cache's recipe (unused
+                                       by the compaction itself) */
     kf_progress_fn progress;        /* NULL, or called as the work goes (compactor/progress.h) */
     void *progress_user;
 } kf_compact_params;

@@ -16,11 +16,13 @@ typedef struct {
 
 struct kf_reference {
     int L, nh, kvh, d, V;
-    kf_prompt doc;        /* borrowed */
+    kf_prompt doc;        /* borrowed: the whole context, prefix included */
+    kf_prompt body;       /* the document after the prefix: what the repeat copies */
+    int n_prefix;         /* context tokens before the document (a chat template's beginning) */
     kf_prompt instruction;
     const kf_qa *qa;      /* borrowed */
     int n_qa;
-    float *repeat_logp;   /* [doc.n, vocab] */
+    float *repeat_logp;   /* [body.n, vocab] */
     float *K, *Vv;        /* [n_layers, doc.n, kv_heads, head_dim] the document's keys and values */
     qa_ref *refs;         /* [n_qa] */
 };
@@ -205,7 +207,7 @@ static kf_status reference_passes(kf_model *m, kf_arena *a, kf_reference *r, kf_
     const size_t row = (size_t)r->kvh * r->d;
     kf_seq seq;
     kf_seq_init(&seq);
-    r->repeat_logp = malloc(sizeof(float) * (size_t)doc->n * r->V);
+    r->repeat_logp = malloc(sizeof(float) * (size_t)r->body.n * r->V);
     r->K = malloc(sizeof(float) * (size_t)r->L * doc->n * row);
     r->Vv = malloc(sizeof(float) * (size_t)r->L * doc->n * row);
     r->refs = calloc((size_t)(r->n_qa ? r->n_qa : 1), sizeof *r->refs);
@@ -217,7 +219,7 @@ static kf_status reference_passes(kf_model *m, kf_arena *a, kf_reference *r, kf_
         rc = kf_seq_read_kv(a, &seq, l, 0, doc->n, r->K + (size_t)l * doc->n * row, r->Vv + (size_t)l * doc->n * row,
                             err);
     if (rc == KF_OK)
-        rc = teacher_force(m, a, &seq, &r->instruction, doc, NULL, 0, 0, r->repeat_logp, NULL, err);
+        rc = teacher_force(m, a, &seq, &r->instruction, &r->body, NULL, 0, 0, r->repeat_logp, NULL, err);
     for (int i = 0; i < r->n_qa && rc == KF_OK; i++)
         rc = reference_question(m, a, &seq, r, i, err);
     kf_seq_release(a, &seq);
@@ -226,13 +228,22 @@ static kf_status reference_passes(kf_model *m, kf_arena *a, kf_reference *r, kf_
 
 kf_status kf_reference_build(kf_model *m, const kf_prompt *doc, const kf_prompt *instruction, const kf_qa *qa,
                              int n_qa, kf_reference **out, kf_error *err) {
+    return kf_reference_build_ex(m, doc, 0, instruction, qa, n_qa, out, err);
+}
+
+kf_status kf_reference_build_ex(kf_model *m, const kf_prompt *doc, int n_prefix, const kf_prompt *instruction,
+                                const kf_qa *qa, int n_qa, kf_reference **out, kf_error *err) {
     *out = NULL;
+    if (n_prefix < 0 || n_prefix >= doc->n)
+        return kf_fail(err, KF_ERR_INVALID, "evaluate: a prefix of %d tokens leaves no document of %d", n_prefix,
+                       doc->n);
     const kf_hfconfig *c = kf_model_config(m);
     kf_reference *r = calloc(1, sizeof *r);
     if (!r)
         return kf_fail(err, KF_ERR_NOMEM, "evaluate: out of memory");
     r->L = c->n_layers, r->nh = c->n_heads, r->kvh = c->n_kv_heads, r->d = c->head_dim, r->V = c->vocab_size;
-    r->doc = *doc, r->instruction = *instruction, r->qa = qa, r->n_qa = n_qa;
+    r->doc = *doc, r->instruction = *instruction, r->qa = qa, r->n_qa = n_qa, r->n_prefix = n_prefix;
+    r->body = (kf_prompt){doc->ids + n_prefix, doc->n - n_prefix};
     int longest = instruction->n + doc->n;
     for (int i = 0; i < n_qa; i++)
         longest = qa[i].question.n + qa[i].answer.n > longest ? qa[i].question.n + qa[i].answer.n : longest;
@@ -287,7 +298,7 @@ typedef struct {
 /* Attaches x->c in an arena of its own, large enough for the longest pass. */
 static kf_status measure_open(measure_ctx *x, kf_error *err) {
     const kf_reference *r = x->r;
-    int longest = r->instruction.n + r->doc.n, lq_rows = r->doc.n;
+    int longest = r->instruction.n + r->doc.n, lq_rows = r->body.n;
     for (int i = 0; i < r->n_qa; i++) {
         const int n = r->qa[i].question.n + r->qa[i].answer.n;
         longest = n > longest ? n : longest;
@@ -316,13 +327,13 @@ static void measure_close(measure_ctx *x) {
 /* The repeat teacher-forced on the cache: KL against the full context's, copy accuracy (sums). */
 static kf_status measure_repeat(measure_ctx *x, kf_quality *out, kf_error *err) {
     const kf_reference *r = x->r;
-    const kf_status rc = teacher_force(x->m, &x->a, &x->seq, &r->instruction, &r->doc, x->bias, (int)x->c->C, x->off,
+    const kf_status rc = teacher_force(x->m, &x->a, &x->seq, &r->instruction, &r->body, x->bias, (int)x->c->C, x->off,
                                        x->lq, NULL, err);
     if (rc == KF_OK) {
         int hits = 0;
-        out->kl_repeat = kl_rows(r->repeat_logp, x->lq, r->doc.n, r->V, r->doc.ids, &hits);
+        out->kl_repeat = kl_rows(r->repeat_logp, x->lq, r->body.n, r->V, r->body.ids, &hits);
         out->copy_acc = hits;
-        out->n_repeat = r->doc.n;
+        out->n_repeat = r->body.n;
     }
     return rc;
 }
@@ -439,7 +450,7 @@ static void quality_means(kf_quality *out) {
 kf_status kf_quality_measure(kf_model *m, const kf_reference *r, kf_compacted *c, kf_quality *out,
                              double *head_lse, double *head_out, kf_error *err) {
     memset(out, 0, sizeof *out);
-    if (c->n_prefix || c->n_suffix || c->D != r->doc.n)
+    if ((c->n_prefix && c->n_prefix != r->n_prefix) || c->n_suffix || c->D != r->doc.n)
         return kf_fail(err, KF_ERR_INVALID, "evaluate: the cache is not of this document");
     measure_ctx x = {.m = m, .r = r, .c = c};
     kf_status rc = measure_open(&x, err);

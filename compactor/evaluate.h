@@ -37,9 +37,14 @@ typedef struct kf_reference kf_reference;
 
 kf_status kf_reference_build(kf_model *m, const kf_prompt *doc, const kf_prompt *instruction, const kf_qa *qa,
                              int n_qa, kf_reference **out, kf_error *err);
+/* The same for a context whose first n_prefix tokens precede the document (a chat template's
+ * beginning, kept verbatim by kf_compact's prefix): the repeat copies doc's tokens after them. */
+kf_status kf_reference_build_ex(kf_model *m, const kf_prompt *doc, int n_prefix, const kf_prompt *instruction,
+                                const kf_qa *qa, int n_qa, kf_reference **out, kf_error *err);
 void kf_reference_free(kf_reference *r);
 
-/* c must come from kf_compact on the same document (no prefix/suffix); its frame is restored.
+/* c must come from kf_compact on the same context (no suffix; a prefix only of the reference's
+ * n_prefix tokens); its frame is restored.
  * head_lse_err and head_out_err ([n_layers * kv_heads], may be NULL) receive the per-head
  * diagnostics that out averages. */
 kf_status kf_quality_measure(kf_model *m, const kf_reference *r, kf_compacted *c, kf_quality *out,

@@ -123,6 +123,11 @@ void kf_recipe_digest(const kf_compact_params *p, kf_dtype dtype, int64_t n_head
         put_f(&st, "repeat_fraction", p->repeat_fraction);
         put_i(&st, "repeat_spans", p->repeat_spans > 0 ? p->repeat_spans : KF_REPEAT_SPANS_DEFAULT);
     }
+    if (p->chat_template) { /* likewise: a bare-text cache's recipe is unchanged */
+        XXH3_128bits_update(&st, "chat_template", sizeof "chat_template");
+        XXH3_128bits_update(&st, "s", 1);
+        XXH3_128bits_update(&st, p->chat_template, strlen(p->chat_template));
+    }
     XXH128_hash_t h = XXH3_128bits_digest(&st);
     snprintf(out, KVF_DIGEST_LEN + 1, "%016llx%016llx", (unsigned long long)h.high64, (unsigned long long)h.low64);
 }

@@ -511,6 +511,42 @@ static bool str_ok(const char *s, size_t cap) {
     return strnlen(s, cap) < cap && kvf_is_clean_utf8(s);
 }
 
+int kvf_parse_ids(const char *s, int32_t *out, int cap) {
+    int n = 0;
+    for (const char *p = s; *p;) {
+        int64_t v = 0;
+        const char *q = p;
+        for (; *q >= '0' && *q <= '9' && v <= INT32_MAX; q++)
+            v = v * 10 + (*q - '0');
+        if (q == p || v > INT32_MAX || (*q && *q != ',') || (*q == ',' && !q[1]) || n == cap)
+            return -1;
+        if (out)
+            out[n] = (int32_t)v;
+        n++;
+        p = *q ? q + 1 : q;
+    }
+    return n;
+}
+
+/* The chat record: all empty, or a template digest with id lists. */
+static kf_status chat_check(const kvf_header *h, const char *path, kf_error *err) {
+    const char *lists[3] = {h->chat_prefix_ids, h->chat_question_prefix_ids, h->chat_question_suffix_ids};
+    static const char *const names[3] = {"chat_prefix_ids", "chat_question_prefix_ids", "chat_question_suffix_ids"};
+    const bool chat = h->chat_template_digest[0] != 0;
+    if (chat && !is_hex(h->chat_template_digest, KVF_DIGEST_LEN))
+        return kf_fail(err, KF_ERR_FORMAT, "%s: chat_template_digest '%.40s' is not %d lowercase hex digits", path,
+                       h->chat_template_digest, KVF_DIGEST_LEN);
+    for (int i = 0; i < 3; i++) {
+        if (strnlen(lists[i], KVF_CHAT_IDS_LEN) == KVF_CHAT_IDS_LEN ||
+            kvf_parse_ids(lists[i], NULL, KVF_CHAT_IDS_LEN) < 0)
+            return kf_fail(err, KF_ERR_FORMAT, "%s: %s '%.40s' is not a list of token ids joined by commas", path,
+                           names[i], lists[i]);
+        if (!chat && lists[i][0])
+            return kf_fail(err, KF_ERR_FORMAT, "%s: %s without a chat_template_digest", path, names[i]);
+    }
+    return KF_OK;
+}
+
 kf_status kvf_header_check(const kvf_header *h, const char *path, kf_error *err) {
     if (!is_hex(h->model_fingerprint, KVF_DIGEST_LEN))
         return kf_fail(err, KF_ERR_FORMAT, "%s: model_fingerprint '%.40s' is not %d lowercase hex digits", path,
@@ -558,7 +594,7 @@ kf_status kvf_header_check(const kvf_header *h, const char *path, kf_error *err)
         return kf_fail(err, KF_ERR_FORMAT, "%s: budget %g must be in (0, 1]", path, h->budget);
     if (!isfinite(h->lambda) || h->lambda < 0)
         return kf_fail(err, KF_ERR_FORMAT, "%s: lambda %g must be finite and non-negative", path, h->lambda);
-    return KF_OK;
+    return chat_check(h, path, err);
 }
 
 /* ---- values and digests ---- */

@@ -61,6 +61,19 @@
  *     beta, u, positions and head_method are chunked one layer per chunk.
  *     head_digest   [n_layers, kv_heads, 16] uint8, one chunk: the XXH3-128 digest of each (layer,
  *                   KV head) (below), in XXH's canonical (big-endian) byte order
+ *   Optional root attributes (added within version 2: older readers ignore them; a file without
+ *   them reads as a bare-text cache, all ""): a cache made through the model's chat template
+ *   (kvfold compact --chat) records
+ *     chat_template_digest      32 lowercase hex digits: XXH3-128 of the template's text
+ *     chat_prefix_ids           the ids that precede the document inside the cache (the template's
+ *                               text before the first user turn's content: BOS, system, header)
+ *     chat_question_prefix_ids  what a question's ids begin with: the template's text between the
+ *                               document and the next user turn's content (end of the document's
+ *                               turn, the next turn's header)
+ *     chat_question_suffix_ids  what follows the question's text: the end of its turn and the
+ *                               generation prompt (the assistant's header)
+ *   the three id lists as strings of decimal ids joined by commas ("151644,872,198"), each under
+ *   KVF_CHAT_IDS_LEN bytes; written only with a template digest, and then all four.
  *   Readers of version 2 ignore any other attribute or dataset.
  *
  *   Payload digest. head_digest[l, h] = XXH3-128 of, in this order: keys[l, :, h, :] and
@@ -126,6 +139,7 @@
 #define KVF_DIGEST_LEN 32      /* hex digits of a fingerprint / document digest */
 #define KVF_ALL_LAYERS (-1)
 #define KVF_PLACEHOLDER "digest" /* the placeholder attribute's only value */
+#define KVF_CHAT_IDS_LEN 4096  /* bytes of a chat id list attribute, NUL included */
 
 typedef enum { KVF_FRAME_COMPACTED, KVF_FRAME_ORIGINAL } kvf_rope_frame;
 typedef enum { KVF_KEYS, KVF_VALUES } kvf_which;
@@ -137,6 +151,11 @@ typedef struct {
     char tokenizer_digest[65];             /* "" when unknown */
     char document_digest[KVF_DIGEST_LEN + 1];
     char recipe_digest[KVF_DIGEST_LEN + 1];  /* the caller's kf_recipe_digest (init: 32 zeros) */
+    /* A chat cache (optional attributes; all "" for a document compacted as bare text): */
+    char chat_template_digest[KVF_DIGEST_LEN + 1]; /* the chat template's, or "" */
+    char chat_prefix_ids[KVF_CHAT_IDS_LEN];          /* ids before the document inside the cache */
+    char chat_question_prefix_ids[KVF_CHAT_IDS_LEN]; /* what a question's ids begin with */
+    char chat_question_suffix_ids[KVF_CHAT_IDS_LEN]; /* what follows the question's text */
     char payload_digest[KVF_DIGEST_LEN + 1]; /* filled by kvf_write / read by kvf_open */
     int64_t n_doc_tokens;                  /* D */
     int64_t n_tokens;                      /* C */
@@ -193,6 +212,9 @@ void kvf_format_budget(double budget, char *out, size_t out_len);
 kf_status kvf_cache_path(const char *root, const char *model_fp, const char *doc_digest, kf_method method,
                          double budget, const char *recipe_digest, bool create_dirs, char *out, size_t out_len,
                          kf_error *err);
+/* A chat id list attribute ("", or decimal ids in [0, 2^31) joined by commas) into out [cap]: the
+ * count, or -1 when s is not such a list or holds more than cap ids (out NULL: counted only). */
+int kvf_parse_ids(const char *s, int32_t *out, int cap);
 /* True when s is exactly len lowercase hex digits. */
 bool kvf_is_hex(const char *s, size_t len);
 /* True when s (NUL-terminated) is valid UTF-8 without control characters: C0, DEL, C1, the

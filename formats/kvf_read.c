@@ -135,8 +135,8 @@ static kf_status read_str(kvf_file *f, const char *name, char *out, size_t n, kf
     hid_t a = -1;
     size_t len = 0;
     KF_TRY(open_attr(f, name, -1, n - 1, &a, &len, err));
-    char buf[300]; /* len <= n <= 129 */
-    hid_t mt = H5Tcopy(H5T_C_S1);
+    char *buf = malloc(len); /* len <= n */
+    hid_t mt = buf ? H5Tcopy(H5T_C_S1) : -1;
     herr_t rc = -1;
     if (mt >= 0 && H5Tset_size(mt, len) >= 0 && H5Tset_strpad(mt, H5T_STR_NULLTERM) >= 0 &&
         H5Tset_cset(mt, H5T_CSET_UTF8) >= 0)
@@ -146,13 +146,27 @@ static kf_status read_str(kvf_file *f, const char *name, char *out, size_t n, kf
     if (mt >= 0)
         H5Tclose(mt);
     H5Aclose(a);
-    if (rc < 0)
+    if (!buf)
+        return kf_fail(err, KF_ERR_NOMEM, "%s: attribute '%s': out of memory", f->path, name);
+    if (rc < 0) {
+        free(buf);
         return attr_read_fail(f, name, err);
+    }
     buf[len - 1] = 0;
-    if (!kvf_is_clean_utf8(buf))
-        return kf_fail(err, KF_ERR_FORMAT, "%s: attribute '%s' is not printable UTF-8", f->path, name);
-    memcpy(out, buf, len); /* len <= n */
-    return KF_OK;
+    const bool clean = kvf_is_clean_utf8(buf);
+    if (clean)
+        memcpy(out, buf, len);
+    free(buf);
+    return clean ? KF_OK : kf_fail(err, KF_ERR_FORMAT, "%s: attribute '%s' is not printable UTF-8", f->path, name);
+}
+
+/* An optional string attribute: "" when the file has none. */
+static kf_status read_opt_str(kvf_file *f, const char *name, char *out, size_t n, kf_error *err) {
+    out[0] = 0;
+    const htri_t there = H5Aexists(f->f, name);
+    if (there < 0)
+        H5Eclear2(H5E_DEFAULT);
+    return there > 0 ? read_str(f, name, out, n, err) : KF_OK;
 }
 
 static kf_status read_num(kvf_file *f, const char *name, bool real, void *out, kf_error *err) {
@@ -250,6 +264,12 @@ static kf_status read_header(kvf_file *f, kf_error *err) {
     h->head_dim = (int)v;
     KF_TRY(read_int(f, "block_size", 1, 1 << 20, &v, err));
     h->block_size = (int)v;
+    KF_TRY(read_opt_str(f, "chat_template_digest", h->chat_template_digest, sizeof h->chat_template_digest, err));
+    KF_TRY(read_opt_str(f, "chat_prefix_ids", h->chat_prefix_ids, sizeof h->chat_prefix_ids, err));
+    KF_TRY(read_opt_str(f, "chat_question_prefix_ids", h->chat_question_prefix_ids,
+                        sizeof h->chat_question_prefix_ids, err));
+    KF_TRY(read_opt_str(f, "chat_question_suffix_ids", h->chat_question_suffix_ids,
+                        sizeof h->chat_question_suffix_ids, err));
     return kvf_header_check(h, f->path, err);
 }
 

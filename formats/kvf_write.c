@@ -80,6 +80,12 @@ static herr_t write_attrs(hid_t f, const kvf_header *h, const char *payload_dige
     rc |= attr_i64(f, "kv_heads", h->kv_heads);
     rc |= attr_i64(f, "head_dim", h->head_dim);
     rc |= attr_i64(f, "block_size", h->block_size);
+    if (h->chat_template_digest[0]) { /* optional: a bare-text cache's attributes stay as they were */
+        rc |= attr_str(f, "chat_template_digest", h->chat_template_digest);
+        rc |= attr_str(f, "chat_prefix_ids", h->chat_prefix_ids);
+        rc |= attr_str(f, "chat_question_prefix_ids", h->chat_question_prefix_ids);
+        rc |= attr_str(f, "chat_question_suffix_ids", h->chat_question_suffix_ids);
+    }
     return rc < 0 ? -1 : 0;
 }
 

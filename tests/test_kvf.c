@@ -1123,6 +1123,49 @@ static void test_header_strings_refused(void) {
     synth_free(&s);
 }
 
+/* The chat record (optional attributes): read back as written, "" in a file without it, and bad
+ * values refused by the writer. */
+static void test_chat_record(void) {
+    synth s;
+    synth_make(&s, 1, 1, 8, 3, KF_DTYPE_F32, KF_METHOD_KEEP, 43);
+    const char *path = cache_file("chat", &s);
+    write_ok(path, &s);
+    kvf_file *f = open_ok(path);
+    const kvf_header *h = kvf_file_header(f);
+    CU_ASSERT_STRING_EQUAL(h->chat_template_digest, "");
+    CU_ASSERT_STRING_EQUAL(h->chat_question_suffix_ids, "");
+    kvf_close(f);
+    snprintf(s.c.hdr.chat_template_digest, sizeof s.c.hdr.chat_template_digest, "%s", kOtherFp);
+    snprintf(s.c.hdr.chat_prefix_ids, sizeof s.c.hdr.chat_prefix_ids, "128000,128006,882,128007,271");
+    snprintf(s.c.hdr.chat_question_prefix_ids, sizeof s.c.hdr.chat_question_prefix_ids, "7");
+    snprintf(s.c.hdr.chat_question_suffix_ids, sizeof s.c.hdr.chat_question_suffix_ids, "2147483647,0");
+    write_ok(path, &s);
+    f = open_ok(path);
+    h = kvf_file_header(f);
+    CU_ASSERT_STRING_EQUAL(h->chat_template_digest, kOtherFp);
+    CU_ASSERT_STRING_EQUAL(h->chat_prefix_ids, "128000,128006,882,128007,271");
+    CU_ASSERT_STRING_EQUAL(h->chat_question_prefix_ids, "7");
+    CU_ASSERT_STRING_EQUAL(h->chat_question_suffix_ids, "2147483647,0");
+    int32_t ids[8];
+    CU_ASSERT_EQUAL(kvf_parse_ids(h->chat_prefix_ids, ids, 8), 5);
+    CU_ASSERT_EQUAL(ids[0], 128000);
+    CU_ASSERT_EQUAL(ids[4], 271);
+    CU_ASSERT_EQUAL(kvf_parse_ids(h->chat_prefix_ids, ids, 4), -1); /* more than cap */
+    kvf_close(f);
+    kf_error err = {0};
+    const char *bad[] = {"1,,2", ",1", "1,", "2147483648", "-1", "1 2", "x"};
+    for (int i = 0; i < 7; i++) {
+        snprintf(s.c.hdr.chat_question_suffix_ids, sizeof s.c.hdr.chat_question_suffix_ids, "%s", bad[i]);
+        CU_ASSERT_EQUAL(kvf_write(path, &s.c, &err), KF_ERR_INVALID);
+        CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "chat_question_suffix_ids"));
+    }
+    s.c.hdr.chat_template_digest[0] = 0; /* ids without a template */
+    snprintf(s.c.hdr.chat_question_suffix_ids, sizeof s.c.hdr.chat_question_suffix_ids, "1");
+    CU_ASSERT_EQUAL(kvf_write(path, &s.c, &err), KF_ERR_INVALID);
+    CU_ASSERT_PTR_NOT_NULL(strstr(err.msg, "without a chat_template_digest"));
+    synth_free(&s);
+}
+
 static int clean(void) {
     H5close();
     return 0;
@@ -1145,6 +1188,7 @@ static CU_TestInfo tests[] = {
     {"h5py reads the file", test_h5py_reads_the_file},
     {"identity: every field, and the name against the header", test_identity_and_name},
     {"creator and placeholder: control characters and free-form values refused", test_header_strings_refused},
+    {"chat record: read back, absent in older files, bad values refused", test_chat_record},
     CU_TEST_INFO_NULL,
 };
 static CU_TestInfo fp_tests[] = {

@@ -7,6 +7,7 @@
 #include "compactor/engine.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
+#include "tools/doc_chat.h"
 #include "tools/doc_input.h"
 
 #define CMD "ask"
@@ -14,13 +15,19 @@
 typedef struct {
     const char *model_dir, *stop, *doc_path, *qids_s;
     long long max_tokens;
-    int compare, format, quiet; /* format: 0 text, 1 json */
+    int compare, format, quiet, chat; /* format: 0 text, 1 json */
 } ask_opts;
 
 #define A(field) OFF(ask_opts, field)
 static const cli_opt kRows[] = {
     {"model", 0, OPT_STR, "DIR", A(model_dir), .help = "the model the cache was written for"},
     {"question-ids", 0, OPT_STR, "LIST", A(qids_s), .help = "a question as token ids (comma separated), in addition to QUESTIONs"},
+    {"chat", 0, OPT_FLAG, NULL, A(chat),
+     .help = "the cache was made with --chat (kvfold compact): each QUESTION (or --question-ids) is the content of "
+             "a user turn after the document's, its ids put between the ids the file records (the end of the "
+             "document's turn and the next turn's header; the end of the question's turn and the generation "
+             "prompt). The model's template must be the file's (digest). A chat cache without --chat, or --chat "
+             "on a cache made from bare text, is refused (exit 2)"},
     {"max-tokens", 0, OPT_LLONG, "N", A(max_tokens), .lo = 1, .hi = 1 << 20, .must = "must be a positive count",
      .def = "32",
      .help = "most tokens per answer; decoding stops earlier at EOS and at the model's last position "
@@ -28,12 +35,13 @@ static const cli_opt kRows[] = {
              "(the document's D with --compare) is a usage error (exit 2)"},
     {"stop", 0, OPT_STR, "TEXT", A(stop), .help = "also stop once the answer contains TEXT (e.g. $'\\n')"},
     {"doc", 0, OPT_STR, "FILE", A(doc_path),
-     .help = "the document the cache was built from (text, a JSON list of ids, or a manifest line); checked "
-             "against the cache's document digest"},
+     .help = "the document the cache was built from (text, a JSON list of ids, or a manifest line; with --chat, "
+             "through the chat template as compact --chat reads it); checked against the cache's document digest"},
     {"compare", 0, OPT_FLAG, NULL, A(compare),
      .help = "with --doc: also answer from the full document and report agreement (exit status 0 either way)"},
     {"format", 0, OPT_CHOICE, "text|json", A(format), .choices = "text|json", .def = "text",
-     .help = "text, or json: one JSON object per question: question, answer, answer_ids, and with --compare "
+     .help = "text, or json: one JSON object per question: question, question_ids (the ids after the cache: with "
+             "--chat, the template's pieces around the question), answer, answer_ids, and with --compare "
              "full_answer, full_answer_ids, agree"},
     {"json", 0, OPT_ALIAS, .target = "format", .fixed = "json"},
     {"quiet", 'q', OPT_FLAG, NULL, A(quiet), .help = "no cache summary on stderr"},
@@ -47,6 +55,7 @@ const cli_command cli_ask_command = {
              "positions C, C+1, ... as in a serving engine after a prefix of C tokens. Each question starts\n"
              "from the cache alone (the previous question's KV is rewound). Prints each answer's text.\n",
     .groups = (const cli_group[]){{NULL, kRows, 0}, {0}},
+    .notes = "The file's tokenizer (tokenizer_digest) must be the model's tokenizer.json.\n",
     .exit_status = "  0  every question answered (with --compare, whether or not the answers agree)\n"
                    "  1  the cache, the model or the document cannot be used (the message names the cause)\n"
                    "  2  usage errors, including a question that leaves no room for an answer\n",
@@ -85,6 +94,28 @@ static json_t *ids_json(const int32_t *ids, int n) {
     return a;
 }
 
+/* --chat against the file's record: a chat cache is asked with --chat, a bare-text one without; with
+ * --chat, the model's template (the file's) opened into dc and set for --doc. The exit status. */
+static int ask_chat(const char *path, const kvf_header *h, int chat, doc_text *text, doc_chat *dc) {
+    char err[1024];
+    if (chat && !h->chat_template_digest[0])
+        return cli_usage_error(CMD, "%s was compacted from bare text, not through a chat template: ask without --chat",
+                               path);
+    if (!chat && h->chat_template_digest[0])
+        return cli_usage_error(CMD,
+                               "%s was compacted through a chat template (%s): ask with --chat, which puts the "
+                               "question in its user turn",
+                               path, h->chat_template_digest);
+    if (!chat)
+        return KF_EXIT_OK;
+    if (doc_chat_for_cache(dc, text, h, err, sizeof err)) {
+        cli_error(CMD, "%s: %s", path, err);
+        return KF_EXIT_FAIL;
+    }
+    text->chat = dc;
+    return KF_EXIT_OK;
+}
+
 int cmd_ask(int argc, char **argv) {
     ask_opts o = {.max_tokens = 32};
     int first;
@@ -93,7 +124,7 @@ int cmd_ask(int argc, char **argv) {
         return prc;
     const char *model_dir = o.model_dir, *stop = o.stop, *doc_path = o.doc_path, *qids_s = o.qids_s;
     const long long max_tokens = o.max_tokens;
-    const int compare = o.compare, as_json = o.format == 1, quiet = o.quiet;
+    const int compare = o.compare, as_json = o.format == 1, quiet = o.quiet, chat = o.chat;
     if (!model_dir)
         return cli_usage_error(CMD, "--model DIR is required");
     if (first >= argc)
@@ -116,18 +147,23 @@ int cmd_ask(int argc, char **argv) {
     kf_compacted c = {0};
     kvf_header hdr;
     kf_engine ec = {0}, ef = {0};
+    doc_chat dc = {0};
     int32_t *doc = NULL, *out = malloc(sizeof(int32_t) * (size_t)max_tokens * 2);
     int n_doc = 0, agree = 0;
     int32_t **qs = calloc((size_t)n_q, sizeof *qs);
     int *qn = calloc((size_t)n_q, sizeof *qn);
+    char **disp = calloc((size_t)n_q, sizeof *disp); /* [n_q] the questions' text */
     char err[1024];
     kf_error e = {0};
-    if (!out || !qs || !qn) {
+    if (!out || !qs || !qn || !disp) {
         cli_error(CMD, "out of memory");
         goto done;
     }
-    if (cache_load(CMD, path, m, 0, &c, &hdr))
+    if (cache_load(CMD, path, m, 0, &c, &hdr) || cache_check_tokenizer(CMD, &text, path, &hdr))
         goto done;
+    if ((rc = ask_chat(path, &hdr, chat, &text, &dc)) != KF_EXIT_OK)
+        goto done;
+    rc = KF_EXIT_FAIL;
     int longest = 0;
     for (int i = 0; i < n_q; i++) {
         const int is_ids = i == n_text_q;
@@ -144,6 +180,16 @@ int cmd_ask(int argc, char **argv) {
                 cli_error(CMD, "question %d: token id %d is outside the vocabulary", i + 1, qs[i][j]);
                 goto done;
             }
+        disp[i] = doc_decode(&text, qs[i], qn[i]); /* the question as asked, without the template */
+        int32_t *w = NULL;
+        if (chat && doc_chat_question(&dc, qs[i], qn[i], &w, &qn[i])) {
+            cli_error(CMD, "out of memory");
+            goto done;
+        }
+        if (chat) {
+            free(qs[i]);
+            qs[i] = w;
+        }
         longest = qn[i] > longest ? qn[i] : longest;
     }
     char digest[KVF_DIGEST_LEN + 1];
@@ -187,11 +233,12 @@ int cmd_ask(int argc, char **argv) {
         }
         const int same = n_out == n_full && memcmp(out, full, sizeof(int32_t) * n_out) == 0;
         agree += same;
-        char *qtext = doc_decode(&text, qs[i], qn[i]), *ans = doc_decode(&text, out, n_out);
+        const char *qtext = disp[i];
+        char *ans = doc_decode(&text, out, n_out);
         char *fans = compare ? doc_decode(&text, full, n_full) : NULL;
         if (as_json) {
-            json_t *o = json_pack("{s:s, s:s, s:o}", "question", qtext ? qtext : "", "answer", ans ? ans : "",
-                                  "answer_ids", ids_json(out, n_out));
+            json_t *o = json_pack("{s:s, s:o, s:s, s:o}", "question", qtext ? qtext : "", "question_ids",
+                                  ids_json(qs[i], qn[i]), "answer", ans ? ans : "", "answer_ids", ids_json(out, n_out));
             if (compare) {
                 json_object_set_new(o, "full_answer", json_string(fans ? fans : ""));
                 json_object_set_new(o, "full_answer_ids", ids_json(full, n_full));
@@ -211,7 +258,6 @@ int cmd_ask(int argc, char **argv) {
             if (!ans || !*ans || ans[strlen(ans) - 1] != '\n')
                 putchar('\n');
         }
-        free(qtext);
         free(ans);
         free(fans);
     }
@@ -223,6 +269,10 @@ done:
     kf_compacted_free(&c);
     for (int i = 0; qs && i < n_q; i++)
         free(qs[i]);
+    for (int i = 0; disp && i < n_q; i++)
+        free(disp[i]);
+    free(disp);
+    doc_chat_free(&dc);
     free(qs);
     free(qn);
     free(doc);

@@ -19,12 +19,14 @@
 #include "tools/compact_files.h"
 #include "tools/compact_options.h"
 #include "tools/commands.h"
+#include "tools/doc_chat.h"
 #include "tools/doc_input.h"
 #include "tools/manifest.h"
 #include "tools/progress.h"
 
 #define CMD "compact"
 #define DEFAULT_INSTRUCTION "Repeat the previous context verbatim.\n"
+#define DEFAULT_CHAT_INSTRUCTION "Repeat the previous context verbatim." /* a user turn's content */
 #define DEFAULT_ROOT "kvf-cache"
 /* Writers' temporary files (kvf_write: <file>.tmp-<pid>-<hex>) older than this are a killed
  * writer's and are removed when a job starts. A live writer's temporary file exists only inside
@@ -35,9 +37,10 @@
 #define STALE_TEMP_S 3600.0
 
 /* One manifest line into d; 0, or -1 with the reason in err. */
+static int chat_turns(const doc_chat *c, job_doc *d, char *err, size_t err_len);
 static int parse_line(doc_text *t, const char *line, job_doc *d, char *err, size_t err_len) {
     manifest_doc md;
-    const int rc = manifest_parse_line(t, line, &md, err, err_len);
+    int rc = manifest_parse_line(t, line, &md, err, err_len);
     memcpy(d->name, md.name, sizeof d->name);
     d->ids = md.ids;
     d->n = md.n;
@@ -45,7 +48,32 @@ static int parse_line(doc_text *t, const char *line, job_doc *d, char *err, size
     d->n_instr = md.n_instr;
     d->probes = md.probes;
     d->n_probes = md.n_probes;
+    if (rc == 0 && t->chat)
+        rc = chat_turns(t->chat, d, err, err_len);
     return rc;
+}
+
+/* ids replaced by the user turn around them (wrap: doc_chat_question or doc_chat_instruction). */
+static int wrap_turn(const doc_chat *c, int (*wrap)(const doc_chat *, const int32_t *, int, int32_t **, int *),
+                     int32_t **ids, int *n) {
+    int32_t *w = NULL;
+    int nw = 0;
+    if (wrap(c, *ids, *n, &w, &nw))
+        return -1;
+    free(*ids);
+    *ids = w;
+    *n = nw;
+    return 0;
+}
+
+/* A manifest document's own instruction and probes as the chat's user turns. */
+static int chat_turns(const doc_chat *c, job_doc *d, char *err, size_t err_len) {
+    int bad = d->instr && wrap_turn(c, doc_chat_instruction, &d->instr, &d->n_instr);
+    for (int i = 0; i < d->n_probes && !bad; i++)
+        bad = wrap_turn(c, doc_chat_question, (int32_t **)&d->probes[i].ids, &d->probes[i].n);
+    if (bad)
+        snprintf(err, err_len, "out of memory");
+    return bad ? -1 : 0;
 }
 
 /* Checks that apply to ids from anywhere: length against the model. */
@@ -212,7 +240,7 @@ typedef struct {
     const char *model_dir, *root, *manifest, *probes_from, *instruction, *methods_s, *budgets_s;
     long long shard_i, shard_n;
     long long max_line;                    /* --max-line-bytes */
-    int no_share, dtype_given;
+    int no_share, dtype_given, chat;
     kf_dtype dtype;
     cli_progress_opts pr;                  /* --progress-interval, --quiet */
     cli_compact_opts q;                    /* the compaction's parameters (shared with eval quality) */
@@ -277,11 +305,18 @@ static const cli_opt kCompactRows[] = {
     {"out", 0, OPT_STR, "ROOT", C(root), .def = DEFAULT_ROOT, .help = "root directory of the cache files"},
     {"repeat-instruction", 0, OPT_FN, "TEXT", 0, .set = set_instruction, .recipe = "repeat_instruction",
      .def = "\"Repeat the previous context verbatim.\\n\"",
-     .help = "between the document and its repeat (a chat model: its chat-template form)"},
+     .help = "between the document and its repeat (a chat model: its chat-template form, or --chat)"},
     {"probes-from", 0, OPT_STR, "FILE", C(probes_from), .recipe = "probe",
      .help = "extra probes for every document: a JSON string or list of ids a line"},
     {"dtype", 0, OPT_FN, "T", 0, .set = set_dtype, .must = "is bf16, f16 or f32", .recipe = "dtype",
      .def = "the model's torch_dtype, else bf16", .help = "bf16, f16 or f32 in the file"},
+    {"chat", 0, OPT_FLAG, NULL, C(chat), .recipe = "chat_template",
+     .help = "through the model's chat template (tokenizer_config.json): each document is the content of the "
+             "first user turn (text rendered by the template; ids follow the template's beginning), the repeat "
+             "instruction a second user turn's content (default \"" DEFAULT_CHAT_INSTRUCTION "\") and the repeat "
+             "the assistant's turn, each probe a second user turn's content followed by the generation prompt. "
+             "The file records the template's digest and the ids around the document (kvfold inspect; kvfold "
+             "ask --chat). A model without a chat template is a usage error"},
     {0}};
 
 static const cli_opt kShareRows[] = {
@@ -366,6 +401,8 @@ typedef struct {
     const char *fp;          /* the model's fingerprint */
     kf_dtype dtype;         /* of the files */
     doc_text text;
+    doc_chat chat;           /* --chat: the template's pieces (text.chat points here) */
+    const char *tok_digest;  /* tokenizer.json's, "" when the model has none */
     double t_start;
     doc_list docs;
     kf_prompt *extra_probes; /* [n_extra] --probes-from's (ids owned) */
@@ -399,6 +436,7 @@ static void job_free(compact_job *j) {
     free(j->extra_probes);
     free(j->probes);
     doc_text_free(&j->text);
+    doc_chat_free(&j->chat);
     if (j->mf)
         fclose(j->mf);
     if (j->pf)
@@ -444,6 +482,14 @@ static int job_open(compact_job *j) {
     j->fp = kf_model_fingerprint(j->m);
     j->dtype = o->dtype_given ? o->dtype : model_dtype(j->cfg);
     doc_text_init(&j->text, o->model_dir, j->cfg->vocab_size);
+    j->tok_digest = doc_text_digest(&j->text); /* every file names its tokenizer, ids documents too */
+    char err[1024];
+    if (o->chat && doc_chat_open(&j->chat, &j->text, err, sizeof err))
+        return cli_usage_error(CMD, "--chat: %s: %s", o->model_dir, err);
+    if (o->chat) {
+        j->text.chat = &j->chat;
+        j->base.chat_template = j->chat.digest;
+    }
     j->t_start = cli_now();
     char model_root[PATH_MAX];
     snprintf(model_root, sizeof model_root, "%s/%s", o->root, j->fp);
@@ -467,7 +513,12 @@ static int add_extra_probe(compact_job *j, const char *line, int lineno) {
         cli_error(CMD, "%s:%d: %s", j->o->probes_from, lineno, v ? err : "not JSON (a string or a list of ids)");
         rc = -1;
     } else {
-        j->extra_probes[j->n_extra++] = (kf_prompt){ids, n};
+        if (j->text.chat && wrap_turn(j->text.chat, doc_chat_question, &ids, &n)) {
+            cli_error(CMD, "out of memory");
+            free(ids);
+            rc = -1;
+        } else
+            j->extra_probes[j->n_extra++] = (kf_prompt){ids, n};
     }
     json_decref(v);
     return rc;
@@ -559,6 +610,19 @@ static int read_files(compact_job *j) {
 
 /* ---- the plan ---- */
 
+/* --repeat-instruction's ids (with --chat, a user turn's content: the default without its newline). */
+static int default_instruction(compact_job *j, char *err, size_t err_len) {
+    const char *s = j->o->chat && !strcmp(j->o->instruction, DEFAULT_INSTRUCTION) ? DEFAULT_CHAT_INSTRUCTION
+                                                                                   : j->o->instruction;
+    if (doc_tokenize(&j->text, s, strlen(s), 0, &j->def_instr, &j->n_def_instr, err, err_len))
+        return -1;
+    if (j->text.chat && wrap_turn(j->text.chat, doc_chat_instruction, &j->def_instr, &j->n_def_instr)) {
+        snprintf(err, err_len, "out of memory");
+        return -1;
+    }
+    return 0;
+}
+
 /* Identity and existing files: each document's files (recipe, path, a valid one already there);
  * counts the documents left to compute. */
 static int plan_files(compact_job *j) {
@@ -568,9 +632,7 @@ static int plan_files(compact_job *j) {
         job_doc *d = &j->docs.docs[i];
         if (d->state != ST_TODO)
             continue;
-        if (!d->instr && !j->def_instr &&
-            doc_tokenize(&j->text, o->instruction, strlen(o->instruction), 0, &j->def_instr, &j->n_def_instr, err,
-                         sizeof err)) {
+        if (!d->instr && !j->def_instr && default_instruction(j, err, sizeof err)) {
             cli_error(CMD, "--repeat-instruction: %s", err);
             return KF_EXIT_USAGE;
         }
@@ -639,7 +701,8 @@ static int plan_arena(compact_job *j) {
             cli_error(CMD, "out of memory");
             return KF_EXIT_FAIL;
         }
-        const int64_t pages = kf_pages_for(j->sharing ? prev_len : 0) + kf_compact_arena_pages(&dp, d->n, d->n) + 1;
+        const int64_t pages =
+            kf_pages_for(j->sharing ? prev_len : 0) + kf_compact_arena_pages(&dp, d->n, d->n - j->chat.n_prefix) + 1;
         need = pages > need ? pages : need;
         prev_len = d->n;
     }
@@ -683,14 +746,15 @@ static kf_status doc_solve(compact_job *j, int k, const job_doc *d, const kf_com
     kf_seq_init(&cur);
     kf_compact_reuse reuse = {.arena = &j->arena, .parent = parent_ok ? &j->prev : NULL, .shared = *shared,
                               .keep = next_shares ? &cur : NULL};
-    kf_prompt doc = {d->ids, d->n};
+    const int n_pre = j->chat.n_prefix; /* the chat template's beginning: in the cache verbatim */
+    kf_prompt pre = {d->ids, n_pre}, doc = {d->ids + n_pre, d->n - n_pre};
     kf_compact_variant cv[MAX_VARIANTS]; /* [nv] the claimed files' variants */
     int nv = 0;
     for (int v = 0; v < j->o->n_vars; v++)
         if (d->files[v].state == ST_TODO)
             cv[nv++] = j->o->vars[v];
     kf_compact_prep *prep = NULL; /* one prefill, one set of queries and targets for every file */
-    kf_status st = kf_compact_prepare(j->m, &reuse, NULL, &doc, NULL, p, cv, nv, &prep, e);
+    kf_status st = kf_compact_prepare(j->m, &reuse, n_pre ? &pre : NULL, &doc, NULL, p, cv, nv, &prep, e);
     if (st == KF_OK)
         st = kf_compact_solve(prep, cv, nv, cc, e);
     kf_compact_prep_free(prep, st == KF_OK ? reuse.keep : NULL);
@@ -749,7 +813,7 @@ static int compact_doc(compact_job *j, int k) {
     kf_error e = {0};
     int64_t shared = 0;
     kf_status st = doc_solve(j, k, d, &p, cc, &shared, &e);
-    st = write_files(d, j->o->n_vars, cc, st, &ids, j->text.digest, &e);
+    st = write_files(d, j->o->n_vars, cc, st, &ids, j->tok_digest, j->text.chat, &e);
     j->pg.finished++;
     if (st != KF_OK) {
         doc_fail(d->source, d->name, e.msg);

@@ -11,6 +11,7 @@
 #include "tools/cli_quality.h"
 #include "tools/compact_options.h"
 #include "tools/commands.h"
+#include "tools/doc_chat.h"
 #include "tools/progress.h"
 
 typedef struct {
@@ -47,6 +48,7 @@ typedef struct {
     int n_qa;
     idvec *probes;
     int n_probes;
+    int n_prefix; /* --chat: doc's first n_prefix ids are the template's beginning */
 } eval_doc;
 
 static void eval_doc_free(eval_doc *d) {
@@ -139,7 +141,30 @@ static void build_probes(eval_doc *d, int want, probe_form form) {
     }
 }
 
-static int parse_doc(const char *line, int lineno, const char *path, int want_probes, probe_form form, eval_doc *d) {
+/* ids replaced by wrap's turn around them; -1 when out of memory. */
+static int chat_wrap(const doc_chat *c, int (*wrap)(const doc_chat *, const int32_t *, int, int32_t **, int *),
+                     idvec *v) {
+    int32_t *w = NULL;
+    int n = 0;
+    if (wrap(c, v->ids, v->n, &w, &n))
+        return -1;
+    free(v->ids);
+    v->ids = w;
+    v->n = n;
+    return 0;
+}
+
+/* --chat: the document after the template's beginning, the instruction and questions as user turns. */
+static int chat_doc(const doc_chat *c, eval_doc *d) {
+    int bad = chat_wrap(c, doc_chat_document_ids, &d->doc) || chat_wrap(c, doc_chat_instruction, &d->instr);
+    for (int i = 0; i < d->n_qa && !bad; i++)
+        bad = chat_wrap(c, doc_chat_question, &d->q[i]);
+    d->n_prefix = c->n_prefix;
+    return bad ? -1 : 0;
+}
+
+static int parse_doc(const char *line, int lineno, const char *path, int want_probes, probe_form form,
+                     const doc_chat *chat, eval_doc *d) {
     memset(d, 0, sizeof *d);
     json_error_t jerr;
     json_t *o = json_loads(line, 0, &jerr);
@@ -165,6 +190,10 @@ static int parse_doc(const char *line, int lineno, const char *path, int want_pr
             goto out;
         }
         d->n_qa++;
+    }
+    if (chat && chat_doc(chat, d)) {
+        cli_error("eval quality", "%s:%d: out of memory", path, lineno);
+        goto out;
     }
     build_probes(d, want_probes, form);
     rc = 0;
@@ -213,6 +242,7 @@ typedef struct {
 
 typedef struct {
     kf_model *m;
+    const doc_chat *chat;        /* --chat, or NULL */
     const char *docs;
     kf_compact_params base;
     FILE *per_head;
@@ -263,14 +293,15 @@ static int eval_compact_rows(const eval_ctx *x, const eval_row *rows, int n_rows
     for (int r = 0; v && r < n_rows; r++)
         if (!rows[r].full)
             v[n++] = (kf_compact_variant){rows[r].method, rows[r].budget};
-    kf_prompt doc = {d->doc.ids, d->doc.n};
+    kf_prompt pre = {d->doc.ids, d->n_prefix}, doc = {d->doc.ids + d->n_prefix, d->doc.n - d->n_prefix};
     kf_compact_params p = x->base;
     p.repeat_instruction = (kf_prompt){d->instr.ids, d->instr.n};
     p.probes = pr;
     p.n_probes = d->n_probes;
     kf_compact_prep *prep = NULL;
     kf_status rc = !v || !tmp ? kf_fail(err, KF_ERR_NOMEM, "out of memory") : KF_OK;
-    if (rc == KF_OK && n > 0 && (rc = kf_compact_prepare(x->m, NULL, NULL, &doc, NULL, &p, v, n, &prep, err)) == KF_OK)
+    if (rc == KF_OK && n > 0 && (rc = kf_compact_prepare(x->m, NULL, d->n_prefix ? &pre : NULL, &doc, NULL, &p, v, n, &prep, err)) ==
+                                  KF_OK)
         rc = kf_compact_solve(prep, v, n, tmp, err);
     kf_compact_prep_free(prep, NULL);
     for (int r = 0, i = 0; rc == KF_OK && r < n_rows; r++)
@@ -299,7 +330,7 @@ static int eval_document(const eval_ctx *x, eval_row *rows, int n_rows, const ev
     for (int i = 0; i < d->n_probes; i++)
         pr[i] = (kf_prompt){d->probes[i].ids, d->probes[i].n};
     kf_prompt doc = {d->doc.ids, d->doc.n}, instr = {d->instr.ids, d->instr.n};
-    if (kf_reference_build(x->m, &doc, &instr, qa, d->n_qa, &ref, &err) != KF_OK) {
+    if (kf_reference_build_ex(x->m, &doc, d->n_prefix, &instr, qa, d->n_qa, &ref, &err) != KF_OK) {
         cli_error("eval quality", "%s:%d: %s", x->docs, lineno, err.msg);
         goto out;
     }
@@ -427,7 +458,7 @@ static int eval_documents(const eval_ctx *x, FILE *f, FILE *probes_f, eval_row *
         snprintf(source, sizeof source, "%s:%d", base, lineno);
         cli_progress_doc(x->pg, source, "", 0);
         eval_doc d;
-        if (parse_doc(line, lineno, x->docs, probes, form, &d) != 0) {
+        if (parse_doc(line, lineno, x->docs, probes, form, x->chat, &d) != 0) {
             n->n_unreadable++;
             rc = KF_EXIT_FAIL;
             continue;
@@ -468,7 +499,7 @@ static int eval_documents(const eval_ctx *x, FILE *f, FILE *probes_f, eval_row *
 typedef struct {
     const char *model_dir, *docs, *methods_s, *budgets_s, *head_budgets, *per_head_path, *probes_out;
     long long probes, limit;
-    int tsv;
+    int tsv, chat;
     cli_progress_opts pr;  /* --progress-interval, --quiet */
     int form;              /* probe_form */
     cli_compact_opts q;    /* the compaction's parameters (shared with compact); QUOKA: its document prefill */
@@ -504,6 +535,11 @@ static const cli_opt kEvalRows[] = {
      .help = "only the first N documents"},
     {"format", 0, OPT_CHOICE, "table|tsv", E(tsv), .choices = "table|tsv", .def = "table",
      .help = "a table, or tab-separated values with a header row"},
+    {"chat", 0, OPT_FLAG, NULL, E(chat),
+     .help = "through the model's chat template, as kvfold compact --chat: the document's ids follow the "
+             "template's beginning (kept verbatim in every cache), the repeat instruction is a second user turn's "
+             "content and the repeat the assistant's turn, each question (and probe) a user turn's content "
+             "followed by the generation prompt, its answer the assistant's"},
     {0}};
 
 static const cli_group kGroups[] = {
@@ -582,6 +618,8 @@ typedef struct {
     kf_backend *b;
     cli_progress pg;
     float *shares; /* [n_layers, kv_heads] --head-budgets */
+    doc_text text; /* --chat: the model's tokenizer and template */
+    doc_chat chat;
 } eval_files;
 
 static void eval_close(eval_files *r) {
@@ -592,6 +630,8 @@ static void eval_close(eval_files *r) {
     free(r->x.head_lse);
     free(r->x.head_out);
     free(r->shares);
+    doc_chat_free(&r->chat);
+    doc_text_free(&r->text);
     if (r->f)
         fclose(r->f);
     kf_model_free(r->x.m);
@@ -599,7 +639,7 @@ static void eval_close(eval_files *r) {
         r->b->destroy(r->b);
 }
 
-/* Opens everything o names; 0, or -1 (reported). */
+/* Opens everything o names; 0, or -1 (reported; -2: a usage error). */
 static int eval_open(const eval_opts *o, eval_files *r) {
     eval_ctx *x = &r->x;
     *r = (eval_files){.x = {.docs = o->docs, .base = cli_compact_params(&o->q)}};
@@ -611,6 +651,16 @@ static int eval_open(const eval_opts *o, eval_files *r) {
         return -1;
     const kf_hfconfig *cfg = kf_model_config(x->m);
     const int n_heads = cfg->n_layers * cfg->n_kv_heads;
+    doc_text_init(&r->text, o->model_dir, cfg->vocab_size);
+    char err[1024];
+    if (o->chat && doc_chat_open(&r->chat, &r->text, err, sizeof err)) {
+        cli_usage_error("eval quality", "--chat: %s: %s", o->model_dir, err);
+        return -2;
+    }
+    if (o->chat) {
+        x->chat = &r->chat;
+        x->base.chat_template = r->chat.digest;
+    }
     if (o->head_budgets) {
         kf_error berr = {0};
         r->shares = malloc(sizeof(float) * (size_t)n_heads);
@@ -656,7 +706,10 @@ static int count_docs(FILE *f, int limit) {
 static int eval_run(const eval_opts *o, eval_row *rows, int n_rows) {
     eval_files r;
     int rc = KF_EXIT_FAIL;
-    if (eval_open(o, &r) == 0) {
+    const int opened = eval_open(o, &r);
+    if (opened == -2)
+        rc = KF_EXIT_USAGE; /* --chat on a model without a chat template */
+    if (opened == 0) {
         eval_counts n = {0};
         const double t0 = cli_now();
         cli_progress_start(&r.pg, "[eval]", count_docs(r.f, (int)o->limit), 0, o->pr.quiet, o->pr.interval);

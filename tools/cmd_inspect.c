@@ -144,6 +144,12 @@ static int print_json(const char *path, kvf_file *f, const struct stat *sb, cons
                                   (json_int_t)payload, "full_cache_bytes", full, "token_ratio",
                                   (double)h->n_doc_tokens / (double)C, "bytes_ratio", (double)full / on_disk));
     json_object_set_new(root, "checksums", json_string("ok"));
+    const int chat = h->chat_template_digest[0] != 0; /* a chat cache (kvfold compact --chat) */
+    if (chat)
+        json_object_set_new(root, "chat",
+                            json_pack("{s:s, s:s, s:s, s:s}", "template_digest", h->chat_template_digest, "prefix_ids",
+                                      h->chat_prefix_ids, "question_prefix_ids", h->chat_question_prefix_ids,
+                                      "question_suffix_ids", h->chat_question_suffix_ids));
     json_t *hmj = json_array();
     for (int l = 0; l < L; l++) {
         char map[4097];
@@ -157,7 +163,7 @@ static int print_json(const char *path, kvf_file *f, const struct stat *sb, cons
                                   by_method[2], "fold", by_method[3], "per_layer", hmj));
     json_object_set_new(root, "layers", layers);
     /* any part that could not be built leaves a key out: then nothing is printed */
-    int bad = !layers || json_object_size(root) != 25 || json_array_size(layers) != (size_t)L;
+    int bad = !layers || json_object_size(root) != (size_t)(25 + chat) || json_array_size(layers) != (size_t)L;
     char *s = bad ? NULL : json_dumps(root, JSON_INDENT(1) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(7));
     if (s)
         puts(s);
@@ -212,6 +218,14 @@ static void print_text(const char *path, kvf_file *f, double on_disk, double ful
     printf("model        %s\n", h->model_fingerprint);
     printf("tokenizer    %s\n", h->tokenizer_digest[0] ? h->tokenizer_digest : "(unknown)");
     printf("document     %s, D = %lld tokens\n", h->document_digest, (long long)h->n_doc_tokens);
+    if (h->chat_template_digest[0]) {
+        printf("chat         template %s (kvfold ask --chat)\n", h->chat_template_digest);
+        printf("  before the document  %s\n", h->chat_prefix_ids);
+        printf("  a question begins    %s\n", h->chat_question_prefix_ids);
+        printf("  after its text       %s\n", h->chat_question_suffix_ids);
+    } else {
+        printf("chat         no (bare text)\n");
+    }
     printf("recipe       %s\n", h->recipe_digest);
     printf("payload      %s (XXH3-128 over the head digests)\n", h->payload_digest);
     printf("compacted    C = %lld slots (%lld blocks of %d)\n", (long long)C, (long long)kvf_n_blocks(f),

@@ -8,6 +8,7 @@
 #include "formats/escape.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
+#include "tools/doc_chat.h"
 #include "tools/doc_input.h"
 
 #define CMD "verify"
@@ -49,6 +50,9 @@ const cli_command cli_verify_command = {
              "positions in [0, D)) and every layer's digest, and that it was written for\n"
              "this model (fingerprint of config, tensor index and weights; layers, KV heads, head_dim).\n"
              "With --doc, also that the file is the cache of that document (digest and length).\n"
+             "The file's tokenizer (tokenizer_digest) must be the model's tokenizer.json. A cache made with\n"
+             "--chat (kvfold compact) is checked as it was made: the model's chat template must be the file's,\n"
+             "--doc is read through it and each --question is a user turn's content (kvfold ask --chat).\n"
              "With --doc and --question, the answer distributions: the full document's greedy answer is\n"
              "teacher-forced on both the full context and the cache, and the mean KL(full || cache) over its\n"
              "tokens is reported (also for the first token alone), with whether the cache's own greedy\n"
@@ -93,6 +97,15 @@ static int verify_question(const verify_engines *r, int i, const char *question,
     if (doc_tokenize(r->text, question, strlen(question), 0, &q, &nq, err, sizeof err)) {
         cli_error(CMD, "question %d: %s", i + 1, err);
         return KF_EXIT_FAIL;
+    }
+    int32_t *w = NULL;
+    if (r->text->chat) { /* a chat cache's question is a user turn's content */
+        if (doc_chat_question(r->text->chat, q, nq, &w, &nq)) {
+            cli_error(CMD, "out of memory");
+            goto out;
+        }
+        free(q);
+        q = w;
     }
     /* the full context puts the question at D: it and one answer token must fit the positions */
     const int64_t max_pos = cfg->max_position_embeddings, room = max_pos - r->n_doc - nq;
@@ -183,13 +196,22 @@ int cmd_verify(int argc, char **argv) {
     kf_compacted c = {0};
     kvf_header hdr;
     kf_engine ec = {0}, ef = {0};
+    doc_chat dc = {0};
     int32_t *doc = NULL, *ans = NULL, *mine = NULL;
+    char err[1024];
     float *lp = NULL, *lq = NULL;
     int n_doc = 0;
     kf_error e = {0};
     /* every checksum, then the model */
-    if (cache_load(CMD, path, m, 1, &c, &hdr))
+    if (cache_load(CMD, path, m, 1, &c, &hdr) || cache_check_tokenizer(CMD, &text, path, &hdr))
         goto done;
+    if (hdr.chat_template_digest[0]) { /* a chat cache: its document and questions through its template */
+        if (doc_chat_for_cache(&dc, &text, &hdr, err, sizeof err)) {
+            cli_error(CMD, "%s: %s", path, err);
+            goto done;
+        }
+        text.chat = &dc;
+    }
     printf("%s: checksums ok, model %s ok (%d layers x %d kv heads x %d), %s %s budget %g, C %lld of D %lld\n",
            KF_ESC(path), hdr.model_fingerprint, hdr.n_layers, hdr.kv_heads, hdr.head_dim, kf_method_name(hdr.method),
            kf_dtype_name(hdr.dtype), hdr.budget, (long long)hdr.n_tokens, (long long)hdr.n_doc_tokens);
@@ -234,6 +256,7 @@ done:
     free(lp);
     free(lq);
     free(questions);
+    doc_chat_free(&dc);
     doc_text_free(&text);
     kf_model_free(m);
     b->destroy(b);

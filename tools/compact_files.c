@@ -14,6 +14,7 @@
 #include "compactor/recipe.h"
 #include "formats/escape.h"
 #include "tools/cli.h"
+#include "tools/doc_chat.h"
 
 #define CMD "compact"
 
@@ -202,7 +203,7 @@ int claim_files(job_doc *d, const kf_compact_variant *vars, int n_vars, const fi
 /* Writes the claimed files' caches cc (in variant order; st: their compaction's status), frees
  * them and releases every claim; the first failure. */
 kf_status write_files(job_doc *d, int n_vars, kf_compacted *cc, kf_status st, const file_ids *ids,
-                      const char *tokenizer_digest, kf_error *e) {
+                      const char *tokenizer_digest, const struct doc_chat *chat, kf_error *e) {
     kf_status first = st;
     for (int v = 0, i = 0; v < n_vars; v++) {
         job_file *f = &d->files[v];
@@ -218,6 +219,8 @@ kf_status write_files(job_doc *d, int n_vars, kf_compacted *cc, kf_status st, co
             snprintf(kc.hdr.tokenizer_digest, sizeof kc.hdr.tokenizer_digest, "%s", tokenizer_digest);
             snprintf(kc.hdr.document_digest, sizeof kc.hdr.document_digest, "%s", d->digest);
             snprintf(kc.hdr.recipe_digest, sizeof kc.hdr.recipe_digest, "%s", f->recipe);
+            if (chat) /* a chat cache: its template's digest and the ids around the document */
+                doc_chat_record(chat, &kc.hdr);
             fs = kvf_write(f->path, &kc, &we);
             f->C = cc[i].C;
             kf_compacted_free(&cc[i++]);

@@ -81,9 +81,11 @@ int any_file(const job_doc *d, int n_vars, int state);
 int claim_files(job_doc *d, const kf_compact_variant *vars, int n_vars, const file_ids *ids, char *err,
                 size_t err_len);
 
+struct doc_chat;
 /* Writes the claimed files' caches cc (in variant order; st: their compaction's status), frees
- * them and releases every claim; the first failure. */
+ * them and releases every claim; the first failure. chat: NULL, or the template (tools/doc_chat.h)
+ * whose record goes into every header. */
 kf_status write_files(job_doc *d, int n_vars, kf_compacted *cc, kf_status st, const file_ids *ids,
-                      const char *tokenizer_digest, kf_error *e);
+                      const char *tokenizer_digest, const struct doc_chat *chat, kf_error *e);
 
 #endif

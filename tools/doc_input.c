@@ -4,7 +4,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <xxhash.h>
+
+#include "tools/doc_chat.h"
 
 void doc_text_init(doc_text *t, const char *model_dir, int vocab) {
     memset(t, 0, sizeof *t);
@@ -77,6 +80,8 @@ int doc_tokenize(doc_text *t, const char *text, size_t len, int special, int32_t
                  size_t err_len) {
     *ids = NULL;
     *n = 0;
+    if (special && t->chat)
+        return doc_chat_document(t->chat, t, text, len, ids, n, err, err_len);
     if (open_tokenizer(t, err, err_len))
         return -1;
     kf_token_ids out = {0};
@@ -140,6 +145,30 @@ int doc_json_prompt(doc_text *t, json_t *v, int32_t **ids, int *n, char *err, si
     return 0;
 }
 
+int doc_as_document(doc_text *t, int32_t **ids, int *n, char *err, size_t err_len) {
+    if (!t->chat)
+        return 0;
+    int32_t *w = NULL;
+    int nw = 0;
+    if (doc_chat_document_ids(t->chat, *ids, *n, &w, &nw)) {
+        snprintf(err, err_len, "out of memory");
+        return -1;
+    }
+    free(*ids);
+    *ids = w;
+    *n = nw;
+    return 0;
+}
+
+const char *doc_text_digest(doc_text *t) {
+    char err[256];
+    char path[4096];
+    snprintf(path, sizeof path, "%s/tokenizer.json", t->model_dir);
+    if (!t->tok && access(path, F_OK) == 0)
+        open_tokenizer(t, err, sizeof err); /* a broken one fails where it is used, with its cause */
+    return t->digest;
+}
+
 int doc_read_text(doc_text *t, const char *path, int32_t **ids, int *n, char *err, size_t err_len) {
     *ids = NULL;
     *n = 0;
@@ -171,11 +200,11 @@ int doc_read_file(doc_text *t, const char *path, int32_t **ids, int *n, char *er
     json_t *j = (*p == '[' || *p == '{') ? json_loadb(bytes, len, 0, NULL) : NULL;
     char sub[400];
     if (json_is_array(j)) {
-        rc = doc_json_prompt(t, j, ids, n, sub, sizeof sub);
+        rc = doc_json_prompt(t, j, ids, n, sub, sizeof sub) || doc_as_document(t, ids, n, sub, sizeof sub) ? -1 : 0;
     } else if (json_is_object(j)) {
         json_t *v = json_object_get(j, "ids");
         if (v)
-            rc = doc_json_prompt(t, v, ids, n, sub, sizeof sub);
+            rc = doc_json_prompt(t, v, ids, n, sub, sizeof sub) || doc_as_document(t, ids, n, sub, sizeof sub) ? -1 : 0;
         else if (json_is_string(v = json_object_get(j, "text")))
             rc = doc_tokenize(t, json_string_value(v), json_string_length(v), 1, ids, n, sub, sizeof sub);
         else
@@ -231,6 +260,17 @@ int cache_load(const char *cmd, const char *path, kf_model *m, int verify, kf_co
         return -1;
     }
     return 0;
+}
+
+int cache_check_tokenizer(const char *cmd, doc_text *t, const char *cache_path, const kvf_header *hdr) {
+    const char *mine = doc_text_digest(t);
+    if (!hdr->tokenizer_digest[0] || !mine[0] || !strcmp(hdr->tokenizer_digest, mine))
+        return 0;
+    cli_error(cmd,
+              "%s: made with another tokenizer (tokenizer_digest %s) than the model's %s/tokenizer.json (%s): its "
+              "token ids mean other text here",
+              cache_path, hdr->tokenizer_digest, t->model_dir, mine);
+    return -1;
 }
 
 int cache_doc_read(const char *cmd, doc_text *t, const char *doc_path, const char *cache_path, const kvf_header *hdr,

@@ -45,7 +45,7 @@ int manifest_parse_line(doc_text *t, const char *line, manifest_doc *d, char *er
             snprintf(err, err_len, "empty document (\"ids\" is [])");
             goto out;
         }
-        if (doc_json_prompt(t, ids, &d->ids, &d->n, sub, sizeof sub)) {
+        if (doc_json_prompt(t, ids, &d->ids, &d->n, sub, sizeof sub) || doc_as_document(t, &d->ids, &d->n, sub, sizeof sub)) {
             snprintf(err, err_len, "\"ids\": %s", sub);
             goto out;
         }

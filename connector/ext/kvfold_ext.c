@@ -43,6 +43,7 @@
  *                                              while this one is copied (False: one thread)
  *   write(path, header, keys, values, keys_dtype="float32")   a kvf file (tests, benchmarks)
  *   document_digest(ids) -> str                kvf_document_digest of a list of token ids
+ *   bytes_digest(data) -> str                  XXH3-128 of bytes (a tokenizer.json's tokenizer_digest)
  *   WITH_CUDA                                  False: this build copies into host tensors only
  *
  * Failures raise kvfold._kvfold.KvfError (a RuntimeError) whose message names the file and the
@@ -63,6 +64,8 @@
 #include "formats/kvf.h"
 #include "kernels/base/convert.h"
 #include "formats/kvf_internal.h" /* kvf_h5_quiet: for the read-ahead thread */
+
+#include <xxhash.h>
 
 static PyObject *KvfError;
 
@@ -94,7 +97,7 @@ static int parse_dtype(const char *s, kf_dtype *out) {
     return -1;
 }
 
-static PyObject *header_dict(const kvf_header *h) {
+static PyObject *header_dict_base(const kvf_header *h) {
     return Py_BuildValue(
         "{s:i,s:s,s:s,s:s,s:s,s:s,s:s,s:L,s:L,s:s,s:d,s:d,s:s,s:s,s:s,s:i,s:i,s:i,s:i}", "version", h->version,
         "creator", h->creator, "model_fingerprint", h->model_fingerprint, "tokenizer_digest", h->tokenizer_digest,
@@ -104,6 +107,23 @@ static PyObject *header_dict(const kvf_header *h) {
         "rope_frame", kvf_rope_frame_name(h->rope_frame), "placeholder", h->placeholder, "dtype",
         kf_dtype_name(h->dtype), "n_layers", h->n_layers, "kv_heads", h->kv_heads, "head_dim", h->head_dim,
         "block_size", h->block_size);
+}
+
+/* The header with its chat record (all "" for a bare-text cache). */
+static PyObject *header_dict(const kvf_header *h) {
+    PyObject *d = header_dict_base(h);
+    PyObject *chat = d ? Py_BuildValue("{s:s,s:s,s:s,s:s}", "chat_template_digest", h->chat_template_digest,
+                                       "chat_prefix_ids", h->chat_prefix_ids, "chat_question_prefix_ids",
+                                       h->chat_question_prefix_ids, "chat_question_suffix_ids",
+                                       h->chat_question_suffix_ids)
+                       : NULL;
+    if (!chat || PyDict_Update(d, chat) < 0) {
+        Py_XDECREF(chat);
+        Py_XDECREF(d);
+        return NULL;
+    }
+    Py_DECREF(chat);
+    return d;
 }
 
 static PyObject *py_read_header(PyObject *self, PyObject *args) {
@@ -730,7 +750,11 @@ static int header_from_dict(PyObject *d, kvf_header *h) {
                 {"tokenizer_digest", h->tokenizer_digest, sizeof h->tokenizer_digest},
                 {"document_digest", h->document_digest, sizeof h->document_digest},
                 {"recipe_digest", h->recipe_digest, sizeof h->recipe_digest},
-                {"placeholder", h->placeholder, sizeof h->placeholder}};
+                {"placeholder", h->placeholder, sizeof h->placeholder},
+                {"chat_template_digest", h->chat_template_digest, sizeof h->chat_template_digest},
+                {"chat_prefix_ids", h->chat_prefix_ids, sizeof h->chat_prefix_ids},
+                {"chat_question_prefix_ids", h->chat_question_prefix_ids, sizeof h->chat_question_prefix_ids},
+                {"chat_question_suffix_ids", h->chat_question_suffix_ids, sizeof h->chat_question_suffix_ids}};
     for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++) {
         PyObject *v = PyDict_GetItemString(d, strs[i].key);
         if (!v)
@@ -855,6 +879,19 @@ static PyObject *py_document_digest(PyObject *self, PyObject *arg) {
     return PyUnicode_FromString(out);
 }
 
+/* XXH3-128 of bytes, as kvfold writes a tokenizer.json's digest (tokenizer_digest). */
+static PyObject *py_bytes_digest(PyObject *self, PyObject *arg) {
+    (void)self;
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0)
+        return NULL;
+    XXH128_hash_t h = XXH3_128bits(b.buf, (size_t)b.len);
+    PyBuffer_Release(&b);
+    char out[KVF_DIGEST_LEN + 1];
+    snprintf(out, sizeof out, "%016llx%016llx", (unsigned long long)h.high64, (unsigned long long)h.low64);
+    return PyUnicode_FromString(out);
+}
+
 static PyMethodDef methods[] = {
     {"read_header", py_read_header, METH_VARARGS, "read_header(path) -> dict: open and validate a kvf file"},
     {"load", (PyCFunction)(void (*)(void))py_load, METH_VARARGS | METH_KEYWORDS,
@@ -870,6 +907,7 @@ static PyMethodDef methods[] = {
     {"write", (PyCFunction)(void (*)(void))py_write, METH_VARARGS | METH_KEYWORDS,
      "write(path, header, keys, values, keys_dtype='float32')"},
     {"document_digest", py_document_digest, METH_O, "document_digest(ids) -> 32 hex digits"},
+    {"bytes_digest", py_bytes_digest, METH_O, "bytes_digest(data) -> 32 hex digits: XXH3-128 (tokenizer_digest)"},
     {NULL, NULL, 0, NULL},
 };
 

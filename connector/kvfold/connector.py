@@ -85,7 +85,8 @@ from .fingerprint import read_fingerprint_cache
 from .loader import one_pass_load, pipelined_load
 from .pool import RetentionPool
 from .params import parse_params, show
-from .prompt import PARAMS_KEY, SALT_PREFIX, cache_key, cache_salt, placeholder_ids, token_id_error
+from .prompt import (PARAMS_KEY, SALT_PREFIX, cache_key, cache_salt, placeholder_ids, token_id_error,
+                     tokenizer_digest)
 
 logger = logging.getLogger("kvfold.connector")
 
@@ -198,6 +199,8 @@ class KVFoldConnector(KVConnectorBase_V1):
             logger.warning("kvfold: the model's fingerprint is unknown (%s; set kv_connector_extra_config "
                            "'model_fingerprint' from `kvfold model-info`); cache files are checked against "
                            "the model's shape only", why)
+        tok_dir = getattr(mc, "tokenizer", None) or mc.model  # files name the tokenizer that made their ids
+        self._tok_digest = tokenizer_digest(tok_dir) if isinstance(tok_dir, str) and os.path.isdir(tok_dir) else ""
         if self._cache_root is None and self._is_scheduler:
             logger.warning("kvfold: no cache_root: requests may name any readable kvf file")
         # scheduler state
@@ -387,6 +390,9 @@ class KVFoldConnector(KVConnectorBase_V1):
         if self._model_fp and h["model_fingerprint"] != self._model_fp:
             raise ValueError(f"{path}: written for model {h['model_fingerprint']}, not for the served model "
                              f"{self._model_fp}")
+        if self._tok_digest and h.get("tokenizer_digest") and h["tokenizer_digest"] != self._tok_digest:
+            raise ValueError(f"{path}: made with tokenizer {h['tokenizer_digest']}, not the served model's "
+                             f"{self._tok_digest} (tokenizer.json)")
         if (h["n_layers"], h["kv_heads"], h["head_dim"]) != (self._n_layers, self._kv_heads, self._head_dim):
             raise ValueError(f"{path}: holds {h['n_layers']} layers x {h['kv_heads']} kv heads x head_dim "
                              f"{h['head_dim']}, the served model has {self._n_layers} x {self._kv_heads} x "

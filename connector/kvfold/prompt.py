@@ -8,6 +8,13 @@ sequence drawn from the cache's identity, and the request also carries a per-cac
 The identity is the content: cache_key holds the file's payload digest (every K/V byte, bias,
 fold direction and position, which the compaction recipe determines), so two files of one
 document made with different recipes never share a placeholder id sequence or a salt.
+
+A chat cache (`kvfold compact --chat`) holds the document as the first user turn of the model's chat
+template and records the ids around it: what a question's ids begin with (the end of the
+document's turn, the next turn's header) and what follows its text (the end of that turn, the
+generation prompt). prompt(path, question="...") puts the question between them, so a client never
+assembles template pieces; the question's text goes in as the template writes a user turn's
+content (unchanged by Qwen3's template; Llama 3's trims it, so give it trimmed).
 """
 from __future__ import annotations
 
@@ -17,7 +24,7 @@ import numbers
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 from . import _kvfold
 
@@ -105,17 +112,79 @@ def token_id_error(ids: Sequence[Any], vocab: int, what: str = "question id") ->
     return None
 
 
-def prompt(cache_path: str, question_ids: Sequence[int], *, model: Optional[str] = None,
-           id_range: Optional[int] = None, cache_root: Optional[str] = None, vocab: Optional[int] = None) -> Prompt:
+def tokenizer_digest(model_dir: str) -> str:
+    """The digest kvfold records of DIR/tokenizer.json (XXH3-128, 32 hex digits), "" without one."""
+    path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.exists(path):
+        return ""
+    with open(path, "rb") as f:
+        return _kvfold.bytes_digest(f.read())
+
+
+def check_tokenizer(header: Mapping[str, Any], model_dir: str, cache_path: str) -> None:
+    """Refuses a cache whose tokenizer is not the model's (a file or model without one passes)."""
+    theirs, mine = header.get("tokenizer_digest") or "", tokenizer_digest(model_dir)
+    if theirs and mine and theirs != mine:
+        raise ValueError(f"{cache_path}: made with another tokenizer (tokenizer_digest {theirs}) than the model's "
+                         f"{os.path.join(model_dir, 'tokenizer.json')} ({mine}): its token ids mean other text here")
+
+
+def _record_ids(s: str) -> List[int]:
+    return [int(x) for x in s.split(",")] if s else []
+
+
+def _chat_question(header: Mapping[str, Any], cache_path: str, question: Union[str, Sequence[int]],
+                   model: Optional[str], tokenizer: Optional[Callable[[str], Sequence[int]]]) -> List[int]:
+    """The ids after a chat cache: its recorded question prefix, the question, its recorded suffix."""
+    if not header.get("chat_template_digest"):
+        raise ValueError(f"{cache_path}: compacted from bare text, not through a chat template: give question_ids "
+                         "(what follows the document), not question=")
+    if isinstance(question, str):
+        if tokenizer is None:
+            if model is None:
+                raise ValueError("prompt: a question's text needs tokenizer= or model= (its tokenizer.json)")
+            from tokenizers import Tokenizer  # vLLM's environment has it; only needed for text here
+            tok = Tokenizer.from_file(os.path.join(model, "tokenizer.json"))
+            tokenizer = lambda text: tok.encode(text, add_special_tokens=False).ids  # noqa: E731
+        ids = list(tokenizer(question))
+    else:
+        ids = list(question)
+    if not ids:
+        raise ValueError("prompt: the question is empty")
+    return (_record_ids(header["chat_question_prefix_ids"]) + ids +
+            _record_ids(header["chat_question_suffix_ids"]))
+
+
+def prompt(cache_path: str, question_ids: Optional[Sequence[int]] = None, *, question: Union[str, Sequence[int],
+           None] = None, model: Optional[str] = None, id_range: Optional[int] = None,
+           cache_root: Optional[str] = None, vocab: Optional[int] = None,
+           tokenizer: Optional[Callable[[str], Sequence[int]]] = None) -> Prompt:
     """Prompt token ids, kv_transfer_params and cache_salt for a question on a compacted cache.
 
     cache_path: the kvf file; it is named in kv_transfer_params relative to cache_root (the
     connector's kv_connector_extra_config["cache_root"]) when it lies inside it.
-    question_ids: what follows the document (template tail, question, assistant header), >= 1 id.
-    model (the Hugging Face directory vLLM serves) or id_range: bounds the placeholder ids.
+    question_ids: for a cache of bare text, what follows the document, >= 1 id.
+    question: for a chat cache (kvfold compact --chat), the content of the user turn after the
+    document's: a text (tokenized without special tokens by tokenizer=, a callable text -> ids, or
+    else model='s tokenizer.json through the `tokenizers` package) or its ids; the prompt puts it
+    between the ids the file records (end of the document's turn and the next turn's header; end
+    of the question's turn and the generation prompt). A chat cache given question_ids, or a
+    bare-text cache given question=, is refused.
+    model (the Hugging Face directory vLLM serves) or id_range: bounds the placeholder ids; with
+    model=, the file's tokenizer digest must be the model's tokenizer.json's.
     vocab: bounds the question ids, each an int in [0, vocab) (default: id_range, which from
     model= is every id the model and its tokenizer know).
     """
+    if (question_ids is None) == (question is None):
+        raise ValueError("prompt: give question_ids (a bare-text cache) or question= (a chat cache), one of them")
+    header = _kvfold.read_header(cache_path)
+    if model is not None:
+        check_tokenizer(header, model, cache_path)
+    if question is not None:
+        question_ids = _chat_question(header, cache_path, question, model, tokenizer)
+    elif header.get("chat_template_digest"):
+        raise ValueError(f"{cache_path}: compacted through a chat template ({header['chat_template_digest']}): give "
+                         "question= (the user turn's content), which puts it between the template's pieces")
     question_ids = list(question_ids)
     if not question_ids:
         raise ValueError("prompt: the question must hold at least one token (vLLM computes the last one)")
@@ -130,7 +199,6 @@ def prompt(cache_path: str, question_ids: Sequence[int], *, model: Optional[str]
     if why:
         raise ValueError(f"prompt: {why}")
     question_ids = [int(t) for t in question_ids]
-    header = _kvfold.read_header(cache_path)
     if header["method"] == "am" or header["rope_frame"] != "compacted":
         raise ValueError(f"{cache_path}: method {header['method']} / rope_frame {header['rope_frame']} cannot be "
                          "served by a paged engine (compact with method fold, drop or keep)")
