@@ -116,169 +116,204 @@ static int ask_chat(const char *path, const kvf_header *h, int chat, doc_text *t
     return KF_EXIT_OK;
 }
 
+/* One ask: the model, the cache and the questions. */
+typedef struct {
+    const ask_opts *o;
+    const char *path;     /* the cache file */
+    kf_model *m;
+    const kf_hfconfig *cfg;
+    doc_text text;
+    doc_chat dc;
+    kf_compacted c;
+    kvf_header hdr;
+    kf_engine ec, ef;     /* on the cache; on the full document (--compare) */
+    int32_t *doc;         /* [n_doc] the document's ids (--doc) */
+    int n_doc;
+    int n_q, longest;     /* questions; the longest's tokens */
+    int32_t **qs;         /* [n_q] -> [qn[i]] each question's ids as the engine sees them */
+    int *qn;              /* [n_q] */
+    char **disp;          /* [n_q] the questions' text, without the template */
+    int32_t *out;         /* [2 * max_tokens] the cache's answer, then the full context's */
+} ask_run;
+
+/* Question i's ids from its text (or --question-ids, the last), in the vocabulary, wrapped in the
+ * template's pieces with --chat; the exit status. */
+static int read_question(ask_run *r, int i, const char *text_q) {
+    char err[1024];
+    if (!text_q ? cli_parse_ids(r->o->qids_s, &r->qs[i], &r->qn[i], err, sizeof err)
+                : doc_tokenize(&r->text, text_q, strlen(text_q), 0, &r->qs[i], &r->qn[i], err, sizeof err)) {
+        if (!text_q) /* a malformed --question-ids ("1,,2") is a usage error */
+            return cli_usage_error(CMD, "--question-ids: %s", err);
+        cli_error(CMD, "question %d: %s", i + 1, err);
+        return KF_EXIT_FAIL;
+    }
+    for (int j = 0; j < r->qn[i]; j++)
+        if (r->qs[i][j] >= r->cfg->vocab_size) {
+            cli_error(CMD, "question %d: token id %d is outside the vocabulary", i + 1, r->qs[i][j]);
+            return KF_EXIT_FAIL;
+        }
+    r->disp[i] = doc_decode(&r->text, r->qs[i], r->qn[i]);
+    if (r->o->chat) {
+        int32_t *w = NULL;
+        if (doc_chat_question(&r->dc, r->qs[i], r->qn[i], &w, &r->qn[i])) {
+            cli_error(CMD, "out of memory");
+            return KF_EXIT_FAIL;
+        }
+        free(r->qs[i]);
+        r->qs[i] = w;
+    }
+    r->longest = r->qn[i] > r->longest ? r->qn[i] : r->longest;
+    return KF_EXIT_OK;
+}
+
+/* The cache (checked for this model, tokenizer and --chat), the questions, the document (--doc) and
+ * the engines; the exit status. */
+static int ask_prepare(ask_run *r, char **text_qs, int n_text_q) {
+    const ask_opts *o = r->o;
+    if (cache_load(CMD, r->path, r->m, 0, &r->c, &r->hdr) || cache_check_tokenizer(CMD, &r->text, r->path, &r->hdr))
+        return KF_EXIT_FAIL;
+    int rc = ask_chat(r->path, &r->hdr, o->chat, &r->text, &r->dc);
+    for (int i = 0; i < r->n_q && rc == KF_EXIT_OK; i++)
+        rc = read_question(r, i, i < n_text_q ? text_qs[i] : NULL);
+    char digest[KVF_DIGEST_LEN + 1];
+    if (rc == KF_EXIT_OK && o->doc_path &&
+        cache_doc_read(CMD, &r->text, o->doc_path, r->path, &r->hdr, &r->doc, &r->n_doc, digest))
+        return KF_EXIT_FAIL;
+    const int64_t ctx = o->compare ? r->hdr.n_doc_tokens : r->c.C;
+    for (int i = 0; i < r->n_q && rc == KF_EXIT_OK; i++) /* every question within the positions */
+        if (answer_room(r->cfg, ctx, i, r->qn[i], o->max_tokens) < 0)
+            rc = KF_EXIT_USAGE;
+    if (rc != KF_EXIT_OK)
+        return rc;
+    if (!o->quiet)
+        fprintf(stderr, "cache: %lld of %lld document tokens (%.2fx smaller), %s, budget %g, %s\n",
+                (long long)r->c.C, (long long)r->c.D, (double)r->c.D / (double)r->c.C, kf_method_name(r->hdr.method),
+                r->hdr.budget, kf_dtype_name(r->hdr.dtype));
+    kf_error e = {0};
+    if (kf_engine_from_compacted(&r->ec, r->m, &r->c, r->longest + (int)o->max_tokens, &e) != KF_OK) {
+        cli_error(CMD, "%s", e.msg);
+        return KF_EXIT_FAIL;
+    }
+    kf_prompt d = {r->doc, r->n_doc};
+    if (o->compare && kf_engine_from_document(&r->ef, r->m, &d, r->longest + (int)o->max_tokens, &e) != KF_OK) {
+        cli_error(CMD, "%s: %s", o->doc_path, e.msg);
+        return KF_EXIT_FAIL;
+    }
+    return KF_EXIT_OK;
+}
+
+/* Question i's answer (and the full context's, full non-NULL) as text or one JSON line. */
+static void print_answer(ask_run *r, int i, const int32_t *out, int n_out, const int32_t *full, int n_full,
+                         int same) {
+    const char *qtext = r->disp[i];
+    char *ans = doc_decode(&r->text, out, n_out);
+    char *fans = full ? doc_decode(&r->text, full, n_full) : NULL;
+    if (r->o->format == 1) {
+        json_t *o = json_pack("{s:s, s:o, s:s, s:o}", "question", qtext ? qtext : "", "question_ids",
+                              ids_json(r->qs[i], r->qn[i]), "answer", ans ? ans : "", "answer_ids", ids_json(out, n_out));
+        if (full) {
+            json_object_set_new(o, "full_answer", json_string(fans ? fans : ""));
+            json_object_set_new(o, "full_answer_ids", ids_json(full, n_full));
+            json_object_set_new(o, "agree", json_boolean(same));
+        }
+        char *s = json_dumps(o, JSON_COMPACT);
+        puts(s ? s : "{}");
+        free(s);
+        json_decref(o);
+    } else if (full) {
+        print_str("question:", qtext);
+        print_str("cache:", ans);
+        print_str("full:", fans);
+        printf("agree:    %s\n", same ? "yes" : "no");
+    } else {
+        fputs(ans ? ans : "", stdout);
+        if (!ans || !*ans || ans[strlen(ans) - 1] != '\n')
+            putchar('\n');
+    }
+    free(ans);
+    free(fans);
+}
+
+/* Every question answered greedily from the cache (and the full context with --compare), each from
+ * the cache alone; the exit status. */
+static int ask_answer(ask_run *r) {
+    const ask_opts *o = r->o;
+    int32_t eos[8];
+    const int n_eos = model_eos_ids(r->m, &r->text, eos);
+    stop_text st = {&r->text, o->stop};
+    kf_error e = {0};
+    int agree = 0;
+    for (int i = 0; i < r->n_q; i++) {
+        kf_prompt q = {r->qs[i], r->qn[i]};
+        int n_out = 0, n_full = 0;
+        const int room = answer_room(r->cfg, o->compare ? r->hdr.n_doc_tokens : r->c.C, i, r->qn[i], o->max_tokens);
+        int32_t *full = r->out + o->max_tokens;
+        if (kf_engine_greedy(&r->ec, r->m, &q, room, eos, n_eos, stop_on_text, &st, r->out, &n_out, &e) != KF_OK ||
+            (o->compare &&
+             kf_engine_greedy(&r->ef, r->m, &q, room, eos, n_eos, stop_on_text, &st, full, &n_full, &e) != KF_OK)) {
+            cli_error(CMD, "%s", e.msg);
+            return KF_EXIT_FAIL;
+        }
+        const int same = n_out == n_full && memcmp(r->out, full, sizeof(int32_t) * n_out) == 0;
+        agree += same;
+        print_answer(r, i, r->out, n_out, o->compare ? full : NULL, n_full, same);
+    }
+    if (o->compare && o->format != 1)
+        printf("agreement: %d/%d greedy answers equal the full context's\n", agree, r->n_q);
+    return KF_EXIT_OK;
+}
+
+static void ask_free(ask_run *r) {
+    kf_engine_free(&r->ec);
+    kf_engine_free(&r->ef);
+    kf_compacted_free(&r->c);
+    for (int i = 0; r->qs && i < r->n_q; i++)
+        free(r->qs[i]);
+    for (int i = 0; r->disp && i < r->n_q; i++)
+        free(r->disp[i]);
+    free(r->disp);
+    doc_chat_free(&r->dc);
+    free(r->qs);
+    free(r->qn);
+    free(r->doc);
+    free(r->out);
+    doc_text_free(&r->text);
+}
+
 int cmd_ask(int argc, char **argv) {
     ask_opts o = {.max_tokens = 32};
     int first;
     const int prc = cli_opts_parse(&cli_ask_command, argc, argv, &o, &first);
     if (prc != CLI_CONTINUE)
         return prc;
-    const char *model_dir = o.model_dir, *stop = o.stop, *doc_path = o.doc_path, *qids_s = o.qids_s;
-    const long long max_tokens = o.max_tokens;
-    const int compare = o.compare, as_json = o.format == 1, quiet = o.quiet, chat = o.chat;
-    if (!model_dir)
+    if (!o.model_dir)
         return cli_usage_error(CMD, "--model DIR is required");
     if (first >= argc)
         return cli_usage_error(CMD, "give the cache FILE.kvf");
-    const char *path = argv[first++];
-    const int n_text_q = argc - first, n_q = n_text_q + (qids_s != NULL);
-    if (n_q == 0)
+    ask_run r = {.o = &o, .path = argv[first++]};
+    const int n_text_q = argc - first;
+    r.n_q = n_text_q + (o.qids_s != NULL);
+    if (r.n_q == 0)
         return cli_usage_error(CMD, "give a QUESTION (or --question-ids)");
-    if (compare && !doc_path)
+    if (o.compare && !o.doc_path)
         return cli_usage_error(CMD, "--compare needs the document (--doc FILE)");
-
     kf_backend *b;
-    kf_model *m = cli_load_model(CMD, model_dir, &b);
-    if (!m)
+    if (!(r.m = cli_load_model(CMD, o.model_dir, &b)))
         return KF_EXIT_FAIL;
-    const kf_hfconfig *cfg = kf_model_config(m);
-    doc_text text;
-    doc_text_init(&text, model_dir, cfg->vocab_size);
-    int rc = KF_EXIT_FAIL;
-    kf_compacted c = {0};
-    kvf_header hdr;
-    kf_engine ec = {0}, ef = {0};
-    doc_chat dc = {0};
-    int32_t *doc = NULL, *out = malloc(sizeof(int32_t) * (size_t)max_tokens * 2);
-    int n_doc = 0, agree = 0;
-    int32_t **qs = calloc((size_t)n_q, sizeof *qs);
-    int *qn = calloc((size_t)n_q, sizeof *qn);
-    char **disp = calloc((size_t)n_q, sizeof *disp); /* [n_q] the questions' text */
-    char err[1024];
-    kf_error e = {0};
-    if (!out || !qs || !qn || !disp) {
+    r.cfg = kf_model_config(r.m);
+    doc_text_init(&r.text, o.model_dir, r.cfg->vocab_size);
+    r.out = malloc(sizeof(int32_t) * (size_t)o.max_tokens * 2);
+    r.qs = calloc((size_t)r.n_q, sizeof *r.qs);
+    r.qn = calloc((size_t)r.n_q, sizeof *r.qn);
+    r.disp = calloc((size_t)r.n_q, sizeof *r.disp);
+    int rc;
+    if (!r.out || !r.qs || !r.qn || !r.disp) {
         cli_error(CMD, "out of memory");
-        goto done;
-    }
-    if (cache_load(CMD, path, m, 0, &c, &hdr) || cache_check_tokenizer(CMD, &text, path, &hdr))
-        goto done;
-    if ((rc = ask_chat(path, &hdr, chat, &text, &dc)) != KF_EXIT_OK)
-        goto done;
-    rc = KF_EXIT_FAIL;
-    int longest = 0;
-    for (int i = 0; i < n_q; i++) {
-        const int is_ids = i == n_text_q;
-        if (is_ids ? cli_parse_ids(qids_s, &qs[i], &qn[i], err, sizeof err)
-                   : doc_tokenize(&text, argv[first + i], strlen(argv[first + i]), 0, &qs[i], &qn[i], err, sizeof err)) {
-            if (is_ids) /* a malformed --question-ids ("1,,2") is a usage error */
-                rc = cli_usage_error(CMD, "--question-ids: %s", err);
-            else
-                cli_error(CMD, "question %d: %s", i + 1, err);
-            goto done;
-        }
-        for (int j = 0; j < qn[i]; j++)
-            if (qs[i][j] >= cfg->vocab_size) {
-                cli_error(CMD, "question %d: token id %d is outside the vocabulary", i + 1, qs[i][j]);
-                goto done;
-            }
-        disp[i] = doc_decode(&text, qs[i], qn[i]); /* the question as asked, without the template */
-        int32_t *w = NULL;
-        if (chat && doc_chat_question(&dc, qs[i], qn[i], &w, &qn[i])) {
-            cli_error(CMD, "out of memory");
-            goto done;
-        }
-        if (chat) {
-            free(qs[i]);
-            qs[i] = w;
-        }
-        longest = qn[i] > longest ? qn[i] : longest;
-    }
-    char digest[KVF_DIGEST_LEN + 1];
-    if (doc_path && cache_doc_read(CMD, &text, doc_path, path, &hdr, &doc, &n_doc, digest))
-        goto done;
-    for (int i = 0; i < n_q; i++) /* every question within the positions before any answer */
-        if (answer_room(cfg, compare ? hdr.n_doc_tokens : c.C, i, qn[i], max_tokens) < 0) {
-            rc = KF_EXIT_USAGE;
-            goto done;
-        }
-    if (!quiet)
-        fprintf(stderr, "cache: %lld of %lld document tokens (%.2fx smaller), %s, budget %g, %s\n", (long long)c.C,
-                (long long)c.D, (double)c.D / (double)c.C, kf_method_name(hdr.method), hdr.budget,
-                kf_dtype_name(hdr.dtype));
-    if (kf_engine_from_compacted(&ec, m, &c, longest + max_tokens, &e) != KF_OK) {
-        cli_error(CMD, "%s", e.msg);
-        goto done;
-    }
-    if (compare) {
-        kf_prompt d = {doc, n_doc};
-        if (kf_engine_from_document(&ef, m, &d, longest + max_tokens, &e) != KF_OK) {
-            cli_error(CMD, "%s: %s", doc_path, e.msg);
-            goto done;
-        }
-    }
-    int32_t eos[8];
-    const int n_eos = model_eos_ids(m, &text, eos);
-    stop_text st = {&text, stop};
-    rc = KF_EXIT_OK;
-    for (int i = 0; i < n_q && rc == KF_OK; i++) {
-        kf_prompt q = {qs[i], qn[i]};
-        int n_out = 0, n_full = 0;
-        const int room = answer_room(cfg, compare ? hdr.n_doc_tokens : c.C, i, qn[i], max_tokens);
-        int32_t *full = out + max_tokens;
-        if (kf_engine_greedy(&ec, m, &q, room, eos, n_eos, stop_on_text, &st, out, &n_out, &e) != KF_OK ||
-            (compare &&
-             kf_engine_greedy(&ef, m, &q, room, eos, n_eos, stop_on_text, &st, full, &n_full, &e) != KF_OK)) {
-            cli_error(CMD, "%s", e.msg);
-            rc = KF_EXIT_FAIL;
-            break;
-        }
-        const int same = n_out == n_full && memcmp(out, full, sizeof(int32_t) * n_out) == 0;
-        agree += same;
-        const char *qtext = disp[i];
-        char *ans = doc_decode(&text, out, n_out);
-        char *fans = compare ? doc_decode(&text, full, n_full) : NULL;
-        if (as_json) {
-            json_t *o = json_pack("{s:s, s:o, s:s, s:o}", "question", qtext ? qtext : "", "question_ids",
-                                  ids_json(qs[i], qn[i]), "answer", ans ? ans : "", "answer_ids", ids_json(out, n_out));
-            if (compare) {
-                json_object_set_new(o, "full_answer", json_string(fans ? fans : ""));
-                json_object_set_new(o, "full_answer_ids", ids_json(full, n_full));
-                json_object_set_new(o, "agree", json_boolean(same));
-            }
-            char *s = json_dumps(o, JSON_COMPACT);
-            puts(s ? s : "{}");
-            free(s);
-            json_decref(o);
-        } else if (compare) {
-            print_str("question:", qtext);
-            print_str("cache:", ans);
-            print_str("full:", fans);
-            printf("agree:    %s\n", same ? "yes" : "no");
-        } else {
-            fputs(ans ? ans : "", stdout);
-            if (!ans || !*ans || ans[strlen(ans) - 1] != '\n')
-                putchar('\n');
-        }
-        free(ans);
-        free(fans);
-    }
-    if (compare && !as_json && rc == KF_EXIT_OK)
-        printf("agreement: %d/%d greedy answers equal the full context's\n", agree, n_q);
-done:
-    kf_engine_free(&ec);
-    kf_engine_free(&ef);
-    kf_compacted_free(&c);
-    for (int i = 0; qs && i < n_q; i++)
-        free(qs[i]);
-    for (int i = 0; disp && i < n_q; i++)
-        free(disp[i]);
-    free(disp);
-    doc_chat_free(&dc);
-    free(qs);
-    free(qn);
-    free(doc);
-    free(out);
-    doc_text_free(&text);
-    kf_model_free(m);
+        rc = KF_EXIT_FAIL;
+    } else if ((rc = ask_prepare(&r, argv + first, n_text_q)) == KF_EXIT_OK)
+        rc = ask_answer(&r);
+    ask_free(&r);
+    kf_model_free(r.m);
     b->destroy(b);
     return rc;
 }
