@@ -155,6 +155,78 @@ out:
     return rc;
 }
 
+/* The file being verified: its cache, header, chat record and document. */
+typedef struct {
+    const char *path;
+    kf_model *m;
+    doc_text text;
+    doc_chat dc;
+    kf_compacted c;
+    kvf_header hdr;
+    int32_t *doc; /* [n_doc] the document's ids (--doc) */
+    int n_doc;
+} verify_file;
+
+/* Every checksum, then the model and tokenizer, then the document (--doc), each reported; the exit
+ * status. */
+static int verify_cache(verify_file *f, const char *doc_path) {
+    char err[1024];
+    if (cache_load(CMD, f->path, f->m, 1, &f->c, &f->hdr) || cache_check_tokenizer(CMD, &f->text, f->path, &f->hdr))
+        return KF_EXIT_FAIL;
+    const kvf_header *h = &f->hdr;
+    if (h->chat_template_digest[0]) { /* a chat cache: its document and questions through its template */
+        if (doc_chat_for_cache(&f->dc, &f->text, h, err, sizeof err)) {
+            cli_error(CMD, "%s: %s", f->path, err);
+            return KF_EXIT_FAIL;
+        }
+        f->text.chat = &f->dc;
+    }
+    printf("%s: checksums ok, model %s ok (%d layers x %d kv heads x %d), %s %s budget %g, C %lld of D %lld\n",
+           KF_ESC(f->path), h->model_fingerprint, h->n_layers, h->kv_heads, h->head_dim, kf_method_name(h->method),
+           kf_dtype_name(h->dtype), h->budget, (long long)h->n_tokens, (long long)h->n_doc_tokens);
+    if (doc_path) {
+        char digest[KVF_DIGEST_LEN + 1];
+        if (cache_doc_read(CMD, &f->text, doc_path, f->path, h, &f->doc, &f->n_doc, digest))
+            return KF_EXIT_FAIL;
+        printf("document: %s matches (digest %s, %d tokens)\n", KF_ESC(doc_path), digest, f->n_doc);
+    }
+    return KF_EXIT_OK;
+}
+
+/* Each --question on the cache and on the full document; the exit status. */
+static int verify_questions(verify_file *f, const verify_opts *o) {
+    const int V = kf_model_config(f->m)->vocab_size;
+    const long long max_tokens = o->max_tokens;
+    int32_t eos[8];
+    const int n_eos = model_eos_ids(f->m, &f->text, eos);
+    stop_text st = {&f->text, o->stop};
+    kf_engine ec = {0}, ef = {0};
+    kf_error e = {0};
+    int32_t *ans = malloc(sizeof(int32_t) * (size_t)max_tokens), *mine = malloc(sizeof(int32_t) * (size_t)max_tokens);
+    float *lp = malloc(sizeof(float) * (size_t)max_tokens * V), *lq = malloc(sizeof(float) * (size_t)max_tokens * V);
+    kf_prompt d = {f->doc, f->n_doc};
+    int rc = KF_EXIT_OK;
+    if (!ans || !mine || !lp || !lq || kf_engine_from_compacted(&ec, f->m, &f->c, 4096 + max_tokens, &e) != KF_OK ||
+        kf_engine_from_document(&ef, f->m, &d, 4096 + max_tokens, &e) != KF_OK) {
+        cli_error(CMD, "%s", e.msg[0] ? e.msg : "out of memory");
+        rc = KF_EXIT_FAIL;
+    } else {
+        const verify_engines r = {f->m, &f->text, &ec, &ef, eos, n_eos, &st, ans, mine, lp, lq, f->n_doc,
+                                  max_tokens, o->max_kl};
+        for (int i = 0; i < o->n_q; i++) {
+            int stop_now = 0;
+            const int qrc = verify_question(&r, i, o->questions[i], &stop_now);
+            rc = qrc != KF_EXIT_OK ? qrc : rc;
+            if (stop_now)
+                break;
+        }
+    }
+    kf_engine_free(&ec);
+    kf_engine_free(&ef);
+    free(ans), free(mine), free(lp), free(lq);
+    return rc;
+}
+
 int cmd_verify(int argc, char **argv) {
     verify_opts o = {.questions = calloc((size_t)argc + 1, sizeof(const char *)), .max_tokens = 16,
                      .max_kl = INFINITY};
@@ -163,102 +235,29 @@ int cmd_verify(int argc, char **argv) {
         return KF_EXIT_FAIL;
     }
     int first;
-    const int prc = cli_opts_parse(&cli_verify_command, argc, argv, &o, &first);
-    if (prc != CLI_CONTINUE) {
-        free(o.questions);
-        return prc;
-    }
-    const char *model_dir = o.model_dir, *doc_path = o.doc_path, *stop = o.stop;
-    const char **questions = o.questions;
-    const int n_q = o.n_q;
-    const long long max_tokens = o.max_tokens;
-    const double max_kl = o.max_kl;
-    if (!model_dir || first != argc - 1) {
-        free(questions);
-        return cli_usage_error(CMD, "give one FILE.kvf and --model DIR");
-    }
-    if (n_q > 0 && !doc_path) { /* the KL check needs the full context: no silent skip with exit 0 */
-        free(questions);
-        return cli_usage_error(CMD, "--question needs the document (--doc FILE)");
-    }
-    const char *path = argv[first];
+    int rc = cli_opts_parse(&cli_verify_command, argc, argv, &o, &first);
+    if (rc == CLI_CONTINUE && (!o.model_dir || first != argc - 1))
+        rc = cli_usage_error(CMD, "give one FILE.kvf and --model DIR");
+    else if (rc == CLI_CONTINUE && o.n_q > 0 && !o.doc_path) /* the KL check needs the full context */
+        rc = cli_usage_error(CMD, "--question needs the document (--doc FILE)");
     kf_backend *b;
-    kf_model *m = cli_load_model(CMD, model_dir, &b);
-    if (!m) {
-        free(questions);
-        return KF_EXIT_FAIL;
-    }
-    const kf_hfconfig *cfg = kf_model_config(m);
-    const int V = cfg->vocab_size;
-    doc_text text;
-    doc_text_init(&text, model_dir, V);
-    int rc = KF_EXIT_FAIL;
-    kf_compacted c = {0};
-    kvf_header hdr;
-    kf_engine ec = {0}, ef = {0};
-    doc_chat dc = {0};
-    int32_t *doc = NULL, *ans = NULL, *mine = NULL;
-    char err[1024];
-    float *lp = NULL, *lq = NULL;
-    int n_doc = 0;
-    kf_error e = {0};
-    /* every checksum, then the model */
-    if (cache_load(CMD, path, m, 1, &c, &hdr) || cache_check_tokenizer(CMD, &text, path, &hdr))
-        goto done;
-    if (hdr.chat_template_digest[0]) { /* a chat cache: its document and questions through its template */
-        if (doc_chat_for_cache(&dc, &text, &hdr, err, sizeof err)) {
-            cli_error(CMD, "%s: %s", path, err);
-            goto done;
-        }
-        text.chat = &dc;
-    }
-    printf("%s: checksums ok, model %s ok (%d layers x %d kv heads x %d), %s %s budget %g, C %lld of D %lld\n",
-           KF_ESC(path), hdr.model_fingerprint, hdr.n_layers, hdr.kv_heads, hdr.head_dim, kf_method_name(hdr.method),
-           kf_dtype_name(hdr.dtype), hdr.budget, (long long)hdr.n_tokens, (long long)hdr.n_doc_tokens);
-    if (doc_path) {
-        char digest[KVF_DIGEST_LEN + 1];
-        if (cache_doc_read(CMD, &text, doc_path, path, &hdr, &doc, &n_doc, digest))
-            goto done;
-        printf("document: %s matches (digest %s, %d tokens)\n", KF_ESC(doc_path), digest, n_doc);
-    }
-    rc = KF_EXIT_OK;
-    if (n_q == 0)
-        goto done;
-    int32_t eos[8];
-    const int n_eos = model_eos_ids(m, &text, eos);
-    stop_text st = {&text, stop};
-    ans = malloc(sizeof(int32_t) * (size_t)max_tokens);
-    mine = malloc(sizeof(int32_t) * (size_t)max_tokens);
-    lp = malloc(sizeof(float) * (size_t)max_tokens * V);
-    lq = malloc(sizeof(float) * (size_t)max_tokens * V);
-    kf_prompt d = {doc, n_doc};
-    if (!ans || !mine || !lp || !lq || kf_engine_from_compacted(&ec, m, &c, 4096 + max_tokens, &e) != KF_OK ||
-        kf_engine_from_document(&ef, m, &d, 4096 + max_tokens, &e) != KF_OK) {
-        cli_error(CMD, "%s", e.msg[0] ? e.msg : "out of memory");
+    verify_file f = {.path = rc == CLI_CONTINUE ? argv[first] : NULL};
+    if (rc == CLI_CONTINUE && !(f.m = cli_load_model(CMD, o.model_dir, &b)))
         rc = KF_EXIT_FAIL;
-        goto done;
+    if (rc != CLI_CONTINUE) {
+        free(o.questions);
+        return rc;
     }
-    const verify_engines r = {m, &text, &ec, &ef, eos, n_eos, &st, ans, mine, lp, lq, n_doc, max_tokens, max_kl};
-    for (int i = 0; i < n_q; i++) {
-        int stop_now = 0;
-        const int qrc = verify_question(&r, i, questions[i], &stop_now);
-        rc = qrc != KF_EXIT_OK ? qrc : rc;
-        if (stop_now)
-            break;
-    }
-done:
-    kf_engine_free(&ec);
-    kf_engine_free(&ef);
-    kf_compacted_free(&c);
-    free(doc);
-    free(ans);
-    free(mine);
-    free(lp);
-    free(lq);
-    free(questions);
-    doc_chat_free(&dc);
-    doc_text_free(&text);
-    kf_model_free(m);
+    doc_text_init(&f.text, o.model_dir, kf_model_config(f.m)->vocab_size);
+    rc = verify_cache(&f, o.doc_path);
+    if (rc == KF_EXIT_OK && o.n_q > 0)
+        rc = verify_questions(&f, &o);
+    kf_compacted_free(&f.c);
+    free(f.doc);
+    free(o.questions);
+    doc_chat_free(&f.dc);
+    doc_text_free(&f.text);
+    kf_model_free(f.m);
     b->destroy(b);
     return rc;
 }
