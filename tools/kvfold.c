@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <unistd.h>
 
 #include "tools/cli.h"
@@ -51,6 +52,10 @@ static void usage(FILE *out) {
             "                           depends on the number of threads\n"
             "  OPENBLAS_THREAD_TIMEOUT  how long OpenBLAS's idle threads spin, 2^N cycles; kvfold sets 4\n"
             "                           (the shortest) when it is unset, and runs itself again to apply it\n"
+            "  OPENBLAS_CORETYPE        OpenBLAS's kernels; when unset and OpenBLAS falls back to its SSE3\n"
+            "                           ones (Prescott) on an AVX-512 or AVX2 CPU, kvfold sets SkylakeX or\n"
+            "                           Haswell and runs itself again (3-4x faster GEMMs); set it to keep\n"
+            "                           another choice ('kvfold --version' shows the kernels in use)\n"
             "\n"
             "Exit status:\n"
             "  0  success; 1  a failure the message names; 2  usage errors\n"
@@ -63,25 +68,55 @@ static void usage(FILE *out) {
 /* OpenBLAS's worker threads spin after each BLAS call for 2^OPENBLAS_THREAD_TIMEOUT cycles
  * (default 2^28) before they sleep; on a machine with few cores they take those cycles from
  * kvfold's own threads (the attention's and the solve's pools run between BLAS calls): bench
- * compact at 2k tokens ran 5-9% faster with the shortest spin (4, OpenBLAS's minimum).
- * The library reads the variable once, when it is loaded (before main), and has no setter, so
- * the CLI sets it and runs itself again, once: the variable set is the marker, a value of the
- * user's own (or GOTO_THREAD_TIMEOUT) wins, and when the re-exec fails the command goes on with
- * OpenBLAS's default. Nothing to do without worker threads (one thread, or the OpenMP build).
+ * compact at 2k tokens ran 5-9% faster with the shortest spin (4, OpenBLAS's minimum). Nothing to
+ * do without worker threads (one thread, or the OpenMP build). 1 when the variable was set.
  * Why: docs/decisions/openblas-spin.md. */
-static void openblas_short_spin(char **argv) {
+static int openblas_short_spin(void) {
     if (getenv("OPENBLAS_THREAD_TIMEOUT") || getenv("GOTO_THREAD_TIMEOUT"))
-        return;
+        return 0;
     if (openblas_get_parallel() != OPENBLAS_THREAD || openblas_get_num_threads() < 2)
-        return;
-    if (setenv("OPENBLAS_THREAD_TIMEOUT", "4", 1) != 0)
+        return 0;
+    return setenv("OPENBLAS_THREAD_TIMEOUT", "4", 1) == 0;
+}
+
+/* The kernels for this CPU when OpenBLAS fell back to its oldest x86-64 ones: "Prescott" (SSE3) is
+ * what a DYNAMIC_ARCH build picks for a CPU newer than itself (Debian bookworm's 0.3.21 on AVX-512
+ * Zen 4 and recent Xeons), and its GEMMs run 3-4x slower than the AVX-512 ones. NULL: keep
+ * OpenBLAS's choice. */
+static const char *openblas_better_core(void) {
+    const char *core = openblas_get_corename();
+    if (!core || strcasecmp(core, "prescott") != 0)
+        return NULL;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
+        return "SkylakeX";
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return "Haswell";
+#endif
+    return NULL;
+}
+
+/* OpenBLAS reads OPENBLAS_CORETYPE and OPENBLAS_THREAD_TIMEOUT once, when the library is loaded
+ * (before main), and has no setter: so the CLI sets what it wants and runs itself again, once. A
+ * variable set is the marker: a value of the user's own wins (OPENBLAS_CORETYPE=Prescott keeps the
+ * library's choice), and when the re-exec fails the command goes on with OpenBLAS's defaults.
+ * Why: docs/decisions/openblas-spin.md, docs/decisions/openblas-kernels.md. */
+static void openblas_tune(char **argv) {
+    int changed = 0;
+    const char *core = getenv("OPENBLAS_CORETYPE") ? NULL : openblas_better_core();
+    if (core && setenv("OPENBLAS_CORETYPE", core, 1) == 0)
+        changed = 1;
+    changed |= openblas_short_spin();
+    if (!changed)
         return;
     fflush(NULL);
     execv("/proc/self/exe", argv); /* returns only on failure: go on as we are */
 }
 
 int main(int argc, char **argv) {
-    openblas_short_spin(argv);
+    openblas_tune(argv);
     if (argc < 2) {
         usage(stderr);
         return KF_EXIT_USAGE;
@@ -92,6 +127,7 @@ int main(int argc, char **argv) {
     }
     if (strcmp(argv[1], "--version") == 0) {
         printf("kvfold %s\n", KVFOLD_VERSION);
+        printf("blas: OpenBLAS, %s kernels, %d threads\n", openblas_get_corename(), openblas_get_num_threads());
         return KF_EXIT_OK;
     }
     for (size_t i = 0; i < N_COMMANDS; i++)
