@@ -15,7 +15,7 @@ records-llama3-chat: records-llama3-induct with Llama 3's chat template and its 
   3. verify on a chat cache: the document through the template matches, the KL is reported (0 for
      the exact cache); eval quality --chat measures a chat document (the full row at KL 0, no row failed).
   4. Refusals: --chat on a bare-text cache and the reverse (exit 2), another chat template (exit 1,
-     both digests), a model without a chat template given --chat (exit 2), a cache made with
+     both digests), a model without a chat template given --chat (compact, ask: exit 2), a cache made with
      another tokenizer (exit 1, both digests).
 
 Usage: chat_e2e.py KVFOLD DATA_DIR
@@ -151,6 +151,11 @@ def check_refusals(kvfold, data, chat_file, doc_path, tmp):
     p = run(kvfold, "ask", "--chat", chat_file, "--model", edited, "q", ok=(1,))
     assert "another chat template" in p.stderr and re.search(r"\(chat_template_digest [0-9a-f]{32}\) than the "
                                                                r"model's \([0-9a-f]{32}\)", p.stderr), p.stderr
+    del cfg["chat_template"]  # the same model and tokenizer without a template: --chat cannot be asked
+    with open(os.path.join(edited, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f)
+    p = run(kvfold, "ask", "--chat", chat_file, "--model", edited, "q", ok=(2,))
+    assert "--chat: %s: --chat needs the model's chat template" % edited in p.stderr, p.stderr
 
 
 def check_eval(kvfold, data):

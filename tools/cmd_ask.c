@@ -108,7 +108,10 @@ static int ask_chat(const char *path, const kvf_header *h, int chat, doc_text *t
                                path, h->chat_template_digest);
     if (!chat)
         return KF_EXIT_OK;
-    if (doc_chat_for_cache(dc, text, h, err, sizeof err)) {
+    const int rc = doc_chat_for_cache(dc, text, h, err, sizeof err);
+    if (rc == DOC_CHAT_NO_TEMPLATE) /* as compact --chat says it */
+        return cli_usage_error(CMD, "--chat: %s: %s", text->model_dir, err);
+    if (rc) {
         cli_error(CMD, "%s: %s", path, err);
         return KF_EXIT_FAIL;
     }
