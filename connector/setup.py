@@ -3,7 +3,8 @@
 pip runs this from the repository root through connector/build_backend.py (the top level of the
 repository holds no setup.py), so the paths below are relative to the root.
 
-Compiler and linker flags of hdf5-serial and libxxhash come from pkg-config; nothing is downloaded.
+Compiler and linker flags of hdf5-serial, libxxhash, jansson, libpcre2-8 and libutf8proc (the
+tokenizer) come from pkg-config; nothing is downloaded.
 """
 import re
 import shlex
@@ -20,7 +21,7 @@ def pkg_config(*args: str) -> list:
         out = subprocess.run(["pkg-config", *args], check=True, capture_output=True, text=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
         raise SystemExit(f"kvfold: pkg-config {' '.join(args)} failed ({e}); "
-                         "install pkg-config, libhdf5-dev and libxxhash-dev") from e
+                         "install pkg-config, libhdf5-dev, libxxhash-dev, libjansson-dev, libpcre2-dev and libutf8proc-dev") from e
     return shlex.split(out)
 
 
@@ -29,7 +30,7 @@ def version() -> str:
     return m.group(1) if m else "0.0.0"
 
 
-PKGS = ["hdf5-serial", "libxxhash"]
+PKGS = ["hdf5-serial", "libxxhash", "jansson", "libpcre2-8", "libutf8proc"]
 cflags = pkg_config("--cflags", *PKGS)
 libs = pkg_config("--libs", *PKGS)
 
@@ -38,6 +39,7 @@ ext = Extension(
     sources=[
         "connector/ext/kvfold_ext.c",
         "connector/ext/blockcopy.c",
+        "connector/ext/tokenizer_ext.c",
         "kernels/base/error.c",
         "kernels/base/dtype.c",
         "kernels/base/convert.c",
@@ -46,6 +48,10 @@ ext = Extension(
         "formats/kvf.c",
         "formats/kvf_read.c",
         "formats/kvf_write.c",
+        "formats/tokenizer.c",
+        "formats/tokenizer_bpe.c",
+        "formats/tokenizer_hash.c",
+        "formats/tokenizer_pretok.c",
     ],
     include_dirs=["."] + [f[2:] for f in cflags if f.startswith("-I")],
     library_dirs=[f[2:] for f in libs if f.startswith("-L")],

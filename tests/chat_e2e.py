@@ -12,9 +12,10 @@ records-llama3-chat: records-llama3-induct with Llama 3's chat template and its 
      answer (up to 4 tokens, EOS or "\n" ends it) is token for token the full context's (kvfold ask
      --compare). At budget 1 (keep, float32: every key, the exact K/V) every answer must agree; at
      budget 0.5 (fold) the agreement is measured and must reach a floor.
-  3. eval quality --chat measures a chat document (the full row at KL 0, no row failed).
+  3. verify on a chat cache: the document through the template matches, the KL is reported (0 for
+     the exact cache); eval quality --chat measures a chat document (the full row at KL 0, no row failed).
   4. Refusals: --chat on a bare-text cache and the reverse (exit 2), another chat template (exit 1,
-     both digests), a model without a chat template given --chat (exit 2), a cache made with
+     both digests), a model without a chat template given --chat (compact, ask: exit 2), a cache made with
      another tokenizer (exit 1, both digests).
 
 Usage: chat_e2e.py KVFOLD DATA_DIR
@@ -95,6 +96,25 @@ def check_oracle(kvfold, model, cfg, path, exact, text, questions, tmp):
     assert b["question_ids"] == want[D:] and a["answer_ids"] == b["answer_ids"], ("ask --chat's question", a, b)
 
 
+def check_verify(kvfold, model, full, fold, doc_path, other_doc, question):
+    """verify on chat caches: the document read through the template matches the file's digest (read
+    as bare text it would not), and the KL against the full chat context is 0 for the exact cache
+    (keep, f32) and positive for the folded one; another document fails."""
+    digest = json.loads(run(kvfold, "inspect", "--json", fold).stdout)["document_digest"]
+    kl = {}
+    for name, path in (("full", full), ("fold", fold)):
+        out = run(kvfold, "verify", path, "--model", model, "--doc", doc_path, "--question", question).stdout
+        assert "checksums ok" in out and f"matches (digest {digest}," in out, out
+        m = re.search(r"question 1: KL\(full \|\| cache\) (\S+) mean over (\d+) answer tokens, (\S+) first token", out)
+        assert m and int(m.group(2)) >= 1, out
+        kl[name] = float(m.group(1))
+        if name == "full":
+            assert "cache's greedy answer the same" in out, out
+    assert kl["full"] < 1e-4 < kl["fold"], kl
+    p = run(kvfold, "verify", fold, "--model", model, "--doc", other_doc, ok=(1,))
+    assert "is not the document of" in p.stderr and digest in p.stderr, p.stderr
+
+
 def agreement(kvfold, model, path, doc_path, questions):
     p = run(kvfold, "ask", "--chat", path, "--model", model, "--doc", doc_path, "--compare", "--json",
             "--max-tokens", "4", "--stop", "\n", "-q", *questions)
@@ -115,8 +135,10 @@ def check_refusals(kvfold, data, chat_file, doc_path, tmp):
     digests = re.findall(r"[0-9a-f]{32}", run(kvfold, "inspect", chat_file).stdout.split("tokenizer")[1])[:1]
     p = run(kvfold, "ask", "--chat", chat_file, "--model", plain_model, "q", ok=(1,))
     assert "another tokenizer" in p.stderr and digests[0] in p.stderr, p.stderr
+    theirs, mine = (json.loads(run(kvfold, "inspect", "--json", f).stdout)["tokenizer_digest"] for f in (chat_file, plain))
     p = run(kvfold, "verify", chat_file, "--model", plain_model, ok=(1,))
-    assert "another tokenizer" in p.stderr, p.stderr
+    assert theirs != mine and re.search(r"another tokenizer \(tokenizer_digest %s\) than the model's .*\(%s\)" %
+                                        (theirs, mine), p.stderr), p.stderr
     edited = os.path.join(tmp, "edited-template")  # the same model and tokenizer, another template
     os.mkdir(edited)
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
@@ -129,6 +151,11 @@ def check_refusals(kvfold, data, chat_file, doc_path, tmp):
     p = run(kvfold, "ask", "--chat", chat_file, "--model", edited, "q", ok=(1,))
     assert "another chat template" in p.stderr and re.search(r"\(chat_template_digest [0-9a-f]{32}\) than the "
                                                                r"model's \([0-9a-f]{32}\)", p.stderr), p.stderr
+    del cfg["chat_template"]  # the same model and tokenizer without a template: --chat cannot be asked
+    with open(os.path.join(edited, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f)
+    p = run(kvfold, "ask", "--chat", chat_file, "--model", edited, "q", ok=(2,))
+    assert "--chat: %s: --chat needs the model's chat template" % edited in p.stderr, p.stderr
 
 
 def check_eval(kvfold, data):
@@ -171,6 +198,10 @@ def main():
             if k == 0:
                 check_oracle(kvfold, model, cfg, fold, full, d["text"], qs[:3], tmp)
                 check_refusals(kvfold, data, fold, doc_path, tmp)
+                other = os.path.join(tmp, "other.txt")
+                with open(other, "w") as f:
+                    f.write(docs[DOCS[1]]["text"])
+                check_verify(kvfold, model, full, fold, doc_path, other, qs[0])
             e, _ = agreement(kvfold, model, full, doc_path, qs)
             a, a1 = agreement(kvfold, model, fold, doc_path, qs)
             exact, half, first, n = exact + e, half + a, first + a1, n + len(qs)

@@ -26,8 +26,9 @@ static const cli_opt kRows[] = {
      .help = "the cache was made with --chat (kvfold compact): each QUESTION (or --question-ids) is the content of "
              "a user turn after the document's, its ids put between the ids the file records (the end of the "
              "document's turn and the next turn's header; the end of the question's turn and the generation "
-             "prompt). The model's template must be the file's (digest). A chat cache without --chat, or --chat "
-             "on a cache made from bare text, is refused (exit 2)"},
+             "prompt). The model's template must be the file's (digest). A chat cache without --chat, --chat "
+             "on a cache made from bare text, or --chat with a model that has no chat template, is refused "
+             "(exit 2)"},
     {"max-tokens", 0, OPT_LLONG, "N", A(max_tokens), .lo = 1, .hi = 1 << 20, .must = "must be a positive count",
      .def = "32",
      .help = "most tokens per answer; decoding stops earlier at EOS and at the model's last position "
@@ -108,7 +109,10 @@ static int ask_chat(const char *path, const kvf_header *h, int chat, doc_text *t
                                path, h->chat_template_digest);
     if (!chat)
         return KF_EXIT_OK;
-    if (doc_chat_for_cache(dc, text, h, err, sizeof err)) {
+    const int rc = doc_chat_for_cache(dc, text, h, err, sizeof err);
+    if (rc == DOC_CHAT_NO_TEMPLATE) /* as compact --chat says it */
+        return cli_usage_error(CMD, "--chat: %s: %s", text->model_dir, err);
+    if (rc) {
         cli_error(CMD, "%s: %s", path, err);
         return KF_EXIT_FAIL;
     }

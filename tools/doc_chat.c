@@ -100,7 +100,7 @@ int doc_chat_open(doc_chat *c, doc_text *t, char *err, size_t err_len) {
         snprintf(err, err_len, "%s%s", st == KF_ERR_NOTFOUND ? "--chat needs the model's chat template: " : "",
                  e.msg);
         c->chat = NULL;
-        return -1;
+        return st == KF_ERR_NOTFOUND ? DOC_CHAT_NO_TEMPLATE : -1;
     }
     snprintf(c->digest, sizeof c->digest, "%s", kf_chat_digest(c->chat));
     if (cut_question(c, err, err_len) || cut_instruction(c, err, err_len) ||
@@ -221,8 +221,9 @@ static int record_ids(const char *s, int32_t **ids, int *n) {
 }
 
 int doc_chat_for_cache(doc_chat *c, doc_text *t, const kvf_header *h, char *err, size_t err_len) {
-    if (doc_chat_open(c, t, err, err_len))
-        return -1;
+    const int rc = doc_chat_open(c, t, err, err_len);
+    if (rc)
+        return rc;
     if (strcmp(c->digest, h->chat_template_digest) != 0) {
         snprintf(err, err_len,
                  "made with another chat template (chat_template_digest %s) than the model's (%s): compact the "

@@ -41,7 +41,9 @@ typedef struct doc_chat {
 } doc_chat;
 
 /* The template of t's model directory, cut into its pieces and tokenized with t. A model without
- * a chat template, or one whose renders do not cut as above, fails with the cause in err. */
+ * a chat template fails with DOC_CHAT_NO_TEMPLATE (the caller's usage error), one whose renders do
+ * not cut as above with -1; the cause in err. */
+#define DOC_CHAT_NO_TEMPLATE (-2)
 int doc_chat_open(doc_chat *c, doc_text *t, char *err, size_t err_len);
 void doc_chat_free(doc_chat *c);
 
@@ -56,7 +58,8 @@ int doc_chat_question(const doc_chat *c, const int32_t *ids, int n, int32_t **ou
 int doc_chat_instruction(const doc_chat *c, const int32_t *ids, int n, int32_t **out, int *n_out);
 
 /* The model's template for serving the chat cache whose header is h: its digest must be the
- * file's (else -1, err naming both); the question's pieces are then the file's record. */
+ * file's (else -1, err naming both); the question's pieces are then the file's record. A model
+ * without a template is DOC_CHAT_NO_TEMPLATE, as from doc_chat_open. */
 int doc_chat_for_cache(doc_chat *c, doc_text *t, const kvf_header *h, char *err, size_t err_len);
 
 /* The chat record of a file (formats/kvf.h) from c. */

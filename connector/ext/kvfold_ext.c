@@ -44,6 +44,8 @@
  *   write(path, header, keys, values, keys_dtype="float32")   a kvf file (tests, benchmarks)
  *   document_digest(ids) -> str                kvf_document_digest of a list of token ids
  *   bytes_digest(data) -> str                  XXH3-128 of bytes (a tokenizer.json's tokenizer_digest)
+ *   Tokenizer(path)                            kvfold's tokenizer: .encode(text, add_special=False) -> ids,
+ *                                              .decode(ids, skip_special=False) -> str (tokenizer_ext.c)
  *   WITH_CUDA                                  False: this build copies into host tensors only
  *
  * Failures raise kvfold._kvfold.KvfError (a RuntimeError) whose message names the file and the
@@ -61,6 +63,7 @@
 #endif
 
 #include "connector/ext/blockcopy.h"
+#include "connector/ext/tokenizer_ext.h"
 #include "formats/kvf.h"
 #include "kernels/base/convert.h"
 #include "formats/kvf_internal.h" /* kvf_h5_quiet: for the read-ahead thread */
@@ -924,7 +927,7 @@ PyMODINIT_FUNC PyInit__kvfold(void) {
                                          "A kvf file could not be read or copied; .status names the kind of failure",
                                          PyExc_RuntimeError, NULL);
     if (!KvfError || PyModule_AddObjectRef(m, "KvfError", KvfError) < 0 ||
-        PyModule_AddObjectRef(m, "WITH_CUDA", Py_False) < 0 ||
+        PyModule_AddObjectRef(m, "WITH_CUDA", Py_False) < 0 || kf_ext_add_tokenizer(m, raise_kf) < 0 ||
         PyModule_AddStringConstant(m, "VERSION", KVFOLD_VERSION) < 0) {
         Py_DECREF(m);
         return NULL;

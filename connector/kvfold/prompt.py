@@ -129,6 +129,17 @@ def check_tokenizer(header: Mapping[str, Any], model_dir: str, cache_path: str) 
                          f"{os.path.join(model_dir, 'tokenizer.json')} ({mine}): its token ids mean other text here")
 
 
+def model_tokenizer(model_dir: str) -> Callable[[str], List[int]]:
+    """text -> ids by DIR/tokenizer.json through kvfold's own tokenizer (the C extension's, the one
+    `kvfold compact` and `kvfold tokenize` use), without special tokens: no tokenizer package needed."""
+    path = os.path.join(model_dir, "tokenizer.json")
+    try:
+        tok = _kvfold.Tokenizer(path)
+    except _kvfold.KvfError as e:
+        raise ValueError(f"prompt: the tokenizer of model= cannot be read: {e}") from e
+    return lambda text: tok.encode(text, add_special=False)
+
+
 def _record_ids(s: str) -> List[int]:
     return [int(x) for x in s.split(",")] if s else []
 
@@ -143,9 +154,7 @@ def _chat_question(header: Mapping[str, Any], cache_path: str, question: Union[s
         if tokenizer is None:
             if model is None:
                 raise ValueError("prompt: a question's text needs tokenizer= or model= (its tokenizer.json)")
-            from tokenizers import Tokenizer  # vLLM's environment has it; only needed for text here
-            tok = Tokenizer.from_file(os.path.join(model, "tokenizer.json"))
-            tokenizer = lambda text: tok.encode(text, add_special_tokens=False).ids  # noqa: E731
+            tokenizer = model_tokenizer(model)
         ids = list(tokenizer(question))
     else:
         ids = list(question)
@@ -166,7 +175,7 @@ def prompt(cache_path: str, question_ids: Optional[Sequence[int]] = None, *, que
     question_ids: for a cache of bare text, what follows the document, >= 1 id.
     question: for a chat cache (kvfold compact --chat), the content of the user turn after the
     document's: a text (tokenized without special tokens by tokenizer=, a callable text -> ids, or
-    else model='s tokenizer.json through the `tokenizers` package) or its ids; the prompt puts it
+    else model='s tokenizer.json through kvfold's own tokenizer, _kvfold.Tokenizer) or its ids; the prompt puts it
     between the ids the file records (end of the document's turn and the next turn's header; end
     of the question's turn and the generation prompt). A chat cache given question_ids, or a
     bare-text cache given question=, is refused.
