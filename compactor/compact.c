@@ -12,24 +12,28 @@
 #include "kernels/cpu/cpu_kernels.h"
 
 
+kf_solver_params kf_solver_params_default(void) {
+    return (kf_solver_params){.score = KF_SCORE_RMS, .lambda_rel = 1e-2, .fold_queries = KF_FOLD_ON_ALL,
+                              .max_queries = 50000, .beta_fit = KF_BETA_AM, .value_ridge = 0,
+                              .ridge_to = KF_RIDGE_TO_ORIG, .max_head_ratio = 0.75};
+}
+
+kf_choice_params kf_choice_params_default(void) {
+    return (kf_choice_params){.head_choice = KF_CHOICE_DEFAULT, .val_frac = 0.2, .refit_all = 1,
+                              .choice_margin = 0.5, .choice_rows = 6};
+}
+
+kf_run_params kf_run_params_default(void) {
+    return (kf_run_params){.quoka_margin = 16};
+}
+
 kf_compact_params kf_compact_params_default(void) {
     kf_compact_params p = {0};
     p.method = KF_METHOD_FOLD;
     p.budget = 0.1;
-    p.score = KF_SCORE_RMS;
-    p.lambda_rel = 1e-2;
-    p.fold_queries = KF_FOLD_ON_ALL;
-    p.max_queries = 50000;
-    p.beta_fit = KF_BETA_AM;
-    p.value_ridge = 0;
-    p.ridge_to = KF_RIDGE_TO_ORIG;
-    p.head_choice = KF_CHOICE_DEFAULT;
-    p.val_frac = 0.2;
-    p.refit_all = 1;
-    p.choice_margin = 0.5;
-    p.choice_rows = 6;
-    p.max_head_ratio = 0.75;
-    p.quoka_margin = 16;
+    p.solver = kf_solver_params_default();
+    p.choice = kf_choice_params_default();
+    p.run = kf_run_params_default();
     return p;
 }
 
