@@ -136,7 +136,7 @@ enum { KF_REPEAT_SPANS_DEFAULT = 4, KF_REPEAT_SPANS_MAX = 64 };
  * no instruction or no_repeat), span k being document tokens off[k] .. off[k] + len[k] - 1 (off,
  * len: [KF_REPEAT_SPANS_MAX]). The whole document is one span; a fraction F < 1 splits the
  * document into K = min(repeat_spans, n_doc) equal strata and takes from stratum k a run of
- * round(F * its length) tokens (at least 1) at an offset drawn from p->seed. Each span is a
+ * round(F * its length) tokens (at least 1) at an offset drawn from p->solver.seed. Each span is a
  * source forked on the context: the instruction, then the span, placed at the RoPE positions it
  * has in the whole repeat. Values outside their ranges are clamped (kf_compact_prepare rejects them). */
 int kf_repeat_spans(const kf_compact_params *p, int n_doc, int *off, int *len);

@@ -32,7 +32,7 @@ static kf_compact_params params(kf_method method, double budget) {
     p.method = method;
     p.budget = budget;
     p.repeat_instruction = (kf_prompt){kInstr, 6};
-    p.max_queries = 2000;
+    p.solver.max_queries = 2000;
     return p;
 }
 
@@ -119,7 +119,7 @@ static void test_deterministic_for_a_seed(void) {
     kf_error err = {0};
     kf_prompt doc = {g_doc, g_doc_n};
     kf_compact_params p = params(KF_METHOD_FOLD, 0.1);
-    p.max_queries = 300; /* forces the subsample */
+    p.solver.max_queries = 300; /* forces the subsample */
     CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &a, &err), KF_OK);
     CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &b, &err), KF_OK);
     const size_t n = (size_t)a.n_layers * a.C * a.kv_heads * a.head_dim;
@@ -127,7 +127,7 @@ static void test_deterministic_for_a_seed(void) {
     CU_ASSERT_EQUAL(memcmp(a.values, b.values, n * sizeof(float)), 0);
     CU_ASSERT_EQUAL(a.stats.n_queries, 2 * 150);
     kf_compacted_free(&b);
-    p.seed = 99;
+    p.solver.seed = 99;
     CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &b, &err), KF_OK);
     CU_ASSERT_NOT_EQUAL(memcmp(a.values, b.values, n * sizeof(float)), 0);
     kf_compacted_free(&a);
@@ -184,7 +184,7 @@ static void test_records_lse_ordering(void) {
         kf_compact_params p = params((kf_method)method, 0.25);
         p.probes = pr;
         p.n_probes = np;
-        p.head_choice = KF_CHOICE_OFF; /* the methods themselves (the choice may pick drop everywhere) */
+        p.choice.head_choice = KF_CHOICE_OFF; /* the methods themselves (the choice may pick drop everywhere) */
         kf_compacted c;
         CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &c, &err), KF_OK);
         kf_quality qm;
