@@ -165,12 +165,12 @@ static kf_status try_folds(const kf_compact_params *p, const kf_am_head *htr, co
                            choice_ws *w, kf_head_pick *best, kf_error *err) {
     kf_status rc = KF_OK;
     for (size_t li = 0; li < sizeof kLambdaGrid / sizeof *kLambdaGrid && rc == KF_OK; li++) {
-        const double lambda = kLambdaGrid[li] * p->lambda_rel;
+        const double lambda = kLambdaGrid[li] * p->solver.lambda_rel;
         kf_fold_info fi;
         rc = kf_fold_direction_cov(cov, lambda, w->u, &fi, w->ws, err);
         if (rc == KF_OK && fi.ok) {
             kf_fold_keys(kc, htr->d, w->beta, t, htr->d, htr->scale, w->u, w->keys, htr->d);
-            rc = try_alphas(htr, ttr->Y, w->keys, NULL, v0, KF_METHOD_FOLD, lambda, 1 + p->choice_margin, val, w, best,
+            rc = try_alphas(htr, ttr->Y, w->keys, NULL, v0, KF_METHOD_FOLD, lambda, 1 + p->choice.choice_margin, val, w, best,
                             err);
         }
     }
@@ -189,9 +189,9 @@ static kf_status method_fits(const kf_compact_params *p, const kf_am_head *htr, 
     kf_status rc = w->ws ? kf_kept_normal_fill(htr, ttr, kc, t, &w->tiles, bn, dg, w->ws, err)
                          : kf_kept_normal_build(htr, ttr, kc, t, &w->tiles, bn, dg, NULL, err);
     if (rc == KF_OK)
-        rc = kf_am_fit_beta_normal(bn, seed, p->beta_fit, w->beta, NULL, w->ws, err);
+        rc = kf_am_fit_beta_normal(bn, seed, p->solver.beta_fit, w->beta, NULL, w->ws, err);
     if (rc == KF_OK && p->method == KF_METHOD_AM)
-        rc = try_alphas(htr, ttr->Y, kc, w->beta, v0, KF_METHOD_AM, 0, 1 + p->choice_margin, val, w, best, err);
+        rc = try_alphas(htr, ttr->Y, kc, w->beta, v0, KF_METHOD_AM, 0, 1 + p->choice.choice_margin, val, w, best, err);
     else if (rc == KF_OK)
         rc = try_folds(p, htr, ttr, &cov, kc, t, v0, val, w, best, err);
     kf_fold_cov_free(&cov);
@@ -211,7 +211,7 @@ static kf_status choose_fits(const kf_compact_params *p, const kf_am_head *htr, 
             return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for drop's normal equations (t %d)", t);
         kf_value_gram_rebuild(htr->q, htr->R, htr->scale, kc, d, NULL, ttr->Y, &w->tiles, dg);
     }
-    return score_alphas(dg, kc, NULL, t, d, v0, KF_METHOD_DROP, p->lambda_rel, 1, val, w->vals, best, err);
+    return score_alphas(dg, kc, NULL, t, d, v0, KF_METHOD_DROP, p->solver.lambda_rel, 1, val, w->vals, best, err);
 }
 
 void kf_choice_fits_free(kf_choice_fits *f) {
@@ -248,9 +248,9 @@ kf_status kf_choice_refit_add(kf_choice_fits *f, int beta, const kf_am_head *par
 }
 
 int kf_choice_rows(const kf_compact_params *p, int R, int t) {
-    if (!(p->choice_rows > 0))
+    if (!(p->choice.choice_rows > 0))
         return R;
-    const double want = ceil(p->choice_rows * t), n = want > KF_CHOICE_MIN_ROWS ? want : KF_CHOICE_MIN_ROWS;
+    const double want = ceil(p->choice.choice_rows * t), n = want > KF_CHOICE_MIN_ROWS ? want : KF_CHOICE_MIN_ROWS;
     return n < R ? (int)n : R;
 }
 
@@ -261,10 +261,10 @@ kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, cons
     const int d = htr->d;
     kf_am_head hsub = *htr; /* every candidate's fits: the training rows' first kf_choice_rows */
     hsub.R = kf_choice_rows(p, htr->R, t);
-    const float *v0 = p->ridge_to == KF_RIDGE_TO_ORIG ? vo : NULL;
+    const float *v0 = p->solver.ridge_to == KF_RIDGE_TO_ORIG ? vo : NULL;
     kf_choice_fits f = {0};
     choice_ws w = {0};
-    *best = (kf_head_pick){KF_METHOD_KEEP, p->lambda_rel, 0, INFINITY};
+    *best = (kf_head_pick){KF_METHOD_KEEP, p->solver.lambda_rel, 0, INFINITY};
     kf_status rc = KF_OK;
     const kf_kv_block kb = {kc, vo, (size_t)d, NULL, t};
     const int am_fold = p->method == KF_METHOD_AM || p->method == KF_METHOD_FOLD;
@@ -284,7 +284,7 @@ kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, cons
     if (rc == KF_OK) {
         const double e = kf_val_err_values(val, vo, (size_t)d);
         if (e < best->err)
-            *best = (kf_head_pick){KF_METHOD_KEEP, p->lambda_rel, 0, e};
+            *best = (kf_head_pick){KF_METHOD_KEEP, p->solver.lambda_rel, 0, e};
     }
     f.rows = hsub.R;
     if (rc == KF_OK && keep)
@@ -401,7 +401,7 @@ kf_status kf_plan_validation(const source *src, int n_sources, const int64_t *sa
         }
         base += src[i].n;
     }
-    *n_val = pick_validation(n_pos, *kind, p->val_frac, p->seed, *is_val);
+    *n_val = pick_validation(n_pos, *kind, p->choice.val_frac, p->solver.seed, *is_val);
     if (*n_val < 0)
         return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the validation split");
     for (k = 0; k < n_pos; k++)

@@ -12,33 +12,37 @@
 #include "kernels/cpu/cpu_kernels.h"
 
 
+kf_solver_params kf_solver_params_default(void) {
+    return (kf_solver_params){.score = KF_SCORE_RMS, .lambda_rel = 1e-2, .fold_queries = KF_FOLD_ON_ALL,
+                              .max_queries = 50000, .beta_fit = KF_BETA_AM, .value_ridge = 0,
+                              .ridge_to = KF_RIDGE_TO_ORIG, .max_head_ratio = 0.75};
+}
+
+kf_choice_params kf_choice_params_default(void) {
+    return (kf_choice_params){.head_choice = KF_CHOICE_DEFAULT, .val_frac = 0.2, .refit_all = 1,
+                              .choice_margin = 0.5, .choice_rows = 6};
+}
+
+kf_run_params kf_run_params_default(void) {
+    return (kf_run_params){.quoka_margin = 16};
+}
+
 kf_compact_params kf_compact_params_default(void) {
     kf_compact_params p = {0};
     p.method = KF_METHOD_FOLD;
     p.budget = 0.1;
-    p.score = KF_SCORE_RMS;
-    p.lambda_rel = 1e-2;
-    p.fold_queries = KF_FOLD_ON_ALL;
-    p.max_queries = 50000;
-    p.beta_fit = KF_BETA_AM;
-    p.value_ridge = 0;
-    p.ridge_to = KF_RIDGE_TO_ORIG;
-    p.head_choice = KF_CHOICE_DEFAULT;
-    p.val_frac = 0.2;
-    p.refit_all = 1;
-    p.choice_margin = 0.5;
-    p.choice_rows = 6;
-    p.max_head_ratio = 0.75;
-    p.quoka_margin = 16;
+    p.solver = kf_solver_params_default();
+    p.choice = kf_choice_params_default();
+    p.run = kf_run_params_default();
     return p;
 }
 
 int kf_head_choice_active(const kf_compact_params *p) {
     if (p->method == KF_METHOD_KEEP)
         return 0;
-    if (p->head_choice == KF_CHOICE_DEFAULT)
+    if (p->choice.head_choice == KF_CHOICE_DEFAULT)
         return p->method == KF_METHOD_FOLD || p->method == KF_METHOD_AM;
-    return p->head_choice == KF_CHOICE_ON;
+    return p->choice.head_choice == KF_CHOICE_ON;
 }
 
 void kf_compacted_free(kf_compacted *c) {
@@ -57,16 +61,16 @@ void kf_compacted_free(kf_compacted *c) {
  * head h gets int(share_h * t * n_heads), capped at max_ratio * T, the excess spread over the
  * uncapped heads in proportion to their shares). */
 static void head_budgets(const kf_compact_params *p, int n_heads, int T, int t, int *out) {
-    if (!p->head_budgets) {
+    if (!p->solver.head_budgets) {
         for (int i = 0; i < n_heads; i++)
             out[i] = t;
         return;
     }
     double *share = malloc(sizeof(double) * n_heads);
     char *capped = calloc((size_t)n_heads, 1);
-    const double cap = p->max_head_ratio * T, total = (double)t * n_heads;
+    const double cap = p->solver.max_head_ratio * T, total = (double)t * n_heads;
     for (int i = 0; i < n_heads; i++)
-        share[i] = p->head_budgets[i] > 0 ? p->head_budgets[i] : 0;
+        share[i] = p->solver.head_budgets[i] > 0 ? p->solver.head_budgets[i] : 0;
     for (int round = 0; round < n_heads; round++) { /* water-filling */
         double free_share = 0, fixed = 0;
         for (int i = 0; i < n_heads; i++) {
@@ -121,9 +125,9 @@ static kf_status check_context(const kf_compact_prep *x, const kf_compact_reuse 
     const kf_hfconfig *c = kf_model_config(x->m);
     if (x->n_doc < 1)
         return kf_fail(err, KF_ERR_INVALID, "compact: the document is empty");
-    if (x->p.max_queries < x->G)
+    if (x->p.solver.max_queries < x->G)
         return kf_fail(err, KF_ERR_INVALID, "compact: max_queries %lld is below the group size %d",
-                       (long long)x->p.max_queries, x->G);
+                       (long long)x->p.solver.max_queries, x->G);
     if (c->max_position_embeddings > 0 && x->D > c->max_position_embeddings)
         return kf_fail(err, KF_ERR_INVALID, "compact: %lld context tokens exceed the model's %d positions",
                        (long long)x->D, c->max_position_embeddings);
@@ -157,28 +161,28 @@ static kf_status prepare_run(kf_compact_prep *x, const kf_compact_reuse *reuse, 
                              const int32_t *ctx_ids, int choice, kf_error *err) {
     int64_t n_cand = 0;
     KF_TRY(kf_sources_plan(x, doc, x->src, &n_cand, err));
-    const int64_t cap_pos = x->p.max_queries / x->G;
+    const int64_t cap_pos = x->p.solver.max_queries / x->G;
     const int64_t n_pos = n_cand < cap_pos ? n_cand : cap_pos;
     int64_t *sample = malloc(sizeof(int64_t) * (size_t)(n_pos ? n_pos : 1));
     x->rows = malloc(sizeof(int32_t) * (size_t)(n_pos ? n_pos : 1));
     kf_status rc = KF_OK;
-    if (!sample || !x->rows || kf_sample_indices(n_cand, n_pos, x->p.seed, sample) != 0)
+    if (!sample || !x->rows || kf_sample_indices(n_cand, n_pos, x->p.solver.seed, sample) != 0)
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
     if (rc == KF_OK)
-        rc = kf_refq_init_held(&x->rq, x->L, 1, x->kvh, x->d, x->G, n_pos, x->p.refq_bf16, err);
+        rc = kf_refq_init_held(&x->rq, x->L, 1, x->kvh, x->d, x->G, n_pos, x->p.run.refq_bf16, err);
     if (rc == KF_OK)
         rc = kf_sources_targets_init(x, err);
     if (rc == KF_OK) {
         kf_sources_rows(x, sample, n_pos);
         if (x->first[1] > 0) /* the context's own rows, every layer: captured before the sources run */
-            rc = kf_refq_init(&x->ctxq, x->L, x->kvh, x->d, x->G, x->first[1], x->p.refq_bf16, err);
+            rc = kf_refq_init(&x->ctxq, x->L, x->kvh, x->d, x->G, x->first[1], x->p.run.refq_bf16, err);
     }
     if (rc == KF_OK && choice)
         rc = kf_plan_validation(x->src, x->n_sources, sample, n_pos, &x->p, (size_t)x->kvh * x->d, &x->pos_kind,
                                 &x->pos_src, &x->pos_local, &x->is_val, &x->n_val_pos, &x->ap, err);
     if (rc == KF_OK && choice &&
         (!(x->tr_order = malloc(sizeof(int64_t) * (size_t)(n_pos ? n_pos * x->G : 1))) ||
-         kf_choice_training_order(n_pos, x->G, x->pos_kind, x->is_val, x->p.seed, x->tr_order) < 0))
+         kf_choice_training_order(n_pos, x->G, x->pos_kind, x->is_val, x->p.solver.seed, x->tr_order) < 0))
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the training rows' order");
     x->ap.fork = x->forks;
     int64_t src_tokens = 0;
@@ -187,10 +191,10 @@ static kf_status prepare_run(kf_compact_prep *x, const kf_compact_reuse *reuse, 
     kf_progress_sink_init(&x->pg, &x->p, kf_model_config(x->m), x->n_pre, x->n_doc, x->n_suf, shared, src_tokens,
                           x->tg.m != NULL);
     if (rc == KF_OK && x->ar == &x->own_arena)
-        rc = kf_model_arena_dtype(x->m, x->ar, kf_pages_for(x->D) * KF_PAGE_TOKENS, x->p.arena_dtype, err);
-    else if (rc == KF_OK && x->ar->dtype != x->p.arena_dtype)
+        rc = kf_model_arena_dtype(x->m, x->ar, kf_pages_for(x->D) * KF_PAGE_TOKENS, x->p.run.arena_dtype, err);
+    else if (rc == KF_OK && x->ar->dtype != x->p.run.arena_dtype)
         rc = kf_fail(err, KF_ERR_MISMATCH, "compact: the caller's KV arena is %s, the parameters ask for %s",
-                     kf_arena_dtype_name(x->ar->dtype), kf_arena_dtype_name(x->p.arena_dtype));
+                     kf_arena_dtype_name(x->ar->dtype), kf_arena_dtype_name(x->p.run.arena_dtype));
     if (rc == KF_OK)
         rc = kf_context_prefill(x, reuse, shared, ctx_ids, err);
     free(sample);
@@ -291,7 +295,7 @@ static kf_status variant_budgets(const kf_compact_prep *x, variant_ws *w, kf_err
     if (!(w->budgets = malloc(sizeof(int) * (size_t)n)))
         return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
     head_budgets(&w->p, n, x->n_doc, t, w->budgets);
-    if (w->p.head_budgets) {
+    if (w->p.solver.head_budgets) {
         t = 1;
         for (int i = 0; i < n; i++)
             t = w->budgets[i] > t ? w->budgets[i] : t;
@@ -316,7 +320,7 @@ static kf_status variant_init(const kf_compact_prep *x, const kf_compact_variant
     const size_t row = (size_t)kvh * d;
     *out = (kf_compacted){.n_layers = L, .kv_heads = kvh, .head_dim = d, .D = x->D, .C = C, .n_prefix = x->n_pre,
                           .n_suffix = x->n_suf, .t = t, .method = v->method, .budget = v->budget,
-                          .lambda_rel = x->p.lambda_rel};
+                          .lambda_rel = x->p.solver.lambda_rel};
     out->stats.prefill_s = x->prefill_s;
     out->stats.refq_s = x->refq_s;
     out->stats.n_queries = x->rq.R;

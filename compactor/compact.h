@@ -54,9 +54,9 @@ typedef struct {
     int n;
 } kf_prompt;
 
-typedef struct kf_compact_params {
-    kf_method method;
-    double budget;                  /* kept fraction of the document block (default 0.1) */
+/* The solve's settings: how each KV head's keys are scored and kept, and how beta, the fold and
+ * the values are fitted. The defaults are the measured ones; a user rarely sets these. */
+typedef struct {
     kf_score_method score;          /* default RMS */
     double lambda_rel;              /* fold ridge, relative to tr(Sigma)/d (default 1e-2) */
     kf_fold_queries fold_queries;   /* which pooled queries fit u (default all) */
@@ -65,6 +65,13 @@ typedef struct kf_compact_params {
     double value_ridge;             /* Tikhonov alpha of every value refit without per-head choice:
                                        mu = alpha * tr(X^T X) / t (default 0) */
     kf_ridge_target ridge_to;       /* default towards the original values */
+    uint64_t seed;                  /* subsampling and power iteration (default 0) */
+    const float *head_budgets;      /* NULL (uniform) or [n_layers, kv_heads] shares summing to 1 */
+    double max_head_ratio;          /* cap of a head's budget as a fraction of the block (0.75) */
+} kf_solver_params;
+
+/* The per-head choice (kf_head_choice above): whether it runs and how it validates. */
+typedef struct {
     kf_head_choice head_choice;     /* default: on for am and fold, off for keep and drop */
     double val_frac;                /* validation share of the reference positions (default 0.2) */
     double choice_margin;           /* am/fold must beat drop and keep by this relative margin on
@@ -75,7 +82,27 @@ typedef struct kf_compact_params {
                                        directions, values) on a stratified random subsample of the
                                        training rows, choice_rows rows per kept key (kf_choice_rows;
                                        default 6); 0: on all of them */
-    uint64_t seed;                  /* subsampling and power iteration (default 0) */
+} kf_choice_params;
+
+/* How the prefills run: chunking, the QUOKA approximation, and the dtypes that trade memory for
+ * rounding. None changes what is compacted, only how exactly and at what cost. */
+typedef struct {
+    int chunk;                      /* prefill chunk size (0: default) */
+    const kf_quoka_params *quoka;   /* NULL: dense prefill; else QUOKA for the context prefill */
+    int quoka_repeat;               /* also QUOKA for the repeat prefill, with the aligned window: the
+                                       copy's source span +- quoka_margin tokens (-1: no window) */
+    int quoka_margin;               /* default 16 */
+    int refq_bf16;                  /* 1: reference queries stored in bf16 (half the memory; each head's
+                                       rows widened to fp32 for its solve); default 0: fp32 */
+    kf_dtype arena_dtype;           /* the KV arena's (the context's and the sources'): KF_DTYPE_F32
+                                       (default) or KF_DTYPE_BF16 (half the bytes; the CPU backend only) */
+} kf_run_params;
+
+/* A compaction: what a user sets (the method, the budget, the reference sources, the chat
+ * template and the progress callback) at the top, the rest in three groups with their defaults. */
+typedef struct kf_compact_params {
+    kf_method method;
+    double budget;                  /* kept fraction of the document block (default 0.1) */
     kf_prompt repeat_instruction;   /* ids between the context and the repeated document; n = 0
                                        disables the repeat source */
     int use_context_queries;        /* pool the document's own queries (default 0) */
@@ -88,23 +115,19 @@ typedef struct kf_compact_params {
                                        most KF_REPEAT_SPANS_MAX */
     const kf_prompt *probes;        /* question-like prompts run on top of the document */
     int n_probes;
-    const float *head_budgets;      /* NULL (uniform) or [n_layers, kv_heads] shares summing to 1 */
-    double max_head_ratio;          /* cap of a head's budget as a fraction of the block (0.75) */
-    int chunk;                      /* prefill chunk size (0: default) */
-    const kf_quoka_params *quoka;   /* NULL: dense prefill; else QUOKA for the context prefill */
-    int quoka_repeat;               /* also QUOKA for the repeat prefill, with the aligned window: the
-                                       copy's source span +- quoka_margin tokens (-1: no window) */
-    int quoka_margin;
-    int refq_bf16;                  /* 1: reference queries stored in bf16 (half the memory; each head's
-                                       rows widened to fp32 for its solve); default 0: fp32 */
-    kf_dtype arena_dtype;           /* the KV arena's (the context's and the sources'): KF_DTYPE_F32
-                                       (default) or KF_DTYPE_BF16 (half the bytes; the CPU backend only) */
     const char *chat_template;      /* NULL, or the chat template's digest (32 hex digits) that built the
                                        context, instruction and probes: a chat cache's recipe (unused
                                        by the compaction itself) */
     kf_progress_fn progress;        /* NULL, or called as the work goes (compactor/progress.h) */
     void *progress_user;
+    kf_solver_params solver;        /* kf_solver_params_default() */
+    kf_choice_params choice;        /* kf_choice_params_default() */
+    kf_run_params run;              /* kf_run_params_default() */
 } kf_compact_params;
+
+kf_solver_params kf_solver_params_default(void);
+kf_choice_params kf_choice_params_default(void);
+kf_run_params kf_run_params_default(void);
 
 kf_compact_params kf_compact_params_default(void);
 
@@ -113,7 +136,7 @@ enum { KF_REPEAT_SPANS_DEFAULT = 4, KF_REPEAT_SPANS_MAX = 64 };
  * no instruction or no_repeat), span k being document tokens off[k] .. off[k] + len[k] - 1 (off,
  * len: [KF_REPEAT_SPANS_MAX]). The whole document is one span; a fraction F < 1 splits the
  * document into K = min(repeat_spans, n_doc) equal strata and takes from stratum k a run of
- * round(F * its length) tokens (at least 1) at an offset drawn from p->seed. Each span is a
+ * round(F * its length) tokens (at least 1) at an offset drawn from p->solver.seed. Each span is a
  * source forked on the context: the instruction, then the span, placed at the RoPE positions it
  * has in the whole repeat. Values outside their ranges are clamped (kf_compact_prepare rejects them). */
 int kf_repeat_spans(const kf_compact_params *p, int n_doc, int *off, int *len);

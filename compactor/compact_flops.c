@@ -20,7 +20,7 @@ void kf_forward_flops(const kf_hfconfig *c, int64_t n, int64_t n_before, kf_last
 void kf_compact_flops_count(const kf_hfconfig *c, const kf_compact_params *p, int64_t n_pre, int64_t n_doc,
                             int64_t n_suf, int attn_targets, kf_compact_flops *out) {
     const int64_t D = n_pre + n_doc + n_suf;
-    const int quoka_repeat = p->quoka && p->quoka_repeat && p->quoka->mode == KF_PREFILL_QUOKA;
+    const int quoka_repeat = p->run.quoka && p->run.quoka_repeat && p->run.quoka->mode == KF_PREFILL_QUOKA;
     int off[KF_REPEAT_SPANS_MAX], len[KF_REPEAT_SPANS_MAX];
     *out = (kf_compact_flops){{0, 0, 0}, {0, 0, 0}};
     kf_forward_flops(c, D, 0, KF_LAST_QKV, 0, &out->prefill);

@@ -83,25 +83,25 @@ void kf_compact_mem_shape(const kf_hfconfig *c, const kf_compact_params *p, int6
         probes += p->probes[i].n;
         n_cand += p->probes[i].n;
     }
-    const int64_t n_pos = n_cand < p->max_queries / G ? n_cand : p->max_queries / G;
+    const int64_t n_pos = n_cand < p->solver.max_queries / G ? n_cand : p->solver.max_queries / G;
     const int choice = kf_head_choice_active(p);
     /* the validation split: val_frac of the sampled positions that are not the context's own */
     const double elig = n_cand > 0 ? (double)n_pos * (double)(n_cand - ctx) / (double)n_cand : 0;
     int64_t t = (int64_t)floor(p->budget * (double)n_doc);
     t = t < 1 ? 1 : (t > n_doc ? n_doc : t);
-    if (p->head_budgets) /* the largest head's count, at most max_head_ratio of the block */
-        t = (int64_t)(p->max_head_ratio * (double)n_doc) > t ? (int64_t)(p->max_head_ratio * (double)n_doc) : t;
+    if (p->solver.head_budgets) /* the largest head's count, at most max_head_ratio of the block */
+        t = (int64_t)(p->solver.max_head_ratio * (double)n_doc) > t ? (int64_t)(p->solver.max_head_ratio * (double)n_doc) : t;
     *out = (kf_mem_shape){.D = n_pre + n_doc + n_suf, .T = n_doc, .S = S, .R = (int64_t)G * n_pos, .t = t,
-                          .choice = choice, .refq_bf16 = p->refq_bf16, .arena_bf16 = p->arena_dtype == KF_DTYPE_BF16,
-                          .chunk = p->chunk, .attn_threads = attn_threads,
-                          .solve_threads = attn_threads, .fold_on_probes = p->fold_queries == KF_FOLD_ON_PROBES};
+                          .choice = choice, .refq_bf16 = p->run.refq_bf16, .arena_bf16 = p->run.arena_dtype == KF_DTYPE_BF16,
+                          .chunk = p->run.chunk, .attn_threads = attn_threads,
+                          .solve_threads = attn_threads, .fold_on_probes = p->solver.fold_queries == KF_FOLD_ON_PROBES};
     out->P = repeat + probes - S; /* the other sources, run beside the longest */
     out->n_p = p->n_probes + n_spans > 1 ? p->n_probes + n_spans - 1 : 0;
     out->Rc = n_cand > 0 ? (int64_t)G * (int64_t)llround((double)n_pos * (double)ctx / (double)n_cand) : 0;
     if (choice)
-        out->Rv = (int64_t)G * (int64_t)llround(p->val_frac * elig);
+        out->Rv = (int64_t)G * (int64_t)llround(p->choice.val_frac * elig);
     out->solve_heads = attn_threads < c->n_kv_heads ? attn_threads : c->n_kv_heads;
-    const int quoka_repeat = p->quoka && p->quoka_repeat && p->quoka->mode == KF_PREFILL_QUOKA;
+    const int quoka_repeat = p->run.quoka && p->run.quoka_repeat && p->run.quoka->mode == KF_PREFILL_QUOKA;
     out->fused = probes > 0 || (repeat > 0 && !quoka_repeat); /* sources.c's kf_sources_targets_init */
     if (out->fused) /* the rows the solve still computes targets for: the context's, a QUOKA repeat's */
         out->Ru = out->Rc + (quoka_repeat && n_cand > 0

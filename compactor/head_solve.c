@@ -103,7 +103,7 @@ static kf_status unfused_targets(const kf_compact_prep *x, head_shared *hs, int6
     kf_am_head h = hs->h;
     h.q = qs, h.R = (int)Rs;
     kf_am_targets ts;
-    KF_TRY(kf_am_targets_compute_ws(&h, x->p.score, &ts, ws, err));
+    KF_TRY(kf_am_targets_compute_ws(&h, x->p.solver.score, &ts, ws, err));
     for (int j = 0, i = 0; j < G; j++)
         for (int64_t p = 0; p < n_pos; p++) {
             if (x->tg.fused[p])
@@ -113,7 +113,7 @@ static kf_status unfused_targets(const kf_compact_prep *x, head_shared *hs, int6
             memcpy(hs->tg.Y + r * d, ts.Y + (size_t)i++ * d, sizeof(float) * d);
         }
     for (int c = 0; c < x->n_doc; c++) /* back from RMS or mean to the sum over the Rs rows */
-        sum[c] += x->p.score == KF_SCORE_RMS ? (double)ts.score[c] * ts.score[c] * Rs : (double)ts.score[c] * Rs;
+        sum[c] += x->p.solver.score == KF_SCORE_RMS ? (double)ts.score[c] * ts.score[c] * Rs : (double)ts.score[c] * Rs;
     return KF_OK;
 }
 
@@ -122,7 +122,7 @@ static kf_status unfused_targets(const kf_compact_prep *x, head_shared *hs, int6
  * all R rows. */
 static kf_status head_targets(kf_compact_prep *x, head_shared *hs, kf_ws *ws, kf_error *err) {
     if (!x->tg.m)
-        return kf_am_targets_compute_ws(&hs->h, x->p.score, &hs->tg, ws, err);
+        return kf_am_targets_compute_ws(&hs->h, x->p.solver.score, &hs->tg, ws, err);
     const int d = x->d, T = x->n_doc;
     const int64_t R = x->rq.R;
     const size_t r0 = kf_refq_targets_row0(&x->tg, hs->l, hs->g);
@@ -140,7 +140,7 @@ static kf_status head_targets(kf_compact_prep *x, head_shared *hs, kf_ws *ws, kf
         n_un += !x->tg.fused[p];
     kf_status rc = n_un > 0 ? unfused_targets(x, hs, n_un, sum, ws, err) : KF_OK;
     for (int c = 0; c < T; c++)
-        hs->tg.score[c] = (float)(x->p.score == KF_SCORE_RMS ? sqrt(sum[c] / R) : sum[c] / R);
+        hs->tg.score[c] = (float)(x->p.solver.score == KF_SCORE_RMS ? sqrt(sum[c] / R) : sum[c] / R);
     kf_ws_reset(ws, mark);
     if (rc != KF_OK)
         head_targets_free(hs);
@@ -264,14 +264,14 @@ static kf_status fit_beta(const variant_ws *w, const head_shared *hs, const kf_a
     const kf_compact_params *p = &w->p;
     kf_am_stats *st = &w->out->stats.solver;
     if (!fits || !fits->beta.G)
-        return kf_am_fit_beta_ex(hf, tf, w->sel, th, seed, p->beta_fit, w->beta, st, ws, err);
-    if (p->refit_all) { /* the other training rows, then the validation rows */
+        return kf_am_fit_beta_ex(hf, tf, w->sel, th, seed, p->solver.beta_fit, w->beta, st, ws, err);
+    if (p->choice.refit_all) { /* the other training rows, then the validation rows */
         kf_am_head hv[2];
         kf_am_targets tv[2];
         const int n = refit_parts(hs, fits->rows, hv, tv);
         KF_TRY(kf_choice_refit_add(fits, 1, hv, tv, n, w->kc, th, ws, err));
     }
-    return kf_am_fit_beta_normal(&fits->beta, seed, p->beta_fit, w->beta, st, ws, err);
+    return kf_am_fit_beta_normal(&fits->beta, seed, p->solver.beta_fit, w->beta, st, ws, err);
 }
 
 /* The values for keys kk [th, d] (bias: am's beta): drop's from the choice's normal equations
@@ -281,13 +281,13 @@ static kf_status fit_values(const kf_compact_prep *x, variant_ws *w, const head_
                             const kf_am_targets *tf, kf_choice_fits *fits, kf_method method, const float *kk,
                             double alpha, int th, kf_ws *ws, kf_error *err) {
     const kf_compact_params *p = &w->p;
-    const float *v0 = p->ridge_to == KF_RIDGE_TO_ORIG ? w->vo : NULL;
+    const float *v0 = p->solver.ridge_to == KF_RIDGE_TO_ORIG ? w->vo : NULL;
     kf_am_stats *st = &w->out->stats.solver;
     if (method != KF_METHOD_DROP || !fits || !fits->drop.G)
         return kf_am_fit_values_ridge(hf->be, hf->q, hf->R, x->d, x->scale, kk, x->d,
                                       method == KF_METHOD_AM ? w->beta : NULL, th, tf->Y, alpha, v0, x->d, w->vals, st,
                                       ws, err);
-    if (p->refit_all) { /* the other training rows, then the validation rows */
+    if (p->choice.refit_all) { /* the other training rows, then the validation rows */
         kf_am_head hv[2];
         kf_am_targets tv[2];
         const int n = refit_parts(hs, fits->rows, hv, tv);
@@ -307,7 +307,7 @@ static kf_status variant_fit(const kf_compact_prep *x, variant_ws *w, const head
     kf_method method = pick->method;
     double ts = now_s();
     if (method != KF_METHOD_KEEP && method != KF_METHOD_DROP) {
-        KF_TRY(fit_beta(w, hs, hf, tf, fits, th, p->seed + (uint64_t)hi, ws, err));
+        KF_TRY(fit_beta(w, hs, hf, tf, fits, th, p->solver.seed + (uint64_t)hi, ws, err));
         out->stats.beta_s += now_s() - ts;
     }
     const float *kk = w->kc; /* [th, d] keys the values are fitted for */
@@ -315,7 +315,7 @@ static kf_status variant_fit(const kf_compact_prep *x, variant_ws *w, const head
     memset(u, 0, sizeof(float) * d); /* u = 0 unless folded */
     if (method == KF_METHOD_FOLD) {
         ts = now_s();
-        const int on_probes = p->fold_queries == KF_FOLD_ON_PROBES;
+        const int on_probes = p->solver.fold_queries == KF_FOLD_ON_PROBES;
         const int fR = on_probes ? probe_rows(&x->rq, hs->q, d, qsub) : hf->R;
         kf_fold_info fi;
         KF_TRY(fold_selection(hf->be, on_probes ? qsub : hf->q, fR, d, x->scale, pick->lambda, w->kc, w->beta, th, u,
@@ -375,7 +375,7 @@ static kf_status variant_head(const kf_compact_prep *x, variant_ws *w, head_shar
         memcpy(w->kc + (size_t)j * d, hs->h.k + (size_t)w->sel[j] * row, sizeof(float) * d);
         memcpy(w->vo + (size_t)j * d, hs->h.v + (size_t)w->sel[j] * row, sizeof(float) * d);
     }
-    kf_head_pick pick = {p->method, p->lambda_rel, p->value_ridge, 0};
+    kf_head_pick pick = {p->method, p->solver.lambda_rel, p->solver.value_ridge, 0};
     kf_am_head hf = hs->h; /* the rows the final beta, u and values are fitted on */
     kf_am_targets tf = hs->tg;
     kf_choice_fits fits = {0}; /* what the choice keeps for the refit */
@@ -385,9 +385,9 @@ static kf_status variant_head(const kf_compact_prep *x, variant_ws *w, head_shar
         kf_am_head htr = hs->h;
         htr.q = sp->tr_q, htr.R = (int)sp->n_tr;
         kf_am_targets ttr = {sp->tr_m, sp->tr_y, sp->tr_Y, NULL};
-        KF_TRY(kf_choose_head(p, &htr, &ttr, w->sel, th, w->kc, w->vo, &hs->vh, p->seed + (uint64_t)hi, &pick, &fits,
+        KF_TRY(kf_choose_head(p, &htr, &ttr, w->sel, th, w->kc, w->vo, &hs->vh, p->solver.seed + (uint64_t)hi, &pick, &fits,
                               ws, err));
-        if (!p->refit_all) { /* ship the fit that was validated: on the training rows' subsample */
+        if (!p->choice.refit_all) { /* ship the fit that was validated: on the training rows' subsample */
             hf = htr, tf = ttr;
             hf.R = kf_choice_rows(p, htr.R, th);
         }

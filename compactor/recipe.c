@@ -86,37 +86,37 @@ void kf_recipe_digest(const kf_compact_params *p, kf_dtype dtype, int64_t n_head
     put_i(&st, "dtype", dtype_code(dtype));
     put_i(&st, "method", p->method);
     put_f(&st, "budget", p->budget);
-    put_f(&st, "lambda_rel", p->lambda_rel);
-    put_i(&st, "score", p->score);
-    put_i(&st, "fold_queries", p->fold_queries);
-    put_i(&st, "max_queries", p->max_queries);
-    put_i(&st, "seed", (int64_t)p->seed);
+    put_f(&st, "lambda_rel", p->solver.lambda_rel);
+    put_i(&st, "score", p->solver.score);
+    put_i(&st, "fold_queries", p->solver.fold_queries);
+    put_i(&st, "max_queries", p->solver.max_queries);
+    put_i(&st, "seed", (int64_t)p->solver.seed);
     put_i(&st, "use_context_queries", p->use_context_queries);
     put_ids(&st, "repeat_instruction", p->repeat_instruction.ids, p->repeat_instruction.n);
     put_i(&st, "n_probes", p->n_probes);
     for (int i = 0; i < p->n_probes; i++)
         put_ids(&st, "probe", p->probes[i].ids, p->probes[i].n);
-    put_floats(&st, "head_budgets", p->head_budgets, n_head_budgets);
-    put_f(&st, "max_head_ratio", p->max_head_ratio);
-    put_i(&st, "chunk", p->chunk);
-    put_quoka(&st, p->quoka);
-    put_i(&st, "quoka_repeat", p->quoka_repeat);
-    put_i(&st, "quoka_margin", p->quoka_margin);
-    put_i(&st, "beta_fit", p->beta_fit);
-    put_f(&st, "value_ridge", p->value_ridge);
-    put_i(&st, "ridge_to", p->ridge_to);
+    put_floats(&st, "head_budgets", p->solver.head_budgets, n_head_budgets);
+    put_f(&st, "max_head_ratio", p->solver.max_head_ratio);
+    put_i(&st, "chunk", p->run.chunk);
+    put_quoka(&st, p->run.quoka);
+    put_i(&st, "quoka_repeat", p->run.quoka_repeat);
+    put_i(&st, "quoka_margin", p->run.quoka_margin);
+    put_i(&st, "beta_fit", p->solver.beta_fit);
+    put_f(&st, "value_ridge", p->solver.value_ridge);
+    put_i(&st, "ridge_to", p->solver.ridge_to);
     const int choice = kf_head_choice_active(p); /* the default resolved, so "on" = default for fold */
     put_i(&st, "head_choice", choice);
     if (choice) {
-        put_f(&st, "val_frac", p->val_frac);
-        put_f(&st, "choice_margin", p->choice_margin);
-        put_i(&st, "refit_all", p->refit_all);
-        put_f(&st, "choice_rows", p->choice_rows); /* also marks the subsampled choice's bits */
+        put_f(&st, "val_frac", p->choice.val_frac);
+        put_f(&st, "choice_margin", p->choice.choice_margin);
+        put_i(&st, "refit_all", p->choice.refit_all);
+        put_f(&st, "choice_rows", p->choice.choice_rows); /* also marks the subsampled choice's bits */
     }
-    if (p->refq_bf16) /* only when set: the fp32 default keeps every earlier recipe */
+    if (p->run.refq_bf16) /* only when set: the fp32 default keeps every earlier recipe */
         put_i(&st, "refq_bf16", 1);
-    if (p->arena_dtype != KF_DTYPE_F32) /* likewise: a bf16 arena rounds the prefill's K/V */
-        put_i(&st, "arena_dtype", (int)p->arena_dtype);
+    if (p->run.arena_dtype != KF_DTYPE_F32) /* likewise: a bf16 arena rounds the prefill's K/V */
+        put_i(&st, "arena_dtype", (int)p->run.arena_dtype);
     if (p->no_repeat) /* likewise: only a repeat other than the whole document's */
         put_i(&st, "no_repeat", 1);
     if (p->repeat_fraction > 0 && p->repeat_fraction < 1) {

@@ -26,7 +26,7 @@
 #include "compactor/compact.h"
 #include "formats/kvf.h"
 
-/* n_head_budgets: n_layers * kv_heads, the length of p->head_budgets (ignored when NULL). */
+/* n_head_budgets: n_layers * kv_heads, the length of p->solver.head_budgets (ignored when NULL). */
 void kf_recipe_digest(const kf_compact_params *p, kf_dtype dtype, int64_t n_head_budgets,
                       char out[KVF_DIGEST_LEN + 1]);
 

@@ -68,10 +68,10 @@ static kf_status thread_init(const kf_compact_prep *x, const variant_ws *w, int 
     t->vo = malloc(sizeof(float) * (size_t)tm * d);
     t->w = calloc((size_t)n, sizeof *t->w);
     t->out = calloc((size_t)n, sizeof *t->out);
-    if (x->p.fold_queries == KF_FOLD_ON_PROBES)
+    if (x->p.solver.fold_queries == KF_FOLD_ON_PROBES)
         t->qsub = malloc(sizeof(float) * (size_t)x->rq.R * d);
     if (!t->sel || !t->beta || !t->kfold || !t->vals || !t->kc || !t->vo || !t->w || !t->out ||
-        (x->p.fold_queries == KF_FOLD_ON_PROBES && !t->qsub))
+        (x->p.solver.fold_queries == KF_FOLD_ON_PROBES && !t->qsub))
         return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the solve's per-thread buffers (t %d)", tm);
     if (any_choice) {
         if (kf_split_alloc(&t->sp, x->rq.R, x->n_val_pos * x->G, d, x->n_sources) != 0)

@@ -22,7 +22,7 @@ int kf_repeat_spans(const kf_compact_params *p, int n_doc, int *off, int *len) {
         const int b0 = (int)((int64_t)k * n_doc / K), seg = (int)((int64_t)(k + 1) * n_doc / K) - b0;
         int n = (int)llround(F * seg);
         n = n < 1 ? 1 : (n > seg ? seg : n);
-        off[k] = b0 + (int)(span_mix(p->seed ^ span_mix((uint64_t)k + 0x5ba5)) % (uint64_t)(seg - n + 1));
+        off[k] = b0 + (int)(span_mix(p->solver.seed ^ span_mix((uint64_t)k + 0x5ba5)) % (uint64_t)(seg - n + 1));
         len[k] = n;
     }
     return K;
@@ -115,8 +115,8 @@ kf_status kf_context_prefill(kf_compact_prep *x, const kf_compact_reuse *reuse, 
     const int n_rows = (int)(x->first[1] - x->first[0]);
     capture_to qdst = {malloc(sizeof(float *) * (size_t)x->L), malloc(sizeof(uint16_t *) * (size_t)x->L)}; /* [L] */
     kf_status rc = !qdst.q || !qdst.qh ? kf_fail(err, KF_ERR_NOMEM, "compact: out of memory") : KF_OK;
-    kf_forward_args fa = {.ids = ctx_ids + shared, .n_tokens = (int)(x->D - shared), .chunk = x->p.chunk,
-                          .capture_rows = x->rows, .n_capture_rows = n_rows, .quoka = x->p.quoka};
+    kf_forward_args fa = {.ids = ctx_ids + shared, .n_tokens = (int)(x->D - shared), .chunk = x->p.run.chunk,
+                          .capture_rows = x->rows, .n_capture_rows = n_rows, .quoka = x->p.run.quoka};
     if (rc == KF_OK) {
         capture_dst(&x->ctxq, 0, &qdst);
         capture_args(&x->ctxq, &fa, n_rows, &qdst);
@@ -157,19 +157,19 @@ static void source_args(kf_compact_prep *x, int i, capture_to *dst, kf_quoka_par
                         kf_forward_targets *ft) {
     const kf_compact_params *p = &x->p;
     const int n_rows = (int)(x->first[i + 1] - x->first[i]);
-    *fa = (kf_forward_args){.ids = x->src[i].ids, .n_tokens = x->src[i].n, .chunk = p->chunk,
+    *fa = (kf_forward_args){.ids = x->src[i].ids, .n_tokens = x->src[i].n, .chunk = p->run.chunk,
                             .capture_rows = x->rows + x->first[i], .n_capture_rows = n_rows,
                             .pos_offset = x->src[i].pos_offset};
     capture_dst(&x->rq, x->first[i], dst);
     capture_args(&x->rq, fa, n_rows, dst);
-    if (is_repeat(x, i) && p->quoka && p->quoka_repeat) {
+    if (is_repeat(x, i) && p->run.quoka && p->run.quoka_repeat) {
         /* the copy token at sequence index D + I + j reads document token o + j at n_pre + o + j
          * (o: the span's first document token, 0 for the whole repeat) */
-        *qk = *p->quoka;
-        if (p->quoka_margin >= 0) {
+        *qk = *p->run.quoka;
+        if (p->run.quoka_margin >= 0) {
             qk->align_start = x->D + p->repeat_instruction.n;
             qk->align_shift = x->D + p->repeat_instruction.n - x->n_pre - x->src[i].doc_off;
-            qk->align_margin = p->quoka_margin;
+            qk->align_margin = p->run.quoka_margin;
         }
         fa->quoka = qk;
     }
@@ -302,13 +302,13 @@ kf_status kf_sources_run(kf_compact_prep *x, const kf_layer_hook *hook, kf_error
 kf_status kf_sources_targets_init(kf_compact_prep *x, kf_error *err) {
     const kf_compact_params *p = &x->p;
     const kf_forward_args dense = {0};
-    const int quoka_repeat = p->quoka && p->quoka_repeat && p->quoka->mode == KF_PREFILL_QUOKA;
+    const int quoka_repeat = p->run.quoka && p->run.quoka_repeat && p->run.quoka->mode == KF_PREFILL_QUOKA;
     int any = 0;
     for (int i = 1; i < x->n_sources; i++)
         any |= x->src[i].n > 0 && !(is_repeat(x, i) && quoka_repeat);
     if (!any || !kf_model_targets_supported(x->m, &dense))
         return KF_OK;
-    KF_TRY(kf_refq_targets_init(&x->tg, &x->rq, x->n_doc, p->score == KF_SCORE_RMS, err));
+    KF_TRY(kf_refq_targets_init(&x->tg, &x->rq, x->n_doc, p->solver.score == KF_SCORE_RMS, err));
     if (!(x->tdst = calloc((size_t)x->n_sources, sizeof *x->tdst)))
         return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory");
     for (int i = 1; i < x->n_sources; i++)

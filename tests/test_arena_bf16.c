@@ -235,7 +235,7 @@ static void test_memory_formula(void) {
     kf_compact_params p = kf_compact_params_default();
     kf_compact_mem_shape(&c, &p, 0, 100, 0, 2, &sh);
     CU_ASSERT_EQUAL(sh.arena_bf16, 0);
-    p.arena_dtype = KF_DTYPE_BF16;
+    p.run.arena_dtype = KF_DTYPE_BF16;
     kf_compact_mem_shape(&c, &p, 0, 100, 0, 2, &sh);
     CU_ASSERT_EQUAL(sh.arena_bf16, 1);
 }
@@ -446,14 +446,14 @@ static void test_compaction(void) {
     const kf_prompt doc = {g_doc, 300}, instr = {kInstr, 6};
     const kf_qa qa = {{kQ, 7}, {g_doc + 1, 2}};
     kf_compact_params p = kf_compact_params_default();
-    p.method = KF_METHOD_FOLD, p.budget = 0.25, p.max_queries = 3000;
+    p.method = KF_METHOD_FOLD, p.budget = 0.25, p.solver.max_queries = 3000;
     p.repeat_instruction = instr;
     kf_reference *ref = NULL;
     CU_ASSERT_EQUAL_FATAL(kf_reference_build(g_m, &doc, &instr, &qa, 1, &ref, &err), KF_OK);
     kf_compacted c[2];
     kf_quality q[2];
     for (int i = 0; i < 2; i++) {
-        p.arena_dtype = i ? KF_DTYPE_F32 : KF_DTYPE_BF16;
+        p.run.arena_dtype = i ? KF_DTYPE_F32 : KF_DTYPE_BF16;
         CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &c[i], &err), KF_OK);
         CU_ASSERT_EQUAL_FATAL(kf_quality_measure(g_m, ref, &c[i], &q[i], NULL, NULL, &err), KF_OK);
     }
@@ -479,7 +479,7 @@ static void test_compaction(void) {
     kf_arena a;
     CU_ASSERT_EQUAL_FATAL(kf_model_arena(g_m, &a, 400, &err), KF_OK);
     const kf_compact_reuse r = {.arena = &a};
-    p.arena_dtype = KF_DTYPE_BF16;
+    p.run.arena_dtype = KF_DTYPE_BF16;
     kf_compacted x;
     CU_ASSERT_EQUAL(kf_compact_ex(g_m, &r, NULL, &doc, NULL, &p, &x, &err), KF_ERR_MISMATCH);
     CU_ASSERT(strstr(err.msg, "bf16") != NULL);

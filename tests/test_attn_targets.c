@@ -310,7 +310,7 @@ static void compare_compactions(int context_queries) {
     kf_error err = {0};
     const kf_prompt pre = {g_doc, 5}, doc = {g_doc + 5, 250}, probe = {kQuestion, 7};
     kf_compact_params p = kf_compact_params_default();
-    p.method = KF_METHOD_FOLD, p.budget = 0.25, p.max_queries = 2000;
+    p.method = KF_METHOD_FOLD, p.budget = 0.25, p.solver.max_queries = 2000;
     p.repeat_instruction = (kf_prompt){kInstr, 6};
     p.probes = &probe, p.n_probes = 1;
     p.use_context_queries = context_queries;

@@ -492,7 +492,7 @@ static kf_head_pick planted_on(int dup, float val_sign, kf_ridge_target to, doub
     kf_planted_init(&ph, dup, val_sign, to, 1000);
     kf_error err = {0};
     kf_head_pick pick = {KF_METHOD_KEEP, 0, 0, NAN};
-    ph.p.choice_rows = choice_rows;
+    ph.p.choice.choice_rows = choice_rows;
     *rows = kf_choice_rows(&ph.p, ph.h.R, KF_PLANT_KEPT);
     kf_choice_fits fits = {0};
     CU_ASSERT_EQUAL(
@@ -536,14 +536,14 @@ static void test_subsampled_choice_planted(void) {
  * at most all (0: all). */
 static void test_choice_rows(void) {
     kf_compact_params p = kf_compact_params_default();
-    CU_ASSERT_EQUAL(p.choice_rows, 6);
+    CU_ASSERT_EQUAL(p.choice.choice_rows, 6);
     CU_ASSERT_EQUAL(kf_choice_rows(&p, 3300, 204), 1224);
     CU_ASSERT_EQUAL(kf_choice_rows(&p, 3300, 10), KF_CHOICE_MIN_ROWS);
     CU_ASSERT_EQUAL(kf_choice_rows(&p, 200, 10), 200);
     CU_ASSERT_EQUAL(kf_choice_rows(&p, 1000, 204), 1000);
-    p.choice_rows = 2.5;
+    p.choice.choice_rows = 2.5;
     CU_ASSERT_EQUAL(kf_choice_rows(&p, 3300, 205), 513); /* ceil(512.5) */
-    p.choice_rows = 0;
+    p.choice.choice_rows = 0;
     CU_ASSERT_EQUAL(kf_choice_rows(&p, 3300, 204), 3300);
 }
 
@@ -634,7 +634,7 @@ static void refit_ref_beta(const double *M, const double *y, uint64_t seed, floa
 static void test_refit_three_parts(void) {
     static kf_planted_head ph; /* test_util.h; large */
     kf_planted_init(&ph, 1, 1, KF_RIDGE_TO_ORIG, RF_TR);
-    ph.p.choice_rows = 4;
+    ph.p.choice.choice_rows = 4;
     kf_error err = {0};
     kf_head_pick pick;
     kf_choice_fits fits = {0};

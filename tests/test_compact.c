@@ -1,6 +1,6 @@
 /* kf_compact end to end on the trained records model (compactor/compact.c): the compacted frame
  * against AM's, keep at budget 1 against the full cache, determinism for a seed, bad parameters
- * refused, and the methods' mass error in the expected order. */
+ * refused, the methods' mass error in the expected order, and the parameters' defaults. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,7 +32,7 @@ static kf_compact_params params(kf_method method, double budget) {
     p.method = method;
     p.budget = budget;
     p.repeat_instruction = (kf_prompt){kInstr, 6};
-    p.max_queries = 2000;
+    p.solver.max_queries = 2000;
     return p;
 }
 
@@ -119,7 +119,7 @@ static void test_deterministic_for_a_seed(void) {
     kf_error err = {0};
     kf_prompt doc = {g_doc, g_doc_n};
     kf_compact_params p = params(KF_METHOD_FOLD, 0.1);
-    p.max_queries = 300; /* forces the subsample */
+    p.solver.max_queries = 300; /* forces the subsample */
     CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &a, &err), KF_OK);
     CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &b, &err), KF_OK);
     const size_t n = (size_t)a.n_layers * a.C * a.kv_heads * a.head_dim;
@@ -127,7 +127,7 @@ static void test_deterministic_for_a_seed(void) {
     CU_ASSERT_EQUAL(memcmp(a.values, b.values, n * sizeof(float)), 0);
     CU_ASSERT_EQUAL(a.stats.n_queries, 2 * 150);
     kf_compacted_free(&b);
-    p.seed = 99;
+    p.solver.seed = 99;
     CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &b, &err), KF_OK);
     CU_ASSERT_NOT_EQUAL(memcmp(a.values, b.values, n * sizeof(float)), 0);
     kf_compacted_free(&a);
@@ -184,7 +184,7 @@ static void test_records_lse_ordering(void) {
         kf_compact_params p = params((kf_method)method, 0.25);
         p.probes = pr;
         p.n_probes = np;
-        p.head_choice = KF_CHOICE_OFF; /* the methods themselves (the choice may pick drop everywhere) */
+        p.choice.head_choice = KF_CHOICE_OFF; /* the methods themselves (the choice may pick drop everywhere) */
         kf_compacted c;
         CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &c, &err), KF_OK);
         kf_quality qm;
@@ -202,6 +202,31 @@ static void test_records_lse_ordering(void) {
     kf_reference_free(ref);
 }
 
+/* The top level and each group hold the defaults compact.h documents beside the fields, and the
+ * whole's groups are the groups' own defaults. */
+static void test_param_defaults(void) {
+    const kf_compact_params p = kf_compact_params_default();
+    CU_ASSERT(p.method == KF_METHOD_FOLD && p.budget == 0.1 && !p.repeat_instruction.n && !p.probes &&
+              !p.use_context_queries && !p.no_repeat && p.repeat_fraction == 0 && !p.repeat_spans &&
+              !p.chat_template && !p.progress);
+    const kf_solver_params s = kf_solver_params_default();
+    CU_ASSERT(s.score == KF_SCORE_RMS && s.lambda_rel == 1e-2 && s.fold_queries == KF_FOLD_ON_ALL &&
+              s.max_queries == 50000 && s.beta_fit == KF_BETA_AM && s.value_ridge == 0 &&
+              s.ridge_to == KF_RIDGE_TO_ORIG && s.seed == 0 && !s.head_budgets && s.max_head_ratio == 0.75);
+    const kf_choice_params c = kf_choice_params_default();
+    CU_ASSERT(c.head_choice == KF_CHOICE_DEFAULT && c.val_frac == 0.2 && c.choice_margin == 0.5 &&
+              c.refit_all == 1 && c.choice_rows == 6);
+    const kf_run_params r = kf_run_params_default();
+    CU_ASSERT(r.chunk == 0 && !r.quoka && r.quoka_repeat == 0 && r.quoka_margin == 16 && r.refq_bf16 == 0 &&
+              r.arena_dtype == KF_DTYPE_F32);
+    CU_ASSERT(p.solver.lambda_rel == s.lambda_rel && p.solver.max_queries == s.max_queries &&
+              p.solver.max_head_ratio == s.max_head_ratio && p.solver.ridge_to == s.ridge_to);
+    CU_ASSERT(p.choice.head_choice == c.head_choice && p.choice.val_frac == c.val_frac &&
+              p.choice.choice_margin == c.choice_margin && p.choice.refit_all == c.refit_all &&
+              p.choice.choice_rows == c.choice_rows);
+    CU_ASSERT(p.run.quoka_margin == r.quoka_margin && p.run.arena_dtype == r.arena_dtype);
+}
+
 static CU_TestInfo model_tests[] = {
     {"compacted frame at C == AM frame at D", test_compacted_frame_equals_am_frame},
     {"keep at budget 1 == the full cache", test_keep_everything_equals_full_cache},
@@ -211,7 +236,13 @@ static CU_TestInfo model_tests[] = {
     CU_TEST_INFO_NULL,
 };
 
+static CU_TestInfo param_tests[] = {
+    {"defaults: the top level and each group's", test_param_defaults},
+    CU_TEST_INFO_NULL,
+};
+
 static CU_SuiteInfo suites[] = {
+    {"compaction parameters", NULL, NULL, NULL, NULL, param_tests},
     {"compaction on records-qwen3", init_model, clean_model, NULL, NULL, model_tests},
     CU_SUITE_INFO_NULL,
 };

@@ -50,7 +50,7 @@ static void test_prefill_and_repeat(void) {
     kf_compact_flops_count(&c, &p, 0, 10, 0, 0, &f); /* no fused targets: no last-layer attention */
     CU_ASSERT_DOUBLE_EQUAL(f.repeat.attn, 14144, 0);
     const kf_quoka_params q = {.mode = KF_PREFILL_QUOKA};
-    p.quoka = &q, p.quoka_repeat = 1; /* a QUOKA repeat has no targets either */
+    p.run.quoka = &q, p.run.quoka_repeat = 1; /* a QUOKA repeat has no targets either */
     kf_compact_flops_count(&c, &p, 0, 10, 0, 1, &f);
     CU_ASSERT_DOUBLE_EQUAL(f.repeat.attn, 14144, 0);
 }

@@ -185,7 +185,7 @@ static kf_compact_params params(kf_method method, double budget) {
     p.method = method;
     p.budget = budget;
     p.repeat_instruction = (kf_prompt){kInstr, 6};
-    p.max_queries = 2000;
+    p.solver.max_queries = 2000;
     return p;
 }
 
@@ -450,7 +450,7 @@ static void test_refq_bf16_close(void) {
     kf_compact_params p = params(KF_METHOD_FOLD, 0.25);
     kf_compacted a, b;
     CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &a, &err), KF_OK);
-    p.refq_bf16 = 1;
+    p.run.refq_bf16 = 1;
     CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &b, &err), KF_OK);
     CU_ASSERT_FATAL(a.C == b.C && a.stats.n_queries == b.stats.n_queries);
     CU_ASSERT(!compacted_identical(&a, &b));

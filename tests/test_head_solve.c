@@ -33,7 +33,7 @@ static kf_compact_params params(kf_method method, double budget) {
     p.method = method;
     p.budget = budget;
     p.repeat_instruction = (kf_prompt){kInstr, 6};
-    p.max_queries = 2000;
+    p.solver.max_queries = 2000;
     return p;
 }
 
@@ -94,7 +94,7 @@ static void test_kept_slots_gathered(void) {
     const kf_method methods[3] = {KF_METHOD_KEEP, KF_METHOD_DROP, KF_METHOD_AM};
     for (int mi = 0; mi < 3; mi++) {
         kf_compact_params p = params(methods[mi], 0.1);
-        p.head_choice = KF_CHOICE_OFF;
+        p.choice.head_choice = KF_CHOICE_OFF;
         kf_compacted c;
         kf_error err = {0};
         CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, &pre, &doc, NULL, &p, &c, &err), KF_OK);
@@ -135,8 +135,8 @@ static void test_head_choice_recorded(void) {
     kf_error err = {0};
     for (int method = KF_METHOD_AM; method <= KF_METHOD_FOLD; method++) {
         kf_compact_params p = params((kf_method)method, 0.25);
-        p.head_choice = KF_CHOICE_ON;
-        p.choice_margin = 0;
+        p.choice.head_choice = KF_CHOICE_ON;
+        p.choice.choice_margin = 0;
         kf_compacted c;
         CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &c, &err), KF_OK);
         const int n = c.n_layers * c.kv_heads;
@@ -197,7 +197,7 @@ static void test_head_budgets(void) {
     CU_ASSERT_EQUAL_FATAL(kf_head_budgets_load(path, L, kvh, shares, &err), KF_OK);
     kf_prompt doc = {g_doc, g_doc_n};
     kf_compact_params p = params(KF_METHOD_AM, 0.1);
-    p.head_budgets = shares;
+    p.solver.head_budgets = shares;
     kf_compacted c;
     CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &c, &err), KF_OK);
     CU_ASSERT(c.C > (int64_t)(0.1 * g_doc_n)); /* the largest head sets C */

@@ -37,10 +37,10 @@ static kf_compact_params params(calls *c) {
     static const kf_prompt probe = {kQuestion, 7};
     kf_compact_params p = kf_compact_params_default();
     p.repeat_instruction = (kf_prompt){kInstr, 6};
-    p.max_queries = 2000;
+    p.solver.max_queries = 2000;
     p.probes = &probe;
     p.n_probes = 1;
-    p.chunk = kChunk;
+    p.run.chunk = kChunk;
     if (c) {
         p.progress = record, p.progress_user = c;
         c->caller = pthread_self();

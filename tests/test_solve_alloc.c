@@ -102,13 +102,13 @@ static long long solve_allocs(const solve_case *c, int threads) {
     CU_ASSERT_EQUAL_FATAL(kf_model_load(&m, kf_test_data("records-qwen3"), b, &err), KF_OK);
     kf_compact_params p = kf_compact_params_default();
     static const kf_prompt probe = {kQuestion, 7};
-    p.method = c->method, p.head_choice = c->choice, p.budget = 0.2;
+    p.method = c->method, p.choice.head_choice = c->choice, p.budget = 0.2;
     p.repeat_instruction = (kf_prompt){kInstr, 6};
     p.probes = &probe, p.n_probes = 1;
-    p.use_context_queries = c->context, p.refq_bf16 = c->bf16;
-    p.fold_queries = c->on_probes ? KF_FOLD_ON_PROBES : p.fold_queries;
+    p.use_context_queries = c->context, p.run.refq_bf16 = c->bf16;
+    p.solver.fold_queries = c->on_probes ? KF_FOLD_ON_PROBES : p.solver.fold_queries;
     static const float shares[] = {0.1f, 0.2f, 0.3f, 0.4f, 0.25f, 0.25f, 0.25f, 0.25f};
-    p.head_budgets = c->budgets ? shares : NULL;
+    p.solver.head_budgets = c->budgets ? shares : NULL;
     const kf_compact_variant v[2] = {{c->method, 0.2}, {KF_METHOD_DROP, 0.1}};
     const int n = c->variants;
     const kf_prompt doc = {g_doc, 200};

@@ -32,11 +32,11 @@ static kf_compact_prep *prepare_on(kf_model *m) {
     static const kf_prompt probe = {kQuestion, 7};
     const kf_prompt pre = {g_doc + 300, 5}, doc = {g_doc, 240};
     p.repeat_instruction = (kf_prompt){kInstr, 6};
-    p.max_queries = 2000;
+    p.solver.max_queries = 2000;
     p.probes = &probe;
     p.n_probes = 1;
-    p.head_choice = KF_CHOICE_ON;
-    p.choice_margin = 0; /* am and fold win heads too */
+    p.choice.head_choice = KF_CHOICE_ON;
+    p.choice.choice_margin = 0; /* am and fold win heads too */
     kf_compact_prep *prep = NULL;
     CU_ASSERT_EQUAL(kf_compact_prepare(m, NULL, &pre, &doc, NULL, &p, kVariants, 2, &prep, &err), KF_OK);
     return prep;
@@ -186,7 +186,7 @@ static void solve_fails(kf_backend *b, kf_model *m, int key_head, int val_head, 
     static const kf_prompt probe = {kQuestion, 7};
     const kf_prompt doc = {g_doc, 240};
     p.repeat_instruction = (kf_prompt){kInstr, 6};
-    p.max_queries = 2000;
+    p.solver.max_queries = 2000;
     p.probes = &probe;
     p.n_probes = 1;
     const kf_compact_reuse reuse = {.arena = &a, .parent = &parent, .shared = kShared};

@@ -34,7 +34,7 @@ static kf_compact_params params(void) {
     p.method = KF_METHOD_FOLD;
     p.budget = 0.25;
     p.repeat_instruction = (kf_prompt){kInstr, N_INSTR};
-    p.max_queries = 2000;
+    p.solver.max_queries = 2000;
     return p;
 }
 
@@ -67,11 +67,11 @@ static void test_spans_by_hand(void) {
         CU_ASSERT_EQUAL(len[k], 13);
         CU_ASSERT(off[k] >= b0[k] && off[k] + len[k] <= b0[k + 1]);
     }
-    p.seed = 1; /* another seed moves at least one span, the same seed none */
+    p.solver.seed = 1; /* another seed moves at least one span, the same seed none */
     CU_ASSERT_EQUAL(kf_repeat_spans(&p, N_DOC, off1, len1), 4);
     CU_ASSERT(memcmp(off, off1, sizeof(int) * 4) != 0);
     CU_ASSERT_EQUAL(memcmp(len, len1, sizeof(int) * 4), 0);
-    p.seed = 0;
+    p.solver.seed = 0;
     CU_ASSERT_EQUAL(kf_repeat_spans(&p, N_DOC, off1, len1), 4);
     CU_ASSERT_EQUAL(memcmp(off, off1, sizeof(int) * 4), 0);
     p.repeat_spans = 10;
@@ -127,9 +127,9 @@ static void test_rows_from_the_spans(void) {
     kf_compacted_free(&a);
 
     kf_compact_params one = params();
-    one.repeat_fraction = 0.5, one.repeat_spans = 1, one.head_choice = KF_CHOICE_OFF;
+    one.repeat_fraction = 0.5, one.repeat_spans = 1, one.choice.head_choice = KF_CHOICE_OFF;
     int off[KF_REPEAT_SPANS_MAX], len[KF_REPEAT_SPANS_MAX];
-    for (one.seed = 0; one.seed < 5000; one.seed++)
+    for (one.solver.seed = 0; one.solver.seed < 5000; one.solver.seed++)
         if (kf_repeat_spans(&one, N_DOC, off, len) == 1 && off[0] == 0)
             break;
     CU_ASSERT_FATAL(off[0] == 0 && len[0] == 102);
@@ -147,12 +147,12 @@ static void test_rows_from_the_spans(void) {
 
     /* a span at offset o > 0 sits o positions later than that probe would: the same rows counted,
      * another cache (the same one would mean the span was not placed at its whole-repeat positions) */
-    for (one.seed = 0; one.seed < 5000; one.seed++)
+    for (one.solver.seed = 0; one.solver.seed < 5000; one.solver.seed++)
         if (kf_repeat_spans(&one, N_DOC, off, len) == 1 && off[0] > 0)
             break;
     CU_ASSERT_FATAL(off[0] > 0 && len[0] == 102);
     memcpy(span + N_INSTR, g_doc + off[0], sizeof(int32_t) * 102);
-    as_probe.seed = one.seed;
+    as_probe.solver.seed = one.solver.seed;
     CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &one, &a, &err), KF_OK);
     CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &as_probe, &b, &err), KF_OK);
     CU_ASSERT_EQUAL(a.stats.n_queries, b.stats.n_queries);

@@ -192,7 +192,7 @@ void kf_planted_init(kf_planted_head *ph, int dup, float val_sign, kf_ridge_targ
                           KF_OK);
     ph->p = kf_compact_params_default();
     ph->p.method = KF_METHOD_FOLD;
-    ph->p.ridge_to = to;
+    ph->p.solver.ridge_to = to;
 }
 
 void kf_planted_free(kf_planted_head *ph) {

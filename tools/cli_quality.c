@@ -8,6 +8,6 @@ void cli_compact_opts_init(cli_compact_opts *o) {
 
 kf_compact_params cli_compact_params(const cli_compact_opts *o) {
     kf_compact_params p = o->p;
-    p.quoka = cli_prefill_params(&o->prefill);
+    p.run.quoka = cli_prefill_params(&o->prefill);
     return p;
 }

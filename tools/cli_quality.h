@@ -8,7 +8,7 @@
 #include "tools/cli.h"
 
 typedef struct {
-    kf_compact_params p;     /* p.quoka is set by cli_compact_params */
+    kf_compact_params p;     /* p.run.quoka is set by cli_compact_params */
     kf_quoka_params prefill; /* --prefill and the QUOKA options */
 } cli_compact_opts;
 

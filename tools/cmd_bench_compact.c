@@ -84,7 +84,7 @@ static int predict(const char *dir, const char *docs, int n, const kf_compact_pa
     }
     printf("predict %d tokens, %s, budget %g, instruction %d tokens, %d threads%s, %s weights\n", n,
            kf_method_name(p->method), p->budget, n_instr, openblas_get_num_threads(),
-           p->arena_dtype == KF_DTYPE_BF16 ? ", bf16 arena" : "", wdt == KF_DTYPE_BF16 ? "bf16" : "fp32");
+           p->run.arena_dtype == KF_DTYPE_BF16 ? ", bf16 arena" : "", wdt == KF_DTYPE_BF16 ? "bf16" : "fp32");
     print_peak(&c, p, n, n_instr, wdt);
     const kf_compact_flops fl = count_flops(&c, p, n, n_instr, 1);
     print_flops(&fl);
@@ -222,7 +222,7 @@ static void print_stages(const kf_compacted *c, const kf_compact_params *p, int 
     const kf_compact_stats *s = &c->stats;
     const double work = s->select_s + s->choice_s + s->beta_s + s->values_s + s->fold_s;
     printf("compact %d tokens, %s, budget %g -> C = %lld, %lld queries per KV head%s\n", n, kf_method_name(p->method),
-           p->budget, (long long)c->C, (long long)s->n_queries, p->arena_dtype == KF_DTYPE_BF16 ? ", bf16 arena" : "");
+           p->budget, (long long)c->C, (long long)s->n_queries, p->run.arena_dtype == KF_DTYPE_BF16 ? ", bf16 arena" : "");
     printf("  %-34s %8.3f s\n", "prefill (document)", s->prefill_s);
     printf("  %-34s %8.3f s\n", "repeat prefill (reference queries)", s->refq_s);
     /* the solve's stages run on several threads at once (one KV head each): their lines are

@@ -668,9 +668,9 @@ static int plan_sharing(compact_job *j) {
                 lens[j->n_todo] = j->docs.docs[i].n;
                 j->todo[j->n_todo++] = i;
             }
-        const int chunk_eff = j->base.chunk > 0 ? j->base.chunk : KF_DEFAULT_CHUNK;
+        const int chunk_eff = j->base.run.chunk > 0 ? j->base.run.chunk : KF_DEFAULT_CHUNK;
         /* QUOKA chooses keys per chunk: share whole chunks so every chunk starts where it would */
-        const int granule = j->base.quoka ? chunk_eff : KF_PAGE_TOKENS;
+        const int granule = j->base.run.quoka ? chunk_eff : KF_PAGE_TOKENS;
         const kf_hfconfig *cfg = j->cfg;
         const double kv_bytes = 2.0 * cfg->n_layers * cfg->n_kv_heads * cfg->head_dim * sizeof(float);
         /* CPU estimates; the decision is not sensitive to them (compute saved per token is ~1,000x the
@@ -707,7 +707,7 @@ static int plan_arena(compact_job *j) {
         prev_len = d->n;
     }
     kf_error e = {0};
-    if (j->n_todo > 0 && kf_model_arena_dtype(j->m, &j->arena, need * KF_PAGE_TOKENS, j->base.arena_dtype, &e) != KF_OK) {
+    if (j->n_todo > 0 && kf_model_arena_dtype(j->m, &j->arena, need * KF_PAGE_TOKENS, j->base.run.arena_dtype, &e) != KF_OK) {
         cli_error(CMD, "%s", e.msg);
         return KF_EXIT_FAIL;
     }

@@ -524,7 +524,7 @@ static const cli_opt kEvalRows[] = {
     {"probe-form", 0, OPT_CHOICE, "F", E(form), .choices = "qa|question", .values = kForms, .def = "qa",
      .help = "qa (question + the record's answer) or question (question only)"},
     {"probes-out", 0, OPT_STR, "FILE", E(probes_out), .help = "write the probes as built, one JSON line per document"},
-    {"fold-queries", 0, OPT_CHOICE, "W", E(q.p.fold_queries), .choices = "all|probes", .values = kFoldQueries,
+    {"fold-queries", 0, OPT_CHOICE, "W", E(q.p.solver.fold_queries), .choices = "all|probes", .values = kFoldQueries,
      .def = "all", .help = "all | probes: the queries the fold direction u is fitted on"},
     {"per-head", 0, OPT_STR, "FILE", E(per_head_path),
      .help = "also write every head's lse_err, out_err and var(q.u) as TSV rows"},
@@ -668,7 +668,7 @@ static int eval_open(const eval_opts *o, eval_files *r) {
             cli_error("eval quality", "%s", r->shares ? berr.msg : "out of memory");
             return -1;
         }
-        x->base.head_budgets = r->shares;
+        x->base.solver.head_budgets = r->shares;
     }
     x->head_lse = calloc((size_t)n_heads, sizeof(double));
     x->head_out = calloc((size_t)n_heads, sizeof(double));

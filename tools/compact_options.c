@@ -16,27 +16,27 @@ static const int kOnOff[] = {KF_CHOICE_ON, KF_CHOICE_OFF};
 static const int kAllTrain[] = {1, 0};
 
 const cli_opt cli_choice_rows[] = {
-    {"head-choice", 0, OPT_CHOICE, "C", Q(head_choice), .choices = "on|off", .values = kOnOff,
+    {"head-choice", 0, OPT_CHOICE, "C", Q(choice.head_choice), .choices = "on|off", .values = kOnOff,
      .def = "on for am, fold", .recipe = "head_choice",
      .help = "on: each KV head takes the method, drop or keep, by held-out error; or off"},
-    {"value-ridge", 0, OPT_REAL, "A", Q(value_ridge), .lo = 0, .hi = 1e6, .must = "must be a non-negative number",
+    {"value-ridge", 0, OPT_REAL, "A", Q(solver.value_ridge), .lo = 0, .hi = 1e6, .must = "must be a non-negative number",
      .def = "0: plain least squares", .recipe = "value_ridge",
      .help = "value refits' ridge without the choice, A tr(X^T X) / t"},
-    {"ridge-to", 0, OPT_CHOICE, "T", Q(ridge_to), .choices = "zero|orig", .def = "orig", .recipe = "ridge_to",
+    {"ridge-to", 0, OPT_CHOICE, "T", Q(solver.ridge_to), .choices = "zero|orig", .def = "orig", .recipe = "ridge_to",
      .help = "the ridge pulls towards orig (the keys' values) or zero"},
-    {"beta-fit", 0, OPT_CHOICE, "F", Q(beta_fit), .choices = "am|box", .def = "am", .recipe = "beta_fit",
+    {"beta-fit", 0, OPT_CHOICE, "F", Q(solver.beta_fit), .choices = "am|box", .def = "am", .recipe = "beta_fit",
      .help = "am (least squares, two gradient steps) or box (converged)"},
-    {"val-frac", 0, OPT_REAL, "F", Q(val_frac), .lo = 0, .hi = 0.9, .must = "must be a fraction in [0, 0.9]",
+    {"val-frac", 0, OPT_REAL, "F", Q(choice.val_frac), .lo = 0, .hi = 0.9, .must = "must be a fraction in [0, 0.9]",
      .def = "0.2", .recipe = "val_frac", .help = "share of reference positions held out for the choice"},
-    {"refit", 0, OPT_CHOICE, "all|train", Q(refit_all), .choices = "all|train", .values = kAllTrain, .def = "all",
+    {"refit", 0, OPT_CHOICE, "all|train", Q(choice.refit_all), .choices = "all|train", .values = kAllTrain, .def = "all",
      .recipe = "refit_all",
      .help = "refit the winner on all queries, or keep the validated fit"},
-    {"choice-margin", 0, OPT_REAL, "M", Q(choice_margin), .lo = 0, .hi = 10, .def = "0.5", .recipe = "choice_margin",
+    {"choice-margin", 0, OPT_REAL, "M", Q(choice.choice_margin), .lo = 0, .hi = 10, .def = "0.5", .recipe = "choice_margin",
      .help = "am/fold win a head when 1 + M times better than drop, keep"},
     {0}};
 
 const cli_opt cli_refq_dtype_rows[] = {
-    {"refq-dtype", 0, OPT_CHOICE, "T", Q(refq_bf16), .choices = "f32|bf16", .def = "f32",
+    {"refq-dtype", 0, OPT_CHOICE, "T", Q(run.refq_bf16), .choices = "f32|bf16", .def = "f32",
      .recipe = "refq_bf16",
      .help = "reference queries in f32 or bf16 (half the memory)"},
     {0}};
@@ -47,7 +47,7 @@ static int set_arena_dtype(void *ctx, const cli_opt *o, const char *arg, char *e
 }
 
 const cli_opt cli_arena_dtype_rows[] = {
-    {"arena-dtype", 0, OPT_FN, "T", Q(arena_dtype), .set = set_arena_dtype, .must = "is f32 or bf16",
+    {"arena-dtype", 0, OPT_FN, "T", Q(run.arena_dtype), .set = set_arena_dtype, .must = "is f32 or bf16",
      .def = "f32", .recipe = "arena_dtype",
      .help = "the KV arena in f32 or bf16 (half the memory; CPU backend)"},
     {0}};
@@ -97,7 +97,7 @@ const cli_opt cli_refq_source_rows[] = {
     {0}};
 
 const cli_opt cli_lambda_rows[] = {
-    {"lambda", 0, OPT_REAL, "X", Q(lambda_rel), .lo = 0, .hi = DBL_MAX, .def = "0.01", .recipe = "lambda_rel",
+    {"lambda", 0, OPT_REAL, "X", Q(solver.lambda_rel), .lo = 0, .hi = DBL_MAX, .def = "0.01", .recipe = "lambda_rel",
      .must = "must be a finite non-negative number", .help = "fold ridge, relative to tr(Sigma)/d"},
     {0}};
 
@@ -111,13 +111,13 @@ static int set_int64(void *ctx, const cli_opt *o, const char *arg, char *err, si
 }
 
 const cli_opt cli_max_queries_rows[] = {
-    {"max-queries", 0, OPT_FN, "N", Q(max_queries), .set = set_int64, .lo = 1, .hi = 1099511627776.0,
+    {"max-queries", 0, OPT_FN, "N", Q(solver.max_queries), .set = set_int64, .lo = 1, .hi = 1099511627776.0,
      .must = "must be a positive count", .def = "50000", .recipe = "max_queries",
      .help = "pooled reference queries per KV head"},
     {0}};
 
 const cli_opt cli_chunk_rows[] = {
-    {"chunk", 0, OPT_INT, "N", Q(chunk), .lo = 1, .hi = 1 << 24, .must = "must be a positive count", .def = "512",
+    {"chunk", 0, OPT_INT, "N", Q(run.chunk), .lo = 1, .hi = 1 << 24, .must = "must be a positive count", .def = "512",
      .recipe = "chunk", .help = "prefill chunk size in tokens"},
     {0}};
 

@@ -68,7 +68,7 @@ void *kfct_compact(void *p, const int32_t *doc, int n_doc, const int32_t *instr,
     }
     cp.budget = budget;
     cp.repeat_instruction = (kf_prompt){instr, n_instr};
-    cp.max_queries = 2000;
+    cp.solver.max_queries = 2000;
     kf_compacted *c = calloc(1, sizeof *c);
     kf_prompt d = {doc, n_doc};
     kf_error e = {0};
