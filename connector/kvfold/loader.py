@@ -21,9 +21,10 @@ from . import _kvfold
 
 
 def spare_core() -> bool:
-    """A core idle beside this thread: the last minute's load average leaves one."""
+    """A core idle beside this thread: the last minute's load average, which counts the loading
+    thread itself, leaves most of one (0.75) for the helper."""
     try:
-        return os.getloadavg()[0] + 1.0 <= (os.cpu_count() or 1)
+        return os.getloadavg()[0] + 0.75 <= (os.cpu_count() or 1)
     except OSError:  # no load average on this system
         return False
 

@@ -828,7 +828,7 @@ def test_read_ahead_only_with_a_spare_core(monkeypatch):
     seen = []
     monkeypatch.setattr(ld, "_kvfold", type("X", (), {"load_blocks": staticmethod(lambda *a: seen.append(a[-1]))}))
     monkeypatch.setattr(ld.os, "cpu_count", lambda: 2)
-    for load, want in ((0.2, True), (1.0, True), (1.5, False), (12.0, False)):
+    for load, want in ((0.2, True), (1.0, True), (1.25, True), (1.3, False), (1.5, False), (12.0, False)):
         monkeypatch.setattr(ld.os, "getloadavg", lambda load=load: (load, load, load))
         assert ld.spare_core() is want
         ld.one_pass_load("f.kvf", "bfloat16", None, [], "blocks_first", [], 16, 0, 0)
