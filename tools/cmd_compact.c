@@ -34,7 +34,6 @@
  * fsync and rename (seconds, minutes on a slow shared filesystem). An hour leaves a wide margin for
  * that and for clock skew between the machines that share a root, so a concurrent writer's file is
  * never taken; the price is that a killed writer's file can outlive it by up to an hour. */
-#define STALE_TEMP_S 3600.0
 
 /* One manifest line into d; 0, or -1 with the reason in err. */
 static int chat_turns(const doc_chat *c, job_doc *d, char *err, size_t err_len);
@@ -91,45 +90,6 @@ static int check_doc(const kf_hfconfig *cfg, const job_doc *d, char *err, size_t
 }
 
 /* mkdir -p */
-static int make_dirs(const char *path) {
-    char buf[PATH_MAX];
-    if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf) {
-        errno = ENAMETOOLONG;
-        return -1;
-    }
-    for (char *p = buf + 1; *p; p++)
-        if (*p == '/') {
-            *p = 0;
-            if (mkdir(buf, 0777) && errno != EEXIST)
-                return -1;
-            *p = '/';
-        }
-    return mkdir(buf, 0777) && errno != EEXIST ? -1 : 0;
-}
-
-/* The root must take files before any work starts. */
-static int check_root(const char *root) {
-    if (make_dirs(root)) {
-        cli_error(CMD, "cannot create the output root %s: %s", root, strerror(errno));
-        return -1;
-    }
-    struct stat st;
-    if (stat(root, &st) || !S_ISDIR(st.st_mode)) {
-        cli_error(CMD, "the output root %s is not a directory", root);
-        return -1;
-    }
-    char probe[PATH_MAX];
-    snprintf(probe, sizeof probe, "%s/.kvfold-write-test-XXXXXX", root);
-    const int fd = mkstemp(probe);
-    if (fd < 0) {
-        cli_error(CMD, "cannot write to the output root %s: %s", root, strerror(errno));
-        return -1;
-    }
-    close(fd);
-    unlink(probe);
-    return 0;
-}
-
 /* Opens the file an option names (--manifest, --probes-from) for reading; one that cannot be opened,
  * a directory (which fopen accepts) or a device (/dev/zero: one endless line) is a usage error:
  * prints it and returns NULL. Files and pipes are read. */
@@ -145,87 +105,6 @@ static FILE *open_input(const char *opt, const char *path) {
     if (!f)
         cli_usage_error(CMD, "%s %s: cannot read: %s", opt, path, why ? why : strerror(errno));
     return f;
-}
-
-/* Removes killed writers' temporary files under dir (the model's directory of the root). */
-static void report_stale(void *ctx, const char *path, double age_s) {
-    if (!*(const int *)ctx)
-        fprintf(stderr, "[compact] removing a killed writer's temporary file (%.1f h old): %s\n", age_s / 3600,
-                KF_ESC(path));
-}
-static void clean_stale_temps(const char *dir, int quiet) {
-    kf_error e = {0};
-    const kf_status st = kvf_clean_temps(dir, STALE_TEMP_S, false, report_stale, &quiet, NULL, &e);
-    if (st != KF_OK && st != KF_ERR_NOTFOUND) /* no directory yet: nothing to clean */
-        cli_error(CMD, "warning: %s", e.msg);
-}
-
-/* One comma-separated list item of --method or --budget (0), or -1 (reported). */
-static int parse_method(const char *tok, kf_method *m) {
-    return kf_method_parse(tok, m) ? (cli_usage_error(CMD, "--method is keep, drop, am or fold, not '%s'", tok), -1) : 0;
-}
-
-static int parse_budget(const char *tok, double *b) {
-    char *end;
-    errno = 0;
-    *b = strtod(tok, &end);
-    if (end == tok || *end || errno || !(*b > 0 && *b <= 1))
-        return cli_usage_error(CMD, "--budget must be a fraction in (0, 1], not '%s'", tok), -1;
-    return 0;
-}
-
-/* The next item of a comma-separated list at *p (cut in place); NULL at the end. An empty item
- * ("0.5,,0.1", a leading or trailing comma) is returned as "" for the caller to refuse. */
-static char *next_item(char **p) {
-    if (!*p)
-        return NULL;
-    char *item = *p, *comma = strchr(item, ',');
-    *p = comma ? comma + 1 : NULL;
-    if (comma)
-        *comma = 0;
-    return item;
-}
-
-/* --method and --budget lists: every (method, budget) pair into v [MAX_VARIANTS], methods outer;
- * their count, or -1 (reported). */
-static int parse_variants(const char *methods_s, const char *budgets_s, kf_compact_variant *v) {
-    kf_method ms[MAX_VARIANTS];
-    double bs[MAX_VARIANTS];
-    int nm = 0, nb = 0;
-    char buf[1024], *p = buf;
-    snprintf(buf, sizeof buf, "%s", methods_s);
-    for (char *tok; (tok = next_item(&p));) {
-        if (nm == MAX_VARIANTS)
-            return cli_usage_error(CMD, "--method: at most %d", MAX_VARIANTS), -1;
-        if (!*tok)
-            return cli_usage_error(CMD, "--method '%s' has an empty item", methods_s), -1;
-        if (parse_method(tok, &ms[nm++]))
-            return -1;
-    }
-    snprintf(buf, sizeof buf, "%s", budgets_s);
-    p = buf;
-    for (char *tok; (tok = next_item(&p));) {
-        if (nb == MAX_VARIANTS)
-            return cli_usage_error(CMD, "--budget: at most %d", MAX_VARIANTS), -1;
-        if (!*tok)
-            return cli_usage_error(CMD, "--budget '%s' has an empty item", budgets_s), -1;
-        if (parse_budget(tok, &bs[nb++]))
-            return -1;
-    }
-    if (nm == 0)
-        return cli_usage_error(CMD, "--method is keep, drop, am or fold, not '%s'", methods_s), -1;
-    if (nb == 0)
-        return cli_usage_error(CMD, "--budget must be a fraction in (0, 1], not '%s'", budgets_s), -1;
-    if (nm * nb > MAX_VARIANTS)
-        return cli_usage_error(CMD, "at most %d (method, budget) pairs, not %d", MAX_VARIANTS, nm * nb), -1;
-    for (int i = 0; i < nm * nb; i++) {
-        v[i] = (kf_compact_variant){ms[i / nb], bs[i % nb]};
-        for (int j = 0; j < i; j++)
-            if (v[j].method == v[i].method && v[j].budget == v[i].budget)
-                return cli_usage_error(CMD, "(method, budget) %s %g given twice", kf_method_name(v[i].method),
-                                       v[i].budget), -1;
-    }
-    return nm * nb;
 }
 
 static kf_dtype model_dtype(const kf_hfconfig *cfg) {
@@ -359,7 +238,7 @@ const cli_command cli_compact_command = {
 
 /* After the options: the variants, then what is required; CLI_CONTINUE or the usage status. */
 static int compact_validate(compact_opts *o) {
-    if ((o->n_vars = parse_variants(o->methods_s, o->budgets_s, o->vars)) < 0)
+    if ((o->n_vars = compact_parse_variants(o->methods_s, o->budgets_s, o->vars)) < 0)
         return KF_EXIT_USAGE;
     o->q.p.method = o->vars[0].method;
     o->q.p.budget = o->vars[0].budget;
@@ -476,7 +355,7 @@ static int job_open(compact_job *j) {
     /* a file size limit (RLIMIT_FSIZE) fails the write with EFBIG like a full disk, instead of
      * killing the job with SIGXFSZ before its summary */
     signal(SIGXFSZ, SIG_IGN);
-    if (check_root(o->root) || !(j->m = cli_load_model(CMD, o->model_dir, &j->backend)))
+    if (compact_check_root(o->root) || !(j->m = cli_load_model(CMD, o->model_dir, &j->backend)))
         return KF_EXIT_FAIL;
     j->cfg = kf_model_config(j->m);
     j->fp = kf_model_fingerprint(j->m);
@@ -493,7 +372,7 @@ static int job_open(compact_job *j) {
     j->t_start = cli_now();
     char model_root[PATH_MAX];
     snprintf(model_root, sizeof model_root, "%s/%s", o->root, j->fp);
-    clean_stale_temps(model_root, o->pr.quiet);
+    compact_clean_stale_temps(model_root, o->pr.quiet);
     return CLI_CONTINUE;
 }
 

@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,6 +18,7 @@
 #include "tools/doc_chat.h"
 
 #define CMD "compact"
+#define STALE_TEMP_S 3600.0 /* a temporary file older than this is a killed writer's */
 
 void job_doc_free(job_doc *d) {
     free(d->files);
@@ -233,4 +235,123 @@ kf_status write_files(job_doc *d, int n_vars, kf_compacted *cc, kf_status st, co
         }
     }
     return first;
+}
+
+static int make_dirs(const char *path) {
+    char buf[PATH_MAX];
+    if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    for (char *p = buf + 1; *p; p++)
+        if (*p == '/') {
+            *p = 0;
+            if (mkdir(buf, 0777) && errno != EEXIST)
+                return -1;
+            *p = '/';
+        }
+    return mkdir(buf, 0777) && errno != EEXIST ? -1 : 0;
+}
+
+/* The root must take files before any work starts. */
+int compact_check_root(const char *root) {
+    if (make_dirs(root)) {
+        cli_error(CMD, "cannot create the output root %s: %s", root, strerror(errno));
+        return -1;
+    }
+    struct stat st;
+    if (stat(root, &st) || !S_ISDIR(st.st_mode)) {
+        cli_error(CMD, "the output root %s is not a directory", root);
+        return -1;
+    }
+    char probe[PATH_MAX];
+    snprintf(probe, sizeof probe, "%s/.kvfold-write-test-XXXXXX", root);
+    const int fd = mkstemp(probe);
+    if (fd < 0) {
+        cli_error(CMD, "cannot write to the output root %s: %s", root, strerror(errno));
+        return -1;
+    }
+    close(fd);
+    unlink(probe);
+    return 0;
+}
+
+static void report_stale(void *ctx, const char *path, double age_s) {
+    if (!*(const int *)ctx)
+        fprintf(stderr, "[compact] removing a killed writer's temporary file (%.1f h old): %s\n", age_s / 3600,
+                KF_ESC(path));
+}
+void compact_clean_stale_temps(const char *dir, int quiet) {
+    kf_error e = {0};
+    const kf_status st = kvf_clean_temps(dir, STALE_TEMP_S, false, report_stale, &quiet, NULL, &e);
+    if (st != KF_OK && st != KF_ERR_NOTFOUND) /* no directory yet: nothing to clean */
+        cli_error(CMD, "warning: %s", e.msg);
+}
+
+/* One comma-separated list item of --method or --budget (0), or -1 (reported). */
+static int parse_method(const char *tok, kf_method *m) {
+    return kf_method_parse(tok, m) ? (cli_usage_error(CMD, "--method is keep, drop, am or fold, not '%s'", tok), -1) : 0;
+}
+
+static int parse_budget(const char *tok, double *b) {
+    char *end;
+    errno = 0;
+    *b = strtod(tok, &end);
+    if (end == tok || *end || errno || !(*b > 0 && *b <= 1))
+        return cli_usage_error(CMD, "--budget must be a fraction in (0, 1], not '%s'", tok), -1;
+    return 0;
+}
+
+/* The next item of a comma-separated list at *p (cut in place); NULL at the end. An empty item
+ * ("0.5,,0.1", a leading or trailing comma) is returned as "" for the caller to refuse. */
+static char *next_item(char **p) {
+    if (!*p)
+        return NULL;
+    char *item = *p, *comma = strchr(item, ',');
+    *p = comma ? comma + 1 : NULL;
+    if (comma)
+        *comma = 0;
+    return item;
+}
+
+/* --method and --budget lists: every (method, budget) pair into v [MAX_VARIANTS], methods outer;
+ * their count, or -1 (reported). */
+int compact_parse_variants(const char *methods_s, const char *budgets_s, kf_compact_variant *v) {
+    kf_method ms[MAX_VARIANTS];
+    double bs[MAX_VARIANTS];
+    int nm = 0, nb = 0;
+    char buf[1024], *p = buf;
+    snprintf(buf, sizeof buf, "%s", methods_s);
+    for (char *tok; (tok = next_item(&p));) {
+        if (nm == MAX_VARIANTS)
+            return cli_usage_error(CMD, "--method: at most %d", MAX_VARIANTS), -1;
+        if (!*tok)
+            return cli_usage_error(CMD, "--method '%s' has an empty item", methods_s), -1;
+        if (parse_method(tok, &ms[nm++]))
+            return -1;
+    }
+    snprintf(buf, sizeof buf, "%s", budgets_s);
+    p = buf;
+    for (char *tok; (tok = next_item(&p));) {
+        if (nb == MAX_VARIANTS)
+            return cli_usage_error(CMD, "--budget: at most %d", MAX_VARIANTS), -1;
+        if (!*tok)
+            return cli_usage_error(CMD, "--budget '%s' has an empty item", budgets_s), -1;
+        if (parse_budget(tok, &bs[nb++]))
+            return -1;
+    }
+    if (nm == 0)
+        return cli_usage_error(CMD, "--method is keep, drop, am or fold, not '%s'", methods_s), -1;
+    if (nb == 0)
+        return cli_usage_error(CMD, "--budget must be a fraction in (0, 1], not '%s'", budgets_s), -1;
+    if (nm * nb > MAX_VARIANTS)
+        return cli_usage_error(CMD, "at most %d (method, budget) pairs, not %d", MAX_VARIANTS, nm * nb), -1;
+    for (int i = 0; i < nm * nb; i++) {
+        v[i] = (kf_compact_variant){ms[i / nb], bs[i % nb]};
+        for (int j = 0; j < i; j++)
+            if (v[j].method == v[i].method && v[j].budget == v[i].budget)
+                return cli_usage_error(CMD, "(method, budget) %s %g given twice", kf_method_name(v[i].method),
+                                       v[i].budget), -1;
+    }
+    return nm * nb;
 }

@@ -88,4 +88,15 @@ struct doc_chat;
 kf_status write_files(job_doc *d, int n_vars, kf_compacted *cc, kf_status st, const file_ids *ids,
                       const char *tokenizer_digest, const struct doc_chat *chat, kf_error *e);
 
+/* The output root created if missing and checked writable before any work; 0, or -1 (reported). */
+int compact_check_root(const char *root);
+
+/* Removes killed writers' temporary files under dir (the model's directory of the root), each
+ * reported unless quiet; a failure is a warning. */
+void compact_clean_stale_temps(const char *dir, int quiet);
+
+/* --method and --budget lists: every (method, budget) pair into v [MAX_VARIANTS], methods outer;
+ * their count, or -1 (reported as a usage error). */
+int compact_parse_variants(const char *methods_s, const char *budgets_s, kf_compact_variant *v);
+
 #endif
