@@ -47,6 +47,8 @@ ext = Extension(
         "formats/escape.c",
         "formats/kvf.c",
         "formats/kvf_read.c",
+        "formats/kvf_read_header.c",
+        "formats/kvf_check.c",
         "formats/kvf_write.c",
         "formats/tokenizer.c",
         "formats/tokenizer_bpe.c",

@@ -63,6 +63,38 @@ void kvf_payload_digest(const uint8_t *head_digests /* [n_layers, kv_heads, 16] 
  * 1..65535 (0 only for all-zero input). Matched against the library in test_kvf. */
 uint32_t kvf_fletcher32(const void *data, size_t n);
 
+/* An open file (kvf_read.c): the datasets, the header, the buffers of the reads. */
+enum { DS_KEYS, DS_VALUES, DS_BETA, DS_U, DS_POS, DS_HM, DS_DIGEST, N_DS };
+
+struct kvf_file {
+    char *path;
+    hid_t f;
+    hid_t ds[N_DS];
+    kvf_header hdr;
+    int64_t file_size;
+    uint8_t *digests; /* [n_layers, kv_heads, 16] + 4: head digests as stored */
+    /* lazily allocated: one layer of keys / values as stored, a conversion buffer, a chunk */
+    void *kbuf, *vbuf, *conv; /* [C, kv_heads, head_dim] in dtype each */
+    unsigned char *chunkbuf;  /* one stored K/V chunk (data + sum): [C, head_dim] of one head */
+    unsigned char *hk, *hv;   /* one layer's keys / values head-major, [kv_heads, C, head_dim] + 4 each */
+    int block_layer;          /* the layer kbuf and vbuf hold whole and verified for block reads, or -1 */
+    int64_t kv_bytes_read;    /* bytes of K/V chunks read (data + sums) since kvf_open */
+    /* one layer of side data (+ 4 bytes of room for a chunk's sum each) */
+    float *beta, *u;   /* [kv_heads, C], [kv_heads, head_dim] */
+    int32_t *pos;      /* [kv_heads, C] */
+    uint8_t *hm;       /* [kv_heads] */
+    int pending_layer; /* the half of a layer kept by kvf_read_layer_raw, or -1 */
+    kvf_which pending_which;
+};
+
+/* Reads and checks every header attribute into f->hdr (kvf_read_header.c). */
+kf_status kvf_read_header(kvf_file *f, kf_error *err);
+/* One string attribute into out [n] (clean, NUL-terminated), or an error naming it. */
+kf_status kvf_attr_read_str(kvf_file *f, const char *name, char *out, size_t n, kf_error *err);
+/* The format's name and version attributes: this reader's, or an error saying which it is. */
+kf_status kvf_read_version(kvf_file *f, kf_error *err);
+kf_status kvf_read_format(kvf_file *f, kf_error *err);
+
 /* File access properties for reading: file locking off (the files never change once renamed). */
 hid_t kvf_h5_fapl(void);
 

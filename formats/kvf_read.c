@@ -18,29 +18,7 @@
 #define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
 #include <xxhash.h>
 
-enum { DS_KEYS, DS_VALUES, DS_BETA, DS_U, DS_POS, DS_HM, DS_DIGEST, N_DS };
 static const char *const kDsNames[N_DS] = {"keys", "values", "beta", "u", "positions", "head_method", "head_digest"};
-
-struct kvf_file {
-    char *path;
-    hid_t f;
-    hid_t ds[N_DS];
-    kvf_header hdr;
-    int64_t file_size;
-    uint8_t *digests; /* [n_layers, kv_heads, 16] + 4: head digests as stored */
-    /* lazily allocated: one layer of keys / values as stored, a conversion buffer, a chunk */
-    void *kbuf, *vbuf, *conv; /* [C, kv_heads, head_dim] in dtype each */
-    unsigned char *chunkbuf;  /* one stored K/V chunk (data + sum): [C, head_dim] of one head */
-    unsigned char *hk, *hv;   /* one layer's keys / values head-major, [kv_heads, C, head_dim] + 4 each */
-    int block_layer;          /* the layer kbuf and vbuf hold whole and verified for block reads, or -1 */
-    int64_t kv_bytes_read;    /* bytes of K/V chunks read (data + sums) since kvf_open */
-    /* one layer of side data (+ 4 bytes of room for a chunk's sum each) */
-    float *beta, *u;   /* [kv_heads, C], [kv_heads, head_dim] */
-    int32_t *pos;      /* [kv_heads, C] */
-    uint8_t *hm;       /* [kv_heads] */
-    int pending_layer; /* the half of a layer kept by kvf_read_layer_raw, or -1 */
-    kvf_which pending_which;
-};
 
 void kvf_close(kvf_file *f) {
     if (!f)
@@ -92,187 +70,6 @@ int64_t kvf_kv_bytes_read(const kvf_file *f) {
 
 /* Opens a scalar attribute of exactly type want (for strings: any fixed-length NUL-terminated
  * UTF-8 string of at most max_len bytes; *len gets its size). */
-static kf_status open_attr(kvf_file *f, const char *name, hid_t want, size_t max_len, hid_t *a, size_t *len,
-                           kf_error *err) {
-    if (H5Aexists(f->f, name) <= 0) {
-        H5Eclear2(H5E_DEFAULT);
-        return kf_fail(err, KF_ERR_FORMAT, "%s: missing attribute '%s'", f->path, name);
-    }
-    *a = H5Aopen(f->f, name, H5P_DEFAULT);
-    hid_t t = *a >= 0 ? H5Aget_type(*a) : -1, s = *a >= 0 ? H5Aget_space(*a) : -1;
-    bool ok = t >= 0 && s >= 0 && H5Sget_simple_extent_type(s) == H5S_SCALAR;
-    const char *what = want < 0 ? "fixed-length UTF-8 string" : "scalar of the documented type";
-    if (ok && want < 0) {
-        ok = H5Tget_class(t) == H5T_STRING && H5Tis_variable_str(t) == 0 && H5Tget_cset(t) == H5T_CSET_UTF8 &&
-             H5Tget_strpad(t) == H5T_STR_NULLTERM;
-        *len = ok ? H5Tget_size(t) : 0;
-        ok = ok && *len >= 1 && *len <= max_len + 1;
-    } else if (ok) {
-        ok = H5Tequal(t, want) > 0;
-    }
-    if (t >= 0)
-        H5Tclose(t);
-    if (s >= 0)
-        H5Sclose(s);
-    if (!ok) {
-        if (*a >= 0)
-            H5Aclose(*a);
-        H5Eclear2(H5E_DEFAULT);
-        return kf_fail(err, KF_ERR_FORMAT, "%s: attribute '%s' is not a %s%s", f->path, name, what,
-                       want < 0 ? " of the allowed length" : "");
-    }
-    return KF_OK;
-}
-
-static kf_status attr_read_fail(kvf_file *f, const char *name, kf_error *err) {
-    char m[256];
-    kvf_h5_take_error(m, sizeof m, NULL, NULL);
-    return kf_fail(err, KF_ERR_FORMAT, "%s: cannot read attribute '%s': %s", f->path, name, m);
-}
-
-/* A fixed-length string attribute into out[n] (n - 1 bytes at most), UTF-8 without controls. */
-static kf_status read_str(kvf_file *f, const char *name, char *out, size_t n, kf_error *err) {
-    hid_t a = -1;
-    size_t len = 0;
-    KF_TRY(open_attr(f, name, -1, n - 1, &a, &len, err));
-    char *buf = malloc(len); /* len <= n */
-    hid_t mt = buf ? H5Tcopy(H5T_C_S1) : -1;
-    herr_t rc = -1;
-    if (mt >= 0 && H5Tset_size(mt, len) >= 0 && H5Tset_strpad(mt, H5T_STR_NULLTERM) >= 0 &&
-        H5Tset_cset(mt, H5T_CSET_UTF8) >= 0)
-        rc = H5Aread(a, mt, buf);
-    if (rc < 0)
-        kvf_h5_capture();
-    if (mt >= 0)
-        H5Tclose(mt);
-    H5Aclose(a);
-    if (!buf)
-        return kf_fail(err, KF_ERR_NOMEM, "%s: attribute '%s': out of memory", f->path, name);
-    if (rc < 0) {
-        free(buf);
-        return attr_read_fail(f, name, err);
-    }
-    buf[len - 1] = 0;
-    const bool clean = kvf_is_clean_utf8(buf);
-    if (clean)
-        memcpy(out, buf, len);
-    free(buf);
-    return clean ? KF_OK : kf_fail(err, KF_ERR_FORMAT, "%s: attribute '%s' is not printable UTF-8", f->path, name);
-}
-
-/* An optional string attribute: "" when the file has none. */
-static kf_status read_opt_str(kvf_file *f, const char *name, char *out, size_t n, kf_error *err) {
-    out[0] = 0;
-    const htri_t there = H5Aexists(f->f, name);
-    if (there < 0)
-        H5Eclear2(H5E_DEFAULT);
-    return there > 0 ? read_str(f, name, out, n, err) : KF_OK;
-}
-
-static kf_status read_num(kvf_file *f, const char *name, bool real, void *out, kf_error *err) {
-    hid_t a = -1;
-    KF_TRY(open_attr(f, name, real ? H5T_IEEE_F64LE : H5T_STD_I64LE, 0, &a, NULL, err));
-    herr_t rc = H5Aread(a, real ? H5T_NATIVE_DOUBLE : H5T_NATIVE_INT64, out);
-    if (rc < 0)
-        kvf_h5_capture();
-    H5Aclose(a);
-    return rc < 0 ? attr_read_fail(f, name, err) : KF_OK;
-}
-
-static kf_status read_int(kvf_file *f, const char *name, int64_t lo, int64_t hi, int64_t *out, kf_error *err) {
-    KF_TRY(read_num(f, name, false, out, err));
-    if (*out < lo || *out > hi)
-        return kf_fail(err, KF_ERR_FORMAT, "%s: attribute '%s' = %lld is out of range [%lld, %lld]", f->path, name,
-                       (long long)*out, (long long)lo, (long long)hi);
-    return KF_OK;
-}
-
-/* The version before anything else: a version-1 file has variable-length strings, which are not
- * read at all. */
-static kf_status read_version(kvf_file *f, kf_error *err) {
-    if (H5Aexists(f->f, "version") <= 0 || H5Aexists(f->f, "format") <= 0) {
-        H5Eclear2(H5E_DEFAULT);
-        return kf_fail(err, KF_ERR_FORMAT, "%s: not a kvfold cache file (an HDF5 file without 'format' and 'version')",
-                       f->path);
-    }
-    int64_t v;
-    KF_TRY(read_num(f, "version", false, &v, err));
-    if (v == 1)
-        return kf_fail(err, KF_ERR_UNSUPPORTED,
-                       "%s: kvf version 1 is no longer read (it lacks metadata checksums, the payload digest and the "
-                       "recipe identity): recompact the document with this kvfold (%s, version %d)",
-                       f->path, KVFOLD_VERSION, KVF_VERSION);
-    if (v != KVF_VERSION)
-        return kf_fail(err, KF_ERR_UNSUPPORTED,
-                       "%s: kvf version %lld is not supported (this kvfold %s reads version %d); rebuild the cache "
-                       "or use a matching kvfold",
-                       f->path, (long long)v, KVFOLD_VERSION, KVF_VERSION);
-    f->hdr.version = (int)v;
-    return KF_OK;
-}
-
-static kf_status read_format(kvf_file *f, kf_error *err) {
-    char s[32];
-    KF_TRY(read_str(f, "format", s, sizeof s, err));
-    if (strcmp(s, KVF_FORMAT_NAME) != 0)
-        return kf_fail(err, KF_ERR_FORMAT, "%s: not a kvfold cache file (format '%s', expected '%s')", f->path, s,
-                       KVF_FORMAT_NAME);
-    return KF_OK;
-}
-
-static kf_status read_enum(kvf_file *f, const char *name, const char *const *names, int n, int *out, kf_error *err) {
-    char s[32];
-    KF_TRY(read_str(f, name, s, sizeof s, err));
-    for (int i = 0; i < n; i++)
-        if (strcmp(s, names[i]) == 0) {
-            *out = i;
-            return KF_OK;
-        }
-    return kf_fail(err, KF_ERR_FORMAT, "%s: unknown %s '%s'", f->path, name, s);
-}
-
-static kf_status read_header(kvf_file *f, kf_error *err) {
-    kvf_header *h = &f->hdr;
-    static const char *const frames[] = {"compacted", "original"};
-    int64_t v;
-    int e;
-    KF_TRY(read_str(f, "creator", h->creator, sizeof h->creator, err));
-    KF_TRY(read_str(f, "model_fingerprint", h->model_fingerprint, sizeof h->model_fingerprint, err));
-    KF_TRY(read_str(f, "tokenizer_digest", h->tokenizer_digest, sizeof h->tokenizer_digest, err));
-    KF_TRY(read_str(f, "document_digest", h->document_digest, sizeof h->document_digest, err));
-    KF_TRY(read_str(f, "recipe_digest", h->recipe_digest, sizeof h->recipe_digest, err));
-    KF_TRY(read_str(f, "payload_digest", h->payload_digest, sizeof h->payload_digest, err));
-    if (!kvf_is_hex(h->payload_digest, KVF_DIGEST_LEN))
-        return kf_fail(err, KF_ERR_FORMAT, "%s: payload_digest '%s' is not %d lowercase hex digits", f->path,
-                       h->payload_digest, KVF_DIGEST_LEN);
-    KF_TRY(read_int(f, "n_doc_tokens", 1, INT32_MAX, &h->n_doc_tokens, err));
-    KF_TRY(read_int(f, "n_tokens", 1, h->n_doc_tokens, &h->n_tokens, err));
-    KF_TRY(read_enum(f, "method", kvf_method_attrs, KVF_N_METHODS, &e, err));
-    h->method = (kf_method)e;
-    KF_TRY(read_num(f, "budget", true, &h->budget, err));
-    KF_TRY(read_num(f, "lambda", true, &h->lambda, err));
-    KF_TRY(read_enum(f, "rope_frame", frames, 2, &e, err));
-    h->rope_frame = (kvf_rope_frame)e;
-    KF_TRY(read_str(f, "placeholder", h->placeholder, sizeof h->placeholder, err));
-    KF_TRY(read_enum(f, "dtype", kvf_dtype_attrs, KVF_N_DTYPES, &e, err));
-    h->dtype = kvf_dtype_of_attr[e];
-    KF_TRY(read_int(f, "n_layers", 1, 4096, &v, err));
-    h->n_layers = (int)v;
-    KF_TRY(read_int(f, "kv_heads", 1, 4096, &v, err));
-    h->kv_heads = (int)v;
-    KF_TRY(read_int(f, "head_dim", 1, 65536, &v, err));
-    h->head_dim = (int)v;
-    KF_TRY(read_int(f, "block_size", 1, 1 << 20, &v, err));
-    h->block_size = (int)v;
-    KF_TRY(read_opt_str(f, "chat_template_digest", h->chat_template_digest, sizeof h->chat_template_digest, err));
-    KF_TRY(read_opt_str(f, "chat_prefix_ids", h->chat_prefix_ids, sizeof h->chat_prefix_ids, err));
-    KF_TRY(read_opt_str(f, "chat_question_prefix_ids", h->chat_question_prefix_ids,
-                        sizeof h->chat_question_prefix_ids, err));
-    KF_TRY(read_opt_str(f, "chat_question_suffix_ids", h->chat_question_suffix_ids,
-                        sizeof h->chat_question_suffix_ids, err));
-    return kvf_header_check(h, f->path, err);
-}
-
 /* The bytes the header's chunks take (data + sums), which the file must at least hold: a file
  * claiming 4,096 layers or C = 2^21 in a few KB is refused before anything is allocated. */
 static double claimed_bytes(const kvf_header *h) {
@@ -396,7 +193,7 @@ static kf_status open_dataset(kvf_file *f, int which, kf_error *err) {
         char dt[32];
         hid_t keep = f->f;
         f->f = d; /* read_str reads attributes of f->f */
-        st = read_str(f, "dtype", dt, sizeof dt, err);
+        st = kvf_attr_read_str(f, "dtype", dt, sizeof dt, err);
         f->f = keep;
         if (st == KF_OK && strcmp(dt, kvf_dtype_attr(f->hdr.dtype)) != 0)
             st = kf_fail(err, KF_ERR_FORMAT, "%s: dataset '%s' has dtype attribute '%s', the file says '%s'", f->path,
@@ -582,10 +379,10 @@ static kf_status check_metadata_checksums(kvf_file *f, kf_error *err) {
 }
 
 static kf_status open_contents(kvf_file *f, kf_error *err) {
-    KF_TRY(read_version(f, err));
+    KF_TRY(kvf_read_version(f, err));
     KF_TRY(check_metadata_checksums(f, err));
-    KF_TRY(read_format(f, err));
-    KF_TRY(read_header(f, err));
+    KF_TRY(kvf_read_format(f, err));
+    KF_TRY(kvf_read_header(f, err));
     const double need = claimed_bytes(&f->hdr);
     if (need > (double)f->file_size)
         return kf_fail(err, KF_ERR_FORMAT,
@@ -676,80 +473,6 @@ kf_status kvf_open(const char *path, kvf_file **out, kf_error *err) {
     return KF_OK;
 }
 
-bool kvf_exists_valid(const char *path, const char *model_fp, const char *recipe_digest) {
-    const kvf_identity want = {model_fp, NULL, recipe_digest, -1, 0, -1, -1};
-    return kvf_check_existing(path, &want, NULL) == KF_OK;
-}
-
-/* One string field of the identity: KF_ERR_MISMATCH naming it when it differs. */
-static kf_status same_str(const kvf_file *f, const char *field, const char *have, const char *want, kf_error *err) {
-    if (want && strcmp(have, want) != 0)
-        return kf_fail(err, KF_ERR_MISMATCH, "%s: holds %s %s, not %s", f->path, field, have, want);
-    return KF_OK;
-}
-
-kf_status kvf_check_identity(const kvf_file *f, const kvf_identity *want, kf_error *err) {
-    const kvf_header *h = &f->hdr;
-    KF_TRY(same_str(f, "document", h->document_digest, want->document_digest, err));
-    if (want->n_doc_tokens >= 0 && h->n_doc_tokens != want->n_doc_tokens)
-        return kf_fail(err, KF_ERR_MISMATCH, "%s: holds a document of %lld tokens, not %lld", f->path,
-                       (long long)h->n_doc_tokens, (long long)want->n_doc_tokens);
-    if (want->method >= 0 && (int)h->method != want->method)
-        return kf_fail(err, KF_ERR_MISMATCH, "%s: holds method %s, not %s", f->path, kf_method_name(h->method),
-                       kf_method_name((kf_method)want->method));
-    if (want->budget != 0 && h->budget != want->budget)
-        return kf_fail(err, KF_ERR_MISMATCH, "%s: holds budget %.17g, not %.17g", f->path, h->budget, want->budget);
-    if (want->dtype >= 0 && (int)h->dtype != want->dtype)
-        return kf_fail(err, KF_ERR_MISMATCH, "%s: holds %s, not %s", f->path, kf_dtype_name(h->dtype),
-                       kf_dtype_name((kf_dtype)want->dtype));
-    KF_TRY(same_str(f, "recipe", h->recipe_digest, want->recipe_digest, err));
-    return same_str(f, "model", h->model_fingerprint, want->model_fingerprint, err);
-}
-
-kf_status kvf_check_existing(const char *path, const kvf_identity *want, kf_error *err) {
-    struct stat sb;
-    if (lstat(path, &sb) != 0 && errno == ENOENT)
-        return kf_fail(err, KF_ERR_NOTFOUND, "%s: no file", path);
-    kvf_file *f;
-    KF_TRY(kvf_open(path, &f, err));
-    kf_status st = kvf_check_identity(f, want, err);
-    if (st == KF_OK)
-        st = kvf_check_name(path, &f->hdr, err);
-    if (st == KF_OK)
-        st = kvf_verify(f, err);
-    kvf_close(f);
-    return st;
-}
-
-kf_status kvf_check_model(const kvf_file *f, const char *model_fp, int n_layers, int kv_heads, int head_dim,
-                          kf_error *err) {
-    const kvf_header *h = &f->hdr;
-    if (model_fp && strcmp(h->model_fingerprint, model_fp) != 0)
-        return kf_fail(err, KF_ERR_MISMATCH, "%s: written for model %s, not for this model %s", f->path,
-                       h->model_fingerprint, model_fp);
-    if ((n_layers >= 0 && n_layers != h->n_layers) || (kv_heads >= 0 && kv_heads != h->kv_heads) ||
-        (head_dim >= 0 && head_dim != h->head_dim))
-        return kf_fail(err, KF_ERR_MISMATCH,
-                       "%s: holds %d layers x %d kv heads x head_dim %d, the model has %d x %d x %d", f->path,
-                       h->n_layers, h->kv_heads, h->head_dim, n_layers, kv_heads, head_dim);
-    return KF_OK;
-}
-
-kf_status kvf_check_positions(const kvf_file *f, int64_t max_positions, kf_error *err) {
-    if (max_positions > 0 && f->hdr.n_doc_tokens > max_positions)
-        return kf_fail(err, KF_ERR_MISMATCH,
-                       "%s: a document of D = %lld tokens (C = %lld) is longer than the model's "
-                       "%lld positions",
-                       f->path, (long long)f->hdr.n_doc_tokens, (long long)f->hdr.n_tokens, (long long)max_positions);
-    return KF_OK;
-}
-
-/* ---- data ---- */
-
-/* Heads [h0, h1) of one layer head-major, head h's chunk at k + (h - hoff) * chunk bytes (and v);
- * the layer's side data into f->beta, u, pos, hm; each head checked against its head digest. A
- * chunk's sum spills into the next head's place; the last head's goes through f->chunkbuf, so
- * nothing past head h1 - 1 is written. */
 static kf_status read_heads_hm(kvf_file *f, int layer, int h0, int h1, void *k, void *v, int hoff, kf_error *err) {
     KF_TRY(read_side_layer(f, layer, err));
     const size_t cb = head_chunk_bytes(&f->hdr);
