@@ -51,6 +51,7 @@ ext = Extension(
         "formats/kvf_check.c",
         "formats/kvf_write.c",
         "formats/tokenizer.c",
+        "formats/tokenizer_encode.c",
         "formats/tokenizer_bpe.c",
         "formats/tokenizer_hash.c",
         "formats/tokenizer_pretok.c",

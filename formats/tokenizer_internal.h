@@ -157,4 +157,53 @@ void kf_pretokenizer_free(kf_pretokenizer *pt);
 /* Whether the code point has Unicode's White_Space property. */
 bool kf_is_white_space(uint32_t cp);
 
+/* The loaded tokenizer (tokenizer.c loads it, tokenizer_encode.c uses it). */
+typedef struct {
+    int32_t id;
+    char *content; /* [len] as it appears in the text (normalized for "normalized" tokens) */
+    size_t len;
+    bool special, lstrip, rstrip, single_word, normalized;
+} kf_added;
+
+/* Added tokens of one kind (raw or normalized), bucketed by first byte, longest first. */
+typedef struct {
+    int32_t *order;         /* [n] indices into kf_tokenizer.added */
+    size_t n;
+    size_t first[257];      /* order[first[b] .. first[b+1]) start with byte b */
+} kf_added_set;
+
+struct kf_tokenizer {
+    char *path; /* tokenizer.json, for messages */
+
+    int32_t n_ids;
+    int64_t *tok_off;   /* [n_ids] decoded bytes of each id at pool[off], -1 when the id is unused */
+    uint32_t *tok_len;  /* [n_ids] */
+    uint8_t *tok_flags; /* [n_ids] KF_TF_* */
+    char *pool;
+    size_t pool_len, pool_cap;
+    kf_bmap spelling;   /* tokenizer.json spelling -> id (vocabulary and added tokens) */
+
+    kf_added *added; /* [n_added] */
+    size_t n_added;
+    kf_added_set raw_set, norm_set;
+
+    kf_normalizer norm;
+    kf_pretokenizer pre;
+    kf_bpe bpe;
+
+    int32_t *tpl_prefix, *tpl_suffix; /* post-processor template around the sequence */
+    size_t n_prefix, n_suffix;
+
+    int32_t bos_id, eos_id;
+
+    /* Encoder scratch. */
+    kf_pieces pieces;
+};
+
+enum { KF_TF_ADDED = 1, KF_TF_SPECIAL = 2 };
+
+/* Decodes one UTF-8 character at s [n]: its length, or minus the length of the maximal ill-formed
+ * subpart (at least 1) when the bytes are not valid UTF-8. */
+int kf_tok_utf8_next(const unsigned char *s, size_t n, uint32_t *cp);
+
 #endif
