@@ -111,9 +111,10 @@ static void test_matmul(void) {
 }
 
 /* A row's matmul result has the same bits in any call: alone, in pieces of 1 to 21 rows at any
- * offset, whole, on the calling thread or on a pool of 3 (the column parts), accumulating or not. */
-static void test_matmul_rows_same_bits(void) {
-    const int M = 37, N = 515, K = 256; /* 37 x 515 x 256: the pool splits the columns */
+ * offset, whole, on the calling thread or on a pool of 3 (the column parts), accumulating or not.
+ * With N 131 and K 64 the calls are small enough for OpenBLAS's AVX-512 small-matrix kernel. */
+static void check_matmul_rows_same_bits(int N, int K) {
+    const int M = 37; /* the pool splits the columns */
     float *x = malloc(sizeof(float) * M * K), *w = malloc(sizeof(float) * N * K);
     float *y0 = malloc(sizeof(float) * M * N), *y = malloc(sizeof(float) * M * N);
     kf_test_fill_uniform(x, (size_t)M * K, 31, -1, 1);
@@ -138,6 +139,11 @@ static void test_matmul_rows_same_bits(void) {
     free(w);
     free(y0);
     free(y);
+}
+
+static void test_matmul_rows_same_bits(void) {
+    check_matmul_rows_same_bits(515, 256);
+    check_matmul_rows_same_bits(131, 64);
 }
 
 static void test_rmsnorm(void) {
@@ -315,8 +321,8 @@ static void check_attention(int n_q, int n_keys, int n_heads, int kvh, int hd, i
  * threads: n_q queries on top of a context, in one call on one thread, then in chunks of other
  * sizes (starting at positions that are not multiples of a page or a block), on a pool of 3.
  * GQA 3:1 (odd row counts), bias on part of the keys. */
-static void test_attention_rows_same_bits(void) {
-    const int ctx = 203, n_q = 330, n_keys = ctx + n_q, nh = 6, kvh = 2, hd = 16, pages = (n_keys + 15) / 16;
+static void check_attention_rows_same_bits(int hd) {
+    const int ctx = 203, n_q = 330, n_keys = ctx + n_q, nh = 6, kvh = 2, pages = (n_keys + 15) / 16;
     const size_t row = (size_t)kvh * hd, qs = (size_t)nh * hd, n_out = (size_t)n_q * qs;
     float *pool = poisoned((size_t)pages * 2 * 16 * row), *keys = malloc(sizeof(float) * n_keys * row);
     float *vals = malloc(sizeof(float) * n_keys * row), *q = malloc(sizeof(float) * n_out);
@@ -353,6 +359,12 @@ static void test_attention_rows_same_bits(void) {
     free(out0);
     free(out);
     free(pg);
+}
+
+/* head_dim 64: Qp Kb^T calls small enough for OpenBLAS's AVX-512 small-matrix kernel */
+static void test_attention_rows_same_bits(void) {
+    check_attention_rows_same_bits(16);
+    check_attention_rows_same_bits(64);
 }
 
 static void test_attention(void) {

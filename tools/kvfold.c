@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <unistd.h>
 
 #include "tools/cli.h"
@@ -51,9 +52,10 @@ static void usage(FILE *out) {
             "                           depends on the number of threads\n"
             "  OPENBLAS_THREAD_TIMEOUT  how long OpenBLAS's idle threads spin, 2^N cycles; kvfold sets 4\n"
             "                           (the shortest) when it is unset, and runs itself again to apply it\n"
-            "  OPENBLAS_CORETYPE        OpenBLAS's kernels ('kvfold --version' shows those in use). Where\n"
-            "                           OpenBLAS falls back to Prescott (SSE3) on an AVX-512 CPU, SkylakeX\n"
-            "                           runs 3-5x faster, but its results then depend on the thread count\n"
+            "  OPENBLAS_CORETYPE        OpenBLAS's kernels; when unset and OpenBLAS falls back to its SSE3\n"
+            "                           ones (Prescott) on an AVX-512 CPU, kvfold sets SkylakeX and runs\n"
+            "                           itself again (3-5x faster GEMMs, the same bytes for any thread count);\n"
+            "                           set it to keep another choice ('kvfold --version' shows the kernels)\n"
             "\n"
             "Exit status:\n"
             "  0  success; 1  a failure the message names; 2  usage errors\n"
@@ -77,14 +79,36 @@ static int openblas_short_spin(void) {
     return setenv("OPENBLAS_THREAD_TIMEOUT", "4", 1) == 0;
 }
 
-/* OpenBLAS reads OPENBLAS_THREAD_TIMEOUT once, when the library is loaded (before main), and has no
- * setter: so the CLI sets it and runs itself again, once. The variable set is the marker: a value
- * of the user's own (or GOTO_THREAD_TIMEOUT) wins, and when the re-exec fails the command goes on
- * with OpenBLAS's default. OPENBLAS_CORETYPE is left to the user: where OpenBLAS falls back to its
- * SSE3 kernels on a newer CPU, its AVX-512 ones are 3-5x faster but round differently with the
- * number of threads (docs/decisions/openblas-kernels.md). */
+/* The kernels for this CPU when OpenBLAS fell back to its oldest x86-64 ones: "Prescott" (SSE3) is
+ * what a DYNAMIC_ARCH build picks for a CPU newer than itself (Debian bookworm's 0.3.21 on AVX-512
+ * Zen 4 and recent Xeons), and its GEMMs run 3-5x slower than the AVX-512 ones. Only SkylakeX: the
+ * CPU backend keeps a row's bits independent of the thread count under those kernels and the
+ * default ones (kernels/cpu/matmul.c), not under Haswell's. NULL: keep OpenBLAS's choice. */
+static const char *openblas_better_core(void) {
+    const char *core = openblas_get_corename();
+    if (!core || strcasecmp(core, "prescott") != 0)
+        return NULL;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
+        return "SkylakeX";
+#endif
+    return NULL;
+}
+
+/* OpenBLAS reads OPENBLAS_CORETYPE and OPENBLAS_THREAD_TIMEOUT once, when the library is loaded
+ * (before main), and has no setter: so the CLI sets what it wants and runs itself again, once. A
+ * variable set is the marker: a value of the user's own wins (OPENBLAS_CORETYPE=Prescott keeps the
+ * library's choice), and when the re-exec fails the command goes on with OpenBLAS's defaults.
+ * Why: docs/decisions/openblas-spin.md, docs/decisions/openblas-kernels.md. */
 static void openblas_tune(char **argv) {
-    if (!openblas_short_spin())
+    int changed = 0;
+    const char *core = getenv("OPENBLAS_CORETYPE") ? NULL : openblas_better_core();
+    if (core && setenv("OPENBLAS_CORETYPE", core, 1) == 0)
+        changed = 1;
+    changed |= openblas_short_spin();
+    if (!changed)
         return;
     fflush(NULL);
     execv("/proc/self/exe", argv); /* returns only on failure: go on as we are */

@@ -21,8 +21,11 @@
  * cross a multiple of KEY_BLOCK in position, so a row's blocks are fixed by its position alone;
  * a diagonal block is always DIAG_BLOCK keys wide (zero keys past the tile's last), and every
  * sgemm runs on whole groups of ROW_PAD rows (zero padding queries), on one OpenBLAS thread,
- * whose edge kernels would otherwise round a call's last rows differently (matmul.c). So a
- * prefill continued from a shared prefix, or run with another thread count, gives the same bytes.
+ * whose edge kernels would otherwise round a call's last rows differently (matmul.c); every
+ * Qp Kb^T is at least QK_COLS keys wide (zero keys past the block's last), since OpenBLAS's AVX-512
+ * kernels send a call of this form with at most 1,200 cells to a small-matrix kernel that rounds
+ * differently (its P Vb form rounds alike on either path). So a prefill continued from a shared
+ * prefix, or run with another thread count, gives the same bytes.
  * A row's step is two sweeps over its scores (bias and max; then exp, store and sum), the exp being
  * kf_expf_nonpos (its argument s - m' is never positive). The sum l is kept in fp64, a block's own
  * sum (at most KEY_BLOCK terms, each at most 1) in fp32. The file is built with
@@ -69,6 +72,9 @@
 #define BLOCK_FLOATS ((size_t)1 << 21) /* a tile's kept block logits (targets), at most (8 MB) */
 #endif
 #define ROW_PAD 8 /* sgemm rows go in whole groups of this many (matmul.c's KF_ROW_GROUP) */
+/* Qp Kb^T's fewest keys: ROW_PAD x QK_COLS cells is above OpenBLAS 0.3.21's small-matrix bound for
+ * this form (1,200 cells, AVX-512 kernels) */
+#define QK_COLS (KEY_BLOCK < 160 ? KEY_BLOCK : 160)
 
 /* Grows a scratch buffer to hold n elements of elem bytes; 0, or -1 when out of memory (the
  * buffer is then unchanged). Shared by the kernels that keep scratch between calls. */
@@ -252,12 +258,13 @@ static void key_block(const attn_job *j, attn_bufs *b, tile_pos t, int k0, int k
     if (ra <= 0)
         return;
     gather_block(a, t.g, k0, kb, b->kb, b->vb);
-    if (kw > kb) {
-        memset(b->kb + (size_t)kb * hd, 0, sizeof(float) * (size_t)(kw - kb) * hd);
+    const int kq = kw < QK_COLS ? QK_COLS : kw; /* the logits' keys: [kw, kq) zero, never read */
+    if (kq > kb)
+        memset(b->kb + (size_t)kb * hd, 0, sizeof(float) * (size_t)(kq - kb) * hd);
+    if (kw > kb)
         memset(b->vb + (size_t)kb * hd, 0, sizeof(float) * (size_t)(kw - kb) * hd);
-    }
     const int rg = row_groups(ra); /* rows [rows, r0 + rg) are padding */
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rg, kw, hd, a->scale, b->qp + (size_t)r0 * hd, hd, b->kb, hd,
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rg, kq, hd, a->scale, b->qp + (size_t)r0 * hd, hd, b->kb, hd,
                 0.0f, b->s + (size_t)r0 * KEY_BLOCK, KEY_BLOCK);
     for (int r = r0; r < rows; r++) {
         for (int p = r - r0; p < n_next; p += ra)
@@ -389,6 +396,21 @@ static void emit_targets(const attn_job *j, const attn_bufs *b, tile_pos t) {
     }
 }
 
+/* Logits of rg rows against the kb keys in b->kb into dst [rg, ld]: a chunk narrower than QK_COLS
+ * goes through b->s with zero keys past kb, then its kb columns are copied out. */
+static void block_logits(const kf_attn_args *a, attn_bufs *b, int rg, int kb, float *dst, int ld) {
+    const int hd = a->kv.head_dim;
+    if (kb >= QK_COLS) {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rg, kb, hd, a->scale, b->qp, hd, b->kb, hd, 0.0f, dst, ld);
+        return;
+    }
+    memset(b->kb + (size_t)kb * hd, 0, sizeof(float) * (size_t)(QK_COLS - kb) * hd);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rg, QK_COLS, hd, a->scale, b->qp, hd, b->kb, hd, 0.0f, b->s,
+                KEY_BLOCK);
+    for (int r = 0; r < rg; r++)
+        memcpy(dst + (size_t)r * ld, b->s + (size_t)r * KEY_BLOCK, sizeof(float) * kb);
+}
+
 /* The whole block [blk0, blk1) as one softmax per row (targets), leaving the online state
  * m = the block's max, l = y, O = y Y for the other keys. */
 static void block_first(const attn_job *j, attn_bufs *b, tile_pos t, int item) {
@@ -400,8 +422,7 @@ static void block_first(const attn_job *j, attn_bufs *b, tile_pos t, int item) {
         gather_block(a, t.g, blk0 + c0, kb, b->kb, NULL);
         for (int k = c0 + kb; k < nb && k < c0 + kb + KEY_BLOCK; k++) /* the next chunk's keys */
             prefetch_key(a, t.g, blk0 + k, 1, 0);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rg, kb, hd, a->scale, b->qp, hd, b->kb, hd, 0.0f,
-                    b->sb + c0, ld);
+        block_logits(a, b, rg, kb, b->sb + c0, ld);
     }
     block_rows(j, b, t, item);
     for (int c0 = 0; c0 < nb; c0 += KEY_BLOCK) {

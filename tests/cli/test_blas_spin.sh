@@ -1,8 +1,9 @@
 #!/bin/bash
-# kvfold shortens OpenBLAS's idle spin (tools/kvfold.c, openblas_tune): with worker threads and
-# OPENBLAS_THREAD_TIMEOUT unset it runs itself again once, the variable set; a value of the user's
-# own (or GOTO_THREAD_TIMEOUT) or a single thread means no second run. It keeps OpenBLAS's own
-# kernels (OPENBLAS_CORETYPE is the user's) and --version names them. The dynamic loader's
+# kvfold tunes OpenBLAS (tools/kvfold.c, openblas_tune): it shortens the idle spin (with worker
+# threads and OPENBLAS_THREAD_TIMEOUT unset) and, where OpenBLAS fell back to its SSE3 kernels
+# (Prescott) on an AVX-512 CPU, sets OPENBLAS_CORETYPE=SkylakeX; either runs it again once. A value
+# of the user's own (or GOTO_THREAD_TIMEOUT) or a single thread means no second run for the spin;
+# the spin's cases pin OPENBLAS_CORETYPE to the library's own choice so that only the spin counts. The dynamic loader's
 # own trace (glibc's LD_DEBUG=files) counts the program starts: "transferring control" once per
 # exec. The command must run exactly once whatever happens (its output once, its exit status).
 # usage: test_blas_spin.sh KVFOLD DATA
@@ -33,15 +34,21 @@ check() {
     fi
 }
 
-# The library's own kernel choice, found independently of kvfold: the same
-# libopenblas.so.0 (ldd) loaded by Python's ctypes without OPENBLAS_CORETYPE.
+# The library's own kernel choice and the CPU's flags, found independently of kvfold: the same
+# libopenblas.so.0 (ldd) loaded by Python's ctypes without OPENBLAS_CORETYPE, and /proc/cpuinfo.
 LIB=$(ldd "$BIN" | awk '/libopenblas/ {print $3; exit}')
 OWN=$(env -u OPENBLAS_CORETYPE /usr/bin/python3 -c "import ctypes, sys
 l = ctypes.CDLL(sys.argv[1]); l.openblas_get_corename.restype = ctypes.c_char_p
 print(l.openblas_get_corename().decode())" "$LIB")
+flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
 want=$OWN
+if [ "${OWN,,}" = prescott ]; then
+    if [[ $flags == *" avx512f "* && $flags == *" avx512bw "* && $flags == *" avx512dq "* && $flags == *" avx512vl "* ]]; then
+        want=SkylakeX
+    fi
+fi
 [ -n "$OWN" ] || { echo "FAIL: cannot ask $LIB for its kernels"; fails=$((fails + 1)); }
-echo "OpenBLAS's own kernels: $OWN"
+echo "OpenBLAS's own kernels: $OWN; kvfold's: $want"
 
 # OpenBLAS caps its threads at the cores it may use: on a one-core machine there is nothing to shorten
 threaded=2; [ "$(nproc)" -ge 2 ] || threaded=1
@@ -51,8 +58,10 @@ check 1 OPENBLAS_NUM_THREADS=2 OPENBLAS_THREAD_TIMEOUT=6 OPENBLAS_CORETYPE="$OWN
 check 1 OPENBLAS_NUM_THREADS=2 GOTO_THREAD_TIMEOUT=6 OPENBLAS_CORETYPE="$OWN" -- --version
 check 1 OPENBLAS_NUM_THREADS=1 OPENBLAS_CORETYPE="$OWN" -- --version
 
-# the kernels: the library's own when unset, the user's when set
-check 1 OPENBLAS_NUM_THREADS=1 -- --version
+# the kernels: kvfold's choice when unset (one more start where it differs from the library's own),
+# the user's own value kept
+starts=1; [ "$want" = "$OWN" ] || starts=2
+check $starts OPENBLAS_NUM_THREADS=1 -- --version
 n=$((n + 1))
 grep -q "^blas: OpenBLAS, $want kernels" "$T/out" || { echo "FAIL: kernels unset: $(cat "$T/out")"; fails=$((fails + 1)); }
 check 1 OPENBLAS_NUM_THREADS=1 OPENBLAS_CORETYPE=Prescott -- --version
