@@ -176,19 +176,22 @@ def pieces(kvfold, model, encode):
     return {k: encode(v) for k, v in (("A", a), ("H", h), ("T", t), ("B1", b1), ("B2", b2))}
 
 
-def check_forward(model, kvfold, model_dir, rows):
-    """Last-position logits of each row against `kvfold logits` (every id): max |difference|."""
-    worst = 0.0
+def check_forward(model, kvfold, model_dir, rows, tol=1e-3):
+    """Last-position logits of each row against `kvfold logits` (every id): max |difference|, which
+    must stay under tol (else the torch model is not the one kvfold runs: exit)."""
+    worst, V = 0.0, model.cfg["vocab_size"]
     for ids in rows:
-        out = json.loads(run([kvfold, "logits", "--model", model_dir, "--ids", ",".join(map(str, ids)),
-                              "--top", str(model.cfg["vocab_size"]), "--format", "json"]))
-        top = out["top"] if "top" in out else out
-        ref = torch.zeros(model.cfg["vocab_size"])
+        top = json.loads(run([kvfold, "logits", "--model", model_dir, "--ids", ",".join(map(str, ids)),
+                              "--top", str(V), "--format", "json"]))["top"]
+        assert len(top) == V, len(top)
+        ref = torch.zeros(V)
         for e in top:
             ref[e["id"]] = e["logit"]
         with torch.no_grad():
             got = model(torch.tensor([ids]))[0, -1]
         worst = max(worst, (got - ref).abs().max().item())
+    if worst > tol:
+        sys.exit(f"train-records-chat: the torch forward differs from `kvfold logits` on {model_dir} by {worst:.2e}")
     return worst
 
 
