@@ -174,7 +174,8 @@ def check_refusals(kvfold, data, chat_file, doc_path, tmp):
 
 def check_eval(kvfold, data):
     """eval quality --chat: the chat context's reference and caches (the template's beginning kept
-    verbatim) measure like any other: the full row at KL 0, every row measured, none failed."""
+    verbatim) measure like any other: the full row at KL 0 answering every question, every row
+    measured, none failed."""
     model = os.path.join(data, "records-llama3-chat")
     p = run(kvfold, "eval", "quality", "--chat", "--model", model, "--docs", os.path.join(data, "records-dev.jsonl"),
             "--limit", "1", "--methods", "full,fold", "--budgets", "0.5", "--format", "tsv", "-q")
@@ -182,6 +183,7 @@ def check_eval(kvfold, data):
     assert [r["method"] for r in rows] == ["full", "fold"], p.stdout
     assert all(r["docs"] == "1" and r["failed"] == "0" for r in rows), p.stdout
     assert float(rows[0]["kl_repeat"]) == 0 and float(rows[0]["kl_answer"]) == 0, p.stdout
+    assert float(rows[0]["qa_em"]) == 1, p.stdout  # the chat-trained model answers through the template
     assert float(rows[1]["kl_repeat"]) > 0, p.stdout
     p = run(kvfold, "eval", "quality", "--chat", "--model", os.path.join(data, "records-llama3-induct"), "--docs",
             os.path.join(data, "records-dev.jsonl"), ok=(2,))
