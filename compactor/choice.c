@@ -205,8 +205,8 @@ static kf_status method_fits(const kf_compact_params *p, const kf_am_head *htr, 
         KF_TRY(kf_fold_cov_compute(htr->be, htr->q, htr->R, htr->d, &cov, w->ws, err));
     kf_status rc = w->ws ? kf_kept_normal_fill(htr, ttr, kc, t, &w->tiles, &f->beta, &f->drop, w->ws, err)
                          : kf_kept_normal_build(htr, ttr, kc, t, &w->tiles, &f->beta, &f->drop, NULL, err);
-    if (rc == KF_OK)
-        rc = kf_am_fit_beta_normal(&f->beta, seed, p->solver.beta_fit, w->beta, NULL, w->ws, err);
+    if (rc == KF_OK) /* its counts go with the winner when the refit keeps this beta */
+        rc = kf_am_fit_beta_normal(&f->beta, seed, p->solver.beta_fit, w->beta, &f->win_beta_stats, w->ws, err);
     const double before = best->err;
     if (rc == KF_OK && p->method == KF_METHOD_AM) {
         rc = try_alphas(htr, ttr->Y, kc, w->beta, v0, KF_METHOD_AM, 0, 1 + p->choice.choice_margin, val, w, best, err);

@@ -225,6 +225,7 @@ typedef struct {
     float *win_beta, *win_u;
     kf_method win_method;
     double win_var_gain;
+    kf_am_stats win_beta_stats; /* the fit of that beta (fallbacks, restarts) */
 } kf_choice_fits;
 void kf_choice_fits_free(kf_choice_fits *f);
 /* The bytes kf_choose_head keeps in its workspace for the refit, for t keys (refit_values:

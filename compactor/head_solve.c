@@ -308,6 +308,10 @@ static kf_status variant_fit_win(const kf_compact_prep *x, variant_ws *w, const 
     const float *kk = w->kc; /* [th, d] keys the values are fitted for */
     float *u = out->u + (size_t)hi * d;
     memcpy(w->beta, fits->win_beta, sizeof(float) * (size_t)th);
+    kf_am_stats *st = &out->stats.solver; /* the shipped beta's fit: the choice's */
+    st->beta_fallbacks += fits->win_beta_stats.beta_fallbacks;
+    st->beta_restarts += fits->win_beta_stats.beta_restarts;
+    st->failures += fits->win_beta_stats.failures;
     memset(u, 0, sizeof(float) * d); /* u = 0 unless folded */
     if (pick->method == KF_METHOD_FOLD) {
         memcpy(u, fits->win_u, sizeof(float) * d);
