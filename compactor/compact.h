@@ -45,7 +45,8 @@ typedef enum { KF_RIDGE_TO_ZERO = 0, KF_RIDGE_TO_ORIG = 1 } kf_ridge_target;
  * refit for alpha in {0, 1e-3, 1e-2, 1e-1} — and keep the one with the lowest output error on the
  * validation queries (appended block: the tokens before each query in its own prompt; probe rows
  * weigh half when there are any), am/fold only when they beat drop and keep by the factor
- * 1 + choice_margin. The winner is refitted on all the queries (refit_all).
+ * 1 + choice_margin. The winner's values are refitted on all the queries, its beta and fold
+ * direction kept as validated (refit_all: KF_REFIT_VALUES; KF_REFIT_ALL refits those too).
  * Why: docs/decisions/per-head-choice.md. */
 typedef enum { KF_CHOICE_DEFAULT = -1, KF_CHOICE_OFF = 0, KF_CHOICE_ON = 1 } kf_head_choice;
 /* kf_choice_params.refit_all: what of the winner is refitted on all the queries (the numbers are
@@ -79,10 +80,11 @@ typedef struct {
     double val_frac;                /* validation share of the reference positions (default 0.2) */
     double choice_margin;           /* am/fold must beat drop and keep by this relative margin on
                                        the validation error to be chosen (default 0.5) */
-    int refit_all;                  /* KF_REFIT_ALL: refit the chosen candidate on all the queries
-                                       (default); KF_REFIT_TRAIN: keep the fit on the training rows
-                                       that was validated; KF_REFIT_VALUES: keep its beta and fold
-                                       direction, refit its values on all the queries */
+    int refit_all;                  /* KF_REFIT_VALUES: keep the chosen candidate's beta and fold
+                                       direction, refit its values on all the queries (default);
+                                       KF_REFIT_ALL: refit all of it on all the queries;
+                                       KF_REFIT_TRAIN: keep the fit on the training rows that was
+                                       validated */
     double choice_rows;             /* the per-head choice fits its candidates (beta, fold
                                        directions, values) on a stratified random subsample of the
                                        training rows, choice_rows rows per kept key (kf_choice_rows;
@@ -197,7 +199,7 @@ typedef struct {
  * min(R, max(ceil(choice_rows * t), KF_CHOICE_MIN_ROWS)) of the R it is given (all R when
  * choice_rows is 0). The caller orders the rows so that every prefix is a random subsample
  * (kf_compact: stratified by source kind, seeded). The candidates only need ranking, and their
- * fp64 normal equations cost R t^2; the winner is refitted on all the rows
+ * fp64 normal equations cost R t^2; the winner's values are refitted on all the rows
  * (docs/decisions/subsampled-choice.md). */
 enum { KF_CHOICE_MIN_ROWS = 512 };
 int kf_choice_rows(const kf_compact_params *p, int R, int t);

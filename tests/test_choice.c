@@ -791,7 +791,7 @@ static void test_choice_on_workspace(void) {
     CU_ASSERT_EQUAL(memcmp(wf.beta.G, hf.beta.G, sizeof(double) * t * t), 0);
     CU_ASSERT_EQUAL(memcmp(wf.drop.G, hf.drop.G, sizeof(double) * t * t), 0);
     CU_ASSERT_EQUAL(memcmp(wf.drop.B, hf.drop.B, sizeof(double) * t * d), 0);
-    CU_ASSERT_EQUAL((int64_t)ws.used, kf_beta_normal_bytes(t) + kf_value_gram_bytes(t, d));
+    CU_ASSERT_EQUAL((int64_t)ws.used, kf_choice_kept_bytes(t, d, ph.p.choice.refit_all == KF_REFIT_VALUES));
     CU_ASSERT(ws.peak > ws.used); /* the choice's own buffers were there */
     memset(kf_ws_alloc(&ws, (int64_t)(ws.peak - ws.used), 1), 0xff, ws.peak - ws.used);
     float bh[KF_PLANT_KEPT], bw[KF_PLANT_KEPT];

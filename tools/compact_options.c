@@ -29,7 +29,7 @@ const cli_opt cli_choice_rows[] = {
     {"val-frac", 0, OPT_REAL, "F", Q(choice.val_frac), .lo = 0, .hi = 0.9, .must = "must be a fraction in [0, 0.9]",
      .def = "0.2", .recipe = "val_frac", .help = "share of reference positions held out for the choice"},
     {"refit", 0, OPT_CHOICE, "all|train|values", Q(choice.refit_all), .choices = "all|train|values",
-     .values = kAllTrain, .def = "all", .recipe = "refit_all",
+     .values = kAllTrain, .def = "values", .recipe = "refit_all",
      .help = "the winner refitted on all queries, kept as validated, or its values alone refitted"},
     {"choice-margin", 0, OPT_REAL, "M", Q(choice.choice_margin), .lo = 0, .hi = 10, .def = "0.5", .recipe = "choice_margin",
      .help = "am/fold win a head when 1 + M times better than drop, keep"},
