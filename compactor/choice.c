@@ -158,54 +158,75 @@ static kf_status try_alphas(const kf_am_head *htr, const float *Ytr, const float
     return score_alphas(&w->gm, keys, bias, w->gm.t, htr->d, v0, method, lambda, penalty, val, w->vals, best, err);
 }
 
+/* A candidate of the method (am, fold) that just became the best: its value normal equations
+ * (w->gm), beta and fold direction copied into f's (when kept: win.G). */
+static void keep_winner(kf_choice_fits *f, const choice_ws *w, kf_method method, double var_gain) {
+    if (!f->win.G)
+        return;
+    const int t = f->win.t, d = f->win.d;
+    memcpy(f->win.G, w->gm.G, sizeof(double) * (size_t)t * t);
+    memcpy(f->win.B, w->gm.B, sizeof(double) * (size_t)t * d);
+    f->win.tr = w->gm.tr;
+    memcpy(f->win_beta, w->beta, sizeof(float) * (size_t)t);
+    memcpy(f->win_u, w->u, sizeof(float) * (size_t)d);
+    f->win_method = method, f->win_var_gain = var_gain;
+}
+
 /* The fold candidates: u fitted on the training rows (their mean and covariance cov) for each
- * lambda of the grid, the kept keys folded along it (w->beta), every alpha scored. */
+ * lambda of the grid, the kept keys folded along it (w->beta), every alpha scored; the best kept
+ * in f. */
 static kf_status try_folds(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr,
                            const kf_fold_cov *cov, const float *kc, int t, const float *v0, kf_val_head *val,
-                           choice_ws *w, kf_head_pick *best, kf_error *err) {
+                           choice_ws *w, kf_choice_fits *f, kf_head_pick *best, kf_error *err) {
     kf_status rc = KF_OK;
     for (size_t li = 0; li < sizeof kLambdaGrid / sizeof *kLambdaGrid && rc == KF_OK; li++) {
-        const double lambda = kLambdaGrid[li] * p->solver.lambda_rel;
+        const double lambda = kLambdaGrid[li] * p->solver.lambda_rel, before = best->err;
         kf_fold_info fi;
         rc = kf_fold_direction_cov(cov, lambda, w->u, &fi, w->ws, err);
         if (rc == KF_OK && fi.ok) {
             kf_fold_keys(kc, htr->d, w->beta, t, htr->d, htr->scale, w->u, w->keys, htr->d);
             rc = try_alphas(htr, ttr->Y, w->keys, NULL, v0, KF_METHOD_FOLD, lambda, 1 + p->choice.choice_margin, val, w, best,
                             err);
+            if (rc == KF_OK && best->err < before)
+                keep_winner(f, w, KF_METHOD_FOLD, fi.var_gain);
         }
     }
     return rc;
 }
 
 /* The method's candidates (am, fold): beta fitted on the training rows from one pass that also
- * builds drop's normal equations (bn, dg, kept for the refit; with a workspace, already allocated
- * there by kf_choose_head); fold's covariance first. */
+ * builds drop's normal equations (f->beta, f->drop, kept for the refit; with a workspace, already
+ * allocated there by kf_choose_head); fold's covariance first. The best candidate kept in f. */
 static kf_status method_fits(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr, int t,
                              const float *kc, const float *v0, kf_val_head *val, uint64_t seed, choice_ws *w,
-                             kf_beta_normal *bn, kf_value_gram *dg, kf_head_pick *best, kf_error *err) {
+                             kf_choice_fits *f, kf_head_pick *best, kf_error *err) {
     kf_fold_cov cov = {0};
     if (p->method == KF_METHOD_FOLD)
         KF_TRY(kf_fold_cov_compute(htr->be, htr->q, htr->R, htr->d, &cov, w->ws, err));
-    kf_status rc = w->ws ? kf_kept_normal_fill(htr, ttr, kc, t, &w->tiles, bn, dg, w->ws, err)
-                         : kf_kept_normal_build(htr, ttr, kc, t, &w->tiles, bn, dg, NULL, err);
-    if (rc == KF_OK)
-        rc = kf_am_fit_beta_normal(bn, seed, p->solver.beta_fit, w->beta, NULL, w->ws, err);
-    if (rc == KF_OK && p->method == KF_METHOD_AM)
+    kf_status rc = w->ws ? kf_kept_normal_fill(htr, ttr, kc, t, &w->tiles, &f->beta, &f->drop, w->ws, err)
+                         : kf_kept_normal_build(htr, ttr, kc, t, &w->tiles, &f->beta, &f->drop, NULL, err);
+    if (rc == KF_OK) /* its counts go with the winner when the refit keeps this beta */
+        rc = kf_am_fit_beta_normal(&f->beta, seed, p->solver.beta_fit, w->beta, &f->win_beta_stats, w->ws, err);
+    const double before = best->err;
+    if (rc == KF_OK && p->method == KF_METHOD_AM) {
         rc = try_alphas(htr, ttr->Y, kc, w->beta, v0, KF_METHOD_AM, 0, 1 + p->choice.choice_margin, val, w, best, err);
-    else if (rc == KF_OK)
-        rc = try_folds(p, htr, ttr, &cov, kc, t, v0, val, w, best, err);
+        if (rc == KF_OK && best->err < before)
+            keep_winner(f, w, KF_METHOD_AM, 0);
+    } else if (rc == KF_OK)
+        rc = try_folds(p, htr, ttr, &cov, kc, t, v0, val, w, f, best, err);
     kf_fold_cov_free(&cov);
     return rc;
 }
 
 /* The choice's candidates other than keep: the method's and drop; keep's weights are drop's, left
- * in val. bn, dg: the training rows' normal equations (for the refit). */
+ * in val. f: the training rows' normal equations and the method's best candidate (for the refit). */
 static kf_status choose_fits(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr, int t,
                              const float *kc, const float *v0, kf_val_head *val, uint64_t seed, choice_ws *w,
-                             kf_beta_normal *bn, kf_value_gram *dg, kf_head_pick *best, kf_error *err) {
+                             kf_choice_fits *f, kf_head_pick *best, kf_error *err) {
     const int d = htr->d;
+    kf_value_gram *dg = &f->drop;
     if (p->method == KF_METHOD_AM || p->method == KF_METHOD_FOLD) {
-        KF_TRY(method_fits(p, htr, ttr, t, kc, v0, val, seed, w, bn, dg, best, err));
+        KF_TRY(method_fits(p, htr, ttr, t, kc, v0, val, seed, w, f, best, err));
     } else {
         if (!w->ws && kf_value_gram_alloc(dg, htr->be, t, d, NULL) != 0) /* with ws: kf_choose_head's */
             return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for drop's normal equations (t %d)", t);
@@ -215,15 +236,40 @@ static kf_status choose_fits(const kf_compact_params *p, const kf_am_head *htr, 
 }
 
 void kf_choice_fits_free(kf_choice_fits *f) {
+    if (!f->win.in_ws)
+        free(f->win_beta), free(f->win_u);
     kf_beta_normal_free(&f->beta);
     kf_value_gram_free(&f->drop);
+    kf_value_gram_free(&f->win);
+    f->win_beta = f->win_u = NULL;
 }
 
-kf_status kf_choice_refit_add(kf_choice_fits *f, int beta, const kf_am_head *parts, const kf_am_targets *tgs,
+/* f's win buffers for t keys (value normal equations, beta, u) from ws (NULL: the heap); 0, or -1
+ * when out of memory. */
+static int win_alloc(kf_choice_fits *f, const kf_backend *be, int t, int d, kf_ws *ws) {
+    const int ok = kf_value_gram_alloc(&f->win, be, t, d, ws) == 0;
+    const size_t t1 = (size_t)(t ? t : 1);
+    f->win_beta = ws ? kf_ws_alloc(ws, (int64_t)t1, sizeof(float)) : malloc(sizeof(float) * t1);
+    f->win_u = ws ? kf_ws_alloc(ws, d, sizeof(float)) : malloc(sizeof(float) * (size_t)d);
+    f->win_method = KF_METHOD_KEEP;
+    return ok && f->win_beta && f->win_u ? 0 : -1;
+}
+
+int64_t kf_choice_kept_bytes(int t, int d, int refit_values) {
+    return kf_beta_normal_bytes(t) + kf_value_gram_bytes(t, d) +
+           (refit_values ? kf_value_gram_bytes(t, d) + kf_ws_bytes(t ? t : 1, sizeof(float)) +
+                               kf_ws_bytes(d, sizeof(float))
+                         : 0);
+}
+
+kf_status kf_choice_refit_add(kf_choice_fits *f, kf_refit_add_to to, const kf_am_head *parts, const kf_am_targets *tgs,
                               int n_parts, const float *kc, int t, kf_ws *ws, kf_error *err) {
-    if (beta ? !f->beta.G : !f->drop.G)
+    const int beta = to == KF_REFIT_ADD_BETA;
+    kf_value_gram *g = to == KF_REFIT_ADD_WIN ? &f->win : &f->drop;
+    if (beta ? !f->beta.G : !g->G || (to == KF_REFIT_ADD_WIN && f->win_method == KF_METHOD_KEEP))
         return kf_fail(err, KF_ERR_INVALID, "compact: refit: the choice kept no normal equations for %s",
-                       beta ? "beta" : "drop's values");
+                       beta ? "beta" : to == KF_REFIT_ADD_WIN ? "the method's values" : "drop's values");
+    const float *bias = to == KF_REFIT_ADD_WIN && f->win_method == KF_METHOD_AM ? f->win_beta : NULL;
     for (int k = 0; k < n_parts; k++) {
         const kf_am_head *h = &parts[k];
         if (h->R == 0)
@@ -236,9 +282,9 @@ kf_status kf_choice_refit_add(kf_choice_fits *f, int beta, const kf_am_head *par
             kf_beta_normal_free(&part);
         } else {
             kf_value_gram part;
-            KF_TRY(kf_value_gram_build(h->be, h->q, h->R, h->d, h->scale, kc, (size_t)h->d, NULL, t, tgs[k].Y, &part,
+            KF_TRY(kf_value_gram_build(h->be, h->q, h->R, h->d, h->scale, kc, (size_t)h->d, bias, t, tgs[k].Y, &part,
                                        ws, err));
-            kf_value_gram_add(&f->drop, &part);
+            kf_value_gram_add(g, &part);
             kf_value_gram_free(&part);
         }
         if (ws)
@@ -274,11 +320,13 @@ kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, cons
         kept_ok = kf_kept_normal_alloc(&f.beta, &f.drop, htr->be, t, d, ws) == 0;
     else if (ws && p->method != KF_METHOD_KEEP)
         kept_ok = kf_value_gram_alloc(&f.drop, htr->be, t, d, ws) == 0;
+    if (am_fold && p->choice.refit_all == KF_REFIT_VALUES && kept_ok) /* the method's best candidate */
+        kept_ok = win_alloc(&f, htr->be, t, d, ws) == 0;
     const size_t own = ws ? kf_ws_mark(ws) : 0;
     if (!kept_ok || choice_ws_alloc(&w, htr->be, t, d, am_fold, ws) != 0)
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the per-head choice (t %d)", t);
     else if (p->method != KF_METHOD_KEEP)
-        rc = choose_fits(p, &hsub, ttr, t, kc, v0, val, seed, &w, &f.beta, &f.drop, best, err);
+        rc = choose_fits(p, &hsub, ttr, t, kc, v0, val, seed, &w, &f, best, err);
     else if (kf_val_attend(val, &kb) != 0) /* keep alone: the kept keys' weights */
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory in the per-head validation");
     if (rc == KF_OK) {

@@ -19,7 +19,7 @@ kf_solver_params kf_solver_params_default(void) {
 }
 
 kf_choice_params kf_choice_params_default(void) {
-    return (kf_choice_params){.head_choice = KF_CHOICE_DEFAULT, .val_frac = 0.2, .refit_all = 1,
+    return (kf_choice_params){.head_choice = KF_CHOICE_DEFAULT, .val_frac = 0.2, .refit_all = KF_REFIT_VALUES,
                               .choice_margin = 0.5, .choice_rows = 6};
 }
 

@@ -45,9 +45,13 @@ typedef enum { KF_RIDGE_TO_ZERO = 0, KF_RIDGE_TO_ORIG = 1 } kf_ridge_target;
  * refit for alpha in {0, 1e-3, 1e-2, 1e-1} — and keep the one with the lowest output error on the
  * validation queries (appended block: the tokens before each query in its own prompt; probe rows
  * weigh half when there are any), am/fold only when they beat drop and keep by the factor
- * 1 + choice_margin. The winner is refitted on all the queries (refit_all).
+ * 1 + choice_margin. The winner's values are refitted on all the queries, its beta and fold
+ * direction kept as validated (refit_all: KF_REFIT_VALUES; KF_REFIT_ALL refits those too).
  * Why: docs/decisions/per-head-choice.md. */
 typedef enum { KF_CHOICE_DEFAULT = -1, KF_CHOICE_OFF = 0, KF_CHOICE_ON = 1 } kf_head_choice;
+/* kf_choice_params.refit_all: what of the winner is refitted on all the queries (the numbers are
+ * the recipe digest's). */
+enum { KF_REFIT_TRAIN = 0, KF_REFIT_ALL = 1, KF_REFIT_VALUES = 2 };
 
 typedef struct {
     const int32_t *ids;
@@ -76,8 +80,11 @@ typedef struct {
     double val_frac;                /* validation share of the reference positions (default 0.2) */
     double choice_margin;           /* am/fold must beat drop and keep by this relative margin on
                                        the validation error to be chosen (default 0.5) */
-    int refit_all;                  /* 1: refit the chosen candidate on all the queries (default);
-                                       0: keep the fit on the training rows that was validated */
+    int refit_all;                  /* KF_REFIT_VALUES: keep the chosen candidate's beta and fold
+                                       direction, refit its values on all the queries (default);
+                                       KF_REFIT_ALL: refit all of it on all the queries;
+                                       KF_REFIT_TRAIN: keep the fit on the training rows that was
+                                       validated */
     double choice_rows;             /* the per-head choice fits its candidates (beta, fold
                                        directions, values) on a stratified random subsample of the
                                        training rows, choice_rows rows per kept key (kf_choice_rows;
@@ -192,7 +199,7 @@ typedef struct {
  * min(R, max(ceil(choice_rows * t), KF_CHOICE_MIN_ROWS)) of the R it is given (all R when
  * choice_rows is 0). The caller orders the rows so that every prefix is a random subsample
  * (kf_compact: stratified by source kind, seeded). The candidates only need ranking, and their
- * fp64 normal equations cost R t^2; the winner is refitted on all the rows
+ * fp64 normal equations cost R t^2; the winner's values are refitted on all the rows
  * (docs/decisions/subsampled-choice.md). */
 enum { KF_CHOICE_MIN_ROWS = 512 };
 int kf_choice_rows(const kf_compact_params *p, int R, int t);
@@ -213,14 +220,29 @@ typedef struct {
     kf_beta_normal beta;
     kf_value_gram drop;
     int rows;
+    /* the method's best candidate (am, or fold at its best lambda): its value normal equations on
+     * the same rows (win.G NULL: none kept), its beta [t] and fold direction u [d] (fold) and the
+     * direction's var_gain; win_method KF_METHOD_KEEP until a candidate of the method was scored */
+    kf_value_gram win;
+    float *win_beta, *win_u;
+    kf_method win_method;
+    double win_var_gain;
+    kf_am_stats win_beta_stats; /* the fit of that beta (fallbacks, restarts) */
 } kf_choice_fits;
 void kf_choice_fits_free(kf_choice_fits *f);
-/* The winner's refit on all the rows: adds to the kept normal equations (beta's when `beta`, else
- * drop's) the n_parts row sets parts / tgs (heads and targets over the rows beyond the first
- * f->rows training rows: the other training rows, the validation rows; R = 0 adds nothing) over the
- * kept keys kc [t, d] (contiguous, no bias); the caller then fits from them (kf_am_fit_beta_normal,
- * kf_value_gram_solve). KF_ERR_INVALID when those normal equations were not kept. */
-kf_status kf_choice_refit_add(kf_choice_fits *f, int beta, const kf_am_head *parts, const kf_am_targets *tgs,
+/* The bytes kf_choose_head keeps in its workspace for the refit, for t keys (refit_values:
+ * KF_REFIT_VALUES, the method's best candidate too). */
+int64_t kf_choice_kept_bytes(int t, int d, int refit_values);
+/* Which kept normal equations kf_choice_refit_add adds to. */
+typedef enum { KF_REFIT_ADD_DROP = 0, KF_REFIT_ADD_BETA = 1, KF_REFIT_ADD_WIN = 2 } kf_refit_add_to;
+/* The winner's refit on all the rows: adds to the kept normal equations (beta's, drop's or the
+ * method's best candidate's values) the n_parts row sets parts / tgs (heads and targets over the
+ * rows beyond the first f->rows training rows: the other training rows, the validation rows;
+ * R = 0 adds nothing) over the keys kc [t, d] (contiguous: the kept keys, or for a folded winner
+ * the kept keys folded along f->win_u; the values' design takes am's f->win_beta as its bias); the
+ * caller then fits from them (kf_am_fit_beta_normal, kf_value_gram_solve). KF_ERR_INVALID when
+ * those normal equations were not kept. */
+kf_status kf_choice_refit_add(kf_choice_fits *f, kf_refit_add_to to, const kf_am_head *parts, const kf_am_targets *tgs,
                               int n_parts, const float *kc, int t, kf_ws *ws, kf_error *err);
 
 /* keep: NULL, or receives what the refit can reuse (freed by the caller, also on failure).
@@ -389,6 +411,7 @@ typedef struct {
     int solve_threads;    /* n: the solve's threads (the backend's; per-thread buffers) */
     int solve_heads;      /* h: KV heads solved at once, min(n, kvh) */
     int fold_on_probes;   /* fold_queries = KF_FOLD_ON_PROBES (a probe-row buffer per thread) */
+    int refit_values;     /* the choice keeps its winner's normal equations (KF_REFIT_VALUES) */
     int64_t head_ws;      /* ws: bytes of one head's workspace (kf_compact_head_ws_bytes) */
     int fused;            /* the source forwards fuse AM's targets (the targets term) */
     int64_t Ru;           /* fused: the rows per KV head whose targets the solve computes (the context's own,

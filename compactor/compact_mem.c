@@ -10,13 +10,10 @@ static int64_t max64(int64_t a, int64_t b) {
     return a > b ? a : b;
 }
 
-/* The per-head choice: the normal equations it keeps for the refit (beta's and drop's), then its
+/* The per-head choice: the normal equations it keeps for the refit (kf_choice_kept_bytes), then its
  * own buffers (beta, u, a candidate's keys and values, the row tiles with logits, the candidates'
  * value normal equations, the fold's covariance) beside its largest step (the covariance's row
  * tiles, beta's fit, a fold direction); its own are given back before the refit. */
-static int64_t choice_kept_bytes(int t, int d) {
-    return kf_beta_normal_bytes(t) + kf_value_gram_bytes(t, d);
-}
 
 static int64_t choice_own_bytes(int t, int d) {
     const int64_t bufs = kf_ws_bytes(t, 4) + kf_ws_bytes(d, 4) + 2 * kf_ws_bytes((int64_t)t * d, 4) +
@@ -54,7 +51,7 @@ int64_t kf_compact_head_ws_bytes(const kf_mem_shape *s, int d) {
     /* then each variant in turn: the selection, then the choice (what it keeps for the refit, beside
      * its own buffers, then beside the final fits' largest step) or the final fits alone */
     const int tt = (int)t;
-    const int64_t fits = s->choice ? choice_kept_bytes(tt, d) +
+    const int64_t fits = s->choice ? kf_choice_kept_bytes(tt, d, s->refit_values) +
                                          kf_ws_max(choice_own_bytes(tt, d), fit_step_bytes(tt, d))
                                    : fit_step_bytes(tt, d);
     const int64_t variant = kf_ws_max(kf_am_select_bytes((int)T), fits);
@@ -94,7 +91,8 @@ void kf_compact_mem_shape(const kf_hfconfig *c, const kf_compact_params *p, int6
     *out = (kf_mem_shape){.D = n_pre + n_doc + n_suf, .T = n_doc, .S = S, .R = (int64_t)G * n_pos, .t = t,
                           .choice = choice, .refq_bf16 = p->run.refq_bf16, .arena_bf16 = p->run.arena_dtype == KF_DTYPE_BF16,
                           .chunk = p->run.chunk, .attn_threads = attn_threads,
-                          .solve_threads = attn_threads, .fold_on_probes = p->solver.fold_queries == KF_FOLD_ON_PROBES};
+                          .solve_threads = attn_threads, .fold_on_probes = p->solver.fold_queries == KF_FOLD_ON_PROBES,
+                          .refit_values = choice && p->choice.refit_all == KF_REFIT_VALUES};
     out->P = repeat + probes - S; /* the other sources, run beside the longest */
     out->n_p = p->n_probes + n_spans > 1 ? p->n_probes + n_spans - 1 : 0;
     out->Rc = n_cand > 0 ? (int64_t)G * (int64_t)llround((double)n_pos * (double)ctx / (double)n_cand) : 0;

@@ -269,7 +269,7 @@ static kf_status fit_beta(const variant_ws *w, const head_shared *hs, const kf_a
         kf_am_head hv[2];
         kf_am_targets tv[2];
         const int n = refit_parts(hs, fits->rows, hv, tv);
-        KF_TRY(kf_choice_refit_add(fits, 1, hv, tv, n, w->kc, th, ws, err));
+        KF_TRY(kf_choice_refit_add(fits, KF_REFIT_ADD_BETA, hv, tv, n, w->kc, th, ws, err));
     }
     return kf_am_fit_beta_normal(&fits->beta, seed, p->solver.beta_fit, w->beta, st, ws, err);
 }
@@ -291,9 +291,47 @@ static kf_status fit_values(const kf_compact_prep *x, variant_ws *w, const head_
         kf_am_head hv[2];
         kf_am_targets tv[2];
         const int n = refit_parts(hs, fits->rows, hv, tv);
-        KF_TRY(kf_choice_refit_add(fits, 0, hv, tv, n, kk, th, ws, err));
+        KF_TRY(kf_choice_refit_add(fits, KF_REFIT_ADD_DROP, hv, tv, n, kk, th, ws, err));
     }
     return kf_value_gram_solve(&fits->drop, alpha, v0, x->d, w->vals, st, err);
+}
+
+/* The picked candidate of the method (am, fold) with the values refitted alone on all the rows
+ * (KF_REFIT_VALUES): its beta and fold direction the choice's (fits->win_*), its keys folded along
+ * it as in the choice, its values from the choice's normal equations plus the other training rows'
+ * and the validation rows' parts; then written. */
+static kf_status variant_fit_win(const kf_compact_prep *x, variant_ws *w, const head_shared *hs,
+                                 const kf_head_pick *pick, kf_choice_fits *fits, int th, kf_ws *ws, kf_error *err) {
+    kf_compacted *out = w->out;
+    const int d = x->d, hi = hs->l * x->kvh + hs->g;
+    const float *v0 = w->p.solver.ridge_to == KF_RIDGE_TO_ORIG ? w->vo : NULL;
+    const float *kk = w->kc; /* [th, d] keys the values are fitted for */
+    float *u = out->u + (size_t)hi * d;
+    memcpy(w->beta, fits->win_beta, sizeof(float) * (size_t)th);
+    kf_am_stats *st = &out->stats.solver; /* the shipped beta's fit: the choice's */
+    st->beta_fallbacks += fits->win_beta_stats.beta_fallbacks;
+    st->beta_restarts += fits->win_beta_stats.beta_restarts;
+    st->failures += fits->win_beta_stats.failures;
+    memset(u, 0, sizeof(float) * d); /* u = 0 unless folded */
+    if (pick->method == KF_METHOD_FOLD) {
+        memcpy(u, fits->win_u, sizeof(float) * d);
+        kf_fold_keys(w->kc, d, w->beta, th, d, x->scale, u, w->kfold, d);
+        kk = w->kfold;
+        w->folded++;
+        w->var_sum += fits->win_var_gain;
+        out->var_gain[hi] = (float)fits->win_var_gain;
+    }
+    const double ts = now_s();
+    kf_am_head hv[2];
+    kf_am_targets tv[2];
+    const int n = refit_parts(hs, fits->rows, hv, tv);
+    KF_TRY(kf_choice_refit_add(fits, KF_REFIT_ADD_WIN, hv, tv, n, kk, th, ws, err));
+    KF_TRY(kf_value_gram_solve(&fits->win, pick->alpha, v0, x->d, w->vals, &out->stats.solver, err));
+    out->stats.values_s += now_s() - ts;
+    out->stats.heads_ridged += pick->alpha > 0;
+    out->head_alpha[hi] = (float)pick->alpha;
+    write_head(x, w, hs, pick->method, kk, th);
+    return KF_OK;
 }
 
 /* beta, the fold and the values of the picked candidate, fitted on hf/tf (or from what the
@@ -305,6 +343,9 @@ static kf_status variant_fit(const kf_compact_prep *x, variant_ws *w, const head
     const kf_compact_params *p = &w->p;
     const int d = x->d, hi = hs->l * x->kvh + hs->g;
     kf_method method = pick->method;
+    if (fits && fits->win.G && p->choice.refit_all == KF_REFIT_VALUES && fits->win_method == method &&
+        (method == KF_METHOD_AM || method == KF_METHOD_FOLD))
+        return variant_fit_win(x, w, hs, pick, fits, th, ws, err);
     double ts = now_s();
     if (method != KF_METHOD_KEEP && method != KF_METHOD_DROP) {
         KF_TRY(fit_beta(w, hs, hf, tf, fits, th, p->solver.seed + (uint64_t)hi, ws, err));

@@ -151,7 +151,8 @@ static void head_merge(variant_ws *w, const head_add *a) {
  * targets for). */
 static int64_t solve_ws_bytes(const kf_compact_prep *x, int t_max, int any_choice) {
     kf_mem_shape s = {.T = x->n_doc, .R = x->rq.R, .t = t_max, .choice = any_choice, .refq_bf16 = x->rq.qh != NULL,
-                      .fused = x->tg.m != NULL};
+                      .fused = x->tg.m != NULL,
+                      .refit_values = any_choice && x->p.choice.refit_all == KF_REFIT_VALUES};
     s.Rv = any_choice ? x->n_val_pos * x->G : 0;
     for (int i = 0; i < x->n_sources; i++) /* the longest prompt a validation row sees */
         if (x->src[i].kind != KF_REFQ_CONTEXT)

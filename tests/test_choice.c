@@ -11,6 +11,7 @@
 #include "compactor/am.h"
 #include "compactor/compact.h"
 #include "compactor/diag.h"
+#include "compactor/fold.h"
 #include "compactor/refq.h"
 #include "test_util.h"
 
@@ -695,6 +696,79 @@ static void test_refit_three_parts(void) {
     kf_planted_free(&ph);
 }
 
+/* The values refit alone (KF_REFIT_VALUES): the choice keeps the method's best candidate (fold at
+ * its best lambda; am) as its beta, its fold direction and its value normal equations on the
+ * subsample (512 of 1000 training rows); the refit adds the other training rows' part and the
+ * validation rows'. That must equal the normal equations built afresh on all 1100 rows for the
+ * same keys (and am's bias), up to summation order; beta and u must be the subsample's own fits
+ * (beta from the kept normal equations, u from the first 512 rows' covariance at the picked
+ * lambda). */
+static void refit_values_case(kf_method method) {
+    static kf_planted_head ph; /* test_util.h; large */
+    kf_planted_init(&ph, 1, 1, KF_RIDGE_TO_ORIG, RF_TR);
+    ph.p.method = method;
+    ph.p.choice.choice_rows = 4;
+    ph.p.choice.refit_all = KF_REFIT_VALUES;
+    kf_error err = {0};
+    kf_head_pick pick;
+    kf_choice_fits fits = {0};
+    CU_ASSERT_EQUAL_FATAL(
+        kf_choose_head(&ph.p, &ph.h, &ph.tg, ph.sel, RF_t, ph.K, ph.V, &ph.vh, 1, &pick, &fits, NULL, &err), KF_OK);
+    CU_ASSERT_FATAL(fits.rows == 512 && fits.win.G && fits.win_method == method);
+    if (method == KF_METHOD_FOLD)
+        CU_ASSERT_EQUAL(pick.method, KF_METHOD_FOLD); /* the planted head folds */
+    /* beta: the subsample's fit from its kept normal equations (before any part is added) */
+    float beta[RF_t], u[RF_d], keys[RF_t * RF_d];
+    CU_ASSERT_EQUAL(kf_am_fit_beta_normal(&fits.beta, 1, KF_BETA_AM, beta, NULL, NULL, &err), KF_OK);
+    CU_ASSERT_EQUAL(memcmp(beta, fits.win_beta, sizeof beta), 0);
+    memcpy(keys, ph.K, sizeof(float) * RF_t * RF_d);
+    if (method == KF_METHOD_FOLD) { /* u on the subsample at the picked lambda, the keys folded along it */
+        kf_fold_info fi;
+        CU_ASSERT_EQUAL(kf_fold_direction(NULL, ph.Qtr, fits.rows, RF_d, pick.lambda, u, &fi, NULL, &err), KF_OK);
+        double du = 0, mu = 0;
+        for (int c = 0; c < RF_d; c++)
+            du = fmax(du, fabs(u[c] - fits.win_u[c])), mu = fmax(mu, fabs(u[c]));
+        CU_ASSERT(fi.ok && du <= 1e-6 * mu && fabs(fi.var_gain - fits.win_var_gain) <= 1e-9 * fi.var_gain);
+        kf_fold_keys(ph.K, RF_d, beta, RF_t, RF_d, ph.h.scale, fits.win_u, keys, RF_d);
+    }
+    /* the parts: training rows [512, 1000) and the validation rows, with their own targets */
+    kf_am_head parts[2] = {ph.h, ph.h};
+    kf_am_targets tgs[2] = {{ph.tg.m + fits.rows, ph.tg.y + fits.rows, ph.tg.Y + fits.rows * RF_d, NULL}, {0}};
+    parts[0].q = ph.Qtr + fits.rows * RF_d, parts[0].R = RF_TR - fits.rows;
+    parts[1].q = ph.Qv, parts[1].R = RF_V;
+    CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&parts[1], KF_SCORE_RMS, &tgs[1], &err), KF_OK);
+    CU_ASSERT_EQUAL(kf_choice_refit_add(&fits, KF_REFIT_ADD_WIN, parts, tgs, 2, keys, RF_t, NULL, &err), KF_OK);
+    /* the reference: one fresh build on all the rows for the same keys and bias */
+    float *q = malloc(sizeof(float) * RF_R * RF_d), *Y = malloc(sizeof(float) * RF_R * RF_d);
+    memcpy(q, ph.Qtr, sizeof(float) * RF_TR * RF_d);
+    memcpy(q + RF_TR * RF_d, ph.Qv, sizeof(float) * RF_V * RF_d);
+    memcpy(Y, ph.tg.Y, sizeof(float) * RF_TR * RF_d);
+    memcpy(Y + RF_TR * RF_d, tgs[1].Y, sizeof(float) * RF_V * RF_d);
+    kf_value_gram ref;
+    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(NULL, q, RF_R, RF_d, ph.h.scale, keys, RF_d,
+                                              method == KF_METHOD_AM ? beta : NULL, RF_t, Y, &ref, NULL, &err),
+                          KF_OK);
+    double dG = 0, mG = 0, dB = 0, mB = 0;
+    for (int k = 0; k < RF_t * RF_t; k++)
+        dG = fmax(dG, fabs(fits.win.G[k] - ref.G[k])), mG = fmax(mG, fabs(ref.G[k]));
+    for (int k = 0; k < RF_t * RF_d; k++)
+        dB = fmax(dB, fabs(fits.win.B[k] - ref.B[k])), mB = fmax(mB, fabs(ref.B[k]));
+    printf("\n    %s: kept + 2 parts against one build on all %d rows: G %.1e (max %.2f), B %.1e (max %.2f)",
+           kf_method_name(method), RF_R, dG, mG, dB, mB);
+    CU_ASSERT(mG > 1 && dG <= 1e-12 * mG && dB <= 1e-12 * mB && fabs(fits.win.tr - ref.tr) <= 1e-12 * ref.tr);
+    kf_value_gram_free(&ref);
+    free(q), free(Y);
+    kf_am_targets_free(&tgs[1]);
+    kf_choice_fits_free(&fits);
+    kf_planted_free(&ph);
+}
+
+static void test_refit_values(void) {
+    refit_values_case(KF_METHOD_FOLD);
+    refit_values_case(KF_METHOD_AM);
+    printf("\n");
+}
+
 /* kf_choose_head on a workspace: the heap's pick and kept normal equations to the bit; only those
  * stay in the workspace (the choice's own buffers given back), and a refit from them after more
  * scratch is carved over what was given back gives the heap's beta. */
@@ -717,7 +791,7 @@ static void test_choice_on_workspace(void) {
     CU_ASSERT_EQUAL(memcmp(wf.beta.G, hf.beta.G, sizeof(double) * t * t), 0);
     CU_ASSERT_EQUAL(memcmp(wf.drop.G, hf.drop.G, sizeof(double) * t * t), 0);
     CU_ASSERT_EQUAL(memcmp(wf.drop.B, hf.drop.B, sizeof(double) * t * d), 0);
-    CU_ASSERT_EQUAL((int64_t)ws.used, kf_beta_normal_bytes(t) + kf_value_gram_bytes(t, d));
+    CU_ASSERT_EQUAL((int64_t)ws.used, kf_choice_kept_bytes(t, d, ph.p.choice.refit_all == KF_REFIT_VALUES));
     CU_ASSERT(ws.peak > ws.used); /* the choice's own buffers were there */
     memset(kf_ws_alloc(&ws, (int64_t)(ws.peak - ws.used), 1), 0xff, ws.peak - ws.used);
     float bh[KF_PLANT_KEPT], bw[KF_PLANT_KEPT];
@@ -741,6 +815,7 @@ static CU_TestInfo val_tests[] = {
     {"subsampled choice picks the planted best candidate, as on all rows", test_subsampled_choice_planted},
     {"choice rows: per kept key, floor, all", test_choice_rows},
     {"winner's refit: subsample's normal equations + two parts == one fit on all rows", test_refit_three_parts},
+    {"values refit: the method's best candidate kept + two parts == one build on all rows", test_refit_values},
     {"the choice on a workspace: the heap's pick and kept normal equations, its own buffers given back",
      test_choice_on_workspace},
     CU_TEST_INFO_NULL,

@@ -171,7 +171,7 @@ static void test_param_defaults(void) {
               s.ridge_to == KF_RIDGE_TO_ORIG && s.seed == 0 && !s.head_budgets && s.max_head_ratio == 0.75);
     const kf_choice_params c = kf_choice_params_default();
     CU_ASSERT(c.head_choice == KF_CHOICE_DEFAULT && c.val_frac == 0.2 && c.choice_margin == 0.5 &&
-              c.refit_all == 1 && c.choice_rows == 6);
+              c.refit_all == KF_REFIT_VALUES && c.choice_rows == 6);
     const kf_run_params r = kf_run_params_default();
     CU_ASSERT(r.chunk == 0 && !r.quoka && r.quoka_repeat == 0 && r.quoka_margin == 16 && r.refq_bf16 == 0 &&
               r.arena_dtype == KF_DTYPE_F32);

@@ -123,6 +123,69 @@ static void test_head_choice_recorded(void) {
     printf("\n");
 }
 
+/* max |a - b| over n floats, relative to max |b| (0 when b is all zero). */
+static double rel_diff(const float *a, const float *b, size_t n) {
+    double m = 0;
+    for (size_t k = 0; k < n; k++)
+        m = fmax(m, fabs(b[k]));
+    return m > 0 ? kf_max_abs_diff(a, b, n) / m : kf_max_abs_diff(a, b, n);
+}
+
+/* The values refit alone (KF_REFIT_VALUES) ships the validated candidate's beta and fold
+ * direction: u, the folded keys and am's beta equal those of the fit on the training subsample
+ * (KF_REFIT_TRAIN, which refits them afresh from the subsample's rows); every head's method and
+ * alpha are those of the full refit (KF_REFIT_ALL: the choice does not depend on the refit), and its
+ * drop and keep heads are the full refit's, bit for bit; its am and fold heads' values differ from
+ * the subsample's (refitted on all the rows). */
+static void test_refit_values_shipped(void) {
+    kf_prompt doc = {g_doc, g_doc_n};
+    kf_error err = {0};
+    for (int method = KF_METHOD_AM; method <= KF_METHOD_FOLD; method++) {
+        kf_compacted c[3]; /* KF_REFIT_TRAIN, KF_REFIT_ALL, KF_REFIT_VALUES */
+        for (int r = 0; r < 3; r++) {
+            kf_compact_params p = params((kf_method)method, 0.25);
+            p.choice.head_choice = KF_CHOICE_ON;
+            p.choice.choice_margin = 0;
+            p.choice.choice_rows = 1; /* a subsample smaller than the training rows: KF_CHOICE_MIN_ROWS */
+            p.choice.refit_all = r;
+            CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &c[r], &err), KF_OK);
+        }
+        const int d = c[0].head_dim, kvh = c[0].kv_heads;
+        const size_t row = (size_t)kvh * d;
+        int n_method = 0, n_other = 0, bad = 0;
+        double du = 0, dk = 0, db = 0, dv_min = INFINITY;
+        for (int h = 0; h < c[0].n_layers * kvh; h++) {
+            const int l = h / kvh, g = h % kvh, hm = c[2].head_method[h];
+            bad += hm != c[1].head_method[h] || hm != c[0].head_method[h] || c[2].head_alpha[h] != c[1].head_alpha[h];
+            du = fmax(du, rel_diff(c[2].u + (size_t)h * d, c[0].u + (size_t)h * d, (size_t)d));
+            db = fmax(db, rel_diff(c[2].beta + (size_t)h * c[0].C, c[0].beta + (size_t)h * c[0].C, (size_t)c[0].C));
+            double vdiff = 0;
+            for (int64_t j = 0; j < c[0].t; j++) {
+                const size_t at = ((size_t)l * c[0].C + j) * row + (size_t)g * d;
+                dk = fmax(dk, rel_diff(c[2].keys + at, c[0].keys + at, (size_t)d));
+                vdiff = fmax(vdiff, kf_max_abs_diff(c[2].values + at, c[0].values + at, (size_t)d));
+                if (hm == KF_METHOD_DROP || hm == KF_METHOD_KEEP)
+                    bad += memcmp(c[2].keys + at, c[1].keys + at, sizeof(float) * d) != 0 ||
+                           memcmp(c[2].values + at, c[1].values + at, sizeof(float) * d) != 0;
+            }
+            if (hm == method)
+                n_method++, dv_min = fmin(dv_min, vdiff);
+            else
+                n_other++;
+        }
+        printf("\n    %s: %d heads of the method, %d others; against the subsample's fit: u %.1e, keys %.1e, beta "
+               "%.1e (relative), values at least %.1e apart",
+               kf_method_name((kf_method)method), n_method, n_other, du, dk, db, dv_min);
+        CU_ASSERT_EQUAL(bad, 0);
+        CU_ASSERT(n_method > 0 && n_other > 0);
+        CU_ASSERT(du <= 1e-6 && dk <= 1e-6 && db <= 1e-6);
+        CU_ASSERT(dv_min > 1e-6);
+        for (int r = 0; r < 3; r++)
+            kf_compacted_free(&c[r]);
+    }
+    printf("\n");
+}
+
 /* Per-head budgets from AM's JSON: C is set by the largest head; am pads smaller heads with
  * slots whose bias is -inf, so whatever keys those slots hold, the question's logits do not move. */
 static void test_head_budgets(void) {
@@ -251,6 +314,7 @@ static CU_TestInfo model_tests[] = {
     {"per-head budgets: padding gets no weight", test_head_budgets},
     {"prefix and suffix kept verbatim", test_prefix_suffix_verbatim},
     {"per-head choice recorded; u, beta zero where not folded", test_head_choice_recorded},
+    {"values refit: the validated beta and direction, values on all rows", test_refit_values_shipped},
     CU_TEST_INFO_NULL,
 };
 

@@ -13,7 +13,7 @@
 #define Q(field) OFF(cli_compact_opts, p.field)
 
 static const int kOnOff[] = {KF_CHOICE_ON, KF_CHOICE_OFF};
-static const int kAllTrain[] = {1, 0};
+static const int kAllTrain[] = {1, 0, 2};
 
 const cli_opt cli_choice_rows[] = {
     {"head-choice", 0, OPT_CHOICE, "C", Q(choice.head_choice), .choices = "on|off", .values = kOnOff,
@@ -28,9 +28,9 @@ const cli_opt cli_choice_rows[] = {
      .help = "am (least squares, two gradient steps) or box (converged)"},
     {"val-frac", 0, OPT_REAL, "F", Q(choice.val_frac), .lo = 0, .hi = 0.9, .must = "must be a fraction in [0, 0.9]",
      .def = "0.2", .recipe = "val_frac", .help = "share of reference positions held out for the choice"},
-    {"refit", 0, OPT_CHOICE, "all|train", Q(choice.refit_all), .choices = "all|train", .values = kAllTrain, .def = "all",
-     .recipe = "refit_all",
-     .help = "refit the winner on all queries, or keep the validated fit"},
+    {"refit", 0, OPT_CHOICE, "all|train|values", Q(choice.refit_all), .choices = "all|train|values",
+     .values = kAllTrain, .def = "values", .recipe = "refit_all",
+     .help = "the winner refitted on all queries, kept as validated, or its values alone refitted"},
     {"choice-margin", 0, OPT_REAL, "M", Q(choice.choice_margin), .lo = 0, .hi = 10, .def = "0.5", .recipe = "choice_margin",
      .help = "am/fold win a head when 1 + M times better than drop, keep"},
     {0}};
