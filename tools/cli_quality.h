@@ -14,6 +14,8 @@ typedef struct {
 
 /* kf_compact_params_default() and cli_prefill_defaults(). */
 void cli_compact_opts_init(cli_compact_opts *o);
+/* The options that only apply together: CLI_CONTINUE, or a usage error of cmd (reported). */
+int cli_compact_opts_check(const cli_compact_opts *o, const char *cmd);
 /* The parameters to compact with (quoka points into o: o must outlive them). */
 kf_compact_params cli_compact_params(const cli_compact_opts *o);
 

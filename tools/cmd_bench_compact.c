@@ -125,6 +125,8 @@ static const cli_group kGroups[] = {
     {NULL, cli_arena_dtype_rows, B(q)},
     {NULL, cli_weights_rows, 0},
     {"Reference queries", cli_refq_source_rows, B(q)},
+    {"Prefill (the floor stays the dense forwards')", cli_prefill_rows, B(q.prefill)},
+    {NULL, cli_quoka_repeat_rows, B(q)},
     {0}};
 
 const cli_command cli_bench_compact_command = {
@@ -153,8 +155,8 @@ static int bench_parse(int argc, char **argv, bench_opts *o) {
     *o = (bench_opts){.want = 4000};
     cli_compact_opts_init(&o->q);
     int first;
-    const int rc = cli_opts_parse(&cli_bench_compact_command, argc, argv, o, &first);
-    if (rc != CLI_CONTINUE)
+    int rc = cli_opts_parse(&cli_bench_compact_command, argc, argv, o, &first);
+    if (rc != CLI_CONTINUE || (rc = cli_compact_opts_check(&o->q, CMD)) != CLI_CONTINUE)
         return rc;
     if (!o->dir || (!o->docs && !o->predict_only) || first != argc)
         return cli_usage_error(CMD, "--model and --docs are required");

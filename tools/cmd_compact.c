@@ -215,6 +215,7 @@ static const cli_group kGroups[] = {
     {NULL, cli_arena_dtype_rows, C(q)},
     {"Reference queries", cli_refq_source_rows, C(q)},
     {"Prefill", cli_prefill_rows, C(q.prefill)},
+    {NULL, cli_quoka_repeat_rows, C(q)},
     {NULL, cli_weights_rows, 0},
     {"Progress", cli_progress_rows, C(pr)},
     {0}};
@@ -257,8 +258,8 @@ static int compact_parse(int argc, char **argv, compact_opts *o) {
                         .pr = {.interval = CLI_PROGRESS_DEFAULT_S}, .max_line = MANIFEST_MAX_LINE_DEFAULT};
     cli_compact_opts_init(&o->q);
     int first;
-    const int rc = cli_opts_parse(&cli_compact_command, argc, argv, o, &first);
-    if (rc != CLI_CONTINUE)
+    int rc = cli_opts_parse(&cli_compact_command, argc, argv, o, &first);
+    if (rc != CLI_CONTINUE || (rc = cli_compact_opts_check(&o->q, CMD)) != CLI_CONTINUE)
         return rc;
     o->files = argv + first;
     o->n_files = argc - first;

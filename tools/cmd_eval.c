@@ -553,6 +553,7 @@ static const cli_group kGroups[] = {
     {"Reference queries", cli_refq_source_rows, E(q)},
     {"Prefill (of the compaction's document; the full-context reference is always dense)", cli_prefill_rows,
      E(q.prefill)},
+    {NULL, cli_quoka_repeat_rows, E(q)},
     {NULL, cli_weights_rows, 0},
     {"Progress", cli_progress_rows, E(pr)},
     {0}};
@@ -596,8 +597,8 @@ static int eval_parse(int argc, char **argv, eval_opts *o, eval_row **rows, int 
                      .form = PROBE_QA, .pr = {.interval = CLI_PROGRESS_DEFAULT_S}};
     cli_compact_opts_init(&o->q);
     int first;
-    const int rc = cli_opts_parse(&cli_eval_command, argc, argv, o, &first);
-    if (rc != CLI_CONTINUE)
+    int rc = cli_opts_parse(&cli_eval_command, argc, argv, o, &first);
+    if (rc != CLI_CONTINUE || (rc = cli_compact_opts_check(&o->q, CMD)) != CLI_CONTINUE)
         return rc;
     if (!o->model_dir || !o->docs || first != argc)
         return cli_usage_error(CMD, "--model and --docs are required");

@@ -121,6 +121,14 @@ const cli_opt cli_chunk_rows[] = {
      .recipe = "chunk", .help = "prefill chunk size in tokens"},
     {0}};
 
+const cli_opt cli_quoka_repeat_rows[] = {
+    {"quoka-repeat", 0, OPT_FLAG, NULL, Q(run.quoka_repeat), .recipe = "quoka_repeat",
+     .help = "with --prefill quoka, the repeat prefill too (the copy's source span kept in its selection)"},
+    {"quoka-margin", 0, OPT_INT, "N", Q(run.quoka_margin), .lo = -1, .hi = 1 << 20,
+     .must = "must be an integer >= -1", .def = "16", .recipe = "quoka_margin",
+     .help = "the repeat's aligned window: the copy's source span +- N tokens (-1: none)"},
+    {0}};
+
 #define P(field) OFF(kf_quoka_params, field)
 static const int kPrefillModes[] = {KF_PREFILL_DENSE, KF_PREFILL_QUOKA};
 

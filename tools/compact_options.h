@@ -24,6 +24,8 @@ extern const cli_opt cli_chunk_rows[];
 extern const cli_opt cli_max_queries_rows[];
 /* --prefill, --quoka-nq, --quoka-budget, --quoka-sinks into a kf_quoka_params */
 extern const cli_opt cli_prefill_rows[];
+/* --quoka-repeat, --quoka-margin (QUOKA for the repeat prefill too) */
+extern const cli_opt cli_quoka_repeat_rows[];
 /* --weights (no struct: base 0) */
 extern const cli_opt cli_weights_rows[];
 /* --progress-interval, -q/--quiet into a cli_progress_opts */

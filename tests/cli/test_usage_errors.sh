@@ -47,10 +47,10 @@ expect_help() {
 
 # bad values of the shared compaction options: FLAG VALUE
 SHARED_ALL=(--head-choice maybe --value-ridge -1 --ridge-to one --beta-fit lbfgs --val-frac 0.95 --refit some
-            --choice-margin 11 --lambda -1 --chunk 0 --prefill sparse --quoka-nq 0 --quoka-budget 1.5
-            --quoka-sinks -1)
+            --choice-margin 11 --lambda -1 --chunk 0)
 SHARED_BENCH=(--max-queries 0 --refq-dtype f16 --arena-dtype f16 --queries self --repeat-fraction 0
-              --repeat-spans 65 --weights fp16)
+              --repeat-spans 65 --weights fp16 --prefill sparse --quoka-nq 0 --quoka-budget 1.5
+              --quoka-sinks -1 --quoka-margin -2)
 
 C=(compact --model "$M" --out root)
 E=(eval quality --model "$M" --docs "$D" --method full --limit 1)
