@@ -11,10 +11,10 @@
  * rows past the last whole group are copied into a zero-padded group of their own. The columns (the
  * weight's rows) are shared among the pool's threads in parts that begin at multiples of
  * KF_COL_GROUP, which moves no bit. A call that would be small gets zero rows enough for it not
- * to be (small jobs only: the padding costs nothing that matters). A row's result is then the same for any thread count, in any chunk
- * and at any place in it: a prefill continued from a shared prefix gives the bytes of a whole one
- * (tests/test_kernels.c checks it against row-by-row calls, with the library's default kernels
- * and, where the CPU has AVX-512, the SkylakeX ones).
+ * to be (small jobs only: the padding costs nothing that matters). A row's result is then the same
+ * for any thread count, in any chunk and at any place in it: a prefill continued from a shared
+ * prefix gives the bytes of a whole one (tests/test_kernels.c checks it against row-by-row calls;
+ * test_kernels_cli_blas runs it under the kernels the kvfold command picks).
  */
 #include <cblas.h>
 #include <stdlib.h>
@@ -48,14 +48,21 @@ typedef struct {
     int parts;
 } mm_job;
 
+/* The columns [*n0, *n1) of the job's part i: its share of the groups of KF_COL_GROUP. */
+static void part_cols(const mm_job *j, int i, int *n0, int *n1) {
+    const int groups = (j->N + KF_COL_GROUP - 1) / KF_COL_GROUP;
+    int g0, g1;
+    kf_pool_range(groups, j->parts, i, &g0, &g1);
+    *n0 = g0 * KF_COL_GROUP;
+    *n1 = g1 * KF_COL_GROUP < j->N ? g1 * KF_COL_GROUP : j->N;
+}
+
 /* Columns [n0, n1) of every row: the whole groups in place, the padded tail in xt/yt. */
 static void mm_item(void *ctx, int item, int thread) {
     (void)thread;
     const mm_job *j = ctx;
-    const int groups = (j->N + KF_COL_GROUP - 1) / KF_COL_GROUP;
-    int g0, g1;
-    kf_pool_range(groups, j->parts, item, &g0, &g1);
-    const int n0 = g0 * KF_COL_GROUP, n1 = g1 * KF_COL_GROUP < j->N ? g1 * KF_COL_GROUP : j->N;
+    int n0, n1;
+    part_cols(j, item, &n0, &n1);
     if (n0 >= n1)
         return;
     const float beta = j->accumulate ? 1.0f : 0.0f, *w = j->w + (size_t)n0 * j->K;
@@ -87,12 +94,10 @@ static void tail_copy(const mm_job *j, int out) {
 
 /* The fewest columns any of the job's parts gets. */
 static int narrowest_part(const mm_job *j) {
-    const int groups = (j->N + KF_COL_GROUP - 1) / KF_COL_GROUP;
     int least = j->N;
     for (int i = 0; i < j->parts; i++) {
-        int g0, g1;
-        kf_pool_range(groups, j->parts, i, &g0, &g1);
-        const int n0 = g0 * KF_COL_GROUP, n1 = g1 * KF_COL_GROUP < j->N ? g1 * KF_COL_GROUP : j->N;
+        int n0, n1;
+        part_cols(j, i, &n0, &n1);
         if (n1 > n0 && n1 - n0 < least)
             least = n1 - n0;
     }
