@@ -372,11 +372,12 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *                                                 < 2 A, q' G > 64 and q' > 1
  *             [fused]: a source past the context runs dense on the CPU backend (the repeat
  *             without QUOKA, or a probe); else 0 and the solve computes all the targets
- *   forward = kf_forward_plan_bytes(min(c, max(D, S)), 0) + 8 N KD + 512 A N + 4 H (S + P)
- *             + [bf16 weights] 4 max over the GEMMs' (N, K) of kf_cpu_widen_rows(64, N, K) K + 4 H
- *               the plan's scratch; the attention's gathered K/V and A score tiles over N keys;
- *               the sources' residual streams between layers; the GEMMs' tile of widened weight
- *               rows (kernels/cpu/cpu_kernels.h) and a norm's widened weight
+ *   forward = kf_forward_plan_bytes(min(c, max(D, S)), 0) + 4 A W(G q', d, 0) + 4 H (S + P)
+ *             + [bf16 weights] 4 max over the layers' GEMMs (N, K) of kf_cpu_widen_rows(64, N, K) K + 4 H
+ *               the plan's scratch; the attention's work, one tile per thread whatever the
+ *               context's length (W: kf_cpu_attn_tile_floats, q' below); the sources' residual
+ *               streams between layers; the GEMMs' tile of widened weight rows
+ *               (kernels/cpu/cpu_kernels.h) and a norm's widened weight
  *   solve   = 8 D KD + 8 (S + P) KD [choice]      one layer's K/V, and of the sources' validation prompts
  *           + 8 R [choice]                        the training rows' order (kf_choice_training_order)
  *           + n (8 t + 16 t d                      per thread (thread_init): the kept keys' buffers
@@ -384,7 +385,10 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *                + [choice] 8 R (d + 1) + 20 Rv)  the training/validation split
  *           + h ws                                per head in flight: its workspace, everything it holds
  *   output  = L C (8 KD + 8 kvh) + L kvh (4 d + 9) the compacted cache
- *   base    = 32 MiB                              binary, libraries, OpenBLAS (about 25 MB here)
+ *   base    = 144 MiB                             what the heap does not hold, measured: the binary and
+ *                                                 its libraries (72 MB resident here), OpenBLAS's GEMM
+ *                                                 buffers, the threads' stacks, memory the allocator
+ *                                                 keeps (0.12-0.15 GB in all at 4k-16k tokens)
  *
  * ws (kf_compact_head_ws_bytes) is the declared size of each workspace (one per head in flight),
  * from which the heads carve every buffer (nothing on the per-head path calls malloc): a head's widened bf16 rows,

@@ -108,15 +108,26 @@ void kf_compact_mem_shape(const kf_hfconfig *c, const kf_compact_params *p, int6
     out->head_ws = kf_compact_head_ws_bytes(out, c->head_dim);
 }
 
-/* bf16 weights: the GEMMs' tile of widened rows, the largest over the model's (N, K) shapes. */
+/* bf16 weights: the GEMMs' tile of widened rows, the largest over the layers' (N, K) shapes (a
+ * compaction computes no logits: lm_head never runs). */
 static int64_t widen_tile_bytes(const kf_hfconfig *c) {
     const int H = c->hidden_size, I = c->intermediate_size, QD = c->n_heads * c->head_dim,
               KD = c->n_kv_heads * c->head_dim;
-    const int N[6] = {QD, KD, H, I, H, c->vocab_size}, K[6] = {H, H, QD, H, I, H};
+    const int N[5] = {QD, KD, H, I, H}, K[5] = {H, H, QD, H, I};
     int64_t most = 0;
-    for (int i = 0; i < 6; i++)
+    for (int i = 0; i < 5; i++)
         most = max64(most, 4 * (int64_t)kf_cpu_widen_rows(KF_WIDEN_M, N[i], K[i]) * K[i]);
     return most;
+}
+
+/* The queries of a tile the attention takes without targets (kernels/cpu/attention.c's
+ * tile_queries): smaller while there would be fewer than two items per thread. */
+static int64_t plain_tile_queries(const kf_hfconfig *c, const kf_mem_shape *s, int64_t chunk) {
+    const int64_t G = c->n_heads / c->n_kv_heads, kvh = c->n_kv_heads;
+    int64_t tf = 512 / G < chunk ? (512 / G > 0 ? 512 / G : 1) : chunk;
+    while (kvh * ((chunk + tf - 1) / tf) < 2 * s->attn_threads && tf * G > 64 && tf > 1)
+        tf = (tf + 1) / 2;
+    return tf;
 }
 
 /* The targets term (compact.h): one layer of the pool, the attention's block logits and parts. */
@@ -126,12 +137,7 @@ static int64_t targets_bytes(const kf_hfconfig *c, const kf_mem_shape *s, int64_
     const int64_t G = c->n_heads / c->n_kv_heads, kvh = c->n_kv_heads, T = s->T > 0 ? s->T : 1;
     int64_t r_max = ((int64_t)1 << 21) / T;
     r_max = r_max < 64 ? 64 : (r_max > 512 ? 512 : r_max);
-    const int64_t tq = r_max / G < chunk ? (r_max / G > 0 ? r_max / G : 1) : chunk;
-    /* the tile the attention takes without targets (kernels/cpu/attention.c's tile_queries): smaller
-     * while there would be fewer than two items per thread */
-    int64_t tf = 512 / G < chunk ? (512 / G > 0 ? 512 / G : 1) : chunk;
-    while (kvh * ((chunk + tf - 1) / tf) < 2 * s->attn_threads && tf * G > 64 && tf > 1)
-        tf = (tf + 1) / 2;
+    const int64_t tq = r_max / G < chunk ? (r_max / G > 0 ? r_max / G : 1) : chunk, tf = plain_tile_queries(c, s, chunk);
     const int64_t wider = tq > tf ? G * (tq - tf) * (2 * c->head_dim + 259) : 0;
     /* the block's logits: 8 padding rows, rows of a multiple of 16 floats; the tiles: cut at every
      * multiple of 256 positions too, at most one more tile each */
@@ -154,8 +160,9 @@ int64_t kf_compact_peak_bytes(const kf_hfconfig *c, const kf_mem_shape *s, kf_me
     int64_t chunk = s->chunk > 0 ? s->chunk : KF_DEFAULT_CHUNK, longest = s->D > s->S ? s->D : s->S;
     chunk = chunk < longest ? chunk : longest;
     m.targets = targets_bytes(c, s, chunk);
-    m.forward = (int64_t)kf_forward_plan_bytes(c, (int)chunk, 0) + 8 * N * KD + 512 * (int64_t)s->attn_threads * N +
-                4 * H * (s->S + s->P);
+    const int rows = (int)(c->n_heads / c->n_kv_heads * plain_tile_queries(c, s, chunk)); /* a tile's query rows */
+    m.forward = (int64_t)kf_forward_plan_bytes(c, (int)chunk, 0) +
+                4 * (int64_t)s->attn_threads * (int64_t)kf_cpu_attn_tile_floats(rows, (int)d, 0) + 4 * H * (s->S + s->P);
     if (s->weights_bf16)
         m.forward += widen_tile_bytes(c) + 4 * H;
     const int64_t thread = 8 * t + 16 * t * d + (s->fold_on_probes ? 4 * R * d : 0) +
@@ -164,7 +171,7 @@ int64_t kf_compact_peak_bytes(const kf_hfconfig *c, const kf_mem_shape *s, kf_me
               (int64_t)s->solve_heads * s->head_ws;
     const int64_t C = s->D - T + t;
     m.output = L * C * (8 * KD + 8 * kvh) + L * kvh * (4 * d + 9);
-    m.base = 32 << 20;
+    m.base = 144 << 20;
     m.total = m.weights + m.arena + m.queries + m.targets + m.forward + m.solve + m.output + m.base;
     if (terms)
         *terms = m;

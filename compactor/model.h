@@ -37,7 +37,7 @@ typedef struct kf_model kf_model;
  * kf_model_forward that runs with it. A call that needs more (a longer chunk, more logit rows)
  * grows it once; nothing else is allocated per call or per chunk (with dense attention; QUOKA
  * keeps a selection index of 4 * kv_heads * context bytes per call, and the CPU backend's
- * attention keeps its own gather buffers, grown to the longest context it has seen).
+ * attention keeps its own work tiles, grown to the largest tile it has run).
  * A forward without a plan uses the model's own (made at its first forward, grown likewise,
  * freed with the model); greedy decoding (compactor/engine) brings its own, so every generated
  * token runs without an allocation. Calls sharing a plan, or a model's plan, must not overlap.
@@ -48,9 +48,9 @@ typedef struct kf_model kf_model;
  *     4 C (2 H + 2 QD + 2 KD + 2 I) + 4 R (H + V) + 8 C bytes
  * e.g. Qwen3-0.6B (H 1024, I 3072, QD 2048, KD 1024, V 151936) at C = 512, R = 32:
  *     29.4 MB + 19.6 MB = 49 MB; at C = 1, R = 1 (a decoding step): 0.67 MB.
- * Beside it, for a context of N keys, the CPU backend's attention keeps the gathered keys and
- * values and one score tile per pool thread (T threads): 8 N KD + 512 T N bytes, grown in steps
- * of at least half again (so up to 1.5 times that); 0.6B at N = 2,048, T = 2: 18.9 MB. */
+ * Beside it, the CPU backend's attention keeps one work tile per pool thread (its queries, output
+ * and one block of keys, values and logits: 1.3 MB at 512 rows and head_dim 128) whatever the
+ * context's length, and with AM's targets the tile's kept block logits (compactor/compact.h). */
 typedef struct kf_forward_plan kf_forward_plan;
 
 #define KF_PLAN_LOGIT_ROWS 32 /* lm_head rows per batch, at most */

@@ -326,13 +326,15 @@ static void test_prep_arena_pages(void) {
  *   weights 4 (6,400 + 64 + 2 (8,192 + 4,096 + 24,576 + 128 + 32))             = 322,048
  *   arena   128 * 2 * 32 * pg 40 = 3 + 128 * 32 * (3 + pg 78 = 5 - 2 + pg 7 = 1 + 2) = 61,440
  *   queries 4 * 2 * 100 * 16 (one layer) + 4 * 2 * 2 * 20 * 16 (context rows)   = 17,920
- *   forward 4 * 16 * 576 + 8 * 16 + 8 * 78 * 32 + 512 * 2 * 78 + 4 * 64 * 45     = 148,352
+ *   forward 4 * 16 * 576 + 8 * 16 + 4 * 2 * 19,808 + 4 * 64 * 45               = 206,976
+ *           (the attention's tile per thread: q' = 16 queries, 32 rows (40 with padding): 64 + 2 * 640
+ *           + 40 * 256 + 2 * 256 * 16 + 32 floats)
  *   solve   8 * 40 * 32 + 8 * 45 * 32 + 8 * 100                             the training rows' order: 8 R
  *           + 2 (8 * 8 + 16 * 8 * 16 + 8 * 100 * 17 + 20 * 20) + 2 * 50,000      per thread, per head
  *           = 10,240 + 11,520 + 800 + 2 * 66,112                               = 154,784
  *   output  2 * 16 * (256 + 16) + 2 * 2 * 73                                   = 8,996
  *   targets 0 (sh: no fused targets; the fused case below)
- *   base    32 MiB                                                             = 33,554,432
+ *   base    144 MiB                                                            = 150,994,944
  * and the weights term against the parameters records-qwen3 really loads. */
 static void test_memory_formula(void) {
     kf_hfconfig c = {0};
@@ -346,11 +348,11 @@ static void test_memory_formula(void) {
     CU_ASSERT_EQUAL(m.weights, 322048);
     CU_ASSERT_EQUAL(m.arena, 61440);
     CU_ASSERT_EQUAL(m.queries, 17920);
-    CU_ASSERT_EQUAL(m.forward, 148352);
+    CU_ASSERT_EQUAL(m.forward, 206976);
     CU_ASSERT_EQUAL(m.solve, 154784);
     CU_ASSERT_EQUAL(m.output, 8996);
-    CU_ASSERT_EQUAL(m.base, 33554432);
-    CU_ASSERT_EQUAL(total, 34267972);
+    CU_ASSERT_EQUAL(m.base, 150994944);
+    CU_ASSERT_EQUAL(total, 151767108);
     CU_ASSERT_EQUAL(m.total, total);
     /* ws, every buffer 64-byte aligned (kf_ws_bytes), T 32, R 100, t 8, d 16, fused, no choice: the
      * head's scores 4 * 32 -> 128, then the largest of the score sums (8 * 32 -> 256) and a variant:

@@ -7,6 +7,7 @@
  * threads' buffers, min(3, 2 KV heads)
  * heads in flight), at two document lengths; and each thread's workspace is exactly the formula's
  * ws. Not built with the sanitizers (they own malloc). */
+#include <errno.h>
 #include <malloc.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -18,9 +19,10 @@
 #include "test_util.h"
 
 extern void *__libc_malloc(size_t), *__libc_calloc(size_t, size_t), *__libc_realloc(void *, size_t);
+extern void *__libc_memalign(size_t, size_t);
 extern void __libc_free(void *);
 static _Atomic long long g_live, g_peak;
-static _Atomic int g_on;
+static _Atomic int g_on, g_aligned; /* counting; posix_memalign's blocks counted too */
 
 static void count(long long n) {
     if (!g_on)
@@ -49,7 +51,16 @@ void *realloc(void *q, size_t n) {
         count((long long)malloc_usable_size(p) - before);
     return p;
 }
-void free(void *p) {
+int posix_memalign(void **out, size_t align, size_t n) { /* the CPU backend's buffers (the arena, the plan) */
+    void *p = __libc_memalign(align, n);
+    if (!p)
+        return ENOMEM;
+    if (g_aligned)
+        count((long long)malloc_usable_size(p));
+    *out = p;
+    return 0;
+}
+void free(void *p) { /* a block of posix_memalign's: freed while counting only if made while counting */
     if (p)
         count(-(long long)malloc_usable_size(p));
     __libc_free(p);
@@ -109,6 +120,44 @@ static void solve_vs_formula(int threads, int n_doc) {
     b->destroy(b);
 }
 
+/* The whole compaction (kf_compact: the prefill, the sources' forwards, the solve) on n_doc tokens
+ * and `threads`: its heap peak against every term of the formula but the weights and the base,
+ * which it does not allocate. */
+static void compact_vs_formula(int threads, int n_doc) {
+    kf_backend *b = kf_backend_cpu_create_threads(threads);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(b);
+    kf_model *m = NULL;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_model_load(&m, kf_test_data("records-qwen3"), b, &err), KF_OK);
+    kf_compact_params p = kf_compact_params_default();
+    p.repeat_instruction = (kf_prompt){kInstr, 6};
+    const kf_prompt doc = {g_doc, n_doc};
+    kf_compacted out;
+    g_live = 0;
+    g_peak = 0;
+    g_aligned = g_on = 1;
+    CU_ASSERT_EQUAL_FATAL(kf_compact(m, NULL, &doc, NULL, &p, &out, &err), KF_OK);
+    g_aligned = g_on = 0;
+    kf_mem_shape sh;
+    kf_mem_peak t;
+    kf_compact_mem_shape(kf_model_config(m), &p, 0, n_doc, 0, threads, &sh);
+    sh.weights_bf16 = kf_model_weight_dtype(m) == KF_DTYPE_BF16;
+    kf_compact_peak_bytes(kf_model_config(m), &sh, &t);
+    const double want = (double)(t.total - t.weights - t.base), ratio = (double)g_peak / want;
+    printf("\n    %d threads, %d tokens: compaction's heap peak %lld bytes, formula %.0f (ratio %.4f)", threads,
+           n_doc, (long long)g_peak, want, ratio);
+    CU_ASSERT(ratio > 0.98 && ratio < 1.02);
+    kf_compacted_free(&out);
+    kf_model_free(m);
+    b->destroy(b);
+}
+
+static void test_compact_heap(void) {
+    compact_vs_formula(1, 1024);
+    compact_vs_formula(3, 3000);
+    printf("\n");
+}
+
 static void test_solve_heap(void) {
     solve_vs_formula(1, 1024);
     solve_vs_formula(3, 1024);
@@ -119,6 +168,7 @@ static void test_solve_heap(void) {
 
 static CU_TestInfo tests[] = {
     {"the solve's heap peak == the formula's solve + output terms (1 and 3 threads)", test_solve_heap},
+    {"the whole compaction's heap peak == the formula less weights and base", test_compact_heap},
     CU_TEST_INFO_NULL,
 };
 static CU_SuiteInfo suites[] = {

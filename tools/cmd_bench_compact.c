@@ -139,8 +139,9 @@ const cli_command cli_bench_compact_command = {
              "FLOPs of the forwards no solve avoids (compactor/compact_flops.h: the document's prefill and the\n"
              "repeat, probes included, as the code runs them), their sum as the floor in units of the prefill\n"
              "(P) and the total time over the floor; then the peak memory the formula of compactor/compact.h\n"
-             "predicts (by term) and the process's measured peak resident set (getrusage ru_maxrss, the whole\n"
-             "process: loading the model included).\n"
+             "predicts (by term), each solve workspace's declared size and the most of it a head used, and\n"
+             "the process's measured peak resident set (getrusage ru_maxrss, the whole process: loading the\n"
+             "model included).\n"
              "With --predict-only only config.json (and the checkpoint's header) is read: the prediction for a\n"
              "document of N tokens (the repeat instruction's length from --docs when given, else 8 tokens)\n"
              "and its FLOPs (counted with the CPU backend's fused targets).\n",
@@ -281,6 +282,8 @@ static int bench_run(const bench_opts *o, kf_compact_params *p) {
             count_flops(kf_model_config(m), p, n, n_instr, kf_model_targets_supported(m, &dense));
         print_floor(&f, &c.stats, total);
         print_peak(kf_model_config(m), p, n, n_instr, kf_model_weight_dtype(m));
+        printf("  %-34s %8.3f GB, %.3f GB used at most\n", "solve workspace (each, declared)", c.stats.ws_bytes / 1e9,
+               c.stats.ws_peak / 1e9);
         print_measured_peak(m);
         kf_compacted_free(&c);
     }

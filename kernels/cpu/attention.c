@@ -133,6 +133,10 @@ static size_t bufs_floats(int rows, int hd, int ld_blk) {
            al16((size_t)rows) + rp * ld_blk;
 }
 
+size_t kf_cpu_attn_tile_floats(int rows, int hd, int ld_blk) {
+    return al16(bufs_floats(rows, hd, ld_blk));
+}
+
 static attn_bufs bufs_at(float *w, int rows, int hd) {
     const size_t rp = (size_t)rows + ROW_PAD;
     attn_bufs b;
@@ -570,7 +574,7 @@ int kf_cpu_attention(kf_cpu_attn_scratch *s, const kf_attn_args *a) {
     j.tq = tile_queries(a, rep, j.n_blk, threads);
     if (tile_starts(s, a->n_keys - nq, nq, j.tq, &j) != 0)
         return -1;
-    j.per_thread = al16(bufs_floats(j.tq * rep, hd, j.ld_blk)); /* 64-byte steps between threads */
+    j.per_thread = kf_cpu_attn_tile_floats(j.tq * rep, hd, j.ld_blk); /* 64-byte steps between threads */
     if (grow_work(s, (size_t)threads * j.per_thread) != 0)
         return -1;
     j.work = s->work;
