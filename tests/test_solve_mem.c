@@ -154,7 +154,7 @@ static void compact_vs_formula(int threads, int n_doc) {
 
 static void test_compact_heap(void) {
     compact_vs_formula(1, 1024);
-    compact_vs_formula(3, 3000);
+    compact_vs_formula(3, 1024);
     printf("\n");
 }
 
