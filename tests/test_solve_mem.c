@@ -74,13 +74,21 @@ static int init_doc(void) {
     return kf_test_records_ids(5, g_doc, 4096) > 3000 ? 0 : -1; /* doc1-5: 3,321 tokens */
 }
 
-/* fold at budget 0.1 (the per-head choice on, a probe) on n_doc tokens, solved on `threads`. */
-static void solve_vs_formula(int threads, int n_doc) {
-    kf_backend *b = kf_backend_cpu_create_threads(threads);
-    CU_ASSERT_PTR_NOT_NULL_FATAL(b);
+/* records-qwen3 on a CPU backend of `threads` (*b: to destroy after the model). */
+static kf_model *load_records(int threads, kf_backend **b) {
+    *b = kf_backend_cpu_create_threads(threads);
+    CU_ASSERT_PTR_NOT_NULL_FATAL(*b);
     kf_model *m = NULL;
     kf_error err = {0};
-    CU_ASSERT_EQUAL_FATAL(kf_model_load(&m, kf_test_data("records-qwen3"), b, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_model_load(&m, kf_test_data("records-qwen3"), *b, &err), KF_OK);
+    return m;
+}
+
+/* fold at budget 0.1 (the per-head choice on, a probe) on n_doc tokens, solved on `threads`. */
+static void solve_vs_formula(int threads, int n_doc) {
+    kf_backend *b = NULL;
+    kf_model *m = load_records(threads, &b);
+    kf_error err = {0};
     kf_compact_params p = kf_compact_params_default();
     static const kf_prompt probe = {kQuestion, 7};
     p.repeat_instruction = (kf_prompt){kInstr, 6};
@@ -124,11 +132,9 @@ static void solve_vs_formula(int threads, int n_doc) {
  * and `threads`: its heap peak against every term of the formula but the weights and the base,
  * which it does not allocate. */
 static void compact_vs_formula(int threads, int n_doc) {
-    kf_backend *b = kf_backend_cpu_create_threads(threads);
-    CU_ASSERT_PTR_NOT_NULL_FATAL(b);
-    kf_model *m = NULL;
+    kf_backend *b = NULL;
+    kf_model *m = load_records(threads, &b);
     kf_error err = {0};
-    CU_ASSERT_EQUAL_FATAL(kf_model_load(&m, kf_test_data("records-qwen3"), b, &err), KF_OK);
     kf_compact_params p = kf_compact_params_default();
     p.repeat_instruction = (kf_prompt){kInstr, 6};
     const kf_prompt doc = {g_doc, n_doc};
