@@ -626,14 +626,10 @@ kf_status kf_value_gram_build(const kf_backend *be, const float *q, int R, int d
     return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the value refit's normal equations (R %d, t %d)", R, t);
 }
 
-kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float *v0, size_t v0_stride, float *values,
-                              kf_am_stats *stats, kf_error *err) {
-    (void)err;
+/* (G + mu I) X = B + mu V0 into g's scratch (X in g->Bs); 0, or nonzero when the Cholesky failed. */
+static int ridge_solve(const kf_value_gram *g, double mu, const float *v0, size_t v0_stride) {
     const int t = g->t, d = g->d;
-    if (t == 0)
-        return KF_OK;
     double *A = g->A, *B = g->Bs; /* the gram's own scratch: one solve at a time */
-    const double mu = (alpha > 1e-6 ? alpha : 1e-6) * (g->tr > 0 ? g->tr / t : 1.0);
     memcpy(A, g->G, sizeof(double) * (size_t)t * t);
     memcpy(B, g->B, sizeof(double) * (size_t)t * d);
     for (int j = 0; j < t; j++) {
@@ -643,9 +639,28 @@ kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float 
                 B[(size_t)j * d + c] += mu * v0[(size_t)j * v0_stride + c];
     }
     /* Cholesky of the (whole, symmetric) A in place, then A X = B for B [t, d] in place */
-    if (kf_solve_dpotrf(g->be, A, t, t) == 0 && kf_solve_dpotrs(g->be, A, t, t, B, d, d) == 0) {
+    return kf_solve_dpotrf(g->be, A, t, t) != 0 || kf_solve_dpotrs(g->be, A, t, t, B, d, d) != 0;
+}
+
+kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float *v0, size_t v0_stride, float *values,
+                              kf_am_stats *stats, kf_error *err) {
+    (void)err;
+    const int t = g->t, d = g->d;
+    if (t == 0)
+        return KF_OK;
+    const double unit = g->tr > 0 ? g->tr / t : 1.0;
+    double mu = (alpha > 1e-6 ? alpha : 1e-6) * unit;
+    int failed = ridge_solve(g, mu, v0, v0_stride);
+    /* G from fp32 tile products may be indefinite by about 1e-6 of its scale: a factorization that
+     * fails below 1e-4 tr / t is retried with the ridge ten times larger (docs/decisions/fp32-tile-products.md) */
+    for (; failed && mu * 10 <= 1.0001e-4 * unit; failed = ridge_solve(g, mu, v0, v0_stride)) {
+        mu *= 10;
+        if (stats)
+            stats->value_fallbacks++;
+    }
+    if (!failed) {
         for (size_t i = 0; i < (size_t)t * d; i++)
-            values[i] = (float)B[i];
+            values[i] = (float)g->Bs[i];
     } else {
         memset(values, 0, sizeof(float) * (size_t)t * d);
         if (stats)

@@ -181,7 +181,9 @@ kf_status kf_value_gram_build(const kf_backend *be, const float *q, int R, int d
                               size_t key_stride, const float *beta, int t, const float *Y, kf_value_gram *out,
                               kf_ws *ws, kf_error *err);
 int64_t kf_value_gram_build_bytes(int t, int d); /* the gram and its row tiles */
-/* mu = max(alpha, 1e-6) * tr / t (the floor is the least-squares fallback's safety ridge). */
+/* mu = max(alpha, 1e-6) * tr / t (the floor is the least-squares fallback's safety ridge). A
+ * Cholesky that fails below mu = 1e-4 tr / t is retried with mu ten times larger (each retry counted
+ * in stats->value_fallbacks); one that still fails gives values 0 (stats->failures). */
 kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float *v0, size_t v0_stride, float *values,
                               kf_am_stats *stats, kf_error *err);
 /* Beta's normal equations and drop's value refit (the kept keys without bias) in one pass over

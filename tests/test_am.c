@@ -422,6 +422,35 @@ static void test_tikhonov_closed_form(void) {
     printf("\n");
 }
 
+/* A gram indefinite by less than 1e-5 of its scale (as fp32 tile products can leave one): the
+ * solve at the safety ridge (1e-6 tr / t) fails and is retried at 1e-5 tr / t, which gives the
+ * closed form there; one indefinite by more than 1e-4 gives values 0 and a failure. */
+static void test_ridge_retry(void) {
+    const int t = 2, d = 1;
+    double G[4], B[2] = {1, 2}, A[4], Bs[2];
+    kf_value_gram g = {G, B, 0, t, d, A, Bs, NULL, 1};
+    for (int big = 0; big < 2; big++) {
+        const double delta = big ? 1e-3 : 4e-6; /* eigenvalues about 2 and -delta / 2 */
+        G[0] = G[1] = G[2] = 1, G[3] = 1 - delta;
+        g.tr = 2 - delta;
+        float v[2] = {7, 7};
+        kf_am_stats st = {0};
+        kf_error err = {0};
+        CU_ASSERT_EQUAL(kf_value_gram_solve(&g, 0, NULL, 0, v, &st, &err), KF_OK);
+        if (big) {
+            CU_ASSERT(v[0] == 0 && v[1] == 0 && st.failures == 1 && st.value_fallbacks == 2);
+            continue;
+        }
+        const double mu = 1e-5 * g.tr / t, a = 1 + mu, b = 1, c = 1 - delta + mu, det = a * c - b * b;
+        const double x0 = (c * B[0] - b * B[1]) / det, x1 = (a * B[1] - b * B[0]) / det;
+        printf("\n    indefinite by %.0e: values %.6g %.6g (closed form at 1e-5 tr / t: %.6g %.6g), retries %d",
+               delta, v[0], v[1], x0, x1, st.value_fallbacks);
+        CU_ASSERT(st.failures == 0 && st.value_fallbacks == 1);
+        CU_ASSERT(fabs(v[0] - x0) <= 1e-5 * fabs(x0) && fabs(v[1] - x1) <= 1e-5 * fabs(x1));
+    }
+    printf("\n");
+}
+
 /* Projected-gradient KKT violation of w for min w^T G w / 2 - b^T w on [lo, hi], relative to max |b|. */
 static double kkt_violation(const double *G, const double *b, int t, double lo, double hi, const double *w) {
     double worst = 0, bmax = 0;
@@ -682,6 +711,7 @@ static CU_TestInfo synthetic_tests[] = {
     {"synthetic: am < fold < drop with an appended block", test_synthetic_ordering},
     {"frame rotation keeps question-key dot products", test_frame_rotation_keeps_dot_products},
     {"values: Tikhonov refit equals its closed form", test_tikhonov_closed_form},
+    {"values: a failed Cholesky is retried with a larger ridge", test_ridge_retry},
     {"beta: the box fit reaches the KKT conditions", test_box_fit_reaches_kkt},
     {"beta: restarts from w = 1 are counted", test_beta_restart_counted},
     {"normal equations from fp32 tile products == fp64 loops", test_fp32_tile_normal_equations},
