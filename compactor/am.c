@@ -9,6 +9,7 @@
 #include "kernels/sort.h"
 
 #define Q_TILE 256
+#define GRAM_TILE 256 /* rows of a normal-equations tile (kf_gram_tiles) */
 
 static float *design(const kf_backend *be, const float *q, int R, int d, float scale, const float *keys,
                      size_t key_stride, const float *beta, int t);
@@ -200,40 +201,35 @@ int kf_box_lsq(const double *G, const double *b, int t, double lo, double hi, do
 }
 
 /* The beta fit's normal equations over the kept keys kc [t, d]: G = M^T M [t, t] (full),
- * b = M^T y [t] and yy = y^T y in fp64, M_ij = exp(s q_i.k_j - m_i), accumulated over tiles of
- * BETA_TILE rows (M is never held whole). 0, or -1 when out of memory. */
-#define BETA_TILE 256
+ * b = M^T y [t] and yy = y^T y in fp64, M_ij = exp(s q_i.k_j - m_i), accumulated over row tiles
+ * (kf_gram_tiles: M is never held whole). 0, or -1 when out of memory. */
 static int64_t beta_tiles_bytes(int t) {
-    return kf_ws_bytes((int64_t)BETA_TILE * t, sizeof(float)) + kf_ws_bytes((int64_t)BETA_TILE * t, sizeof(double)) +
-           kf_ws_bytes(BETA_TILE, sizeof(double));
+    return kf_gram_tiles_bytes(t, 0, 0);
 }
+
+static void tile_products_add(const kf_backend *be, const float *X, const float *Y, int n, int t, int d,
+                              const kf_gram_tiles *w, double *G, double *B, int first);
+static void beta_tile_rhs(const float *M, const float *y, int n, int t, double *b, double *yy);
 
 static int beta_normal(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t, double *G, double *b,
                        double *yy, kf_ws *ws) {
     const int R = h->R, d = h->d;
     const size_t mark = kf_ws_mark(ws);
-    float *M = kf_ws_alloc(ws, (int64_t)BETA_TILE * t, sizeof(float));    /* [BETA_TILE, t] */
-    double *Md = kf_ws_alloc(ws, (int64_t)BETA_TILE * t, sizeof(double)); /* [BETA_TILE, t] */
-    double *yd = kf_ws_alloc(ws, BETA_TILE, sizeof(double));
-    if (!M || !Md || !yd) {
+    kf_gram_tiles w; /* w.X: a tile of M [256, t] */
+    if (kf_gram_tiles_alloc(&w, t, 0, 0, ws) != 0) {
         kf_ws_reset(ws, mark);
         return -1;
     }
     memset(G, 0, sizeof(double) * (size_t)t * t);
     memset(b, 0, sizeof(double) * (size_t)t);
     *yy = 0;
-    for (int i0 = 0; i0 < R; i0 += BETA_TILE) {
-        const int n = R - i0 < BETA_TILE ? R - i0 : BETA_TILE;
-        kf_solve_sgemm(h->be, KF_NO_TRANS, KF_TRANS, n, t, d, h->scale, h->q + (size_t)i0 * d, d, kc, d, 0.0f, M, t);
-        kf_solve_exp_rows(h->be, M, t, n, t, tg->m + i0);
-        for (int i = 0; i < n; i++) {
-            yd[i] = tg->y[i0 + i];
-            *yy += yd[i] * yd[i];
-        }
-        for (size_t k = 0; k < (size_t)n * t; k++)
-            Md[k] = M[k];
-        kf_solve_dsyrk(h->be, KF_TRANS, t, n, 1.0, Md, t, 1.0, G, t);
-        kf_solve_dgemv(h->be, KF_TRANS, n, t, 1.0, Md, t, yd, 1.0, b);
+    for (int i0 = 0; i0 < R; i0 += GRAM_TILE) {
+        const int n = R - i0 < GRAM_TILE ? R - i0 : GRAM_TILE;
+        kf_solve_sgemm(h->be, KF_NO_TRANS, KF_TRANS, n, t, d, h->scale, h->q + (size_t)i0 * d, d, kc, d, 0.0f, w.X,
+                       t);
+        kf_solve_exp_rows(h->be, w.X, t, n, t, tg->m + i0);
+        beta_tile_rhs(w.X, tg->y + i0, n, t, b, yy);
+        tile_products_add(h->be, w.X, NULL, n, t, 0, &w, G, NULL, 0);
     }
     for (int r = 0; r < t; r++)
         for (int c = 0; c < r; c++)
@@ -515,20 +511,20 @@ void kf_value_gram_free(kf_value_gram *g) {
     memset(g, 0, sizeof *g);
 }
 
-/* Rows of the design matrix in tiles of GRAM_TILE: X [n, t] in fp32 (as design()), then G += X^T X
- * and B += X^T Y in fp64 from the tile's fp64 copy: no R x t fp64 copy of X is ever held. */
-#define GRAM_TILE 256
+/* Rows of the design matrix in tiles of GRAM_TILE (above): X [n, t] in fp32 (as design()), the
+ * tile's X^T X and X^T Y in fp32, added into G and B in fp64 (docs/decisions/fp32-tile-products.md):
+ * no R x t matrix is ever held, and fp32 rounding stays within one tile's sums. */
 
 void kf_gram_tiles_free(kf_gram_tiles *w) {
     if (!w->in_ws)
-        free(w->Z), free(w->X), free(w->Xd), free(w->Yd);
+        free(w->Z), free(w->X), free(w->Gt), free(w->Bt);
     memset(w, 0, sizeof *w);
 }
 
 int64_t kf_gram_tiles_bytes(int t, int d, int logits) {
     const int64_t t1 = t ? t : 1, d1 = d > 1 ? d : 1;
-    return (logits + 1) * kf_ws_bytes(GRAM_TILE * t1, sizeof(float)) + kf_ws_bytes(GRAM_TILE * t1, sizeof(double)) +
-           kf_ws_bytes(GRAM_TILE * d1, sizeof(double));
+    return (logits + 1) * kf_ws_bytes(GRAM_TILE * t1, sizeof(float)) + kf_ws_bytes(t1 * t1, sizeof(float)) +
+           kf_ws_bytes(t1 * d1, sizeof(float));
 }
 
 int kf_gram_tiles_alloc(kf_gram_tiles *w, int t, int d, int logits, kf_ws *ws) {
@@ -539,18 +535,47 @@ int kf_gram_tiles_alloc(kf_gram_tiles *w, int t, int d, int logits, kf_ws *ws) {
         w->in_ws = 1;
         w->Z = logits ? kf_ws_alloc(ws, GRAM_TILE * (int64_t)t1, sizeof(float)) : NULL;
         w->X = kf_ws_alloc(ws, GRAM_TILE * (int64_t)t1, sizeof(float));
-        w->Xd = kf_ws_alloc(ws, GRAM_TILE * (int64_t)t1, sizeof(double));
-        w->Yd = kf_ws_alloc(ws, GRAM_TILE * (int64_t)d1, sizeof(double));
-        return (w->Z || !logits) && w->X && w->Xd && w->Yd ? 0 : -1;
+        w->Gt = kf_ws_alloc(ws, (int64_t)(t1 * t1), sizeof(float));
+        w->Bt = kf_ws_alloc(ws, (int64_t)(t1 * d1), sizeof(float));
+        return (w->Z || !logits) && w->X && w->Gt && w->Bt ? 0 : -1;
     }
     w->Z = logits ? malloc(sizeof(float) * GRAM_TILE * t1) : NULL;
     w->X = malloc(sizeof(float) * GRAM_TILE * t1);
-    w->Xd = malloc(sizeof(double) * GRAM_TILE * t1);
-    w->Yd = malloc(sizeof(double) * GRAM_TILE * d1);
-    if ((w->Z || !logits) && w->X && w->Xd && w->Yd)
+    w->Gt = malloc(sizeof(float) * t1 * t1);
+    w->Bt = malloc(sizeof(float) * t1 * d1);
+    if ((w->Z || !logits) && w->X && w->Gt && w->Bt)
         return 0;
     kf_gram_tiles_free(w);
     return -1;
+}
+
+/* One tile's X [n, t] (and Y [n, d]; B NULL: none) into G's upper triangle [t, t] and B [t, d]:
+ * the products in fp32 (w->Gt, w->Bt), their sums in fp64; first: G, B overwritten (not read). */
+static void tile_products_add(const kf_backend *be, const float *X, const float *Y, int n, int t, int d,
+                              const kf_gram_tiles *w, double *G, double *B, int first) {
+    kf_solve_ssyrk(be, KF_TRANS, t, n, 1.0f, X, t, 0.0f, w->Gt, t);
+    for (int r = 0; r < t; r++) {
+        double *g = G + (size_t)r * t;
+        const float *gt = w->Gt + (size_t)r * t;
+        for (int c = r; c < t; c++)
+            g[c] = (first ? 0.0 : g[c]) + gt[c];
+    }
+    if (!B)
+        return;
+    kf_solve_sgemm(be, KF_TRANS, KF_NO_TRANS, t, d, n, 1.0f, X, t, Y, d, 0.0f, w->Bt, d);
+    for (size_t k = 0; k < (size_t)t * d; k++)
+        B[k] = (first ? 0.0 : B[k]) + w->Bt[k];
+}
+
+/* b += M^T y [t] and yy += y^T y in fp64 for one tile M [n, t] (n t: cheap beside the Gram's). */
+static void beta_tile_rhs(const float *M, const float *y, int n, int t, double *b, double *yy) {
+    for (int i = 0; i < n; i++) {
+        const double yi = y[i];
+        const float *z = M + (size_t)i * t;
+        *yy += yi * yi;
+        for (int j = 0; j < t; j++)
+            b[j] += z[j] * yi;
+    }
 }
 
 static void gram_accumulate(const kf_backend *be, const float *q, int R, int d, float scale, const float *keys,
@@ -561,13 +586,7 @@ static void gram_accumulate(const kf_backend *be, const float *q, int R, int d, 
         kf_solve_sgemm(be, KF_NO_TRANS, KF_TRANS, n, t, d, scale, q + (size_t)i0 * d, d, keys, key_stride, 0.0f, w->X,
                        t);
         kf_solve_softmax_rows(be, &(kf_softmax_rows_args){.x = w->X, .ldx = t, .rows = n, .n = t, .bias = beta});
-        for (size_t k = 0; k < (size_t)n * t; k++)
-            w->Xd[k] = w->X[k];
-        for (size_t k = 0; k < (size_t)n * d; k++)
-            w->Yd[k] = Y[(size_t)i0 * d + k];
-        const double keep = i0 ? 1.0 : 0.0; /* the first tile overwrites G and B (beta 0: not read) */
-        kf_solve_dsyrk(be, KF_TRANS, t, n, 1.0, w->Xd, t, keep, G, t);
-        kf_solve_dgemm(be, KF_TRANS, KF_NO_TRANS, t, d, n, 1.0, w->Xd, t, w->Yd, d, keep, B, d);
+        tile_products_add(be, w->X, Y + (size_t)i0 * d, n, t, d, w, G, B, i0 == 0);
     }
 }
 
@@ -607,14 +626,10 @@ kf_status kf_value_gram_build(const kf_backend *be, const float *q, int R, int d
     return kf_fail(err, KF_ERR_NOMEM, "AM: out of memory for the value refit's normal equations (R %d, t %d)", R, t);
 }
 
-kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float *v0, size_t v0_stride, float *values,
-                              kf_am_stats *stats, kf_error *err) {
-    (void)err;
+/* (G + mu I) X = B + mu V0 into g's scratch (X in g->Bs); 0, or nonzero when the Cholesky failed. */
+static int ridge_solve(const kf_value_gram *g, double mu, const float *v0, size_t v0_stride) {
     const int t = g->t, d = g->d;
-    if (t == 0)
-        return KF_OK;
     double *A = g->A, *B = g->Bs; /* the gram's own scratch: one solve at a time */
-    const double mu = (alpha > 1e-6 ? alpha : 1e-6) * (g->tr > 0 ? g->tr / t : 1.0);
     memcpy(A, g->G, sizeof(double) * (size_t)t * t);
     memcpy(B, g->B, sizeof(double) * (size_t)t * d);
     for (int j = 0; j < t; j++) {
@@ -624,9 +639,28 @@ kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float 
                 B[(size_t)j * d + c] += mu * v0[(size_t)j * v0_stride + c];
     }
     /* Cholesky of the (whole, symmetric) A in place, then A X = B for B [t, d] in place */
-    if (kf_solve_dpotrf(g->be, A, t, t) == 0 && kf_solve_dpotrs(g->be, A, t, t, B, d, d) == 0) {
+    return kf_solve_dpotrf(g->be, A, t, t) != 0 || kf_solve_dpotrs(g->be, A, t, t, B, d, d) != 0;
+}
+
+kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float *v0, size_t v0_stride, float *values,
+                              kf_am_stats *stats, kf_error *err) {
+    (void)err;
+    const int t = g->t, d = g->d;
+    if (t == 0)
+        return KF_OK;
+    const double unit = g->tr > 0 ? g->tr / t : 1.0;
+    double mu = (alpha > 1e-6 ? alpha : 1e-6) * unit;
+    int failed = ridge_solve(g, mu, v0, v0_stride);
+    /* G from fp32 tile products may be indefinite by about 1e-6 of its scale: a factorization that
+     * fails below 1e-4 tr / t is retried with the ridge ten times larger (docs/decisions/fp32-tile-products.md) */
+    for (; failed && mu * 10 <= 1.0001e-4 * unit; failed = ridge_solve(g, mu, v0, v0_stride)) {
+        mu *= 10;
+        if (stats)
+            stats->value_fallbacks++;
+    }
+    if (!failed) {
         for (size_t i = 0; i < (size_t)t * d; i++)
-            values[i] = (float)B[i];
+            values[i] = (float)g->Bs[i];
     } else {
         memset(values, 0, sizeof(float) * (size_t)t * d);
         if (stats)
@@ -678,24 +712,12 @@ static void kept_tile(const float *m, const float *y, const float *Y, int n, int
                       kf_beta_normal *bn, kf_value_gram *drop, int first) {
     const kf_backend *be = bn->be;
     float *Z = w->Z, *X = w->X;
-    double *Xd = w->Xd, *Yd = w->Yd;
     memcpy(X, Z, sizeof(float) * (size_t)n * t);
     kf_solve_softmax_rows(be, &(kf_softmax_rows_args){.x = X, .ldx = t, .rows = n, .n = t}); /* drop's design */
     kf_solve_exp_rows(be, Z, t, n, t, m);                                                    /* beta's M */
-    for (int i = 0; i < n; i++) {
-        Yd[i] = y[i];
-        bn->yy += Yd[i] * Yd[i];
-    }
-    for (size_t k = 0; k < (size_t)n * t; k++)
-        Xd[k] = Z[k];
-    kf_solve_dsyrk(be, KF_TRANS, t, n, 1.0, Xd, t, 1.0, bn->G, t);
-    kf_solve_dgemv(be, KF_TRANS, n, t, 1.0, Xd, t, Yd, 1.0, bn->b);
-    for (size_t k = 0; k < (size_t)n * t; k++)
-        Xd[k] = X[k];
-    for (size_t k = 0; k < (size_t)n * d; k++)
-        Yd[k] = Y[k];
-    kf_solve_dsyrk(be, KF_TRANS, t, n, 1.0, Xd, t, first ? 0.0 : 1.0, drop->G, t);
-    kf_solve_dgemm(be, KF_TRANS, KF_NO_TRANS, t, d, n, 1.0, Xd, t, Yd, d, first ? 0.0 : 1.0, drop->B, d);
+    beta_tile_rhs(Z, y, n, t, bn->b, &bn->yy);
+    tile_products_add(be, Z, NULL, n, t, 0, w, bn->G, NULL, 0); /* bn zeroed by its alloc */
+    tile_products_add(be, X, Y, n, t, d, w, drop->G, drop->B, first);
 }
 
 int64_t kf_kept_normal_build_bytes(int t, int d, int own_tiles) {

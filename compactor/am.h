@@ -97,8 +97,9 @@ int64_t kf_am_fit_beta_bytes(int t, int d);
 /* The beta fit in two halves (work shared between the per-head choice and the refit):
  * its fp64 normal equations over the kept keys kc [t, d] (contiguous) on the first h->R rows,
  * G = M^T M [t, t] (full), b = M^T y [t], yy = y^T y with M_ij = exp(s q_i.k_j - m_i), built in
- * row tiles (M is never held whole; h->k unused); then the fit from them alone. Normal equations
- * of disjoint row sets add: training rows + validation rows = all rows.
+ * row tiles (fp32 tile products summed in fp64, kf_gram_tiles: M is never held whole; h->k unused);
+ * then the fit from them alone. Normal equations of disjoint row sets add: training rows +
+ * validation rows = all rows.
  * kf_am_fit_beta_ex == kf_beta_normal_build then kf_am_fit_beta_normal. */
 typedef struct {
     double *G, *b;
@@ -141,8 +142,8 @@ kf_status kf_am_fit_values_ridge(const kf_backend *be, const float *q, int R, in
                                  kf_error *err); /* ws: kf_value_gram_build_bytes */
 
 /* The normal equations of one value refit, built once and solved for several alphas (the per-head
- * choice). G = X^T X [t, t] (full), B = X^T Y [t, d], fp64, accumulated over tiles of rows (X is never
- * held whole). */
+ * choice). G = X^T X [t, t] (full), B = X^T Y [t, d], fp64 sums of each row tile's fp32 products
+ * (kf_gram_tiles; X is never held whole). */
 typedef struct {
     double *G, *B;
     double tr; /* tr(G) */
@@ -153,11 +154,14 @@ typedef struct {
 } kf_value_gram;
 
 /* The row tiles the normal equations are built over, allocated once for up to t keys and reused
- * by every build (the per-head choice's candidates): GRAM_TILE (256) rows at a time. */
+ * by every build (the per-head choice's candidates): GRAM_TILE (256) rows at a time. A tile's
+ * products X^T X and X^T Y are taken in fp32 and added into the fp64 sums
+ * (docs/decisions/fp32-tile-products.md): fp32 rounding stays within one tile's 256 rows. */
 typedef struct {
-    float *Z;        /* [256, t] the logits (kf_kept_normal_build only; NULL unless asked for) */
-    float *X;        /* [256, t] the weights */
-    double *Xd, *Yd; /* [256, t], [256, max(d, 1)] their fp64 copies, and the targets' */
+    float *Z;  /* [256, t] the logits (kf_kept_normal_build only; NULL unless asked for) */
+    float *X;  /* [256, t] the weights */
+    float *Gt; /* [t, t] one tile's X^T X (upper triangle) */
+    float *Bt; /* [t, max(d, 1)] one tile's X^T Y */
     int t, d;
     int in_ws; /* 1: the buffers are a workspace's */
 } kf_gram_tiles;
@@ -177,7 +181,9 @@ kf_status kf_value_gram_build(const kf_backend *be, const float *q, int R, int d
                               size_t key_stride, const float *beta, int t, const float *Y, kf_value_gram *out,
                               kf_ws *ws, kf_error *err);
 int64_t kf_value_gram_build_bytes(int t, int d); /* the gram and its row tiles */
-/* mu = max(alpha, 1e-6) * tr / t (the floor is the least-squares fallback's safety ridge). */
+/* mu = max(alpha, 1e-6) * tr / t (the floor is the least-squares fallback's safety ridge). A
+ * Cholesky that fails below mu = 1e-4 tr / t is retried with mu ten times larger (each retry counted
+ * in stats->value_fallbacks); one that still fails gives values 0 (stats->failures). */
 kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float *v0, size_t v0_stride, float *values,
                               kf_am_stats *stats, kf_error *err);
 /* Beta's normal equations and drop's value refit (the kept keys without bias) in one pass over

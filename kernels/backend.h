@@ -292,6 +292,9 @@ struct kf_backend {
      * op(A) = A^T A for A [K, N] (lda >= N); NO_TRANS: A A^T for A [N, K] (lda >= K). ldc >= N. */
     void (*dsyrk)(const kf_backend *b, kf_trans ta, int N, int K, double alpha, const double *A, size_t lda,
                   double beta, double *C, size_t ldc);
+    /* the same in fp32 (cblas_ssyrk) */
+    void (*ssyrk)(const kf_backend *b, kf_trans ta, int N, int K, float alpha, const float *A, size_t lda,
+                  float beta, float *C, size_t ldc);
     /* y[n] = alpha S x + beta y for a symmetric S [n, n] (row stride lds) of which only the upper
      * triangle is read (cblas_dsymv, upper); x, y contiguous. beta = 0: y is not read. */
     void (*dsymv)(const kf_backend *b, int n, double alpha, const double *S, size_t lds, const double *x, double beta,
@@ -369,6 +372,11 @@ static inline void kf_solve_dsyrk(const kf_backend *be, kf_trans ta, int N, int 
                                   size_t lda, double beta, double *C, size_t ldc) {
     be = kf_solve_backend(be);
     be->dsyrk(be, ta, N, K, alpha, A, lda, beta, C, ldc);
+}
+static inline void kf_solve_ssyrk(const kf_backend *be, kf_trans ta, int N, int K, float alpha, const float *A,
+                                  size_t lda, float beta, float *C, size_t ldc) {
+    be = kf_solve_backend(be);
+    be->ssyrk(be, ta, N, K, alpha, A, lda, beta, C, ldc);
 }
 static inline void kf_solve_dsymv(const kf_backend *be, int n, double alpha, const double *S, size_t lds,
                                   const double *x, double beta, double *y) {

@@ -422,6 +422,35 @@ static void test_tikhonov_closed_form(void) {
     printf("\n");
 }
 
+/* A gram indefinite by less than 1e-5 of its scale (as fp32 tile products can leave one): the
+ * solve at the safety ridge (1e-6 tr / t) fails and is retried at 1e-5 tr / t, which gives the
+ * closed form there; one indefinite by more than 1e-4 gives values 0 and a failure. */
+static void test_ridge_retry(void) {
+    const int t = 2, d = 1;
+    double G[4], B[2] = {1, 2}, A[4], Bs[2];
+    kf_value_gram g = {G, B, 0, t, d, A, Bs, NULL, 1};
+    for (int big = 0; big < 2; big++) {
+        const double delta = big ? 1e-3 : 4e-6; /* eigenvalues about 2 and -delta / 2 */
+        G[0] = G[1] = G[2] = 1, G[3] = 1 - delta;
+        g.tr = 2 - delta;
+        float v[2] = {7, 7};
+        kf_am_stats st = {0};
+        kf_error err = {0};
+        CU_ASSERT_EQUAL(kf_value_gram_solve(&g, 0, NULL, 0, v, &st, &err), KF_OK);
+        if (big) {
+            CU_ASSERT(v[0] == 0 && v[1] == 0 && st.failures == 1 && st.value_fallbacks == 2);
+            continue;
+        }
+        const double mu = 1e-5 * g.tr / t, a = 1 + mu, b = 1, c = 1 - delta + mu, det = a * c - b * b;
+        const double x0 = (c * B[0] - b * B[1]) / det, x1 = (a * B[1] - b * B[0]) / det;
+        printf("\n    indefinite by %.0e: values %.6g %.6g (closed form at 1e-5 tr / t: %.6g %.6g), retries %d",
+               delta, v[0], v[1], x0, x1, st.value_fallbacks);
+        CU_ASSERT(st.failures == 0 && st.value_fallbacks == 1);
+        CU_ASSERT(fabs(v[0] - x0) <= 1e-5 * fabs(x0) && fabs(v[1] - x1) <= 1e-5 * fabs(x1));
+    }
+    printf("\n");
+}
+
 /* Projected-gradient KKT violation of w for min w^T G w / 2 - b^T w on [lo, hi], relative to max |b|. */
 static double kkt_violation(const double *G, const double *b, int t, double lo, double hi, const double *w) {
     double worst = 0, bmax = 0;
@@ -584,6 +613,93 @@ static void test_frame_rotation_keeps_dot_products(void) {
     }
 }
 
+/* ---- normal equations from fp32 tile products (docs/decisions/fp32-tile-products.md) ---- */
+
+enum { NE_T = 400, NE_t = 300, NE_d = 16, NE_R = 1000 }; /* 3 whole tiles of 256 rows and a ragged one */
+
+/* |a - ref| against tol times the entry's own sum of |terms| (abs), the worst ratio over n entries */
+static double worst_ratio(const double *a, const double *ref, const double *abs, int n) {
+    double w = 0;
+    for (int k = 0; k < n; k++)
+        w = fmax(w, fabs(a[k] - ref[k]) / abs[k]);
+    return w;
+}
+
+/* fp64 loops over the rows: X (softmax with bias) and M (exp(z - m)) of the kept keys kc [t, d];
+ * G = X^T X, B = X^T Y, GM = M^T M, bM = M^T y, each with its sum of |terms| (G's own: >= 0). */
+typedef struct {
+    double G[NE_t * NE_t], B[NE_t * NE_d], Babs[NE_t * NE_d], GM[NE_t * NE_t], bM[NE_t], yy;
+} ne_ref;
+
+static void ne_reference(const float *Q, const float *kc, const float *bias, float scale, const kf_am_targets *tg,
+                         ne_ref *r) {
+    memset(r, 0, sizeof *r);
+    static double X[NE_t], M[NE_t];
+    for (int i = 0; i < NE_R; i++) {
+        double mx = -INFINITY, sum = 0;
+        for (int j = 0; j < NE_t; j++) {
+            double dot = 0;
+            for (int c = 0; c < NE_d; c++)
+                dot += (double)Q[i * NE_d + c] * kc[j * NE_d + c];
+            M[j] = scale * dot, X[j] = M[j] + (bias ? bias[j] : 0);
+            mx = fmax(mx, X[j]);
+            M[j] = exp(M[j] - tg->m[i]);
+        }
+        for (int j = 0; j < NE_t; j++)
+            sum += X[j] = exp(X[j] - mx);
+        r->yy += (double)tg->y[i] * tg->y[i];
+        for (int a = 0; a < NE_t; a++) {
+            const double xa = X[a] / sum;
+            r->bM[a] += M[a] * tg->y[i];
+            for (int b = 0; b < NE_t; b++)
+                r->G[a * NE_t + b] += xa * X[b] / sum, r->GM[a * NE_t + b] += M[a] * M[b];
+            for (int c = 0; c < NE_d; c++)
+                r->B[a * NE_d + c] += xa * tg->Y[i * NE_d + c], r->Babs[a * NE_d + c] += fabs(xa * tg->Y[i * NE_d + c]);
+        }
+    }
+}
+
+/* kf_value_gram_rebuild (over a gram holding another build's sums), kf_beta_normal_build and
+ * kf_kept_normal_build against the fp64 loops. Each entry within 2e-6 of its own sum of |terms|:
+ * a tile's fp32 sum of 256 products rounds by at most 256 ulps (1.5e-5) and by about 16 (1e-6)
+ * in practice, the inputs' own rounding (fp32 logits) adds about as much; a row lost or counted
+ * twice, or a tile left in the sums of the next build, is 1e-3 or more. */
+static void test_fp32_tile_normal_equations(void) {
+    static float K[NE_T * NE_d], Q[NE_R * NE_d], bias[NE_t];
+    static ne_ref ref;
+    kf_test_fill_uniform(K, NE_T * NE_d, 611, -1, 1);
+    kf_test_fill_uniform(Q, NE_R * NE_d, 612, -2, 2);
+    kf_test_fill_uniform(bias, NE_t, 613, -1, 1);
+    const float scale = 0.5f;
+    kf_am_head h = {K, NE_d, K, NE_d, NE_T, Q, NE_R, NE_d, scale, NULL}; /* values: the keys */
+    kf_am_targets tg;
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
+    const float *kc = K; /* the first t keys kept */
+    kf_value_gram g, g2;
+    kf_gram_tiles w;
+    CU_ASSERT_FATAL(kf_value_gram_alloc(&g, NULL, NE_t, NE_d, NULL) == 0 &&
+                    kf_gram_tiles_alloc(&w, NE_t, NE_d, 0, NULL) == 0);
+    kf_value_gram_rebuild(Q, NE_R, scale, K + NE_d, NE_d, NULL, tg.Y, &w, &g); /* other keys first */
+    kf_value_gram_rebuild(Q, NE_R, scale, kc, NE_d, bias, tg.Y, &w, &g);
+    ne_reference(Q, kc, bias, scale, &tg, &ref);
+    const double eG = worst_ratio(g.G, ref.G, ref.G, NE_t * NE_t), eB = worst_ratio(g.B, ref.B, ref.Babs, NE_t * NE_d);
+    kf_beta_normal bn, b1;
+    CU_ASSERT_EQUAL_FATAL(kf_beta_normal_build(&h, &tg, kc, NE_t, &bn, NULL, &err), KF_OK);
+    const double eM = worst_ratio(bn.G, ref.GM, ref.GM, NE_t * NE_t), eb = worst_ratio(bn.b, ref.bM, ref.bM, NE_t);
+    CU_ASSERT_EQUAL_FATAL(kf_kept_normal_build(&h, &tg, kc, NE_t, NULL, &b1, &g2, NULL, &err), KF_OK);
+    const double eK = worst_ratio(b1.G, ref.GM, ref.GM, NE_t * NE_t);
+    ne_reference(Q, kc, NULL, scale, &tg, &ref); /* drop's: no bias */
+    const double eD = fmax(worst_ratio(g2.G, ref.G, ref.G, NE_t * NE_t), worst_ratio(g2.B, ref.B, ref.Babs, NE_t * NE_d));
+    printf("\n    vs fp64 loops (of each entry's sum of |terms|): values G %.1e B %.1e; beta G %.1e b %.1e "
+           "yy %.1e; one pass: beta G %.1e, drop %.1e\n", eG, eB, eM, eb, fabs(bn.yy - ref.yy) / ref.yy, eK, eD);
+    CU_ASSERT(eG < 2e-6 && eB < 2e-6 && eM < 2e-6 && eb < 2e-6 && eK < 2e-6 && eD < 2e-6);
+    CU_ASSERT(fabs(bn.yy - ref.yy) < 1e-12 * ref.yy);
+    kf_value_gram_free(&g), kf_value_gram_free(&g2), kf_gram_tiles_free(&w);
+    kf_beta_normal_free(&bn), kf_beta_normal_free(&b1);
+    kf_am_targets_free(&tg);
+}
+
 static CU_TestInfo synthetic_tests[] = {
     {"least squares: known optimum, rank-deficient fallback", test_lstsq_known_optimum},
     {"least squares: underdetermined gives the minimum norm", test_lstsq_underdetermined_min_norm},
@@ -595,8 +711,10 @@ static CU_TestInfo synthetic_tests[] = {
     {"synthetic: am < fold < drop with an appended block", test_synthetic_ordering},
     {"frame rotation keeps question-key dot products", test_frame_rotation_keeps_dot_products},
     {"values: Tikhonov refit equals its closed form", test_tikhonov_closed_form},
+    {"values: a failed Cholesky is retried with a larger ridge", test_ridge_retry},
     {"beta: the box fit reaches the KKT conditions", test_box_fit_reaches_kkt},
     {"beta: restarts from w = 1 are counted", test_beta_restart_counted},
+    {"normal equations from fp32 tile products == fp64 loops", test_fp32_tile_normal_equations},
     CU_TEST_INFO_NULL,
 };
 static CU_SuiteInfo suites[] = {

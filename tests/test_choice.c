@@ -700,7 +700,7 @@ static void test_refit_three_parts(void) {
  * its best lambda; am) as its beta, its fold direction and its value normal equations on the
  * subsample (512 of 1000 training rows); the refit adds the other training rows' part and the
  * validation rows'. That must equal the normal equations built afresh on all 1100 rows for the
- * same keys (and am's bias), up to summation order; beta and u must be the subsample's own fits
+ * same keys (and am's bias), up to rounding (the fp32 tile products of other tiles); beta and u must be the subsample's own fits
  * (beta from the kept normal equations, u from the first 512 rows' covariance at the picked
  * lambda). */
 static void refit_values_case(kf_method method) {
@@ -755,7 +755,9 @@ static void refit_values_case(kf_method method) {
         dB = fmax(dB, fabs(fits.win.B[k] - ref.B[k])), mB = fmax(mB, fabs(ref.B[k]));
     printf("\n    %s: kept + 2 parts against one build on all %d rows: G %.1e (max %.2f), B %.1e (max %.2f)",
            kf_method_name(method), RF_R, dG, mG, dB, mB);
-    CU_ASSERT(mG > 1 && dG <= 1e-12 * mG && dB <= 1e-12 * mB && fabs(fits.win.tr - ref.tr) <= 1e-12 * ref.tr);
+    /* the parts' tiles start at other rows: their fp32 tile products round differently (a few ulps
+     * of fp32 per tile; a row counted twice or left out moves G by ~ mG / 1100) */
+    CU_ASSERT(mG > 1 && dG <= 1e-6 * mG && dB <= 1e-6 * mB && fabs(fits.win.tr - ref.tr) <= 1e-6 * ref.tr);
     kf_value_gram_free(&ref);
     free(q), free(Y);
     kf_am_targets_free(&tgs[1]);

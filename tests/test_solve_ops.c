@@ -127,6 +127,32 @@ static void test_syrk(void) {
         CU_ASSERT(e < 1e-13);
         CU_ASSERT(lower_kept);
     }
+    /* ssyrk: the same call in fp32 against the fp64 sums of the same (fp32) inputs */
+    float Af[K * LD], Cf[N * LC], Cf0[N * LC];
+    for (int k = 0; k < K * LD; k++)
+        Af[k] = (float)A[k];
+    for (int k = 0; k < N * LC; k++)
+        Cf0[k] = (float)C0[k];
+    for (int t = 0; t < 2; t++) {
+        const kf_trans ta = t ? KF_TRANS : KF_NO_TRANS;
+        memcpy(Cf, Cf0, sizeof Cf);
+        kf_solve_ssyrk(be, ta, N, K, 0.25f, Af, LD, 2.0f, Cf, LC);
+        double e = 0;
+        int lower_kept = 1;
+        for (int i = 0; i < N; i++)
+            for (int j = 0; j < LC; j++) {
+                if (j < i || j >= N) {
+                    lower_kept &= Cf[i * LC + j] == Cf0[i * LC + j];
+                    continue;
+                }
+                double r = 2.0 * Cf0[i * LC + j];
+                for (int k = 0; k < K; k++)
+                    r += 0.25 * (t ? (double)Af[k * LD + i] * Af[k * LD + j] : (double)Af[i * LD + k] * Af[j * LD + k]);
+                e = fmax(e, fabs(Cf[i * LC + j] - r));
+            }
+        CU_ASSERT(e < 1e-5);
+        CU_ASSERT(lower_kept);
+    }
 }
 
 /* naive Gaussian elimination with partial pivoting: x = A^-1 b for one column (n <= 8) */
@@ -351,7 +377,7 @@ static void test_rule(void) {
     CU_ASSERT_PTR_NOT_NULL_FATAL(cpu);
     CU_ASSERT_PTR_EQUAL(kf_solve_backend(cpu), cpu);
     CU_ASSERT(cpu->sgemm == cs->sgemm && cpu->dgemm == cs->dgemm && cpu->dgemv == cs->dgemv &&
-              cpu->dsyrk == cs->dsyrk && cpu->dsymv == cs->dsymv && cpu->dpotrf == cs->dpotrf &&
+              cpu->dsyrk == cs->dsyrk && cpu->ssyrk == cs->ssyrk && cpu->dsymv == cs->dsymv && cpu->dpotrf == cs->dpotrf &&
               cpu->dpotrs == cs->dpotrs && cpu->lstsq == cs->lstsq && cpu->softmax_rows == cs->softmax_rows &&
               cpu->exp_rows == cs->exp_rows);
     cpu->destroy(cpu);
@@ -407,7 +433,7 @@ static void test_reentrant(void) {
 static CU_TestInfo tests[] = {
     {"sgemm, dgemm: transposes, strides, alpha, beta", test_gemm},
     {"dgemv both ways; dsymv reads the upper triangle", test_gemv_symv},
-    {"dsyrk: upper triangle only, both ways", test_syrk},
+    {"dsyrk, ssyrk: upper triangle only, both ways", test_syrk},
     {"Cholesky: solves, kf_solve_spd, not positive definite, NaN", test_cholesky},
     {"lstsq: QR path against the normal equations", test_lstsq},
     {"softmax_rows (bias, ragged, max/sum/lse) and exp_rows", test_rows},

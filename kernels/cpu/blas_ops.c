@@ -31,6 +31,12 @@ void kf_cpu_dsyrk(const kf_backend *b, kf_trans ta, int N, int K, double alpha, 
     cblas_dsyrk(CblasRowMajor, CblasUpper, tr(ta), N, K, alpha, A, (int)lda, beta, C, (int)ldc);
 }
 
+void kf_cpu_ssyrk(const kf_backend *b, kf_trans ta, int N, int K, float alpha, const float *A, size_t lda,
+                  float beta, float *C, size_t ldc) {
+    (void)b;
+    cblas_ssyrk(CblasRowMajor, CblasUpper, tr(ta), N, K, alpha, A, (int)lda, beta, C, (int)ldc);
+}
+
 void kf_cpu_dsymv(const kf_backend *b, int n, double alpha, const double *S, size_t lds, const double *x, double beta,
                   double *y) {
     (void)b;

@@ -15,6 +15,7 @@ static const kf_backend cpu_solve = {
     .dgemm = kf_cpu_dgemm,
     .dgemv = kf_cpu_dgemv,
     .dsyrk = kf_cpu_dsyrk,
+    .ssyrk = kf_cpu_ssyrk,
     .dsymv = kf_cpu_dsymv,
     .dpotrf = kf_cpu_dpotrf,
     .dpotrs = kf_cpu_dpotrs,
@@ -32,6 +33,7 @@ void kf_cpu_solve_ops_install(kf_backend *b) {
     b->dgemm = cpu_solve.dgemm;
     b->dgemv = cpu_solve.dgemv;
     b->dsyrk = cpu_solve.dsyrk;
+    b->ssyrk = cpu_solve.ssyrk;
     b->dsymv = cpu_solve.dsymv;
     b->dpotrf = cpu_solve.dpotrf;
     b->dpotrs = cpu_solve.dpotrs;

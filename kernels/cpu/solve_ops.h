@@ -1,7 +1,7 @@
 /* solve_ops.h — the CPU implementations of the solve's backend operations (kernels/backend.h,
  * "The solve's operations"): host memory, stateless, callable from any thread. Each makes the
  * BLAS/LAPACK call its operation is named after, so that results equal a direct call bit for bit.
- *   blas_ops.c     sgemm, dgemm, dgemv, dsyrk, dsymv (OpenBLAS)
+ *   blas_ops.c     sgemm, dgemm, dgemv, dsyrk, ssyrk, dsymv (OpenBLAS)
  *   cholesky.c     dpotrf, dpotrs (LAPACKE, OpenBLAS's dtrsm)
  *   linalg.c       lstsq (kf_lstsq)
  *   softmax.c      softmax_rows, exp_rows
@@ -19,6 +19,8 @@ void kf_cpu_dgemv(const kf_backend *b, kf_trans ta, int rows, int cols, double a
                   const double *x, double beta, double *y);
 void kf_cpu_dsyrk(const kf_backend *b, kf_trans ta, int N, int K, double alpha, const double *A, size_t lda,
                   double beta, double *C, size_t ldc);
+void kf_cpu_ssyrk(const kf_backend *b, kf_trans ta, int N, int K, float alpha, const float *A, size_t lda,
+                  float beta, float *C, size_t ldc);
 void kf_cpu_dsymv(const kf_backend *b, int n, double alpha, const double *S, size_t lds, const double *x, double beta,
                   double *y);
 int kf_cpu_dpotrf(const kf_backend *b, double *A, size_t lda, int n);
