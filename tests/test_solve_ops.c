@@ -101,56 +101,51 @@ static void test_gemv_symv(void) {
     CU_ASSERT(e < 1e-13);
 }
 
-/* dsyrk: C = alpha op(A) + beta C on the upper triangle only, both ways, padded strides. */
+enum { SY_N = 5, SY_K = 8, SY_LD = 9, SY_LC = 6 };
+
+/* The largest error of Cm = 0.25 op(A) op(A)^T + 2 C0 (t: op = transpose) on the upper triangle
+ * against fp64 sums; *lower_kept: every cell off it left as C0 had it. */
+static double syrk_err(int t, const double *A, const double *C0, const double *Cm, int *lower_kept) {
+    double e = 0;
+    *lower_kept = 1;
+    for (int i = 0; i < SY_N; i++)
+        for (int j = 0; j < SY_LC; j++) {
+            if (j < i || j >= SY_N) {
+                *lower_kept &= Cm[i * SY_LC + j] == C0[i * SY_LC + j];
+                continue;
+            }
+            double r = 2.0 * C0[i * SY_LC + j];
+            for (int k = 0; k < SY_K; k++) /* TRANS: A [K, N]; NO_TRANS: A [N, K] */
+                r += 0.25 * (t ? A[k * SY_LD + i] * A[k * SY_LD + j] : A[i * SY_LD + k] * A[j * SY_LD + k]);
+            e = fmax(e, fabs(Cm[i * SY_LC + j] - r));
+        }
+    return e;
+}
+
+/* dsyrk: C = alpha op(A) + beta C on the upper triangle only, both ways, padded strides; ssyrk the
+ * same in fp32 against the fp64 sums of the same (fp32) inputs. */
 static void test_syrk(void) {
     const kf_backend *be = kf_solve_backend(NULL);
-    enum { N = 5, K = 8, LD = 9, LC = 6 };
-    double A[K * LD], Cm[N * LC], C0[N * LC];
-    fill_d(A, K * LD, 12), fill_d(C0, N * LC, 13);
+    double A[SY_K * SY_LD], Cm[SY_N * SY_LC], C0[SY_N * SY_LC];
+    float Af[SY_K * SY_LD], Cf[SY_N * SY_LC], Cf0[SY_N * SY_LC];
+    double Ar[SY_K * SY_LD], Cr0[SY_N * SY_LC], Cr[SY_N * SY_LC]; /* the fp32 ones, exactly in fp64 */
+    fill_d(A, SY_K * SY_LD, 12), fill_d(C0, SY_N * SY_LC, 13);
+    for (int k = 0; k < SY_K * SY_LD; k++)
+        Ar[k] = Af[k] = (float)A[k];
+    for (int k = 0; k < SY_N * SY_LC; k++)
+        Cr0[k] = Cf0[k] = (float)C0[k];
     for (int t = 0; t < 2; t++) {
         const kf_trans ta = t ? KF_TRANS : KF_NO_TRANS;
+        int lower_kept;
         memcpy(Cm, C0, sizeof Cm);
-        kf_solve_dsyrk(be, ta, N, K, 0.25, A, LD, 2.0, Cm, LC);
-        double e = 0;
-        int lower_kept = 1;
-        for (int i = 0; i < N; i++)
-            for (int j = 0; j < LC; j++) {
-                if (j < i || j >= N) {
-                    lower_kept &= Cm[i * LC + j] == C0[i * LC + j];
-                    continue;
-                }
-                double r = 2.0 * C0[i * LC + j];
-                for (int k = 0; k < K; k++) /* TRANS: A [K, N]; NO_TRANS: A [N, K] */
-                    r += 0.25 * (t ? A[k * LD + i] * A[k * LD + j] : A[i * LD + k] * A[j * LD + k]);
-                e = fmax(e, fabs(Cm[i * LC + j] - r));
-            }
-        CU_ASSERT(e < 1e-13);
+        kf_solve_dsyrk(be, ta, SY_N, SY_K, 0.25, A, SY_LD, 2.0, Cm, SY_LC);
+        CU_ASSERT(syrk_err(t, A, C0, Cm, &lower_kept) < 1e-13);
         CU_ASSERT(lower_kept);
-    }
-    /* ssyrk: the same call in fp32 against the fp64 sums of the same (fp32) inputs */
-    float Af[K * LD], Cf[N * LC], Cf0[N * LC];
-    for (int k = 0; k < K * LD; k++)
-        Af[k] = (float)A[k];
-    for (int k = 0; k < N * LC; k++)
-        Cf0[k] = (float)C0[k];
-    for (int t = 0; t < 2; t++) {
-        const kf_trans ta = t ? KF_TRANS : KF_NO_TRANS;
         memcpy(Cf, Cf0, sizeof Cf);
-        kf_solve_ssyrk(be, ta, N, K, 0.25f, Af, LD, 2.0f, Cf, LC);
-        double e = 0;
-        int lower_kept = 1;
-        for (int i = 0; i < N; i++)
-            for (int j = 0; j < LC; j++) {
-                if (j < i || j >= N) {
-                    lower_kept &= Cf[i * LC + j] == Cf0[i * LC + j];
-                    continue;
-                }
-                double r = 2.0 * Cf0[i * LC + j];
-                for (int k = 0; k < K; k++)
-                    r += 0.25 * (t ? (double)Af[k * LD + i] * Af[k * LD + j] : (double)Af[i * LD + k] * Af[j * LD + k]);
-                e = fmax(e, fabs(Cf[i * LC + j] - r));
-            }
-        CU_ASSERT(e < 1e-5);
+        kf_solve_ssyrk(be, ta, SY_N, SY_K, 0.25f, Af, SY_LD, 2.0f, Cf, SY_LC);
+        for (int k = 0; k < SY_N * SY_LC; k++)
+            Cr[k] = Cf[k];
+        CU_ASSERT(syrk_err(t, Ar, Cr0, Cr, &lower_kept) < 1e-5);
         CU_ASSERT(lower_kept);
     }
 }
