@@ -300,6 +300,13 @@ int kf_choice_rows(const kf_compact_params *p, int R, int t) {
     return n < R ? (int)n : R;
 }
 
+int64_t kf_val_score_rows(const kf_compact_params *p, int64_t n_val, int64_t t) {
+    if (!(p->choice.val_rows > 0))
+        return n_val;
+    const double want = ceil(p->choice.val_rows * (double)t), n = want > KF_VAL_MIN_ROWS ? want : KF_VAL_MIN_ROWS;
+    return n < (double)n_val ? (int64_t)n : n_val;
+}
+
 kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr,
                          const int32_t *sel, int t, const float *kc, const float *vo, kf_val_head *val, uint64_t seed,
                          kf_head_pick *best, kf_choice_fits *keep, kf_ws *ws, kf_error *err) {
@@ -391,6 +398,11 @@ int kf_split_alloc(head_split *s, int64_t R, int64_t n_val, int d, int n_src) {
                : -1;
 }
 
+/* Row i of n rows of one kind (probe or other) is scored when it is one of `take` evenly spaced. */
+static int scored_row(int64_t i, int64_t n, int64_t take) {
+    return (i + 1) * take / n > i * take / n;
+}
+
 void kf_split_head(head_split *s, const kf_refq *rq, const float *q, const kf_am_targets *tg, const uint8_t *is_val,
                    const int64_t *tr_order, const int *pos_src, const int64_t *pos_local, const appended_kv *ap,
                    int g) {
@@ -399,7 +411,7 @@ void kf_split_head(head_split *s, const kf_refq *rq, const float *q, const kf_am
     for (int i = 1; i < ap->n_src; i++)
         if (ap->k[i])
             s->blocks[i] = (kf_kv_block){ap->k[i] + (size_t)g * d, ap->v[i] + (size_t)g * d, row, NULL, (int)ap->n[i]};
-    int64_t n_probe = 0, nv = 0;
+    int64_t n_probe = 0;
     for (int64_t k = 0; k < rq->n_pos; k++)
         n_probe += is_val[k] && rq->source[k] == KF_REFQ_PROBE;
     const int64_t n_val_pos = s->n_val / rq->group, n_other = n_val_pos - n_probe;
@@ -409,20 +421,28 @@ void kf_split_head(head_split *s, const kf_refq *rq, const float *q, const kf_am
         memcpy(s->tr_Y + (size_t)i * d, tg->Y + (size_t)r * d, sizeof(float) * d);
         s->tr_m[i] = tg->m[r], s->tr_y[i] = tg->y[r];
     }
+    /* the scored rows first (probe rows, then the others evenly spaced), then the rest, each in
+     * gather order; the scored rows' weights as if they were all */
+    const int64_t n_pr = n_probe * rq->group, n_or = n_other * rq->group;
+    const int64_t take_p = s->n_score < n_pr ? s->n_score : n_pr, take_o = s->n_score - take_p;
+    int64_t ip = 0, io = 0, at_scored = 0, at_rest = s->n_score;
     for (int j = 0; j < rq->group; j++)
         for (int64_t k = 0; k < rq->n_pos; k++) {
             const int64_t r = (int64_t)j * rq->n_pos + k;
             if (!is_val[k])
                 continue;
+            const int probe = rq->source[k] == KF_REFQ_PROBE;
+            const int64_t nv = (probe ? scored_row(ip++, n_pr, take_p) : scored_row(io++, n_or, take_o)) ? at_scored++
+                                                                                                        : at_rest++;
             memcpy(s->val_q + (size_t)nv * d, q + (size_t)r * d, sizeof(float) * d);
             memcpy(s->val_Y + (size_t)nv * d, tg->Y + (size_t)r * d, sizeof(float) * d);
             s->val_m[nv] = tg->m[r], s->val_y[nv] = tg->y[r];
-            const int probe = rq->source[k] == KF_REFQ_PROBE;
             /* probe rows weigh half of the total when there are both kinds */
-            s->val_w[nv] = n_probe && n_other ? 0.5 / (double)(probe ? n_probe : n_other) : 1.0;
+            s->val_w[nv] = take_p && take_o ? 0.5 / (double)(probe ? n_probe : n_other) *
+                                                  (probe ? (double)n_pr / (double)take_p : (double)n_or / (double)take_o)
+                                            : 1.0;
             s->val_app[nv] = &s->blocks[pos_src[k]];
             s->val_vis[nv] = (int)pos_local[k] + 1;
-            nv++;
         }
 }
 

@@ -42,8 +42,9 @@ typedef enum { KF_RIDGE_TO_ZERO = 0, KF_RIDGE_TO_ORIG = 1 } kf_ridge_target;
  * positions first), then for every (layer, KV head) fit each candidate on the rest (on a
  * stratified random subsample of it, choice_rows rows per kept key: kf_choice_rows) — the method
  * itself (am or fold; fold for lambda in {1, 10} x lambda_rel), drop and keep, each value
- * refit for alpha in {0, 1e-3, 1e-2, 1e-1} — and keep the one with the lowest output error on the
- * validation queries (appended block: the tokens before each query in its own prompt; probe rows
+ * refit for alpha in {0, 1e-3, 1e-2, 1e-1} — and keep the one
+ * with the lowest output error on the validation queries (a subsample of them, val_rows per kept
+ * key: kf_val_score_rows; appended block: the tokens before each query in its own prompt; probe rows
  * weigh half when there are any), am/fold only when they beat drop and keep by the factor
  * 1 + choice_margin. The winner's values are refitted on all the queries, its beta and fold
  * direction kept as validated (refit_all: KF_REFIT_VALUES; KF_REFIT_ALL refits those too).
@@ -89,6 +90,11 @@ typedef struct {
                                        directions, values) on a stratified random subsample of the
                                        training rows, choice_rows rows per kept key (kf_choice_rows;
                                        default 6); 0: on all of them */
+    double val_rows;                /* the choice scores its candidates on a subsample of the
+                                       held-out rows, val_rows rows per kept key of the largest
+                                       budget (kf_val_score_rows; default 2): probe rows first, the
+                                       others evenly spaced; 0: on all of them. The refit still
+                                       takes every held-out row */
 } kf_choice_params;
 
 /* How the prefills run: chunking, the QUOKA approximation, and the dtypes that trade memory for
@@ -203,6 +209,11 @@ typedef struct {
  * (docs/decisions/subsampled-choice.md). */
 enum { KF_CHOICE_MIN_ROWS = 512 };
 int kf_choice_rows(const kf_compact_params *p, int R, int t);
+/* The held-out rows the choice scores its candidates on, of the n_val held out, for up to t kept
+ * keys: min(n_val, max(ceil(val_rows * t), KF_VAL_MIN_ROWS)) (all n_val when val_rows is 0). Why a
+ * subsample: docs/decisions/per-head-choice.md. */
+enum { KF_VAL_MIN_ROWS = 512 };
+int64_t kf_val_score_rows(const kf_compact_params *p, int64_t n_val, int64_t t);
 /* The training rows (r = j n_pos + k over the group's G members, position k not held out:
  * is_val[k] = 0) in the order kf_compact gathers them for the choice: shuffled (seeded) within each
  * source kind (kind [n_pos], KF_REFQ_*), the kinds interleaved in proportion (row i of a kind of n
@@ -337,7 +348,8 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *   source run on top of the context (the repeat prompt: instruction + document, or the longest
  *   span of a partial repeat: instruction + span), N = D + S;
  *   P, p: the tokens and count of the other sources (probes, the partial repeat's other spans); R reference queries per KV head,
- *   Rv of them held out for the choice, Rc of them the context's own (use_context_queries), Ru
+ *   Rv of them held out for the choice (Rs of those scored: kf_val_score_rows), Rc of them the
+ *   context's own (use_context_queries), Ru
  *   of them (fused targets) the rows whose targets the solve still computes (Rc, plus a QUOKA
  *   repeat's);
  *   t kept keys per head, C = D - T + t; c the prefill chunk; A the attention pool's threads;
@@ -392,7 +404,7 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *
  * ws (kf_compact_head_ws_bytes) is the declared size of each workspace (one per head in flight),
  * from which the heads carve every buffer (nothing on the per-head path calls malloc): a head's widened bf16 rows,
- * its targets (fused: the scores), the validation head; then the largest of the targets' scratch
+ * its targets (fused: the scores), the validation head (its Rs scored rows); then the largest of the targets' scratch
  * and one variant's selection or its choice (the candidates' buffers, the normal equations kept for
  * the refit, the fold's covariance) plus its largest fit step. Each term is the sizing function of
  * its consumer (compactor/am.h, fold.h, diag.h: kf_ws_bytes of each buffer, 64-byte aligned).
@@ -405,6 +417,7 @@ typedef struct {
     int n_p;              /* count of those other sources */
     int64_t R, Rv, Rc, t; /* reference queries, held-out ones and the context's own per KV head; kept keys
                              per head */
+    int64_t Rs;           /* the held-out rows the choice scores (kf_val_score_rows of Rv, t) */
     int choice;           /* the per-head choice runs (validation prompts kept, the split built) */
     int refq_bf16;        /* reference queries stored in bf16 */
     int arena_bf16;       /* the KV arena in bf16 (arena_dtype) */

@@ -71,6 +71,7 @@ typedef struct {
     int *val_vis;                     /* [n_val] the appended tokens each row sees */
     kf_kv_block *blocks;              /* [n_src] for the current head */
     int64_t n_tr, n_val;
+    int64_t n_score; /* the first n_score validation rows are the ones the choice scores (kf_val_score_rows) */
 } head_split;
 
 /* ---- stage 1: plan and context prefill (kf_compact_prepare) ---- */

@@ -40,7 +40,7 @@ int64_t kf_compact_head_ws_bytes(const kf_mem_shape *s, int d) {
      * being the pool's), the validation head (candidates of up to t keys) */
     const int64_t head = (s->refq_bf16 ? kf_ws_bytes(R * d, 4) : 0) +
                          (s->fused ? kf_ws_bytes(T, 4) : kf_am_targets_bytes((int)R, (int)T, d)) +
-                         (s->choice ? kf_val_head_bytes((int)s->Rv, d, (int)t, (int)s->S) : 0);
+                         (s->choice ? kf_val_head_bytes((int)s->Rs, d, (int)t, (int)s->S) : 0);
     /* while the targets are computed: fused, the score sums and the unfused rows' queries and
      * targets; else the targets' scratch */
     const int64_t targets =
@@ -98,6 +98,7 @@ void kf_compact_mem_shape(const kf_hfconfig *c, const kf_compact_params *p, int6
     out->Rc = n_cand > 0 ? (int64_t)G * (int64_t)llround((double)n_pos * (double)ctx / (double)n_cand) : 0;
     if (choice)
         out->Rv = (int64_t)G * (int64_t)llround(p->choice.val_frac * elig);
+    out->Rs = kf_val_score_rows(p, out->Rv, t);
     out->solve_heads = attn_threads < c->n_kv_heads ? attn_threads : c->n_kv_heads;
     const int quoka_repeat = p->run.quoka && p->run.quoka_repeat && p->run.quoka->mode == KF_PREFILL_QUOKA;
     out->fused = probes > 0 || (repeat > 0 && !quoka_repeat); /* sources.c's kf_sources_targets_init */

@@ -171,7 +171,7 @@ kf_status kf_head_prepare(kf_compact_prep *x, int l, int g, const float *K, cons
     ts = now_s();
     kf_split_head(sp, &x->rq, hs->q, &hs->tg, x->is_val, x->tr_order, x->pos_src, x->pos_local, &x->ap, g);
     /* the original block's attention on the validation rows is their targets */
-    rc = kf_val_head_init_targets(&hs->vh, hs->h.be, sp->val_q, (int)sp->n_val, x->d, x->scale, sp->val_w, sp->val_m,
+    rc = kf_val_head_init_targets(&hs->vh, hs->h.be, sp->val_q, (int)sp->n_score, x->d, x->scale, sp->val_w, sp->val_m,
                                   sp->val_y, sp->val_Y, sp->val_app, sp->val_vis, t_max, ws, err);
     if (rc == KF_OK && (rc = head_check_finite(x, l, g, K, V, hs->q, &hs->tg, &hs->vh, err)) != KF_OK)
         kf_val_head_free(&hs->vh);

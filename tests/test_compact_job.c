@@ -360,14 +360,14 @@ static void test_memory_formula(void) {
      * (mu 128, Sigma 8 * 256 = 2,048) and its 1,024-row tile 8 * 1,024 * 16 = 131,072 */
     kf_mem_shape ws = {.T = 32, .R = 100, .t = 8, .fused = 1, .S = 38};
     CU_ASSERT_EQUAL(kf_compact_head_ws_bytes(&ws, 16), 128 + 2176 + 131072);
-    /* with the choice (Rv 20): the validation head, 5 [20] fp64 (192 each) + 3 [20, 16] fp32 (1,280
+    /* with the choice (Rv 20, all of them scored: Rs 20): the validation head, 5 [20] fp64 (192 each) + 3 [20, 16] fp32 (1,280
      * each) + [16] fp64 128 + the candidates' weights 4 * max(20 * 8, 64 * 38) = 9,728 + the appended
      * rows' scratch 2 * 20 * 16 (320) + 2 * 4 * 64 * 16 (4,096 each) = 23,488; the normal equations
      * the choice keeps for the refit (beta's 512 + 64, drop's 2 * 512 + 2 * 1,024) = 3,648, beside
      * its own buffers (beta 64, u 64, keys and values 2 * 512, the row tiles: logits 8,192, weights
      * 8,192, a tile's fp32 products 8 * 8 * 4 = 256 and 8 * 16 * 4 = 512; the candidates' value
      * normal equations 3,072; the covariance 2,176) = 23,552 and the covariance's row tile 131,072 */
-    ws.choice = 1, ws.Rv = 20;
+    ws.choice = 1, ws.Rv = 20, ws.Rs = 20;
     CU_ASSERT_EQUAL(kf_compact_head_ws_bytes(&ws, 16), 128 + 23488 + 3648 + 23552 + 131072);
     /* unfused targets: all R rows' m, y, Y and scores (2 * 448 + 6,400 + 128) held, their scratch
      * (score sums 256, a tile's logits 4 * 256 * 32 = 32,768) below the variant's */
