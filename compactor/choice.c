@@ -300,10 +300,10 @@ int kf_choice_rows(const kf_compact_params *p, int R, int t) {
     return n < R ? (int)n : R;
 }
 
-int64_t kf_val_score_rows(const kf_compact_params *p, int64_t n_val, int64_t t) {
+int64_t kf_val_score_rows(const kf_compact_params *p, int64_t n_val, int64_t T) {
     if (!(p->choice.val_rows > 0))
         return n_val;
-    const double want = ceil(p->choice.val_rows * (double)t), n = want > KF_VAL_MIN_ROWS ? want : KF_VAL_MIN_ROWS;
+    const double want = ceil(p->choice.val_rows * (double)T), n = want > KF_VAL_MIN_ROWS ? want : KF_VAL_MIN_ROWS;
     return n < (double)n_val ? (int64_t)n : n_val;
 }
 

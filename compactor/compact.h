@@ -43,8 +43,8 @@ typedef enum { KF_RIDGE_TO_ZERO = 0, KF_RIDGE_TO_ORIG = 1 } kf_ridge_target;
  * stratified random subsample of it, choice_rows rows per kept key: kf_choice_rows) — the method
  * itself (am or fold; fold for lambda in {1, 10} x lambda_rel), drop and keep, each value
  * refit for alpha in {0, 1e-3, 1e-2, 1e-1} — and keep the one
- * with the lowest output error on the validation queries (a subsample of them, val_rows per kept
- * key: kf_val_score_rows; appended block: the tokens before each query in its own prompt; probe rows
+ * with the lowest output error on the validation queries (a subsample of them, val_rows per
+ * document token: kf_val_score_rows; appended block: the tokens before each query in its own prompt; probe rows
  * weigh half when there are any), am/fold only when they beat drop and keep by the factor
  * 1 + choice_margin. The winner's values are refitted on all the queries, its beta and fold
  * direction kept as validated (refit_all: KF_REFIT_VALUES; KF_REFIT_ALL refits those too).
@@ -91,8 +91,8 @@ typedef struct {
                                        training rows, choice_rows rows per kept key (kf_choice_rows;
                                        default 6); 0: on all of them */
     double val_rows;                /* the choice scores its candidates on a subsample of the
-                                       held-out rows, val_rows rows per kept key of the largest
-                                       budget (kf_val_score_rows; default 2): probe rows first, the
+                                       held-out rows, val_rows rows per document token
+                                       (kf_val_score_rows; default 0.2): probe rows first, the
                                        others evenly spaced; 0: on all of them. The refit still
                                        takes every held-out row */
 } kf_choice_params;
@@ -209,11 +209,12 @@ typedef struct {
  * (docs/decisions/subsampled-choice.md). */
 enum { KF_CHOICE_MIN_ROWS = 512 };
 int kf_choice_rows(const kf_compact_params *p, int R, int t);
-/* The held-out rows the choice scores its candidates on, of the n_val held out, for up to t kept
- * keys: min(n_val, max(ceil(val_rows * t), KF_VAL_MIN_ROWS)) (all n_val when val_rows is 0). Why a
- * subsample: docs/decisions/per-head-choice.md. */
+/* The held-out rows the choice scores its candidates on, of the n_val held out, for a document of
+ * T tokens: min(n_val, max(ceil(val_rows * T), KF_VAL_MIN_ROWS)) (all n_val when val_rows is 0).
+ * Not of the budget: the variants of one solve share the scored rows, so that each is the file a
+ * job with that variant alone writes. Why a subsample: docs/decisions/per-head-choice.md. */
 enum { KF_VAL_MIN_ROWS = 512 };
-int64_t kf_val_score_rows(const kf_compact_params *p, int64_t n_val, int64_t t);
+int64_t kf_val_score_rows(const kf_compact_params *p, int64_t n_val, int64_t T);
 /* The training rows (r = j n_pos + k over the group's G members, position k not held out:
  * is_val[k] = 0) in the order kf_compact gathers them for the choice: shuffled (seeded) within each
  * source kind (kind [n_pos], KF_REFQ_*), the kinds interleaved in proportion (row i of a kind of n
@@ -417,7 +418,7 @@ typedef struct {
     int n_p;              /* count of those other sources */
     int64_t R, Rv, Rc, t; /* reference queries, held-out ones and the context's own per KV head; kept keys
                              per head */
-    int64_t Rs;           /* the held-out rows the choice scores (kf_val_score_rows of Rv, t) */
+    int64_t Rs;           /* the held-out rows the choice scores (kf_val_score_rows of Rv, T) */
     int choice;           /* the per-head choice runs (validation prompts kept, the split built) */
     int refq_bf16;        /* reference queries stored in bf16 */
     int arena_bf16;       /* the KV arena in bf16 (arena_dtype) */

@@ -98,7 +98,7 @@ void kf_compact_mem_shape(const kf_hfconfig *c, const kf_compact_params *p, int6
     out->Rc = n_cand > 0 ? (int64_t)G * (int64_t)llround((double)n_pos * (double)ctx / (double)n_cand) : 0;
     if (choice)
         out->Rv = (int64_t)G * (int64_t)llround(p->choice.val_frac * elig);
-    out->Rs = kf_val_score_rows(p, out->Rv, t);
+    out->Rs = kf_val_score_rows(p, out->Rv, n_doc);
     out->solve_heads = attn_threads < c->n_kv_heads ? attn_threads : c->n_kv_heads;
     const int quoka_repeat = p->run.quoka && p->run.quoka_repeat && p->run.quoka->mode == KF_PREFILL_QUOKA;
     out->fused = probes > 0 || (repeat > 0 && !quoka_repeat); /* sources.c's kf_sources_targets_init */

@@ -78,7 +78,7 @@ static kf_status thread_init(const kf_compact_prep *x, const variant_ws *w, int 
             return kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the validation split");
         t->sp.n_val = x->n_val_pos * x->G;
         t->sp.n_tr = x->rq.R - t->sp.n_val;
-        t->sp.n_score = kf_val_score_rows(&x->p, t->sp.n_val, tm);
+        t->sp.n_score = kf_val_score_rows(&x->p, t->sp.n_val, x->n_doc);
     }
     for (int i = 0; i < n; i++) {
         t->w[i] = w[i];
@@ -155,7 +155,7 @@ static int64_t solve_ws_bytes(const kf_compact_prep *x, int t_max, int any_choic
                       .fused = x->tg.m != NULL,
                       .refit_values = any_choice && x->p.choice.refit_all == KF_REFIT_VALUES};
     s.Rv = any_choice ? x->n_val_pos * x->G : 0;
-    s.Rs = kf_val_score_rows(&x->p, s.Rv, t_max);
+    s.Rs = kf_val_score_rows(&x->p, s.Rv, x->n_doc);
     for (int i = 0; i < x->n_sources; i++) /* the longest prompt a validation row sees */
         if (x->src[i].kind != KF_REFQ_CONTEXT)
             s.S = x->src[i].n > s.S ? x->src[i].n : s.S;

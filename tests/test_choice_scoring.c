@@ -85,15 +85,15 @@ static void test_alpha_grid(void) {
 
 static void test_val_score_rows(void) {
     kf_compact_params p = kf_compact_params_default();
-    CU_ASSERT_EQUAL(p.choice.val_rows, 2);
-    CU_ASSERT_EQUAL(kf_val_score_rows(&p, 3300, 819), 1638);
-    CU_ASSERT_EQUAL(kf_val_score_rows(&p, 3300, 100), KF_VAL_MIN_ROWS);
-    CU_ASSERT_EQUAL(kf_val_score_rows(&p, 400, 100), 400);
-    CU_ASSERT_EQUAL(kf_val_score_rows(&p, 1000, 819), 1000);
+    CU_ASSERT_EQUAL(p.choice.val_rows, 0.2);
+    CU_ASSERT_EQUAL(kf_val_score_rows(&p, 3280, 8192), 1639); /* ceil(1638.4) */
+    CU_ASSERT_EQUAL(kf_val_score_rows(&p, 3300, 1000), KF_VAL_MIN_ROWS);
+    CU_ASSERT_EQUAL(kf_val_score_rows(&p, 400, 1000), 400);
+    CU_ASSERT_EQUAL(kf_val_score_rows(&p, 1000, 8192), 1000);
     p.choice.val_rows = 1.5;
     CU_ASSERT_EQUAL(kf_val_score_rows(&p, 3300, 411), 617); /* ceil(616.5) */
     p.choice.val_rows = 0;
-    CU_ASSERT_EQUAL(kf_val_score_rows(&p, 3300, 819), 3300);
+    CU_ASSERT_EQUAL(kf_val_score_rows(&p, 3300, 8192), 3300);
 }
 
 enum { SP_D = 4, SP_GROUP = 2, SP_POS = 40, SP_R = SP_GROUP * SP_POS };
@@ -204,7 +204,7 @@ static void test_split_scored_rows(void) {
 
 static CU_TestInfo scoring_tests[] = {
     {"drop's alpha == every alpha of the grid scored by hand, on planted heads", test_alpha_grid},
-    {"scored held-out rows: per kept key of the largest budget, floor, all", test_val_score_rows},
+    {"scored held-out rows: per document token, floor, all", test_val_score_rows},
     {"the split: the scored rows first (probes, then evenly spaced), weights halved between kinds",
      test_split_scored_rows},
     CU_TEST_INFO_NULL,

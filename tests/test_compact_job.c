@@ -280,6 +280,37 @@ static void test_shared_stages_equal_separate(void) {
     CU_ASSERT_PTR_NULL(prep);
 }
 
+/* The same where the choice scores a subsample of the held-out rows (2,600 tokens of records-dev's
+ * longest document, 2,000 sampled positions: more held-out rows than kf_val_score_rows takes, and more
+ * scored rows than its floor): the scored rows are the document's, not the budget's, so fold at 0.1
+ * solved beside fold at 0.25 is fold at 0.1 alone. */
+static void test_shared_variants_scored_subsample(void) {
+    kf_error err = {0};
+    const kf_compact_variant v[] = {{KF_METHOD_FOLD, 0.1}, {KF_METHOD_FOLD, 0.25}};
+    kf_compact_params p = params(KF_METHOD_FOLD, 0.1);
+    p.solver.max_queries = 4000;
+    static int32_t ids[4096];
+    const int n_all = kf_test_records_ids(25, ids, 4096), n_doc = n_all < 2600 ? n_all : 2600;
+    const kf_prompt doc = {ids, n_doc};
+    kf_compacted shared[2], alone;
+    kf_compact_prep *prep = NULL;
+    CU_ASSERT_EQUAL_FATAL(kf_compact_prepare(g_m, NULL, NULL, &doc, NULL, &p, v, 2, &prep, &err), KF_OK);
+    CU_ASSERT_EQUAL_FATAL(kf_compact_solve(prep, v, 2, shared, &err), KF_OK);
+    kf_compact_prep_free(prep, NULL);
+    const int64_t n_val = shared[0].stats.n_val_queries;
+    printf("\n    %d tokens: %lld held-out rows, %lld scored\n", n_doc, (long long)n_val,
+           (long long)kf_val_score_rows(&p, n_val, n_doc));
+    CU_ASSERT(kf_val_score_rows(&p, n_val, n_doc) < n_val && kf_val_score_rows(&p, n_val, n_doc) > KF_VAL_MIN_ROWS);
+    for (int i = 0; i < 2; i++) {
+        kf_compact_params q = p;
+        q.budget = v[i].budget;
+        CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &q, &alone, &err), KF_OK);
+        CU_ASSERT(compacted_identical(&shared[i], &alone));
+        kf_compacted_free(&alone);
+        kf_compacted_free(&shared[i]);
+    }
+}
+
 /* A caller's arena of exactly kf_compact_arena_pages pages (a 203-token context: 13 pages) is
  * enough and one page less is not: the reference sources (a 209-token repeat prompt, a 7-token
  * probe) run layer by layer in an arena of their own inside kf_compact_solve (with or without the
@@ -600,6 +631,7 @@ static CU_TestInfo model_tests[] = {
     {"logits with sharing equal logits without", test_sharing_logits_equal},
     {"kf_compact_ex with a shared prefix == kf_compact", test_compact_ex_shared_equals_whole},
     {"one prepare, several variants == kf_compact for each", test_shared_stages_equal_separate},
+    {"several variants == each alone where the choice scores a subsample", test_shared_variants_scored_subsample},
     {"a caller's arena of kf_compact_arena_pages; the sources held together only while they run", test_prep_arena_pages},
     {"the memory formula: a hand-computed case, the loaded weights, kf_compact's shape", test_memory_formula},
     {"bf16 reference queries: a different, close compaction", test_refq_bf16_close},
