@@ -280,17 +280,17 @@ static void test_shared_stages_equal_separate(void) {
     CU_ASSERT_PTR_NULL(prep);
 }
 
-/* The same where the choice scores a subsample of the held-out rows (2,600 tokens of records-dev's
- * longest document, 2,000 sampled positions: more held-out rows than kf_val_score_rows takes, and more
- * scored rows than its floor): the scored rows are the document's, not the budget's, so fold at 0.1
- * solved beside fold at 0.25 is fold at 0.1 alone. */
+/* The same where the choice scores a subsample of the held-out rows (1,100 tokens of records-dev's
+ * longest document, half the positions held out and 0.5 scored per token: more held-out rows than
+ * kf_val_score_rows takes, and more scored rows than its floor): the scored rows are the document's,
+ * not the budget's, so fold at 0.1 solved beside fold at 0.25 is fold at 0.1 alone. */
 static void test_shared_variants_scored_subsample(void) {
     kf_error err = {0};
     const kf_compact_variant v[] = {{KF_METHOD_FOLD, 0.1}, {KF_METHOD_FOLD, 0.25}};
     kf_compact_params p = params(KF_METHOD_FOLD, 0.1);
-    p.solver.max_queries = 4000;
+    p.choice.val_frac = 0.5, p.choice.val_rows = 0.5;
     static int32_t ids[4096];
-    const int n_all = kf_test_records_ids(25, ids, 4096), n_doc = n_all < 2600 ? n_all : 2600;
+    const int n_all = kf_test_records_ids(25, ids, 4096), n_doc = n_all < 1100 ? n_all : 1100;
     const kf_prompt doc = {ids, n_doc};
     kf_compacted shared[2], alone;
     kf_compact_prep *prep = NULL;
