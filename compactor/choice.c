@@ -293,18 +293,20 @@ kf_status kf_choice_refit_add(kf_choice_fits *f, kf_refit_add_to to, const kf_am
     return KF_OK;
 }
 
+/* min(all, max(ceil(per * x), floor)) rows; all of them when per is 0. */
+static int64_t rows_per(double per, int64_t x, int64_t floor_, int64_t all) {
+    if (!(per > 0))
+        return all;
+    const double want = ceil(per * (double)x), n = want > (double)floor_ ? want : (double)floor_;
+    return n < (double)all ? (int64_t)n : all;
+}
+
 int kf_choice_rows(const kf_compact_params *p, int R, int t) {
-    if (!(p->choice.choice_rows > 0))
-        return R;
-    const double want = ceil(p->choice.choice_rows * t), n = want > KF_CHOICE_MIN_ROWS ? want : KF_CHOICE_MIN_ROWS;
-    return n < R ? (int)n : R;
+    return (int)rows_per(p->choice.choice_rows, t, KF_CHOICE_MIN_ROWS, R);
 }
 
 int64_t kf_val_score_rows(const kf_compact_params *p, int64_t n_val, int64_t T) {
-    if (!(p->choice.val_rows > 0))
-        return n_val;
-    const double want = ceil(p->choice.val_rows * (double)T), n = want > KF_VAL_MIN_ROWS ? want : KF_VAL_MIN_ROWS;
-    return n < (double)n_val ? (int64_t)n : n_val;
+    return rows_per(p->choice.val_rows, T, KF_VAL_MIN_ROWS, n_val);
 }
 
 kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, const kf_am_targets *ttr,
@@ -422,9 +424,12 @@ void kf_split_head(head_split *s, const kf_refq *rq, const float *q, const kf_am
         s->tr_m[i] = tg->m[r], s->tr_y[i] = tg->y[r];
     }
     /* the scored rows first (probe rows, then the others evenly spaced), then the rest, each in
-     * gather order; the scored rows' weights as if they were all */
+     * gather order; probe rows weigh half of the scored rows' total when both kinds are scored */
     const int64_t n_pr = n_probe * rq->group, n_or = n_other * rq->group;
     const int64_t take_p = s->n_score < n_pr ? s->n_score : n_pr, take_o = s->n_score - take_p;
+    const int both = take_p && take_o;
+    const double w_probe = both ? 0.5 / (double)n_probe * ((double)n_pr / (double)take_p) : 1.0;
+    const double w_other = both ? 0.5 / (double)n_other * ((double)n_or / (double)take_o) : 1.0;
     int64_t ip = 0, io = 0, at_scored = 0, at_rest = s->n_score;
     for (int j = 0; j < rq->group; j++)
         for (int64_t k = 0; k < rq->n_pos; k++) {
@@ -432,15 +437,12 @@ void kf_split_head(head_split *s, const kf_refq *rq, const float *q, const kf_am
             if (!is_val[k])
                 continue;
             const int probe = rq->source[k] == KF_REFQ_PROBE;
-            const int64_t nv = (probe ? scored_row(ip++, n_pr, take_p) : scored_row(io++, n_or, take_o)) ? at_scored++
-                                                                                                        : at_rest++;
+            const int in = probe ? scored_row(ip++, n_pr, take_p) : scored_row(io++, n_or, take_o);
+            const int64_t nv = in ? at_scored++ : at_rest++;
             memcpy(s->val_q + (size_t)nv * d, q + (size_t)r * d, sizeof(float) * d);
             memcpy(s->val_Y + (size_t)nv * d, tg->Y + (size_t)r * d, sizeof(float) * d);
             s->val_m[nv] = tg->m[r], s->val_y[nv] = tg->y[r];
-            /* probe rows weigh half of the total when there are both kinds */
-            s->val_w[nv] = take_p && take_o ? 0.5 / (double)(probe ? n_probe : n_other) *
-                                                  (probe ? (double)n_pr / (double)take_p : (double)n_or / (double)take_o)
-                                            : 1.0;
+            s->val_w[nv] = probe ? w_probe : w_other;
             s->val_app[nv] = &s->blocks[pos_src[k]];
             s->val_vis[nv] = (int)pos_local[k] + 1;
         }

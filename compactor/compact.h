@@ -42,10 +42,10 @@ typedef enum { KF_RIDGE_TO_ZERO = 0, KF_RIDGE_TO_ORIG = 1 } kf_ridge_target;
  * positions first), then for every (layer, KV head) fit each candidate on the rest (on a
  * stratified random subsample of it, choice_rows rows per kept key: kf_choice_rows) — the method
  * itself (am or fold; fold for lambda in {1, 10} x lambda_rel), drop and keep, each value
- * refit for alpha in {0, 1e-3, 1e-2, 1e-1} — and keep the one
- * with the lowest output error on the validation queries (a subsample of them, val_rows per
- * document token: kf_val_score_rows; appended block: the tokens before each query in its own prompt; probe rows
- * weigh half when there are any), am/fold only when they beat drop and keep by the factor
+ * refit for alpha in {0, 1e-3, 1e-2, 1e-1} — and keep the one with the lowest output error on the
+ * validation queries (a subsample of them, val_rows per document token: kf_val_score_rows;
+ * appended block: the tokens before each query in its own prompt; probe rows weigh half when there
+ * are any), am/fold only when they beat drop and keep by the factor
  * 1 + choice_margin. The winner's values are refitted on all the queries, its beta and fold
  * direction kept as validated (refit_all: KF_REFIT_VALUES; KF_REFIT_ALL refits those too).
  * Why: docs/decisions/per-head-choice.md. */
@@ -405,8 +405,8 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *
  * ws (kf_compact_head_ws_bytes) is the declared size of each workspace (one per head in flight),
  * from which the heads carve every buffer (nothing on the per-head path calls malloc): a head's widened bf16 rows,
- * its targets (fused: the scores), the validation head (its Rs scored rows); then the largest of the targets' scratch
- * and one variant's selection or its choice (the candidates' buffers, the normal equations kept for
+ * its targets (fused: the scores), the validation head (its Rs scored rows); then the largest of
+ * the targets' scratch and one variant's selection or its choice (the candidates' buffers, the normal equations kept for
  * the refit, the fold's covariance) plus its largest fit step. Each term is the sizing function of
  * its consumer (compactor/am.h, fold.h, diag.h: kf_ws_bytes of each buffer, 64-byte aligned).
  * Without the per-head choice the [choice] terms are 0. Several variants in one kf_compact_solve
