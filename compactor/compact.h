@@ -41,8 +41,8 @@ typedef enum { KF_RIDGE_TO_ZERO = 0, KF_RIDGE_TO_ORIG = 1 } kf_ridge_target;
 /* Per-head choice: hold out a validation split of the reference positions (probe
  * positions first), then for every (layer, KV head) fit each candidate on the rest (on a
  * stratified random subsample of it, choice_rows rows per kept key: kf_choice_rows) — the method
- * itself (am or fold; fold for lambda in {1, 10} x lambda_rel), drop and keep, each value
- * refit for alpha in {0, 1e-3, 1e-2, 1e-1} — and keep the one with the lowest output error on the
+ * itself (am or fold; fold for lambda = lambda_rel), drop and keep, each value
+ * refit for alpha in {0, 1e-2, 1e-1} — and keep the one with the lowest output error on the
  * validation queries (a subsample of them, val_rows per document token: kf_val_score_rows;
  * appended block: the tokens before each query in its own prompt; probe rows weigh half when there
  * are any), am/fold only when they beat drop and keep by the factor
