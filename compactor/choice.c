@@ -8,8 +8,8 @@
 #include "compactor/fold.h"
 /* ---- per-head choice (docs/decisions/per-head-choice.md) ---- */
 
-/* 1e-3 was dropped: a head that picked it did about as well with 0 or 1e-2, and each alpha is one
- * Cholesky solve and one validation error per candidate (docs/decisions/per-head-choice.md) */
+/* 1e-3 was dropped: it won few heads and the quality tables did not miss it, while each alpha is
+ * one Cholesky solve and one validation error per candidate (docs/decisions/per-head-choice.md) */
 static const double kAlphaGrid[] = {0, 1e-2, 1e-1};
 /* times lambda_rel; 0.1x was dropped: its long u (keys moved by beta sqrt(d) u) made the folded keys
  * so large that rounding the cache to bf16 moved the records model's logits by 7 (test_e2e); 10x

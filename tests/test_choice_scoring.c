@@ -57,7 +57,7 @@ static void test_alpha_grid(void) {
     for (int dup = 0; dup < 2; dup++)
         for (int s = 0; s < 2; s++)
             for (int to = 0; to < 2; to++)
-                for (int r = 0; r < 4; r++) {
+                for (size_t r = 0; r < sizeof kRows / sizeof *kRows; r++) {
                     const int rtr = kRows[r];
                     kf_planted_head ph;
                     kf_planted_init(&ph, dup, s ? -1.0f : 1.0f, to ? KF_RIDGE_TO_ORIG : KF_RIDGE_TO_ZERO, rtr);
