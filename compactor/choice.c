@@ -378,7 +378,7 @@ kf_status kf_appended_load(const kf_arena *a, int64_t D, appended_kv *ap, int l,
 void kf_split_free(head_split *s) {
     free(s->tr_q), free(s->tr_m), free(s->tr_y), free(s->tr_Y), free(s->val_q), free(s->val_w);
     free(s->val_m), free(s->val_y), free(s->val_Y);
-    free((void *)s->val_app), free(s->val_vis), free(s->blocks);
+    free((void *)s->val_app), free(s->val_vis), free(s->blocks), free(s->val_lse_a), free(s->val_oa);
     memset(s, 0, sizeof *s);
 }
 
@@ -396,9 +396,11 @@ int kf_split_alloc(head_split *s, int64_t R, int64_t n_val, int d, int n_src) {
     s->val_w = malloc(sizeof(double) * (size_t)n_val);
     s->val_app = malloc(sizeof(*s->val_app) * (size_t)n_val);
     s->val_vis = malloc(sizeof(int) * (size_t)n_val);
+    s->val_lse_a = malloc(sizeof(double) * (size_t)(n_val ? n_val : 1));
+    s->val_oa = malloc(sizeof(float) * (size_t)(n_val ? n_val : 1) * d);
     s->blocks = calloc((size_t)n_src, sizeof *s->blocks);
     return s->tr_q && s->tr_m && s->tr_y && s->tr_Y && s->val_q && s->val_w && s->val_app && s->val_vis && s->blocks &&
-                   s->val_m && s->val_y && s->val_Y
+                   s->val_m && s->val_y && s->val_Y && s->val_lse_a && s->val_oa
                ? 0
                : -1;
 }
@@ -410,7 +412,7 @@ static int scored_row(int64_t i, int64_t n, int64_t take) {
 
 void kf_split_head(head_split *s, const kf_refq *rq, const float *q, const kf_am_targets *tg, const uint8_t *is_val,
                    const int64_t *tr_order, const int *pos_src, const int64_t *pos_local, const appended_kv *ap,
-                   int g) {
+                   const own_rows *own, int g) {
     const int d = rq->head_dim;
     const size_t row = (size_t)rq->kv_heads * d;
     for (int i = 1; i < ap->n_src; i++)
@@ -448,6 +450,12 @@ void kf_split_head(head_split *s, const kf_refq *rq, const float *q, const kf_am
             s->val_w[nv] = probe ? w_probe : w_other;
             s->val_app[nv] = &s->blocks[pos_src[k]];
             s->val_vis[nv] = (int)pos_local[k] + 1;
+            if (own && own->done[k]) { /* the source forward attended its prompt already */
+                const size_t a = (size_t)j * own->n_own + (size_t)own->slot[k];
+                s->val_app[nv] = NULL;
+                s->val_lse_a[nv] = own->m[a] + log((double)own->y[a]);
+                memcpy(s->val_oa + (size_t)nv * d, own->Y + a * d, sizeof(float) * d);
+            }
         }
 }
 

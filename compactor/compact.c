@@ -180,6 +180,8 @@ static kf_status prepare_run(kf_compact_prep *x, const kf_compact_reuse *reuse, 
     if (rc == KF_OK && choice)
         rc = kf_plan_validation(x->src, x->n_sources, sample, n_pos, &x->p, (size_t)x->kvh * x->d, &x->pos_kind,
                                 &x->pos_src, &x->pos_local, &x->is_val, &x->n_val_pos, &x->ap, err);
+    if (rc == KF_OK && choice && x->tg.m) /* the held-out rows' own prompts, from the source forwards */
+        rc = kf_refq_targets_own_init(&x->tg, x->is_val, err);
     if (rc == KF_OK && choice &&
         (!(x->tr_order = malloc(sizeof(int64_t) * (size_t)(n_pos ? n_pos * x->G : 1))) ||
          kf_choice_training_order(n_pos, x->G, x->pos_kind, x->is_val, x->p.solver.seed, x->tr_order) < 0))

@@ -383,6 +383,10 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *                                                 rows of a tile without targets: G q', q' halved
  *                                                 from min(floor(512 / G), c') while kvh ceil(c' / q')
  *                                                 < 2 A, q' G > 64 and q' > 1
+ *               + [choice] kvh 4 Rv (d + 2)       the held-out rows' attention over their own prompts
+ *                 + 5 R / G                       (refq_targets.h: their pool and slots) and the
+ *                 + 4 A (r~ d + 3 r~)             tiles' own-key state kept aside (r~: r rounded up
+ *                                                 to a multiple of 16)
  *             [fused]: a source past the context runs dense on the CPU backend (the repeat
  *             without QUOKA, or a probe); else 0 and the solve computes all the targets
  *   forward = kf_forward_plan_bytes(min(c, max(D, S)), 0) + 4 A W(G q', d, 0) + 4 H (S + P)
@@ -395,7 +399,8 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *           + 8 R [choice]                        the training rows' order (kf_choice_training_order)
  *           + n (8 t + 16 t d                      per thread (thread_init): the kept keys' buffers
  *                + [probes] 4 R d                 the probe rows (fold_queries on probes)
- *                + [choice] 8 R (d + 1) + 20 Rv)  the training/validation split
+ *                + [choice] 8 R (d + 1)            the training/validation split (with the given
+ *                  + Rv (4 d + 28))               own-prompt attention of the held-out rows)
  *           + h ws                                per head in flight: its workspace, everything it holds
  *   output  = L C (8 KD + 8 kvh) + L kvh (4 d + 9) the compacted cache
  *   base    = 144 MiB                             what the heap does not hold, measured: the binary and

@@ -67,7 +67,10 @@ typedef struct {
     float *val_m, *val_y, *val_Y;     /* [n_val], [n_val], [n_val, d]: the validation rows' targets
                                          (the refit adds their part) */
     double *val_w;                    /* [n_val] */
-    const kf_kv_block **val_app;      /* [n_val] each row's appended block (into blocks) */
+    const kf_kv_block **val_app;      /* [n_val] each row's appended block (into blocks); NULL: its attention
+                                         over it is given in val_lse_a, val_oa (the source forward's) */
+    double *val_lse_a;                /* [n_val] */
+    float *val_oa;                    /* [n_val, d] */
     int *val_vis;                     /* [n_val] the appended tokens each row sees */
     kf_kv_block *blocks;              /* [n_src] for the current head */
     int64_t n_tr, n_val;
@@ -155,11 +158,22 @@ kf_status kf_appended_load(const kf_arena *a, int64_t D, appended_kv *ap, int l,
 void kf_split_free(head_split *s);
 /* 0, or -1 when out of memory. */
 int kf_split_alloc(head_split *s, int64_t R, int64_t n_val, int d, int n_src);
+/* One head's held-out rows' attention over their own prompts, made by the source forwards
+ * (refq_targets.h): row j * n_own + slot[p] for query head j of the group at position p, where
+ * done[p]. */
+typedef struct {
+    const float *m, *y, *Y; /* [group * n_own], [same], [same, d] */
+    const int32_t *slot;    /* [n_pos] */
+    const uint8_t *done;    /* [n_pos] */
+    int64_t n_own;
+} own_rows;
+
 /* pos_src/pos_local [n_pos]: source and index inside it of every sampled position; ap holds the
- * layer of this head (kf_appended_load). */
+ * layer of this head (kf_appended_load); own (NULL: none) the rows whose appended block's
+ * attention is given. */
 void kf_split_head(head_split *s, const kf_refq *rq, const float *q, const kf_am_targets *tg, const uint8_t *is_val,
                    const int64_t *tr_order, const int *pos_src, const int64_t *pos_local, const appended_kv *ap,
-                   int g);
+                   const own_rows *own, int g);
 
 /* ---- sources.c: the reference sources and the context ---- */
 

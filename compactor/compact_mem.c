@@ -131,6 +131,10 @@ static int64_t plain_tile_queries(const kf_hfconfig *c, const kf_mem_shape *s, i
     return tf;
 }
 
+static int64_t al16(int64_t floats) { /* the attention's buffers: 64-byte steps */
+    return (floats + 15) & ~(int64_t)15;
+}
+
 /* The targets term (compact.h): one layer of the pool, the attention's block logits and parts. */
 static int64_t targets_bytes(const kf_hfconfig *c, const kf_mem_shape *s, int64_t chunk) {
     if (!s->fused)
@@ -143,8 +147,12 @@ static int64_t targets_bytes(const kf_hfconfig *c, const kf_mem_shape *s, int64_
     /* the block's logits: 8 padding rows, rows of a multiple of 16 floats; the tiles: cut at every
      * multiple of 256 positions too, at most one more tile each */
     const int64_t ld = (s->T + 15) & ~(int64_t)15, tiles = (chunk + tq - 1) / tq + (chunk + 255) / 256;
+    /* with the choice, the held-out rows' own prompts: their pool, the tile's own-key state kept aside */
+    const int64_t own = s->choice ? kf_refq_targets_own_bytes(1, kvh, s->Rv, c->head_dim, s->R / G) +
+                                        4 * s->attn_threads * (al16(G * tq * c->head_dim) + 3 * al16(G * tq))
+                                  : 0;
     return kf_refq_targets_bytes(1, kvh, s->R, c->head_dim, s->T) + 4 * s->attn_threads * ((G * tq + 8) * ld + wider) +
-           8 * kvh * s->T * tiles;
+           8 * kvh * s->T * tiles + own;
 }
 
 int64_t kf_compact_peak_bytes(const kf_hfconfig *c, const kf_mem_shape *s, kf_mem_peak *terms) {
@@ -163,11 +171,11 @@ int64_t kf_compact_peak_bytes(const kf_hfconfig *c, const kf_mem_shape *s, kf_me
     m.targets = targets_bytes(c, s, chunk);
     const int rows = (int)(c->n_heads / c->n_kv_heads * plain_tile_queries(c, s, chunk)); /* a tile's query rows */
     m.forward = (int64_t)kf_forward_plan_bytes(c, (int)chunk, 0) +
-                4 * (int64_t)s->attn_threads * (int64_t)kf_cpu_attn_tile_floats(rows, (int)d, 0) + 4 * H * (s->S + s->P);
+                4 * (int64_t)s->attn_threads * (int64_t)kf_cpu_attn_tile_floats(rows, (int)d, 0, 0) + 4 * H * (s->S + s->P);
     if (s->weights_bf16)
         m.forward += widen_tile_bytes(c) + 4 * H;
     const int64_t thread = 8 * t + 16 * t * d + (s->fold_on_probes ? 4 * R * d : 0) +
-                           (s->choice ? 8 * R * (d + 1) + 20 * Rv : 0);
+                           (s->choice ? 8 * R * (d + 1) + Rv * (4 * d + 28) : 0);
     m.solve = 8 * s->D * KD + (s->choice ? 8 * (s->S + s->P) * KD + 8 * R : 0) + (int64_t)s->solve_threads * thread +
               (int64_t)s->solve_heads * s->head_ws;
     const int64_t C = s->D - T + t;

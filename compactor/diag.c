@@ -381,12 +381,17 @@ kf_status kf_val_head_init(kf_val_head *v, const kf_backend *be, const float *q,
 
 kf_status kf_val_head_init_targets(kf_val_head *v, const kf_backend *be, const float *q, int n, int d, float scale,
                                    const double *w, const float *m, const float *y, const float *Y,
-                                   const kf_kv_block *const *app, const int *visible, int max_keys, kf_ws *ws,
-                                   kf_error *err) {
+                                   const kf_kv_block *const *app, const int *visible, const double *lse_a,
+                                   const float *o_a, int max_keys, kf_ws *ws, kf_error *err) {
     if (val_head_common(v, be, q, n, d, scale, w, app, visible, max_keys, ws) != 0) {
         kf_val_head_free(v);
         return kf_fail(err, KF_ERR_NOMEM, "validation: out of memory (%d queries)", n);
     }
+    for (int i = 0; lse_a && i < n; i++)
+        if (!app || !app[i]) {
+            v->lse_a[i] = lse_a[i];
+            memcpy(v->o_a + (size_t)i * d, o_a + (size_t)i * d, sizeof(float) * d);
+        }
     for (int i = 0; i < n; i++)
         v->lse_b[i] = m[i] + log((double)y[i]);
     memcpy(v->o_b, Y, sizeof(float) * (size_t)n * d);

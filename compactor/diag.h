@@ -85,13 +85,15 @@ kf_status kf_val_head_init(kf_val_head *v, const kf_backend *be, const float *q,
                            const double *w, const kf_kv_block *orig, const kf_kv_block *const *app, const int *visible,
                            kf_error *err);
 /* kf_val_head_init with the original block's attention given instead of computed: AM's targets
- * of these rows (m [n], y [n], Y [n, d]: lse = m + ln y, output Y), which the solve has already.
+ * of these rows (m [n], y [n], Y [n, d]: lse = m + ln y, output Y), which the solve has already;
+ * and, for the rows whose app[i] is NULL, the appended block's too where lse_a is not NULL
+ * (lse_a [n], o_a [n, d]: made by the source forwards; -inf: none).
  * ws: v's buffers stay in it, Z sized for candidates of up to max_keys keys (kf_val_head_bytes,
  * max_vis the most appended keys a row sees); NULL: the heap, Z grown as needed. */
 kf_status kf_val_head_init_targets(kf_val_head *v, const kf_backend *be, const float *q, int n, int d, float scale,
                                    const double *w, const float *m, const float *y, const float *Y,
-                                   const kf_kv_block *const *app, const int *visible, int max_keys, kf_ws *ws,
-                                   kf_error *err);
+                                   const kf_kv_block *const *app, const int *visible, const double *lse_a,
+                                   const float *o_a, int max_keys, kf_ws *ws, kf_error *err);
 int64_t kf_val_head_bytes(int n, int d, int max_keys, int max_vis);
 /* Weighted mean relative output error of a compacted block (n keys; beta may be NULL); NAN when
  * out of memory. */

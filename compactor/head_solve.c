@@ -147,6 +147,15 @@ static kf_status head_targets(kf_compact_prep *x, head_shared *hs, kf_ws *ws, kf
     return rc;
 }
 
+/* Head (l, g)'s held-out rows' own-prompt attention in the pool, into *own; NULL: none kept. */
+static own_rows *own_view(const kf_refq_targets *tg, int l, int g, own_rows *own) {
+    if (!tg->am)
+        return NULL;
+    const size_t r0 = kf_refq_targets_own_row0(tg, l, g);
+    *own = (own_rows){tg->am + r0, tg->ay + r0, tg->aY + r0 * tg->head_dim, tg->own_slot, tg->own_done, tg->n_own};
+    return own;
+}
+
 kf_status kf_head_prepare(kf_compact_prep *x, int l, int g, const float *K, const float *V, head_split *sp,
                           head_shared *hs, kf_ws *ws, int t_max, kf_error *err) {
     const size_t row = (size_t)x->kvh * x->d;
@@ -169,10 +178,13 @@ kf_status kf_head_prepare(kf_compact_prep *x, int l, int g, const float *K, cons
     if (!sp)
         return KF_OK;
     ts = now_s();
-    kf_split_head(sp, &x->rq, hs->q, &hs->tg, x->is_val, x->tr_order, x->pos_src, x->pos_local, &x->ap, g);
-    /* the original block's attention on the validation rows is their targets */
+    own_rows own, *ow = own_view(&x->tg, l, g, &own);
+    kf_split_head(sp, &x->rq, hs->q, &hs->tg, x->is_val, x->tr_order, x->pos_src, x->pos_local, &x->ap, ow, g);
+    /* the original block's attention on the validation rows is their targets; their prompts' the
+     * source forwards' where they made it */
     rc = kf_val_head_init_targets(&hs->vh, hs->h.be, sp->val_q, (int)sp->n_score, x->d, x->scale, sp->val_w, sp->val_m,
-                                  sp->val_y, sp->val_Y, sp->val_app, sp->val_vis, t_max, ws, err);
+                                  sp->val_y, sp->val_Y, sp->val_app, sp->val_vis, ow ? sp->val_lse_a : NULL,
+                                  sp->val_oa, t_max, ws, err);
     if (rc == KF_OK && (rc = head_check_finite(x, l, g, K, V, hs->q, &hs->tg, &hs->vh, err)) != KF_OK)
         kf_val_head_free(&hs->vh);
     if (rc != KF_OK) {

@@ -66,6 +66,9 @@ typedef struct kf_forward_plan kf_forward_plan;
  *   score[l][g * score_stride + j - blk0]   += the rows' probabilities (score_rms: squared) of
  *                                           key j, summed over every captured row and query head of
  *                                           KV head g, in fp64, in an order fixed by the arguments
+ * and, where app0 > 0, the same m, y, Y of capture row r over its own prompt, the keys [app0, its
+ * own position] (app0 at or after blk1, at most seq->len: the validation's appended block), for
+ * the rows with app_slot[r] >= 0, into am/ay/aY[l] at app_slot[r] * row_stride + h * app_head_stride.
  * Only where kf_model_targets_supported says so (the CPU backend, dense attention, no key bias);
  * capture_rows must then be ascending. */
 typedef struct {
@@ -75,6 +78,10 @@ typedef struct {
     double **score;                /* [n_layers]: [kv_heads, score_stride] */
     size_t score_stride;
     int score_rms;
+    int app0;                      /* 0: no own prompts */
+    const int32_t *app_slot;       /* [n_capture_rows] */
+    float **am, **ay, **aY;        /* [n_layers] each */
+    size_t app_head_stride;
 } kf_forward_targets;
 
 typedef struct {

@@ -27,6 +27,33 @@ kf_status kf_refq_targets_init(kf_refq_targets *t, const kf_refq *rq, int n_doc,
     return KF_OK;
 }
 
+int64_t kf_refq_targets_own_bytes(int64_t n_held, int64_t kv_heads, int64_t n_own_rows, int head_dim,
+                                  int64_t n_pos) {
+    return n_held * kv_heads * 4 * n_own_rows * (head_dim + 2) + 5 * n_pos;
+}
+
+kf_status kf_refq_targets_own_init(kf_refq_targets *t, const uint8_t *is_val, kf_error *err) {
+    const size_t n_pos = (size_t)(t->n_pos ? t->n_pos : 1);
+    t->own_slot = malloc(sizeof(int32_t) * n_pos);
+    t->own_done = calloc(n_pos, 1);
+    if (!t->own_slot || !t->own_done)
+        return kf_fail(err, KF_ERR_NOMEM, "reference queries: out of memory for the held-out rows' prompts");
+    t->n_own = 0;
+    for (int64_t p = 0; p < t->n_pos; p++)
+        t->own_slot[p] = is_val[p] ? (int32_t)t->n_own++ : -1;
+    const size_t rows = (size_t)t->n_held * t->kv_heads * (size_t)t->group * (size_t)(t->n_own ? t->n_own : 1);
+    t->am = malloc(sizeof(float) * rows);
+    t->ay = malloc(sizeof(float) * rows);
+    t->aY = malloc(sizeof(float) * rows * t->head_dim);
+    if (!t->am || !t->ay || !t->aY) {
+        const double mib = (double)kf_refq_targets_own_bytes(t->n_held, t->kv_heads, t->group * t->n_own,
+                                                             t->head_dim, t->n_pos);
+        return kf_fail(err, KF_ERR_NOMEM, "reference queries: out of memory for the held-out rows' prompts (%.1f MiB)",
+                       mib / (1 << 20));
+    }
+    return KF_OK;
+}
+
 void kf_refq_targets_layer_reset(kf_refq_targets *t, int layer) {
     memset(kf_refq_targets_score(t, layer, 0), 0, sizeof(double) * (size_t)t->kv_heads * (size_t)t->n_doc);
 }
@@ -37,6 +64,11 @@ void kf_refq_targets_free(kf_refq_targets *t) {
     free(t->Y);
     free(t->score);
     free(t->fused);
+    free(t->own_slot);
+    free(t->own_done);
+    free(t->am);
+    free(t->ay);
+    free(t->aY);
     memset(t, 0, sizeof *t);
 }
 
@@ -46,7 +78,10 @@ kf_status kf_refq_targets_dst_init(kf_refq_targets_dst *d, int n_layers, kf_erro
     d->y = malloc(sizeof(float *) * n);
     d->Y = malloc(sizeof(float *) * n);
     d->score = malloc(sizeof(double *) * n);
-    if (d->m && d->y && d->Y && d->score)
+    d->am = malloc(sizeof(float *) * n);
+    d->ay = malloc(sizeof(float *) * n);
+    d->aY = malloc(sizeof(float *) * n);
+    if (d->m && d->y && d->Y && d->score && d->am && d->ay && d->aY)
         return KF_OK;
     kf_refq_targets_dst_free(d);
     return kf_fail(err, KF_ERR_NOMEM, "reference queries: out of memory");
@@ -57,11 +92,14 @@ void kf_refq_targets_dst_free(kf_refq_targets_dst *d) {
     free(d->y);
     free(d->Y);
     free(d->score);
+    free(d->am);
+    free(d->ay);
+    free(d->aY);
     memset(d, 0, sizeof *d);
 }
 
-void kf_refq_targets_capture(const kf_refq_targets *t, int64_t first, int blk0, const kf_refq_targets_dst *dst,
-                             kf_forward_targets *fa) {
+void kf_refq_targets_capture(const kf_refq_targets *t, int64_t first, int blk0, int app0,
+                             const kf_refq_targets_dst *dst, kf_forward_targets *fa) {
     /* like the queries, the pool is also [n_layers, n_heads, n_pos] (query head h = g * group + j) */
     for (int l = 0; l < t->n_layers; l++) {
         const size_t at = kf_refq_targets_row0(t, l, 0) + (size_t)first;
@@ -73,4 +111,14 @@ void kf_refq_targets_capture(const kf_refq_targets *t, int64_t first, int blk0, 
     *fa = (kf_forward_targets){.blk0 = blk0, .blk1 = blk0 + t->n_doc, .m = dst->m, .y = dst->y, .Y = dst->Y,
                                .row_stride = 1, .head_stride = (size_t)t->n_pos, .score = dst->score,
                                .score_stride = (size_t)t->n_doc, .score_rms = t->score_rms};
+    if (!t->am)
+        return;
+    for (int l = 0; l < t->n_layers; l++) {
+        const size_t at = kf_refq_targets_own_row0(t, l, 0);
+        dst->am[l] = t->am + at;
+        dst->ay[l] = t->ay + at;
+        dst->aY[l] = t->aY + at * t->head_dim;
+    }
+    fa->app0 = app0, fa->app_slot = t->own_slot + first, fa->am = dst->am, fa->ay = dst->ay, fa->aY = dst->aY;
+    fa->app_head_stride = (size_t)t->n_own;
 }

@@ -21,6 +21,18 @@
  *
  * Memory (kf_refq_targets_bytes): 4 (d + 2) bytes per row, held layer and KV head (the fp32
  * queries' size again and a little), and 8 n_doc bytes per (held layer, KV head) for the score.
+ *
+ * The held-out rows' own prompts (kf_refq_targets_own_init, where the per-head choice runs): the
+ * source forwards also give each held-out row's attention over its own source's tokens (the
+ * validation's appended block, compactor/diag.h), which the solve would otherwise attend again.
+ * Each held-out position p has a slot own_slot[p] (in position order), and for KV head g
+ *
+ *   am[slot][g][group * n_own], ay[same], aY[slot][g][group * n_own, head_dim]
+ *                              row j * n_own + own_slot[p] = query head g * group + j at p
+ *   own_done[p]                1: position p's rows have theirs here
+ *
+ * 4 (d + 2) bytes per held-out row, held layer and KV head, and 5 bytes per position
+ * (kf_refq_targets_own_bytes).
  */
 #ifndef KF_REFQ_TARGETS_H
 #define KF_REFQ_TARGETS_H
@@ -40,11 +52,21 @@ typedef struct {
     double *score;     /* [n_held, kv_heads, n_doc], zeroed */
     uint8_t *fused;    /* [n_pos], zeroed */
     int score_rms;     /* the score's kind: sums of p^2 (RMS) or of p (mean) */
+    int64_t n_own;     /* held-out positions (0: no own prompts kept) */
+    int32_t *own_slot; /* [n_pos] a held-out position's slot, else -1 */
+    uint8_t *own_done; /* [n_pos], zeroed */
+    float *am, *ay;    /* [n_held, kv_heads, group * n_own] */
+    float *aY;         /* [n_held, kv_heads, group * n_own, head_dim] */
 } kf_refq_targets;
 
 /* Storage for rq's rows over a block of n_doc keys, as many layers held as rq holds. */
 kf_status kf_refq_targets_init(kf_refq_targets *t, const kf_refq *rq, int n_doc, int score_rms, kf_error *err);
 void kf_refq_targets_free(kf_refq_targets *t);
+
+/* Storage for the held-out rows' own prompts: is_val [n_pos] marks the held-out positions. */
+kf_status kf_refq_targets_own_init(kf_refq_targets *t, const uint8_t *is_val, kf_error *err);
+int64_t kf_refq_targets_own_bytes(int64_t n_held, int64_t kv_heads, int64_t n_own_rows, int head_dim,
+                                  int64_t n_pos);
 
 /* Zero the score sums of layer's slot (before the forwards' layer `layer` adds into them). */
 void kf_refq_targets_layer_reset(kf_refq_targets *t, int layer);
@@ -57,6 +79,7 @@ int64_t kf_refq_targets_bytes(int64_t n_held, int64_t kv_heads, int64_t R, int h
 typedef struct {
     float **m, **y, **Y;
     double **score;
+    float **am, **ay, **aY;
 } kf_refq_targets_dst;
 
 kf_status kf_refq_targets_dst_init(kf_refq_targets_dst *d, int n_layers, kf_error *err);
@@ -65,13 +88,18 @@ void kf_refq_targets_dst_free(kf_refq_targets_dst *d);
 /* A forward's targets capture for the rows at sampled positions first, first + 1, ... over the
  * block [blk0, blk0 + n_doc) of the sequence, in *fa (which points into dst: valid while t and
  * dst live; every layer's destination is its slot, so with n_held < n_layers layer l must be read
- * before layer l + n_held runs). One dst per forward in flight. */
-void kf_refq_targets_capture(const kf_refq_targets *t, int64_t first, int blk0, const kf_refq_targets_dst *dst,
-                             kf_forward_targets *fa);
+ * before layer l + n_held runs), and with own prompts kept, the held-out rows' over the keys from
+ * app0 on (the source's own tokens). One dst per forward in flight. */
+void kf_refq_targets_capture(const kf_refq_targets *t, int64_t first, int blk0, int app0,
+                             const kf_refq_targets_dst *dst, kf_forward_targets *fa);
 
 /* Head (layer, g)'s rows: m [R], y [R], Y [R, head_dim] and score [n_doc] (pointers into t). */
 static inline size_t kf_refq_targets_row0(const kf_refq_targets *t, int layer, int g) {
     return ((size_t)(layer % t->n_held) * t->kv_heads + g) * (size_t)t->R;
+}
+/* Head (layer, g)'s own-prompt rows: am [group * n_own], ay likewise, aY [group * n_own, head_dim]. */
+static inline size_t kf_refq_targets_own_row0(const kf_refq_targets *t, int layer, int g) {
+    return ((size_t)(layer % t->n_held) * t->kv_heads + g) * (size_t)t->group * (size_t)t->n_own;
 }
 static inline double *kf_refq_targets_score(const kf_refq_targets *t, int layer, int g) {
     return t->score + ((size_t)(layer % t->n_held) * t->kv_heads + g) * (size_t)t->n_doc;

@@ -136,14 +136,17 @@ kf_status kf_context_prefill(kf_compact_prep *x, const kf_compact_reuse *reuse, 
 
 /* Where the attention is to be AM's targets of source i's captured rows (*fa is complete, quoka
  * included; it sees the whole document block): into the pool x->tg at the source's sampled
- * positions, which are then marked fused; nothing when the model cannot make them. */
+ * positions, which are then marked fused, with the held-out rows' attention over the source's own
+ * tokens (from D on in its fork) where the pool keeps them; nothing when the model cannot. */
 static void source_targets(kf_compact_prep *x, int i, kf_forward_args *fa, kf_forward_targets *ft) {
     const int64_t first = x->first[i], n_rows = x->first[i + 1] - first;
     if (!x->tg.m || n_rows == 0 || !kf_model_targets_supported(x->m, fa))
         return;
-    kf_refq_targets_capture(&x->tg, first, x->n_pre, &x->tdst[i], ft);
+    kf_refq_targets_capture(&x->tg, first, x->n_pre, (int)x->D, &x->tdst[i], ft);
     fa->targets = ft;
     memset(x->tg.fused + first, 1, (size_t)n_rows);
+    for (int64_t p = first; x->tg.am && p < first + n_rows; p++)
+        x->tg.own_done[p] = x->tg.own_slot[p] >= 0;
 }
 
 /* 1 when source i is one of the repeat's spans. */

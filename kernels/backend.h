@@ -107,6 +107,15 @@ typedef struct kf_attn_targets {
     double *score;           /* [kv_heads, score_stride] */
     size_t score_stride;
     int score_rms;           /* 1: sum of p^2 (AM's RMS score), 0: sum of p (mean) */
+    /* Also, where app0 > 0, some target rows' attention over the call's own prompt, keys [app0, the
+     * row's own position] (blk1 <= app0 <= n_keys - n_q: the prompt starts before the chunk): for
+     * target row k with app_slot[k] >= 0 and each query head h, its m, y and Y over those keys
+     * (defined as above) go to am, ay and aY at app_slot[k] * row_stride + h * app_head_stride
+     * (aY: times head_dim). The rows' own keys are then attended first, the block second. */
+    int app0;
+    const int32_t *app_slot; /* [n_rows] */
+    float *am, *ay, *aY;
+    size_t app_head_stride;
 } kf_attn_targets;
 
 /* QUOKA key selection (arXiv 2602.08722, Algorithm 1) for one chunk of queries over a paged

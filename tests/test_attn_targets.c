@@ -2,8 +2,9 @@
  * kf_am_targets_compute (compactor/am.c) and an fp64 reference, on random inputs: a prefix before
  * the block, a block spanning several key blocks and a partial last page, GQA (several query heads
  * per KV head), the queries in several chunks (the score summed across the calls), target rows a
- * subset of each chunk. Outputs are poisoned (NaN) first; one thread and a pool of 3 give the same
- * bits. */
+ * subset of each chunk, some of them also with their attention over their own prompt (the keys
+ * from N_PAST on: the validation's appended block). Outputs are poisoned (NaN) first; one thread
+ * and a pool of 3 give the same bits. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,6 +12,7 @@
 
 #include "compactor/am.h"
 #include "compactor/compact.h"
+#include "compactor/model.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/pool.h"
 #include "test_util.h"
@@ -33,6 +35,8 @@ typedef struct {
     kf_paged_kv kv;
     int32_t rows[N_Q];             /* target rows (query indices), ascending */
     int n_rows;
+    int32_t slot[N_Q];             /* [n_rows] target row k's own-prompt slot, -1: none */
+    int n_slots;
 } fixture;
 
 static void fixture_init(fixture *f) {
@@ -54,6 +58,9 @@ static void fixture_init(fixture *f) {
     for (int i = 0; i < N_Q; i++)
         if (i % 3 != 1 || i == N_Q - 1)
             f->rows[f->n_rows++] = i;
+    f->n_slots = 0;
+    for (int k = 0; k < f->n_rows; k++) /* the held-out rows: about two in five, the first and last */
+        f->slot[k] = k % 5 == 0 || k % 5 == 3 || k == f->n_rows - 1 ? f->n_slots++ : -1;
 }
 
 static void fixture_free(fixture *f) {
@@ -68,10 +75,18 @@ typedef struct {
     float *m, *y, *Y; /* [NH, n_rows], [NH, n_rows], [NH, n_rows, HD] */
     double *score;    /* [KVH, N_BLK] */
     float *out;       /* [N_Q, NH, HD] attention output */
+    float *am, *ay, *aY; /* [NH, n_slots], [NH, n_slots], [NH, n_slots, HD]: over the own prompt */
 } results;
 
-static void results_poison(results *r, int n_rows) {
-    const size_t n = (size_t)NH * n_rows;
+static void results_poison(results *r, int n_rows, int n_slots) {
+    const size_t n = (size_t)NH * n_rows, na = (size_t)NH * n_slots;
+    r->am = realloc(r->am, sizeof(float) * na);
+    r->ay = realloc(r->ay, sizeof(float) * na);
+    r->aY = realloc(r->aY, sizeof(float) * na * HD);
+    for (size_t i = 0; i < na; i++)
+        r->am[i] = r->ay[i] = NAN;
+    for (size_t i = 0; i < na * HD; i++)
+        r->aY[i] = NAN;
     r->m = realloc(r->m, sizeof(float) * n);
     r->y = realloc(r->y, sizeof(float) * n);
     r->Y = realloc(r->Y, sizeof(float) * n * HD);
@@ -93,10 +108,14 @@ static void results_free(results *r) {
     free(r->Y);
     free(r->score);
     free(r->out);
+    free(r->am);
+    free(r->ay);
+    free(r->aY);
 }
 
-/* The queries in chunks of CHUNK, each over the keys before it and its own (causal). */
-static int run_fused(const fixture *f, kf_pool *pool, int rms, results *r) {
+/* The queries in chunks of CHUNK, each over the keys before it and its own (causal); with own, the
+ * slotted rows' attention over the keys from N_PAST on too. */
+static int run_fused(const fixture *f, kf_pool *pool, int rms, int own, results *r) {
     kf_cpu_attn_scratch s = {.pool = pool};
     int rc = 0, k0 = 0;
     for (int c0 = 0; c0 < N_Q && rc == 0; c0 += CHUNK) {
@@ -108,6 +127,9 @@ static int run_fused(const fixture *f, kf_pool *pool, int rms, results *r) {
                              .row_base = c0, .m = r->m + k0, .y = r->y + k0, .Y = r->Y + (size_t)k0 * HD,
                              .row_stride = 1, .head_stride = (size_t)f->n_rows, .score = r->score,
                              .score_stride = N_BLK, .score_rms = rms};
+        if (own)
+            t.app0 = N_PAST, t.app_slot = f->slot + k0, t.am = r->am, t.ay = r->ay, t.aY = r->aY,
+            t.app_head_stride = (size_t)f->n_slots;
         kf_attn_args a = {.q = f->q + (size_t)c0 * NH * HD, .q_stride = NH * HD, .out = r->out + (size_t)c0 * NH * HD,
                           .out_stride = NH * HD, .n_q = n, .n_heads = NH, .n_keys = N_PAST + c0 + n,
                           .pages = f->pages, .kv = f->kv, .scale = 1.0f / sqrtf(HD), .targets = &t};
@@ -155,6 +177,44 @@ static void ref_row(const fixture *f, int i, int h, double *m, double *y, double
         }
     }
     free(z);
+}
+
+/* fp64: query i, head h over its own prompt, keys [N_PAST, N_PAST + i] -> m, y, Y. */
+static void ref_own(const fixture *f, int i, int h, double *m, double *y, double *Y) {
+    const int g = h / REP;
+    double z[N_Q], mx = -INFINITY, sum = 0;
+    for (int j = 0; j <= i; j++) {
+        double dot = 0;
+        for (int d = 0; d < HD; d++)
+            dot += (double)f->q[((size_t)i * NH + h) * HD + d] * f->keys[((size_t)(N_PAST + j) * KVH + g) * HD + d];
+        z[j] = dot / sqrt((double)HD);
+        mx = fmax(mx, z[j]);
+    }
+    for (int d = 0; d < HD; d++)
+        Y[d] = 0;
+    for (int j = 0; j <= i; j++)
+        sum += exp(z[j] - mx);
+    for (int j = 0; j <= i; j++)
+        for (int d = 0; d < HD; d++)
+            Y[d] += exp(z[j] - mx) / sum * f->vals[((size_t)(N_PAST + j) * KVH + g) * HD + d];
+    *m = mx, *y = sum;
+}
+
+/* The own-prompt results against fp64. */
+static void check_own_vs_fp64(const fixture *f, const results *r) {
+    double e_m = 0, e_y = 0, e_Y = 0, m, y, Y[HD];
+    for (int k = 0; k < f->n_rows; k++)
+        for (int h = 0; h < NH && f->slot[k] >= 0; h++) {
+            ref_own(f, f->rows[k], h, &m, &y, Y);
+            const size_t at = (size_t)h * f->n_slots + f->slot[k];
+            e_m = worse(e_m, (r->am[at] - m));
+            e_y = worse(e_y, (r->ay[at] - y) / y);
+            for (int d = 0; d < HD; d++)
+                e_Y = worse(e_Y, (r->aY[at * HD + d] - Y[d]));
+        }
+    CU_ASSERT(e_m < 1e-5 && e_y < 1e-5 && e_Y < 1e-5);
+    if (!(e_m < 1e-5 && e_y < 1e-5 && e_Y < 1e-5))
+        printf("\n    own prompt vs fp64: m %.2e y %.2e Y %.2e\n", e_m, e_y, e_Y);
 }
 
 /* The fused results against fp64 (targets, score, attention output). */
@@ -228,14 +288,22 @@ static void check_vs_am(const fixture *f, const results *r, int rms) {
 static void test_fused_targets(void) {
     fixture f;
     fixture_init(&f);
-    for (int rms = 0; rms < 2; rms++) {
+    for (int c = 0; c < 4; c++) {
+        const int rms = c & 1, own = c >> 1;
         results one = {0}, three = {0};
-        results_poison(&one, f.n_rows);
-        results_poison(&three, f.n_rows);
-        CU_ASSERT_EQUAL_FATAL(run_fused(&f, NULL, rms, &one), 0);
-        CU_ASSERT_EQUAL_FATAL(run_fused(&f, g_pool, rms, &three), 0);
+        results_poison(&one, f.n_rows, f.n_slots);
+        results_poison(&three, f.n_rows, f.n_slots);
+        CU_ASSERT_EQUAL_FATAL(run_fused(&f, NULL, rms, own, &one), 0);
+        CU_ASSERT_EQUAL_FATAL(run_fused(&f, g_pool, rms, own, &three), 0);
         check_vs_fp64(&f, &one, rms);
         check_vs_am(&f, &one, rms);
+        if (own) {
+            check_own_vs_fp64(&f, &one);
+            const size_t na = (size_t)NH * f.n_slots;
+            CU_ASSERT(memcmp(one.am, three.am, sizeof(float) * na) == 0 &&
+                      memcmp(one.ay, three.ay, sizeof(float) * na) == 0 &&
+                      memcmp(one.aY, three.aY, sizeof(float) * na * HD) == 0);
+        }
         /* any thread count: the same bits */
         const size_t n = (size_t)NH * f.n_rows;
         CU_ASSERT(memcmp(one.m, three.m, sizeof(float) * n) == 0 && memcmp(one.y, three.y, sizeof(float) * n) == 0);
@@ -253,7 +321,7 @@ static void test_bad_targets_refused(void) {
     fixture f;
     fixture_init(&f);
     results r = {0};
-    results_poison(&r, f.n_rows);
+    results_poison(&r, f.n_rows, f.n_slots);
     kf_cpu_attn_scratch s = {.pool = g_pool};
     kf_attn_targets t = {.blk0 = N_PAST - 10, .blk1 = N_PAST + 1, .rows = f.rows, .n_rows = 4, .m = r.m, .y = r.y,
                          .Y = r.Y, .row_stride = 1, .head_stride = 4, .score = r.score, .score_stride = N_BLK};
@@ -269,6 +337,15 @@ static void test_bad_targets_refused(void) {
     float bias[KVH] = {0};
     a.bias = bias, a.bias_len = 1, a.bias_stride = 1;
     CU_ASSERT_EQUAL(kf_cpu_attention(&s, &a), -1);
+    a.bias = NULL;
+    t.app0 = N_PAST + 1, t.app_slot = f.slot, t.am = r.am, t.ay = r.ay, t.aY = r.aY; /* own prompt inside the chunk */
+    CU_ASSERT_EQUAL(kf_cpu_attention(&s, &a), -1);
+    t.app0 = N_PAST - 10; /* before the block's end */
+    CU_ASSERT_EQUAL(kf_cpu_attention(&s, &a), -1);
+    t.app0 = N_PAST, t.aY = NULL;
+    CU_ASSERT_EQUAL(kf_cpu_attention(&s, &a), -1);
+    t.aY = r.aY;
+    CU_ASSERT_EQUAL(kf_cpu_attention(&s, &a), 0);
     kf_cpu_attn_scratch_free(&s);
     results_free(&r);
     fixture_free(&f);
@@ -344,13 +421,57 @@ static void test_compaction_fused_vs_computed(void) {
     compare_compactions(1);
 }
 
+/* A forward's own prompts that start inside the block or the call, or lack buffers: refused with
+ * KF_ERR_INVALID naming the cause; the same call with them in place runs. */
+static void test_forward_own_refused(void) {
+    const kf_hfconfig *c = kf_model_config(g_m);
+    const int L = c->n_layers, NQ = 8, n_head = c->n_heads, hd = c->head_dim;
+    kf_arena a;
+    kf_seq seq;
+    kf_seq_init(&seq);
+    kf_error err = {0};
+    CU_ASSERT_EQUAL_FATAL(kf_model_arena(g_m, &a, 64, &err), KF_OK);
+    kf_forward_args pre = {.ids = g_doc, .n_tokens = 20};
+    CU_ASSERT_EQUAL_FATAL(kf_model_forward(g_m, &a, &seq, &pre, &err), KF_OK);
+    int32_t rows[8] = {0, 1, 2, 3, 4, 5, 6, 7}, slot[8] = {0, -1, 1, -1, 2, -1, 3, -1};
+    float *buf = calloc((size_t)L * 4 * NQ * n_head * (hd + 1), sizeof(float));
+    double *score = calloc((size_t)L * c->n_kv_heads * 8, sizeof(double));
+    float *m[64], *y[64], *Y[64], *am[64], *ay[64], *aY[64];
+    double *sc[64];
+    for (int l = 0; l < L; l++) {
+        float *b = buf + (size_t)l * 4 * NQ * n_head * (hd + 1);
+        m[l] = b, y[l] = b + NQ * n_head, Y[l] = b + 2 * NQ * n_head, am[l] = Y[l] + NQ * n_head * hd;
+        ay[l] = am[l] + NQ * n_head, aY[l] = ay[l] + NQ * n_head, sc[l] = score + (size_t)l * c->n_kv_heads * 8;
+    }
+    kf_forward_targets ft = {.blk0 = 2, .blk1 = 10, .m = m, .y = y, .Y = Y, .row_stride = (size_t)n_head,
+                             .head_stride = 1, .score = sc, .score_stride = 8, .app0 = 5, .app_slot = slot,
+                             .am = am, .ay = ay, .aY = aY, .app_head_stride = 1};
+    kf_forward_args fa = {.ids = g_doc + 20, .n_tokens = NQ, .capture_rows = rows, .n_capture_rows = NQ, .targets = &ft};
+    kf_seq fork;
+    const int app0[4] = {5, 21, 20, 20};
+    for (int i = 0; i < 4; i++) {
+        ft.app0 = app0[i], ft.aY = i == 2 ? NULL : aY;
+        CU_ASSERT_EQUAL_FATAL(kf_seq_fork(&a, &seq, 20, &fork, &err), KF_OK);
+        const kf_status rc = kf_model_forward(g_m, &a, &fork, &fa, &err);
+        CU_ASSERT_EQUAL(rc, i == 3 ? KF_OK : KF_ERR_INVALID);
+        CU_ASSERT(i == 3 || strstr(err.msg, "own prompts from key") != NULL);
+        kf_seq_release(&a, &fork);
+    }
+    CU_ASSERT(isfinite(aY[0][0]) && ay[0][0] > 0); /* the run that went through wrote its rows */
+    kf_seq_release(&a, &seq);
+    kf_arena_free(&a);
+    free(buf);
+    free(score);
+}
+
 static CU_TestInfo model_tests[] = {
     {"kf_compact: fused targets = computed ones (but for the order of sums)", test_compaction_fused_vs_computed},
+    {"a forward's own prompts out of place are refused", test_forward_own_refused},
     CU_TEST_INFO_NULL,
 };
 
 static CU_TestInfo tests[] = {
-    {"fused targets = kf_am_targets_compute = fp64 (chunks, GQA, prefix, pool)", test_fused_targets},
+    {"fused targets = kf_am_targets_compute = fp64 (chunks, GQA, prefix, pool, own prompts)", test_fused_targets},
     {"targets the kernel cannot give are refused", test_bad_targets_refused},
     CU_TEST_INFO_NULL,
 };

@@ -129,7 +129,7 @@ static void test_val_head_appended(void) {
     kf_val_head vt;
     CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
     CU_ASSERT_EQUAL_FATAL(
-        kf_val_head_init_targets(&vt, NULL, c->Q, NV, D, scale, c->w, tg.m, tg.y, tg.Y, c->app, c->vis, 0, NULL, &err),
+        kf_val_head_init_targets(&vt, NULL, c->Q, NV, D, scale, c->w, tg.m, tg.y, tg.Y, c->app, c->vis, NULL, NULL, 0, NULL, &err),
         KF_OK);
     double worst_t = 0;
     for (size_t k = 0; k < (size_t)NV * D; k++)

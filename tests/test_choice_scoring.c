@@ -133,7 +133,7 @@ static void split_case_init(split_case *c, int64_t n_score) {
     CU_ASSERT_FATAL(kf_split_alloc(&c->s, SP_R, SP_R - n_tr, SP_D, 1) == 0);
     c->s.n_tr = n_tr, c->s.n_val = SP_R - n_tr, c->s.n_score = n_score;
     const kf_am_targets tg = {c->m, c->y, c->Y, NULL};
-    kf_split_head(&c->s, &c->rq, c->q, &tg, c->is_val, c->tr_order, c->pos_src, c->pos_local, &c->ap, 0);
+    kf_split_head(&c->s, &c->rq, c->q, &tg, c->is_val, c->tr_order, c->pos_src, c->pos_local, &c->ap, NULL, 0);
 }
 
 /* The held-out rows in gather order (by query head, then position), as row numbers. */

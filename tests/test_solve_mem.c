@@ -116,7 +116,9 @@ static void solve_vs_formula(int threads, int n_doc) {
     const int64_t prepared = 8 * (sh.S + sh.P) * c->n_kv_heads * c->head_dim + 8 * sh.R;
     /* the sources run in the solve: their attention's targets scratch grows there (the targets term
      * but the pool, which the prepare allocates) */
-    const int64_t pool = kf_refq_targets_bytes(1, c->n_kv_heads, sh.R, c->head_dim, sh.T);
+    const int64_t G = c->n_heads / c->n_kv_heads;
+    const int64_t pool = kf_refq_targets_bytes(1, c->n_kv_heads, sh.R, c->head_dim, sh.T) +
+                         kf_refq_targets_own_bytes(1, c->n_kv_heads, sh.Rv, c->head_dim, sh.R / G);
     CU_ASSERT_FATAL(sh.fused && t.targets > pool);
     const double want = (double)(t.solve + t.output - prepared + t.targets - pool), ratio = (double)g_peak / want;
     printf("\n    %d threads, %d tokens: solve peak %lld bytes, formula %.0f (ratio %.4f)", threads, n_doc,

@@ -44,6 +44,10 @@
  * caller's score after the job, per KV head in tile order; with targets the tiles' size depends on
  * the arguments only, so the score has the same bits for any thread count. Keeping the logits beats
  * a second QK^T pass for the score (a second sgemm of the same size as the first).
+ * With the rows' own prompts asked for too (app0 > 0: the validation's appended blocks, which the
+ * solve would otherwise attend again), the tile's own keys [app0, ...) go first, online from a
+ * fresh state; that state is emitted for the rows with a slot and kept aside while the block
+ * takes the state, then merged into it (max, rescaled sums) before [0, blk0) and [blk1, app0).
  *
  * With a pool in the scratch, the items are spread over its threads, each with its own buffers;
  * OpenBLAS is held to one thread meanwhile (the sgemms of the items run side by side, and on one
@@ -121,23 +125,25 @@ typedef struct {
     float *m;       /* [rows] running max */
     double *l;      /* [rows] running sum */
     float *sb;      /* [rows + ROW_PAD, ld_blk] the block's logits, then probabilities (targets only) */
+    float *ko, *km; /* [rows, hd], [rows] the own keys' state kept aside (own prompts asked for only) */
+    double *kl;     /* [rows] */
 } attn_bufs;
 
 static size_t al16(size_t n) { /* floats, rounded up to 64 bytes */
     return (n + 15) & ~(size_t)15;
 }
 
-static size_t bufs_floats(int rows, int hd, int ld_blk) {
+static size_t bufs_floats(int rows, int hd, int ld_blk, int own) {
     const size_t rp = (size_t)rows + ROW_PAD;
     return al16(2 * (size_t)rows) + 2 * al16(rp * hd) + al16(rp * KEY_BLOCK) + 2 * al16((size_t)KEY_BLOCK * hd) +
-           al16((size_t)rows) + rp * ld_blk;
+           al16((size_t)rows) + al16(rp * ld_blk) + (own ? al16((size_t)rows * hd) + 3 * al16((size_t)rows) : 0);
 }
 
-size_t kf_cpu_attn_tile_floats(int rows, int hd, int ld_blk) {
-    return al16(bufs_floats(rows, hd, ld_blk));
+size_t kf_cpu_attn_tile_floats(int rows, int hd, int ld_blk, int own) {
+    return al16(bufs_floats(rows, hd, ld_blk, own));
 }
 
-static attn_bufs bufs_at(float *w, int rows, int hd) {
+static attn_bufs bufs_at(float *w, int rows, int hd, int ld_blk, int own) {
     const size_t rp = (size_t)rows + ROW_PAD;
     attn_bufs b;
     b.l = (double *)w;
@@ -148,6 +154,9 @@ static attn_bufs bufs_at(float *w, int rows, int hd) {
     b.vb = b.kb + al16((size_t)KEY_BLOCK * hd);
     b.m = b.vb + al16((size_t)KEY_BLOCK * hd);
     b.sb = b.m + al16((size_t)rows);
+    b.ko = own ? b.sb + al16(rp * ld_blk) : NULL;
+    b.km = own ? b.ko + al16((size_t)rows * hd) : NULL;
+    b.kl = own ? (double *)(b.km + al16((size_t)rows)) : NULL;
     return b;
 }
 
@@ -445,6 +454,52 @@ static void block_first(const attn_job *j, attn_bufs *b, tile_pos t, int item) {
     }
 }
 
+/* m, y and Y over the own keys of the tile's target rows that have a slot, to the caller. */
+static void emit_own(const attn_job *j, const attn_bufs *b, tile_pos t) {
+    const kf_attn_targets *tg = j->a->targets;
+    const int hd = j->a->kv.head_dim, rep = j->rep;
+    for (int k = first_target(tg, t.q0); k < tg->n_rows && tg->rows[k] - tg->row_base < t.q0 + t.tq; k++) {
+        if (tg->app_slot[k] < 0)
+            continue;
+        const int i = tg->rows[k] - tg->row_base - t.q0;
+        for (int jh = 0; jh < rep; jh++) {
+            const int r = i * rep + jh;
+            const size_t at = (size_t)tg->app_slot[k] * tg->row_stride + (size_t)(t.g * rep + jh) * tg->app_head_stride;
+            const float inv = (float)(1.0 / b->l[r]);
+            tg->am[at] = b->m[r];
+            tg->ay[at] = (float)b->l[r];
+            for (int d = 0; d < hd; d++)
+                tg->aY[at * hd + d] = b->o[(size_t)r * hd + d] * inv;
+        }
+    }
+}
+
+/* The tile's own keys [app0, kmax) online from a fresh state, emitted, and kept aside in ko, km,
+ * kl for own_merge. */
+static void own_first(const attn_job *j, attn_bufs *b, tile_pos t, int kal, int kmax) {
+    const int hd = j->a->kv.head_dim;
+    memset(b->o, 0, sizeof(float) * (size_t)(t.rows + ROW_PAD) * hd);
+    key_span(j, b, t, j->a->targets->app0, kal, kmax);
+    emit_own(j, b, t);
+    memcpy(b->ko, b->o, sizeof(float) * (size_t)t.rows * hd);
+    memcpy(b->km, b->m, sizeof(float) * (size_t)t.rows);
+    memcpy(b->kl, b->l, sizeof(double) * (size_t)t.rows);
+}
+
+/* The kept own-key state merged into the block's (both hold at least one key per row). */
+static void own_merge(attn_bufs *b, int rows, int hd) {
+    for (int r = 0; r < rows; r++) {
+        const float mx = b->km[r] > b->m[r] ? b->km[r] : b->m[r];
+        const float cb = kf_expf_nonpos(b->m[r] - mx), ca = kf_expf_nonpos(b->km[r] - mx);
+        float *o = b->o + (size_t)r * hd;
+        const float *ko = b->ko + (size_t)r * hd;
+        for (int d = 0; d < hd; d++)
+            o[d] = o[d] * cb + ko[d] * ca;
+        b->l[r] = b->l[r] * cb + b->kl[r] * ca;
+        b->m[r] = mx;
+    }
+}
+
 /* One (KV head, query tile) item. */
 static void tile_item(void *ctx, int item, int thread) {
     const attn_job *j = ctx;
@@ -454,7 +509,9 @@ static void tile_item(void *ctx, int item, int thread) {
     const tile_pos t = {.g = item / j->n_tiles, .q0 = q0, .tq = tq, .rows = tq * rep};
     const int first = a->n_keys - a->n_q + q0;               /* the tile's first query's own key */
     const int kal = first / KEY_BLOCK * KEY_BLOCK, kmax = first + tq; /* kmax: keys its last query sees */
-    attn_bufs b = bufs_at(j->work + (size_t)thread * j->per_thread, t.rows, hd);
+    const kf_attn_targets *tg = a->targets;
+    const int own = tg && tg->app0 > 0;
+    attn_bufs b = bufs_at(j->work + (size_t)thread * j->per_thread, t.rows, hd, j->ld_blk, own);
     for (int i = 0; i < tq; i++) /* the group's heads of query i are adjacent in q */
         memcpy(b.qp + (size_t)i * rep * hd, a->q + (size_t)(q0 + i) * a->q_stride + (size_t)t.g * rep * hd,
                sizeof(float) * rep * hd);
@@ -463,10 +520,16 @@ static void tile_item(void *ctx, int item, int thread) {
         b.m[r] = -INFINITY;
         b.l[r] = 0;
     }
-    if (a->targets) {
+    if (own) {
+        own_first(j, &b, t, kal, kmax);
         block_first(j, &b, t, item);
-        key_range(j, &b, t, 0, a->targets->blk0, KEY_BLOCK, 0);
-        key_span(j, &b, t, a->targets->blk1, kal, kmax);
+        own_merge(&b, t.rows, hd);
+        key_range(j, &b, t, 0, tg->blk0, KEY_BLOCK, 0);
+        key_range(j, &b, t, tg->blk1, tg->app0, KEY_BLOCK, 0);
+    } else if (tg) {
+        block_first(j, &b, t, item);
+        key_range(j, &b, t, 0, tg->blk0, KEY_BLOCK, 0);
+        key_span(j, &b, t, tg->blk1, kal, kmax);
     } else {
         memset(b.o, 0, sizeof(float) * (size_t)(t.rows + ROW_PAD) * hd);
         key_span(j, &b, t, 0, kal, kmax);
@@ -535,6 +598,9 @@ static int targets_setup(kf_cpu_attn_scratch *s, const kf_attn_args *a, attn_job
     if (t->blk0 < 0 || t->blk1 <= t->blk0 || t->blk1 > a->n_keys - a->n_q || a->bias || !t->m || !t->y || !t->Y ||
         !t->score || (t->n_rows > 0 && !t->rows))
         return -1;
+    if (t->app0 > 0 && (t->app0 < t->blk1 || t->app0 > a->n_keys - a->n_q || !t->am || !t->ay || !t->aY ||
+                        (t->n_rows > 0 && !t->app_slot)))
+        return -1;
     for (int k = 0; k < t->n_rows; k++)
         if (t->rows[k] - t->row_base < 0 || t->rows[k] - t->row_base >= a->n_q ||
             (k > 0 && t->rows[k] <= t->rows[k - 1]))
@@ -574,7 +640,8 @@ int kf_cpu_attention(kf_cpu_attn_scratch *s, const kf_attn_args *a) {
     j.tq = tile_queries(a, rep, j.n_blk, threads);
     if (tile_starts(s, a->n_keys - nq, nq, j.tq, &j) != 0)
         return -1;
-    j.per_thread = kf_cpu_attn_tile_floats(j.tq * rep, hd, j.ld_blk); /* 64-byte steps between threads */
+    j.per_thread = kf_cpu_attn_tile_floats(j.tq * rep, hd, j.ld_blk, a->targets && a->targets->app0 > 0);
+    /* ^ 64-byte steps between threads */
     if (grow_work(s, (size_t)threads * j.per_thread) != 0)
         return -1;
     j.work = s->work;

@@ -110,8 +110,9 @@ int kf_cpu_attention(kf_cpu_attn_scratch *scratch, const kf_attn_args *a);
 /* One thread's share of work, in floats, for a tile of `rows` query rows (queries x heads of a
  * group, at most 512) and head_dim hd: its queries, output, one key block's logits, keys and
  * values, running max and sum; ld_blk > 0 (targets) adds the block's kept logits [rows + 8,
- * ld_blk]. The memory formula counts it (compactor/compact.h, forward and targets). */
-size_t kf_cpu_attn_tile_floats(int rows, int hd, int ld_blk);
+ * ld_blk], own (the rows' own prompts asked for too) the own keys' state kept aside [rows, hd + 3].
+ * The memory formula counts it (compactor/compact.h, forward and targets). */
+size_t kf_cpu_attn_tile_floats(int rows, int hd, int ld_blk, int own);
 void kf_cpu_attn_scratch_free(kf_cpu_attn_scratch *scratch);
 
 
