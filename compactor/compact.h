@@ -383,10 +383,10 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *                                                 rows of a tile without targets: G q', q' halved
  *                                                 from min(floor(512 / G), c') while kvh ceil(c' / q')
  *                                                 < 2 A, q' G > 64 and q' > 1
+ *             + 4 A (r~ d + 3 r~)               the tiles' own-key state kept aside (r~: r rounded
+ *                                                 up to a multiple of 16)
  *               + [choice] kvh 4 Rv (d + 2)       the held-out rows' attention over their own prompts
- *                 + 5 R / G                       (refq_targets.h: their pool and slots) and the
- *                 + 4 A (r~ d + 3 r~)             tiles' own-key state kept aside (r~: r rounded up
- *                                                 to a multiple of 16)
+ *                 + 5 R / G                       (refq_targets.h: their pool and slots)
  *             [fused]: a source past the context runs dense on the CPU backend (the repeat
  *             without QUOKA, or a probe); else 0 and the solve computes all the targets
  *   forward = kf_forward_plan_bytes(min(c, max(D, S)), 0) + 4 A W(G q', d, 0) + 4 H (S + P)

@@ -147,10 +147,9 @@ static int64_t targets_bytes(const kf_hfconfig *c, const kf_mem_shape *s, int64_
     /* the block's logits: 8 padding rows, rows of a multiple of 16 floats; the tiles: cut at every
      * multiple of 256 positions too, at most one more tile each */
     const int64_t ld = (s->T + 15) & ~(int64_t)15, tiles = (chunk + tq - 1) / tq + (chunk + 255) / 256;
-    /* with the choice, the held-out rows' own prompts: their pool, the tile's own-key state kept aside */
-    const int64_t own = s->choice ? kf_refq_targets_own_bytes(1, kvh, s->Rv, c->head_dim, s->R / G) +
-                                        4 * s->attn_threads * (al16(G * tq * c->head_dim) + 3 * al16(G * tq))
-                                  : 0;
+    /* the tile's own-key state kept aside; with the choice, the held-out rows' own prompts' pool */
+    const int64_t own = 4 * s->attn_threads * (al16(G * tq * c->head_dim) + 3 * al16(G * tq)) +
+                        (s->choice ? kf_refq_targets_own_bytes(1, kvh, s->Rv, c->head_dim, s->R / G) : 0);
     return kf_refq_targets_bytes(1, kvh, s->R, c->head_dim, s->T) + 4 * s->attn_threads * ((G * tq + 8) * ld + wider) +
            8 * kvh * s->T * tiles + own;
 }

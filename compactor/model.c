@@ -445,7 +445,7 @@ static kf_status check_targets(const kf_model *m, const kf_seq *seq, const kf_fo
                        t->blk1, (long long)seq->len);
     if (!t->m || !t->y || !t->Y || !t->score)
         return kf_fail(err, KF_ERR_INVALID, "forward: targets requested without their buffers");
-    if (t->app0 > 0 && (t->app0 < t->blk1 || t->app0 > seq->len || !t->am || !t->ay || !t->aY || !t->app_slot))
+    if (t->app0 > 0 && (t->app0 < t->blk1 || t->app0 > seq->len || (t->app_slot && (!t->am || !t->ay || !t->aY))))
         return kf_fail(err, KF_ERR_INVALID, "forward: own prompts from key %d need buffers, and to start after "
                        "the block's end %d, within the %lld keys before the call", t->app0, t->blk1, (long long)seq->len);
     for (int i = 1; i < args->n_capture_rows; i++)
@@ -472,8 +472,8 @@ static const kf_attn_targets *chunk_targets(const kf_forward_args *args, int l, 
                            .row_stride = ft->row_stride, .head_stride = ft->head_stride, .score = ft->score[l],
                            .score_stride = ft->score_stride, .score_rms = ft->score_rms};
     if (ft->app0 > 0)
-        t->app0 = ft->app0, t->app_slot = ft->app_slot + k0, t->am = ft->am[l], t->ay = ft->ay[l],
-        t->aY = ft->aY[l], t->app_head_stride = ft->app_head_stride;
+        t->app0 = ft->app0, t->app_slot = ft->app_slot ? ft->app_slot + k0 : NULL, t->am = ft->am ? ft->am[l] : NULL,
+        t->ay = ft->ay ? ft->ay[l] : NULL, t->aY = ft->aY ? ft->aY[l] : NULL, t->app_head_stride = ft->app_head_stride;
     return t;
 }
 

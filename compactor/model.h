@@ -68,7 +68,8 @@ typedef struct kf_forward_plan kf_forward_plan;
  *                                           KV head g, in fp64, in an order fixed by the arguments
  * and, where app0 > 0, the same m, y, Y of capture row r over its own prompt, the keys [app0, its
  * own position] (app0 at or after blk1, at most seq->len: the validation's appended block), for
- * the rows with app_slot[r] >= 0, into am/ay/aY[l] at app_slot[r] * row_stride + h * app_head_stride.
+ * the rows with app_slot[r] >= 0, into am/ay/aY[l] at app_slot[r] * row_stride + h * app_head_stride
+ * (app_slot NULL: none, the output's sums in the same order).
  * Only where kf_model_targets_supported says so (the CPU backend, dense attention, no key bias);
  * capture_rows must then be ascending. */
 typedef struct {
@@ -79,7 +80,7 @@ typedef struct {
     size_t score_stride;
     int score_rms;
     int app0;                      /* 0: no own prompts */
-    const int32_t *app_slot;       /* [n_capture_rows] */
+    const int32_t *app_slot;       /* [n_capture_rows] or NULL */
     float **am, **ay, **aY;        /* [n_layers] each */
     size_t app_head_stride;
 } kf_forward_targets;

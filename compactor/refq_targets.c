@@ -111,6 +111,7 @@ void kf_refq_targets_capture(const kf_refq_targets *t, int64_t first, int blk0, 
     *fa = (kf_forward_targets){.blk0 = blk0, .blk1 = blk0 + t->n_doc, .m = dst->m, .y = dst->y, .Y = dst->Y,
                                .row_stride = 1, .head_stride = (size_t)t->n_pos, .score = dst->score,
                                .score_stride = (size_t)t->n_doc, .score_rms = t->score_rms};
+    fa->app0 = app0; /* always: the forward's sums in one order whether or not rows are held out */
     if (!t->am)
         return;
     for (int l = 0; l < t->n_layers; l++) {
@@ -119,6 +120,6 @@ void kf_refq_targets_capture(const kf_refq_targets *t, int64_t first, int blk0, 
         dst->ay[l] = t->ay + at;
         dst->aY[l] = t->aY + at * t->head_dim;
     }
-    fa->app0 = app0, fa->app_slot = t->own_slot + first, fa->am = dst->am, fa->ay = dst->ay, fa->aY = dst->aY;
+    fa->app_slot = t->own_slot + first, fa->am = dst->am, fa->ay = dst->ay, fa->aY = dst->aY;
     fa->app_head_stride = (size_t)t->n_own;
 }

@@ -89,7 +89,8 @@ void kf_refq_targets_dst_free(kf_refq_targets_dst *d);
  * block [blk0, blk0 + n_doc) of the sequence, in *fa (which points into dst: valid while t and
  * dst live; every layer's destination is its slot, so with n_held < n_layers layer l must be read
  * before layer l + n_held runs), and with own prompts kept, the held-out rows' over the keys from
- * app0 on (the source's own tokens). One dst per forward in flight. */
+ * app0 on (the source's own tokens; the forward attends those keys first either way, so that its
+ * output does not depend on whether rows are held out). One dst per forward in flight. */
 void kf_refq_targets_capture(const kf_refq_targets *t, int64_t first, int blk0, int app0,
                              const kf_refq_targets_dst *dst, kf_forward_targets *fa);
 

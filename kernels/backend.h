@@ -111,9 +111,11 @@ typedef struct kf_attn_targets {
      * row's own position] (blk1 <= app0 <= n_keys - n_q: the prompt starts before the chunk): for
      * target row k with app_slot[k] >= 0 and each query head h, its m, y and Y over those keys
      * (defined as above) go to am, ay and aY at app_slot[k] * row_stride + h * app_head_stride
-     * (aY: times head_dim). The rows' own keys are then attended first, the block second. */
+     * (aY: times head_dim). The rows' own keys are then attended first, the block second, which
+     * moves the output by the order of its sums: a caller that wants the same output with and
+     * without slots passes app0 either way (app_slot NULL: none). */
     int app0;
-    const int32_t *app_slot; /* [n_rows] */
+    const int32_t *app_slot; /* [n_rows] or NULL */
     float *am, *ay, *aY;
     size_t app_head_stride;
 } kf_attn_targets;

@@ -113,8 +113,8 @@ static void results_free(results *r) {
     free(r->aY);
 }
 
-/* The queries in chunks of CHUNK, each over the keys before it and its own (causal); with own, the
- * slotted rows' attention over the keys from N_PAST on too. */
+/* The queries in chunks of CHUNK, each over the keys before it and its own (causal); with own 1,
+ * the slotted rows' attention over the keys from N_PAST on too; 2: those keys first, no slots. */
 static int run_fused(const fixture *f, kf_pool *pool, int rms, int own, results *r) {
     kf_cpu_attn_scratch s = {.pool = pool};
     int rc = 0, k0 = 0;
@@ -127,9 +127,11 @@ static int run_fused(const fixture *f, kf_pool *pool, int rms, int own, results 
                              .row_base = c0, .m = r->m + k0, .y = r->y + k0, .Y = r->Y + (size_t)k0 * HD,
                              .row_stride = 1, .head_stride = (size_t)f->n_rows, .score = r->score,
                              .score_stride = N_BLK, .score_rms = rms};
-        if (own)
+        if (own == 1)
             t.app0 = N_PAST, t.app_slot = f->slot + k0, t.am = r->am, t.ay = r->ay, t.aY = r->aY,
             t.app_head_stride = (size_t)f->n_slots;
+        else if (own == 2)
+            t.app0 = N_PAST; /* the own keys first, no row's part asked for */
         kf_attn_args a = {.q = f->q + (size_t)c0 * NH * HD, .q_stride = NH * HD, .out = r->out + (size_t)c0 * NH * HD,
                           .out_stride = NH * HD, .n_q = n, .n_heads = NH, .n_keys = N_PAST + c0 + n,
                           .pages = f->pages, .kv = f->kv, .scale = 1.0f / sqrtf(HD), .targets = &t};
@@ -299,6 +301,13 @@ static void test_fused_targets(void) {
         check_vs_am(&f, &one, rms);
         if (own) {
             check_own_vs_fp64(&f, &one);
+            results none = {0}; /* no slots, the same order of sums: the same output */
+            results_poison(&none, f.n_rows, f.n_slots);
+            CU_ASSERT_EQUAL_FATAL(run_fused(&f, g_pool, rms, 2, &none), 0);
+            CU_ASSERT(memcmp(one.out, none.out, sizeof(float) * N_Q * NH * HD) == 0);
+            CU_ASSERT(memcmp(one.Y, none.Y, sizeof(float) * (size_t)NH * f.n_rows * HD) == 0);
+            CU_ASSERT(isnan(none.am[0]) && isnan(none.aY[0]));
+            results_free(&none);
             const size_t na = (size_t)NH * f.n_slots;
             CU_ASSERT(memcmp(one.am, three.am, sizeof(float) * na) == 0 &&
                       memcmp(one.ay, three.ay, sizeof(float) * na) == 0 &&

@@ -361,8 +361,8 @@ static void test_prep_arena_pages(void) {
  *           (the attention's tile per thread: q' = 16 queries, 32 rows (40 with padding): 64 + 2 * 640
  *           + 40 * 256 + 2 * 256 * 16 + 32 floats)
  *   solve   8 * 40 * 32 + 8 * 45 * 32 + 8 * 100                             the training rows' order: 8 R
- *           + 2 (8 * 8 + 16 * 8 * 16 + 8 * 100 * 17 + 20 * 20) + 2 * 50,000      per thread, per head
- *           = 10,240 + 11,520 + 800 + 2 * 66,112                               = 154,784
+ *           + 2 (8 * 8 + 16 * 8 * 16 + 8 * 100 * 17 + 20 * 92) + 2 * 50,000      per thread, per head
+ *           = 10,240 + 11,520 + 800 + 2 * 67,552                               = 157,664
  *   output  2 * 16 * (256 + 16) + 2 * 2 * 73                                   = 8,996
  *   targets 0 (sh: no fused targets; the fused case below)
  *   base    144 MiB                                                            = 150,994,944
@@ -380,10 +380,10 @@ static void test_memory_formula(void) {
     CU_ASSERT_EQUAL(m.arena, 61440);
     CU_ASSERT_EQUAL(m.queries, 17920);
     CU_ASSERT_EQUAL(m.forward, 206976);
-    CU_ASSERT_EQUAL(m.solve, 154784);
+    CU_ASSERT_EQUAL(m.solve, 157664);
     CU_ASSERT_EQUAL(m.output, 8996);
     CU_ASSERT_EQUAL(m.base, 150994944);
-    CU_ASSERT_EQUAL(total, 151767108);
+    CU_ASSERT_EQUAL(total, 151769988);
     CU_ASSERT_EQUAL(m.total, total);
     /* ws, every buffer 64-byte aligned (kf_ws_bytes), T 32, R 100, t 8, d 16, fused, no choice: the
      * head's scores 4 * 32 -> 128, then the largest of the score sums (8 * 32 -> 256) and a variant:
@@ -409,40 +409,42 @@ static void test_memory_formula(void) {
     sh16.refq_bf16 = 1;
     kf_mem_peak m16;
     kf_compact_peak_bytes(&c, &sh16, &m16);
-    CU_ASSERT(m16.queries == 8960 && m16.solve == 154784 && m16.total == total - 17920 + 8960);
+    CU_ASSERT(m16.queries == 8960 && m16.solve == 157664 && m16.total == total - 17920 + 8960);
     ws.refq_bf16 = 1; /* the head's rows widened to fp32 in the workspace: 4 * 100 * 16 */
     CU_ASSERT_EQUAL(kf_compact_head_ws_bytes(&ws, 16), 6400 + 896 + 6400 + 128 + 23488 + 3648 + 23552 + 131072);
     /* one thread: one thread's buffers and one head in flight */
     kf_mem_shape sh1 = sh;
     sh1.solve_threads = 1, sh1.solve_heads = 1;
     kf_compact_peak_bytes(&c, &sh1, &m16);
-    CU_ASSERT_EQUAL(m16.solve, 154784 - 66112);
+    CU_ASSERT_EQUAL(m16.solve, 157664 - 67552);
     /* fused targets (0 above: sh is not fused), one layer held: 2 * (4 * 100 * 18 + 8 * 32) = 14,912
      * in the pool; the attention's logits of r = 2 min(floor(512 / 2), 16) = 32 rows and 8 padding
      * rows per thread, 4 * 2 * 40 * 32 = 10,240; parts of ceil(16 / 16) + ceil(16 / 256) = 2 tiles
-     * per KV head, 8 * 2 * 32 * 2 = 1,024 */
+     * per KV head, 8 * 2 * 32 * 2 = 1,024; the own keys' state of those 32 rows per thread, 4 * 2 *
+     * (32 * 16 + 3 * 32) = 4,864; the held-out rows' own prompts (Rv 20 of R / G = 50 positions),
+     * 2 * 4 * 20 * 18 + 5 * 50 = 3,130 */
     kf_mem_shape shf = sh;
     shf.fused = 1;
     kf_mem_peak mf;
     CU_ASSERT_EQUAL(m.targets, 0);
     /* (what a head holds of them is in ws) */
-    CU_ASSERT_EQUAL(kf_compact_peak_bytes(&c, &shf, &mf), total + 14912 + 10240 + 1024);
-    CU_ASSERT_EQUAL(mf.targets, 14912 + 10240 + 1024);
-    CU_ASSERT_EQUAL(mf.solve, 154784);
+    CU_ASSERT_EQUAL(kf_compact_peak_bytes(&c, &shf, &mf), total + 14912 + 10240 + 1024 + 4864 + 3130);
+    CU_ASSERT_EQUAL(mf.targets, 14912 + 10240 + 1024 + 4864 + 3130);
+    CU_ASSERT_EQUAL(mf.solve, 157664);
     /* chunk 64, so c' = min(64, max(40, 38)) = 40: the target tiles have q = min(256, 40) = 40 queries,
      * those without targets q' = 40 halved once to 20 (2 ceil(40 / 40) = 2 < 2 A = 4 and 80 > 64;
      * then 2 ceil(40 / 20) = 4 is not < 4): logits 4 * 2 * (80 + 8) * 32 = 22,528, the wider tiles
      * 4 * 2 * 2 * 20 * (2 * 16 + 259) = 93,120, parts 8 * 2 * 32 * (ceil(40 / 40) + ceil(40 / 256))
-     * = 1,024 */
+     * = 1,024, the own keys' state of 80 rows 4 * 2 * (80 * 16 + 3 * 80) = 12,160 */
     kf_mem_shape shc = shf;
     shc.chunk = 64;
     kf_compact_peak_bytes(&c, &shc, &mf);
-    CU_ASSERT_EQUAL(mf.targets, 14912 + 22528 + 93120 + 1024);
+    CU_ASSERT_EQUAL(mf.targets, 14912 + 22528 + 93120 + 1024 + 12160 + 3130);
     /* and it does not grow with the layers: the pool is one layer whatever L */
     kf_hfconfig c4 = c;
     c4.n_layers = 4;
     kf_compact_peak_bytes(&c4, &shf, &mf);
-    CU_ASSERT_EQUAL(mf.targets, 14912 + 10240 + 1024);
+    CU_ASSERT_EQUAL(mf.targets, 14912 + 10240 + 1024 + 4864 + 3130);
 
     /* the weights term counts what the model loads */
     kf_mem_shape real;

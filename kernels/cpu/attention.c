@@ -458,7 +458,8 @@ static void block_first(const attn_job *j, attn_bufs *b, tile_pos t, int item) {
 static void emit_own(const attn_job *j, const attn_bufs *b, tile_pos t) {
     const kf_attn_targets *tg = j->a->targets;
     const int hd = j->a->kv.head_dim, rep = j->rep;
-    for (int k = first_target(tg, t.q0); k < tg->n_rows && tg->rows[k] - tg->row_base < t.q0 + t.tq; k++) {
+    for (int k = first_target(tg, t.q0); tg->app_slot && k < tg->n_rows && tg->rows[k] - tg->row_base < t.q0 + t.tq;
+         k++) {
         if (tg->app_slot[k] < 0)
             continue;
         const int i = tg->rows[k] - tg->row_base - t.q0;
@@ -598,8 +599,8 @@ static int targets_setup(kf_cpu_attn_scratch *s, const kf_attn_args *a, attn_job
     if (t->blk0 < 0 || t->blk1 <= t->blk0 || t->blk1 > a->n_keys - a->n_q || a->bias || !t->m || !t->y || !t->Y ||
         !t->score || (t->n_rows > 0 && !t->rows))
         return -1;
-    if (t->app0 > 0 && (t->app0 < t->blk1 || t->app0 > a->n_keys - a->n_q || !t->am || !t->ay || !t->aY ||
-                        (t->n_rows > 0 && !t->app_slot)))
+    if (t->app0 > 0 && (t->app0 < t->blk1 || t->app0 > a->n_keys - a->n_q ||
+                        (t->app_slot && t->n_rows > 0 && (!t->am || !t->ay || !t->aY))))
         return -1;
     for (int k = 0; k < t->n_rows; k++)
         if (t->rows[k] - t->row_base < 0 || t->rows[k] - t->row_base >= a->n_q ||
