@@ -460,7 +460,7 @@ void kf_split_head(head_split *s, const kf_refq *rq, const float *q, const kf_am
 }
 
 kf_status kf_plan_validation(const source *src, int n_sources, const int64_t *sample, int64_t n_pos,
-                             const kf_compact_params *p, size_t row, uint8_t **kind, int **pos_src,
+                             const kf_compact_params *p, uint8_t **kind, int **pos_src,
                              int64_t **pos_local, uint8_t **is_val, int64_t *n_val, appended_kv *ap,
                              kf_error *err) {
     *kind = malloc((size_t)(n_pos ? n_pos : 1));
@@ -488,7 +488,11 @@ kf_status kf_plan_validation(const source *src, int n_sources, const int64_t *sa
     for (k = 0; k < n_pos; k++)
         if ((*is_val)[k] && (*pos_local)[k] + 1 > ap->n[(*pos_src)[k]])
             ap->n[(*pos_src)[k]] = (*pos_local)[k] + 1;
-    for (int i = 1; i < n_sources; i++)
+    return KF_OK;
+}
+
+kf_status kf_appended_alloc(appended_kv *ap, size_t row, kf_error *err) {
+    for (int i = 1; i < ap->n_src; i++)
         if (ap->n[i] > 0) {
             ap->k[i] = malloc(sizeof(float) * (size_t)ap->n[i] * row);
             ap->v[i] = malloc(sizeof(float) * (size_t)ap->n[i] * row);

@@ -178,10 +178,14 @@ static kf_status prepare_run(kf_compact_prep *x, const kf_compact_reuse *reuse, 
             rc = kf_refq_init(&x->ctxq, x->L, x->kvh, x->d, x->G, x->first[1], x->p.run.refq_bf16, err);
     }
     if (rc == KF_OK && choice)
-        rc = kf_plan_validation(x->src, x->n_sources, sample, n_pos, &x->p, (size_t)x->kvh * x->d, &x->pos_kind,
-                                &x->pos_src, &x->pos_local, &x->is_val, &x->n_val_pos, &x->ap, err);
+        rc = kf_plan_validation(x->src, x->n_sources, sample, n_pos, &x->p, &x->pos_kind, &x->pos_src,
+                                &x->pos_local, &x->is_val, &x->n_val_pos, &x->ap, err);
     if (rc == KF_OK && choice && x->tg.m) /* the held-out rows' own prompts, from the source forwards */
         rc = kf_refq_targets_own_init(&x->tg, x->is_val, err);
+    for (int i = 1; rc == KF_OK && choice && i < x->n_sources; i++)
+        x->ap.n[i] = kf_source_fused(x, i) ? 0 : x->ap.n[i]; /* those the solve attends itself only */
+    if (rc == KF_OK && choice)
+        rc = kf_appended_alloc(&x->ap, (size_t)x->kvh * x->d, err);
     if (rc == KF_OK && choice &&
         (!(x->tr_order = malloc(sizeof(int64_t) * (size_t)(n_pos ? n_pos * x->G : 1))) ||
          kf_choice_training_order(n_pos, x->G, x->pos_kind, x->is_val, x->p.solver.seed, x->tr_order) < 0))

@@ -395,7 +395,10 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  *               context's length (W: kf_cpu_attn_tile_floats, q' below); the sources' residual
  *               streams between layers; the GEMMs' tile of widened weight rows
  *               (kernels/cpu/cpu_kernels.h) and a norm's widened weight
- *   solve   = 8 D KD + 8 (S + P) KD [choice]      one layer's K/V, and of the sources' validation prompts
+ *   solve   = 8 D KD + 8 Sv KD [choice]           one layer's K/V, and of the validation prompts that the
+ *                                                 solve attends itself (Sv: the sources without fused
+ *                                                 targets, S + P without the targets term, a QUOKA
+ *                                                 repeat's tokens beside fused probes, else 0)
  *           + 8 R [choice]                        the training rows' order (kf_choice_training_order)
  *           + n (8 t + 16 t d                      per thread (thread_init): the kept keys' buffers
  *                + [probes] 4 R d                 the probe rows (fold_queries on probes)
@@ -420,6 +423,7 @@ int64_t kf_compacted_pos_offset(const kf_compacted *c);
  * are not covered. */
 typedef struct {
     int64_t D, T, S, P;   /* context, document, longest source, the other sources (tokens) */
+    int64_t Sv;           /* the validation prompts' tokens whose K/V the solve keeps (unfused sources) */
     int n_p;              /* count of those other sources */
     int64_t R, Rv, Rc, t; /* reference queries, held-out ones and the context's own per KV head; kept keys
                              per head */

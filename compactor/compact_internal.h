@@ -148,10 +148,12 @@ typedef struct {
 
 /* The per-head choice's validation plan: every sampled position's source, index inside it and
  * kind; the held-out positions (is_val); and, for the sources that hold validation rows, how many
- * of their tokens to keep (n) and one layer's buffers for them. */
+ * of their tokens to keep (ap->n). */
 kf_status kf_plan_validation(const source *src, int n_sources, const int64_t *sample, int64_t n_pos,
-                             const kf_compact_params *p, size_t row, uint8_t **kind, int **pos_src,
-                             int64_t **pos_local, uint8_t **is_val, int64_t *n_val, appended_kv *ap, kf_error *err);
+                             const kf_compact_params *p, uint8_t **kind, int **pos_src, int64_t **pos_local,
+                             uint8_t **is_val, int64_t *n_val, appended_kv *ap, kf_error *err);
+/* One layer's buffers [ap->n[i], row] for the prompts the solve attends itself (n[i] > 0). */
+kf_status kf_appended_alloc(appended_kv *ap, size_t row, kf_error *err);
 void kf_appended_free(appended_kv *ap);
 /* Layer l's keys and values of every kept validation prompt into k, v (the layer's prologue). */
 kf_status kf_appended_load(const kf_arena *a, int64_t D, appended_kv *ap, int l, kf_error *err);
@@ -177,6 +179,9 @@ void kf_split_head(head_split *s, const kf_refq *rq, const float *q, const kf_am
 
 /* ---- sources.c: the reference sources and the context ---- */
 
+/* 1 when source i's forward fuses AM's targets of its rows (and the held-out rows' own prompts):
+ * the pool exists, the source has rows, and it is not a repeat that QUOKA runs. */
+int kf_source_fused(const kf_compact_prep *x, int i);
 /* src [n_sources]: the document's own rows, the repeat's spans, the probes; *n_cand their length. */
 kf_status kf_sources_plan(const kf_compact_prep *x, const kf_prompt *doc, source *src, int64_t *n_cand,
                           kf_error *err);

@@ -102,6 +102,8 @@ void kf_compact_mem_shape(const kf_hfconfig *c, const kf_compact_params *p, int6
     out->solve_heads = attn_threads < c->n_kv_heads ? attn_threads : c->n_kv_heads;
     const int quoka_repeat = p->run.quoka && p->run.quoka_repeat && p->run.quoka->mode == KF_PREFILL_QUOKA;
     out->fused = probes > 0 || (repeat > 0 && !quoka_repeat); /* sources.c's kf_sources_targets_init */
+    /* the held-out rows' prompts the solve attends itself: those of the sources that fuse no targets */
+    out->Sv = !out->fused ? S + out->P : (quoka_repeat ? repeat : 0);
     if (out->fused) /* the rows the solve still computes targets for: the context's, a QUOKA repeat's */
         out->Ru = out->Rc + (quoka_repeat && n_cand > 0
                                  ? (int64_t)G * (int64_t)llround((double)n_pos * (double)repeat / (double)n_cand)
@@ -175,7 +177,7 @@ int64_t kf_compact_peak_bytes(const kf_hfconfig *c, const kf_mem_shape *s, kf_me
         m.forward += widen_tile_bytes(c) + 4 * H;
     const int64_t thread = 8 * t + 16 * t * d + (s->fold_on_probes ? 4 * R * d : 0) +
                            (s->choice ? 8 * R * (d + 1) + Rv * (4 * d + 28) : 0);
-    m.solve = 8 * s->D * KD + (s->choice ? 8 * (s->S + s->P) * KD + 8 * R : 0) + (int64_t)s->solve_threads * thread +
+    m.solve = 8 * s->D * KD + (s->choice ? 8 * s->Sv * KD + 8 * R : 0) + (int64_t)s->solve_threads * thread +
               (int64_t)s->solve_heads * s->head_ws;
     const int64_t C = s->D - T + t;
     m.output = L * C * (8 * KD + 8 * kvh) + L * kvh * (4 * d + 9);

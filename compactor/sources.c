@@ -140,7 +140,7 @@ kf_status kf_context_prefill(kf_compact_prep *x, const kf_compact_reuse *reuse, 
  * tokens (from D on in its fork) where the pool keeps them; nothing when the model cannot. */
 static void source_targets(kf_compact_prep *x, int i, kf_forward_args *fa, kf_forward_targets *ft) {
     const int64_t first = x->first[i], n_rows = x->first[i + 1] - first;
-    if (!x->tg.m || n_rows == 0 || !kf_model_targets_supported(x->m, fa))
+    if (!kf_source_fused(x, i)) /* the pool exists: the model makes targets of a dense forward */
         return;
     kf_refq_targets_capture(&x->tg, first, x->n_pre, (int)x->D, &x->tdst[i], ft);
     fa->targets = ft;
@@ -152,6 +152,12 @@ static void source_targets(kf_compact_prep *x, int i, kf_forward_args *fa, kf_fo
 /* 1 when source i is one of the repeat's spans. */
 static int is_repeat(const kf_compact_prep *x, int i) {
     return i >= 1 && i <= x->n_rep;
+}
+
+int kf_source_fused(const kf_compact_prep *x, int i) {
+    const kf_compact_params *p = &x->p;
+    const int quoka_repeat = p->run.quoka && p->run.quoka_repeat && p->run.quoka->mode == KF_PREFILL_QUOKA;
+    return x->tg.m && i >= 1 && x->first[i + 1] > x->first[i] && !(is_repeat(x, i) && quoka_repeat);
 }
 
 /* The forward arguments of source i >= 1 (QUOKA window for the repeat), capturing into dst and,

@@ -351,7 +351,8 @@ static void test_prep_arena_pages(void) {
 }
 
 /* The memory formula (compact.h) on a hand-computed case: L 2, H 64, I 128, V 100 (tied), 4 heads
- * over 2 KV heads of d 16 with q/k norms; D 40 (T 32), S 38, one 7-token probe, R 100, Rv 20, Rc 20,
+ * over 2 KV heads of d 16 with q/k norms; D 40 (T 32), S 38, one 7-token probe (no fused targets: the
+ * solve keeps all 45 validation prompt tokens, Sv), R 100, Rv 20, Rc 20,
  * t 8, chunk 16, 2 attention threads, the solve on 2 threads (2 heads at once), ws 50,000 bytes.
  * Every term by hand:
  *   weights 4 (6,400 + 64 + 2 (8,192 + 4,096 + 24,576 + 128 + 32))             = 322,048
@@ -371,7 +372,7 @@ static void test_memory_formula(void) {
     kf_hfconfig c = {0};
     c.n_layers = 2, c.hidden_size = 64, c.intermediate_size = 128, c.vocab_size = 100, c.n_heads = 4;
     c.n_kv_heads = 2, c.head_dim = 16, c.tie_word_embeddings = 1, c.has_qk_norm = 1;
-    const kf_mem_shape sh = {.D = 40, .T = 32, .S = 38, .P = 7, .n_p = 1, .R = 100, .Rv = 20, .Rc = 20, .t = 8,
+    const kf_mem_shape sh = {.D = 40, .T = 32, .S = 38, .P = 7, .Sv = 45, .n_p = 1, .R = 100, .Rv = 20, .Rc = 20, .t = 8,
                              .choice = 1, .chunk = 16, .attn_threads = 2, .solve_threads = 2, .solve_heads = 2,
                              .head_ws = 50000};
     kf_mem_peak m;
@@ -422,15 +423,16 @@ static void test_memory_formula(void) {
      * rows per thread, 4 * 2 * 40 * 32 = 10,240; parts of ceil(16 / 16) + ceil(16 / 256) = 2 tiles
      * per KV head, 8 * 2 * 32 * 2 = 1,024; the own keys' state of those 32 rows per thread, 4 * 2 *
      * (32 * 16 + 3 * 32) = 4,864; the held-out rows' own prompts (Rv 20 of R / G = 50 positions),
-     * 2 * 4 * 20 * 18 + 5 * 50 = 3,130 */
+     * 2 * 4 * 20 * 18 + 5 * 50 = 3,130; and the solve keeps no validation prompt (Sv 0: the sources
+     * give those rows' attention), 8 * 45 * 32 = 11,520 less */
     kf_mem_shape shf = sh;
-    shf.fused = 1;
+    shf.fused = 1, shf.Sv = 0;
     kf_mem_peak mf;
     CU_ASSERT_EQUAL(m.targets, 0);
     /* (what a head holds of them is in ws) */
-    CU_ASSERT_EQUAL(kf_compact_peak_bytes(&c, &shf, &mf), total + 14912 + 10240 + 1024 + 4864 + 3130);
+    CU_ASSERT_EQUAL(kf_compact_peak_bytes(&c, &shf, &mf), total + 14912 + 10240 + 1024 + 4864 + 3130 - 11520);
     CU_ASSERT_EQUAL(mf.targets, 14912 + 10240 + 1024 + 4864 + 3130);
-    CU_ASSERT_EQUAL(mf.solve, 157664);
+    CU_ASSERT_EQUAL(mf.solve, 157664 - 11520);
     /* chunk 64, so c' = min(64, max(40, 38)) = 40: the target tiles have q = min(256, 40) = 40 queries,
      * those without targets q' = 40 halved once to 20 (2 ceil(40 / 40) = 2 < 2 A = 4 and 80 > 64;
      * then 2 ceil(40 / 20) = 4 is not < 4): logits 4 * 2 * (80 + 8) * 32 = 22,528, the wider tiles

@@ -113,7 +113,7 @@ static void solve_vs_formula(int threads, int n_doc) {
     /* the declared buffers: each thread's workspace is the formula's ws */
     CU_ASSERT_EQUAL(out.stats.ws_bytes, sh.head_ws);
     /* the validation prompts' K/V and the training rows' order */
-    const int64_t prepared = 8 * (sh.S + sh.P) * c->n_kv_heads * c->head_dim + 8 * sh.R;
+    const int64_t prepared = 8 * sh.Sv * c->n_kv_heads * c->head_dim + 8 * sh.R;
     /* the sources run in the solve: their attention's targets scratch grows there (the targets term
      * but the pool, which the prepare allocates) */
     const int64_t G = c->n_heads / c->n_kv_heads;
