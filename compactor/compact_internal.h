@@ -148,7 +148,8 @@ typedef struct {
 
 /* The per-head choice's validation plan: every sampled position's source, index inside it and
  * kind; the held-out positions (is_val); and, for the sources that hold validation rows, how many
- * of their tokens to keep (ap->n). */
+ * of their tokens their rows see (ap->n; the caller zeroes it for the sources that fuse them,
+ * kf_source_fused, before kf_appended_alloc). */
 kf_status kf_plan_validation(const source *src, int n_sources, const int64_t *sample, int64_t n_pos,
                              const kf_compact_params *p, uint8_t **kind, int **pos_src, int64_t **pos_local,
                              uint8_t **is_val, int64_t *n_val, appended_kv *ap, kf_error *err);
@@ -180,7 +181,10 @@ void kf_split_head(head_split *s, const kf_refq *rq, const float *q, const kf_am
 /* ---- sources.c: the reference sources and the context ---- */
 
 /* 1 when source i's forward fuses AM's targets of its rows (and the held-out rows' own prompts):
- * the pool exists, the source has rows, and it is not a repeat that QUOKA runs. */
+ * the pool exists, the source has rows, and it is not a repeat that QUOKA runs (the sources'
+ * forwards are otherwise dense and unbiased: what kf_model_targets_supported asks). source_targets
+ * and the prepare's drop of those prompts' K/V both decide by it: every held-out row of such a
+ * source is then given (own_done), none attends a prompt the solve did not keep. */
 int kf_source_fused(const kf_compact_prep *x, int i);
 /* src [n_sources]: the document's own rows, the repeat's spans, the probes; *n_cand their length. */
 kf_status kf_sources_plan(const kf_compact_prep *x, const kf_prompt *doc, source *src, int64_t *n_cand,

@@ -55,7 +55,7 @@ static kf_status head_nonfinite_cause(const kf_compact_prep *x, int l, int g, co
             what = "key or value of a validation prompt at position";
     if (!what)
         return kf_fail(err, KF_ERR_INVALID, "compact: layer %d KV head %d: non-finite attention (the logits of "
-                       "finite keys and queries overflowed)", l, g);
+                       "finite keys and queries overflowed, or a source's own keys or values were not finite)", l, g);
     return kf_fail(err, KF_ERR_INVALID, "compact: layer %d KV head %d: non-finite %s %lld (NaN or infinity)", l, g,
                    what, (long long)at);
 }

@@ -52,7 +52,7 @@ typedef struct {
     double *score;     /* [n_held, kv_heads, n_doc], zeroed */
     uint8_t *fused;    /* [n_pos], zeroed */
     int score_rms;     /* the score's kind: sums of p^2 (RMS) or of p (mean) */
-    int64_t n_own;     /* held-out positions (0: no own prompts kept) */
+    int64_t n_own;     /* held-out positions (am NULL: no own prompts kept) */
     int32_t *own_slot; /* [n_pos] a held-out position's slot, else -1 */
     uint8_t *own_done; /* [n_pos], zeroed */
     float *am, *ay;    /* [n_held, kv_heads, group * n_own] */
