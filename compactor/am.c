@@ -9,7 +9,7 @@
 #include "kernels/sort.h"
 
 #define Q_TILE 256
-#define GRAM_TILE 256 /* rows of a normal-equations tile (kf_gram_tiles) */
+#define GRAM_TILE 512 /* rows of a normal-equations tile (kf_gram_tiles) */
 
 static float *design(const kf_backend *be, const float *q, int R, int d, float scale, const float *keys,
                      size_t key_stride, const float *beta, int t);
@@ -215,7 +215,7 @@ static int beta_normal(const kf_am_head *h, const kf_am_targets *tg, const float
                        double *yy, kf_ws *ws) {
     const int R = h->R, d = h->d;
     const size_t mark = kf_ws_mark(ws);
-    kf_gram_tiles w; /* w.X: a tile of M [256, t] */
+    kf_gram_tiles w; /* w.X: a tile of M [GRAM_TILE, t] */
     if (kf_gram_tiles_alloc(&w, t, 0, 0, ws) != 0) {
         kf_ws_reset(ws, mark);
         return -1;

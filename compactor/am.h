@@ -154,12 +154,12 @@ typedef struct {
 } kf_value_gram;
 
 /* The row tiles the normal equations are built over, allocated once for up to t keys and reused
- * by every build (the per-head choice's candidates): GRAM_TILE (256) rows at a time. A tile's
+ * by every build (the per-head choice's candidates): GRAM_TILE (512) rows at a time. A tile's
  * products X^T X and X^T Y are taken in fp32 and added into the fp64 sums
- * (docs/decisions/fp32-tile-products.md): fp32 rounding stays within one tile's 256 rows. */
+ * (docs/decisions/fp32-tile-products.md): fp32 rounding stays within one tile's 512 rows. */
 typedef struct {
-    float *Z;  /* [256, t] the logits (kf_kept_normal_build only; NULL unless asked for) */
-    float *X;  /* [256, t] the weights */
+    float *Z;  /* [512, t] the logits (kf_kept_normal_build only; NULL unless asked for) */
+    float *X;  /* [512, t] the weights */
     float *Gt; /* [t, t] one tile's X^T X (upper triangle) */
     float *Bt; /* [t, max(d, 1)] one tile's X^T Y */
     int t, d;

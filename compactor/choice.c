@@ -101,7 +101,7 @@ int64_t kf_choice_training_order(int64_t n_pos, int G, const uint8_t *kind, cons
 typedef struct {
     float *beta, *u;     /* [t], [d] */
     float *keys, *vals;  /* [t, d] a candidate's keys (folded) and values */
-    kf_gram_tiles tiles; /* [256, t] the normal equations' row tiles (logits included) */
+    kf_gram_tiles tiles; /* [512, t] the normal equations' row tiles (logits included) */
     kf_value_gram gm;    /* [t, t], [t, d] a candidate's value normal equations (G NULL: none) */
     kf_ws *ws;           /* where they live (NULL: the heap) and every fit's scratch */
 } choice_ws;
