@@ -9,7 +9,6 @@
 #include "kernels/sort.h"
 
 #define Q_TILE 256
-#define GRAM_TILE 512 /* rows of a normal-equations tile (kf_gram_tiles) */
 
 static float *design(const kf_backend *be, const float *q, int R, int d, float scale, const float *keys,
                      size_t key_stride, const float *beta, int t);
@@ -207,15 +206,13 @@ static int64_t beta_tiles_bytes(int t) {
     return kf_gram_tiles_bytes(t, 0, 0);
 }
 
-static void tile_products_add(const kf_backend *be, const float *X, const float *Y, int n, int t, int d,
-                              const kf_gram_tiles *w, double *G, double *B, int first);
 static void beta_tile_rhs(const float *M, const float *y, int n, int t, double *b, double *yy);
 
 static int beta_normal(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t, double *G, double *b,
                        double *yy, kf_ws *ws) {
     const int R = h->R, d = h->d;
     const size_t mark = kf_ws_mark(ws);
-    kf_gram_tiles w; /* w.X: a tile of M [GRAM_TILE, t] */
+    kf_gram_tiles w; /* w.X: a tile of M [KF_GRAM_TILE, t] */
     if (kf_gram_tiles_alloc(&w, t, 0, 0, ws) != 0) {
         kf_ws_reset(ws, mark);
         return -1;
@@ -223,13 +220,13 @@ static int beta_normal(const kf_am_head *h, const kf_am_targets *tg, const float
     memset(G, 0, sizeof(double) * (size_t)t * t);
     memset(b, 0, sizeof(double) * (size_t)t);
     *yy = 0;
-    for (int i0 = 0; i0 < R; i0 += GRAM_TILE) {
-        const int n = R - i0 < GRAM_TILE ? R - i0 : GRAM_TILE;
+    for (int i0 = 0; i0 < R; i0 += KF_GRAM_TILE) {
+        const int n = R - i0 < KF_GRAM_TILE ? R - i0 : KF_GRAM_TILE;
         kf_solve_sgemm(h->be, KF_NO_TRANS, KF_TRANS, n, t, d, h->scale, h->q + (size_t)i0 * d, d, kc, d, 0.0f, w.X,
                        t);
         kf_solve_exp_rows(h->be, w.X, t, n, t, tg->m + i0);
         beta_tile_rhs(w.X, tg->y + i0, n, t, b, yy);
-        tile_products_add(h->be, w.X, NULL, n, t, 0, &w, G, NULL, 0);
+        kf_gram_tile_add(h->be, w.X, NULL, n, t, 0, &w, G, NULL, 0);
     }
     for (int r = 0; r < t; r++)
         for (int c = 0; c < r; c++)
@@ -511,62 +508,6 @@ void kf_value_gram_free(kf_value_gram *g) {
     memset(g, 0, sizeof *g);
 }
 
-/* Rows of the design matrix in tiles of GRAM_TILE (above): X [n, t] in fp32 (as design()), the
- * tile's X^T X and X^T Y in fp32, added into G and B in fp64 (docs/decisions/fp32-tile-products.md):
- * no R x t matrix is ever held, and fp32 rounding stays within one tile's sums. */
-
-void kf_gram_tiles_free(kf_gram_tiles *w) {
-    if (!w->in_ws)
-        free(w->Z), free(w->X), free(w->Gt), free(w->Bt);
-    memset(w, 0, sizeof *w);
-}
-
-int64_t kf_gram_tiles_bytes(int t, int d, int logits) {
-    const int64_t t1 = t ? t : 1, d1 = d > 1 ? d : 1;
-    return (logits + 1) * kf_ws_bytes(GRAM_TILE * t1, sizeof(float)) + kf_ws_bytes(t1 * t1, sizeof(float)) +
-           kf_ws_bytes(t1 * d1, sizeof(float));
-}
-
-int kf_gram_tiles_alloc(kf_gram_tiles *w, int t, int d, int logits, kf_ws *ws) {
-    const size_t t1 = (size_t)(t ? t : 1), d1 = (size_t)(d > 1 ? d : 1);
-    memset(w, 0, sizeof *w);
-    w->t = t, w->d = d;
-    if (ws) {
-        w->in_ws = 1;
-        w->Z = logits ? kf_ws_alloc(ws, GRAM_TILE * (int64_t)t1, sizeof(float)) : NULL;
-        w->X = kf_ws_alloc(ws, GRAM_TILE * (int64_t)t1, sizeof(float));
-        w->Gt = kf_ws_alloc(ws, (int64_t)(t1 * t1), sizeof(float));
-        w->Bt = kf_ws_alloc(ws, (int64_t)(t1 * d1), sizeof(float));
-        return (w->Z || !logits) && w->X && w->Gt && w->Bt ? 0 : -1;
-    }
-    w->Z = logits ? malloc(sizeof(float) * GRAM_TILE * t1) : NULL;
-    w->X = malloc(sizeof(float) * GRAM_TILE * t1);
-    w->Gt = malloc(sizeof(float) * t1 * t1);
-    w->Bt = malloc(sizeof(float) * t1 * d1);
-    if ((w->Z || !logits) && w->X && w->Gt && w->Bt)
-        return 0;
-    kf_gram_tiles_free(w);
-    return -1;
-}
-
-/* One tile's X [n, t] (and Y [n, d]; B NULL: none) into G's upper triangle [t, t] and B [t, d]:
- * the products in fp32 (w->Gt, w->Bt), their sums in fp64; first: G, B overwritten (not read). */
-static void tile_products_add(const kf_backend *be, const float *X, const float *Y, int n, int t, int d,
-                              const kf_gram_tiles *w, double *G, double *B, int first) {
-    kf_solve_ssyrk(be, KF_TRANS, t, n, 1.0f, X, t, 0.0f, w->Gt, t);
-    for (int r = 0; r < t; r++) {
-        double *g = G + (size_t)r * t;
-        const float *gt = w->Gt + (size_t)r * t;
-        for (int c = r; c < t; c++)
-            g[c] = (first ? 0.0 : g[c]) + gt[c];
-    }
-    if (!B)
-        return;
-    kf_solve_sgemm(be, KF_TRANS, KF_NO_TRANS, t, d, n, 1.0f, X, t, Y, d, 0.0f, w->Bt, d);
-    for (size_t k = 0; k < (size_t)t * d; k++)
-        B[k] = (first ? 0.0 : B[k]) + w->Bt[k];
-}
-
 /* b += M^T y [t] and yy += y^T y in fp64 for one tile M [n, t] (n t: cheap beside the Gram's). */
 static void beta_tile_rhs(const float *M, const float *y, int n, int t, double *b, double *yy) {
     for (int i = 0; i < n; i++) {
@@ -581,12 +522,12 @@ static void beta_tile_rhs(const float *M, const float *y, int n, int t, double *
 static void gram_accumulate(const kf_backend *be, const float *q, int R, int d, float scale, const float *keys,
                             size_t key_stride, const float *beta, int t, const float *Y, const kf_gram_tiles *w,
                             double *G, double *B) {
-    for (int i0 = 0; i0 < R; i0 += GRAM_TILE) {
-        const int n = R - i0 < GRAM_TILE ? R - i0 : GRAM_TILE;
+    for (int i0 = 0; i0 < R; i0 += KF_GRAM_TILE) {
+        const int n = R - i0 < KF_GRAM_TILE ? R - i0 : KF_GRAM_TILE;
         kf_solve_sgemm(be, KF_NO_TRANS, KF_TRANS, n, t, d, scale, q + (size_t)i0 * d, d, keys, key_stride, 0.0f, w->X,
                        t);
         kf_solve_softmax_rows(be, &(kf_softmax_rows_args){.x = w->X, .ldx = t, .rows = n, .n = t, .bias = beta});
-        tile_products_add(be, w->X, Y + (size_t)i0 * d, n, t, d, w, G, B, i0 == 0);
+        kf_gram_tile_add(be, w->X, Y + (size_t)i0 * d, n, t, d, w, G, B, i0 == 0);
     }
 }
 
@@ -716,8 +657,8 @@ static void kept_tile(const float *m, const float *y, const float *Y, int n, int
     kf_solve_softmax_rows(be, &(kf_softmax_rows_args){.x = X, .ldx = t, .rows = n, .n = t}); /* drop's design */
     kf_solve_exp_rows(be, Z, t, n, t, m);                                                    /* beta's M */
     beta_tile_rhs(Z, y, n, t, bn->b, &bn->yy);
-    tile_products_add(be, Z, NULL, n, t, 0, w, bn->G, NULL, 0); /* bn zeroed by its alloc */
-    tile_products_add(be, X, Y, n, t, d, w, drop->G, drop->B, first);
+    kf_gram_tile_add(be, Z, NULL, n, t, 0, w, bn->G, NULL, 0); /* bn zeroed by its alloc */
+    kf_gram_tile_add(be, X, Y, n, t, d, w, drop->G, drop->B, first);
 }
 
 int64_t kf_kept_normal_build_bytes(int t, int d, int own_tiles) {
@@ -738,11 +679,11 @@ int kf_kept_normal_alloc(kf_beta_normal *bn, kf_value_gram *drop, const kf_backe
 kf_status kf_kept_normal_fill(const kf_am_head *h, const kf_am_targets *tg, const float *kc, int t,
                               kf_gram_tiles *tiles, kf_beta_normal *bn, kf_value_gram *drop, kf_ws *ws, kf_error *err) {
     const int R = h->R, d = h->d;
-    kf_gram_tiles own = {0}, *w = tiles ? tiles : &own; /* tiles [GRAM_TILE, t] */
+    kf_gram_tiles own = {0}, *w = tiles ? tiles : &own; /* tiles [KF_GRAM_TILE, t] */
     const size_t mark = ws ? kf_ws_mark(ws) : 0;        /* own tiles: scratch */
     const int ok = tiles || kf_gram_tiles_alloc(&own, t, d, 1, ws) == 0;
-    for (int i0 = 0; ok && t > 0 && i0 < R; i0 += GRAM_TILE) {
-        const int n = R - i0 < GRAM_TILE ? R - i0 : GRAM_TILE;
+    for (int i0 = 0; ok && t > 0 && i0 < R; i0 += KF_GRAM_TILE) {
+        const int n = R - i0 < KF_GRAM_TILE ? R - i0 : KF_GRAM_TILE;
         kf_solve_sgemm(h->be, KF_NO_TRANS, KF_TRANS, n, t, d, h->scale, h->q + (size_t)i0 * d, d, kc, d, 0.0f, w->Z,
                        t);
         kept_tile(tg->m + i0, tg->y + i0, tg->Y + (size_t)i0 * d, n, t, d, w, bn, drop, i0 == 0);

@@ -143,7 +143,7 @@ kf_status kf_am_fit_values_ridge(const kf_backend *be, const float *q, int R, in
 
 /* The normal equations of one value refit, built once and solved for several alphas (the per-head
  * choice). G = X^T X [t, t] (full), B = X^T Y [t, d], fp64 sums of each row tile's fp32 products
- * (kf_gram_tiles; X is never held whole). */
+ * of X rounded to bf16 (kf_gram_tiles; X is never held whole). */
 typedef struct {
     double *G, *B;
     double tr; /* tr(G) */
@@ -153,14 +153,17 @@ typedef struct {
     int in_ws;            /* 1: the buffers are a workspace's */
 } kf_value_gram;
 
+#define KF_GRAM_TILE 512 /* rows of a normal-equations tile */
+
 /* The row tiles the normal equations are built over, allocated once for up to t keys and reused
- * by every build (the per-head choice's candidates): GRAM_TILE (512) rows at a time. A tile's
+ * by every build (the per-head choice's candidates): KF_GRAM_TILE rows at a time. A tile's
  * products X^T X and X^T Y are taken in fp32 and added into the fp64 sums
- * (docs/decisions/fp32-tile-products.md): fp32 rounding stays within one tile's 512 rows. */
+ * (docs/decisions/fp32-tile-products.md): fp32 rounding stays within one tile's 512 rows. The
+ * values' weights are rounded to bf16 first, for both products (docs/decisions/bf16-gram.md). */
 typedef struct {
     float *Z;  /* [512, t] the logits (kf_kept_normal_build only; NULL unless asked for) */
     float *X;  /* [512, t] the weights */
-    float *Gt; /* [t, t] one tile's X^T X (upper triangle) */
+    float *Gt; /* [t, t] one tile's X^T X (upper triangle); with d > 0 kf_gram_bf16_work(512, t) */
     float *Bt; /* [t, max(d, 1)] one tile's X^T Y */
     int t, d;
     int in_ws; /* 1: the buffers are a workspace's */
@@ -169,6 +172,12 @@ typedef struct {
 int kf_gram_tiles_alloc(kf_gram_tiles *w, int t, int d, int logits, kf_ws *ws);
 int64_t kf_gram_tiles_bytes(int t, int d, int logits);
 void kf_gram_tiles_free(kf_gram_tiles *w);
+/* One tile's X [n, t] (and Y [n, d]; B NULL: none) into G's upper triangle [t, t] and B [t, d],
+ * summed in fp64; first: G, B overwritten (not read). The values' equations (B given): X rounded
+ * to bf16 in place, its Gram through gram_bf16 and X^T Y from the same rounded X in fp32; beta's
+ * (no B): X^T X in fp32. */
+void kf_gram_tile_add(const kf_backend *be, float *X, const float *Y, int n, int t, int d, const kf_gram_tiles *w,
+                      double *G, double *B, int first);
 
 /* g's buffers for t keys, head_dim d: G, B zeroed, the solves' scratch; 0, or -1 when out of memory. */
 int kf_value_gram_alloc(kf_value_gram *g, const kf_backend *be, int t, int d, kf_ws *ws);

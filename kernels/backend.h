@@ -306,6 +306,12 @@ struct kf_backend {
     /* the same in fp32 (cblas_ssyrk) */
     void (*ssyrk)(const kf_backend *b, kf_trans ta, int N, int K, float alpha, const float *A, size_t lda,
                   float beta, float *C, size_t ldc);
+    /* A tile's Gram from bf16 inputs (the values' normal equations): X [n, t] (row stride t) is
+     * rounded in place to bf16, nearest even (X then holds those values in fp32, for the caller's
+     * X^T Y), and G's upper triangle [t, t] (row stride ldg, fp64) += X^T X, the products summed
+     * in fp32 over the n rows (first: overwritten, not read); the strict lower triangle is neither
+     * read nor written. work: kf_gram_bf16_work(n, t) floats of scratch. */
+    void (*gram_bf16)(const kf_backend *b, float *X, int n, int t, float *work, double *G, size_t ldg, int first);
     /* y[n] = alpha S x + beta y for a symmetric S [n, n] (row stride lds) of which only the upper
      * triangle is read (cblas_dsymv, upper); x, y contiguous. beta = 0: y is not read. */
     void (*dsymv)(const kf_backend *b, int n, double alpha, const double *S, size_t lds, const double *x, double beta,
@@ -388,6 +394,16 @@ static inline void kf_solve_ssyrk(const kf_backend *be, kf_trans ta, int N, int 
                                   size_t lda, float beta, float *C, size_t ldc) {
     be = kf_solve_backend(be);
     be->ssyrk(be, ta, N, K, alpha, A, lda, beta, C, ldc);
+}
+/* The scratch of gram_bf16 in floats: a t x t fp32 product or the tile's pairs of bf16 rows. */
+static inline size_t kf_gram_bf16_work(int n, int t) {
+    const size_t tt = (size_t)t * (size_t)t, pairs = (size_t)(n + 1) / 2 * (size_t)t;
+    return tt > pairs ? tt : pairs;
+}
+static inline void kf_solve_gram_bf16(const kf_backend *be, float *X, int n, int t, float *work, double *G, size_t ldg,
+                                      int first) {
+    be = kf_solve_backend(be);
+    be->gram_bf16(be, X, n, t, work, G, ldg, first);
 }
 static inline void kf_solve_dsymv(const kf_backend *be, int n, double alpha, const double *S, size_t lds,
                                   const double *x, double beta, double *y) {

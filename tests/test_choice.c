@@ -13,6 +13,7 @@
 #include "compactor/diag.h"
 #include "compactor/fold.h"
 #include "compactor/refq.h"
+#include "kernels/base/convert.h"
 #include "test_util.h"
 
 /* ---- fp64 references ---- */
@@ -261,8 +262,8 @@ static void ref_normal(const float *Q, const kf_am_targets *tg, int r0, int r1, 
         }
         for (int j = 0; j < NK; j++)
             sum += exp(z[j] - mx);
-        for (int j = 0; j < NK; j++)
-            X[j] = exp(z[j] - mx) / sum;
+        for (int j = 0; j < NK; j++) /* the values' weights rounded to bf16, as the fit takes them */
+            X[j] = kf_bf16_to_f32(kf_f32_to_bf16((float)(exp(z[j] - mx) / sum)));
         *yy += (double)tg->y[i] * tg->y[i];
         for (int a = 0; a < NK; a++) {
             bM[a] += M[a] * tg->y[i];

@@ -6,6 +6,8 @@
 #include <string.h>
 
 #include "kernels/backend.h"
+#include "kernels/base/convert.h"
+#include "kernels/cpu/solve_ops.h"
 #include "test_util.h"
 
 static void fill_d(double *x, size_t n, uint64_t seed) {
@@ -148,6 +150,72 @@ static void test_syrk(void) {
         CU_ASSERT(syrk_err(t, Ar, Cr0, Cr, &lower_kept) < 1e-5);
         CU_ASSERT(lower_kept);
     }
+}
+
+/* gram_bf16 on X [n, t] from seed, both paths (first, then accumulating onto the first's G):
+ * every upper entry against fp64 sums of the bf16-rounded inputs, within 2e-6 of its sum of
+ * |terms| (the products are exact; each tile's fp32 sum of n products rounds by a few ulps of
+ * it); the strict lower triangle and the padding column left alone; X left holding the rounded
+ * values. Returns the worst ratio. */
+static double gram_bf16_case(int n, int t, uint64_t seed, int portable) {
+    const size_t nt = (size_t)n * t, ldg = (size_t)t + 1;
+    float *X0 = malloc(sizeof(float) * nt), *X = malloc(sizeof(float) * nt);
+    float *work = malloc(sizeof(float) * kf_gram_bf16_work(n, t));
+    double *G = malloc(sizeof(double) * t * ldg), *ref = calloc((size_t)t * t, sizeof(double));
+    double *abs = calloc((size_t)t * t, sizeof(double));
+    kf_test_fill_uniform(X0, nt, seed, -1, 1);
+    for (size_t k = 0; k < nt; k++) /* magnitudes over 2^-12 .. 2: attention weights span such ranges */
+        X0[k] = ldexpf(X0[k], -(int)(k * 2654435761u >> 28) % 13);
+    for (int i = 0; i < t; i++)
+        for (size_t j = 0; j < ldg; j++)
+            G[i * ldg + j] = (int)j < i || (int)j == t ? -7.0 : NAN; /* first: the upper NaNs are not read */
+    kf_cpu_gram_bf16_force_portable(portable);
+    const kf_backend *be = kf_solve_backend(NULL);
+    for (int pass = 0; pass < 2; pass++) {
+        memcpy(X, X0, sizeof(float) * nt);
+        kf_solve_gram_bf16(be, X, n, t, work, G, ldg, pass == 0);
+    }
+    kf_cpu_gram_bf16_force_portable(0);
+    int rounded = 1, kept = 1;
+    for (size_t k = 0; k < nt; k++) {
+        rounded &= X[k] == kf_bf16_to_f32(kf_f32_to_bf16(X0[k]));
+        X0[k] = X[k];
+    }
+    for (int r = 0; r < n; r++)
+        for (int i = 0; i < t; i++)
+            for (int j = i; j < t; j++) {
+                const double p = (double)X0[(size_t)r * t + i] * X0[(size_t)r * t + j];
+                ref[i * t + j] += 2 * p, abs[i * t + j] += 2 * fabs(p);
+            }
+    double worst = 0;
+    for (int i = 0; i < t; i++)
+        for (int j = 0; j <= t; j++) {
+            if (j < i || j == t)
+                kept &= G[i * ldg + j] == -7.0;
+            else { /* an entry never written stays NaN: infinitely wrong */
+                const double e = fabs(G[i * ldg + j] - ref[i * t + j]) / fmax(abs[i * t + j], 1e-30);
+                worst = isnan(e) ? INFINITY : fmax(worst, e);
+            }
+        }
+    CU_ASSERT(rounded);
+    CU_ASSERT(kept);
+    free(X0), free(X), free(work), free(G), free(ref), free(abs);
+    return worst;
+}
+
+/* gram_bf16: ragged row blocks and columns, odd rows (a zero pair row), two column panels, a whole
+ * tile of 512 rows; the AVX-512 BF16 path (where the CPU has it) and the portable one. */
+static void test_gram_bf16(void) {
+    const int shapes[][2] = {{1, 1}, {2, 5}, {7, 33}, {64, 12}, {511, 300}, {512, 140}};
+    printf("\n    gram_bf16 (%s path on this CPU), worst error of each entry's sum of |terms|:",
+           kf_cpu_gram_bf16_fast() ? "AVX-512 BF16" : "portable");
+    for (size_t c = 0; c < sizeof shapes / sizeof shapes[0]; c++)
+        for (int portable = 0; portable < 2; portable++) {
+            const double e = gram_bf16_case(shapes[c][0], shapes[c][1], 900 + c, portable);
+            printf(" %dx%d%s %.1e", shapes[c][0], shapes[c][1], portable ? "p" : "", e);
+            CU_ASSERT(e < 2e-6);
+        }
+    printf("\n");
 }
 
 /* naive Gaussian elimination with partial pivoting: x = A^-1 b for one column (n <= 8) */
@@ -374,7 +442,7 @@ static void test_rule(void) {
     CU_ASSERT(cpu->sgemm == cs->sgemm && cpu->dgemm == cs->dgemm && cpu->dgemv == cs->dgemv &&
               cpu->dsyrk == cs->dsyrk && cpu->ssyrk == cs->ssyrk && cpu->dsymv == cs->dsymv && cpu->dpotrf == cs->dpotrf &&
               cpu->dpotrs == cs->dpotrs && cpu->lstsq == cs->lstsq && cpu->softmax_rows == cs->softmax_rows &&
-              cpu->exp_rows == cs->exp_rows);
+              cpu->exp_rows == cs->exp_rows && cpu->gram_bf16 == cs->gram_bf16 && cs->gram_bf16);
     cpu->destroy(cpu);
 }
 
@@ -429,6 +497,7 @@ static CU_TestInfo tests[] = {
     {"sgemm, dgemm: transposes, strides, alpha, beta", test_gemm},
     {"dgemv both ways; dsymv reads the upper triangle", test_gemv_symv},
     {"dsyrk, ssyrk: upper triangle only, both ways", test_syrk},
+    {"gram_bf16: bf16 inputs, fp32 tile sums into fp64, upper triangle only", test_gram_bf16},
     {"Cholesky: solves, kf_solve_spd, not positive definite, NaN", test_cholesky},
     {"lstsq: QR path against the normal equations", test_lstsq},
     {"softmax_rows (bias, ragged, max/sum/lse) and exp_rows", test_rows},

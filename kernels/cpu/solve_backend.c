@@ -16,6 +16,7 @@ static const kf_backend cpu_solve = {
     .dgemv = kf_cpu_dgemv,
     .dsyrk = kf_cpu_dsyrk,
     .ssyrk = kf_cpu_ssyrk,
+    .gram_bf16 = kf_cpu_gram_bf16,
     .dsymv = kf_cpu_dsymv,
     .dpotrf = kf_cpu_dpotrf,
     .dpotrs = kf_cpu_dpotrs,
@@ -34,6 +35,7 @@ void kf_cpu_solve_ops_install(kf_backend *b) {
     b->dgemv = cpu_solve.dgemv;
     b->dsyrk = cpu_solve.dsyrk;
     b->ssyrk = cpu_solve.ssyrk;
+    b->gram_bf16 = cpu_solve.gram_bf16;
     b->dsymv = cpu_solve.dsymv;
     b->dpotrf = cpu_solve.dpotrf;
     b->dpotrs = cpu_solve.dpotrs;

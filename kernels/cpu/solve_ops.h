@@ -5,6 +5,7 @@
  *   cholesky.c     dpotrf, dpotrs (LAPACKE, OpenBLAS's dtrsm)
  *   linalg.c       lstsq (kf_lstsq)
  *   softmax.c      softmax_rows, exp_rows
+ *   gram_bf16.c    gram_bf16 (AVX-512 BF16 where the CPU has it)
  *   solve_backend.c  the table of them (kf_backend_cpu_solve) */
 #ifndef KF_CPU_SOLVE_OPS_H
 #define KF_CPU_SOLVE_OPS_H
@@ -27,6 +28,10 @@ int kf_cpu_dpotrf(const kf_backend *b, double *A, size_t lda, int n);
 int kf_cpu_dpotrs(const kf_backend *b, const double *F, size_t ldf, int n, double *B, size_t ldb, int nrhs);
 int kf_cpu_lstsq_op(const kf_backend *b, const float *A, int m, int n, const float *B, int nrhs, float *X);
 void kf_cpu_softmax_rows(const kf_backend *b, const kf_softmax_rows_args *a);
+void kf_cpu_gram_bf16(const kf_backend *b, float *X, int n, int t, float *work, double *G, size_t ldg, int first);
+/* Whether kf_cpu_gram_bf16 runs its AVX-512 BF16 path; tests force the portable one. */
+int kf_cpu_gram_bf16_fast(void);
+void kf_cpu_gram_bf16_force_portable(int on);
 void kf_cpu_exp_rows(const kf_backend *b, float *x, size_t ldx, int rows, int n, const float *shift);
 
 /* Sets b's solve operations to these (the CPU backend's). */
