@@ -610,6 +610,26 @@ kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float 
     return KF_OK;
 }
 
+kf_status kf_value_gram_rank_solve(const kf_value_gram *g, double alpha, const float *v0, size_t v0_stride,
+                                   float *values, kf_error *err) {
+    const int t = g->t, d = g->d;
+    if (t == 0 || alpha < 1e-3)
+        return kf_value_gram_solve(g, alpha, v0, v0_stride, values, NULL, err);
+    const double mu = alpha * (g->tr > 0 ? g->tr / t : 1.0);
+    float *A = (float *)g->A; /* [t, t] fp32 in the fp64 scratch's first half */
+    for (size_t k = 0; k < (size_t)t * t; k++)
+        A[k] = (float)g->G[k];
+    for (int j = 0; j < t; j++) {
+        A[(size_t)j * t + j] = (float)(g->G[(size_t)j * t + j] + mu);
+        for (int c = 0; c < d; c++)
+            values[(size_t)j * d + c] =
+                (float)(g->B[(size_t)j * d + c] + (v0 ? mu * v0[(size_t)j * v0_stride + c] : 0.0));
+    }
+    if (kf_solve_spotrf(g->be, A, t, t) == 0 && kf_solve_spotrs(g->be, A, t, t, values, d, d) == 0)
+        return KF_OK;
+    return kf_value_gram_solve(g, alpha, v0, v0_stride, values, NULL, err); /* fp32 too coarse: fp64 */
+}
+
 int64_t kf_value_gram_bytes(int t, int d) {
     const int64_t t1 = t ? t : 1;
     return 2 * kf_ws_bytes(t1 * t1, sizeof(double)) + 2 * kf_ws_bytes(t1 * d, sizeof(double));

@@ -159,12 +159,11 @@ typedef struct {
  * by every build (the per-head choice's candidates): KF_GRAM_TILE rows at a time. A tile's
  * products X^T X and X^T Y are taken in fp32 and added into the fp64 sums
  * (docs/decisions/fp32-tile-products.md): fp32 rounding stays within one tile's 512 rows. The
- * values' weights are rounded to bf16 first, for both products (docs/decisions/bf16-gram.md). */
+ * values' weights and targets are rounded to bf16 first (docs/decisions/bf16-gram.md). */
 typedef struct {
     float *Z;  /* [512, t] the logits (kf_kept_normal_build only; NULL unless asked for) */
     float *X;  /* [512, t] the weights */
-    float *Gt; /* [t, t] one tile's X^T X (upper triangle); with d > 0 kf_gram_bf16_work(512, t) */
-    float *Bt; /* [t, max(d, 1)] one tile's X^T Y */
+    float *Gt; /* [t, t] one tile's X^T X (upper triangle); with d > 0 kf_gram_bf16_work(512, t, d) */
     int t, d;
     int in_ws; /* 1: the buffers are a workspace's */
 } kf_gram_tiles;
@@ -174,8 +173,8 @@ int64_t kf_gram_tiles_bytes(int t, int d, int logits);
 void kf_gram_tiles_free(kf_gram_tiles *w);
 /* One tile's X [n, t] (and Y [n, d]; B NULL: none) into G's upper triangle [t, t] and B [t, d],
  * summed in fp64; first: G, B overwritten (not read). The values' equations (B given): X rounded
- * to bf16 in place, its Gram through gram_bf16 and X^T Y from the same rounded X in fp32; beta's
- * (no B): X^T X in fp32. */
+ * to bf16 in place and Y's rounded copy, both products through gram_bf16; beta's (no B): X^T X
+ * in fp32. */
 void kf_gram_tile_add(const kf_backend *be, float *X, const float *Y, int n, int t, int d, const kf_gram_tiles *w,
                       double *G, double *B, int first);
 
@@ -195,6 +194,12 @@ int64_t kf_value_gram_build_bytes(int t, int d); /* the gram and its row tiles *
  * in stats->value_fallbacks); one that still fails gives values 0 (stats->failures). */
 kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float *v0, size_t v0_stride, float *values,
                               kf_am_stats *stats, kf_error *err);
+/* The per-head choice's solve, which only ranks candidates (the shipped values are solved again
+ * by kf_value_gram_solve): with alpha >= 1e-3 the same system in fp32 (spotrf, spotrs), which a
+ * ridge of that size keeps well conditioned; below it, or when the fp32 factorization fails,
+ * kf_value_gram_solve (docs/decisions/fp32-ranking-solves.md). */
+kf_status kf_value_gram_rank_solve(const kf_value_gram *g, double alpha, const float *v0, size_t v0_stride,
+                                   float *values, kf_error *err);
 /* Beta's normal equations and drop's value refit (the kept keys without bias) in one pass over
  * the rows: one logit GEMM per row tile for both; each equal to its own build
  * (kf_beta_normal_build, kf_value_gram_build with beta NULL). tiles: with logits, for at least t

@@ -145,7 +145,7 @@ static kf_status score_alphas(const kf_value_gram *gm, const float *keys, const 
                        ? KF_OK
                        : kf_fail(err, KF_ERR_NOMEM, "compact: out of memory in the per-head validation");
     for (size_t a = 0; a < sizeof kAlphaGrid / sizeof *kAlphaGrid && rc == KF_OK; a++) {
-        rc = kf_value_gram_solve(gm, kAlphaGrid[a], v0, d, vals, NULL, err);
+        rc = kf_value_gram_rank_solve(gm, kAlphaGrid[a], v0, d, vals, err);
         const double e = rc == KF_OK ? kf_val_err_values(val, vals, (size_t)d) * penalty : NAN;
         if (rc == KF_OK && e < best->err)
             *best = (kf_head_pick){method, lambda, kAlphaGrid[a], e};

@@ -3,8 +3,8 @@
  *
  * Rows of the design matrix in tiles of KF_GRAM_TILE: X [n, t] in fp32 (am.c's logits and softmax),
  * the tile's X^T X and X^T Y in fp32, added into G and B in fp64 (docs/decisions/fp32-tile-products.md):
- * no R x t matrix is ever held, and fp32 rounding stays within one tile's sums. The values' X is
- * rounded to bf16 first (docs/decisions/bf16-gram.md). */
+ * no R x t matrix is ever held, and fp32 rounding stays within one tile's sums. The values' X and
+ * targets Y are rounded to bf16 first (docs/decisions/bf16-gram.md). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -13,24 +13,23 @@
 
 void kf_gram_tiles_free(kf_gram_tiles *w) {
     if (!w->in_ws)
-        free(w->Z), free(w->X), free(w->Gt), free(w->Bt);
+        free(w->Z), free(w->X), free(w->Gt);
     memset(w, 0, sizeof *w);
 }
 
 /* w->Gt: beta's t x t fp32 products, or gram_bf16's scratch for a tile of the values' equations. */
 static int64_t gt_floats(int t, int d) {
     const int t1 = t ? t : 1;
-    return d > 0 ? (int64_t)kf_gram_bf16_work(KF_GRAM_TILE, t1) : (int64_t)t1 * t1;
+    return d > 0 ? (int64_t)kf_gram_bf16_work(KF_GRAM_TILE, t1, d) : (int64_t)t1 * t1;
 }
 
 int64_t kf_gram_tiles_bytes(int t, int d, int logits) {
-    const int64_t t1 = t ? t : 1, d1 = d > 1 ? d : 1;
-    return (logits + 1) * kf_ws_bytes(KF_GRAM_TILE * t1, sizeof(float)) + kf_ws_bytes(gt_floats(t, d), sizeof(float)) +
-           kf_ws_bytes(t1 * d1, sizeof(float));
+    const int64_t t1 = t ? t : 1;
+    return (logits + 1) * kf_ws_bytes(KF_GRAM_TILE * t1, sizeof(float)) + kf_ws_bytes(gt_floats(t, d), sizeof(float));
 }
 
 int kf_gram_tiles_alloc(kf_gram_tiles *w, int t, int d, int logits, kf_ws *ws) {
-    const size_t t1 = (size_t)(t ? t : 1), d1 = (size_t)(d > 1 ? d : 1);
+    const size_t t1 = (size_t)(t ? t : 1);
     memset(w, 0, sizeof *w);
     w->t = t, w->d = d;
     if (ws) {
@@ -38,27 +37,22 @@ int kf_gram_tiles_alloc(kf_gram_tiles *w, int t, int d, int logits, kf_ws *ws) {
         w->Z = logits ? kf_ws_alloc(ws, KF_GRAM_TILE * (int64_t)t1, sizeof(float)) : NULL;
         w->X = kf_ws_alloc(ws, KF_GRAM_TILE * (int64_t)t1, sizeof(float));
         w->Gt = kf_ws_alloc(ws, gt_floats(t, d), sizeof(float));
-        w->Bt = kf_ws_alloc(ws, (int64_t)(t1 * d1), sizeof(float));
-        return (w->Z || !logits) && w->X && w->Gt && w->Bt ? 0 : -1;
+        return (w->Z || !logits) && w->X && w->Gt ? 0 : -1;
     }
     w->Z = logits ? malloc(sizeof(float) * KF_GRAM_TILE * t1) : NULL;
     w->X = malloc(sizeof(float) * KF_GRAM_TILE * t1);
     w->Gt = malloc(sizeof(float) * (size_t)gt_floats(t, d));
-    w->Bt = malloc(sizeof(float) * t1 * d1);
-    if ((w->Z || !logits) && w->X && w->Gt && w->Bt)
+    if ((w->Z || !logits) && w->X && w->Gt)
         return 0;
     kf_gram_tiles_free(w);
     return -1;
 }
 
-/* am.h. The values' Gram: docs/decisions/bf16-gram.md; beta's: ssyrk into w->Gt. */
+/* am.h. The values' equations: docs/decisions/bf16-gram.md; beta's: ssyrk into w->Gt. */
 void kf_gram_tile_add(const kf_backend *be, float *X, const float *Y, int n, int t, int d, const kf_gram_tiles *w,
                       double *G, double *B, int first) {
     if (B) {
-        kf_solve_gram_bf16(be, X, n, t, w->Gt, G, t, first);
-        kf_solve_sgemm(be, KF_TRANS, KF_NO_TRANS, t, d, n, 1.0f, X, t, Y, d, 0.0f, w->Bt, d);
-        for (size_t k = 0; k < (size_t)t * d; k++)
-            B[k] = (first ? 0.0 : B[k]) + w->Bt[k];
+        kf_solve_gram_bf16(be, X, n, t, Y, d, w->Gt, G, t, B, d, first);
         return;
     }
     kf_solve_ssyrk(be, KF_TRANS, t, n, 1.0f, X, t, 0.0f, w->Gt, t);

@@ -306,12 +306,14 @@ struct kf_backend {
     /* the same in fp32 (cblas_ssyrk) */
     void (*ssyrk)(const kf_backend *b, kf_trans ta, int N, int K, float alpha, const float *A, size_t lda,
                   float beta, float *C, size_t ldc);
-    /* A tile's Gram from bf16 inputs (the values' normal equations): X [n, t] (row stride t) is
-     * rounded in place to bf16, nearest even (X then holds those values in fp32, for the caller's
-     * X^T Y), and G's upper triangle [t, t] (row stride ldg, fp64) += X^T X, the products summed
-     * in fp32 over the n rows (first: overwritten, not read); the strict lower triangle is neither
-     * read nor written. work: kf_gram_bf16_work(n, t) floats of scratch. */
-    void (*gram_bf16)(const kf_backend *b, float *X, int n, int t, float *work, double *G, size_t ldg, int first);
+    /* A tile's normal equations from bf16 inputs (the values'): X [n, t] (row stride t) is rounded
+     * in place to bf16, nearest even (X then holds those values in fp32), Y [n, d] (row stride d,
+     * read only) is rounded likewise, and G's upper triangle [t, t] (row stride ldg, fp64) += X^T X
+     * and B [t, d] (row stride ldb, fp64) += X^T Y, the products summed in fp32 over the n rows
+     * (first: overwritten, not read); the strict lower triangle of G is neither read nor written.
+     * B NULL: the Gram alone (Y not read). work: kf_gram_bf16_work(n, t, d) floats of scratch. */
+    void (*gram_bf16)(const kf_backend *b, float *X, int n, int t, const float *Y, int d, float *work, double *G,
+                      size_t ldg, double *B, size_t ldb, int first);
     /* y[n] = alpha S x + beta y for a symmetric S [n, n] (row stride lds) of which only the upper
      * triangle is read (cblas_dsymv, upper); x, y contiguous. beta = 0: y is not read. */
     void (*dsymv)(const kf_backend *b, int n, double alpha, const double *S, size_t lds, const double *x, double beta,
@@ -324,6 +326,9 @@ struct kf_backend {
     /* X = A^-1 B in place for B [n, nrhs] (row stride ldb >= nrhs) from dpotrf's factor F of A.
      * Returns 0, or nonzero when the backend refused (a NaN in F or B where it checks for them). */
     int (*dpotrs)(const kf_backend *b, const double *F, size_t ldf, int n, double *B, size_t ldb, int nrhs);
+    /* the same two in fp32 (the choice's ranking solves: docs/decisions/fp32-ranking-solves.md) */
+    int (*spotrf)(const kf_backend *b, float *A, size_t lda, int n);
+    int (*spotrs)(const kf_backend *b, const float *F, size_t ldf, int n, float *B, size_t ldb, int nrhs);
     /* X [n, nrhs] = argmin ||A X - B||_F for A [m, n], B [m, nrhs] (contiguous, not modified), fp32:
      * Householder QR; when QR fails, or gives non-finite values or |X| > 1e4 max|B| (QR does not
      * reveal rank), fp64 normal equations (A^T A + delta I) X = A^T B with delta = 1e-6 tr / n
@@ -395,15 +400,17 @@ static inline void kf_solve_ssyrk(const kf_backend *be, kf_trans ta, int N, int 
     be = kf_solve_backend(be);
     be->ssyrk(be, ta, N, K, alpha, A, lda, beta, C, ldc);
 }
-/* The scratch of gram_bf16 in floats: a t x t fp32 product or the tile's pairs of bf16 rows. */
-static inline size_t kf_gram_bf16_work(int n, int t) {
-    const size_t tt = (size_t)t * (size_t)t, pairs = (size_t)(n + 1) / 2 * (size_t)t;
-    return tt > pairs ? tt : pairs;
+/* The scratch of gram_bf16 in floats: the portable path's products [t, max(t, d)] and Y rounded
+ * [n, d], or the tile's pairs of bf16 rows of X and Y. */
+static inline size_t kf_gram_bf16_work(int n, int t, int d) {
+    const size_t T = (size_t)t, D = (size_t)d, np = (size_t)(n + 1) / 2;
+    const size_t portable = T * (T > D ? T : D) + (size_t)n * D, pairs = np * (T + D);
+    return portable > pairs ? portable : pairs;
 }
-static inline void kf_solve_gram_bf16(const kf_backend *be, float *X, int n, int t, float *work, double *G, size_t ldg,
-                                      int first) {
+static inline void kf_solve_gram_bf16(const kf_backend *be, float *X, int n, int t, const float *Y, int d, float *work,
+                                      double *G, size_t ldg, double *B, size_t ldb, int first) {
     be = kf_solve_backend(be);
-    be->gram_bf16(be, X, n, t, work, G, ldg, first);
+    be->gram_bf16(be, X, n, t, Y, d, work, G, ldg, B, ldb, first);
 }
 static inline void kf_solve_dsymv(const kf_backend *be, int n, double alpha, const double *S, size_t lds,
                                   const double *x, double beta, double *y) {
@@ -418,6 +425,15 @@ static inline int kf_solve_dpotrs(const kf_backend *be, const double *F, size_t 
                                   int nrhs) {
     be = kf_solve_backend(be);
     return be->dpotrs(be, F, ldf, n, B, ldb, nrhs);
+}
+static inline int kf_solve_spotrf(const kf_backend *be, float *A, size_t lda, int n) {
+    be = kf_solve_backend(be);
+    return be->spotrf(be, A, lda, n);
+}
+static inline int kf_solve_spotrs(const kf_backend *be, const float *F, size_t ldf, int n, float *B, size_t ldb,
+                                  int nrhs) {
+    be = kf_solve_backend(be);
+    return be->spotrs(be, F, ldf, n, B, ldb, nrhs);
 }
 static inline int kf_solve_lstsq(const kf_backend *be, const float *A, int m, int n, const float *B, int nrhs,
                                  float *X) {

@@ -388,9 +388,9 @@ static void check_tikhonov(int R, double alpha, int towards_orig) {
         for (int b = 0; b < t; b++)
             for (int i = 0; i < R; i++)
                 G[a * t + b] += X[i * t + a] * X[i * t + b];
-        for (int c = 0; c < d; c++)
+        for (int c = 0; c < d; c++) /* the targets rounded to bf16 too */
             for (int i = 0; i < R; i++)
-                B[a * d + c] += X[i * t + a] * Y[i * d + c];
+                B[a * d + c] += X[i * t + a] * kf_bf16_to_f32(kf_f32_to_bf16(Y[i * d + c]));
         tr += G[a * t + a];
     }
     const double mu = alpha * tr / t;
@@ -666,8 +666,10 @@ static void ne_reference(const float *Q, const float *kc, const float *bias, flo
             r->bM[a] += M[a] * tg->y[i];
             for (int b = 0; b < NE_t; b++)
                 r->G[a * NE_t + b] += xa * X[b], r->GM[a * NE_t + b] += M[a] * M[b];
-            for (int c = 0; c < NE_d; c++)
-                r->B[a * NE_d + c] += xa * tg->Y[i * NE_d + c], r->Babs[a * NE_d + c] += fabs(xa * tg->Y[i * NE_d + c]);
+            for (int c = 0; c < NE_d; c++) { /* the targets rounded likewise */
+                const double y = kf_bf16_to_f32(kf_f32_to_bf16(tg->Y[i * NE_d + c]));
+                r->B[a * NE_d + c] += xa * y, r->Babs[a * NE_d + c] += fabs(xa * y);
+            }
         }
     }
 }
@@ -676,7 +678,7 @@ static void ne_reference(const float *Q, const float *kc, const float *bias, flo
  * kf_kept_normal_build against the fp64 loops. Beta's: each entry within 2e-6 of its own sum of
  * |terms|: a tile's fp32 sum of 512 products rounds by at most 512 ulps (3e-5) and by about 23
  * (1.4e-6) in practice, the inputs' own rounding (fp32 logits) adds about as much. The values'
- * (weights rounded to bf16 on both sides): within 1e-5 norm-wise (norm_ratio). A row lost or
+ * (weights and targets rounded to bf16 on both sides): within 1e-5 norm-wise (norm_ratio). A row lost or
  * counted twice, or a tile left in the sums of the next build, is 1e-3 or more. */
 static void test_fp32_tile_normal_equations(void) {
     static float K[NE_T * NE_d], Q[NE_R * NE_d], bias[NE_t];

@@ -270,7 +270,7 @@ static void ref_normal(const float *Q, const kf_am_targets *tg, int r0, int r1, 
             for (int b = 0; b < NK; b++)
                 GM[a * NK + b] += M[a] * M[b], GX[a * NK + b] += X[a] * X[b];
             for (int c = 0; c < ND; c++)
-                BX[a * ND + c] += X[a] * tg->Y[i * ND + c];
+                BX[a * ND + c] += X[a] * kf_bf16_to_f32(kf_f32_to_bf16(tg->Y[i * ND + c])); /* targets too */
         }
     }
 }

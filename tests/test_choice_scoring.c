@@ -18,9 +18,25 @@
 static const double kGrid[] = {0, 1e-2, 1e-1}; /* the choice's grid (compactor/choice.c) */
 enum { N_GRID = sizeof kGrid / sizeof *kGrid };
 
+static double rank_worst; /* the ranking solves' worst norm-wise distance from fp64's, over the cases */
+
+/* The ranking solve against kf_value_gram_solve's values s64: bit for bit below alpha 1e-3 (fp64
+ * there too), else within 1e-4 norm-wise (fp32 factors of a ridged system). */
+static void check_rank_solve(const float *vals, const float *s64, int n, double alpha) {
+    double num = 0, den = 0;
+    for (int k = 0; k < n; k++)
+        num += ((double)vals[k] - s64[k]) * ((double)vals[k] - s64[k]), den += (double)s64[k] * s64[k];
+    const double e = sqrt(num / fmax(den, 1e-300));
+    if (alpha < 1e-3)
+        CU_ASSERT(memcmp(vals, s64, sizeof(float) * (size_t)n) == 0);
+    rank_worst = fmax(rank_worst, e);
+    CU_ASSERT(e < 1e-4);
+}
+
 /* drop's pick over the whole grid, then keep's, as a scan of every alpha makes it: drop's value
  * normal equations on the choice's rows of the planted head (the first kf_choice_rows), each alpha
- * solved and scored; *drop_min: the grid index of drop's own minimum. */
+ * solved as the choice ranks (kf_value_gram_rank_solve, checked against the fp64 solve) and scored;
+ * *drop_min: the grid index of drop's own minimum. */
 static kf_head_pick full_grid_pick(kf_planted_head *ph, int *drop_min) {
     const int t = KF_PLANT_KEPT, d = KF_PLANT_D;
     const float *v0 = ph->p.solver.ridge_to == KF_RIDGE_TO_ORIG ? ph->V : NULL;
@@ -32,9 +48,11 @@ static kf_head_pick full_grid_pick(kf_planted_head *ph, int *drop_min) {
     const kf_kv_block kb = {ph->K, NULL, d, NULL, t};
     CU_ASSERT_FATAL(kf_val_attend(&ph->vh, &kb) == 0);
     kf_head_pick best = {KF_METHOD_KEEP, ph->p.solver.lambda_rel, 0, INFINITY};
-    float vals[KF_PLANT_KEPT * KF_PLANT_D];
+    float vals[KF_PLANT_KEPT * KF_PLANT_D], s64[KF_PLANT_KEPT * KF_PLANT_D];
     for (int a = 0; a < N_GRID; a++) {
-        CU_ASSERT(kf_value_gram_solve(&g, kGrid[a], v0, d, vals, NULL, &err) == KF_OK);
+        CU_ASSERT(kf_value_gram_solve(&g, kGrid[a], v0, d, s64, NULL, &err) == KF_OK);
+        CU_ASSERT(kf_value_gram_rank_solve(&g, kGrid[a], v0, d, vals, &err) == KF_OK);
+        check_rank_solve(vals, s64, t * d, kGrid[a]);
         const double e = kf_val_err_values(&ph->vh, vals, d);
         printf(" %.3e", e);
         if (e < best.err)
@@ -78,7 +96,8 @@ static void test_alpha_grid(void) {
                     cases++;
                     kf_planted_free(&ph);
                 }
-    printf("\n    %d cases; drop's minimum at alpha 0: %d, 1e-2: %d, 1e-1: %d\n", cases, at[0], at[1], at[2]);
+    printf("\n    %d cases; drop's minimum at alpha 0: %d, 1e-2: %d, 1e-1: %d; ranking solves within %.1e of "
+           "fp64's\n", cases, at[0], at[1], at[2], rank_worst);
     CU_ASSERT(at[0] > 0 && at[1] + at[2] > 0);
 }
 

@@ -152,28 +152,64 @@ static void test_syrk(void) {
     }
 }
 
-/* gram_bf16 on X [n, t] from seed, both paths (first, then accumulating onto the first's G):
- * every upper entry against fp64 sums of the bf16-rounded inputs, within 2e-6 of its sum of
- * |terms| (the products are exact; each tile's fp32 sum of n products rounds by a few ulps of
- * it); the strict lower triangle and the padding column left alone; X left holding the rounded
- * values. Returns the worst ratio. */
-static double gram_bf16_case(int n, int t, uint64_t seed, int portable) {
-    const size_t nt = (size_t)n * t, ldg = (size_t)t + 1;
+/* |got - ref| / sum of |terms| of one entry (an entry never written stays NaN: infinitely wrong). */
+static double sum_err(double got, double ref, double abs_sum) {
+    const double e = fabs(got - ref) / fmax(abs_sum, 1e-30);
+    return isnan(e) ? INFINITY : e;
+}
+
+/* B [t, d] (row stride d + 1) against X0^T Y0 [n, t], [n, d] in fp64; its padding column left at
+ * -7. Returns the worst sum_err; *kept &= the padding. */
+static double cross_err(const float *X0, const float *Y0, int n, int t, int d, const double *B, int *kept) {
+    double worst = 0;
+    for (int i = 0; i < t; i++) {
+        for (int c = 0; c < d; c++) {
+            double ref = 0, abs_sum = 0;
+            for (int r = 0; r < n; r++) {
+                const double p = (double)X0[(size_t)r * t + i] * Y0[(size_t)r * d + c];
+                ref += 2 * p, abs_sum += 2 * fabs(p);
+            }
+            worst = fmax(worst, sum_err(B[(size_t)i * (d + 1) + c], ref, abs_sum));
+        }
+        *kept &= B[(size_t)i * (d + 1) + d] == -7.0;
+    }
+    return worst;
+}
+
+/* x [n] from seed with magnitudes over 2^-12 .. 2 (attention weights span such ranges). */
+static void fill_spread(float *x, size_t n, uint64_t seed) {
+    kf_test_fill_uniform(x, n, seed, -1, 1);
+    for (size_t k = 0; k < n; k++)
+        x[k] = ldexpf(x[k], -(int)(k * 2654435761u >> 28) % 13);
+}
+
+/* gram_bf16 on X [n, t] and Y [n, d] (d 0: B NULL) from seed, both paths (first, then
+ * accumulating onto the first's G and B): every upper entry of G and every entry of B against fp64
+ * sums of the bf16-rounded inputs, within 2e-6 of its sum of |terms| (the products are exact; each
+ * tile's fp32 sum of n products rounds by a few ulps of it); the strict lower triangle and the
+ * padding columns left alone; X left holding the rounded values, Y untouched. Returns the worst
+ * ratio. */
+static double gram_bf16_case(int n, int t, int d, uint64_t seed, int portable) {
+    const size_t nt = (size_t)n * t, nd = (size_t)n * (d ? d : 1), ldg = (size_t)t + 1;
     float *X0 = malloc(sizeof(float) * nt), *X = malloc(sizeof(float) * nt);
-    float *work = malloc(sizeof(float) * kf_gram_bf16_work(n, t));
-    double *G = malloc(sizeof(double) * t * ldg), *ref = calloc((size_t)t * t, sizeof(double));
-    double *abs = calloc((size_t)t * t, sizeof(double));
-    kf_test_fill_uniform(X0, nt, seed, -1, 1);
-    for (size_t k = 0; k < nt; k++) /* magnitudes over 2^-12 .. 2: attention weights span such ranges */
-        X0[k] = ldexpf(X0[k], -(int)(k * 2654435761u >> 28) % 13);
-    for (int i = 0; i < t; i++)
+    float *Y0 = malloc(sizeof(float) * nd), *Y = malloc(sizeof(float) * nd);
+    float *work = malloc(sizeof(float) * kf_gram_bf16_work(n, t, d));
+    double *G = malloc(sizeof(double) * t * ldg), *B = malloc(sizeof(double) * t * (d + 1));
+    double *ref = calloc((size_t)t * t, sizeof(double)), *abs = calloc((size_t)t * t, sizeof(double));
+    fill_spread(X0, nt, seed);
+    fill_spread(Y0, nd, seed + 1);
+    memcpy(Y, Y0, sizeof(float) * nd);
+    for (int i = 0; i < t; i++) {
         for (size_t j = 0; j < ldg; j++)
             G[i * ldg + j] = (int)j < i || (int)j == t ? -7.0 : NAN; /* first: the upper NaNs are not read */
+        for (int c = 0; c <= d; c++)
+            B[(size_t)i * (d + 1) + c] = c == d ? -7.0 : NAN;
+    }
     kf_cpu_gram_bf16_force_portable(portable);
     const kf_backend *be = kf_solve_backend(NULL);
     for (int pass = 0; pass < 2; pass++) {
         memcpy(X, X0, sizeof(float) * nt);
-        kf_solve_gram_bf16(be, X, n, t, work, G, ldg, pass == 0);
+        kf_solve_gram_bf16(be, X, n, t, Y, d, work, G, ldg, d ? B : NULL, (size_t)d + 1, pass == 0);
     }
     kf_cpu_gram_bf16_force_portable(0);
     int rounded = 1, kept = 1;
@@ -181,38 +217,42 @@ static double gram_bf16_case(int n, int t, uint64_t seed, int portable) {
         rounded &= X[k] == kf_bf16_to_f32(kf_f32_to_bf16(X0[k]));
         X0[k] = X[k];
     }
+    for (size_t k = 0; k < nd; k++) {
+        kept &= Y[k] == Y0[k];
+        Y0[k] = kf_bf16_to_f32(kf_f32_to_bf16(Y0[k]));
+    }
     for (int r = 0; r < n; r++)
         for (int i = 0; i < t; i++)
             for (int j = i; j < t; j++) {
                 const double p = (double)X0[(size_t)r * t + i] * X0[(size_t)r * t + j];
                 ref[i * t + j] += 2 * p, abs[i * t + j] += 2 * fabs(p);
             }
-    double worst = 0;
+    double worst = d ? cross_err(X0, Y0, n, t, d, B, &kept) : 0;
     for (int i = 0; i < t; i++)
         for (int j = 0; j <= t; j++) {
             if (j < i || j == t)
                 kept &= G[i * ldg + j] == -7.0;
-            else { /* an entry never written stays NaN: infinitely wrong */
-                const double e = fabs(G[i * ldg + j] - ref[i * t + j]) / fmax(abs[i * t + j], 1e-30);
-                worst = isnan(e) ? INFINITY : fmax(worst, e);
-            }
+            else
+                worst = fmax(worst, sum_err(G[i * ldg + j], ref[i * t + j], abs[i * t + j]));
         }
     CU_ASSERT(rounded);
     CU_ASSERT(kept);
-    free(X0), free(X), free(work), free(G), free(ref), free(abs);
+    free(X0), free(X), free(Y0), free(Y), free(work), free(G), free(B), free(ref), free(abs);
     return worst;
 }
 
-/* gram_bf16: ragged row blocks and columns, odd rows (a zero pair row), two column panels, a whole
- * tile of 512 rows; the AVX-512 BF16 path (where the CPU has it) and the portable one. */
+/* gram_bf16: ragged row blocks and columns (of X and of Y), odd rows (a zero pair row), two column
+ * panels, a whole tile of 512 rows, the Gram alone (d 0); the AVX-512 BF16 path (where the CPU
+ * has it) and the portable one. */
 static void test_gram_bf16(void) {
-    const int shapes[][2] = {{1, 1}, {2, 5}, {7, 33}, {64, 12}, {511, 300}, {512, 140}};
+    const int shapes[][3] = {{1, 1, 1}, {2, 5, 3}, {7, 33, 40}, {64, 12, 0}, {511, 300, 128}, {512, 140, 17}};
     printf("\n    gram_bf16 (%s path on this CPU), worst error of each entry's sum of |terms|:",
            kf_cpu_gram_bf16_fast() ? "AVX-512 BF16" : "portable");
     for (size_t c = 0; c < sizeof shapes / sizeof shapes[0]; c++)
         for (int portable = 0; portable < 2; portable++) {
-            const double e = gram_bf16_case(shapes[c][0], shapes[c][1], 900 + c, portable);
-            printf(" %dx%d%s %.1e", shapes[c][0], shapes[c][1], portable ? "p" : "", e);
+            const int *sh = shapes[c];
+            const double e = gram_bf16_case(sh[0], sh[1], sh[2], 900 + c, portable);
+            printf(" %dx%dx%d%s %.1e", sh[0], sh[1], sh[2], portable ? "p" : "", e);
             CU_ASSERT(e < 2e-6);
         }
     printf("\n");
@@ -259,6 +299,44 @@ static void spd(double *A, int n, uint64_t seed) {
                 s += G[k * n + i] * G[k * n + j];
             A[i * n + j] = s;
         }
+}
+
+/* spotrf + spotrs, fp32, one and several right-hand sides (padded ldb, the columns past nrhs left
+ * alone), against elimination in fp64: within 1e-5 of the solution (A's condition is about 10);
+ * an indefinite matrix refused. */
+static void test_cholesky_f32(void) {
+    const kf_backend *be = kf_solve_backend(NULL);
+    enum { n = 7, NR = 3, LB = 5 };
+    double A[n * n], Bd[n * LB], col[n], ref[n];
+    float F[n * n], B[n * LB], x[n];
+    spd(A, n, 24);
+    fill_d(Bd, n * LB, 25);
+    for (int k = 0; k < n * n; k++)
+        F[k] = (float)A[k];
+    for (int k = 0; k < n * LB; k++)
+        B[k] = (float)Bd[k], Bd[k] = B[k]; /* the fp32 inputs, exactly */
+    CU_ASSERT_EQUAL_FATAL(kf_solve_spotrf(be, F, n, n), 0);
+    double e = 0;
+    for (int i = 0; i < n; i++)
+        x[i] = B[i * LB], col[i] = Bd[i * LB];
+    CU_ASSERT_EQUAL(kf_solve_spotrs(be, F, n, n, x, 1, 1), 0);
+    naive_solve(A, n, col, ref);
+    for (int i = 0; i < n; i++)
+        e = fmax(e, fabs(x[i] - ref[i]) / fmax(1, fabs(ref[i])));
+    CU_ASSERT_EQUAL(kf_solve_spotrs(be, F, n, n, B, LB, NR), 0);
+    for (int c = 0; c < NR; c++) {
+        for (int i = 0; i < n; i++)
+            col[i] = Bd[i * LB + c];
+        naive_solve(A, n, col, ref);
+        for (int i = 0; i < n; i++)
+            e = fmax(e, fabs(B[i * LB + c] - ref[i]) / fmax(1, fabs(ref[i])));
+    }
+    printf(" (worst %.1e)", e);
+    CU_ASSERT(e < 1e-5);
+    for (int i = 0; i < n; i++) /* columns past nrhs untouched */
+        CU_ASSERT(B[i * LB + 3] == (float)Bd[i * LB + 3] && B[i * LB + 4] == (float)Bd[i * LB + 4]);
+    float I2[4] = {1, 2, 2, 1}; /* eigenvalues 3 and -1 */
+    CU_ASSERT_NOT_EQUAL(kf_solve_spotrf(be, I2, 2, 2), 0);
 }
 
 /* dpotrf + dpotrs for one and for several right-hand sides (padded ldb), against elimination;
@@ -441,7 +519,7 @@ static void test_rule(void) {
     CU_ASSERT_PTR_EQUAL(kf_solve_backend(cpu), cpu);
     CU_ASSERT(cpu->sgemm == cs->sgemm && cpu->dgemm == cs->dgemm && cpu->dgemv == cs->dgemv &&
               cpu->dsyrk == cs->dsyrk && cpu->ssyrk == cs->ssyrk && cpu->dsymv == cs->dsymv && cpu->dpotrf == cs->dpotrf &&
-              cpu->dpotrs == cs->dpotrs && cpu->lstsq == cs->lstsq && cpu->softmax_rows == cs->softmax_rows &&
+              cpu->dpotrs == cs->dpotrs && cpu->spotrf == cs->spotrf && cpu->spotrs == cs->spotrs && cs->spotrf && cpu->lstsq == cs->lstsq && cpu->softmax_rows == cs->softmax_rows &&
               cpu->exp_rows == cs->exp_rows && cpu->gram_bf16 == cs->gram_bf16 && cs->gram_bf16);
     cpu->destroy(cpu);
 }
@@ -497,8 +575,9 @@ static CU_TestInfo tests[] = {
     {"sgemm, dgemm: transposes, strides, alpha, beta", test_gemm},
     {"dgemv both ways; dsymv reads the upper triangle", test_gemv_symv},
     {"dsyrk, ssyrk: upper triangle only, both ways", test_syrk},
-    {"gram_bf16: bf16 inputs, fp32 tile sums into fp64, upper triangle only", test_gram_bf16},
+    {"gram_bf16: bf16 inputs, fp32 tile sums into fp64, G's upper triangle and B", test_gram_bf16},
     {"Cholesky: solves, kf_solve_spd, not positive definite, NaN", test_cholesky},
+    {"Cholesky in fp32: solves against fp64 elimination, indefinite refused", test_cholesky_f32},
     {"lstsq: QR path against the normal equations", test_lstsq},
     {"softmax_rows (bias, ragged, max/sum/lse) and exp_rows", test_rows},
     {"softmax_rows: eight rows at a time == one at a time, bit for bit", test_rows_grouped},

@@ -128,7 +128,8 @@ int main(int argc, char **argv) {
     if (strcmp(argv[1], "--version") == 0) {
         printf("kvfold %s\n", KVFOLD_VERSION);
         printf("blas: OpenBLAS, %s kernels, %d threads\n", openblas_get_corename(), openblas_get_num_threads());
-        printf("solve: the values' Gram through %s\n", kf_cpu_gram_bf16_fast() ? "AVX-512 BF16" : "ssyrk");
+        printf("solve: the values' normal equations through %s\n",
+               kf_cpu_gram_bf16_fast() ? "AVX-512 BF16" : "ssyrk and sgemm");
         return KF_EXIT_OK;
     }
     for (size_t i = 0; i < N_COMMANDS; i++)

@@ -1,4 +1,4 @@
-/* The solve's Cholesky operations on the CPU (kernels/backend.h: dpotrf, dpotrs).
+/* The solve's Cholesky operations on the CPU (kernels/backend.h: dpotrf, dpotrs, spotrf, spotrs).
  *
  * The matrix is symmetric and given whole, so its row-major storage is also its column-major
  * storage: LAPACK factors it in place, column-major, as A = U^T U (U upper in column-major order),
@@ -24,6 +24,22 @@ int kf_cpu_dpotrs(const kf_backend *b, const double *F, size_t ldf, int n, doubl
     cblas_dtrsm(CblasColMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit, nrhs, n, 1.0, F, (int)ldf, B,
                 (int)ldb);
     cblas_dtrsm(CblasColMajor, CblasRight, CblasUpper, CblasTrans, CblasNonUnit, nrhs, n, 1.0, F, (int)ldf, B,
+                (int)ldb);
+    return 0;
+}
+
+int kf_cpu_spotrf(const kf_backend *b, float *A, size_t lda, int n) {
+    (void)b;
+    return LAPACKE_spotrf(LAPACK_COL_MAJOR, 'U', n, A, (lapack_int)lda) != 0;
+}
+
+int kf_cpu_spotrs(const kf_backend *b, const float *F, size_t ldf, int n, float *B, size_t ldb, int nrhs) {
+    (void)b;
+    if (nrhs == 1 && ldb == 1)
+        return LAPACKE_spotrs(LAPACK_COL_MAJOR, 'U', n, 1, F, (lapack_int)ldf, B, n > 1 ? n : 1) != 0;
+    cblas_strsm(CblasColMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit, nrhs, n, 1.0f, F, (int)ldf, B,
+                (int)ldb);
+    cblas_strsm(CblasColMajor, CblasRight, CblasUpper, CblasTrans, CblasNonUnit, nrhs, n, 1.0f, F, (int)ldf, B,
                 (int)ldb);
     return 0;
 }

@@ -20,6 +20,8 @@ static const kf_backend cpu_solve = {
     .dsymv = kf_cpu_dsymv,
     .dpotrf = kf_cpu_dpotrf,
     .dpotrs = kf_cpu_dpotrs,
+    .spotrf = kf_cpu_spotrf,
+    .spotrs = kf_cpu_spotrs,
     .lstsq = kf_cpu_lstsq_op,
     .softmax_rows = kf_cpu_softmax_rows,
     .exp_rows = kf_cpu_exp_rows,
@@ -39,6 +41,8 @@ void kf_cpu_solve_ops_install(kf_backend *b) {
     b->dsymv = cpu_solve.dsymv;
     b->dpotrf = cpu_solve.dpotrf;
     b->dpotrs = cpu_solve.dpotrs;
+    b->spotrf = cpu_solve.spotrf;
+    b->spotrs = cpu_solve.spotrs;
     b->lstsq = cpu_solve.lstsq;
     b->softmax_rows = cpu_solve.softmax_rows;
     b->exp_rows = cpu_solve.exp_rows;

@@ -2,7 +2,7 @@
  * "The solve's operations"): host memory, stateless, callable from any thread. Each makes the
  * BLAS/LAPACK call its operation is named after, so that results equal a direct call bit for bit.
  *   blas_ops.c     sgemm, dgemm, dgemv, dsyrk, ssyrk, dsymv (OpenBLAS)
- *   cholesky.c     dpotrf, dpotrs (LAPACKE, OpenBLAS's dtrsm)
+ *   cholesky.c     dpotrf, dpotrs, spotrf, spotrs (LAPACKE, OpenBLAS's trsm)
  *   linalg.c       lstsq (kf_lstsq)
  *   softmax.c      softmax_rows, exp_rows
  *   gram_bf16.c    gram_bf16 (AVX-512 BF16 where the CPU has it)
@@ -26,9 +26,12 @@ void kf_cpu_dsymv(const kf_backend *b, int n, double alpha, const double *S, siz
                   double *y);
 int kf_cpu_dpotrf(const kf_backend *b, double *A, size_t lda, int n);
 int kf_cpu_dpotrs(const kf_backend *b, const double *F, size_t ldf, int n, double *B, size_t ldb, int nrhs);
+int kf_cpu_spotrf(const kf_backend *b, float *A, size_t lda, int n);
+int kf_cpu_spotrs(const kf_backend *b, const float *F, size_t ldf, int n, float *B, size_t ldb, int nrhs);
 int kf_cpu_lstsq_op(const kf_backend *b, const float *A, int m, int n, const float *B, int nrhs, float *X);
 void kf_cpu_softmax_rows(const kf_backend *b, const kf_softmax_rows_args *a);
-void kf_cpu_gram_bf16(const kf_backend *b, float *X, int n, int t, float *work, double *G, size_t ldg, int first);
+void kf_cpu_gram_bf16(const kf_backend *b, float *X, int n, int t, const float *Y, int d, float *work, double *G,
+                      size_t ldg, double *B, size_t ldb, int first);
 /* Whether kf_cpu_gram_bf16 runs its AVX-512 BF16 path; tests force the portable one. */
 int kf_cpu_gram_bf16_fast(void);
 void kf_cpu_gram_bf16_force_portable(int on);
