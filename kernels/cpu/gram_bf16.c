@@ -57,8 +57,8 @@ KF_ROW_CLONES static void round_bf16(float *x, size_t n) {
 }
 
 /* X rounded in place; Y's rounded copy, and each product, in work (kf_gram_bf16_work). */
-static void gram_portable(float *X, int n, int t, const float *Y, int d, float *work, double *G, size_t ldg,
-                          double *B, size_t ldb, int first) {
+static void gram_portable(float *X, int n, int t, const float *Y, int d, float *work, double *G, size_t ldg, double *B,
+                          size_t ldb, int first) {
     round_bf16(X, (size_t)n * t);
     kf_cpu_ssyrk(NULL, KF_TRANS, t, n, 1.0f, X, (size_t)t, 0.0f, work, (size_t)t);
     upper_add(work, t, G, ldg, first);
