@@ -610,10 +610,14 @@ kf_status kf_value_gram_solve(const kf_value_gram *g, double alpha, const float 
     return KF_OK;
 }
 
+/* the least alpha ranked in fp32: its ridge bounds the condition number by 1 + t / alpha
+ * (docs/decisions/fp32-ranking-solves.md) */
+static const double kRankF32MinAlpha = 1e-3;
+
 kf_status kf_value_gram_rank_solve(const kf_value_gram *g, double alpha, const float *v0, size_t v0_stride,
                                    float *values, kf_error *err) {
     const int t = g->t, d = g->d;
-    if (t == 0 || alpha < 1e-3)
+    if (t == 0 || alpha < kRankF32MinAlpha)
         return kf_value_gram_solve(g, alpha, v0, v0_stride, values, NULL, err);
     const double mu = alpha * (g->tr > 0 ? g->tr / t : 1.0);
     float *A = (float *)g->A; /* [t, t] fp32 in the fp64 scratch's first half */

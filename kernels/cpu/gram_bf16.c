@@ -78,32 +78,33 @@ static void gram_portable(float *X, int n, int t, const float *Y, int d, float *
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
 /* 16 values of a row rounded to bf16, returned in the low halves of 32-bit lanes; written back
- * widened when keep. */
-static inline BF16_TARGET __m512i round_16(const float *x, float *keep) {
+ * widened into out unless it is NULL. */
+static inline BF16_TARGET __m512i round_16(const float *x, float *out) {
     const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x)));
-    if (keep)
-        _mm512_storeu_si512(keep, _mm512_slli_epi32(h, 16));
+    if (out)
+        _mm512_storeu_si512(out, _mm512_slli_epi32(h, 16));
     return h;
 }
 
-/* X [n, t] rounded and packed into P [(n + 1) / 2, t] pair words; the rounded values written back
- * into X when keep. */
-static BF16_TARGET void pack_pairs(const float *X, int n, int t, uint32_t *P, int keep) {
+/* X [n, t] rounded and packed into P [(n + 1) / 2, t] pair words; the rounded values also written
+ * into Xr [n, t] (X itself, or NULL: nowhere). */
+static BF16_TARGET void pack_pairs(const float *X, int n, int t, uint32_t *P, float *Xr) {
     for (int p = 0; p < (n + 1) / 2; p++) {
-        const float *r0 = X + (size_t)(2 * p) * t, *r1 = 2 * p + 1 < n ? r0 + t : NULL;
-        float *k0 = keep ? (float *)r0 : NULL, *k1 = keep && r1 ? (float *)r1 : NULL;
+        const size_t at = (size_t)(2 * p) * t;
+        const float *r0 = X + at, *r1 = 2 * p + 1 < n ? r0 + t : NULL;
+        float *w0 = Xr ? Xr + at : NULL, *w1 = Xr && r1 ? w0 + t : NULL;
         uint32_t *out = P + (size_t)p * t;
         int j = 0;
         for (; r1 && j + 16 <= t; j += 16) {
-            const __m512i lo = round_16(r0 + j, k0 ? k0 + j : NULL), hi = round_16(r1 + j, k1 ? k1 + j : NULL);
+            const __m512i lo = round_16(r0 + j, w0 ? w0 + j : NULL), hi = round_16(r1 + j, w1 ? w1 + j : NULL);
             _mm512_storeu_si512(out + j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
         for (; j < t; j++) {
             const uint32_t lo = kf_f32_to_bf16(r0[j]), hi = r1 ? kf_f32_to_bf16(r1[j]) : 0;
-            if (k0)
-                k0[j] = kf_bf16_to_f32((uint16_t)lo);
-            if (k1)
-                k1[j] = kf_bf16_to_f32((uint16_t)hi);
+            if (w0)
+                w0[j] = kf_bf16_to_f32((uint16_t)lo);
+            if (w1)
+                w1[j] = kf_bf16_to_f32((uint16_t)hi);
             out[j] = lo | hi << 16;
         }
     }
@@ -173,8 +174,8 @@ static BF16_TARGET void gram_dot(const uint32_t *P, int np, int t, double *G, si
     }
 }
 
-/* B [t, d] += X^T Y from X's pairs P [np, t] and Y's Q [np, d] (Y's d columns, 4 KiB of each pair
- * block for d = 128, stay in L1 while a row block's broadcasts run over them). */
+/* B [t, d] += X^T Y from X's pairs P [np, t] and Y's Q [np, d] (np x d words, 128 KiB at d = 128:
+ * they stay in the core's L2 while every row block's broadcasts run over them). */
 static BF16_TARGET void cross_dot(const uint32_t *P, const uint32_t *Q, int np, int t, int d, double *B, size_t ldb,
                                   int first) {
     for (int i0 = 0; i0 < t; i0 += BLOCK_ROWS) {
@@ -218,10 +219,10 @@ void kf_cpu_gram_bf16(const kf_backend *b, float *X, int n, int t, const float *
     if (kf_cpu_gram_bf16_fast()) {
         const int np = (n + 1) / 2;
         uint32_t *P = (uint32_t *)work, *Q = P + (size_t)np * t; /* [np, t] X's pairs, [np, d] Y's */
-        pack_pairs(X, n, t, P, 1);
+        pack_pairs(X, n, t, P, X);
         gram_dot(P, np, t, G, ldg, first);
         if (B) {
-            pack_pairs(Y, n, d, Q, 0);
+            pack_pairs(Y, n, d, Q, NULL);
             cross_dot(P, Q, np, t, d, B, ldb, first);
         }
         return;
