@@ -401,10 +401,16 @@ static inline void kf_solve_ssyrk(const kf_backend *be, kf_trans ta, int N, int 
     be->ssyrk(be, ta, N, K, alpha, A, lda, beta, C, ldc);
 }
 /* The scratch of gram_bf16 in floats: the portable path's products [t, max(t, d)] and Y rounded
- * [n, d], or the tile's pairs of bf16 rows of X and Y. */
+ * [n, d], or the tile's pair words in the order its blocks read them (X's by strips of
+ * KF_GRAM_BF16_STRIP columns and again by groups of KF_GRAM_BF16_GROUP, Y's by strips, each padded
+ * with zero words to whole strips and groups) and one pair row. */
+#define KF_GRAM_BF16_STRIP 32
+#define KF_GRAM_BF16_GROUP 12
 static inline size_t kf_gram_bf16_work(int n, int t, int d) {
-    const size_t T = (size_t)t, D = (size_t)d, np = (size_t)(n + 1) / 2;
-    const size_t portable = T * (T > D ? T : D) + (size_t)n * D, pairs = np * (T + D);
+    const size_t S = KF_GRAM_BF16_STRIP, G = KF_GRAM_BF16_GROUP, T = (size_t)t, D = (size_t)d;
+    const size_t np = (size_t)(n + 1) / 2, ts = (T + S - 1) / S * S, tg = (T + G - 1) / G * G, ds = (D + S - 1) / S * S;
+    const size_t row = ts > tg ? (ts > ds ? ts : ds) : (tg > ds ? tg : ds);
+    const size_t portable = T * (T > D ? T : D) + (size_t)n * D, pairs = np * (ts + tg + ds) + row;
     return portable > pairs ? portable : pairs;
 }
 static inline void kf_solve_gram_bf16(const kf_backend *be, float *X, int n, int t, const float *Y, int d, float *work,

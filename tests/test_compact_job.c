@@ -398,15 +398,16 @@ static void test_memory_formula(void) {
      * the choice keeps for the refit (beta's 512 + 64, drop's 2 * 512 + 2 * 1,024) = 3,648, beside
      * its own buffers (beta 64, u 64, keys and values 2 * 512, the row tiles of 512 rows: logits
      * 16,384, weights 16,384, a tile's products' scratch, the larger of the portable path's
-     * (8 * 16 + 512 * 16) * 4 = 33,280 and the bf16 pairs of its rows 256 * (8 + 16) * 4 = 24,576;
-     * the candidates' value normal equations 3,072; the covariance 2,176) = 72,448 and the
+     * (8 * 16 + 512 * 16) * 4 = 33,280 and the bf16 pairs of its rows, X's by strips of 32 and
+     * groups of 12 columns and Y's by strips, and a pair row: (256 * (32 + 12 + 32) + 32) * 4 =
+     * 77,952; the candidates' value normal equations 3,072; the covariance 2,176) = 117,120 and the
      * covariance's row tile 131,072 */
     ws.choice = 1, ws.Rv = 20, ws.Rs = 20;
-    CU_ASSERT_EQUAL(kf_compact_head_ws_bytes(&ws, 16), 128 + 23488 + 3648 + 72448 + 131072);
+    CU_ASSERT_EQUAL(kf_compact_head_ws_bytes(&ws, 16), 128 + 23488 + 3648 + 117120 + 131072);
     /* unfused targets: all R rows' m, y, Y and scores (2 * 448 + 6,400 + 128) held, their scratch
      * (score sums 256, a tile's logits 4 * 256 * 32 = 32,768) below the variant's */
     ws.fused = 0;
-    CU_ASSERT_EQUAL(kf_compact_head_ws_bytes(&ws, 16), 896 + 6400 + 128 + 23488 + 3648 + 72448 + 131072);
+    CU_ASSERT_EQUAL(kf_compact_head_ws_bytes(&ws, 16), 896 + 6400 + 128 + 23488 + 3648 + 117120 + 131072);
     /* bf16 reference queries: half the pool, and each head in flight's rows widened (2 * 4 * 100 * 16) */
     kf_mem_shape sh16 = sh;
     sh16.refq_bf16 = 1;
@@ -414,7 +415,7 @@ static void test_memory_formula(void) {
     kf_compact_peak_bytes(&c, &sh16, &m16);
     CU_ASSERT(m16.queries == 8960 && m16.solve == 157664 && m16.total == total - 17920 + 8960);
     ws.refq_bf16 = 1; /* the head's rows widened to fp32 in the workspace: 4 * 100 * 16 */
-    CU_ASSERT_EQUAL(kf_compact_head_ws_bytes(&ws, 16), 6400 + 896 + 6400 + 128 + 23488 + 3648 + 72448 + 131072);
+    CU_ASSERT_EQUAL(kf_compact_head_ws_bytes(&ws, 16), 6400 + 896 + 6400 + 128 + 23488 + 3648 + 117120 + 131072);
     /* one thread: one thread's buffers and one head in flight */
     kf_mem_shape sh1 = sh;
     sh1.solve_threads = 1, sh1.solve_heads = 1;

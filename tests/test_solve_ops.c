@@ -187,13 +187,18 @@ static void fill_spread(float *x, size_t n, uint64_t seed) {
  * accumulating onto the first's G and B): every upper entry of G and every entry of B against fp64
  * sums of the bf16-rounded inputs, within 2e-6 of its sum of |terms| (the products are exact; each
  * tile's fp32 sum of n products rounds by a few ulps of it); the strict lower triangle and the
- * padding columns left alone; X left holding the rounded values, Y untouched. Returns the worst
+ * padding columns left alone, nothing written past kf_gram_bf16_work's scratch; X left holding the
+ * rounded values, Y untouched. Returns the worst
  * ratio. */
 static double gram_bf16_case(int n, int t, int d, uint64_t seed, int portable) {
     const size_t nt = (size_t)n * t, nd = (size_t)n * (d ? d : 1), ldg = (size_t)t + 1;
     float *X0 = malloc(sizeof(float) * nt), *X = malloc(sizeof(float) * nt);
     float *Y0 = malloc(sizeof(float) * nd), *Y = malloc(sizeof(float) * nd);
-    float *work = malloc(sizeof(float) * kf_gram_bf16_work(n, t, d));
+    enum { CANARY = 64 }; /* floats past the declared scratch, which gram_bf16 must not touch */
+    const size_t nw = kf_gram_bf16_work(n, t, d);
+    float *work = malloc(sizeof(float) * (nw + CANARY));
+    for (int k = 0; k < CANARY; k++)
+        work[nw + k] = -3.0f;
     double *G = malloc(sizeof(double) * t * ldg), *B = malloc(sizeof(double) * t * (d + 1));
     double *ref = calloc((size_t)t * t, sizeof(double)), *abs = calloc((size_t)t * t, sizeof(double));
     fill_spread(X0, nt, seed);
@@ -213,6 +218,8 @@ static double gram_bf16_case(int n, int t, int d, uint64_t seed, int portable) {
     }
     kf_cpu_gram_bf16_force_portable(0);
     int rounded = 1, kept = 1;
+    for (int k = 0; k < CANARY; k++)
+        kept &= work[nw + k] == -3.0f;
     for (size_t k = 0; k < nt; k++) {
         rounded &= X[k] == kf_bf16_to_f32(kf_f32_to_bf16(X0[k]));
         X0[k] = X[k];
@@ -242,10 +249,11 @@ static double gram_bf16_case(int n, int t, int d, uint64_t seed, int portable) {
 }
 
 /* gram_bf16: ragged row blocks and columns (of X and of Y), odd rows (a zero pair row), two column
- * panels, a whole tile of 512 rows, the Gram alone (d 0); the AVX-512 BF16 path (where the CPU
- * has it) and the portable one. */
+ * panels, a whole tile of 512 rows, the Gram alone (d 0), fewer keys than Y's columns; the AVX-512
+ * BF16 path (where the CPU has it) and the portable one. */
 static void test_gram_bf16(void) {
-    const int shapes[][3] = {{1, 1, 1}, {2, 5, 3}, {7, 33, 40}, {64, 12, 0}, {511, 300, 128}, {512, 140, 17}};
+    const int shapes[][3] = {{1, 1, 1},       {2, 5, 3},       {7, 33, 40}, {64, 12, 0},
+                             {511, 300, 128}, {512, 140, 17}, {512, 100, 128}};
     printf("\n    gram_bf16 (%s path on this CPU), worst error of each entry's sum of |terms|:",
            kf_cpu_gram_bf16_fast() ? "AVX-512 BF16" : "portable");
     for (size_t c = 0; c < sizeof shapes / sizeof shapes[0]; c++)

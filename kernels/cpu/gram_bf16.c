@@ -10,10 +10,12 @@
  *
  * X keeps its rounded values (as fp32); Y is read only. The fast path packs X into `work` by pairs
  * of rows: word j of pair p holds bf16(X[2p][j]) in its low half and bf16(X[2p+1][j]) in its high
- * half (a zero row past an odd n), the layout VDPBF16PS multiplies pairwise; Y's pairs follow.
- * A block of 12 rows i of the result by 32 columns j then takes, per pair, two loads of 16 words
- * (the columns: X's for G, Y's for B) and 12 broadcasts (X's rows i) into 24 accumulators: the
- * row segments come out whole and go into G's upper triangle, or B, with masked fp64 stores.
+ * half (a zero row past an odd n), the layout VDPBF16PS multiplies pairwise. The words are stored
+ * in the order the blocks read them: X's by strips of 32 columns and again by groups of 12, Y's by
+ * strips. A block of 12 rows i of the result by 32 columns j then takes, per pair, two loads of 16
+ * words (a strip's: X's for G, Y's for B) and 12 broadcasts (X's group) into 24 accumulators: the
+ * row segments come out whole and go into G's upper triangle, or B, with masked fp64 stores. Each
+ * output is the same fp32 sum over the pairs in order, whatever the layout.
  * Elsewhere the portable path takes ssyrk and sgemm of the rounded X and Y: the same rounded
  * inputs, summed in another order.
  */
@@ -74,7 +76,8 @@ static void gram_portable(float *X, int n, int t, const float *Y, int d, float *
 }
 
 #ifdef KF_HAVE_BF16_DOT
-#define BLOCK_ROWS 12 /* rows i of a block: 24 accumulators, 2 loads and a broadcast in 32 registers */
+#define BLOCK_ROWS                                                                                                     \
+    KF_GRAM_BF16_GROUP /* 12 rows i of a block: 24 accumulators, 2 loads and a broadcast in 32 registers */
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
 /* 16 values of a row rounded to bf16, returned in the low halves of 32-bit lanes; written back
@@ -86,50 +89,74 @@ static inline BF16_TARGET __m512i round_16(const float *x, float *out) {
     return h;
 }
 
-/* X [n, t] rounded and packed into P [(n + 1) / 2, t] pair words; the rounded values also written
- * into Xr [n, t] (X itself, or NULL: nowhere). */
-static BF16_TARGET void pack_pairs(const float *X, int n, int t, uint32_t *P, float *Xr) {
-    for (int p = 0; p < (n + 1) / 2; p++) {
-        const size_t at = (size_t)(2 * p) * t;
-        const float *r0 = X + at, *r1 = 2 * p + 1 < n ? r0 + t : NULL;
-        float *w0 = Xr ? Xr + at : NULL, *w1 = Xr && r1 ? w0 + t : NULL;
-        uint32_t *out = P + (size_t)p * t;
-        int j = 0;
-        for (; r1 && j + 16 <= t; j += 16) {
-            const __m512i lo = round_16(r0 + j, w0 ? w0 + j : NULL), hi = round_16(r1 + j, w1 ? w1 + j : NULL);
-            _mm512_storeu_si512(out + j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-        }
-        for (; j < t; j++) {
-            const uint32_t lo = kf_f32_to_bf16(r0[j]), hi = r1 ? kf_f32_to_bf16(r1[j]) : 0;
-            if (w0)
-                w0[j] = kf_bf16_to_f32((uint16_t)lo);
-            if (w1)
-                w1[j] = kf_bf16_to_f32((uint16_t)hi);
-            out[j] = lo | hi << 16;
-        }
+/* The pair words of a block's operands, laid out so that each block reads them in order: X's
+ * pairs by strips of STRIP columns (strip s: [np, STRIP] words, the result's columns j) and again
+ * by groups of BLOCK_ROWS columns (group b: [np, BLOCK_ROWS], the result's rows i), Y's by strips;
+ * zero words pad the last strip and group (their products are never stored). Contiguous operands
+ * stream from L2 with no split loads, where rows of t words (t * 4 bytes apart) made each pair's
+ * loads miss L1. */
+#define STRIP KF_GRAM_BF16_STRIP /* 32 columns j of a block: two vectors of 16 */
+static size_t strip_words(int np, int n) {
+    return (size_t)np * (size_t)((n + STRIP - 1) / STRIP * STRIP);
+}
+static size_t group_words(int np, int n) {
+    return (size_t)np * (size_t)((n + BLOCK_ROWS - 1) / BLOCK_ROWS * BLOCK_ROWS);
+}
+
+/* Pair p's words (bf16 of row 2p in the low halves, of row 2p + 1, or zero past an odd n, in the
+ * high halves) into row [n]; the rounded values also written into Xr's two rows (NULL: nowhere). */
+static BF16_TARGET void pair_row(const float *X, int n, int t, int p, uint32_t *row, float *Xr) {
+    const size_t at = (size_t)(2 * p) * t;
+    const float *r0 = X + at, *r1 = 2 * p + 1 < n ? r0 + t : NULL;
+    float *w0 = Xr ? Xr + at : NULL, *w1 = Xr && r1 ? w0 + t : NULL;
+    int j = 0;
+    for (; r1 && j + 16 <= t; j += 16) {
+        const __m512i lo = round_16(r0 + j, w0 ? w0 + j : NULL), hi = round_16(r1 + j, w1 ? w1 + j : NULL);
+        _mm512_storeu_si512(row + j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+    for (; j < t; j++) {
+        const uint32_t lo = kf_f32_to_bf16(r0[j]), hi = r1 ? kf_f32_to_bf16(r1[j]) : 0;
+        if (w0)
+            w0[j] = kf_bf16_to_f32((uint16_t)lo);
+        if (w1)
+            w1[j] = kf_bf16_to_f32((uint16_t)hi);
+        row[j] = lo | hi << 16;
     }
 }
 
-/* Rows [i0, i0 + nr) by columns [j0, j0 + 32) of A^T C from np pairs: A's P [np, lda] (its
- * columns are the result's rows) and C's Q [np, ldc] (nc columns). Row segments are added into
- * the fp64 result R (row stride ldr) where j < nc and, when upper, j >= i. Rows past nr repeat
- * row i0 and are not stored. */
-static inline __attribute__((always_inline)) BF16_TARGET void block(const uint32_t *P, int lda, const uint32_t *Q,
-                                                                    int ldc, int nc, int np, int i0, int nr, int j0,
-                                                                    double *R, size_t ldr, int first, int upper) {
-    const __mmask16 m0 = j0 + 16 <= nc ? 0xffff : (__mmask16)((1u << (nc - j0)) - 1u);
-    const __mmask16 m1 = j0 + 32 <= nc ? 0xffff : j0 + 16 >= nc ? 0 : (__mmask16)((1u << (nc - j0 - 16)) - 1u);
+/* X [n, t] rounded to pairs into strips S (strip_words) and, unless G is NULL, groups G
+ * (group_words); row [t padded] is scratch. The rounded values also go into Xr (X, or NULL). */
+static BF16_TARGET void pack_pairs(const float *X, int n, int t, uint32_t *S, uint32_t *G, uint32_t *row, float *Xr) {
+    const int np = (n + 1) / 2, ts = (t + STRIP - 1) / STRIP * STRIP,
+              tg = (t + BLOCK_ROWS - 1) / BLOCK_ROWS * BLOCK_ROWS;
+    const int padded = G && tg > ts ? tg : ts; /* the row's words that are read: no groups without G */
+    memset(row + t, 0, sizeof(uint32_t) * (size_t)(padded - t));
+    for (int p = 0; p < np; p++) {
+        pair_row(X, n, t, p, row, Xr);
+        for (int j = 0; j < ts; j += STRIP)
+            memcpy(S + ((size_t)(j / STRIP) * np + p) * STRIP, row + j, sizeof(uint32_t) * STRIP);
+        for (int j = 0; G && j < tg; j += BLOCK_ROWS)
+            memcpy(G + ((size_t)(j / BLOCK_ROWS) * np + p) * BLOCK_ROWS, row + j, sizeof(uint32_t) * BLOCK_ROWS);
+    }
+}
+
+/* Rows [i0, i0 + nr) by columns [j0, j0 + STRIP) of A^T C over np pairs: A's group rg [np,
+ * BLOCK_ROWS] (its columns are the result's rows) and C's strip cs [np, STRIP] (nc columns in
+ * all). Row segments are added into the fp64 result R (row stride ldr) where j < nc and, when
+ * upper, j >= i; rows past nr (zero padding) are not stored. */
+static inline __attribute__((always_inline)) BF16_TARGET void block(const uint32_t *rg, const uint32_t *cs, int nc,
+                                                                    int np, int i0, int nr, int j0, double *R,
+                                                                    size_t ldr, int first, int upper) {
     __m512 c[BLOCK_ROWS][2]; /* in registers: every loop over r is unrolled */
 #pragma GCC unroll 12
     for (int r = 0; r < BLOCK_ROWS; r++)
         c[r][0] = c[r][1] = _mm512_setzero_ps();
     for (int p = 0; p < np; p++) {
-        const uint32_t *pp = P + (size_t)p * lda, *qq = Q + (size_t)p * ldc;
-        const __m512bh a0 = (__m512bh)_mm512_maskz_loadu_epi32(m0, qq + j0);
-        const __m512bh a1 = (__m512bh)_mm512_maskz_loadu_epi32(m1, qq + j0 + 16);
+        const uint32_t *pp = rg + (size_t)p * BLOCK_ROWS, *qq = cs + (size_t)p * STRIP;
+        const __m512bh a0 = (__m512bh)_mm512_loadu_si512(qq), a1 = (__m512bh)_mm512_loadu_si512(qq + 16);
 #pragma GCC unroll 12
         for (int r = 0; r < BLOCK_ROWS; r++) {
-            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)pp[i0 + (r < nr ? r : 0)]);
+            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)pp[r]);
             c[r][0] = _mm512_dpbf16_ps(c[r][0], a0, b);
             c[r][1] = _mm512_dpbf16_ps(c[r][1], a1, b);
         }
@@ -154,38 +181,44 @@ static inline __attribute__((always_inline)) BF16_TARGET void block(const uint32
     }
 }
 
-/* Columns in panels of PANEL (a panel's pair words, np x PANEL x 4 bytes, stay in the core's L2 while
- * every row block above the diagonal runs over them); within a panel a row block's broadcasts (12
- * words of each pair) serve each 32-column block in turn from L1. */
+/* Row group i0's blocks against strips [s0, s1) of C (strips cs, nc columns), into R. */
+static inline __attribute__((always_inline)) BF16_TARGET void group_row(const uint32_t *Gx, const uint32_t *cs, int nc,
+                                                                        int np, int i0, int nr, int s0, int s1,
+                                                                        double *R, size_t ldr, int first, int upper) {
+    const uint32_t *rg = Gx + (size_t)(i0 / BLOCK_ROWS) * np * BLOCK_ROWS;
+    for (int s = s0; s < s1; s++) {
+        const uint32_t *st = cs + (size_t)s * np * STRIP;
+        if (nr == BLOCK_ROWS)
+            block(rg, st, nc, np, i0, BLOCK_ROWS, s * STRIP, R, ldr, first, upper);
+        else
+            block(rg, st, nc, np, i0, nr, s * STRIP, R, ldr, first, upper);
+    }
+}
+
+/* Strips in panels of PANEL columns (a panel's strips, np x PANEL x 4 bytes, stay in the core's L2
+ * while every row group above the diagonal runs over them); a row group's words (np x 12 x 4
+ * bytes) stay in L1 while it serves each strip of the panel in turn. */
 #define PANEL 256
-static BF16_TARGET void gram_dot(const uint32_t *P, int np, int t, double *G, size_t ldg, int first) {
+static BF16_TARGET void gram_dot(const uint32_t *S, const uint32_t *Gx, int np, int t, double *G, size_t ldg,
+                                 int first) {
     for (int J0 = 0; J0 < t; J0 += PANEL) {
         const int J1 = t - J0 < PANEL ? t : J0 + PANEL;
         for (int i0 = 0; i0 < J1; i0 += BLOCK_ROWS) {
-            const int nr = t - i0 < BLOCK_ROWS ? t - i0 : BLOCK_ROWS;
-            const int jd = i0 / 32 * 32; /* the first 32-column block reaching the diagonal */
-            for (int j0 = jd > J0 ? jd : J0; j0 < J1; j0 += 32) {
-                if (nr == BLOCK_ROWS)
-                    block(P, t, P, t, t, np, i0, BLOCK_ROWS, j0, G, ldg, first, 1);
-                else
-                    block(P, t, P, t, t, np, i0, nr, j0, G, ldg, first, 1);
-            }
+            const int nr = t - i0 < BLOCK_ROWS ? t - i0 : BLOCK_ROWS,
+                      jd = i0 / STRIP * STRIP; /* reaches the diagonal */
+            const int s0 = (jd > J0 ? jd : J0) / STRIP, s1 = (J1 + STRIP - 1) / STRIP;
+            group_row(Gx, S, t, np, i0, nr, s0, s1, G, ldg, first, 1);
         }
     }
 }
 
-/* B [t, d] += X^T Y from X's pairs P [np, t] and Y's Q [np, d] (np x d words, 128 KiB at d = 128:
- * they stay in the core's L2 while every row block's broadcasts run over them). */
-static BF16_TARGET void cross_dot(const uint32_t *P, const uint32_t *Q, int np, int t, int d, double *B, size_t ldb,
+/* B [t, d] += X^T Y from X's groups Gx and Y's strips Sy (np x d words, 128 KiB at d = 128: they
+ * stay in the core's L2 while every row group runs over them). */
+static BF16_TARGET void cross_dot(const uint32_t *Gx, const uint32_t *Sy, int np, int t, int d, double *B, size_t ldb,
                                   int first) {
     for (int i0 = 0; i0 < t; i0 += BLOCK_ROWS) {
         const int nr = t - i0 < BLOCK_ROWS ? t - i0 : BLOCK_ROWS;
-        for (int j0 = 0; j0 < d; j0 += 32) {
-            if (nr == BLOCK_ROWS)
-                block(P, t, Q, d, d, np, i0, BLOCK_ROWS, j0, B, ldb, first, 0);
-            else
-                block(P, t, Q, d, d, np, i0, nr, j0, B, ldb, first, 0);
-        }
+        group_row(Gx, Sy, d, np, i0, nr, 0, (d + STRIP - 1) / STRIP, B, ldb, first, 0);
     }
 }
 
@@ -218,12 +251,13 @@ void kf_cpu_gram_bf16(const kf_backend *b, float *X, int n, int t, const float *
 #ifdef KF_HAVE_BF16_DOT
     if (kf_cpu_gram_bf16_fast()) {
         const int np = (n + 1) / 2;
-        uint32_t *P = (uint32_t *)work, *Q = P + (size_t)np * t; /* [np, t] X's pairs, [np, d] Y's */
-        pack_pairs(X, n, t, P, X);
-        gram_dot(P, np, t, G, ldg, first);
+        uint32_t *S = (uint32_t *)work, *Gx = S + strip_words(np, t);           /* X's strips, groups */
+        uint32_t *Sy = Gx + group_words(np, t), *row = Sy + strip_words(np, d); /* Y's strips, a pair row */
+        pack_pairs(X, n, t, S, Gx, row, X);
+        gram_dot(S, Gx, np, t, G, ldg, first);
         if (B) {
-            pack_pairs(Y, n, d, Q, NULL);
-            cross_dot(P, Q, np, t, d, B, ldb, first);
+            pack_pairs(Y, n, d, Sy, NULL, row, NULL);
+            cross_dot(Gx, Sy, np, t, d, B, ldb, first);
         }
         return;
     }
