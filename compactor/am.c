@@ -519,30 +519,64 @@ static void beta_tile_rhs(const float *M, const float *y, int n, int t, double *
     }
 }
 
+/* w->X [n, t] = the logits of rows q [n, d] (row i0 of the build) over the keys kc folded along u:
+ * the kept keys' logits (w->L's rows, else the GEMM that filled them) plus beta_j (q_r . u)
+ * (docs/decisions/fold-logits-from-drop.md). */
+static void folded_logits(const kf_backend *be, const float *q, int i0, int n, int d, float scale, const float *kc,
+                          size_t key_stride, const float *beta, const float *u, int t, const kf_gram_tiles *w) {
+    if (i0 + n <= w->L_rows)
+        memcpy(w->X, w->L + (size_t)i0 * t, sizeof(float) * (size_t)n * t);
+    else
+        kf_solve_sgemm(be, KF_NO_TRANS, KF_TRANS, n, t, d, scale, q, d, kc, key_stride, 0.0f, w->X, (size_t)t);
+    for (int r = 0; r < n; r++) {
+        float qu = 0;
+        for (int c = 0; c < d; c++)
+            qu += q[(size_t)r * d + c] * u[c];
+        float *x = w->X + (size_t)r * t;
+        for (int j = 0; j < t; j++)
+            x[j] += beta[j] * qu;
+    }
+}
+
+/* The keys' normal equations over R rows into G, B, a tile at a time (u: folded_logits). */
 static void gram_accumulate(const kf_backend *be, const float *q, int R, int d, float scale, const float *keys,
-                            size_t key_stride, const float *beta, int t, const float *Y, const kf_gram_tiles *w,
-                            double *G, double *B) {
+                            size_t key_stride, const float *bias, const float *fold_beta, const float *u, int t,
+                            const float *Y, const kf_gram_tiles *w, double *G, double *B) {
     for (int i0 = 0; i0 < R; i0 += KF_GRAM_TILE) {
         const int n = R - i0 < KF_GRAM_TILE ? R - i0 : KF_GRAM_TILE;
-        kf_solve_sgemm(be, KF_NO_TRANS, KF_TRANS, n, t, d, scale, q + (size_t)i0 * d, d, keys, key_stride, 0.0f, w->X,
-                       t);
-        kf_solve_softmax_rows(be, &(kf_softmax_rows_args){.x = w->X, .ldx = t, .rows = n, .n = t, .bias = beta});
+        if (u)
+            folded_logits(be, q + (size_t)i0 * d, i0, n, d, scale, keys, key_stride, fold_beta, u, t, w);
+        else
+            kf_solve_sgemm(be, KF_NO_TRANS, KF_TRANS, n, t, d, scale, q + (size_t)i0 * d, d, keys, key_stride, 0.0f,
+                           w->X, t);
+        kf_solve_softmax_rows(be, &(kf_softmax_rows_args){.x = w->X, .ldx = t, .rows = n, .n = t, .bias = bias});
         kf_gram_tile_add(be, w->X, Y + (size_t)i0 * d, n, t, d, w, G, B, i0 == 0);
     }
 }
 
 static void gram_finish(kf_value_gram *g);
 
-void kf_value_gram_rebuild(const float *q, int R, float scale, const float *keys, size_t key_stride,
-                           const float *beta, const float *Y, kf_gram_tiles *w, kf_value_gram *g) {
+static void gram_rebuild(const float *q, int R, float scale, const float *keys, size_t key_stride, const float *bias,
+                         const float *fold_beta, const float *u, const float *Y, kf_gram_tiles *w, kf_value_gram *g) {
     const int t = g->t, d = g->d;
     if (t > 0 && R > 0)
-        gram_accumulate(g->be, q, R, d, scale, keys, key_stride, beta, t, Y, w, g->G, g->B);
+        gram_accumulate(g->be, q, R, d, scale, keys, key_stride, bias, fold_beta, u, t, Y, w, g->G, g->B);
     else { /* no rows: the zero normal equations a fresh build has */
         memset(g->G, 0, sizeof(double) * (size_t)t * t);
         memset(g->B, 0, sizeof(double) * (size_t)t * d);
     }
     gram_finish(g);
+}
+
+void kf_value_gram_rebuild(const float *q, int R, float scale, const float *keys, size_t key_stride, const float *beta,
+                           const float *Y, kf_gram_tiles *w, kf_value_gram *g) {
+    gram_rebuild(q, R, scale, keys, key_stride, beta, NULL, NULL, Y, w, g);
+}
+
+void kf_value_gram_rebuild_folded(const float *q, int R, float scale, const float *kc, size_t key_stride,
+                                  const float *beta, const float *u, const float *Y, kf_gram_tiles *w,
+                                  kf_value_gram *g) {
+    gram_rebuild(q, R, scale, kc, key_stride, NULL, beta, u, Y, w, g);
 }
 
 int64_t kf_value_gram_build_bytes(int t, int d) {
@@ -710,6 +744,8 @@ kf_status kf_kept_normal_fill(const kf_am_head *h, const kf_am_targets *tg, cons
         const int n = R - i0 < KF_GRAM_TILE ? R - i0 : KF_GRAM_TILE;
         kf_solve_sgemm(h->be, KF_NO_TRANS, KF_TRANS, n, t, d, h->scale, h->q + (size_t)i0 * d, d, kc, d, 0.0f, w->Z,
                        t);
+        if (i0 + n <= w->L_rows) /* for the fold candidate (kf_value_gram_rebuild_folded) */
+            memcpy(w->L + (size_t)i0 * t, w->Z, sizeof(float) * (size_t)n * t);
         kept_tile(tg->m + i0, tg->y + i0, tg->Y + (size_t)i0 * d, n, t, d, w, bn, drop, i0 == 0);
     }
     kf_gram_tiles_free(&own);

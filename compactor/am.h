@@ -164,6 +164,9 @@ typedef struct {
     float *Z;  /* [512, t] the logits (kf_kept_normal_build only; NULL unless asked for) */
     float *X;  /* [512, t] the weights */
     float *Gt; /* [t, t] one tile's X^T X (upper triangle); with d > 0 kf_gram_bf16_work(512, t, d) */
+    float *L;  /* [L_rows, t] the kept keys' logits of the first L_rows rows, kept by
+                  kf_kept_normal_fill for kf_value_gram_rebuild_folded (NULL: none) */
+    int L_rows;
     int t, d;
     int in_ws; /* 1: the buffers are a workspace's */
 } kf_gram_tiles;
@@ -171,6 +174,15 @@ typedef struct {
 int kf_gram_tiles_alloc(kf_gram_tiles *w, int t, int d, int logits, kf_ws *ws);
 int64_t kf_gram_tiles_bytes(int t, int d, int logits);
 void kf_gram_tiles_free(kf_gram_tiles *w);
+/* The rows of the kept keys' logits worth keeping for the fold candidate of t keys fitted on R
+ * rows: all R while they take at most KF_KEPT_LOGITS_MAX bytes, else as many whole tiles as fit
+ * (the rest are computed again). */
+#define KF_KEPT_LOGITS_MAX ((int64_t)64 << 20)
+int kf_kept_logits_rows(int R, int t);
+int64_t kf_kept_logits_bytes(int rows, int t);
+/* w->L for rows rows of w->t logits (w allocated with ws, or the heap when ws is NULL); 0, or -1
+ * when out of memory. */
+int kf_gram_tiles_keep_logits(kf_gram_tiles *w, int rows, kf_ws *ws);
 /* One tile's X [n, t] (and Y [n, d]; B NULL: none) into G's upper triangle [t, t] and B [t, d],
  * summed in fp64; first: G, B overwritten (not read). The values' equations (B given): X rounded
  * to bf16 in place and Y's rounded copy, both products through gram_bf16; beta's (no B): X^T X
@@ -185,6 +197,12 @@ int64_t kf_value_gram_bytes(int t, int d);
  * (for at least t keys): the same bits, nothing allocated. */
 void kf_value_gram_rebuild(const float *q, int R, float scale, const float *keys, size_t key_stride,
                            const float *beta, const float *Y, kf_gram_tiles *w, kf_value_gram *g);
+/* kf_value_gram_rebuild for the keys kc [t, d] folded along u (kf_fold_keys with beta [t] and
+ * scale), from their logits' rank-one change: the kept keys' logits (w->L's rows where
+ * kf_kept_normal_fill kept them, else computed again by the same GEMM) plus beta_j (q_r . u). */
+void kf_value_gram_rebuild_folded(const float *q, int R, float scale, const float *kc, size_t key_stride,
+                                  const float *beta, const float *u, const float *Y, kf_gram_tiles *w,
+                                  kf_value_gram *g);
 kf_status kf_value_gram_build(const kf_backend *be, const float *q, int R, int d, float scale, const float *keys,
                               size_t key_stride, const float *beta, int t, const float *Y, kf_value_gram *out,
                               kf_ws *ws, kf_error *err);

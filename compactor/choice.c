@@ -113,9 +113,10 @@ static void choice_ws_free(choice_ws *w) {
     kf_value_gram_free(&w->gm);
 }
 
-/* gram: also the candidates' normal equations (am, fold); from ws (NULL: the heap). 0, or -1 when
- * out of memory. */
-static int choice_ws_alloc(choice_ws *w, const kf_backend *be, int t, int d, int gram, kf_ws *ws) {
+/* gram: also the candidates' normal equations (am, fold); keep_rows: rows of the kept keys' logits
+ * kept for the fold candidate (kf_kept_logits_rows; 0: none); from ws (NULL: the heap). 0, or -1
+ * when out of memory. */
+static int choice_ws_alloc(choice_ws *w, const kf_backend *be, int t, int d, int gram, int keep_rows, kf_ws *ws) {
     const size_t t1 = (size_t)(t ? t : 1);
     memset(w, 0, sizeof *w);
     w->ws = ws;
@@ -128,7 +129,7 @@ static int choice_ws_alloc(choice_ws *w, const kf_backend *be, int t, int d, int
         w->keys = malloc(sizeof(float) * t1 * d), w->vals = malloc(sizeof(float) * t1 * d);
     }
     if (!w->beta || !w->u || !w->keys || !w->vals || kf_gram_tiles_alloc(&w->tiles, t, d, 1, ws) != 0 ||
-        (gram && kf_value_gram_alloc(&w->gm, be, t, d, ws) != 0))
+        (gram && kf_value_gram_alloc(&w->gm, be, t, d, ws) != 0) || kf_gram_tiles_keep_logits(&w->tiles, keep_rows, ws))
         return -1;
     return 0;
 }
@@ -186,10 +187,12 @@ static kf_status try_folds(const kf_compact_params *p, const kf_am_head *htr, co
         const double lambda = kLambdaGrid[li] * p->solver.lambda_rel, before = best->err;
         kf_fold_info fi;
         rc = kf_fold_direction_cov(cov, lambda, w->u, &fi, w->ws, err);
-        if (rc == KF_OK && fi.ok) {
+        if (rc == KF_OK && fi.ok) { /* its normal equations from the kept keys' logits, scored with its keys */
             kf_fold_keys(kc, htr->d, w->beta, t, htr->d, htr->scale, w->u, w->keys, htr->d);
-            rc = try_alphas(htr, ttr->Y, w->keys, NULL, v0, KF_METHOD_FOLD, lambda, 1 + p->choice.choice_margin, val, w, best,
-                            err);
+            kf_value_gram_rebuild_folded(htr->q, htr->R, htr->scale, kc, htr->d, w->beta, w->u, ttr->Y, &w->tiles,
+                                         &w->gm);
+            rc = score_alphas(&w->gm, w->keys, NULL, t, htr->d, v0, KF_METHOD_FOLD, lambda, 1 + p->choice.choice_margin,
+                              val, w->vals, best, err);
             if (rc == KF_OK && best->err < before)
                 keep_winner(f, w, KF_METHOD_FOLD, fi.var_gain);
         }
@@ -335,7 +338,8 @@ kf_status kf_choose_head(const kf_compact_params *p, const kf_am_head *htr, cons
     if (am_fold && p->choice.refit_all == KF_REFIT_VALUES && kept_ok) /* the method's best candidate */
         kept_ok = win_alloc(&f, htr->be, t, d, ws) == 0;
     const size_t own = ws ? kf_ws_mark(ws) : 0;
-    if (!kept_ok || choice_ws_alloc(&w, htr->be, t, d, am_fold, ws) != 0)
+    const int keep_rows = p->method == KF_METHOD_FOLD ? kf_kept_logits_rows(hsub.R, t) : 0;
+    if (!kept_ok || choice_ws_alloc(&w, htr->be, t, d, am_fold, keep_rows, ws) != 0)
         rc = kf_fail(err, KF_ERR_NOMEM, "compact: out of memory for the per-head choice (t %d)", t);
     else if (p->method != KF_METHOD_KEEP)
         rc = choose_fits(p, &hsub, ttr, t, kc, v0, val, seed, &w, &f, best, err);

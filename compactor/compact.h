@@ -428,6 +428,8 @@ typedef struct {
     int64_t R, Rv, Rc, t; /* reference queries, held-out ones and the context's own per KV head; kept keys
                              per head */
     int64_t Rs;           /* the held-out rows the choice scores (kf_val_score_rows of Rv, T) */
+    int64_t Rk;           /* the rows of the kept keys' logits the choice keeps for its fold candidate
+                             (kf_kept_logits_rows; 0: no fold candidate) */
     int choice;           /* the per-head choice runs (validation prompts kept, the split built) */
     int refq_bf16;        /* reference queries stored in bf16 */
     int arena_bf16;       /* the KV arena in bf16 (arena_dtype) */

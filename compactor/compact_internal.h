@@ -225,6 +225,7 @@ typedef struct head_add head_add;   /* what one (head, variant) adds to the vari
 typedef struct {
     kf_compact_prep *x;
     int n, l, any_choice;
+    int fold_choice;     /* a variant runs the choice with fold (its candidate reuses the kept logits) */
     const float *K, *V;  /* [D, kvh * d] the layer's keys and values */
     thread_ws *tw;       /* [threads] */
     kf_status *rc;       /* [kvh] each head's status */

@@ -11,13 +11,15 @@ static int64_t max64(int64_t a, int64_t b) {
 }
 
 /* The per-head choice: the normal equations it keeps for the refit (kf_choice_kept_bytes), then its
- * own buffers (beta, u, a candidate's keys and values, the row tiles with logits, the candidates'
- * value normal equations, the fold's covariance) beside its largest step (the covariance's row
- * tiles, beta's fit, a fold direction); its own are given back before the refit. */
+ * own buffers (beta, u, a candidate's keys and values, the row tiles with logits, the fold
+ * candidate's kept logits, the candidates' value normal equations, the fold's covariance) beside
+ * its largest step (the covariance's row tiles, beta's fit, a fold direction); its own are given
+ * back before the refit. */
 
-static int64_t choice_own_bytes(int t, int d) {
+static int64_t choice_own_bytes(int t, int d, int64_t Rk) {
     const int64_t bufs = kf_ws_bytes(t, 4) + kf_ws_bytes(d, 4) + 2 * kf_ws_bytes((int64_t)t * d, 4) +
-                         kf_gram_tiles_bytes(t, d, 1) + kf_value_gram_bytes(t, d) + kf_fold_cov_bytes(d);
+                         kf_gram_tiles_bytes(t, d, 1) + kf_value_gram_bytes(t, d) + kf_kept_logits_bytes((int)Rk, t) +
+                         kf_fold_cov_bytes(d);
     int64_t step = kf_fold_cov_compute_bytes(d) - kf_fold_cov_bytes(d);
     step = kf_ws_max(step, kf_am_fit_beta_normal_bytes(t));
     return bufs + kf_ws_max(step, kf_fold_direction_cov_bytes(d));
@@ -52,7 +54,7 @@ int64_t kf_compact_head_ws_bytes(const kf_mem_shape *s, int d) {
      * its own buffers, then beside the final fits' largest step) or the final fits alone */
     const int tt = (int)t;
     const int64_t fits = s->choice ? kf_choice_kept_bytes(tt, d, s->refit_values) +
-                                         kf_ws_max(choice_own_bytes(tt, d), fit_step_bytes(tt, d))
+                                         kf_ws_max(choice_own_bytes(tt, d, s->Rk), fit_step_bytes(tt, d))
                                    : fit_step_bytes(tt, d);
     const int64_t variant = kf_ws_max(kf_am_select_bytes((int)T), fits);
     return head + kf_ws_max(targets, variant);
@@ -99,6 +101,8 @@ void kf_compact_mem_shape(const kf_hfconfig *c, const kf_compact_params *p, int6
     if (choice)
         out->Rv = (int64_t)G * (int64_t)llround(p->choice.val_frac * elig);
     out->Rs = kf_val_score_rows(p, out->Rv, n_doc);
+    if (choice && p->method == KF_METHOD_FOLD) /* as solve_pool.c's */
+        out->Rk = kf_kept_logits_rows(kf_choice_rows(p, (int)(out->R - out->Rv), (int)t), (int)t);
     out->solve_heads = attn_threads < c->n_kv_heads ? attn_threads : c->n_kv_heads;
     const int quoka_repeat = p->run.quoka && p->run.quoka_repeat && p->run.quoka->mode == KF_PREFILL_QUOKA;
     out->fused = probes > 0 || (repeat > 0 && !quoka_repeat); /* sources.c's kf_sources_targets_init */

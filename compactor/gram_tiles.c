@@ -13,7 +13,7 @@
 
 void kf_gram_tiles_free(kf_gram_tiles *w) {
     if (!w->in_ws)
-        free(w->Z), free(w->X), free(w->Gt);
+        free(w->Z), free(w->X), free(w->Gt), free(w->L);
     memset(w, 0, sizeof *w);
 }
 
@@ -46,6 +46,29 @@ int kf_gram_tiles_alloc(kf_gram_tiles *w, int t, int d, int logits, kf_ws *ws) {
         return 0;
     kf_gram_tiles_free(w);
     return -1;
+}
+
+int kf_kept_logits_rows(int R, int t) {
+    const int64_t per_row = (int64_t)(t > 0 ? t : 1) * (int64_t)sizeof(float);
+    if ((int64_t)R * per_row <= KF_KEPT_LOGITS_MAX)
+        return R;
+    return (int)(KF_KEPT_LOGITS_MAX / per_row / KF_GRAM_TILE * KF_GRAM_TILE);
+}
+
+int64_t kf_kept_logits_bytes(int rows, int t) {
+    return rows > 0 ? kf_ws_bytes((int64_t)rows * (t > 0 ? t : 1), sizeof(float)) : 0;
+}
+
+int kf_gram_tiles_keep_logits(kf_gram_tiles *w, int rows, kf_ws *ws) {
+    const size_t n = (size_t)rows * (size_t)(w->t > 0 ? w->t : 1);
+    w->L_rows = 0;
+    if (rows <= 0)
+        return 0;
+    w->L = w->in_ws ? kf_ws_alloc(ws, (int64_t)n, sizeof(float)) : malloc(sizeof(float) * n);
+    if (!w->L)
+        return -1;
+    w->L_rows = rows;
+    return 0;
 }
 
 /* am.h. The values' equations: docs/decisions/bf16-gram.md; beta's: ssyrk into w->Gt. */

@@ -150,11 +150,13 @@ static void head_merge(variant_ws *w, const head_add *a) {
 /* Each head's workspace: the memory formula's ws (kf_compact_head_ws_bytes) for this job's shape,
  * t_max kept keys at most; known once the sources' forwards are set up (which rows they fuse
  * targets for). */
-static int64_t solve_ws_bytes(const kf_compact_prep *x, int t_max, int any_choice) {
+static int64_t solve_ws_bytes(const kf_compact_prep *x, int t_max, int any_choice, int fold_choice) {
     kf_mem_shape s = {.T = x->n_doc, .R = x->rq.R, .t = t_max, .choice = any_choice, .refq_bf16 = x->rq.qh != NULL,
                       .fused = x->tg.m != NULL,
                       .refit_values = any_choice && x->p.choice.refit_all == KF_REFIT_VALUES};
     s.Rv = any_choice ? x->n_val_pos * x->G : 0;
+    if (fold_choice) /* the fold candidate's kept logits: the choice's rows of the training rows */
+        s.Rk = kf_kept_logits_rows(kf_choice_rows(&x->p, (int)(x->rq.R - s.Rv), t_max), t_max);
     s.Rs = kf_val_score_rows(&x->p, s.Rv, x->n_doc);
     for (int i = 0; i < x->n_sources; i++) /* the longest prompt a validation row sees */
         if (x->src[i].kind != KF_REFQ_CONTEXT)
@@ -166,7 +168,7 @@ static int64_t solve_ws_bytes(const kf_compact_prep *x, int t_max, int any_choic
 
 /* The heads' workspaces, once per kf_compact_solve (before the first layer's heads). */
 static kf_status job_ws_init(layer_job *j, kf_error *err) {
-    const int64_t bytes = solve_ws_bytes(j->x, j->tw[0].t_max, j->any_choice);
+    const int64_t bytes = solve_ws_bytes(j->x, j->tw[0].t_max, j->any_choice, j->fold_choice);
     j->n_ws = j->threads < j->x->kvh ? j->threads : j->x->kvh;
     j->ws = calloc((size_t)j->n_ws, sizeof *j->ws);
     j->ws_busy = calloc((size_t)j->n_ws, sizeof *j->ws_busy);
@@ -220,6 +222,8 @@ kf_status kf_pool_on_layer(void *ctx, int l, kf_error *err) {
 kf_status kf_pool_init(kf_compact_prep *x, const variant_ws *w, int n, int any_choice, int threads, layer_job *j,
                        kf_error *err) {
     j->x = x, j->n = n, j->any_choice = any_choice, j->threads = threads;
+    for (int i = 0; i < n; i++)
+        j->fold_choice |= w[i].choice && w[i].p.method == KF_METHOD_FOLD;
     j->tw = calloc((size_t)threads, sizeof *j->tw);
     j->rc = calloc((size_t)x->kvh, sizeof *j->rc);
     j->err = calloc((size_t)x->kvh, sizeof *j->err);

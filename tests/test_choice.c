@@ -405,6 +405,55 @@ static void test_gram_rebuild_fresh(void) {
     free(Q), free(Y);
 }
 
+/* The fold candidate's normal equations from the kept keys' logits and their rank-one change
+ * (kf_value_gram_rebuild_folded) == a build on the folded keys themselves (within the fp32 rounding
+ * of the logits, which the bf16 weights mostly hide); and the same bits whether the kept keys'
+ * logits were kept for no rows, the first tile, or all of them (the rest computed again). */
+static void test_gram_rebuild_folded(void) {
+    enum { R = 1300, d = 8, t = 12 }; /* R: three row tiles, the last one partial */
+    float *Q = malloc(sizeof(float) * R * d), *Y = malloc(sizeof(float) * R * d), kc[t * d], kf[t * d], beta[t], u[d];
+    kf_test_fill_uniform(Q, R * d, 1701, -1.5f, 1.5f);
+    kf_test_fill_uniform(kc, t * d, 1703, -1, 1);
+    kf_test_fill_uniform(beta, t, 1704, -2, 2);
+    kf_test_fill_uniform(u, d, 1705, -0.8f, 0.8f);
+    const float scale = 0.7f;
+    kf_fold_keys(kc, d, beta, t, d, scale, u, kf, d);
+    kf_error err = {0};
+    kf_am_head h = {kc, d, kc, d, t, Q, R, d, scale, NULL};
+    kf_am_targets tg;
+    CU_ASSERT_EQUAL_FATAL(kf_am_targets_compute(&h, KF_SCORE_RMS, &tg, &err), KF_OK);
+    memcpy(Y, tg.Y, sizeof(float) * R * d);
+    kf_value_gram ref, g[3];
+    CU_ASSERT_EQUAL_FATAL(kf_value_gram_build(NULL, Q, R, d, scale, kf, d, NULL, t, Y, &ref, NULL, &err), KF_OK);
+    const int kept[3] = {0, KF_GRAM_TILE, R};
+    for (int c = 0; c < 3; c++) {
+        kf_gram_tiles w;
+        kf_beta_normal bn;
+        kf_value_gram drop;
+        CU_ASSERT_EQUAL_FATAL(kf_gram_tiles_alloc(&w, t, d, 1, NULL), 0);
+        CU_ASSERT_EQUAL_FATAL(kf_gram_tiles_keep_logits(&w, kept[c], NULL), 0);
+        CU_ASSERT_EQUAL_FATAL(kf_kept_normal_build(&h, &tg, kc, t, &w, &bn, &drop, NULL, &err), KF_OK);
+        CU_ASSERT_EQUAL_FATAL(kf_value_gram_alloc(&g[c], NULL, t, d, NULL), 0);
+        kf_value_gram_rebuild_folded(Q, R, scale, kc, d, beta, u, Y, &w, &g[c]);
+        kf_beta_normal_free(&bn), kf_value_gram_free(&drop), kf_gram_tiles_free(&w);
+    }
+    const double eG = rel_diff(g[2].G, ref.G, t * t), eB = rel_diff(g[2].B, ref.B, t * d);
+    printf("\n    folded from the kept logits vs the folded keys' build: G %.1e, B %.1e\n", eG, eB);
+    CU_ASSERT(eG < 1e-5 && eB < 1e-5);
+    for (int c = 0; c < 2; c++) /* kept for none, one tile, all rows: the same bits */
+        CU_ASSERT(memcmp(g[c].G, g[2].G, sizeof(double) * t * t) == 0 &&
+                  memcmp(g[c].B, g[2].B, sizeof(double) * t * d) == 0 && g[c].tr == g[2].tr);
+    for (int c = 0; c < 3; c++)
+        kf_value_gram_free(&g[c]);
+    kf_value_gram_free(&ref);
+    /* what is kept: all the rows within 64 MiB (8k tokens at 0.1: 4,914 rows of 819 keys, 16 MB),
+     * else whole tiles (32k: 64 MiB / (3,276 x 4 bytes) = 5,121 rows, ten tiles of them), else none */
+    CU_ASSERT_EQUAL(kf_kept_logits_rows(4914, 819), 4914);
+    CU_ASSERT_EQUAL(kf_kept_logits_rows(19656, 3276), 5120);
+    CU_ASSERT_EQUAL(kf_kept_logits_rows(600000, 40000), 0);
+    kf_am_targets_free(&tg);
+    free(Q), free(Y);
+}
 
 /* ---- the subsampled choice: candidates on a subsample of the training rows ---- */
 
@@ -813,6 +862,8 @@ static CU_TestInfo val_tests[] = {
     {"validation: what attend caches == a fresh head's, bit for bit", test_val_cache_fresh},
     {"normal equations: training + validation == all rows (fp64)", test_normal_equations_add},
     {"normal equations rebuilt in place == a fresh build, bit for bit", test_gram_rebuild_fresh},
+    {"fold candidate's normal equations from the kept keys' logits == the folded keys' build",
+     test_gram_rebuild_folded},
     {"training rows' order: a seeded permutation, every prefix stratified", test_training_order_stratified},
     {"per-head choice picks fold, drop and keep on planted heads", test_head_choice_planted},
     {"subsampled choice picks the planted best candidate, as on all rows", test_subsampled_choice_planted},

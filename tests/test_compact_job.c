@@ -404,6 +404,10 @@ static void test_memory_formula(void) {
      * covariance's row tile 131,072 */
     ws.choice = 1, ws.Rv = 20, ws.Rs = 20;
     CU_ASSERT_EQUAL(kf_compact_head_ws_bytes(&ws, 16), 128 + 23488 + 3648 + 117120 + 131072);
+    /* the fold candidate's kept logits among the choice's own buffers: Rk 80 rows of t 8, 2,560 */
+    ws.Rk = 80;
+    CU_ASSERT_EQUAL(kf_compact_head_ws_bytes(&ws, 16), 128 + 23488 + 3648 + 117120 + 2560 + 131072);
+    ws.Rk = 0;
     /* unfused targets: all R rows' m, y, Y and scores (2 * 448 + 6,400 + 128) held, their scratch
      * (score sums 256, a tile's logits 4 * 256 * 32 = 32,768) below the variant's */
     ws.fused = 0;
@@ -457,9 +461,11 @@ static void test_memory_formula(void) {
     kf_compact_mem_shape(kf_model_config(g_m), &p, 0, 200, 0, 1, &real);
     kf_compact_peak_bytes(kf_model_config(g_m), &real, &m);
     CU_ASSERT_EQUAL(m.weights, 4 * kf_model_n_params(g_m));
-    /* and the shape is the one kf_compact runs: 2 x 206 positions, 2 x 41 held out, t 50; the solve
+    /* and the shape is the one kf_compact runs: 2 x 206 positions, 2 x 41 held out, t 50, the fold
+     * candidate's logits kept for all 330 training rows (the choice's: fewer than 512); the solve
      * on the pool's threads, min(threads, kv heads) heads at once */
     CU_ASSERT(real.R == 412 && real.Rv == 82 && real.t == 50 && real.S == 206 && real.choice == 1 && real.Rc == 0);
+    CU_ASSERT_EQUAL(real.Rk, 330);
     CU_ASSERT(real.fused == 1 && real.Ru == 0); /* the repeat fuses its targets; no context rows */
     CU_ASSERT(real.solve_threads == 1 && real.solve_heads == 1);
     CU_ASSERT_EQUAL(real.head_ws, kf_compact_head_ws_bytes(&real, 64));
