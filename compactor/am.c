@@ -524,9 +524,8 @@ static void beta_tile_rhs(const float *M, const float *y, int n, int t, double *
  * (docs/decisions/fold-logits-from-drop.md). */
 static void folded_logits(const kf_backend *be, const float *q, int i0, int n, int d, float scale, const float *kc,
                           size_t key_stride, const float *beta, const float *u, int t, const kf_gram_tiles *w) {
-    if (i0 + n <= w->L_rows)
-        memcpy(w->X, w->L + (size_t)i0 * t, sizeof(float) * (size_t)n * t);
-    else
+    const float *L = i0 + n <= w->L_rows ? w->L + (size_t)i0 * t : w->X; /* [n, t] the kept keys' logits */
+    if (L == w->X) /* not kept: computed as they were (then read and written in the same pass) */
         kf_solve_sgemm(be, KF_NO_TRANS, KF_TRANS, n, t, d, scale, q, d, kc, key_stride, 0.0f, w->X, (size_t)t);
     for (int r = 0; r < n; r++) {
         float qu = 0;
@@ -534,7 +533,7 @@ static void folded_logits(const kf_backend *be, const float *q, int i0, int n, i
             qu += q[(size_t)r * d + c] * u[c];
         float *x = w->X + (size_t)r * t;
         for (int j = 0; j < t; j++)
-            x[j] += beta[j] * qu;
+            x[j] = L[(size_t)r * t + j] + beta[j] * qu;
     }
 }
 

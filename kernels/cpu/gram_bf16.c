@@ -76,8 +76,8 @@ static void gram_portable(float *X, int n, int t, const float *Y, int d, float *
 }
 
 #ifdef KF_HAVE_BF16_DOT
-#define BLOCK_ROWS                                                                                                     \
-    KF_GRAM_BF16_GROUP /* 12 rows i of a block: 24 accumulators, 2 loads and a broadcast in 32 registers */
+/* 12 rows i of a block: 24 accumulators, 2 loads and a broadcast in 32 registers */
+#define BLOCK_ROWS KF_GRAM_BF16_GROUP
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
 /* 16 values of a row rounded to bf16, returned in the low halves of 32-bit lanes; written back
@@ -96,11 +96,14 @@ static inline BF16_TARGET __m512i round_16(const float *x, float *out) {
  * stream from L2 with no split loads, where rows of t words (t * 4 bytes apart) made each pair's
  * loads miss L1. */
 #define STRIP KF_GRAM_BF16_STRIP /* 32 columns j of a block: two vectors of 16 */
+static int round_up(int n, int m) {
+    return (n + m - 1) / m * m;
+}
 static size_t strip_words(int np, int n) {
-    return (size_t)np * (size_t)((n + STRIP - 1) / STRIP * STRIP);
+    return (size_t)np * (size_t)round_up(n, STRIP);
 }
 static size_t group_words(int np, int n) {
-    return (size_t)np * (size_t)((n + BLOCK_ROWS - 1) / BLOCK_ROWS * BLOCK_ROWS);
+    return (size_t)np * (size_t)round_up(n, BLOCK_ROWS);
 }
 
 /* Pair p's words (bf16 of row 2p in the low halves, of row 2p + 1, or zero past an odd n, in the
@@ -127,8 +130,7 @@ static BF16_TARGET void pair_row(const float *X, int n, int t, int p, uint32_t *
 /* X [n, t] rounded to pairs into strips S (strip_words) and, unless G is NULL, groups G
  * (group_words); row [t padded] is scratch. The rounded values also go into Xr (X, or NULL). */
 static BF16_TARGET void pack_pairs(const float *X, int n, int t, uint32_t *S, uint32_t *G, uint32_t *row, float *Xr) {
-    const int np = (n + 1) / 2, ts = (t + STRIP - 1) / STRIP * STRIP,
-              tg = (t + BLOCK_ROWS - 1) / BLOCK_ROWS * BLOCK_ROWS;
+    const int np = (n + 1) / 2, ts = round_up(t, STRIP), tg = round_up(t, BLOCK_ROWS);
     const int padded = G && tg > ts ? tg : ts; /* the row's words that are read: no groups without G */
     memset(row + t, 0, sizeof(uint32_t) * (size_t)(padded - t));
     for (int p = 0; p < np; p++) {
@@ -206,7 +208,7 @@ static BF16_TARGET void gram_dot(const uint32_t *S, const uint32_t *Gx, int np, 
         for (int i0 = 0; i0 < J1; i0 += BLOCK_ROWS) {
             const int nr = t - i0 < BLOCK_ROWS ? t - i0 : BLOCK_ROWS,
                       jd = i0 / STRIP * STRIP; /* reaches the diagonal */
-            const int s0 = (jd > J0 ? jd : J0) / STRIP, s1 = (J1 + STRIP - 1) / STRIP;
+            const int s0 = (jd > J0 ? jd : J0) / STRIP, s1 = round_up(J1, STRIP) / STRIP;
             group_row(Gx, S, t, np, i0, nr, s0, s1, G, ldg, first, 1);
         }
     }
@@ -218,7 +220,7 @@ static BF16_TARGET void cross_dot(const uint32_t *Gx, const uint32_t *Sy, int np
                                   int first) {
     for (int i0 = 0; i0 < t; i0 += BLOCK_ROWS) {
         const int nr = t - i0 < BLOCK_ROWS ? t - i0 : BLOCK_ROWS;
-        group_row(Gx, Sy, d, np, i0, nr, 0, (d + STRIP - 1) / STRIP, B, ldb, first, 0);
+        group_row(Gx, Sy, d, np, i0, nr, 0, round_up(d, STRIP) / STRIP, B, ldb, first, 0);
     }
 }
 
