@@ -311,6 +311,11 @@ int kf_choice_rows(const kf_compact_params *p, int R, int t) {
     return (int)rows_per(p->choice.choice_rows, t, KF_CHOICE_MIN_ROWS, R);
 }
 
+int kf_refit_rows(const kf_compact_params *p, int R, int t) {
+    const int n = (int)rows_per(p->choice.refit_rows, t, KF_CHOICE_MIN_ROWS, R), c = kf_choice_rows(p, R, t);
+    return n > c ? n : c;
+}
+
 int64_t kf_val_score_rows(const kf_compact_params *p, int64_t n_val, int64_t T) {
     return rows_per(p->choice.val_rows, T, KF_VAL_MIN_ROWS, n_val);
 }

@@ -19,8 +19,13 @@ kf_solver_params kf_solver_params_default(void) {
 }
 
 kf_choice_params kf_choice_params_default(void) {
-    return (kf_choice_params){.head_choice = KF_CHOICE_DEFAULT, .val_frac = 0.2, .refit_all = KF_REFIT_VALUES,
-                              .choice_margin = 0.5, .choice_rows = 6, .val_rows = 0.2};
+    return (kf_choice_params){.head_choice = KF_CHOICE_DEFAULT,
+                              .val_frac = 0.2,
+                              .refit_all = KF_REFIT_VALUES,
+                              .choice_margin = 0.5,
+                              .choice_rows = 6,
+                              .val_rows = 0.2,
+                              .refit_rows = 8};
 }
 
 kf_run_params kf_run_params_default(void) {

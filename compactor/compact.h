@@ -95,6 +95,9 @@ typedef struct {
                                        (kf_val_score_rows; default 0.2): probe rows first, the
                                        others evenly spaced; 0: on all of them. The refit still
                                        takes every held-out row */
+    double refit_rows;              /* the winner's refit takes the first refit_rows training rows
+                                       per kept key (at least the choice's) and every held-out row
+                                       (kf_refit_rows; default 8); 0: all the training rows */
 } kf_choice_params;
 
 /* How the prefills run: chunking, the QUOKA approximation, and the dtypes that trade memory for
@@ -205,10 +208,14 @@ typedef struct {
  * min(R, max(ceil(choice_rows * t), KF_CHOICE_MIN_ROWS)) of the R it is given (all R when
  * choice_rows is 0). The caller orders the rows so that every prefix is a random subsample
  * (kf_compact: stratified by source kind, seeded). The candidates only need ranking, and their
- * fp64 normal equations cost R t^2; the winner's values are refitted on all the rows
- * (docs/decisions/subsampled-choice.md). */
+ * fp64 normal equations cost R t^2; the winner's values are refitted on more of them
+ * (kf_refit_rows) and every held-out row (docs/decisions/subsampled-choice.md). */
 enum { KF_CHOICE_MIN_ROWS = 512 };
 int kf_choice_rows(const kf_compact_params *p, int R, int t);
+/* The training rows the winner's refit takes, of the R the choice was given: the first
+ * min(R, max(ceil(refit_rows * t), KF_CHOICE_MIN_ROWS)), never fewer than kf_choice_rows (all R
+ * when refit_rows is 0); every held-out row besides (docs/decisions/refit-rows.md). */
+int kf_refit_rows(const kf_compact_params *p, int R, int t);
 /* The held-out rows the choice scores its candidates on, of the n_val held out, for a document of
  * T tokens: min(n_val, max(ceil(val_rows * T), KF_VAL_MIN_ROWS)) (all n_val when val_rows is 0).
  * Not of the budget: the variants of one solve share the scored rows, so that each is the file a
@@ -226,8 +233,8 @@ int64_t kf_choice_training_order(int64_t n_pos, int G, const uint8_t *kind, cons
 /* What kf_choose_head keeps for the refit when asked (shared, not rebuilt): the normal
  * equations over the kept keys of the training rows the candidates were fitted on (the first
  * `rows`, kf_choice_rows), beta's (am, fold; beta.G NULL: none) and drop's value refit (drop.G
- * NULL: none); the refit on all the rows adds the other training rows' part and the validation
- * rows'. */
+ * NULL: none); the refit adds the part of the training rows after them up to kf_refit_rows and
+ * the validation rows'. */
 typedef struct {
     kf_beta_normal beta;
     kf_value_gram drop;
@@ -247,9 +254,10 @@ void kf_choice_fits_free(kf_choice_fits *f);
 int64_t kf_choice_kept_bytes(int t, int d, int refit_values);
 /* Which kept normal equations kf_choice_refit_add adds to. */
 typedef enum { KF_REFIT_ADD_DROP = 0, KF_REFIT_ADD_BETA = 1, KF_REFIT_ADD_WIN = 2 } kf_refit_add_to;
-/* The winner's refit on all the rows: adds to the kept normal equations (beta's, drop's or the
- * method's best candidate's values) the n_parts row sets parts / tgs (heads and targets over the
- * rows beyond the first f->rows training rows: the other training rows, the validation rows;
+/* The winner's refit on its rows (kf_refit_rows and the held-out ones): adds to the kept normal
+ * equations (beta's, drop's or the method's best candidate's values) the n_parts row sets parts /
+ * tgs (heads and targets over the rows beyond the first f->rows training rows: the other training
+ * rows it takes, the validation rows;
  * R = 0 adds nothing) over the keys kc [t, d] (contiguous: the kept keys, or for a folded winner
  * the kept keys folded along f->win_u; the values' design takes am's f->win_beta as its bias); the
  * caller then fits from them (kf_am_fit_beta_normal, kf_value_gram_solve). KF_ERR_INVALID when

@@ -249,22 +249,25 @@ static void val_rows(const head_shared *hs, kf_am_head *hv, kf_am_targets *tv) {
     *tv = (kf_am_targets){hs->sp->val_m, hs->sp->val_y, hs->sp->val_Y, NULL};
 }
 
-/* The training rows from..n_tr - 1 the choice's fits do not cover, as a head and targets (their
- * part of the refit on all the rows). */
-static void rest_rows(const head_shared *hs, int from, kf_am_head *hr, kf_am_targets *tr) {
+/* The training rows from..to - 1 the choice's fits do not cover, as a head and targets (their
+ * part of the refit). */
+static void rest_rows(const head_shared *hs, int from, int to, kf_am_head *hr, kf_am_targets *tr) {
     const head_split *sp = hs->sp;
     const int d = hs->h.d;
     *hr = hs->h;
-    hr->q = sp->tr_q + (size_t)from * d, hr->R = (int)sp->n_tr - from;
+    hr->q = sp->tr_q + (size_t)from * d, hr->R = to - from;
     *tr = (kf_am_targets){sp->tr_m + from, sp->tr_y + from, sp->tr_Y + (size_t)from * d, NULL};
 }
 
-/* The parts of a refit on all the rows beyond the choice's first `rows` training rows, into hv/tv
- * [2]: the other training rows (when any), then the validation rows; returns how many. */
-static int refit_parts(const head_shared *hs, int rows, kf_am_head *hv, kf_am_targets *tv) {
+/* The parts of the refit of a head of t kept keys beyond the choice's first `rows` training rows,
+ * into hv/tv [2]: the training rows up to kf_refit_rows (when more), then the validation rows;
+ * returns how many. */
+static int refit_parts(const kf_compact_params *p, const head_shared *hs, int rows, int t, kf_am_head *hv,
+                       kf_am_targets *tv) {
+    const int to = kf_refit_rows(p, (int)hs->sp->n_tr, t);
     int n = 0;
-    if (rows < hs->sp->n_tr)
-        rest_rows(hs, rows, &hv[n], &tv[n]), n++;
+    if (rows < to)
+        rest_rows(hs, rows, to, &hv[n], &tv[n]), n++;
     val_rows(hs, &hv[n], &tv[n]), n++;
     return n;
 }
@@ -280,7 +283,7 @@ static kf_status fit_beta(const variant_ws *w, const head_shared *hs, const kf_a
     if (p->choice.refit_all) { /* the other training rows, then the validation rows */
         kf_am_head hv[2];
         kf_am_targets tv[2];
-        const int n = refit_parts(hs, fits->rows, hv, tv);
+        const int n = refit_parts(p, hs, fits->rows, th, hv, tv);
         KF_TRY(kf_choice_refit_add(fits, KF_REFIT_ADD_BETA, hv, tv, n, w->kc, th, ws, err));
     }
     return kf_am_fit_beta_normal(&fits->beta, seed, p->solver.beta_fit, w->beta, st, ws, err);
@@ -302,7 +305,7 @@ static kf_status fit_values(const kf_compact_prep *x, variant_ws *w, const head_
     if (p->choice.refit_all) { /* the other training rows, then the validation rows */
         kf_am_head hv[2];
         kf_am_targets tv[2];
-        const int n = refit_parts(hs, fits->rows, hv, tv);
+        const int n = refit_parts(p, hs, fits->rows, th, hv, tv);
         KF_TRY(kf_choice_refit_add(fits, KF_REFIT_ADD_DROP, hv, tv, n, kk, th, ws, err));
     }
     return kf_value_gram_solve(&fits->drop, alpha, v0, x->d, w->vals, st, err);
@@ -336,7 +339,7 @@ static kf_status variant_fit_win(const kf_compact_prep *x, variant_ws *w, const 
     const double ts = now_s();
     kf_am_head hv[2];
     kf_am_targets tv[2];
-    const int n = refit_parts(hs, fits->rows, hv, tv);
+    const int n = refit_parts(&w->p, hs, fits->rows, th, hv, tv);
     KF_TRY(kf_choice_refit_add(fits, KF_REFIT_ADD_WIN, hv, tv, n, kk, th, ws, err));
     KF_TRY(kf_value_gram_solve(&fits->win, pick->alpha, v0, x->d, w->vals, &out->stats.solver, err));
     out->stats.values_s += now_s() - ts;

@@ -583,6 +583,26 @@ static void test_subsampled_choice_planted(void) {
     printf("\n");
 }
 
+/* How many training rows the winner's refit takes: refit_rows per kept key, at least
+ * KF_CHOICE_MIN_ROWS and the choice's own, all of them when fewer or when refit_rows is 0. */
+static void test_refit_rows(void) {
+    kf_compact_params p = kf_compact_params_default();
+    CU_ASSERT_EQUAL(p.choice.refit_rows, 8);
+    CU_ASSERT_EQUAL(kf_refit_rows(&p, 13100, 819), 6552);
+    CU_ASSERT_EQUAL(kf_refit_rows(&p, 6000, 819), 6000); /* fewer than 8 per key: all */
+    CU_ASSERT_EQUAL(kf_refit_rows(&p, 3300, 10), KF_CHOICE_MIN_ROWS);
+    CU_ASSERT_EQUAL(kf_refit_rows(&p, 200, 10), 200);
+    p.choice.refit_rows = 2; /* below the choice's 6 per key: the choice's */
+    CU_ASSERT_EQUAL(kf_refit_rows(&p, 13100, 819), kf_choice_rows(&p, 13100, 819));
+    p.choice.refit_rows = 7.5;
+    CU_ASSERT_EQUAL(kf_refit_rows(&p, 13100, 819), 6143); /* ceil(6142.5) */
+    p.choice.refit_rows = 0;
+    CU_ASSERT_EQUAL(kf_refit_rows(&p, 13100, 819), 13100);
+    p.choice.choice_rows = 0; /* the choice on all: so is the refit */
+    p.choice.refit_rows = 8;
+    CU_ASSERT_EQUAL(kf_refit_rows(&p, 13100, 819), 13100);
+}
+
 /* How many training rows the candidates get: choice_rows per kept key, at least KF_CHOICE_MIN_ROWS,
  * at most all (0: all). */
 static void test_choice_rows(void) {
@@ -868,6 +888,7 @@ static CU_TestInfo val_tests[] = {
     {"per-head choice picks fold, drop and keep on planted heads", test_head_choice_planted},
     {"subsampled choice picks the planted best candidate, as on all rows", test_subsampled_choice_planted},
     {"choice rows: per kept key, floor, all", test_choice_rows},
+    {"refit rows: per kept key, floor, at least the choice's, all", test_refit_rows},
     {"winner's refit: subsample's normal equations + two parts == one fit on all rows", test_refit_three_parts},
     {"values refit: the method's best candidate kept + two parts == one build on all rows", test_refit_values},
     {"the choice on a workspace: the heap's pick and kept normal equations, its own buffers given back",

@@ -186,6 +186,54 @@ static void test_refit_values_shipped(void) {
     printf("\n");
 }
 
+/* The refit's training rows (refit_rows): a cap past every row ships the uncapped refit bit for
+ * bit; a cap at the choice's own rows (the refit then adds the held-out rows alone) leaves every
+ * head's method, alpha, keys, beta and fold direction as they were (the choice does not depend on
+ * the refit) and keep heads bit for bit, and moves the values of the heads it refits. */
+static void test_refit_rows_cap(void) {
+    kf_prompt doc = {g_doc, g_doc_n};
+    kf_error err = {0};
+    for (int method = KF_METHOD_AM; method <= KF_METHOD_FOLD; method++) {
+        kf_compacted c[3]; /* refit_rows 0 (all), past all, at the choice's rows */
+        const double cap[3] = {0, 1e6, 1};
+        for (int r = 0; r < 3; r++) {
+            kf_compact_params p = params((kf_method)method, 0.25);
+            p.choice.head_choice = KF_CHOICE_ON;
+            p.choice.choice_margin = 0;
+            p.choice.choice_rows = 1; /* KF_CHOICE_MIN_ROWS of more training rows */
+            p.choice.refit_rows = cap[r];
+            CU_ASSERT_EQUAL_FATAL(kf_compact(g_m, NULL, &doc, NULL, &p, &c[r], &err), KF_OK);
+        }
+        const int d = c[0].head_dim, kvh = c[0].kv_heads, n = c[0].n_layers * kvh;
+        const size_t row = (size_t)kvh * d, kv = (size_t)c[0].n_layers * c[0].C * row;
+        CU_ASSERT(memcmp(c[1].keys, c[0].keys, sizeof(float) * kv) == 0);
+        CU_ASSERT(memcmp(c[1].values, c[0].values, sizeof(float) * kv) == 0);
+        CU_ASSERT(memcmp(c[2].keys, c[0].keys, sizeof(float) * kv) == 0);
+        CU_ASSERT(memcmp(c[2].beta, c[0].beta, sizeof(float) * (size_t)n * c[0].C) == 0);
+        CU_ASSERT(memcmp(c[2].u, c[0].u, sizeof(float) * (size_t)n * d) == 0);
+        int bad = 0, refitted = 0, moved = 0;
+        for (int h = 0; h < n; h++) {
+            const int l = h / kvh, g = h % kvh, hm = c[0].head_method[h];
+            bad += c[2].head_method[h] != hm || c[2].head_alpha[h] != c[0].head_alpha[h];
+            double dv = 0;
+            for (int64_t j = 0; j < c[0].t; j++) {
+                const size_t at = ((size_t)l * c[0].C + j) * row + (size_t)g * d;
+                dv = fmax(dv, kf_max_abs_diff(c[2].values + at, c[0].values + at, (size_t)d));
+            }
+            bad += hm == KF_METHOD_KEEP && dv != 0;
+            refitted += hm != KF_METHOD_KEEP;
+            moved += hm != KF_METHOD_KEEP && dv > 1e-6;
+        }
+        printf("\n    %s: %d of %d refitted heads moved by the cap", kf_method_name((kf_method)method), moved,
+               refitted);
+        CU_ASSERT_EQUAL(bad, 0);
+        CU_ASSERT(refitted > 0 && moved == refitted);
+        for (int r = 0; r < 3; r++)
+            kf_compacted_free(&c[r]);
+    }
+    printf("\n");
+}
+
 /* Per-head budgets from AM's JSON: C is set by the largest head; am pads smaller heads with
  * slots whose bias is -inf, so whatever keys those slots hold, the question's logits do not move. */
 static void test_head_budgets(void) {
@@ -315,6 +363,7 @@ static CU_TestInfo model_tests[] = {
     {"prefix and suffix kept verbatim", test_prefix_suffix_verbatim},
     {"per-head choice recorded; u, beta zero where not folded", test_head_choice_recorded},
     {"values refit: the validated beta and direction, values on all rows", test_refit_values_shipped},
+    {"refit rows: past all rows the same bits, at the choice's the same picks", test_refit_rows_cap},
     CU_TEST_INFO_NULL,
 };
 
