@@ -95,9 +95,10 @@ typedef struct {
                                        (kf_val_score_rows; default 0.2): probe rows first, the
                                        others evenly spaced; 0: on all of them. The refit still
                                        takes every held-out row */
-    double refit_rows;              /* the winner's refit takes the first refit_rows training rows
-                                       per kept key (at least the choice's) and every held-out row
-                                       (kf_refit_rows; default 8); 0: all the training rows */
+    double refit_rows;              /* the winner's values refit (KF_REFIT_VALUES) takes the first
+                                       refit_rows training rows per kept key (at least the
+                                       choice's) and every held-out row (kf_refit_rows; default 8);
+                                       0: all the training rows */
 } kf_choice_params;
 
 /* How the prefills run: chunking, the QUOKA approximation, and the dtypes that trade memory for
@@ -214,7 +215,8 @@ enum { KF_CHOICE_MIN_ROWS = 512 };
 int kf_choice_rows(const kf_compact_params *p, int R, int t);
 /* The training rows the winner's refit takes, of the R the choice was given: the first
  * min(R, max(ceil(refit_rows * t), KF_CHOICE_MIN_ROWS)), never fewer than kf_choice_rows (all R
- * when refit_rows is 0); every held-out row besides (docs/decisions/refit-rows.md). */
+ * when refit_rows is 0, or refit_all is not KF_REFIT_VALUES); every held-out row besides
+ * (docs/decisions/refit-rows.md). */
 int kf_refit_rows(const kf_compact_params *p, int R, int t);
 /* The held-out rows the choice scores its candidates on, of the n_val held out, for a document of
  * T tokens: min(n_val, max(ceil(val_rows * T), KF_VAL_MIN_ROWS)) (all n_val when val_rows is 0).

@@ -113,7 +113,8 @@ void kf_recipe_digest(const kf_compact_params *p, kf_dtype dtype, int64_t n_head
         put_i(&st, "refit_all", p->choice.refit_all);
         put_f(&st, "choice_rows", p->choice.choice_rows); /* also marks the subsampled choice's bits */
         put_f(&st, "val_rows", p->choice.val_rows);
-        if (p->choice.refit_rows > 0) /* only when set: 0 (all rows) keeps the earlier recipes */
+        /* only where it acts (the values refit): the earlier recipes keep their digests */
+        if (p->choice.refit_rows > 0 && p->choice.refit_all == KF_REFIT_VALUES)
             put_f(&st, "refit_rows", p->choice.refit_rows);
     }
     if (p->run.refq_bf16) /* only when set: the fp32 default keeps every earlier recipe */

@@ -598,6 +598,10 @@ static void test_refit_rows(void) {
     CU_ASSERT_EQUAL(kf_refit_rows(&p, 13100, 819), 6143); /* ceil(6142.5) */
     p.choice.refit_rows = 0;
     CU_ASSERT_EQUAL(kf_refit_rows(&p, 13100, 819), 13100);
+    p.choice.refit_rows = 8;
+    p.choice.refit_all = KF_REFIT_ALL; /* refits everything on every row */
+    CU_ASSERT_EQUAL(kf_refit_rows(&p, 13100, 819), 13100);
+    p.choice.refit_all = KF_REFIT_VALUES;
     p.choice.choice_rows = 0; /* the choice on all: so is the refit */
     p.choice.refit_rows = 8;
     CU_ASSERT_EQUAL(kf_refit_rows(&p, 13100, 819), 13100);
