@@ -314,7 +314,7 @@ int kf_choice_rows(const kf_compact_params *p, int R, int t) {
 int kf_refit_rows(const kf_compact_params *p, int R, int t) {
     if (p->choice.refit_all != KF_REFIT_VALUES) /* --refit all refits everything on every row */
         return R;
-    const int n = (int)rows_per(p->choice.refit_rows, t, KF_CHOICE_MIN_ROWS, R), c = kf_choice_rows(p, R, t);
+    const int n = (int)rows_per(p->choice.refit_rows, t, KF_REFIT_MIN_ROWS, R), c = kf_choice_rows(p, R, t);
     return n > c ? n : c;
 }
 

@@ -214,9 +214,10 @@ typedef struct {
 enum { KF_CHOICE_MIN_ROWS = 512 };
 int kf_choice_rows(const kf_compact_params *p, int R, int t);
 /* The training rows the winner's refit takes, of the R the choice was given: the first
- * min(R, max(ceil(refit_rows * t), KF_CHOICE_MIN_ROWS)), never fewer than kf_choice_rows (all R
+ * min(R, max(ceil(refit_rows * t), KF_REFIT_MIN_ROWS)), never fewer than kf_choice_rows (all R
  * when refit_rows is 0, or refit_all is not KF_REFIT_VALUES); every held-out row besides
  * (docs/decisions/refit-rows.md). */
+enum { KF_REFIT_MIN_ROWS = 2048 };
 int kf_refit_rows(const kf_compact_params *p, int R, int t);
 /* The held-out rows the choice scores its candidates on, of the n_val held out, for a document of
  * T tokens: min(n_val, max(ceil(val_rows * T), KF_VAL_MIN_ROWS)) (all n_val when val_rows is 0).

@@ -584,13 +584,13 @@ static void test_subsampled_choice_planted(void) {
 }
 
 /* How many training rows the winner's refit takes: refit_rows per kept key, at least
- * KF_CHOICE_MIN_ROWS and the choice's own, all of them when fewer or when refit_rows is 0. */
+ * KF_REFIT_MIN_ROWS and the choice's own, all of them when fewer or when refit_rows is 0. */
 static void test_refit_rows(void) {
     kf_compact_params p = kf_compact_params_default();
     CU_ASSERT_EQUAL(p.choice.refit_rows, 8);
     CU_ASSERT_EQUAL(kf_refit_rows(&p, 13100, 819), 6552);
     CU_ASSERT_EQUAL(kf_refit_rows(&p, 6000, 819), 6000); /* fewer than 8 per key: all */
-    CU_ASSERT_EQUAL(kf_refit_rows(&p, 3300, 10), KF_CHOICE_MIN_ROWS);
+    CU_ASSERT_EQUAL(kf_refit_rows(&p, 3300, 10), KF_REFIT_MIN_ROWS);
     CU_ASSERT_EQUAL(kf_refit_rows(&p, 200, 10), 200);
     p.choice.refit_rows = 2; /* below the choice's 6 per key: the choice's */
     CU_ASSERT_EQUAL(kf_refit_rows(&p, 13100, 819), kf_choice_rows(&p, 13100, 819));

@@ -186,18 +186,22 @@ static void test_refit_values_shipped(void) {
     printf("\n");
 }
 
-/* The refit's training rows (refit_rows): a cap past every row ships the uncapped refit bit for
- * bit; a cap at the choice's own rows (the refit then adds the held-out rows alone) leaves every
- * head's method, alpha, keys, beta and fold direction as they were (the choice does not depend on
- * the refit) and keep heads bit for bit, and moves the values of the heads it refits. */
+/* The refit's training rows (refit_rows), on a document long enough for more than
+ * KF_REFIT_MIN_ROWS of them (doc1-3, 256 records): a cap past every row ships the uncapped refit
+ * bit for bit; a cap at the floor leaves every head's method, alpha, keys, beta and fold direction
+ * as they were (the choice does not depend on the refit) and keep heads bit for bit, and moves
+ * the values of the heads it refits. */
 static void test_refit_rows_cap(void) {
-    kf_prompt doc = {g_doc, g_doc_n};
+    static int32_t ids[4096];
+    kf_prompt doc = {ids, kf_test_records_ids(4, ids, 4096)}; /* doc1-3 */
     kf_error err = {0};
+    CU_ASSERT_FATAL(doc.n > 1500);
     for (int method = KF_METHOD_AM; method <= KF_METHOD_FOLD; method++) {
-        kf_compacted c[3]; /* refit_rows 0 (all), past all, at the choice's rows */
+        kf_compacted c[3]; /* refit_rows 0 (all), past all, at the floor */
         const double cap[3] = {0, 1e6, 1};
         for (int r = 0; r < 3; r++) {
-            kf_compact_params p = params((kf_method)method, 0.25);
+            kf_compact_params p = params((kf_method)method, 0.1);
+            p.solver.max_queries = 4000; /* every query of the repeat: more than 2,048 training rows */
             p.choice.head_choice = KF_CHOICE_ON;
             p.choice.choice_margin = 0;
             p.choice.choice_rows = 1; /* KF_CHOICE_MIN_ROWS of more training rows */
@@ -363,7 +367,7 @@ static CU_TestInfo model_tests[] = {
     {"prefix and suffix kept verbatim", test_prefix_suffix_verbatim},
     {"per-head choice recorded; u, beta zero where not folded", test_head_choice_recorded},
     {"values refit: the validated beta and direction, values on all rows", test_refit_values_shipped},
-    {"refit rows: past all rows the same bits, at the choice's the same picks", test_refit_rows_cap},
+    {"refit rows: past all rows the same bits, at the floor the same picks", test_refit_rows_cap},
     CU_TEST_INFO_NULL,
 };
 
