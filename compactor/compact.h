@@ -260,11 +260,10 @@ typedef enum { KF_REFIT_ADD_DROP = 0, KF_REFIT_ADD_BETA = 1, KF_REFIT_ADD_WIN = 
 /* The winner's refit on its rows (kf_refit_rows and the held-out ones): adds to the kept normal
  * equations (beta's, drop's or the method's best candidate's values) the n_parts row sets parts /
  * tgs (heads and targets over the rows beyond the first f->rows training rows: the other training
- * rows it takes, the validation rows;
- * R = 0 adds nothing) over the keys kc [t, d] (contiguous: the kept keys, or for a folded winner
- * the kept keys folded along f->win_u; the values' design takes am's f->win_beta as its bias); the
- * caller then fits from them (kf_am_fit_beta_normal, kf_value_gram_solve). KF_ERR_INVALID when
- * those normal equations were not kept. */
+ * rows it takes, the validation rows; R = 0 adds nothing) over the keys kc [t, d] (contiguous: the
+ * kept keys, or for a folded winner the kept keys folded along f->win_u; the values' design takes
+ * am's f->win_beta as its bias); the caller then fits from them (kf_am_fit_beta_normal,
+ * kf_value_gram_solve). KF_ERR_INVALID when those normal equations were not kept. */
 kf_status kf_choice_refit_add(kf_choice_fits *f, kf_refit_add_to to, const kf_am_head *parts, const kf_am_targets *tgs,
                               int n_parts, const float *kc, int t, kf_ws *ws, kf_error *err);
 

@@ -19,8 +19,8 @@ const cli_opt cli_choice_rows[] = {
     {"head-choice", 0, OPT_CHOICE, "C", Q(choice.head_choice), .choices = "on|off", .values = kOnOff,
      .def = "on for am, fold", .recipe = "head_choice",
      .help = "on: each KV head takes the method, drop or keep, by held-out error; or off"},
-    {"value-ridge", 0, OPT_REAL, "A", Q(solver.value_ridge), .lo = 0, .hi = 1e6,
-     .must = "must be a non-negative number", .def = "0: plain least squares", .recipe = "value_ridge",
+    {"value-ridge", 0, OPT_REAL, "A", Q(solver.value_ridge), .lo = 0, .hi = 1e6, .must = "must be a non-negative number",
+     .def = "0: plain least squares", .recipe = "value_ridge",
      .help = "value refits' ridge without the choice, A tr(X^T X) / t"},
     {"ridge-to", 0, OPT_CHOICE, "T", Q(solver.ridge_to), .choices = "zero|orig", .def = "orig", .recipe = "ridge_to",
      .help = "the ridge pulls towards orig (the keys' values) or zero"},
@@ -32,12 +32,13 @@ const cli_opt cli_choice_rows[] = {
      .def = "0.2", .recipe = "val_rows",
      .help = "held-out rows the choice scores on, per document token (at least 512; 0: all; the refit takes all)"},
     {"refit-rows", 0, OPT_REAL, "N", Q(choice.refit_rows), .lo = 0, .hi = 1e6, .must = "must be a non-negative number",
-     .def = "8", .recipe = "refit_rows", .help = "training rows per kept key the winner's refit takes (0: all)"},
+     .def = "8", .recipe = "refit_rows",
+     .help = "training rows per kept key in the refit (at least 2048; 0: all)"},
     {"refit", 0, OPT_CHOICE, "all|train|values", Q(choice.refit_all), .choices = "all|train|values",
      .values = kAllTrain, .def = "values", .recipe = "refit_all",
      .help = "the winner refitted on all queries, kept as validated, or its values alone refitted"},
-    {"choice-margin", 0, OPT_REAL, "M", Q(choice.choice_margin), .lo = 0, .hi = 10, .def = "0.5",
-     .recipe = "choice_margin", .help = "am/fold win a head when 1 + M times better than drop, keep"},
+    {"choice-margin", 0, OPT_REAL, "M", Q(choice.choice_margin), .lo = 0, .hi = 10, .def = "0.5", .recipe = "choice_margin",
+     .help = "am/fold win a head when 1 + M times better than drop, keep"},
     {0}};
 
 const cli_opt cli_refq_dtype_rows[] = {
